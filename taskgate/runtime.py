@@ -1,0 +1,92 @@
+"""What every service process does around its own work: settings, logs, backends, signals, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+
+import asyncpg
+
+from taskgate import bus as busmod
+from taskgate import embedded, telemetry
+from taskgate.config import Settings, load_settings
+from taskgate.migrate import migrate
+from taskgate.store import create_pool
+
+log = logging.getLogger("taskgate.runtime")
+
+
+@dataclass
+class Backends:
+    """A service's connections to PostgreSQL and NATS."""
+
+    settings: Settings
+    pool: asyncpg.Pool
+    bus: busmod.Bus
+    database_url: str
+    nats_url: str
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.bus.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.pool.close(), 5)
+
+
+def resolve_urls(settings: Settings) -> tuple[str, str]:
+    """Configured URLs win; else a running embedded stack under state_dir; else an error saying what to do."""
+    if settings.database_url and settings.nats_url:
+        return settings.database_url, settings.nats_url
+    running = embedded.running_urls(settings.state_dir)
+    if running is None:
+        raise SystemExit(
+            "taskgate: no TASKGATE_DATABASE_URL/TASKGATE_NATS_URL and no embedded stack running under "
+            f"{settings.state_dir} (start one with `python -m taskgate.stack`)"
+        )
+    return settings.database_url or running[0], settings.nats_url or running[1]
+
+
+async def connect(settings: Settings, name: str, *, setup: bool = True) -> Backends:
+    """Connects to both backends; with `setup`, applies migrations and declares streams (idempotent)."""
+    database_url, nats_url = resolve_urls(settings)
+    pool = await create_pool(database_url, settings.db_pool_size)
+    if setup:
+        async with pool.acquire() as conn:
+            await migrate(conn)
+    bus = await busmod.connect(nats_url, name)
+    if setup:
+        await busmod.declare(bus, settings)
+    return Backends(settings, pool, bus, database_url, nats_url)
+
+
+@contextlib.asynccontextmanager
+async def stop_signal() -> AsyncIterator[asyncio.Event]:
+    """An event set on SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    event = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, event.set)
+    try:
+        yield event
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run_service(name: str, main: Callable[[Settings], Coroutine[None, None, None]], metrics_port: Callable[[Settings], int]) -> None:
+    """Entry point of `python -m services.<name>`: reads settings, sets up logs and /metrics, runs `main`."""
+    settings = load_settings()
+    telemetry.configure_logging(name, settings.log_level)
+    telemetry.serve_metrics(metrics_port(settings), settings.metrics_host)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(main(settings))
+    log.info("stopped", extra={"service": name})

@@ -1,0 +1,180 @@
+"""gRPC server plumbing shared by every service: one interceptor, health, reflection, TLS, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+
+import asyncpg
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from nats.errors import Error as NatsError
+
+from taskgate import errors, telemetry
+from taskgate.config import Settings
+
+log = logging.getLogger("taskgate.rpc")
+
+# Failures of our backends: the caller should retry, not see an internal error.
+BACKEND_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresConnectionStatusError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    ConnectionError,
+    OSError,
+    NatsError,
+    asyncio.TimeoutError,
+)
+
+
+def _split(method: str) -> tuple[str, str]:
+    _, service, name = method.split("/", 2)
+    return service.rsplit(".", 1)[-1], name
+
+
+def _request_id(details: grpc.HandlerCallDetails) -> str:
+    for key, value in details.invocation_metadata or ():
+        if key == "x-request-id" and isinstance(value, str) and 0 < len(value) <= 128:
+            return value
+    return uuid.uuid4().hex[:16]
+
+
+async def _to_status(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+    """Maps an exception to the status the caller sees; never leaks a stack trace or SQL."""
+    if isinstance(exc, errors.ApiError):
+        await context.abort_with_status(exc.to_status())
+    if isinstance(exc, BACKEND_ERRORS):
+        log.warning("backend unavailable", extra={"method": method, "error": type(exc).__name__})
+        await context.abort_with_status(errors.unavailable("a backend is unavailable; retry").to_status())
+    log.error("unhandled error", exc_info=exc, extra={"method": method})
+    await context.abort_with_status(errors.internal(telemetry.request_id.get()).to_status())
+
+
+class ServerInterceptor(grpc.aio.ServerInterceptor):
+    """Request ids, metrics, one log line per failed call, and error mapping, for every RPC."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(("/grpc.health", "/grpc.reflection")):
+            return handler
+        service, method = _split(handler_call_details.method)
+        rid = _request_id(handler_call_details)
+
+        def finish(context: grpc.aio.ServicerContext, start: float) -> None:
+            code = context.code() or grpc.StatusCode.OK
+            name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+            telemetry.GRPC_REQUESTS.labels(service, method, name).inc()
+            telemetry.GRPC_LATENCY.labels(service, method).observe(time.perf_counter() - start)
+            if name != "OK":
+                log.info("rpc failed", extra={"method": method, "code": name})
+
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                token = telemetry.request_id.set(rid)
+                start = time.perf_counter()
+                try:
+                    return await inner_uu(request, context)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if not isinstance(exc, grpc.aio.AbortError):
+                        await _to_status(exc, context, method)
+                    raise
+                finally:
+                    finish(context, start)
+                    telemetry.request_id.reset(token)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                token = telemetry.request_id.set(rid)
+                start = time.perf_counter()
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if not isinstance(exc, grpc.aio.AbortError):
+                        await _to_status(exc, context, method)
+                    raise
+                finally:
+                    finish(context, start)
+                    telemetry.request_id.reset(token)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    chain = [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())]
+    if settings.tls_client_ca_file is not None:
+        return grpc.ssl_server_credentials(
+            chain, root_certificates=settings.tls_client_ca_file.read_bytes(), require_client_auth=True
+        )
+    return grpc.ssl_server_credentials(chain)
+
+
+async def start_server(
+    settings: Settings,
+    port: int,
+    register: Callable[[grpc.aio.Server], Iterable[str]],
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Starts a server with the given servicers plus health and reflection; returns it and its bound port.
+
+    `register` adds the servicers and returns their full service names (e.g. "taskgate.v1.TaskGateway").
+    """
+    limit = settings.grpc_max_message_bytes
+    server = grpc.aio.server(
+        interceptors=[ServerInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", max(limit, 4 * 1024 * 1024)),
+            ("grpc.so_reuseport", 1),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ],
+    )
+    names = list(register(server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = f"{settings.grpc_host}:{port}"
+    creds = _credentials(settings)
+    bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    await server.start()
+    for name in [*names, ""]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("grpc server started", extra={"address": f"{settings.grpc_host}:{bound}", "services": names})
+    return server, bound, health_servicer
+
+
+async def mark_not_serving(health_servicer: health.aio.HealthServicer) -> None:
+    """First stage of shutdown: readiness fails so load balancers stop sending work."""
+    await health_servicer.enter_graceful_shutdown()

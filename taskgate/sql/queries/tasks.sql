@@ -1,0 +1,128 @@
+-- Transitions of one task. Every block takes the same first six parameters:
+--   $1 task id, $2 allowed source states, $3 expected version (NULL = any), $4 expected attempt (NULL = any),
+--   $5 actor, $6 reason
+-- and returns the new row plus old_status, or no row when the guard did not match.
+
+-- name: queue_task
+-- CREATED -> QUEUED once the dispatch message is on JetStream.
+UPDATE task t SET status = 'QUEUED', version = t.version + 1, queued_at = now(), updated_at = now(),
+       last_actor = $5, last_reason = $6
+FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
+RETURNING t.*, o.old_status;
+
+-- name: republish_task
+-- QUEUED -> QUEUED: the scheduler sent the dispatch message again.
+UPDATE task t SET status = 'QUEUED', version = t.version + 1, publish_count = t.publish_count + 1,
+       updated_at = now(), last_actor = $5, last_reason = $6
+FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
+RETURNING t.*, o.old_status;
+
+-- name: claim_task
+-- CREATED/QUEUED (or PROCESSING with an expired lease) -> PROCESSING as a new attempt. $7 worker, $8 lease seconds.
+UPDATE task t SET status = 'PROCESSING', version = t.version + 1, attempt = t.attempt + 1, worker_id = $7,
+       lease_expires_at = now() + make_interval(secs => $8), started_at = now(), progress = 0,
+       timeout_extended = false, updated_at = now(), last_actor = $5, last_reason = $6
+FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+  AND (t.status <> 'PROCESSING' OR t.lease_expires_at < now())
+  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
+RETURNING t.*, o.old_status;
+
+-- name: progress_task
+-- PROCESSING -> PROCESSING with new progress; renews the lease. $7 progress, $8 lease seconds.
+UPDATE task t SET version = t.version + 1, progress = $7, lease_expires_at = now() + make_interval(secs => $8),
+       updated_at = now(), last_actor = $5, last_reason = $6
+FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
+RETURNING t.*, o.old_status;
+
+-- name: succeed_task
+-- PROCESSING -> SUCCEEDED with the result. $7 uri, $8 content type, $9 size, $10 sha256, $11 reused.
+UPDATE task t SET status = 'SUCCEEDED', version = t.version + 1, progress = 100, result_uri = $7,
+       result_content_type = $8, result_size = $9, result_sha256 = $10, result_reused = $11,
+       error_code = NULL, error_msg = NULL, lease_expires_at = NULL, finished_at = now(), updated_at = now(),
+       last_actor = $5, last_reason = $6
+FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
+RETURNING t.*, o.old_status;
+
+-- name: fail_task
+-- PROCESSING -> FAILED. $7 error code, $8 error message.
+UPDATE task t SET status = 'FAILED', version = t.version + 1, error_code = $7, error_msg = $8,
+       lease_expires_at = NULL, finished_at = now(), updated_at = now(),
+       last_actor = $5, last_reason = $6
+FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
+RETURNING t.*, o.old_status;
+
+-- name: retry_task
+-- PROCESSING -> QUEUED after a retryable failure. $7 error code, $8 error message, $9 backoff seconds.
+UPDATE task t SET status = 'QUEUED', version = t.version + 1, retry_count = t.retry_count + 1,
+       error_code = $7, error_msg = $8, worker_id = NULL, lease_expires_at = NULL, progress = 0,
+       queued_at = now(), publish_count = 0, not_before = now() + make_interval(secs => $9),
+       updated_at = now(), last_actor = $5, last_reason = $6
+FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
+RETURNING t.*, o.old_status;
+
+-- name: release_task
+-- PROCESSING -> QUEUED without spending a retry: a lost worker, a drained worker, an operator's requeue.
+UPDATE task t SET status = 'QUEUED', version = t.version + 1, worker_id = NULL, lease_expires_at = NULL,
+       progress = 0, queued_at = now(), publish_count = 0, not_before = NULL, updated_at = now(),
+       last_actor = $5, last_reason = $6
+FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
+RETURNING t.*, o.old_status;
+
+-- name: cancel_task
+-- CREATED/QUEUED/PROCESSING -> CANCELED. $7 mode ('soft' or 'hard'). A derived idempotency key is released so an
+-- identical later request makes a new task (which may reuse a soft-cancelled run's output).
+UPDATE task t SET status = 'CANCELED', version = t.version + 1, cancel_mode = $7, lease_expires_at = NULL,
+       idempotency_key = CASE WHEN t.idempotency_derived THEN t.idempotency_key || '#canceled-' || t.id
+                              ELSE t.idempotency_key END,
+       finished_at = now(), updated_at = now(),
+       last_actor = $5, last_reason = $6
+FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
+RETURNING t.*, o.old_status;
+
+-- name: timeout_task
+-- QUEUED/PROCESSING -> TIMEOUT. $7 error code, $8 error message.
+UPDATE task t SET status = 'TIMEOUT', version = t.version + 1, error_code = $7, error_msg = $8,
+       lease_expires_at = NULL, finished_at = now(), updated_at = now(),
+       last_actor = $5, last_reason = $6
+FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
+RETURNING t.*, o.old_status;
+
+-- name: get_task
+-- One task by id.
+SELECT * FROM task WHERE id = $1;
+
+-- name: renew_lease
+-- Heartbeat of a running attempt: extends its lease without a new version. $1 id, $2 attempt, $3 lease seconds.
+UPDATE task SET lease_expires_at = now() + make_interval(secs => $3)
+WHERE id = $1 AND status = 'PROCESSING' AND attempt = $2
+RETURNING lease_expires_at;
+
+-- name: insert_task
+-- A new task in CREATED (the history trigger records version 1). $1 id, $2 user, $3 idempotency key,
+-- $4 key derived, $5 request hash, $6 task type, $7 model, $8 prompt, $9 payload, $10 metadata, $11 priority,
+-- $12 queue name, $13 max retries, $14 callback url, $15 callback events.
+INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
+                  request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
+                  callback_status)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+        CASE WHEN $14::text IS NULL THEN 'NONE' ELSE 'PENDING' END)
+RETURNING *;

@@ -1,0 +1,68 @@
+"""The task state machine: the one table of legal moves, mirrored by the database's task_transition table."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from taskgate.v1 import task_pb2
+
+
+class Status(StrEnum):
+    """A task's state; the values are the PostgreSQL enum task_status."""
+
+    CREATED = "CREATED"
+    QUEUED = "QUEUED"
+    PROCESSING = "PROCESSING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    TIMEOUT = "TIMEOUT"
+    CANCELED = "CANCELED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+    def to_proto(self) -> task_pb2.TaskStatus.ValueType:
+        return task_pb2.TaskStatus.Value(f"TASK_STATUS_{self.value}")
+
+    @classmethod
+    def from_proto(cls, value: int) -> Status:
+        return cls(task_pb2.TaskStatus.Name(value).removeprefix("TASK_STATUS_"))  # type: ignore[arg-type]
+
+
+TERMINAL: frozenset[Status] = frozenset({Status.SUCCEEDED, Status.FAILED, Status.TIMEOUT, Status.CANCELED})
+UNFINISHED: frozenset[Status] = frozenset({Status.CREATED, Status.QUEUED, Status.PROCESSING})
+
+# from -> the states it may move to. PROCESSING->PROCESSING is a progress write or a re-claim after an
+# expired lease; QUEUED->QUEUED is a scheduler re-publish; CREATED->PROCESSING is a worker whose
+# message outran the submit's CREATED->QUEUED commit.
+LEGAL: dict[Status, frozenset[Status]] = {
+    Status.CREATED: frozenset({Status.QUEUED, Status.PROCESSING, Status.CANCELED}),
+    Status.QUEUED: frozenset({Status.QUEUED, Status.PROCESSING, Status.CANCELED, Status.TIMEOUT}),
+    Status.PROCESSING: frozenset(
+        {Status.PROCESSING, Status.QUEUED, Status.SUCCEEDED, Status.FAILED, Status.TIMEOUT, Status.CANCELED}
+    ),
+    Status.SUCCEEDED: frozenset(),
+    Status.FAILED: frozenset(),
+    Status.TIMEOUT: frozenset(),
+    Status.CANCELED: frozenset(),
+}
+
+
+def sources(target: Status) -> list[Status]:
+    """The states from which `target` may be entered."""
+    return [src for src, dests in LEGAL.items() if target in dests]
+
+
+def is_legal(src: Status, dst: Status) -> bool:
+    return dst in LEGAL[src]
+
+
+class Priority:
+    """Wire priorities; NORMAL when unspecified."""
+
+    LOW = 1
+    NORMAL = 5
+    HIGH = 10
+    ALL = (LOW, NORMAL, HIGH)
+    NAMES = {LOW: "low", NORMAL: "normal", HIGH: "high"}

