@@ -136,3 +136,24 @@ async def get_task(db: Conn, task_id: int) -> TaskRow | None:
 async def renew_lease(db: Conn, task_id: int, attempt: int, lease_seconds: float) -> bool:
     """Extends a running attempt's lease; False when the attempt no longer holds the task."""
     return await db.fetchval(sql.query("renew_lease"), task_id, attempt, lease_seconds) is not None
+
+
+async def fail_for_good(
+    pool: asyncpg.Pool[Any],
+    task_id: int,
+    *,
+    error_code: str,
+    error_msg: str,
+    reason: str,
+    actor: str,
+    expected_attempt: int | None = None,
+    move: Move = Move.FAIL,
+) -> Outcome:
+    """FAILED (or TIMEOUT with move=Move.TIMEOUT) and a dead_letter row, in one transaction."""
+    async with pool.acquire() as conn, conn.transaction():
+        out = await transition(
+            conn, task_id, move, error_code, error_msg, actor=actor, reason=reason, expected_attempt=expected_attempt
+        )
+        if out.applied:
+            await conn.execute(sql.query("insert_dead_letter"), task_id, reason, error_code, error_msg)
+        return out

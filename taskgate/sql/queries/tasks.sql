@@ -126,3 +126,8 @@ INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_has
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
         CASE WHEN $14::text IS NULL THEN 'NONE' ELSE 'PENDING' END)
 RETURNING *;
+
+-- name: insert_dead_letter
+-- Records why a task was failed for good. $1 task id, $2 reason, $3 error code, $4 error message.
+INSERT INTO dead_letter (task_id, reason, error_code, error_msg) VALUES ($1, $2, $3, $4)
+ON CONFLICT (task_id) DO NOTHING;
