@@ -76,6 +76,18 @@ class Settings(BaseSettings):
     default_model: str = "wan-tiny"
     models: dict[str, ModelSpec] = Field(default_factory=dict, description="Model registry as JSON; default: wan-tiny under state_dir.")
     result_cache_size: int = Field(default=10000, ge=0, description="Terminal tasks kept in the submit service's cache.")
+    max_fps: int = Field(default=60, ge=1, description="Largest frames-per-second a request may ask for.")
+    max_task_retries: int = Field(default=10, ge=0, description="Largest max_retries a request may ask for.")
+    max_idempotency_key_chars: int = Field(default=256, ge=1, description="Longest client idempotency key.")
+    max_callback_url_chars: int = Field(default=2048, ge=16, description="Longest callback URL.")
+    callback_resolve_timeout_seconds: float = Field(default=2.0, gt=0, description="DNS lookup of a callback host (SSRF guard).")
+    submit_publish_timeout_seconds: float = Field(
+        default=1.0, gt=0, description="Wait for JetStream's ack of a dispatch; on timeout the task stays CREATED."
+    )
+    submit_db_timeout_seconds: float = Field(default=5.0, gt=0, description="Cap on each database call of the submit service.")
+    list_default_page_size: int = Field(default=50, ge=1, description="ListTasks page size when the caller gives none.")
+    list_max_page_size: int = Field(default=500, ge=1, description="Largest ListTasks page.")
+    submit_shutdown_grace_seconds: float = Field(default=10.0, ge=0, description="SIGTERM: time in-flight calls get to finish.")
 
     # Leases, retries and timeouts (seconds)
     lease_seconds: float = Field(default=10.0, gt=0, description="A claim's lease; also the JetStream ack wait.")
