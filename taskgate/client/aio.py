@@ -1,0 +1,473 @@
+"""The asyncio client: submit, follow, cancel and download tasks; admin calls for operators."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import hashlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import grpc
+from google.protobuf import duration_pb2
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+
+from taskgate.client.config import CertSource, ClientConfig, make_config
+from taskgate.client.errors import IntegrityError, TaskgateError, Unavailable, WaitTimeout, from_rpc_error
+from taskgate.client.types import Task, TaskEvent, TaskResult, priority_value
+from taskgate.states import Status
+from taskgate.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+
+T = TypeVar("T")
+
+# A stream that ends with one of these is resumed; the others are the caller's problem.
+RESUMABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+# When the event stream itself cannot be used, wait() polls instead.
+POLL_INSTEAD = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED})
+DEFAULT_POLL_SECONDS = 1.0
+
+StatusFilter = str | Status | Iterable[str | Status] | None
+
+
+def _statuses(status: StatusFilter) -> list[task_pb2.TaskStatus.ValueType]:
+    if status is None:
+        return []
+    items = [status] if isinstance(status, str) else list(status)
+    return [Status(str(s).upper()).to_proto() for s in items]
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+class _ServerHintedWait:
+    """Exponential backoff with jitter, but never sooner than the server's RetryInfo asks."""
+
+    def __init__(self, max_delay: float) -> None:
+        self._max = max_delay
+        self._base = wait_exponential_jitter(initial=0.1, max=max_delay)
+
+    def __call__(self, state: RetryCallState) -> float:
+        delay = float(self._base(state))
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, TaskgateError) and exc.retry_delay:
+            delay = max(delay, min(exc.retry_delay, self._max))
+        return delay
+
+
+class AsyncTaskgateClient:
+    """An asyncio client for the gateway (submit), events (notifier) and admin (scheduler) services.
+
+    Use it as `async with AsyncTaskgateClient(config) as client:` or call `await client.close()`.
+    """
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config.resolved()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def __aenter__(self) -> AsyncTaskgateClient:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes every channel; in-flight calls are cancelled."""
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            creds = self.config.channel_credentials()
+            options = self.config.channel_options()
+            if creds is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                channel = grpc.aio.secure_channel(address, creds, options=options)
+            self._channels[address] = channel
+        return channel
+
+    @property
+    def _gateway(self) -> gateway_pb2_grpc.TaskGatewayAsyncStub:
+        return cast(gateway_pb2_grpc.TaskGatewayAsyncStub, gateway_pb2_grpc.TaskGatewayStub(self._channel(self.config.address)))
+
+    @property
+    def _events(self) -> events_pb2_grpc.TaskEventsAsyncStub:
+        assert self.config.events_address is not None
+        return cast(events_pb2_grpc.TaskEventsAsyncStub, events_pb2_grpc.TaskEventsStub(self._channel(self.config.events_address)))
+
+    @property
+    def admin_stub(self) -> admin_pb2_grpc.TaskAdminAsyncStub:
+        """The raw TaskAdmin stub (pass `admin_metadata` with each call)."""
+        assert self.config.admin_address is not None
+        return cast(admin_pb2_grpc.TaskAdminAsyncStub, admin_pb2_grpc.TaskAdminStub(self._channel(self.config.admin_address)))
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata carrying the API key."""
+        return (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else ()
+
+    @property
+    def admin_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata carrying the admin key (the API key when no admin key is set)."""
+        key = self.config.admin_key or self.config.api_key
+        return (("authorization", f"Bearer {key}"),) if key else ()
+
+    def _retrying(self) -> AsyncRetrying:
+        return AsyncRetrying(
+            retry=retry_if_exception_type(Unavailable),
+            stop=stop_after_attempt(self.config.retry_attempts),
+            wait=_ServerHintedWait(self.config.retry_max_delay),
+            reraise=True,
+        )
+
+    async def _call(self, make: Callable[[], Awaitable[T]]) -> T:
+        """Runs one unary call, retrying UNAVAILABLE with backoff; errors become TaskgateError subclasses."""
+        async for attempt in self._retrying():
+            with attempt:
+                try:
+                    return await make()
+                except grpc.aio.AioRpcError as exc:
+                    raise from_rpc_error(exc) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- tasks ------------------------------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        prompt: str,
+        model: str | None = None,
+        *,
+        frames: int | None = None,
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
+        guidance: float | None = None,
+        fps: int | None = None,
+        seed: int | None = None,
+        negative_prompt: str = "",
+        priority: str | int = "normal",
+        idempotency_key: str | None = None,
+        callback_url: str | None = None,
+        callback_events: Iterable[str] = (),
+        metadata: Mapping[str, str] | None = None,
+        max_retries: int | None = None,
+        task_type: str = "text-to-video",
+    ) -> Task:
+        """Submits a text-to-video task. Unset parameters take the model's defaults.
+
+        Without `idempotency_key` a fresh one is generated once per call, so the built-in retries never create
+        a second task; pass your own to make retries across processes safe as well.
+        """
+        params = task_pb2.VideoParams(
+            num_frames=frames or 0,
+            width=width or 0,
+            height=height or 0,
+            num_inference_steps=steps or 0,
+            guidance_scale=guidance or 0.0,
+            fps=fps or 0,
+            negative_prompt=negative_prompt,
+        )
+        if seed is not None:
+            params.seed = seed
+        request = gateway_pb2.SubmitTaskRequest(
+            task_type=task_type,
+            model_id=model or "",
+            prompt=prompt,
+            params=params,
+            priority=priority_value(priority),
+            idempotency_key=idempotency_key or str(uuid.uuid4()),
+            callback_url=callback_url or "",
+            callback_events=list(callback_events),
+            metadata=dict(metadata or {}),
+        )
+        if max_retries is not None:
+            request.max_retries = max_retries
+        response = await self._call(
+            lambda: self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
+        )
+        return Task.from_proto(response.task, created=response.created)
+
+    async def get_with_interval(self, task_id: str) -> tuple[Task, float]:
+        """The task and how long the gateway suggests waiting before polling it again (seconds)."""
+        request = gateway_pb2.GetTaskRequest(task_id=task_id)
+        response = await self._call(
+            lambda: self._gateway.GetTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
+        )
+        interval = response.suggested_poll_interval.ToNanoseconds() / 1e9 if response.HasField("suggested_poll_interval") else 0
+        return Task.from_proto(response.task), interval or DEFAULT_POLL_SECONDS
+
+    async def get(self, task_id: str) -> Task:
+        """The task's current state."""
+        return (await self.get_with_interval(task_id))[0]
+
+    async def list(self, status: StatusFilter = None, *, page_size: int = 100) -> AsyncIterator[Task]:
+        """The caller's tasks, newest first, fetching pages as the iteration goes."""
+        token = ""
+        while True:
+            request = gateway_pb2.ListTasksRequest(statuses=_statuses(status), page_size=page_size, page_token=token)
+            response = await self._call(
+                lambda r=request: self._gateway.ListTasks(r, metadata=self.metadata, timeout=self.config.call_timeout)  # type: ignore[misc]
+            )
+            for msg in response.tasks:
+                yield Task.from_proto(msg)
+            token = response.next_page_token
+            if not token:
+                return
+
+    async def cancel(self, task_id: str, hard: bool = False) -> Task:
+        """Cancels a task. Soft (default): a running task finishes and its output is kept for reuse; hard: stops now."""
+        request = gateway_pb2.CancelTaskRequest(task_id=task_id, hard=hard)
+        response = await self._call(
+            lambda: self._gateway.CancelTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
+        )
+        return Task.from_proto(response.task)
+
+    async def watch(self, task_id: str, *, after_version: int = 0, resume_attempts: int | None = None) -> AsyncIterator[TaskEvent]:
+        """The task's snapshot, then each later event, until it is terminal.
+
+        A dropped stream (UNAVAILABLE, ABORTED, ...) is resumed with the last version seen, so no event is
+        skipped or repeated; after `resume_attempts` failures in a row the last error is raised.
+        """
+        last = after_version
+        limit = self.config.watch_resume_attempts if resume_attempts is None else resume_attempts
+        failures = 0
+        while True:
+            call = self._events.WatchTask(
+                events_pb2.WatchTaskRequest(task_id=task_id, after_version=last), metadata=self.metadata
+            )
+            error: TaskgateError | None = None
+            try:
+                async for msg in call:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "snapshot":
+                        event = TaskEvent.from_snapshot(msg.snapshot)
+                    elif kind == "event":
+                        event = TaskEvent.from_proto(msg.event)
+                    else:
+                        continue
+                    if event.version <= last:
+                        continue
+                    last, failures = event.version, 0
+                    yield event
+                    if event.terminal:
+                        return
+            except grpc.aio.AioRpcError as exc:
+                error = from_rpc_error(exc)
+                if exc.code() not in RESUMABLE:
+                    raise error from None
+            finally:
+                call.cancel()
+            if error is None:
+                # The server ended the stream without a terminal event: maybe we resumed after the end.
+                task = await self.get(task_id)
+                if task.terminal:
+                    if task.version > last:
+                        yield TaskEvent.from_snapshot(task.proto)
+                    return
+            failures += 1
+            if failures > limit:
+                raise error or Unavailable(grpc.StatusCode.UNAVAILABLE, "event stream keeps ending early")
+            hint = error.retry_delay if error is not None and error.retry_delay else 0.0
+            await asyncio.sleep(max(hint, min(0.1 * 2 ** (failures - 1), self.config.retry_max_delay)))
+
+    async def wait(
+        self,
+        task_id: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - the SDK's documented signature; applied via asyncio.timeout
+        *,
+        on_event: Callable[[TaskEvent], Any] | None = None,
+    ) -> Task:
+        """Waits until the task is terminal and returns it: follows the event stream, or polls if it is unusable.
+
+        Raises WaitTimeout after `timeout` seconds (None: no limit). `on_event` sees each event (or polled state).
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                try:
+                    async for event in self.watch(task_id, resume_attempts=2):
+                        if on_event is not None:
+                            on_event(event)
+                        if event.terminal:
+                            return await self.get(task_id)
+                except TaskgateError as exc:
+                    if exc.code not in POLL_INSTEAD:
+                        raise
+                return await self._poll(task_id, on_event)
+        except TimeoutError:
+            raise WaitTimeout(task_id, timeout or 0.0) from None
+
+    async def _poll(self, task_id: str, on_event: Callable[[TaskEvent], Any] | None) -> Task:
+        while True:
+            task, interval = await self.get_with_interval(task_id)
+            if on_event is not None:
+                on_event(TaskEvent.from_snapshot(task.proto))
+            if task.terminal:
+                return task
+            await asyncio.sleep(interval)
+
+    async def download(self, task_id: str, path: str | os.PathLike[str]) -> TaskResult:
+        """Streams a SUCCEEDED task's output into `path` and checks its size and sha256 (IntegrityError if not)."""
+        target = Path(path)
+        async for attempt in self._retrying():
+            with attempt:
+                return await self._download_once(task_id, target)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _download_once(self, task_id: str, target: Path) -> TaskResult:
+        partial = target.with_name(target.name + ".part")
+        call = self._gateway.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=self.metadata)
+        info: TaskResult | None = None
+        digest = hashlib.sha256()
+        size = 0
+        out = await asyncio.to_thread(partial.open, "wb")
+        try:
+            async for chunk in call:
+                if chunk.HasField("info"):
+                    info = TaskResult.from_proto(chunk.info)
+                if chunk.offset != size:
+                    raise IntegrityError(grpc.StatusCode.DATA_LOSS, f"chunk at offset {chunk.offset}, expected {size}")
+                digest.update(chunk.data)
+                size += len(chunk.data)
+                await asyncio.to_thread(out.write, chunk.data)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+            out.close()
+            if info is None or size != info.size_bytes or digest.hexdigest() != info.sha256:
+                partial.unlink(missing_ok=True)
+        if info is None:
+            raise IntegrityError(grpc.StatusCode.DATA_LOSS, "the result stream carried no result info")
+        if size != info.size_bytes or digest.hexdigest() != info.sha256:
+            raise IntegrityError(
+                grpc.StatusCode.DATA_LOSS,
+                f"downloaded {size} bytes with sha256 {digest.hexdigest()[:16]}…, "
+                f"expected {info.size_bytes} bytes with sha256 {info.sha256[:16]}…",
+                reason="CHECKSUM_MISMATCH",
+            )
+        partial.replace(target)
+        return info
+
+    # -- admin (needs an admin key) ---------------------------------------------------------------------------
+
+    async def stats(self) -> admin_pb2.GetStatsResponse:
+        """Task counts per model and state, the oldest queued age, workers and callback counts."""
+        return await self._call(
+            lambda: self.admin_stub.GetStats(
+                admin_pb2.GetStatsRequest(), metadata=self.admin_metadata, timeout=self.config.call_timeout
+            )
+        )
+
+    async def stuck(self, limit: int = 100) -> builtins.list[admin_pb2.StuckTask]:
+        """Tasks the scheduler considers stuck, each with why."""
+        response = await self._call(
+            lambda: self.admin_stub.ListStuckTasks(
+                admin_pb2.ListStuckTasksRequest(limit=limit), metadata=self.admin_metadata, timeout=self.config.call_timeout
+            )
+        )
+        return list(response.tasks)
+
+    async def requeue(
+        self,
+        task_ids: Iterable[str] = (),
+        *,
+        status: StatusFilter = None,
+        model: str | None = None,
+        older_than: float | None = None,
+        dry_run: bool = False,
+        batch_size: int = 50,
+        reason: str = "",
+    ) -> AsyncIterator[admin_pb2.RequeueBatch]:
+        """Requeues the given tasks (or those matching the filter) in batches, yielding each batch's report."""
+        task_filter = admin_pb2.TaskFilter(statuses=_statuses(status), model_id=model or "")
+        if older_than is not None:
+            task_filter.older_than.CopyFrom(_duration(older_than))
+        request = admin_pb2.RequeueTasksRequest(
+            task_ids=list(task_ids), filter=task_filter, dry_run=dry_run, batch_size=batch_size, reason=reason
+        )
+        call = self.admin_stub.RequeueTasks(request, metadata=self.admin_metadata)
+        try:
+            async for batch in call:
+                yield batch
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def dead_letters(self, *, page_size: int = 100) -> AsyncIterator[admin_pb2.DeadLetter]:
+        """Tasks that failed for good, newest first, fetching pages as the iteration goes."""
+        token = ""
+        while True:
+            request = admin_pb2.ListDeadLettersRequest(page_size=page_size, page_token=token)
+            response = await self._call(
+                lambda r=request: self.admin_stub.ListDeadLetters(  # type: ignore[misc]
+                    r, metadata=self.admin_metadata, timeout=self.config.call_timeout
+                )
+            )
+            for item in response.dead_letters:
+                yield item
+            token = response.next_page_token
+            if not token:
+                return
+
+    async def redeliver(self, task_id: str) -> builtins.list[admin_pb2.CallbackDelivery]:
+        """Sends a task's callbacks again (failed or delivered); returns the deliveries scheduled."""
+        response = await self._call(
+            lambda: self.admin_stub.RedeliverCallback(
+                admin_pb2.RedeliverCallbackRequest(task_id=task_id), metadata=self.admin_metadata, timeout=self.config.call_timeout
+            )
+        )
+        return list(response.deliveries)
+
+
+def connect_async(
+    address: str | None = None,
+    api_key: str | None = None,
+    *,
+    events_address: str | None = None,
+    admin_address: str | None = None,
+    admin_key: str | None = None,
+    tls: bool = False,
+    root_certificates: CertSource = None,
+    client_cert: CertSource = None,
+    client_key: CertSource = None,
+    tls_server_name: str | None = None,
+    call_timeout: float = 30.0,
+    retry_attempts: int = 5,
+) -> AsyncTaskgateClient:
+    """An asyncio client. Events default to port 50052 and admin to 50053 on the gateway's host.
+
+    Certificates may be PEM bytes or file paths; giving any of them turns TLS on.
+    """
+    return AsyncTaskgateClient(
+        make_config(
+            address,
+            api_key,
+            events_address=events_address,
+            admin_address=admin_address,
+            admin_key=admin_key,
+            tls=tls,
+            root_certificates=root_certificates,
+            client_cert=client_cert,
+            client_key=client_key,
+            tls_server_name=tls_server_name,
+            call_timeout=call_timeout,
+            retry_attempts=retry_attempts,
+        )
+    )
+
+
+__all__ = ["AsyncTaskgateClient", "connect_async"]

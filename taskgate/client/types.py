@@ -1,0 +1,225 @@
+"""What the SDK returns: plain, typed views of the wire messages (the message itself stays in `.proto`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from taskgate.states import Status
+from taskgate.v1 import task_pb2
+
+PRIORITIES: dict[str, task_pb2.Priority.ValueType] = {
+    "low": task_pb2.PRIORITY_LOW,
+    "normal": task_pb2.PRIORITY_NORMAL,
+    "high": task_pb2.PRIORITY_HIGH,
+}
+_PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
+
+
+def priority_value(priority: str | int) -> task_pb2.Priority.ValueType:
+    """'low' | 'normal' | 'high' (or the wire number) as the wire enum."""
+    if isinstance(priority, int):
+        if priority not in _PRIORITY_NAMES:
+            raise ValueError(f"unknown priority {priority}")
+        return priority  # type: ignore[return-value]
+    try:
+        return PRIORITIES[priority.lower()]
+    except KeyError:
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, not {priority!r}") from None
+
+
+def _time(msg: Any, name: str) -> datetime | None:
+    if not msg.HasField(name):
+        return None
+    ts: Timestamp = getattr(msg, name)
+    return ts.ToDatetime(tzinfo=UTC)
+
+
+def _status(value: int) -> Status | None:
+    return None if value == task_pb2.TASK_STATUS_UNSPECIFIED else Status.from_proto(value)
+
+
+def _json_value(value: object) -> object:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, Status):
+        return value.value
+    if isinstance(value, TaskResult):
+        return value.to_dict()
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class TaskResult:
+    """Where a finished task's output lives, with its size and sha256."""
+
+    uri: str
+    content_type: str
+    size_bytes: int
+    sha256: str
+
+    @classmethod
+    def from_proto(cls, msg: task_pb2.TaskResult) -> TaskResult:
+        return cls(msg.uri, msg.content_type, msg.size_bytes, msg.sha256)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"uri": self.uri, "content_type": self.content_type, "size_bytes": self.size_bytes, "sha256": self.sha256}
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """A task as the gateway reports it."""
+
+    task_id: str
+    status: Status
+    progress: int
+    queue_position: int
+    model_id: str
+    task_type: str
+    prompt: str
+    priority: str
+    version: int
+    attempt: int
+    retry_count: int
+    max_retries: int
+    error_code: str
+    error_message: str
+    result: TaskResult | None
+    result_reused: bool
+    idempotency_key: str
+    callback_url: str
+    callback_status: str
+    worker_id: str
+    metadata: dict[str, str]
+    params: dict[str, object]
+    created_at: datetime | None
+    queued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    updated_at: datetime | None
+    proto: task_pb2.Task = field(repr=False, compare=False)
+    created: bool | None = None
+    """From submit only: False when an existing task was returned for the idempotency key."""
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the task has finished (SUCCEEDED, FAILED, TIMEOUT or CANCELED)."""
+        return self.status.terminal
+
+    @classmethod
+    def from_proto(cls, msg: task_pb2.Task, created: bool | None = None) -> Task:
+        p = msg.params
+        params: dict[str, object] = {
+            "num_frames": p.num_frames,
+            "width": p.width,
+            "height": p.height,
+            "num_inference_steps": p.num_inference_steps,
+            "guidance_scale": round(p.guidance_scale, 6),
+            "fps": p.fps,
+            "seed": p.seed if p.HasField("seed") else None,
+            "negative_prompt": p.negative_prompt,
+        }
+        return cls(
+            task_id=msg.id,
+            status=_status(msg.status) or Status.CREATED,
+            progress=msg.progress,
+            queue_position=msg.queue_position,
+            model_id=msg.model_id,
+            task_type=msg.task_type,
+            prompt=msg.prompt,
+            priority=_PRIORITY_NAMES.get(msg.priority, "normal"),
+            version=msg.version,
+            attempt=msg.attempt,
+            retry_count=msg.retry_count,
+            max_retries=msg.max_retries,
+            error_code=msg.error_code,
+            error_message=msg.error_message,
+            result=TaskResult.from_proto(msg.result) if msg.HasField("result") and msg.result.uri else None,
+            result_reused=msg.result_reused,
+            idempotency_key=msg.idempotency_key,
+            callback_url=msg.callback_url,
+            callback_status=task_pb2.CallbackStatus.Name(msg.callback_status).removeprefix("CALLBACK_STATUS_"),
+            worker_id=msg.worker_id,
+            metadata=dict(msg.metadata),
+            params=params,
+            created_at=_time(msg, "created_at"),
+            queued_at=_time(msg, "queued_at"),
+            started_at=_time(msg, "started_at"),
+            finished_at=_time(msg, "finished_at"),
+            updated_at=_time(msg, "updated_at"),
+            proto=msg,
+            created=created,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (the CLI's --json output)."""
+        return {name: _json_value(getattr(self, name)) for name in _TASK_FIELDS}
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEvent:
+    """One version of a task from `watch()`: the snapshot first (`snapshot=True`), then each transition."""
+
+    task_id: str
+    version: int
+    status: Status
+    from_status: Status | None
+    progress: int
+    at: datetime | None
+    snapshot: bool = False
+    queue_position: int = 0
+    attempt: int = 0
+    error_code: str = ""
+    error_message: str = ""
+    reason: str = ""
+    result: TaskResult | None = None
+
+    @property
+    def terminal(self) -> bool:
+        """Whether this event ends the task."""
+        return self.status.terminal
+
+    @classmethod
+    def from_snapshot(cls, msg: task_pb2.Task) -> TaskEvent:
+        task = Task.from_proto(msg)
+        return cls(
+            task_id=task.task_id,
+            version=task.version,
+            status=task.status,
+            from_status=None,
+            progress=task.progress,
+            at=task.updated_at,
+            snapshot=True,
+            queue_position=task.queue_position,
+            attempt=task.attempt,
+            error_code=task.error_code,
+            error_message=task.error_message,
+            result=task.result,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: task_pb2.TaskEvent) -> TaskEvent:
+        return cls(
+            task_id=msg.task_id,
+            version=msg.version,
+            status=_status(msg.to_status) or Status.CREATED,
+            from_status=_status(msg.from_status),
+            progress=msg.progress,
+            at=_time(msg, "at"),
+            attempt=msg.attempt,
+            error_code=msg.error_code,
+            error_message=msg.error_message,
+            reason=msg.reason,
+            result=TaskResult.from_proto(msg.result) if msg.HasField("result") and msg.result.uri else None,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (one line of `taskgate watch --json`)."""
+        return {name: _json_value(getattr(self, name)) for name in _EVENT_FIELDS}
+
+
+_TASK_FIELDS = [f for f in Task.__dataclass_fields__ if f != "proto"]
+_EVENT_FIELDS = list(TaskEvent.__dataclass_fields__)
