@@ -1,0 +1,1 @@
+"""The submit service: the TaskGateway API that internal backends call."""

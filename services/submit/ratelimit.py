@@ -1,0 +1,31 @@
+"""Per-tenant submission limits that hold across every submit replica, kept in PostgreSQL."""
+
+from __future__ import annotations
+
+from taskgate import errors, sql, telemetry
+from taskgate.store import Conn
+
+RATE_LIMITED = "RATE_LIMITED"
+TOO_MANY_PENDING = "TOO_MANY_PENDING_TASKS"
+
+
+async def take_submit_slot(db: Conn, tenant: str, per_minute: int, budget: float) -> None:
+    """Counts one submission in the tenant's minute window, or raises RESOURCE_EXHAUSTED with RetryInfo."""
+    row = await db.fetchrow(sql.query("submit_take_rate_slot"), tenant, per_minute, timeout=budget)
+    assert row is not None
+    if not row["allowed"]:
+        telemetry.SUBMIT_REJECTIONS.labels(RATE_LIMITED).inc()
+        raise errors.resource_exhausted(
+            RATE_LIMITED,
+            f"more than {per_minute} submissions this minute",
+            retry_after=max(float(row["retry_after"]), 0.001),
+            limit=str(per_minute),
+        )
+
+
+def too_many_pending(limit: int) -> errors.ApiError:
+    """RESOURCE_EXHAUSTED for a tenant already holding `limit` unfinished tasks."""
+    telemetry.SUBMIT_REJECTIONS.labels(TOO_MANY_PENDING).inc()
+    return errors.resource_exhausted(
+        TOO_MANY_PENDING, f"at most {limit} unfinished tasks per tenant; wait for one to finish", limit=str(limit)
+    )

@@ -1,0 +1,392 @@
+"""The TaskGateway gRPC service: submit, follow, list, cancel and download tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeAlias
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+from grpc_health.v1 import health
+from nats.errors import Error as NatsError
+
+from taskgate import bus as busmod
+from taskgate import errors, ids, sql, telemetry
+from taskgate.auth import Authenticator, Principal
+from taskgate.config import Settings
+from taskgate.model import TaskRow
+from taskgate.results import ResultNotFound, result_store
+from taskgate.runtime import Backends, connect, stop_signal
+from taskgate.server import BACKEND_ERRORS, mark_not_serving, start_server
+from taskgate.states import Status
+from taskgate.store import Move, transition
+from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+
+from . import paging
+from .cache import TerminalCache
+from .ratelimit import take_submit_slot, too_many_pending
+from .validation import Submission, validate
+
+log = logging.getLogger("taskgate.submit")
+
+ACTOR = "submit"
+SERVICE_NAME = "taskgate.v1.TaskGateway"
+_DEADLINE_MARGIN = 0.05  # leave the handler time to send UNAVAILABLE before the client's deadline
+_MAX_ID = 2**63 - 1
+
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+def poll_interval(created_at: datetime, now: datetime | None = None) -> float:
+    """How long a client should wait before asking again: 2 s in a task's first 30 s, 5 s until 2 min, then 10 s."""
+    age = ((now or datetime.now(UTC)) - created_at).total_seconds()
+    if age < 30:
+        return 2.0
+    if age < 120:
+        return 5.0
+    return 10.0
+
+
+def parse_task_id(value: str) -> int:
+    """A task id from the wire (decimal), or INVALID_ARGUMENT."""
+    if not value.isdecimal() or len(value) > 19 or int(value) > _MAX_ID:
+        raise errors.invalid_argument([("task_id", "must be a decimal task id")])
+    return int(value)
+
+
+def _prompt_fingerprint(prompt: str) -> dict[str, object]:
+    """What a log line may say about a prompt: its length and a hash prefix, never the text."""
+    return {"prompt_chars": len(prompt), "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()[:12]}
+
+
+class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
+    """The TaskGateway servicer over one pool and one bus."""
+
+    def __init__(self, settings: Settings, backends: Backends) -> None:
+        self._settings = settings
+        self._pool = backends.pool
+        self._bus = backends.bus
+        self._auth = Authenticator(backends.pool, settings.api_key_pepper)
+        self._cache = TerminalCache(settings.result_cache_size)
+        self._results = result_store(settings, backends.bus)
+
+    def _budget(self, context: Context, cap: float | None = None) -> float:
+        """Seconds one backend call may take: the configured cap, shortened to fit the client's deadline."""
+        cap = self._settings.submit_db_timeout_seconds if cap is None else cap
+        remaining = context.time_remaining()
+        if remaining is None:
+            return cap
+        return max(min(cap, remaining - _DEADLINE_MARGIN), 0.001)
+
+    async def _principal(self, context: Context) -> Principal:
+        return await asyncio.wait_for(self._auth.principal(context), self._budget(context))
+
+    # SubmitTask
+
+    async def SubmitTask(self, request: gateway_pb2.SubmitTaskRequest, context: Context) -> gateway_pb2.SubmitTaskResponse:
+        who = await self._principal(context)
+        per_minute = who.submits_per_minute or self._settings.submits_per_minute
+        await take_submit_slot(self._pool, who.tenant_id, per_minute, self._budget(context))
+        try:
+            sub = await validate(who.tenant_id, request, self._settings)
+        except errors.ApiError:
+            telemetry.SUBMIT_REJECTIONS.labels("INVALID_ARGUMENT").inc()
+            raise
+        task, created = await self._insert(who.tenant_id, sub, context)
+        if created:
+            telemetry.TASKS_SUBMITTED.labels(task.model_id, task.task_type).inc()
+            task = await self._dispatch(task, context)
+        position = await self._queue_position(task, context)
+        return gateway_pb2.SubmitTaskResponse(task=task.to_proto(position), created=created)
+
+    async def _insert(self, tenant: str, sub: Submission, context: Context) -> tuple[TaskRow, bool]:
+        """The tenant's task for this idempotency key, inserted as CREATED unless it exists; True when new."""
+        async with self._pool.acquire(timeout=self._budget(context)) as conn, conn.transaction():
+            # One tenant's submissions take turns here, on every replica: the pending count cannot race.
+            locked = await conn.fetchrow(sql.query("submit_lock_tenant"), tenant, timeout=self._budget(context))
+            if locked is None:
+                raise errors.unauthenticated("the key's tenant no longer exists")
+            limit = locked["max_pending"] or self._settings.max_pending_per_tenant
+            found = await conn.fetchrow(
+                sql.query("submit_existing_and_pending"), tenant, sub.idempotency_key, timeout=self._budget(context)
+            )
+            assert found is not None
+            if found["id"] is not None:
+                return self._replay(TaskRow.from_record(found), sub), False
+            if found["pending"] >= limit:
+                raise too_many_pending(limit)
+            task_id = ids.new_id()
+            rec = await conn.fetchrow(
+                sql.query("submit_insert_task"),
+                task_id,
+                tenant,
+                sub.idempotency_key,
+                sub.key_derived,
+                sub.request_hash,
+                sub.task_type,
+                sub.model_id,
+                sub.prompt,
+                sub.payload,
+                sub.metadata,
+                sub.priority,
+                busmod.task_subject(sub.model_id, sub.priority),
+                sub.max_retries,
+                sub.callback_url,
+                sub.callback_events,
+                timeout=self._budget(context),
+            )
+            if rec is None:  # a writer that does not take the tenant lock holds the key
+                again = await conn.fetchrow(
+                    sql.query("submit_existing_and_pending"), tenant, sub.idempotency_key, timeout=self._budget(context)
+                )
+                assert again is not None and again["id"] is not None
+                return self._replay(TaskRow.from_record(again), sub), False
+        task = TaskRow.from_record(rec)
+        log.info(
+            "task created",
+            extra={"task_id": str(task.id), "state": task.status.value, "model": task.model_id,
+                   "key_derived": sub.key_derived, **_prompt_fingerprint(sub.prompt)},
+        )
+        return task, True
+
+    def _replay(self, existing: TaskRow, sub: Submission) -> TaskRow:
+        """The existing task when the key was used for this same request; ALREADY_EXISTS otherwise."""
+        if sub.same_request(existing.request_hash, existing.priority, existing.callback_url, existing.callback_events,
+                            existing.metadata, existing.max_retries):
+            return existing
+        telemetry.SUBMIT_REJECTIONS.labels("IDEMPOTENCY_KEY_REUSED").inc()
+        raise errors.already_exists(
+            "IDEMPOTENCY_KEY_REUSED",
+            "this idempotency key was used for a different request"
+            + ("" if not sub.key_derived else " (same prompt and parameters, other options); pass an idempotency_key"),
+            task_id=str(existing.id),
+        )
+
+    async def _dispatch(self, task: TaskRow, context: Context) -> TaskRow:
+        """Publishes the dispatch hint, then CREATED->QUEUED; on any failure the task stays as it truly is."""
+        message = task_pb2.TaskDispatch(
+            task_id=str(task.id),
+            model_id=task.model_id,
+            priority=task.priority,  # type: ignore[arg-type]
+            published_at_unix_ms=int(time.time() * 1000),
+        )
+        try:
+            await self._bus.js.publish(
+                busmod.task_subject(task.model_id, task.priority),
+                message.SerializeToString(),
+                timeout=self._budget(context, self._settings.submit_publish_timeout_seconds),
+                headers={"Nats-Msg-Id": f"{task.id}.q0"},
+            )
+        except (NatsError, TimeoutError, OSError) as exc:
+            # The row is safe in CREATED; the scheduler re-publishes it with the same message id.
+            telemetry.SUBMIT_PUBLISH_FAILURES.inc()
+            log.warning("dispatch publish failed; task stays CREATED", extra={"task_id": str(task.id), "error": type(exc).__name__})
+            return task
+        try:
+            out = await asyncio.wait_for(
+                transition(self._pool, task.id, Move.QUEUE, actor=ACTOR, reason="dispatched"), self._budget(context)
+            )
+        except BACKEND_ERRORS as exc:
+            log.warning("queue move failed; task stays CREATED", extra={"task_id": str(task.id), "error": type(exc).__name__})
+            return task
+        # Rejected: a worker already claimed it (its message outran this commit) or it was cancelled; say so.
+        return out.task or task
+
+    async def _queue_position(self, task: TaskRow, context: Context) -> int:
+        if task.status is not Status.QUEUED or task.queued_at is None:
+            return 0
+        position = await self._pool.fetchval(
+            sql.query("submit_queue_position"), task.model_id, task.priority, task.queued_at, task.id,
+            timeout=self._budget(context),
+        )
+        return int(position)
+
+    # Reads
+
+    async def _load(self, tenant: str, task_id: int, context: Context) -> TaskRow:
+        """The caller's task; NOT_FOUND for a missing id and for another tenant's task alike."""
+        task = self._cache.get(task_id)
+        if task is None:
+            rec = await self._pool.fetchrow(sql.query("get_task"), task_id, timeout=self._budget(context))
+            task = TaskRow.from_record(rec) if rec is not None else None
+            if task is not None:
+                self._cache.put(task)
+        if task is None or task.user_id != tenant:
+            raise errors.not_found()
+        return task
+
+    async def GetTask(self, request: gateway_pb2.GetTaskRequest, context: Context) -> gateway_pb2.GetTaskResponse:
+        who = await self._principal(context)
+        task = await self._load(who.tenant_id, parse_task_id(request.task_id), context)
+        position = await self._queue_position(task, context)
+        interval = Duration()
+        interval.FromMilliseconds(int(poll_interval(task.created_at) * 1000))
+        return gateway_pb2.GetTaskResponse(task=task.to_proto(position), suggested_poll_interval=interval)
+
+    async def ListTasks(self, request: gateway_pb2.ListTasksRequest, context: Context) -> gateway_pb2.ListTasksResponse:
+        who = await self._principal(context)
+        bad: list[tuple[str, str]] = []
+        size = request.page_size or self._settings.list_default_page_size
+        if size < 0:
+            bad.append(("page_size", "must not be negative"))
+        size = min(max(size, 1), self._settings.list_max_page_size)
+        statuses: list[str] = []
+        for value in request.statuses:
+            if value == task_pb2.TASK_STATUS_UNSPECIFIED or value not in task_pb2.TaskStatus.values():
+                bad.append(("statuses", "each must be a known status"))
+                break
+            statuses.append(Status.from_proto(value).value)
+        statuses = sorted(set(statuses))
+        after = request.created_after.ToDatetime(tzinfo=UTC) if request.HasField("created_after") else None
+        before = request.created_before.ToDatetime(tzinfo=UTC) if request.HasField("created_before") else None
+        fingerprint = paging.filter_key(statuses, after, before)
+        cursor = None
+        if request.page_token:
+            try:
+                cursor = paging.decode(request.page_token, fingerprint)
+            except paging.BadToken as exc:
+                bad.append(("page_token", str(exc)))
+        if bad:
+            raise errors.invalid_argument(bad)
+        rows = await self._pool.fetch(
+            sql.query("submit_list_tasks"),
+            who.tenant_id,
+            statuses or None,
+            after,
+            before,
+            cursor.created_at if cursor else None,
+            cursor.task_id if cursor else None,
+            size + 1,
+            timeout=self._budget(context),
+        )
+        tasks = [TaskRow.from_record(r) for r in rows[:size]]
+        token = ""
+        if len(rows) > size:
+            last = tasks[-1]
+            token = paging.encode(paging.Cursor(last.created_at, last.id), fingerprint)
+        return gateway_pb2.ListTasksResponse(tasks=[t.to_proto() for t in tasks], next_page_token=token)
+
+    # Cancel and results
+
+    async def CancelTask(self, request: gateway_pb2.CancelTaskRequest, context: Context) -> gateway_pb2.CancelTaskResponse:
+        who = await self._principal(context)
+        task = await self._load(who.tenant_id, parse_task_id(request.task_id), context)
+        if task.status is Status.CANCELED:
+            return gateway_pb2.CancelTaskResponse(task=task.to_proto())
+        if task.status.terminal:
+            raise _already_finished(task)
+        mode = "hard" if request.hard else "soft"
+        out = await asyncio.wait_for(
+            transition(self._pool, task.id, Move.CANCEL, mode, actor=ACTOR, reason=f"{mode} cancel by client"),
+            self._budget(context),
+        )
+        current = out.task
+        if current is None:
+            raise errors.not_found()
+        if not out.applied:
+            if current.status is Status.CANCELED:
+                return gateway_pb2.CancelTaskResponse(task=current.to_proto())
+            raise _already_finished(current)
+        if out.from_status is Status.PROCESSING:
+            await self._signal_cancel(current.id, request.hard)
+        self._cache.put(current)
+        return gateway_pb2.CancelTaskResponse(task=current.to_proto())
+
+    async def _signal_cancel(self, task_id: int, hard: bool) -> None:
+        """Tells the worker at once; a lost hint costs only time, since its next lease renewal fails anyway."""
+        signal = task_pb2.CancelSignal(task_id=str(task_id), hard=hard, reason="canceled by client")
+        try:
+            await self._bus.nc.publish(busmod.CANCEL_SUBJECT, signal.SerializeToString())
+        except (NatsError, OSError) as exc:
+            log.warning("cancel signal not sent", extra={"task_id": str(task_id), "error": type(exc).__name__})
+
+    async def GetTaskResult(
+        self, request: gateway_pb2.GetTaskResultRequest, context: Context
+    ) -> AsyncIterator[gateway_pb2.ResultChunk]:
+        who = await self._principal(context)
+        task = await self._load(who.tenant_id, parse_task_id(request.task_id), context)
+        if task.status is not Status.SUCCEEDED or task.result_uri is None:
+            raise errors.failed_precondition(
+                "TASK_NOT_SUCCEEDED", f"the task is {task.status.value}; only SUCCEEDED tasks have a result",
+                status=task.status.value,
+            )
+        info = task_pb2.TaskResult(
+            uri=task.result_uri,
+            content_type=task.result_content_type or "",
+            size_bytes=task.result_size or 0,
+            sha256=task.result_sha256 or "",
+        )
+        offset = 0
+        try:
+            async for data in self._results.read(task.result_uri):
+                chunk = gateway_pb2.ResultChunk(data=data, offset=offset)
+                if offset == 0:
+                    chunk.info.CopyFrom(info)
+                yield chunk
+                offset += len(data)
+        except ResultNotFound:
+            log.warning("result missing from the store", extra={"task_id": str(task.id)})
+            raise errors.not_found("result") from None
+        if offset == 0:
+            yield gateway_pb2.ResultChunk(info=info, data=b"", offset=0)
+
+
+def _already_finished(task: TaskRow) -> errors.ApiError:
+    return errors.failed_precondition(
+        "TASK_FINISHED", f"the task already finished as {task.status.value}", status=task.status.value
+    )
+
+
+@dataclass
+class SubmitHandle:
+    """A running submit service: its port, and how to stop it in stages."""
+
+    port: int
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    gateway: Gateway
+    backends: Backends
+    owns_backends: bool
+    settings: Settings
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Readiness off, stop accepting, let in-flight calls finish within `grace`, then close the backends."""
+        await mark_not_serving(self.health)
+        await self.server.stop(self.settings.submit_shutdown_grace_seconds if grace is None else grace)
+        if self.owns_backends:
+            await self.backends.close()
+
+
+async def start(settings: Settings, backends: Backends | None = None) -> SubmitHandle:
+    """Starts the gateway on settings.submit_port (0 = ephemeral), connecting its own backends unless given."""
+    owns = backends is None
+    if backends is None:
+        backends = await connect(settings, "submit")
+    gateway = Gateway(settings, backends)
+
+    def register(server: grpc.aio.Server) -> Iterable[str]:
+        gateway_pb2_grpc.add_TaskGatewayServicer_to_server(gateway, server)
+        return [SERVICE_NAME]
+
+    try:
+        server, port, health_servicer = await start_server(settings, settings.submit_port, register)
+    except BaseException:
+        if owns:
+            await backends.close()
+        raise
+    return SubmitHandle(port, server, health_servicer, gateway, backends, owns, settings)
+
+
+async def main(settings: Settings) -> None:
+    """Runs the gateway until SIGTERM or SIGINT, then shuts down in stages."""
+    async with stop_signal() as stop:
+        handle = await start(settings)
+        await stop.wait()
+    log.info("stopping", extra={"grace_seconds": settings.submit_shutdown_grace_seconds})
+    await handle.stop()

@@ -1,0 +1,246 @@
+"""SubmitTask requests checked and put in canonical form: defaults filled, limits enforced, callbacks SSRF-guarded."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import json
+import math
+import re
+import secrets
+import socket
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from taskgate import errors
+from taskgate.config import ModelSpec, Settings
+from taskgate.states import Priority
+from taskgate.v1 import gateway_pb2
+
+DEFAULT_TASK_TYPE = "text-to-video"
+CALLBACK_EVENTS = frozenset({"CANCELED", "PROGRESS"})
+MAX_SEED = 2**63 - 1
+_RANDOM_SEEDS = 2**32  # a seed every backend (torch, numpy) accepts
+
+# Control characters other than newline and tab.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+# Cloud metadata endpoints (AWS/GCP/Azure, AWS IPv6, Alibaba) refused even where the ranges below miss one.
+_METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200"))
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """A valid request in canonical form: exactly what the task row stores."""
+
+    task_type: str
+    model_id: str
+    prompt: str
+    payload: dict[str, Any]
+    priority: int
+    idempotency_key: str
+    key_derived: bool
+    request_hash: str
+    metadata: dict[str, str]
+    callback_url: str | None
+    callback_events: list[str]
+    max_retries: int
+
+    def same_request(self, row_request_hash: str, priority: int, callback_url: str | None, callback_events: list[str],
+                     metadata: dict[str, str], max_retries: int) -> bool:
+        """Whether an existing task (its stored fields) was made by this very request."""
+        return (
+            row_request_hash == self.request_hash
+            and priority == self.priority
+            and callback_url == self.callback_url
+            and sorted(callback_events) == self.callback_events
+            and metadata == self.metadata
+            and max_retries == self.max_retries
+        )
+
+
+def request_hash(tenant: str, task_type: str, model_id: str, prompt: str, params: dict[str, Any]) -> str:
+    """sha256 of what determines the output; `params` carries the seed the client gave (None if it gave none)."""
+    canonical = json.dumps([tenant, task_type, model_id, prompt, params], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def forbidden_address(addr: IPAddress) -> bool:
+    """True for addresses a webhook must never reach: loopback, private, link-local, multicast, reserved, metadata."""
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return (
+        addr in _METADATA_ADDRESSES
+        or addr.is_loopback
+        or addr.is_private
+        or addr.is_link_local
+        or addr.is_multicast
+        or addr.is_reserved
+        or addr.is_unspecified
+        or not addr.is_global
+    )
+
+
+async def resolve(host: str, port: int, within: float) -> set[IPAddress]:
+    """Every address `host` resolves to (numeric forms such as 2130706433 or 0x7f.1 included)."""
+    loop = asyncio.get_running_loop()
+    infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), within)
+    found: set[IPAddress] = set()
+    for info in infos:
+        literal = str(info[4][0]).split("%", 1)[0]  # drop an IPv6 scope id
+        found.add(ipaddress.ip_address(literal))
+    return found
+
+
+async def check_callback_url(url: str, settings: Settings) -> str | None:
+    """Why a callback URL is refused, or None when a webhook may be sent to it."""
+    if len(url) > settings.max_callback_url_chars:
+        return f"longer than {settings.max_callback_url_chars} characters"
+    if _CONTROL.search(url) or any(c.isspace() for c in url):
+        return "contains whitespace or control characters"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "not a valid URL"
+    if parts.scheme not in ("http", "https"):
+        return "must be an http or https URL"
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        return "must not carry credentials"
+    host = parts.hostname
+    if not host:
+        return "has no host"
+    if host in {h.lower() for h in settings.callback_allow_hosts}:
+        return None
+    try:
+        addresses = await resolve(host, port or (443 if parts.scheme == "https" else 80), settings.callback_resolve_timeout_seconds)
+    except (OSError, TimeoutError, UnicodeError, ValueError):
+        return "host does not resolve"
+    if not addresses:
+        return "host does not resolve"
+    if any(forbidden_address(a) for a in addresses):
+        return "resolves to a loopback, private, link-local or metadata address"
+    return None
+
+
+def _positive_or_default(value: int, default: int) -> int:
+    return default if value == 0 else value
+
+
+def _check_params(
+    req: gateway_pb2.SubmitTaskRequest, spec: ModelSpec, settings: Settings, bad: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """Fills defaults from the model spec, records each out-of-range value, returns the canonical parameters."""
+    p = req.params
+    frames = _positive_or_default(p.num_frames, spec.default_frames)
+    if frames < 1 or frames > spec.max_frames or (frames - 1) % spec.frame_step:
+        bad.append(("params.num_frames", f"must be 1..{spec.max_frames} with num_frames - 1 a multiple of {spec.frame_step}"))
+    width = _positive_or_default(p.width, spec.default_width)
+    if width < 1 or width > spec.max_width or width % spec.size_multiple:
+        bad.append(("params.width", f"must be a multiple of {spec.size_multiple} up to {spec.max_width}"))
+    height = _positive_or_default(p.height, spec.default_height)
+    if height < 1 or height > spec.max_height or height % spec.size_multiple:
+        bad.append(("params.height", f"must be a multiple of {spec.size_multiple} up to {spec.max_height}"))
+    steps = _positive_or_default(p.num_inference_steps, spec.default_steps)
+    if steps < 1 or steps > spec.max_steps:
+        bad.append(("params.num_inference_steps", f"must be 1..{spec.max_steps}"))
+    guidance = float(p.guidance_scale) if p.guidance_scale != 0 else spec.default_guidance
+    if not math.isfinite(guidance) or guidance < 0 or guidance > spec.max_guidance:
+        bad.append(("params.guidance_scale", f"must be 0..{spec.max_guidance}"))
+    fps = _positive_or_default(p.fps, spec.default_fps)
+    if fps < 1 or fps > settings.max_fps:
+        bad.append(("params.fps", f"must be 1..{settings.max_fps}"))
+    if p.HasField("seed") and not 0 <= p.seed <= MAX_SEED:
+        bad.append(("params.seed", "must not be negative"))
+    if len(p.negative_prompt) > settings.max_prompt_chars:
+        bad.append(("params.negative_prompt", f"longer than {settings.max_prompt_chars} characters"))
+    elif _CONTROL.search(p.negative_prompt):
+        bad.append(("params.negative_prompt", "contains control characters"))
+    return {
+        "num_frames": frames,
+        "width": width,
+        "height": height,
+        "num_inference_steps": steps,
+        # float32 on the wire: round so 5.1 is stored as 5.1, not 5.099999904632568
+        "guidance_scale": round(guidance, 4) if math.isfinite(guidance) else 0.0,
+        "fps": fps,
+        "seed": int(p.seed) if p.HasField("seed") else None,
+        "negative_prompt": p.negative_prompt,
+    }
+
+
+async def validate(tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: Settings) -> Submission:
+    """The canonical submission, or INVALID_ARGUMENT naming every bad field."""
+    bad: list[tuple[str, str]] = []
+    prompt = req.prompt
+    if not prompt.strip():
+        bad.append(("prompt", "must not be empty"))
+    elif len(prompt) > settings.max_prompt_chars:
+        bad.append(("prompt", f"longer than {settings.max_prompt_chars} characters"))
+    elif _CONTROL.search(prompt):
+        bad.append(("prompt", "contains control characters"))
+
+    model_id = req.model_id or settings.default_model
+    task_type = req.task_type or DEFAULT_TASK_TYPE
+    spec = settings.models.get(model_id)
+    params: dict[str, Any] = {}
+    if spec is None:
+        bad.append(("model_id", f"unknown model; known: {', '.join(sorted(settings.models))}"))
+    else:
+        if task_type not in spec.task_types:
+            bad.append(("task_type", f"model {model_id} supports {', '.join(spec.task_types)}"))
+        params = _check_params(req, spec, settings, bad)
+
+    priority = req.priority or Priority.NORMAL
+    if priority not in Priority.ALL:
+        bad.append(("priority", "must be LOW, NORMAL or HIGH"))
+
+    metadata = dict(sorted(req.metadata.items()))
+    if len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode()) > settings.max_metadata_bytes:
+        bad.append(("metadata", f"larger than {settings.max_metadata_bytes} bytes as JSON"))
+
+    key = req.idempotency_key
+    if len(key) > settings.max_idempotency_key_chars:
+        bad.append(("idempotency_key", f"longer than {settings.max_idempotency_key_chars} characters"))
+    elif key and (not key.isprintable() or key != key.strip()):
+        bad.append(("idempotency_key", "must be printable, without surrounding spaces"))
+
+    max_retries = req.max_retries if req.HasField("max_retries") else settings.max_retries
+    if not 0 <= max_retries <= settings.max_task_retries:
+        bad.append(("max_retries", f"must be 0..{settings.max_task_retries}"))
+
+    events = sorted(set(req.callback_events))
+    callback_url = req.callback_url or None
+    if any(e not in CALLBACK_EVENTS for e in events):
+        bad.append(("callback_events", f"each must be one of {', '.join(sorted(CALLBACK_EVENTS))}"))
+    elif events and callback_url is None:
+        bad.append(("callback_events", "need a callback_url"))
+    if callback_url is not None:
+        why = await check_callback_url(callback_url, settings)
+        if why is not None:
+            bad.append(("callback_url", why))
+
+    if bad:
+        raise errors.invalid_argument(bad)
+
+    digest = request_hash(tenant, task_type, model_id, prompt, params)
+    if params["seed"] is None:
+        params["seed"] = secrets.randbelow(_RANDOM_SEEDS)  # stored, so the task can be reproduced
+    return Submission(
+        task_type=task_type,
+        model_id=model_id,
+        prompt=prompt,
+        payload=params,
+        priority=priority,
+        idempotency_key=key or digest,
+        key_derived=not key,
+        request_hash=digest,
+        metadata=metadata,
+        callback_url=callback_url,
+        callback_events=events,
+        max_retries=max_retries,
+    )
