@@ -101,18 +101,18 @@ class AsyncTaskgateClient:
 
     @property
     def _gateway(self) -> gateway_pb2_grpc.TaskGatewayAsyncStub:
-        return cast(gateway_pb2_grpc.TaskGatewayAsyncStub, gateway_pb2_grpc.TaskGatewayStub(self._channel(self.config.address)))
+        return cast("gateway_pb2_grpc.TaskGatewayAsyncStub", gateway_pb2_grpc.TaskGatewayStub(self._channel(self.config.address)))
 
     @property
     def _events(self) -> events_pb2_grpc.TaskEventsAsyncStub:
         assert self.config.events_address is not None
-        return cast(events_pb2_grpc.TaskEventsAsyncStub, events_pb2_grpc.TaskEventsStub(self._channel(self.config.events_address)))
+        return cast("events_pb2_grpc.TaskEventsAsyncStub", events_pb2_grpc.TaskEventsStub(self._channel(self.config.events_address)))
 
     @property
     def admin_stub(self) -> admin_pb2_grpc.TaskAdminAsyncStub:
         """The raw TaskAdmin stub (pass `admin_metadata` with each call)."""
         assert self.config.admin_address is not None
-        return cast(admin_pb2_grpc.TaskAdminAsyncStub, admin_pb2_grpc.TaskAdminStub(self._channel(self.config.admin_address)))
+        return cast("admin_pb2_grpc.TaskAdminAsyncStub", admin_pb2_grpc.TaskAdminStub(self._channel(self.config.admin_address)))
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:

@@ -44,12 +44,15 @@ class LocalStack:
             return None
 
 
-def find_state_dir(state_dir: Path, start: Path | None = None) -> Path:
-    """`state_dir` if absolute or present; else the nearest parent of `start` (cwd) holding it, so the CLI works in subfolders."""
-    if state_dir.is_absolute() or (state_dir / CLIENT_FILE).exists():
+def find_state_dir(state_dir: Path, start: Path | None = None, marker: str = CLIENT_FILE) -> Path:
+    """`state_dir` if absolute or holding `marker`; else the nearest parent of `start` (cwd) where it does.
+
+    So the CLI finds the stack's details from any subfolder of the checkout.
+    """
+    if state_dir.is_absolute() or (state_dir / marker).exists():
         return state_dir
     here = (start or Path.cwd()).resolve()
     for folder in (here, *here.parents):
-        if (folder / state_dir / CLIENT_FILE).exists():
+        if (folder / state_dir / marker).exists():
             return folder / state_dir
     return state_dir

@@ -1,0 +1,743 @@
+"""`taskgate`: submit, follow and manage tasks from a shell; defaults to the stack `make run` started.
+
+Exit codes (a contract for scripts):
+  0 success                 1 other error (INTERNAL, UNKNOWN, ...)      2 usage error
+  3 NOT_FOUND               4 INVALID_ARGUMENT                          5 RESOURCE_EXHAUSTED
+  6 UNAUTHENTICATED         7 PERMISSION_DENIED                         8 FAILED_PRECONDITION
+  9 ALREADY_EXISTS          10 UNAVAILABLE (service or database down)   11 DEADLINE_EXCEEDED / --wait timed out
+  12 DATA_LOSS (download checksum mismatch)
+  20 task FAILED            21 task TIMEOUT                              22 task CANCELED   (submit --wait, wait)
+  130 interrupted (Ctrl-C)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from taskgate.client import (
+    AsyncTaskgateClient,
+    Task,
+    TaskEvent,
+    TaskgateError,
+    WaitTimeout,
+    make_config,
+)
+from taskgate.client.config import DEFAULT_ADDRESS, ClientConfig
+from taskgate.client.local import LocalStack, find_state_dir
+from taskgate.client.progress import follow
+from taskgate.states import Status
+from taskgate.v1 import admin_pb2, task_pb2
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 10
+EXIT_TIMEOUT = 11
+EXIT_INTERRUPTED = 130
+EXIT_BY_CODE: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.NOT_FOUND: 3,
+    grpc.StatusCode.INVALID_ARGUMENT: 4,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 5,
+    grpc.StatusCode.UNAUTHENTICATED: 6,
+    grpc.StatusCode.PERMISSION_DENIED: 7,
+    grpc.StatusCode.FAILED_PRECONDITION: 8,
+    grpc.StatusCode.ALREADY_EXISTS: 9,
+    grpc.StatusCode.UNAVAILABLE: EXIT_UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: EXIT_TIMEOUT,
+    grpc.StatusCode.DATA_LOSS: 12,
+}
+EXIT_BY_STATUS: dict[Status, int] = {Status.SUCCEEDED: 0, Status.FAILED: 20, Status.TIMEOUT: 21, Status.CANCELED: 22}
+
+HINTS: dict[grpc.StatusCode, str] = {
+    grpc.StatusCode.NOT_FOUND: "check the id with `taskgate list` (tasks are visible only to the tenant that submitted them)",
+    grpc.StatusCode.INVALID_ARGUMENT: "fix the fields named above and submit again",
+    grpc.StatusCode.UNAUTHENTICATED: "pass --api-key or set TASKGATE_API_KEY (`make run` saves a demo key in .taskgate/client.json)",
+    grpc.StatusCode.PERMISSION_DENIED: "use an admin key: --admin-key or TASKGATE_ADMIN_KEY (`taskgate keys create --tenant ops --admin`)",
+    grpc.StatusCode.FAILED_PRECONDITION: "check the task's status with `taskgate get ID`",
+    grpc.StatusCode.ALREADY_EXISTS: "this idempotency key was used for a different request; use a new key",
+    grpc.StatusCode.UNAVAILABLE: "is the stack running? start it with `make run`, or pass --address; then retry",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the call took too long; retry, or raise --timeout",
+    grpc.StatusCode.DATA_LOSS: "the download did not match the recorded checksum; download again",
+}
+
+
+class CliError(Exception):
+    """A failure outside gRPC (configuration, database) with the exit code to use."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_ERROR, hint: str = "") -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.hint = hint
+
+
+# -- output -------------------------------------------------------------------------------------------------------
+
+
+class Output:
+    """Where results go: one JSON document (or JSON lines for streams) with --json, readable text otherwise."""
+
+    def __init__(self, as_json: bool, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
+        self.json = as_json
+        self.out = out
+        self.err = err
+
+    def document(self, data: object) -> None:
+        self.out.write(json.dumps(data, default=_json_default) + "\n")
+        self.out.flush()
+
+    def line(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def table(self, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+        cells = [[str(c) for c in headers], *[[_cell(c) for c in row] for row in rows]]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+        for row in cells:
+            self.line("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+    def fields(self, pairs: Sequence[tuple[str, object]]) -> None:
+        width = max(len(k) for k, _ in pairs)
+        for key, value in pairs:
+            if value not in (None, ""):
+                self.line(f"{key.ljust(width)}  {_cell(value)}")
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, Message):
+        return _proto_dict(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _proto_dict(msg: Message) -> dict[str, Any]:
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, datetime):
+        return value.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    if isinstance(value, Status):
+        return value.value
+    return str(value)
+
+
+def _short(text: str, width: int = 48) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _status_name(value: int) -> str:
+    return task_pb2.TaskStatus.Name(value).removeprefix("TASK_STATUS_")  # type: ignore[arg-type]
+
+
+def print_task(out: Output, task: Task) -> None:
+    """A task as key/value lines (or its JSON document)."""
+    if out.json:
+        out.document(task.to_dict())
+        return
+    result = task.result
+    out.fields(
+        [
+            ("task_id", task.task_id),
+            ("status", task.status),
+            ("progress", f"{task.progress}%"),
+            ("queue position", task.queue_position or ""),
+            ("model", task.model_id),
+            ("prompt", _short(task.prompt, 80)),
+            ("priority", task.priority),
+            ("attempt", task.attempt or ""),
+            ("created", task.created_at),
+            ("finished", task.finished_at),
+            ("error", f"{task.error_code}: {task.error_message}" if task.error_code else ""),
+            ("result", f"{result.size_bytes} bytes, sha256 {result.sha256[:16]}…" if result else ""),
+            ("reused", "yes (identical earlier run)" if task.result_reused else ""),
+            ("callback", f"{task.callback_url} ({task.callback_status})" if task.callback_url else ""),
+            ("new", "" if task.created is None else ("yes" if task.created else "no, existing task for this idempotency key")),
+        ]
+    )
+
+
+def print_event(out: Output, event: TaskEvent) -> None:
+    """One line per watched event, each with its version."""
+    if out.json:
+        out.document(event.to_dict())
+        return
+    move = f"{event.from_status.value} → {event.status.value}" if event.from_status else f"{event.status.value} (snapshot)"
+    at = event.at.astimezone().strftime("%H:%M:%S.%f")[:-3] if event.at else ""
+    extra = []
+    if event.status is Status.PROCESSING or event.progress:
+        extra.append(f"{event.progress}%")
+    if event.queue_position:
+        extra.append(f"queue position {event.queue_position}")
+    if event.error_code:
+        extra.append(f"{event.error_code}: {event.error_message}")
+    if event.reason:
+        extra.append(f"({event.reason})")
+    out.line(f"v{event.version:<4} {at}  {move:<26} {' '.join(extra)}".rstrip())
+
+
+def report_error(out: Output, exc: TaskgateError) -> int:
+    """Prints one line naming the status code, with the reason and a hint; returns the exit code."""
+    reason = f" [{exc.reason}]" if exc.reason and exc.reason != exc.code_name else ""
+    fields = "".join(f"; {v.field}: {v.description}" for v in exc.field_violations)
+    retry = f"; retry in {exc.retry_delay:g}s" if exc.retry_delay and exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED else ""
+    hint = HINTS.get(exc.code, "")
+    if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        hint = "wait for some of your tasks to finish, or retry later"
+    out.err.write(f"error: {exc.code_name}: {exc.message}{reason}{fields}{retry}" + (f" — hint: {hint}" if hint else "") + "\n")
+    if out.json:
+        out.document({"error": {**exc.to_dict(), "hint": hint}})
+    return EXIT_BY_CODE.get(exc.code, EXIT_ERROR)
+
+
+# -- connection ---------------------------------------------------------------------------------------------------
+
+
+def _state_dir() -> Path:
+    return find_state_dir(Path(os.environ.get("TASKGATE_STATE_DIR") or ".taskgate"))
+
+
+def client_config(args: argparse.Namespace) -> ClientConfig:
+    """Flags win, then TASKGATE_* variables, then the details `make run` saved, then localhost defaults."""
+    saved = LocalStack.load(_state_dir())
+    address = args.address or os.environ.get("TASKGATE_ADDRESS")
+    use_saved = address is None and saved is not None
+    if address is None:
+        address = saved.address if saved is not None else DEFAULT_ADDRESS
+    return make_config(
+        address,
+        args.api_key or os.environ.get("TASKGATE_API_KEY") or (saved.api_key if saved else None),
+        events_address=args.events_address
+        or os.environ.get("TASKGATE_EVENTS_ADDRESS")
+        or (saved.events_address if use_saved and saved else None),
+        admin_address=args.admin_address
+        or os.environ.get("TASKGATE_ADMIN_ADDRESS")
+        or (saved.admin_address if use_saved and saved else None),
+        admin_key=args.admin_key or os.environ.get("TASKGATE_ADMIN_KEY") or (saved.admin_key if saved else None),
+        tls=args.tls,
+        root_certificates=args.tls_ca,
+        client_cert=args.tls_cert,
+        client_key=args.tls_key,
+        tls_server_name=args.tls_server_name,
+        call_timeout=args.timeout,
+    )
+
+
+# -- task commands ------------------------------------------------------------------------------------------------
+
+
+def _metadata(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(f"--metadata wants KEY=VALUE, not {item!r}", EXIT_USAGE)
+        out[key] = value
+    return out
+
+
+async def _finish(client: AsyncTaskgateClient, out: Output, task: Task, wait_seconds: float | None) -> int:
+    # The bar goes to stderr so stdout stays one document; off when stderr is not a terminal and --json is set.
+    progress_out: TextIO = out.err if (out.err.isatty() or not out.json) else io.StringIO()
+    final = await follow(client, task.task_id, progress_out, wait_seconds)
+    print_task(out, final)
+    return EXIT_BY_STATUS.get(final.status, EXIT_ERROR)
+
+
+async def cmd_submit(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    task = await client.submit(
+        args.prompt,
+        args.model,
+        frames=args.frames,
+        width=args.width,
+        height=args.height,
+        steps=args.steps,
+        guidance=args.guidance,
+        fps=args.fps,
+        seed=args.seed,
+        negative_prompt=args.negative_prompt,
+        priority=args.priority,
+        idempotency_key=args.idempotency_key,
+        callback_url=args.callback_url,
+        callback_events=args.callback_event,
+        metadata=_metadata(args.metadata),
+        max_retries=args.max_retries,
+    )
+    if not args.wait:
+        print_task(out, task)
+        return EXIT_OK
+    if not out.json:
+        out.err.write(f"submitted {task.task_id}\n")
+    return await _finish(client, out, task, args.wait_timeout)
+
+
+async def cmd_wait(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    return await _finish(client, out, await client.get(args.task_id), args.wait_timeout)
+
+
+async def cmd_get(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    print_task(out, await client.get(args.task_id))
+    return EXIT_OK
+
+
+async def cmd_list(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    statuses = [s.strip() for item in args.status for s in item.split(",") if s.strip()] or None
+    if statuses:
+        bad = [s for s in statuses if s.upper() not in Status.__members__]
+        if bad:
+            raise CliError(f"unknown status {bad[0]!r}; one of {', '.join(Status)}", EXIT_USAGE)
+    tasks: list[Task] = []
+    async for task in client.list(statuses, page_size=min(args.limit, 100)):
+        tasks.append(task)
+        if len(tasks) >= args.limit:
+            break
+    if out.json:
+        out.document({"tasks": [t.to_dict() for t in tasks]})
+        return EXIT_OK
+    if not tasks:
+        out.line("no tasks")
+        return EXIT_OK
+    out.table(
+        ["TASK ID", "STATUS", "PROGRESS", "MODEL", "CREATED", "PROMPT"],
+        [[t.task_id, t.status, f"{t.progress}%", t.model_id, t.created_at or "", _short(t.prompt, 40)] for t in tasks],
+    )
+    return EXIT_OK
+
+
+async def cmd_watch(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    async for event in client.watch(args.task_id, after_version=args.after_version):
+        print_event(out, event)
+    return EXIT_OK
+
+
+async def cmd_cancel(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    print_task(out, await client.cancel(args.task_id, hard=args.hard))
+    return EXIT_OK
+
+
+async def cmd_result(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    path = Path(args.output or f"{args.task_id}.mp4")
+    info = await client.download(args.task_id, path)
+    if out.json:
+        out.document({"task_id": args.task_id, "path": str(path), **info.to_dict()})
+    else:
+        out.line(f"wrote {path} ({info.size_bytes} bytes, {info.content_type}, sha256 {info.sha256} verified)")
+    return EXIT_OK
+
+
+# -- admin commands -----------------------------------------------------------------------------------------------
+
+
+def _ts(ts: Any) -> str:
+    return str(ts.ToDatetime(tzinfo=UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def _seconds(d: Any) -> float:
+    return float(d.ToNanoseconds()) / 1e9
+
+
+async def cmd_admin_stats(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    stats = await client.stats()
+    if out.json:
+        out.document(_proto_dict(stats))
+        return EXIT_OK
+    out.table(["MODEL", "STATUS", "COUNT"], [[c.model_id, _status_name(c.status), c.count] for c in stats.counts] or [["-", "-", 0]])
+    if stats.HasField("oldest_queued_age"):
+        out.line(f"\noldest queued task: {_seconds(stats.oldest_queued_age):.1f}s")
+    if stats.workers:
+        out.line()
+        out.table(
+            ["WORKER", "RUNNING", "SLOTS", "ALIVE", "LAST HEARTBEAT"],
+            [
+                [w.worker_id, w.running, w.slots, "yes" if w.alive else "no", _ts(w.last_heartbeat)]
+                for w in stats.workers
+            ],
+        )
+    if stats.callbacks:
+        out.line()
+        out.table(
+            ["CALLBACKS", "COUNT"],
+            [[task_pb2.CallbackStatus.Name(c.status).removeprefix("CALLBACK_STATUS_"), c.count] for c in stats.callbacks],
+        )
+    return EXIT_OK
+
+
+async def cmd_admin_stuck(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    stuck = await client.stuck(args.limit)
+    if out.json:
+        out.document({"tasks": [_proto_dict(s) for s in stuck]})
+        return EXIT_OK
+    if not stuck:
+        out.line("no stuck tasks")
+        return EXIT_OK
+    out.table(
+        ["TASK ID", "STATUS", "MODEL", "ATTEMPT", "REASON"],
+        [[s.task.id, _status_name(s.task.status), s.task.model_id, s.task.attempt, s.reason] for s in stuck],
+    )
+    return EXIT_OK
+
+
+def _print_batch(out: Output, batch: admin_pb2.RequeueBatch) -> None:
+    if out.json:
+        out.document(_proto_dict(batch))
+        return
+    label = " (dry run)" if batch.dry_run else ""
+    out.line(f"batch {batch.batch}{label}: {len(batch.items)} task(s)")
+    for item in batch.items:
+        out.line(f"  {item.task_id}  {_status_name(item.from_status):<10} {item.action:<14} {item.detail}".rstrip())
+
+
+async def cmd_admin_requeue(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    if not args.task_ids and not args.status and not args.model:
+        raise CliError("give task ids, or a filter (--status/--model/--older-than)", EXIT_USAGE)
+    async for batch in client.requeue(
+        args.task_ids,
+        status=args.status or None,
+        model=args.model,
+        older_than=args.older_than,
+        dry_run=args.dry_run,
+        batch_size=args.batch_size,
+        reason=args.reason,
+    ):
+        _print_batch(out, batch)
+    return EXIT_OK
+
+
+async def cmd_admin_repair(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    try:
+        from services.scheduler.repair import repair
+    except ImportError as exc:
+        raise CliError(f"repair is not available: {exc}") from None
+    result = await repair(client.admin_stub, args.dry_run, args.batch_size, out.out)
+    return int(result) if isinstance(result, int) else EXIT_OK
+
+
+async def cmd_admin_dead_letters(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    letters = []
+    async for letter in client.dead_letters(page_size=min(args.limit, 100)):
+        letters.append(letter)
+        if len(letters) >= args.limit:
+            break
+    if out.json:
+        out.document({"dead_letters": [_proto_dict(d) for d in letters]})
+        return EXIT_OK
+    if not letters:
+        out.line("no dead letters")
+        return EXIT_OK
+    out.table(
+        ["TASK ID", "STATUS", "MODEL", "DEAD AT", "REASON"],
+        [
+            [d.task.id, _status_name(d.task.status), d.task.model_id, _ts(d.dead_at), _short(d.reason, 60)]
+            for d in letters
+        ],
+    )
+    return EXIT_OK
+
+
+async def cmd_admin_redeliver(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    deliveries = await client.redeliver(args.task_id)
+    if out.json:
+        out.document({"deliveries": [_proto_dict(d) for d in deliveries]})
+        return EXIT_OK
+    if not deliveries:
+        out.line("nothing to redeliver")
+        return EXIT_OK
+    out.table(
+        ["DELIVERY", "WEBHOOK ID", "EVENT", "STATUS", "ATTEMPTS"],
+        [
+            [d.delivery_id, d.webhook_id, d.event, task_pb2.CallbackStatus.Name(d.status).removeprefix("CALLBACK_STATUS_"), d.attempts]
+            for d in deliveries
+        ],
+    )
+    return EXIT_OK
+
+
+# -- keys (straight to the database) ------------------------------------------------------------------------------
+
+
+async def _keys(action: Callable[[Any, Any], Awaitable[int]]) -> int:
+    import asyncpg
+
+    from taskgate.config import load_settings
+    from taskgate.runtime import resolve_urls
+
+    settings = load_settings()
+    if not settings.state_dir.is_absolute():
+        settings = settings.model_copy(update={"state_dir": find_state_dir(settings.state_dir, None, marker="servers.json")})
+    try:
+        database_url, _ = resolve_urls(settings)
+    except SystemExit as exc:
+        raise CliError(str(exc.code), EXIT_UNAVAILABLE, "start the stack with `make run`, or set TASKGATE_DATABASE_URL") from None
+    try:
+        conn = await asyncpg.connect(database_url, timeout=10)
+    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        raise CliError(f"cannot reach the database: {exc}", EXIT_UNAVAILABLE, "is the stack running (`make run`)?") from None
+    try:
+        return await action(conn, settings)
+    finally:
+        await conn.close()
+
+
+async def cmd_keys_create(args: argparse.Namespace, out: Output) -> int:
+    from taskgate.auth import create_key
+
+    async def run(conn: Any, settings: Any) -> int:
+        try:
+            key, secret = await create_key(
+                conn,
+                settings.api_key_pepper,
+                args.tenant,
+                admin=args.admin,
+                max_pending=args.max_pending,
+                submits_per_minute=args.submits_per_minute,
+            )
+        except Exception as exc:
+            if type(exc).__name__ == "CheckViolationError":
+                raise CliError(f"invalid tenant name {args.tenant!r}: use 1-64 of A-Z a-z 0-9 _ -", 4) from None
+            raise
+        if out.json:
+            out.document({"tenant": args.tenant, "api_key": key, "prefix": key[:10], "admin": args.admin, "webhook_secret": secret})
+            return EXIT_OK
+        out.fields(
+            [
+                ("tenant", args.tenant),
+                ("api key", key),
+                ("admin", "yes" if args.admin else "no"),
+                ("webhook secret", secret or "(unchanged: it was shown when the tenant was created)"),
+            ]
+        )
+        out.line("\nStore these now: they are not shown again (only a hash of the key is kept).")
+        return EXIT_OK
+
+    return await _keys(run)
+
+
+async def cmd_keys_revoke(args: argparse.Namespace, out: Output) -> int:
+    from taskgate import sql
+
+    async def run(conn: Any, settings: Any) -> int:
+        rows = await conn.fetch(sql.query("revoke_api_key"), args.prefix)
+        if out.json:
+            out.document({"revoked": [{"id": r["id"], "tenant": r["tenant_id"]} for r in rows]})
+        elif rows:
+            out.line(f"revoked {len(rows)} key(s) with prefix {args.prefix}")
+        if not rows:
+            raise CliError(f"no live key with prefix {args.prefix!r}", EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND], "see `taskgate keys list`")
+        return EXIT_OK
+
+    return await _keys(run)
+
+
+async def cmd_keys_list(args: argparse.Namespace, out: Output) -> int:
+    from taskgate import sql
+
+    async def run(conn: Any, settings: Any) -> int:
+        rows = await conn.fetch(sql.query("list_api_keys"))
+        keys = [
+            {
+                "prefix": r["prefix"],
+                "tenant": r["tenant_id"],
+                "admin": r["is_admin"],
+                "created_at": r["created_at"],
+                "revoked_at": r["revoked_at"],
+            }
+            for r in rows
+        ]
+        if out.json:
+            out.document({"keys": keys})
+        elif not keys:
+            out.line("no keys")
+        else:
+            out.table(
+                ["PREFIX", "TENANT", "ADMIN", "CREATED", "REVOKED"],
+                [[k["prefix"], k["tenant"], "yes" if k["admin"] else "", k["created_at"], k["revoked_at"] or ""] for k in keys],
+            )
+        return EXIT_OK
+
+    return await _keys(run)
+
+
+# -- parser -------------------------------------------------------------------------------------------------------
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options accepted before or after the command (defaults suppressed so the later position does not reset them)."""
+    p = argparse.ArgumentParser(add_help=False)
+    S = argparse.SUPPRESS
+    p.add_argument("--json", action="store_true", default=S, help="machine-readable output (JSON; JSON lines for streams)")
+    p.add_argument("--address", default=S, help="gateway host:port (env TASKGATE_ADDRESS; default: the `make run` stack)")
+    p.add_argument("--api-key", default=S, help="API key (env TASKGATE_API_KEY; default: the `make run` demo key)")
+    p.add_argument("--admin-key", default=S, help="admin key for `admin` commands (env TASKGATE_ADMIN_KEY)")
+    p.add_argument("--events-address", default=S, help="notifier host:port (default: gateway host, port 50052)")
+    p.add_argument("--admin-address", default=S, help="scheduler host:port (default: gateway host, port 50053)")
+    p.add_argument("--tls", action="store_true", default=S, help="use TLS with the system's root certificates")
+    p.add_argument("--tls-ca", default=S, metavar="PEM", help="CA certificate to trust (turns TLS on)")
+    p.add_argument("--tls-cert", default=S, metavar="PEM", help="client certificate for mutual TLS")
+    p.add_argument("--tls-key", default=S, metavar="PEM", help="client private key for mutual TLS")
+    p.add_argument("--tls-server-name", default=S, help="expected server name in its certificate")
+    p.add_argument("--timeout", type=float, default=S, help="seconds per call (default 30)")
+    return p
+
+
+DEFAULTS: dict[str, object] = {
+    "json": False,
+    "address": None,
+    "api_key": None,
+    "admin_key": None,
+    "events_address": None,
+    "admin_address": None,
+    "tls": False,
+    "tls_ca": None,
+    "tls_cert": None,
+    "tls_key": None,
+    "tls_server_name": None,
+    "timeout": 30.0,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line."""
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog="taskgate",
+        parents=[common],
+        description="Submit, follow and manage taskgate tasks.",
+        epilog=__doc__.split("\n", 2)[2] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, handler: object, help_text: str, parent: Any = sub) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = parent.add_parser(name, parents=[common], help=help_text, description=help_text)
+        p.set_defaults(handler=handler)
+        return p
+
+    p = add("submit", cmd_submit, "submit a text-to-video task")
+    p.add_argument("prompt")
+    p.add_argument("--model", help="model id (default: the gateway's default model)")
+    p.add_argument("--frames", type=int, help="number of frames (Wan: 4k+1)")
+    p.add_argument("--width", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--steps", type=int, help="denoising steps")
+    p.add_argument("--guidance", type=float, help="guidance scale")
+    p.add_argument("--fps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--negative-prompt", default="")
+    p.add_argument("--priority", choices=["low", "normal", "high"], default="normal")
+    p.add_argument("--idempotency-key", help="same key + same request returns the existing task (default: a new uuid)")
+    p.add_argument("--callback-url", help="webhook URL for terminal events")
+    p.add_argument("--callback-event", action="append", default=[], choices=["CANCELED", "PROGRESS"], help="extra webhook events")
+    p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--max-retries", type=int)
+    p.add_argument("--wait", action="store_true", help="show live progress until the task is finished")
+    p.add_argument("--wait-timeout", type=float, metavar="SECONDS", help="give up waiting after this long (exit 11)")
+
+    p = add("wait", cmd_wait, "show live progress of a task until it is finished")
+    p.add_argument("task_id")
+    p.add_argument("--wait-timeout", type=float, metavar="SECONDS")
+
+    p = add("get", cmd_get, "show one task")
+    p.add_argument("task_id")
+
+    p = add("list", cmd_list, "list your tasks, newest first")
+    p.add_argument("--status", action="append", default=[], help="only these states (repeat or comma-separate)")
+    p.add_argument("--limit", type=int, default=50)
+
+    p = add("watch", cmd_watch, "print each event of a task (with its version) until it is finished")
+    p.add_argument("task_id")
+    p.add_argument("--after-version", type=int, default=0, help="resume after this version")
+
+    p = add("cancel", cmd_cancel, "cancel a task (soft: a running task finishes and its output is kept for reuse)")
+    p.add_argument("task_id")
+    p.add_argument("--hard", action="store_true", help="stop inference at the next step and discard the output")
+
+    p = add("result", cmd_result, "download a finished task's video (checks its sha256)")
+    p.add_argument("task_id")
+    p.add_argument("-o", "--output", help="file to write (default: <task id>.mp4)")
+
+    keys = add("keys", None, "manage API keys (talks to the database directly)")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    p = add("create", cmd_keys_create, "create a key (and the tenant, with its webhook secret, if new)", keys_sub)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--admin", action="store_true", help="the key may use the admin API")
+    p.add_argument("--max-pending", type=int, help="the tenant's unfinished-task limit")
+    p.add_argument("--submits-per-minute", type=int, help="the tenant's submission rate limit")
+    p = add("revoke", cmd_keys_revoke, "revoke keys by the prefix `keys list` shows", keys_sub)
+    p.add_argument("prefix")
+    add("list", cmd_keys_list, "list keys (prefixes only)", keys_sub)
+
+    admin = add("admin", None, "operator commands (need an admin key)")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True, metavar="ACTION")
+    add("stats", cmd_admin_stats, "counts per model and state, workers, callbacks", admin_sub)
+    p = add("stuck", cmd_admin_stuck, "tasks the scheduler considers stuck, with why", admin_sub)
+    p.add_argument("--limit", type=int, default=100)
+    p = add("requeue", cmd_admin_requeue, "requeue tasks by id or filter, in batches", admin_sub)
+    p.add_argument("task_ids", nargs="*")
+    p.add_argument("--status", action="append", default=[], help="filter: states (repeatable)")
+    p.add_argument("--model", help="filter: model id")
+    p.add_argument("--older-than", type=float, metavar="SECONDS", help="filter: not updated for this long")
+    p.add_argument("--dry-run", action="store_true", help="report what would be requeued")
+    p.add_argument("--batch-size", type=int, default=50)
+    p.add_argument("--reason", default="cli requeue")
+    p = add("repair", cmd_admin_repair, "find and fix stuck or inconsistent tasks", admin_sub)
+    p.add_argument("--dry-run", action="store_true", help="report only")
+    p.add_argument("--batch-size", type=int, default=50)
+    p = add("dead-letters", cmd_admin_dead_letters, "tasks that failed for good", admin_sub)
+    p.add_argument("--limit", type=int, default=100)
+    p = add("redeliver", cmd_admin_redeliver, "send a task's webhooks again", admin_sub)
+    p.add_argument("task_id")
+    return parser
+
+
+async def _run(args: argparse.Namespace, out: Output) -> int:
+    handler = args.handler
+    if args.command == "keys":
+        return int(await handler(args, out))
+    client = AsyncTaskgateClient(client_config(args))
+    try:
+        return int(await handler(client, args, out))
+    finally:
+        await client.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `taskgate` command; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    for key, value in DEFAULTS.items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    out = Output(bool(args.json))
+    try:
+        return asyncio.run(_run(args, out))
+    except TaskgateError as exc:
+        return report_error(out, exc)
+    except WaitTimeout as exc:
+        out.err.write(f"error: DEADLINE_EXCEEDED: {exc} — hint: the task goes on; follow it with `taskgate watch {exc.task_id}`\n")
+        if out.json:
+            out.document({"error": {"code": "DEADLINE_EXCEEDED", "message": str(exc), "task_id": exc.task_id}})
+        return EXIT_TIMEOUT
+    except CliError as exc:
+        out.err.write(f"error: {exc}" + (f" — hint: {exc.hint}" if exc.hint else "") + "\n")
+        if out.json:
+            out.document({"error": {"code": "CLI", "message": str(exc), "hint": exc.hint}})
+        return exc.exit_code
+    except KeyboardInterrupt:
+        out.err.write("\ninterrupted\n")
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""A live progress line for one task: queue position while QUEUED, denoising progress while PROCESSING."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TextIO
+
+from taskgate.client.aio import AsyncTaskgateClient
+from taskgate.client.types import Task, TaskEvent
+from taskgate.states import Status
+
+WAITING = frozenset({Status.CREATED, Status.QUEUED})
+
+
+class ProgressBar:
+    """Redraws one line on a terminal; elsewhere prints a line only when something changed."""
+
+    def __init__(self, out: TextIO, *, width: int = 28, tty: bool | None = None) -> None:
+        self.out = out
+        self.width = width
+        self.tty = out.isatty() if tty is None else tty
+        self.status: Status | None = None
+        self.version = 0
+        self.progress = 0
+        self.queue_position = 0
+        self._started = time.monotonic()
+        self._last_line = ""
+
+    def event(self, event: TaskEvent) -> None:
+        """Takes a watched event (or a polled snapshot) if it is newer than what is shown."""
+        if event.version < self.version:
+            return
+        position = event.queue_position if event.snapshot else (self.queue_position if event.status == self.status else 0)
+        self.update(event.status, event.progress, position, event.version)
+
+    def queue(self, task: Task) -> None:
+        """Refreshes the queue position from a polled task of the same version."""
+        if task.version == self.version and task.status in WAITING:
+            self.update(task.status, task.progress, task.queue_position, task.version)
+
+    def update(self, status: Status, progress: int, queue_position: int, version: int) -> None:
+        self.status, self.progress, self.queue_position, self.version = status, progress, queue_position, version
+        self._draw(final=False)
+
+    def finish(self, task: Task) -> None:
+        """Draws the final state and ends the line."""
+        self.status, self.progress, self.version = task.status, task.progress, task.version
+        if task.status is Status.SUCCEEDED:
+            self.progress = 100
+        self._draw(final=True)
+
+    def _line(self) -> str:
+        status = self.status.value if self.status else "…"
+        filled = round(self.width * self.progress / 100)
+        bar = "█" * filled + "░" * (self.width - filled)
+        if self.status in WAITING:
+            detail = f"queue position {self.queue_position}" if self.queue_position else "waiting for a worker"
+        else:
+            detail = f"{self.progress:3d}%"
+        return f"{status:<10} [{bar}] {detail}"
+
+    def _draw(self, *, final: bool) -> None:
+        line = self._line()
+        elapsed = f"{time.monotonic() - self._started:5.1f}s"
+        if self.tty:
+            self.out.write(f"\r\x1b[2K{line}  {elapsed}" + ("\n" if final else ""))
+        elif line != self._last_line or final:
+            self.out.write(f"{line}  {elapsed}\n")
+        self._last_line = line
+        self.out.flush()
+
+
+async def follow(client: AsyncTaskgateClient, task_id: str, out: TextIO, wait_seconds: float | None = None) -> Task:
+    """Shows a task's progress on `out` until it is terminal, and returns the final task."""
+    bar = ProgressBar(out)
+
+    async def refresh_queue_position() -> None:
+        # Events do not carry the queue position; poll it while the task waits.
+        while True:
+            await asyncio.sleep(1.0)
+            if bar.status in WAITING:
+                with contextlib.suppress(Exception):
+                    bar.queue(await client.get(task_id))
+
+    refresher = asyncio.create_task(refresh_queue_position())
+    try:
+        task = await client.wait(task_id, wait_seconds, on_event=bar.event)
+    finally:
+        refresher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await refresher
+    bar.finish(task)
+    return task
