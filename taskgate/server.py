@@ -22,7 +22,7 @@ log = logging.getLogger("taskgate.rpc")
 
 # Failures of our backends: the caller should retry, not see an internal error.
 BACKEND_ERRORS: tuple[type[BaseException], ...] = (
-    asyncpg.PostgresConnectionStatusError,
+    asyncpg.PostgresConnectionError,
     asyncpg.CannotConnectNowError,
     asyncpg.InterfaceError,
     asyncpg.exceptions.ConnectionDoesNotExistError,
