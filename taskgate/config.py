@@ -103,6 +103,15 @@ class Settings(BaseSettings):
     retry_backoff_seconds: float = Field(default=2.0, gt=0, description="First retry delay; doubles each retry.")
     retry_backoff_max_seconds: float = Field(default=120.0, gt=0)
 
+    # Scheduler and TaskAdmin
+    worker_forget_seconds: float = Field(default=100.0, gt=0, description="Worker rows silent this long are deleted (about 10 leases).")
+    dead_letter_window_seconds: float = Field(
+        default=86400.0, gt=0, description="How far back the scheduler looks for FAILED tasks missing a dead letter."
+    )
+    requeue_batch_size: int = Field(default=50, ge=1, le=1000, description="RequeueTasks batch size when the caller gives none.")
+    admin_page_size: int = Field(default=100, ge=1, description="Admin listings' page size when the caller gives none.")
+    admin_max_page_size: int = Field(default=1000, ge=1, description="Largest admin listing page (and ListStuckTasks limit).")
+
     # Worker
     worker_id: str | None = Field(default=None, description="Default: hostname-pid.")
     worker_slots: int = Field(default=0, ge=0, description="Concurrent tasks; 0 = one per CUDA device, 1 on CPU.")

@@ -99,6 +99,10 @@ CALLBACK_LATENCY = Histogram(
 RELAY_LAG = Gauge("taskgate_event_relay_lag_seconds", "Age of the oldest event not yet relayed to JetStream.")
 EVENTS_RELAYED = Counter("taskgate_events_relayed_total", "Task events relayed to JetStream.")
 SCHEDULER_ACTIONS = Counter("taskgate_scheduler_actions_total", "Tasks moved by scheduler scans, by action.", ["action"])
+SCHEDULER_SCAN_SECONDS = Histogram(
+    "taskgate_scheduler_scan_duration_seconds", "Time one scheduler scan batch took.", ["scan"], buckets=FAST_BUCKETS
+)
+SCHEDULER_SCAN_ERRORS = Counter("taskgate_scheduler_scan_errors_total", "Scheduler scan batches that failed.", ["scan"])
 GRPC_REQUESTS = Counter("taskgate_grpc_requests_total", "gRPC calls served.", ["service", "method", "code"])
 GRPC_LATENCY = Histogram(
     "taskgate_grpc_request_duration_seconds", "gRPC call duration.", ["service", "method"], buckets=FAST_BUCKETS

@@ -1,0 +1,1 @@
+"""The scheduler: scans that move stuck tasks on, and the TaskAdmin API."""

@@ -1,0 +1,167 @@
+"""The scheduler service: the scan loop that moves stuck tasks on, the queue gauges, and the TaskAdmin server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import asyncpg
+import grpc
+from grpc_health.v1 import health
+
+from services.scheduler.admin import TaskAdminService
+from services.scheduler.scans import (
+    Action,
+    CreatedScan,
+    DeadLetterScan,
+    LeaseScan,
+    ProcessingTimeoutScan,
+    QueuedScan,
+    Scan,
+    ScanContext,
+    TaskScan,
+    WorkerScan,
+    count,
+)
+from taskgate import bus as busmod
+from taskgate import runtime, server, sql, telemetry
+from taskgate.config import Settings
+from taskgate.v1 import admin_pb2_grpc
+
+log = logging.getLogger("taskgate.scheduler")
+
+
+@dataclass
+class ScanReport:
+    """What one pass of every scan did: tasks per action, scans that failed (name -> error), and whether any
+    scan filled its batch (so another pass should follow at once)."""
+
+    actions: Counter[Action] = field(default_factory=Counter)
+    failed: dict[str, str] = field(default_factory=dict)
+    full: bool = False
+
+    def __getitem__(self, action: Action) -> int:
+        return self.actions[action]
+
+
+class Scheduler:
+    """Runs every scan in turn, on a timer (run) or on demand (run_once), and refreshes the queue gauges."""
+
+    def __init__(self, settings: Settings, pool: asyncpg.Pool, bus: busmod.Bus) -> None:
+        self.settings = settings
+        self.pool = pool
+        ctx = ScanContext(settings, pool, bus)
+        # QUEUED and CREATED first: a task released by the lease scan in this pass is not re-published in it.
+        self.task_scans: list[TaskScan] = [QueuedScan(ctx), CreatedScan(ctx), LeaseScan(ctx), ProcessingTimeoutScan(ctx)]
+        self.scans: list[Scan] = [*self.task_scans, DeadLetterScan(ctx), WorkerScan(ctx)]  # type: ignore[list-item]
+        self.passes = 0
+
+    async def run_once(self, now: datetime | None = None) -> ScanReport:
+        """One batch of every scan; `now` (default: the database's now()) lets tests move the clock."""
+        report = ScanReport()
+        for scan in self.scans:
+            start = time.perf_counter()
+            try:
+                result = await scan.run(now)
+            except Exception as exc:  # one failing scan (a backend down, a bad row) must not stop the others
+                telemetry.SCHEDULER_SCAN_ERRORS.labels(scan.name).inc()
+                expected = isinstance(exc, (asyncpg.PostgresError, *server.BACKEND_ERRORS))
+                log.log(logging.WARNING if expected else logging.ERROR, "scan failed", exc_info=None if expected else exc,
+                        extra={"scan": scan.name, "error": type(exc).__name__})
+                report.failed[scan.name] = f"{type(exc).__name__}: {exc}"
+                continue
+            finally:
+                telemetry.SCHEDULER_SCAN_SECONDS.labels(scan.name).observe(time.perf_counter() - start)
+            count(result)
+            report.actions.update(result.actions)
+            report.full |= result.examined >= self.settings.scan_batch_size
+        self.passes += 1
+        if any(report.actions.values()):
+            log.info("scan pass", extra={"actions": {a.value: n for a, n in report.actions.items() if n}})
+        return report
+
+    async def refresh_gauges(self) -> None:
+        """Sets QUEUE_DEPTH, QUEUE_OLDEST_AGE and PROCESSING per model, and WORKERS_ALIVE."""
+        rows = await self.pool.fetch(sql.query("sched_queue_gauges"))
+        seen = {r["model_id"]: r for r in rows}
+        for model_id in set(self.settings.models) | set(seen):
+            row = seen.get(model_id)
+            telemetry.QUEUE_DEPTH.labels(model_id).set(row["queued"] if row else 0)
+            telemetry.QUEUE_OLDEST_AGE.labels(model_id).set((row["oldest_queued_age"] or 0.0) if row else 0.0)
+            telemetry.PROCESSING.labels(model_id).set(row["processing"] if row else 0)
+        telemetry.WORKERS_ALIVE.set(await self.pool.fetchval(sql.query("sched_workers_alive"), self.settings.lease_seconds))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Scans every scan_interval_seconds (at once again while batches come back full) until `stop` is set."""
+        while not stop.is_set():
+            report = await self.run_once()
+            try:
+                await self.refresh_gauges()
+            except (asyncpg.PostgresError, *server.BACKEND_ERRORS) as exc:
+                log.warning("gauges failed", extra={"error": type(exc).__name__})
+            if report.full and not report.failed:
+                await asyncio.sleep(0)
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.scan_interval_seconds)
+
+
+@dataclass
+class SchedulerHandle:
+    """A running scheduler: its TaskAdmin port, the Scheduler (for run_once in tests), and stop()."""
+
+    port: int
+    scheduler: Scheduler
+    backends: runtime.Backends
+    _server: grpc.aio.Server
+    _health: health.aio.HealthServicer
+    _stop: asyncio.Event
+    _loop: asyncio.Task[None] | None
+    _owns_backends: bool
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stops the scan loop, then the server (in-flight calls get `grace` seconds), then the connections."""
+        self._stop.set()
+        await server.mark_not_serving(self._health)
+        if self._loop is not None:
+            await self._loop
+        await self._server.stop(grace)
+        if self._owns_backends:
+            await self.backends.close()
+
+
+async def start(settings: Settings, backends: runtime.Backends | None = None, *, scan_loop: bool = True) -> SchedulerHandle:
+    """Starts TaskAdmin on settings.scheduler_port and (unless scan_loop=False, for tests) the scan loop."""
+    owns = backends is None
+    b = backends if backends is not None else await runtime.connect(settings, "scheduler")
+    scheduler = Scheduler(settings, b.pool, b.bus)
+    admin = TaskAdminService(settings, b.pool, b.bus, scheduler.task_scans)
+
+    def register(srv: grpc.aio.Server) -> Iterable[str]:
+        admin_pb2_grpc.add_TaskAdminServicer_to_server(admin, srv)
+        return ["taskgate.v1.TaskAdmin"]
+
+    try:
+        srv, port, health_servicer = await server.start_server(settings, settings.scheduler_port, register)
+    except BaseException:
+        if owns:
+            await b.close()
+        raise
+    stop = asyncio.Event()
+    loop = asyncio.create_task(scheduler.run(stop), name="scheduler-loop") if scan_loop else None
+    return SchedulerHandle(port, scheduler, b, srv, health_servicer, stop, loop, owns)
+
+
+async def main(settings: Settings) -> None:
+    """Runs the scheduler until SIGTERM or SIGINT."""
+    async with runtime.stop_signal() as stopping:
+        handle = await start(settings)
+        log.info("scheduler started", extra={"port": handle.port})
+        await stopping.wait()
+        await handle.stop()

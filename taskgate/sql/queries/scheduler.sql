@@ -1,0 +1,170 @@
+-- The scheduler's scans and the TaskAdmin API. Every scan takes an optional "now" ($1, NULL = now()) so tests can
+-- move the clock, and locks what it returns with FOR UPDATE SKIP LOCKED so replicas never take the same row.
+-- The moves themselves go through the guarded blocks of tasks.sql (store.transition).
+
+-- name: sched_created_due
+-- CREATED tasks older than the created timeout (their dispatch was lost or never confirmed). $1 now, $2 timeout
+-- seconds, $3 limit.
+SELECT * FROM task
+WHERE status = 'CREATED'
+  AND updated_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+ORDER BY updated_at
+LIMIT $3
+FOR UPDATE SKIP LOCKED;
+
+-- name: sched_queued_due
+-- QUEUED tasks waiting longer than their model's queue timeout, counted from the last (re-)publish or the end of
+-- a retry backoff. $1 now, $2 model ids, $3 their timeouts (seconds), $4 default timeout, $5 smallest timeout
+-- (the index bound), $6 limit.
+SELECT t.* FROM task t
+WHERE t.status = 'QUEUED'
+  AND t.updated_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $5)
+  AND GREATEST(t.updated_at, t.not_before) < COALESCE($1::timestamptz, now()) - make_interval(secs => COALESCE(
+        (SELECT m.secs FROM unnest($2::text[], $3::float8[]) AS m(model_id, secs) WHERE m.model_id = t.model_id), $4))
+ORDER BY t.updated_at
+LIMIT $6
+FOR UPDATE OF t SKIP LOCKED;
+
+-- name: sched_lease_expired
+-- PROCESSING tasks whose lease ran out: the worker died or lost its connection. $1 now, $2 limit.
+SELECT * FROM task
+WHERE status = 'PROCESSING' AND lease_expires_at < COALESCE($1::timestamptz, now())
+ORDER BY lease_expires_at
+LIMIT $2
+FOR UPDATE SKIP LOCKED;
+
+-- name: sched_processing_overdue
+-- PROCESSING tasks with a live lease running past their model's processing timeout (plus the grace once it was
+-- granted). $1 now, $2 model ids, $3 their timeouts, $4 default timeout, $5 grace seconds, $6 limit.
+SELECT t.* FROM task t
+WHERE t.status = 'PROCESSING'
+  AND t.lease_expires_at >= COALESCE($1::timestamptz, now())
+  AND t.started_at + make_interval(secs => COALESCE(
+        (SELECT m.secs FROM unnest($2::text[], $3::float8[]) AS m(model_id, secs) WHERE m.model_id = t.model_id), $4)
+        + CASE WHEN t.timeout_extended THEN $5 ELSE 0 END) < COALESCE($1::timestamptz, now())
+ORDER BY t.started_at
+LIMIT $6
+FOR UPDATE OF t SKIP LOCKED;
+
+-- name: sched_grant_grace
+-- The one grace extension of a slow but live attempt; not a transition, so no new version. $1 id, $2 attempt.
+UPDATE task SET timeout_extended = true
+WHERE id = $1 AND status = 'PROCESSING' AND attempt = $2 AND NOT timeout_extended
+RETURNING id;
+
+-- name: sched_dead_letter_missing
+-- Dead letters for recent FAILED tasks that exhausted their retries but have none (a writer that failed them
+-- without store.fail_for_good). $1 now, $2 window seconds, $3 reason, $4 limit.
+INSERT INTO dead_letter (task_id, reason, error_code, error_msg)
+SELECT t.id, $3, t.error_code, t.error_msg FROM task t
+WHERE t.status = 'FAILED'
+  AND t.updated_at > COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+  AND t.retry_count >= t.max_retries
+  AND NOT EXISTS (SELECT 1 FROM dead_letter d WHERE d.task_id = t.id)
+ORDER BY t.updated_at
+LIMIT $4
+ON CONFLICT (task_id) DO NOTHING
+RETURNING task_id;
+
+-- name: sched_forget_workers
+-- Deletes registry rows of workers silent for longer than the given time. $1 now, $2 seconds, $3 limit.
+DELETE FROM worker w
+WHERE w.last_heartbeat < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+  AND w.id IN (SELECT id FROM worker
+               WHERE last_heartbeat < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+               ORDER BY last_heartbeat LIMIT $3 FOR UPDATE SKIP LOCKED)
+RETURNING w.id;
+
+-- name: sched_queue_gauges
+-- Per model: QUEUED count, age of the oldest QUEUED task (seconds), PROCESSING count.
+SELECT model_id,
+       count(*) FILTER (WHERE status = 'QUEUED') AS queued,
+       EXTRACT(EPOCH FROM now() - min(queued_at) FILTER (WHERE status = 'QUEUED'))::float8 AS oldest_queued_age,
+       count(*) FILTER (WHERE status = 'PROCESSING') AS processing
+FROM task
+WHERE status IN ('QUEUED', 'PROCESSING')
+GROUP BY model_id;
+
+-- name: sched_workers_alive
+-- Workers whose heartbeat is within the lease. $1 lease seconds.
+SELECT count(*) FROM worker WHERE last_heartbeat > now() - make_interval(secs => $1);
+
+-- name: admin_state_counts
+-- Tasks per model and state.
+SELECT model_id, status::text AS status, count(*) AS n FROM task GROUP BY model_id, status ORDER BY model_id, status;
+
+-- name: admin_live_counts
+-- Unfinished tasks per model and state: the summary after each requeue batch.
+SELECT model_id, status::text AS status, count(*) AS n FROM task
+WHERE status IN ('CREATED', 'QUEUED', 'PROCESSING')
+GROUP BY model_id, status ORDER BY model_id, status;
+
+-- name: admin_oldest_queued_age
+-- Seconds since the oldest QUEUED task was queued; NULL when none is.
+SELECT EXTRACT(EPOCH FROM now() - min(queued_at))::float8 FROM task WHERE status = 'QUEUED';
+
+-- name: admin_worker_stats
+-- Each registered worker and each worker holding PROCESSING tasks: running tasks, slots, heartbeat, alive.
+-- $1 lease seconds.
+SELECT COALESCE(w.id, p.worker_id) AS worker_id, COALESCE(p.n, 0) AS running, COALESCE(w.slots, 0) AS slots,
+       w.last_heartbeat, COALESCE(w.last_heartbeat > now() - make_interval(secs => $1), false) AS alive
+FROM worker w
+FULL JOIN (SELECT worker_id, count(*) AS n FROM task WHERE status = 'PROCESSING' GROUP BY worker_id) p
+       ON p.worker_id = w.id
+ORDER BY 1;
+
+-- name: admin_callback_counts
+-- Webhook deliveries per outcome.
+SELECT status, count(*) AS n FROM callback_delivery GROUP BY status ORDER BY status;
+
+-- name: admin_list_tasks
+-- Tasks by state, model and age, least recently updated first, keyset-paged on (updated_at, id).
+-- $1 states (empty = all), $2 model (NULL = all), $3 minimum seconds since updated_at (NULL = any),
+-- $4 after updated_at, $5 after id (NULL = first page), $6 limit.
+SELECT * FROM task
+WHERE (cardinality($1::task_status[]) = 0 OR status = ANY($1::task_status[]))
+  AND ($2::text IS NULL OR model_id = $2)
+  AND ($3::float8 IS NULL OR updated_at < now() - make_interval(secs => $3))
+  AND ($4::timestamptz IS NULL OR (updated_at, id) > ($4, $5::bigint))
+ORDER BY updated_at, id
+LIMIT $6;
+
+-- name: admin_requeue_page
+-- Ids of unfinished tasks matching a requeue filter, by id (stable while they are requeued).
+-- $1 states, $2 model (NULL = all), $3 minimum seconds since updated_at (NULL = any), $4 after id, $5 limit.
+SELECT id FROM task
+WHERE status = ANY($1::task_status[])
+  AND ($2::text IS NULL OR model_id = $2)
+  AND ($3::float8 IS NULL OR updated_at < now() - make_interval(secs => $3))
+  AND id > $4
+ORDER BY id
+LIMIT $5;
+
+-- name: admin_peek_tasks
+-- Tasks by id, without locking, and whether each holds a live lease. $1 ids.
+SELECT *, (status = 'PROCESSING' AND lease_expires_at >= now()) AS lease_live FROM task WHERE id = ANY($1::bigint[]);
+
+-- name: admin_lock_tasks
+-- Tasks by id, locked for a requeue (rows a scan or worker holds are skipped), and whether each holds a live
+-- lease. $1 ids.
+SELECT *, (status = 'PROCESSING' AND lease_expires_at >= now()) AS lease_live FROM task
+WHERE id = ANY($1::bigint[])
+ORDER BY id
+FOR UPDATE SKIP LOCKED;
+
+-- name: admin_dead_letters
+-- Dead letters with their tasks, newest first, keyset-paged on (dead_at, task_id). $1 before dead_at,
+-- $2 before task id (NULL = first page), $3 limit.
+SELECT t.*, d.reason AS dead_reason, d.created_at AS dead_at
+FROM dead_letter d JOIN task t ON t.id = d.task_id
+WHERE $1::timestamptz IS NULL OR (d.created_at, d.task_id) < ($1, $2::bigint)
+ORDER BY d.created_at DESC, d.task_id DESC
+LIMIT $3;
+
+-- name: admin_redeliver_callback
+-- Sends a task's webhooks again: its deliveries go back to PENDING, due now, same webhook ids (the notifier's
+-- periodic scan picks them up). $1 task id.
+UPDATE callback_delivery
+SET status = 'PENDING', next_attempt_at = now(), delivered_at = NULL, lease_owner = NULL, lease_expires_at = NULL
+WHERE task_id = $1
+RETURNING id, webhook_id, event_type, status, attempts;

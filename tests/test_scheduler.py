@@ -1,0 +1,310 @@
+"""The scheduler's scans on real PostgreSQL and NATS, driven by an injected clock instead of sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+
+import asyncpg
+import pytest
+from nats.js.api import RawStreamMsg
+from prometheus_client import REGISTRY
+
+from services.scheduler import service
+from services.scheduler.scans import Action, dispatch_msg_id
+from services.scheduler.service import Scheduler
+from taskgate import bus as busmod
+from taskgate import store
+from taskgate.config import ModelSpec, Settings
+from taskgate.model import TaskRow
+from taskgate.runtime import Backends, connect
+from taskgate.states import Status
+from taskgate.store import Move, Rejection, transition
+from taskgate.v1 import task_pb2
+from tests.factories import insert_task
+
+RESULT = ("mem://x", "video/mp4", 10, "ab" * 32, False)
+
+
+async def put_in(
+    pool: asyncpg.Pool, status: Status, *, model_id: str = "wan-tiny", lease: float = 10.0, worker: str = "w1",
+    max_retries: int = 3,
+) -> TaskRow:
+    """A task driven to `status` through legal moves; PROCESSING ones hold a lease of `lease` seconds."""
+    task = await insert_task(pool, model_id=model_id, max_retries=max_retries)
+    path: dict[Status, list[tuple[Move, tuple[object, ...]]]] = {
+        Status.CREATED: [],
+        Status.QUEUED: [(Move.QUEUE, ())],
+        Status.PROCESSING: [(Move.QUEUE, ()), (Move.CLAIM, (worker, lease))],
+        Status.SUCCEEDED: [(Move.QUEUE, ()), (Move.CLAIM, (worker, lease)), (Move.SUCCEED, RESULT)],
+        Status.FAILED: [(Move.QUEUE, ()), (Move.CLAIM, (worker, lease)), (Move.FAIL, ("BOOM", "it broke"))],
+        Status.CANCELED: [(Move.CANCEL, ("soft",))],
+    }
+    for move, args in path[status]:
+        out = await transition(pool, task.id, move, *args, actor="test")
+        assert out.applied and out.task is not None, (status, move, out.rejection)
+        task = out.task
+    return task
+
+
+async def db_now(pool: asyncpg.Pool) -> datetime:
+    return await pool.fetchval("SELECT now()")
+
+
+async def row(pool: asyncpg.Pool, task_id: int) -> TaskRow:
+    task = await store.get_task(pool, task_id)
+    assert task is not None
+    return task
+
+
+async def dispatches(bus: busmod.Bus) -> list[tuple[str, str, task_pb2.TaskDispatch]]:
+    """Every message on the TASKS stream: (subject, Nats-Msg-Id, payload), read without consuming."""
+    info = await bus.js.stream_info(busmod.TASKS_STREAM)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        if info.state.messages == 0:
+            break
+        msg: RawStreamMsg = await bus.js.get_msg(busmod.TASKS_STREAM, seq)
+        out.append((msg.subject or "", (msg.headers or {}).get("Nats-Msg-Id", ""), task_pb2.TaskDispatch.FromString(msg.data or b"")))
+    return out
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Polls `condition` every 20 ms until it holds; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def scheduler(backends: Backends) -> Scheduler:
+    return Scheduler(backends.settings, backends.pool, backends.bus)
+
+
+async def test_lost_publish_is_repaired(backends: Backends, scheduler: Scheduler) -> None:
+    task = await put_in(backends.pool, Status.CREATED)  # the submit service crashed before its publish
+    now = await db_now(backends.pool)
+
+    early = await scheduler.run_once(now + timedelta(seconds=29))
+    assert early[Action.QUEUE] == 0 and (await row(backends.pool, task.id)).status is Status.CREATED
+
+    report = await scheduler.run_once(now + timedelta(seconds=31))
+    assert report[Action.QUEUE] == 1 and not report.failed
+    after = await row(backends.pool, task.id)
+    assert (after.status, after.version, after.last_actor) == (Status.QUEUED, task.version + 1, "scheduler")
+    assert after.queued_at is not None
+    [(subject, msg_id, dispatch)] = await dispatches(backends.bus)
+    assert subject == busmod.task_subject("wan-tiny", 5) and msg_id == f"{task.id}.q0"
+    assert dispatch.task_id == str(task.id) and dispatch.model_id == "wan-tiny"
+
+
+async def test_failed_publish_leaves_the_task_for_the_next_pass(backends: Backends, scheduler: Scheduler) -> None:
+    task = await put_in(backends.pool, Status.CREATED)
+    await backends.bus.js.delete_stream(busmod.TASKS_STREAM)  # every publish now fails
+    later = await db_now(backends.pool) + timedelta(seconds=31)
+
+    report = await scheduler.run_once(later)
+    assert report[Action.QUEUE] == 0
+    assert (await row(backends.pool, task.id)).version == task.version
+
+    await busmod.declare(backends.bus, backends.settings)
+    assert (await scheduler.run_once(later))[Action.QUEUE] == 1
+    assert (await row(backends.pool, task.id)).status is Status.QUEUED
+
+
+async def test_queue_timeout_republishes_twice_then_times_out(backends: Backends, scheduler: Scheduler) -> None:
+    task = await put_in(backends.pool, Status.QUEUED)
+    now = await db_now(backends.pool)
+    assert (await scheduler.run_once(now + timedelta(seconds=179))).actions.total() == 0
+
+    for n in (1, 2):
+        now = await db_now(backends.pool)
+        report = await scheduler.run_once(now + timedelta(seconds=181))
+        assert report[Action.REPUBLISH] == 1 and report[Action.QUEUE_TIMEOUT] == 0
+        current = await row(backends.pool, task.id)
+        assert (current.status, current.publish_count, current.version) == (Status.QUEUED, n, task.version + n)
+
+    now = await db_now(backends.pool)
+    report = await scheduler.run_once(now + timedelta(seconds=181))
+    assert report[Action.QUEUE_TIMEOUT] == 1 and report[Action.REPUBLISH] == 0
+    final = await row(backends.pool, task.id)
+    assert (final.status, final.error_code) == (Status.TIMEOUT, "QUEUE_TIMEOUT")
+    dead = await backends.pool.fetchrow("SELECT * FROM dead_letter WHERE task_id = $1", task.id)
+    assert dead is not None and dead["error_code"] == "QUEUE_TIMEOUT"
+    assert [m for _, m, _ in await dispatches(backends.bus)] == [f"{task.id}.p1", f"{task.id}.p2"]
+
+
+async def test_queue_timeout_is_per_model(settings: Settings) -> None:
+    models = dict(settings.models)
+    models["sleepy"] = ModelSpec(kind="sleep", queue_timeout_seconds=5)
+    b = await connect(settings.model_copy(update={"models": models}), "test")
+    try:
+        sched = Scheduler(b.settings, b.pool, b.bus)
+        fast = await put_in(b.pool, Status.QUEUED, model_id="sleepy")
+        slow = await put_in(b.pool, Status.QUEUED, model_id="wan-tiny")
+        report = await sched.run_once(await db_now(b.pool) + timedelta(seconds=6))
+        assert report[Action.REPUBLISH] == 1
+        assert (await row(b.pool, fast.id)).publish_count == 1 and (await row(b.pool, slow.id)).publish_count == 0
+    finally:
+        await b.close()
+
+
+async def test_retry_backoff_delays_the_queue_timeout(backends: Backends, scheduler: Scheduler) -> None:
+    task = await put_in(backends.pool, Status.PROCESSING)
+    out = await transition(backends.pool, task.id, Move.RETRY, "E", "flaky", 120.0, actor="test", expected_attempt=1)
+    assert out.applied
+    now = await db_now(backends.pool)
+    assert (await scheduler.run_once(now + timedelta(seconds=181)))[Action.REPUBLISH] == 0  # still backing off
+    assert (await scheduler.run_once(now + timedelta(seconds=120 + 181)))[Action.REPUBLISH] == 1
+
+
+async def test_expired_lease_requeues_and_fences_out_the_old_attempt(backends: Backends, scheduler: Scheduler) -> None:
+    task = await put_in(backends.pool, Status.PROCESSING, lease=10.0)
+    now = await db_now(backends.pool)
+    assert (await scheduler.run_once(now + timedelta(seconds=9)))[Action.RELEASE] == 0  # lease still live
+
+    report = await scheduler.run_once(now + timedelta(seconds=11))
+    assert report[Action.RELEASE] == 1
+    released = await row(backends.pool, task.id)
+    assert (released.status, released.worker_id, released.attempt) == (Status.QUEUED, None, 1)
+    assert [m for _, m, _ in await dispatches(backends.bus)] == [f"{task.id}.a1"]
+
+    # the old worker wakes up and writes its result: refused, the task is not its any more
+    late = await transition(backends.pool, task.id, Move.SUCCEED, *RESULT, actor="w1", expected_attempt=1)
+    assert late.rejection is Rejection.ILLEGAL
+    again = await transition(backends.pool, task.id, Move.CLAIM, "w2", 10.0, actor="w2")
+    assert again.applied and again.task is not None and again.task.attempt == 2
+    late = await transition(backends.pool, task.id, Move.SUCCEED, *RESULT, actor="w1", expected_attempt=1)
+    assert late.rejection is Rejection.STALE
+    done = await transition(backends.pool, task.id, Move.SUCCEED, *RESULT, actor="w2", expected_attempt=2)
+    assert done.applied
+
+
+async def test_slow_but_alive_worker_gets_one_grace_then_timeout_and_cancel(backends: Backends, scheduler: Scheduler) -> None:
+    s = backends.settings
+    task = await put_in(backends.pool, Status.PROCESSING)
+    assert task.started_at is not None
+    sub = await backends.bus.nc.subscribe(busmod.CANCEL_SUBJECT)
+    await backends.bus.nc.flush()
+
+    async def heartbeat() -> None:  # the worker is alive: its lease always covers the injected clock
+        assert await store.renew_lease(backends.pool, task.id, task.attempt, 100_000)
+
+    await heartbeat()
+    past_timeout = task.started_at + timedelta(seconds=s.processing_timeout_seconds + 1)
+    report = await scheduler.run_once(past_timeout)
+    assert report[Action.GRACE] == 1 and report[Action.PROCESSING_TIMEOUT] == 0
+    graced = await row(backends.pool, task.id)
+    assert graced.timeout_extended and graced.status is Status.PROCESSING and graced.version == task.version
+
+    await heartbeat()
+    within_grace = past_timeout + timedelta(seconds=s.processing_grace_seconds - 2)
+    assert (await scheduler.run_once(within_grace)).actions.total() == 0
+
+    report = await scheduler.run_once(past_timeout + timedelta(seconds=s.processing_grace_seconds + 1))
+    assert report[Action.PROCESSING_TIMEOUT] == 1 and report[Action.GRACE] == 0
+    final = await row(backends.pool, task.id)
+    assert (final.status, final.error_code) == (Status.TIMEOUT, "PROCESSING_TIMEOUT")
+    assert await backends.pool.fetchval("SELECT count(*) FROM dead_letter WHERE task_id = $1", task.id) == 1
+    signal = task_pb2.CancelSignal.FromString((await sub.next_msg(timeout=5)).data)
+    assert (signal.task_id, signal.hard) == (str(task.id), True)
+    assert not await store.renew_lease(backends.pool, task.id, task.attempt, 10)  # the worker learns it too
+    await sub.unsubscribe()
+
+
+async def test_two_replicas_never_double_requeue(settings: Settings) -> None:
+    s = settings.model_copy(update={"scan_batch_size": 25})
+    a, b = await connect(s, "scheduler-a"), await connect(s, "scheduler-b")
+    try:
+        tasks = [await put_in(a.pool, Status.PROCESSING, lease=10.0) for _ in range(200)]
+        later = await db_now(a.pool) + timedelta(seconds=11)
+        first, second = Scheduler(s, a.pool, a.bus), Scheduler(s, b.pool, b.bus)
+        moved = {"a": 0, "b": 0}
+        while True:
+            ra, rb = await asyncio.gather(first.run_once(later), second.run_once(later))
+            assert not ra.failed and not rb.failed
+            moved["a"] += ra[Action.RELEASE]
+            moved["b"] += rb[Action.RELEASE]
+            if ra.actions.total() + rb.actions.total() == 0:
+                break
+        assert moved["a"] + moved["b"] == 200
+        assert moved["a"] > 0 and moved["b"] > 0, moved  # both replicas really worked at the same time
+        rows = await a.pool.fetch(
+            "SELECT task_id, count(*) AS n FROM task_event WHERE task_id = ANY($1::bigint[]) AND version > $2 GROUP BY task_id",
+            [t.id for t in tasks], tasks[0].version,
+        )
+        assert len(rows) == 200 and all(r["n"] == 1 for r in rows)
+        msg_ids = [m for _, m, _ in await dispatches(a.bus)]
+        assert sorted(msg_ids) == sorted(dispatch_msg_id(t, Move.RELEASE) for t in tasks)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_exhausted_failures_get_a_dead_letter(backends: Backends, scheduler: Scheduler) -> None:
+    exhausted = await put_in(backends.pool, Status.FAILED, max_retries=0)
+    retryable = await put_in(backends.pool, Status.FAILED, max_retries=3)
+    report = await scheduler.run_once()
+    assert report[Action.DEAD_LETTER] == 1
+    dead = await backends.pool.fetch("SELECT * FROM dead_letter")
+    assert [(d["task_id"], d["error_code"], d["error_msg"]) for d in dead] == [(exhausted.id, "BOOM", "it broke")]
+    assert retryable.id not in {d["task_id"] for d in dead}
+    assert (await scheduler.run_once())[Action.DEAD_LETTER] == 0
+
+
+async def test_silent_workers_are_forgotten(backends: Backends, scheduler: Scheduler) -> None:
+    await backends.pool.execute(
+        "INSERT INTO worker (id, models, slots, device, last_heartbeat) VALUES "
+        "('gone', '{wan-tiny}', 1, 'cpu', now() - interval '101 seconds'), ('here', '{wan-tiny}', 1, 'cpu', now())"
+    )
+    report = await scheduler.run_once()
+    assert report[Action.FORGET_WORKER] == 1
+    assert [r["id"] for r in await backends.pool.fetch("SELECT id FROM worker")] == ["here"]
+
+
+async def test_gauges_per_model(backends: Backends, scheduler: Scheduler) -> None:
+    for _ in range(3):
+        await put_in(backends.pool, Status.QUEUED, model_id="sleepy")
+    await put_in(backends.pool, Status.PROCESSING, model_id="sleepy")
+    await put_in(backends.pool, Status.SUCCEEDED, model_id="wan-tiny")
+    await backends.pool.execute("UPDATE task SET queued_at = now() - interval '42 seconds' WHERE status = 'QUEUED'")
+    await backends.pool.execute("INSERT INTO worker (id, models, slots, device) VALUES ('w1', '{sleepy}', 1, 'cpu')")
+    await scheduler.refresh_gauges()
+
+    def value(name: str, model: str | None = None) -> float | None:
+        return REGISTRY.get_sample_value(name, {"model": model} if model else {})
+
+    assert value("taskgate_queue_depth", "sleepy") == 3 and value("taskgate_queue_depth", "wan-tiny") == 0
+    assert value("taskgate_tasks_processing", "sleepy") == 1
+    oldest = value("taskgate_queue_oldest_age_seconds", "sleepy")
+    assert oldest is not None and 42 <= oldest < 60
+    assert value("taskgate_workers_alive") == 1
+
+
+async def test_actions_are_counted(backends: Backends, scheduler: Scheduler) -> None:
+    before = REGISTRY.get_sample_value("taskgate_scheduler_actions_total", {"action": "release"}) or 0.0
+    await put_in(backends.pool, Status.PROCESSING)
+    await scheduler.run_once(await db_now(backends.pool) + timedelta(seconds=11))
+    assert REGISTRY.get_sample_value("taskgate_scheduler_actions_total", {"action": "release"}) == before + 1
+
+
+async def test_scan_loop_recovers_a_dead_workers_task_within_lease_plus_interval(settings: Settings) -> None:
+    s = settings.model_copy(update={"lease_seconds": 1.0, "heartbeat_seconds": 0.25, "scan_interval_seconds": 0.2})
+    handle = await service.start(s)
+    try:
+        pool = handle.backends.pool
+        task = await put_in(pool, Status.PROCESSING, lease=s.lease_seconds)  # the worker dies right after its claim
+        started = time.monotonic()
+
+        async def requeued() -> bool:
+            return (await row(pool, task.id)).status is Status.QUEUED
+
+        await wait_for(requeued, timeout=5)
+        assert time.monotonic() - started < s.lease_seconds + s.scan_interval_seconds + 0.5
+        assert handle.scheduler.passes >= 2
+    finally:
+        await handle.stop()
