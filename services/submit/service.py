@@ -37,7 +37,6 @@ log = logging.getLogger("taskgate.submit")
 
 ACTOR = "submit"
 SERVICE_NAME = "taskgate.v1.TaskGateway"
-_DEADLINE_MARGIN = 0.05  # leave the handler time to send UNAVAILABLE before the client's deadline
 _MAX_ID = 2**63 - 1
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
@@ -82,7 +81,9 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         remaining = context.time_remaining()
         if remaining is None:
             return cap
-        return max(min(cap, remaining - _DEADLINE_MARGIN), 0.001)
+        # keep a tenth of what is left (50-250 ms) to roll back and send UNAVAILABLE before the client gives up
+        margin = min(max(remaining * 0.1, 0.05), 0.25)
+        return max(min(cap, remaining - margin), 0.001)
 
     async def _principal(self, context: Context) -> Principal:
         return await asyncio.wait_for(self._auth.principal(context), self._budget(context))
