@@ -421,8 +421,23 @@ async def cmd_admin_repair(client: AsyncTaskgateClient, args: argparse.Namespace
         from services.scheduler.repair import repair
     except ImportError as exc:
         raise CliError(f"repair is not available: {exc}") from None
-    result = await repair(client.admin_stub, args.dry_run, args.batch_size, out.out)
-    return int(result) if isinstance(result, int) else EXIT_OK
+    report = io.StringIO() if out.json else out.out
+    result = await repair(
+        client.admin_stub,
+        args.dry_run,
+        args.batch_size,
+        report,
+        metadata=client.admin_metadata,
+        call_timeout=client.config.call_timeout,
+    )
+    if out.json:
+        summary = {"stuck": result.stuck, "batches": result.batches, "outcomes": dict(result.outcomes), "error": result.error}
+        out.document({**summary, "dry_run": args.dry_run})
+    if result.error is None:
+        return EXIT_OK
+    code_name = result.error.split(":", 1)[0]
+    code = grpc.StatusCode.__members__.get(code_name)
+    return EXIT_BY_CODE.get(code, EXIT_ERROR) if code is not None else EXIT_ERROR
 
 
 async def cmd_admin_dead_letters(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:

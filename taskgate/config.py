@@ -133,6 +133,14 @@ class Settings(BaseSettings):
     stream_keepalive_seconds: float = Field(default=15.0, gt=0)
     stream_buffer_size: int = Field(default=1000, ge=1, description="Events buffered per slow subscriber.")
 
+    # Local stack (`make run`: taskgate.dev)
+    dev_start_timeout_seconds: float = Field(default=180.0, gt=0, description="make run: time the services get to become healthy.")
+    dev_demo_timeout_seconds: float = Field(default=300.0, gt=0, description="make run: time the demo task gets to finish.")
+    dev_stop_timeout_seconds: float = Field(
+        default=45.0, gt=0, description="make run: time the services get to stop after SIGTERM before they are killed."
+    )
+    dev_demo_only: bool = Field(default=False, description="make run: stop everything and exit after the demo video is saved.")
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.heartbeat_seconds * 2 > self.lease_seconds:

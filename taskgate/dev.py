@@ -1,0 +1,438 @@
+"""`make run`: embedded PostgreSQL + NATS, the four services as processes, and a real demo task, until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from taskgate import auth, embedded, runtime, sql, tinymodel
+from taskgate.client import connect_async
+from taskgate.client.local import LocalStack
+from taskgate.client.progress import follow
+from taskgate.config import Settings, load_settings
+
+SERVICES = ("submit", "notifier", "scheduler", "worker")
+DEMO_TENANT = "demo"
+ADMIN_TENANT = "ops"
+DEMO_PROMPT = "a red fox running through fresh snow at sunrise, cinematic"
+COLOURS = {"submit": 36, "notifier": 35, "scheduler": 33, "worker": 32, "dev": 1}
+LEVEL_COLOURS = {"warning": 33, "error": 31, "critical": 31}
+
+
+class StartError(Exception):
+    """The stack could not start; the message says what to do."""
+
+
+class Console:
+    """Everything `make run` prints: its own lines and the services' logs, prefixed and (on a terminal) coloured."""
+
+    def __init__(self, out: TextIO = sys.stdout) -> None:
+        self.out = out
+        self.colour = out.isatty() and not os.environ.get("NO_COLOR")
+        self.width = max(len(s) for s in SERVICES)
+
+    def _paint(self, code: int, text: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.colour else text
+
+    def say(self, text: str = "") -> None:
+        """A line from make run itself."""
+        self.out.write((self._paint(1, text) if text else "") + "\n")
+        self.out.flush()
+
+    def log(self, service: str, raw: str) -> None:
+        """One log line of a service: JSON logs become `time level message key=value`."""
+        line = raw.rstrip("\n")
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and "msg" in record:
+            level = str(record.get("level", "info"))
+            extras = " ".join(
+                f"{k}={v}" for k, v in record.items() if k not in ("ts", "level", "service", "logger", "msg", "exc")
+            )
+            stamp = str(record.get("ts", ""))[11:23]
+            text = f"{stamp} {level:<7} {record['msg']}" + (f"  {extras}" if extras else "")
+            if level in LEVEL_COLOURS:
+                text = self._paint(LEVEL_COLOURS[level], text)
+            if record.get("exc"):
+                text += "\n" + str(record["exc"])
+        else:
+            text = line
+        prefix = self._paint(COLOURS.get(service, 0), f"{service:>{self.width}} |")
+        self.out.write("".join(f"{prefix} {part}\n" for part in text.split("\n")))
+        self.out.flush()
+
+
+@dataclass
+class Child:
+    """One service process and the task that forwards its output."""
+
+    name: str
+    port: int
+    proc: asyncio.subprocess.Process
+    pump: asyncio.Task[None]
+    tail: list[str] = field(default_factory=list)
+
+
+def _ports(settings: Settings) -> dict[str, int]:
+    """Each service's gRPC port; 0 (ephemeral) becomes a free port chosen now, so the others can be told it."""
+    wanted = {
+        "submit": settings.submit_port,
+        "notifier": settings.notifier_port,
+        "scheduler": settings.scheduler_port,
+        "worker": settings.worker_port,
+    }
+    return {name: port or embedded.free_port() for name, port in wanted.items()}
+
+
+def _client_host(settings: Settings) -> str:
+    return "127.0.0.1" if settings.grpc_host in ("0.0.0.0", "::", "") else settings.grpc_host
+
+
+async def _pump(console: Console, child_name: str, stream: asyncio.StreamReader, tail: list[str]) -> None:
+    while True:
+        raw = await stream.readline()
+        if not raw:
+            return
+        line = raw.decode(errors="replace")
+        tail.append(line)
+        del tail[:-40]
+        console.log(child_name, line)
+
+
+async def _serving(address: str) -> bool:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+class DevStack:
+    """The processes and servers `make run` owns, and their orderly shutdown."""
+
+    def __init__(self, settings: Settings, console: Console) -> None:
+        self.settings = settings
+        self.console = console
+        self.state_dir = settings.state_dir.resolve()
+        self.ports = _ports(settings)
+        self.host = _client_host(settings)
+        self.stack: embedded.EmbeddedStack | None = None
+        self.children: list[Child] = []
+        self.database_url = settings.database_url or ""
+        self.nats_url = settings.nats_url or ""
+
+    def address(self, service: str) -> str:
+        return f"{self.host}:{self.ports[service]}"
+
+    async def start_servers(self) -> None:
+        """Configured URLs win; else embedded PostgreSQL + NATS under the state folder (kept between runs)."""
+        if self.database_url and self.nats_url:
+            self.console.say("using PostgreSQL and NATS from TASKGATE_DATABASE_URL / TASKGATE_NATS_URL")
+            return
+        running = embedded.running_urls(self.state_dir)
+        if running is not None:
+            self.console.say(f"using the embedded servers already running under {self.state_dir}")
+        else:
+            self.console.say(f"starting embedded PostgreSQL and NATS under {self.state_dir} …")
+            self.stack = await asyncio.to_thread(embedded.EmbeddedStack(self.state_dir).start)
+            assert self.stack.postgres is not None and self.stack.nats is not None
+            running = (self.stack.postgres.url, self.stack.nats.url)
+        self.database_url = self.database_url or running[0]
+        self.nats_url = self.nats_url or running[1]
+
+    async def build_model(self) -> None:
+        """Builds the tiny text-to-video model if the default model is a diffusers folder that is missing."""
+        spec = self.settings.models.get(self.settings.default_model)
+        if spec is None or spec.kind != "diffusers" or spec.path is None:
+            return
+        folder = spec.path if spec.path.is_absolute() else Path.cwd() / spec.path
+        if tinymodel.is_pipeline_folder(folder):
+            return
+        self.console.say(f"building the tiny {self.settings.default_model} model in {folder} (once) …")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "taskgate.tinymodel", "--out", str(folder),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await proc.communicate()
+        if proc.returncode != 0:
+            raise StartError(f"building the tiny model failed:\n{output.decode(errors='replace')}")
+
+    async def prepare_database(self) -> LocalStack:
+        """Migrates, then reuses the saved demo and admin keys if they still work, else creates them."""
+        settings = self.settings.model_copy(update={"database_url": self.database_url, "nats_url": self.nats_url})
+        backends = await runtime.connect(settings, "dev")
+        try:
+            pool, pepper = backends.pool, settings.api_key_pepper
+            saved = LocalStack.load(self.state_dir)
+
+            async def valid(key: str | None, tenant: str, admin: bool) -> bool:
+                if not key:
+                    return False
+                row = await pool.fetchrow(sql.query("lookup_api_key"), auth.hash_key(pepper, key))
+                return row is not None and row["tenant_id"] == tenant and bool(row["is_admin"]) == admin
+
+            api_key = saved.api_key if saved and await valid(saved.api_key, DEMO_TENANT, False) else None
+            admin_key = saved.admin_key if saved and await valid(saved.admin_key, ADMIN_TENANT, True) else None
+            if api_key is None:
+                api_key, _ = await auth.create_key(pool, pepper, DEMO_TENANT)
+            if admin_key is None:
+                admin_key, _ = await auth.create_key(pool, pepper, ADMIN_TENANT, admin=True)
+            secrets = await auth.webhook_secrets(pool, DEMO_TENANT)
+        finally:
+            await backends.close()
+        details = LocalStack(
+            address=self.address("submit"),
+            events_address=self.address("notifier"),
+            admin_address=self.address("scheduler"),
+            worker_address=self.address("worker"),
+            api_key=api_key,
+            admin_key=admin_key,
+            tenant=DEMO_TENANT,
+            webhook_secret=secrets[0] if secrets else None,
+        )
+        return details
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "TASKGATE_DATABASE_URL": self.database_url,
+                "TASKGATE_NATS_URL": self.nats_url,
+                "TASKGATE_STATE_DIR": str(self.state_dir),
+                "TASKGATE_SUBMIT_PORT": str(self.ports["submit"]),
+                "TASKGATE_NOTIFIER_PORT": str(self.ports["notifier"]),
+                "TASKGATE_SCHEDULER_PORT": str(self.ports["scheduler"]),
+                "TASKGATE_WORKER_PORT": str(self.ports["worker"]),
+                "PYTHONUNBUFFERED": "1",
+                "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                "HF_HUB_OFFLINE": "1",
+            }
+        )
+        if "TASKGATE_CALLBACK_ALLOW_HOSTS" not in os.environ:
+            env["TASKGATE_CALLBACK_ALLOW_HOSTS"] = json.dumps(sorted({"127.0.0.1", "localhost", *self.settings.callback_allow_hosts}))
+        if self.settings.models and "TASKGATE_MODELS" not in os.environ:
+            # Relative model folders must mean the same thing to the services as to us.
+            models = {
+                name: spec.model_copy(update={"path": spec.path.resolve()}) if spec.path is not None else spec
+                for name, spec in self.settings.models.items()
+            }
+            env["TASKGATE_MODELS"] = json.dumps({name: spec.model_dump(mode="json") for name, spec in models.items()})
+        return env
+
+    async def start_services(self) -> None:
+        """Starts each service as `python -m services.<name>` in its own session (so only we get Ctrl-C)."""
+        env = self._child_env()
+        for name in SERVICES:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                f"services.{name}",
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                limit=1024 * 1024,
+            )
+            assert proc.stdout is not None
+            tail: list[str] = []
+            pump = asyncio.create_task(_pump(self.console, name, proc.stdout, tail))
+            self.children.append(Child(name, self.ports[name], proc, pump, tail))
+
+    async def wait_healthy(self) -> None:
+        """Waits until every service answers the gRPC health check; fails fast if one exits."""
+        deadline = time.monotonic() + self.settings.dev_start_timeout_seconds
+        pending = {c.name: c for c in self.children}
+        while pending:
+            for name, child in list(pending.items()):
+                if child.proc.returncode is not None:
+                    raise StartError(f"{name} exited with code {child.proc.returncode} while starting (its log is above)")
+                if await _serving(self.address(name)):
+                    self.console.say(f"{name} is serving on {self.address(name)}")
+                    del pending[name]
+            if pending and time.monotonic() > deadline:
+                raise StartError(f"not healthy after {self.settings.dev_start_timeout_seconds:g}s: {', '.join(pending)}")
+            if pending:
+                await asyncio.sleep(0.1)
+
+    async def first_exit(self) -> Child:
+        """The first service process to exit."""
+        waits = {asyncio.create_task(c.proc.wait()): c for c in self.children}
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        return waits[next(iter(done))]
+
+    async def stop(self) -> None:
+        """SIGTERM every service, wait for them, SIGKILL what is left, then stop the embedded servers."""
+        alive = [c for c in self.children if c.proc.returncode is None]
+        if alive:
+            self.console.say(f"stopping {', '.join(c.name for c in alive)} …")
+        for child in alive:
+            _signal_group(child.proc.pid, signal.SIGTERM)
+        if alive:
+            _, still = await asyncio.wait(
+                [asyncio.create_task(c.proc.wait()) for c in alive], timeout=self.settings.dev_stop_timeout_seconds
+            )
+            for task in still:
+                task.cancel()
+        for child in self.children:
+            # The whole session: also anything a service started itself.
+            _signal_group(child.proc.pid, signal.SIGKILL)
+            if child.proc.returncode is None:
+                self.console.say(f"{child.name} did not stop in time: killed")
+                await child.proc.wait()
+        for child in self.children:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(child.pump, 5)
+        if self.stack is not None:
+            self.console.say("stopping embedded PostgreSQL and NATS …")
+            await asyncio.to_thread(self.stack.stop)
+            self.stack = None
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+async def run_demo(console: Console, details: LocalStack, settings: Settings, prompt: str) -> Path:
+    """Submits a real text-to-video task through the public API, shows its progress, downloads the MP4."""
+    target = settings.state_dir.resolve() / "demo.mp4"
+    async with connect_async(
+        details.address, details.api_key, events_address=details.events_address, admin_address=details.admin_address
+    ) as client:
+        task = await client.submit(prompt, frames=17, width=64, height=64, steps=4, seed=42)
+        console.say(f"submitted demo task {task.task_id}: {prompt!r}")
+        final = await follow(client, task.task_id, console.out, settings.dev_demo_timeout_seconds)
+        if final.result is None:
+            raise StartError(f"the demo task ended {final.status.value}: {final.error_code} {final.error_message}".rstrip())
+        info = await client.download(task.task_id, target)
+    console.say(f"demo video: {target} ({info.size_bytes} bytes, sha256 verified)")
+    return target
+
+
+def next_steps(console: Console, details: LocalStack, state_dir: Path) -> None:
+    """What to try next, in another terminal."""
+    console.say()
+    console.say("taskgate is running. In another terminal (the CLI finds this stack by itself):")
+    for line in (
+        '  .venv/bin/taskgate submit "a cat surfing a wave" --wait',
+        "  .venv/bin/taskgate list",
+        "  .venv/bin/taskgate watch <TASK_ID>",
+        "  .venv/bin/taskgate cancel <TASK_ID> --hard",
+        "  .venv/bin/taskgate result <TASK_ID> -o out.mp4",
+        "  .venv/bin/taskgate admin stats",
+        "  .venv/bin/python examples/webhook_receiver.py   # then submit with --callback-url http://127.0.0.1:8080/hook",
+    ):
+        console.out.write(line + "\n")
+    console.say()
+    console.out.write(
+        f"  gateway {details.address}   events {details.events_address}   admin {details.admin_address}\n"
+        f"  demo API key and admin key: {state_dir / 'client.json'}\n"
+    )
+    console.say("Ctrl-C stops everything.")
+
+
+async def main_async(settings: Settings, *, demo_only: bool, demo: bool, prompt: str, console: Console) -> int:
+    """Runs the whole local stack; returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    dev = DevStack(settings, console)
+    saved = LocalStack.load(dev.state_dir)
+    if saved is not None and await _serving(saved.address):
+        console.say(f"a taskgate stack is already serving on {saved.address} (from {dev.state_dir}); use it, or stop it first")
+        return 1
+    code = 0
+    try:
+        work = asyncio.create_task(_start_and_demo(dev, settings, demo=demo, prompt=prompt))
+        stopped = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            stopped.cancel()
+            work.result()
+            if not demo_only:
+                code = await _serve(dev, stop)
+        else:
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            console.say("interrupted")
+            code = 130
+    except StartError as exc:
+        console.say(f"error: {exc}")
+        code = 1
+    except Exception as exc:
+        console.say(f"error: {type(exc).__name__}: {exc}")
+        code = 1
+    finally:
+        await dev.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    console.say("stopped.")
+    return code
+
+
+async def _start_and_demo(dev: DevStack, settings: Settings, *, demo: bool, prompt: str) -> None:
+    await asyncio.gather(dev.start_servers(), dev.build_model())
+    details = await dev.prepare_database()
+    await dev.start_services()
+    await dev.wait_healthy()
+    path = details.save(dev.state_dir)
+    dev.console.say(f"saved connection details for the CLI in {path}")
+    if demo:
+        await run_demo(dev.console, details, settings, prompt)
+    next_steps(dev.console, details, dev.state_dir)
+
+
+async def _serve(dev: DevStack, stop: asyncio.Event) -> int:
+    """Keeps running until Ctrl-C/SIGTERM (exit 0) or until a service dies (exit 1)."""
+    stopped = asyncio.create_task(stop.wait())
+    died = asyncio.create_task(dev.first_exit())
+    done, _ = await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+    if died in done:
+        stopped.cancel()
+        child = died.result()
+        dev.console.say(f"error: {child.name} exited with code {child.proc.returncode}; stopping the stack")
+        return 1
+    died.cancel()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line of `python -m taskgate.dev`."""
+    parser = argparse.ArgumentParser(prog="python -m taskgate.dev", description=__doc__)
+    parser.add_argument("--demo-only", action="store_true", help="exit after the demo video is saved (env TASKGATE_DEV_DEMO_ONLY)")
+    parser.add_argument("--no-demo", action="store_true", help="start the stack without submitting the demo task")
+    parser.add_argument("--prompt", default=DEMO_PROMPT, help="the demo task's prompt")
+    args = parser.parse_args(argv)
+    settings = load_settings()
+    console = Console()
+    return asyncio.run(
+        main_async(settings, demo_only=args.demo_only or settings.dev_demo_only, demo=not args.no_demo, prompt=args.prompt, console=console)
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
