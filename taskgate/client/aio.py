@@ -332,6 +332,7 @@ class AsyncTaskgateClient:
         info: TaskResult | None = None
         digest = hashlib.sha256()
         size = 0
+        complete = False
         out = await asyncio.to_thread(partial.open, "wb")
         try:
             async for chunk in call:
@@ -342,22 +343,23 @@ class AsyncTaskgateClient:
                 digest.update(chunk.data)
                 size += len(chunk.data)
                 await asyncio.to_thread(out.write, chunk.data)
+            if info is None:
+                raise IntegrityError(grpc.StatusCode.DATA_LOSS, "the result stream carried no result info")
+            if size != info.size_bytes or digest.hexdigest() != info.sha256:
+                raise IntegrityError(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"downloaded {size} bytes with sha256 {digest.hexdigest()[:16]}…, "
+                    f"expected {info.size_bytes} bytes with sha256 {info.sha256[:16]}…",
+                    reason="CHECKSUM_MISMATCH",
+                )
+            complete = True
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         finally:
             call.cancel()
             out.close()
-            if info is None or size != info.size_bytes or digest.hexdigest() != info.sha256:
+            if not complete:
                 partial.unlink(missing_ok=True)
-        if info is None:
-            raise IntegrityError(grpc.StatusCode.DATA_LOSS, "the result stream carried no result info")
-        if size != info.size_bytes or digest.hexdigest() != info.sha256:
-            raise IntegrityError(
-                grpc.StatusCode.DATA_LOSS,
-                f"downloaded {size} bytes with sha256 {digest.hexdigest()[:16]}…, "
-                f"expected {info.size_bytes} bytes with sha256 {info.sha256[:16]}…",
-                reason="CHECKSUM_MISMATCH",
-            )
         partial.replace(target)
         return info
 
