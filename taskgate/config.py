@@ -47,6 +47,7 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default=Path(".taskgate"), description="Local state folder (embedded servers, models, results).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     db_pool_size: int = Field(default=10, ge=1, le=200, description="asyncpg pool size per process.")
+    stream_replicas: int = Field(default=1, ge=1, le=5, description="Replicas of each JetStream stream (3 in a 3-node NATS cluster).")
 
     # gRPC and metrics endpoints
     grpc_host: str = Field(default="127.0.0.1", description="Address the gRPC servers bind ('0.0.0.0' in a cluster).")

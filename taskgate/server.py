@@ -171,6 +171,7 @@ async def start_server(
     await server.start()
     for name in [*names, ""]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    telemetry.export_limits(settings)
     log.info("grpc server started", extra={"address": f"{settings.grpc_host}:{bound}", "services": names})
     return server, bound, health_servicer
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from taskgate.config import Settings
+
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
@@ -59,6 +61,12 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host)
 
 
+def export_limits(settings: Settings) -> None:
+    """Publishes the configured limits that alert rules compare gauges against (per-model queue timeouts)."""
+    for model_id in settings.models:
+        QUEUE_TIMEOUT.labels(model_id).set(settings.queue_timeout_for(model_id))
+
+
 # Buckets for GPU jobs that take seconds to minutes.
 JOB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 3600)
 FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -80,6 +88,7 @@ END_TO_END = Histogram(
 )
 QUEUE_DEPTH = Gauge("taskgate_queue_depth", "QUEUED tasks.", ["model"])
 QUEUE_OLDEST_AGE = Gauge("taskgate_queue_oldest_age_seconds", "Age of the oldest QUEUED task.", ["model"])
+QUEUE_TIMEOUT = Gauge("taskgate_queue_timeout_seconds", "Configured QUEUED timeout, for alerts on the oldest age.", ["model"])
 PROCESSING = Gauge("taskgate_tasks_processing", "PROCESSING tasks.", ["model"])
 WORKER_RUNNING = Gauge("taskgate_worker_running_tasks", "Tasks this worker is running.")
 WORKER_FREE_SLOTS = Gauge("taskgate_worker_free_slots", "Free slots of this worker.")
