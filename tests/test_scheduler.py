@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 import asyncpg
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nats.js.api import RawStreamMsg
 from prometheus_client import REGISTRY
 
@@ -71,9 +77,9 @@ async def dispatches(bus: busmod.Bus) -> list[tuple[str, str, task_pb2.TaskDispa
     return out
 
 
-async def wait_for(condition: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Polls `condition` every 20 ms until it holds; fails the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+async def wait_for(condition: Callable[[], Awaitable[bool]], within: float = 5.0) -> None:
+    """Polls `condition` every 20 ms until it holds; fails the test after `within` seconds."""
+    deadline = time.monotonic() + within
     while not await condition():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
@@ -303,8 +309,46 @@ async def test_scan_loop_recovers_a_dead_workers_task_within_lease_plus_interval
         async def requeued() -> bool:
             return (await row(pool, task.id)).status is Status.QUEUED
 
-        await wait_for(requeued, timeout=5)
+        await wait_for(requeued, within=5)
         assert time.monotonic() - started < s.lease_seconds + s.scan_interval_seconds + 0.5
         assert handle.scheduler.passes >= 2
     finally:
         await handle.stop()
+
+
+async def test_runs_as_its_own_process_and_stops_on_sigterm(settings: Settings) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "TASKGATE_DATABASE_URL": settings.database_url or "",
+        "TASKGATE_NATS_URL": settings.nats_url or "",
+        "TASKGATE_STATE_DIR": str(settings.state_dir),
+        "TASKGATE_SCHEDULER_PORT": str(port),
+        "TASKGATE_SCHEDULER_METRICS_PORT": "0",
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.scheduler", env=env, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def serving() -> bool:
+                try:
+                    reply = await health.Check(health_pb2.HealthCheckRequest(service="taskgate.v1.TaskAdmin"), timeout=1)
+                except grpc.aio.AioRpcError:
+                    return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            await wait_for(serving, within=30)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), 15)
+        assert proc.returncode == 0, stderr.decode()[-2000:]
+        assert b'"msg": "stopped"' in stderr
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
