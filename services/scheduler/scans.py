@@ -12,11 +12,13 @@ import enum
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar, Protocol
 
 import asyncpg
+from nats.errors import Error as NatsError
 
 from taskgate import bus as busmod
 from taskgate import sql, store, telemetry
@@ -71,10 +73,9 @@ class Scan(Protocol):
     async def run(self, now: datetime | None = None) -> ScanResult: ...
 
 
-class TaskScan(Protocol):
+class TaskScan(Scan, Protocol):
     """A scan over tasks, which can also list what it would act on (ListStuckTasks)."""
 
-    name: ClassVar[str]
     stuck_reason: ClassVar[str]
 
     async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]: ...
@@ -126,10 +127,9 @@ async def time_out(conn: asyncpg.Connection, task: TaskRow, error_code: str, err
     return out.applied
 
 
-def _model_timeouts(settings: Settings, which: str) -> tuple[list[str], list[float]]:
+def _per_model(settings: Settings, timeout_for: Callable[[str], float]) -> tuple[list[str], list[float]]:
     models = sorted(settings.models)
-    per = settings.queue_timeout_for if which == "queue" else settings.processing_timeout_for
-    return models, [per(m) for m in models]
+    return models, [timeout_for(m) for m in models]
 
 
 async def _fetch_tasks(conn: asyncpg.Connection, query: str, *args: Any) -> list[TaskRow]:
@@ -178,7 +178,7 @@ class QueuedScan:
     async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]:
         """QUEUED tasks past their model's queue timeout, locked."""
         s = self.ctx.settings
-        models, timeouts = _model_timeouts(s, "queue")
+        models, timeouts = _per_model(s, s.queue_timeout_for)
         smallest = min([s.queue_timeout_seconds, *timeouts])
         return await _fetch_tasks(conn, "sched_queued_due", now, models, timeouts, s.queue_timeout_seconds, smallest, limit)
 
@@ -239,7 +239,7 @@ class ProcessingTimeoutScan:
     async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]:
         """Live PROCESSING tasks past their timeout (plus the grace once granted), locked."""
         s = self.ctx.settings
-        models, timeouts = _model_timeouts(s, "processing")
+        models, timeouts = _per_model(s, s.processing_timeout_for)
         return await _fetch_tasks(
             conn, "sched_processing_overdue", now, models, timeouts, s.processing_timeout_seconds,
             s.processing_grace_seconds, limit,
@@ -259,11 +259,14 @@ class ProcessingTimeoutScan:
                 elif await time_out(conn, task, PROCESSING_TIMEOUT, "the task ran past its processing timeout", "processing timeout"):
                     timed_out.append(task)
         result.actions[Action.PROCESSING_TIMEOUT] = len(timed_out)
-        for task in timed_out:
-            signal = task_pb2.CancelSignal(task_id=str(task.id), hard=True, reason=PROCESSING_TIMEOUT)
-            await self.ctx.bus.nc.publish(busmod.CANCEL_SUBJECT, signal.SerializeToString())
-        if timed_out:
-            await self.ctx.bus.nc.flush()
+        try:
+            for task in timed_out:
+                signal = task_pb2.CancelSignal(task_id=str(task.id), hard=True, reason=PROCESSING_TIMEOUT)
+                await self.ctx.bus.nc.publish(busmod.CANCEL_SUBJECT, signal.SerializeToString())
+            if timed_out:
+                await self.ctx.bus.nc.flush()
+        except (NatsError, OSError, TimeoutError) as exc:  # only a hint: the worker's next lease renewal fails too
+            log.warning("cancel signal not sent", extra={"error": type(exc).__name__})
         return result
 
 

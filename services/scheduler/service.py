@@ -59,7 +59,7 @@ class Scheduler:
         ctx = ScanContext(settings, pool, bus)
         # QUEUED and CREATED first: a task released by the lease scan in this pass is not re-published in it.
         self.task_scans: list[TaskScan] = [QueuedScan(ctx), CreatedScan(ctx), LeaseScan(ctx), ProcessingTimeoutScan(ctx)]
-        self.scans: list[Scan] = [*self.task_scans, DeadLetterScan(ctx), WorkerScan(ctx)]  # type: ignore[list-item]
+        self.scans: list[Scan] = [*self.task_scans, DeadLetterScan(ctx), WorkerScan(ctx)]
         self.passes = 0
 
     async def run_once(self, now: datetime | None = None) -> ScanReport:
@@ -103,12 +103,12 @@ class Scheduler:
             report = await self.run_once()
             try:
                 await self.refresh_gauges()
-            except (asyncpg.PostgresError, *server.BACKEND_ERRORS) as exc:
+            except Exception as exc:  # stale gauges are better than a stopped loop
                 log.warning("gauges failed", extra={"error": type(exc).__name__})
             if report.full and not report.failed:
                 await asyncio.sleep(0)
                 continue
-            with contextlib.suppress(asyncio.TimeoutError):
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.scan_interval_seconds)
 
 
@@ -126,11 +126,15 @@ class SchedulerHandle:
     _owns_backends: bool
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Stops the scan loop, then the server (in-flight calls get `grace` seconds), then the connections."""
+        """Stops the scan loop (a pass in flight gets `grace` seconds), then the server (in-flight calls get
+        `grace` seconds), then the connections."""
         self._stop.set()
         await server.mark_not_serving(self._health)
         if self._loop is not None:
-            await self._loop
+            try:
+                await asyncio.wait_for(self._loop, grace)
+            except TimeoutError:
+                log.warning("scan pass cancelled at shutdown")
         await self._server.stop(grace)
         if self._owns_backends:
             await self.backends.close()
