@@ -158,15 +158,12 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
     def _replay(self, existing: TaskRow, sub: Submission) -> TaskRow:
         """The existing task when the key was used for this same request; ALREADY_EXISTS otherwise."""
-        if sub.same_request(existing.request_hash, existing.priority, existing.callback_url, existing.callback_events,
-                            existing.metadata, existing.max_retries):
+        if sub.same_request(existing):
             return existing
         telemetry.SUBMIT_REJECTIONS.labels("IDEMPOTENCY_KEY_REUSED").inc()
+        hint = "; pass your own idempotency_key to submit it as a new task" if sub.key_derived else ""
         raise errors.already_exists(
-            "IDEMPOTENCY_KEY_REUSED",
-            "this idempotency key was used for a different request"
-            + ("" if not sub.key_derived else " (same prompt and parameters, other options); pass an idempotency_key"),
-            task_id=str(existing.id),
+            "IDEMPOTENCY_KEY_REUSED", f"this idempotency key belongs to a different request{hint}", task_id=str(existing.id)
         )
 
     async def _dispatch(self, task: TaskRow, context: Context) -> TaskRow:

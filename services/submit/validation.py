@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from taskgate import errors
 from taskgate.config import ModelSpec, Settings
+from taskgate.model import TaskRow
 from taskgate.states import Priority
 from taskgate.v1 import gateway_pb2
 
@@ -50,16 +51,15 @@ class Submission:
     callback_events: list[str]
     max_retries: int
 
-    def same_request(self, row_request_hash: str, priority: int, callback_url: str | None, callback_events: list[str],
-                     metadata: dict[str, str], max_retries: int) -> bool:
-        """Whether an existing task (its stored fields) was made by this very request."""
+    def same_request(self, existing: TaskRow) -> bool:
+        """Whether an existing task holding this idempotency key was made by this very request."""
         return (
-            row_request_hash == self.request_hash
-            and priority == self.priority
-            and callback_url == self.callback_url
-            and sorted(callback_events) == self.callback_events
-            and metadata == self.metadata
-            and max_retries == self.max_retries
+            existing.request_hash == self.request_hash
+            and existing.priority == self.priority
+            and existing.callback_url == self.callback_url
+            and sorted(existing.callback_events) == self.callback_events
+            and existing.metadata == self.metadata
+            and existing.max_retries == self.max_retries
         )
 
 
