@@ -27,6 +27,8 @@ BACKEND_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.InterfaceError,
     asyncpg.exceptions.ConnectionDoesNotExistError,
     asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.AdminShutdownError,  # the server is shutting down
+    asyncpg.exceptions.CrashShutdownError,
     ConnectionError,
     OSError,
     NatsError,
