@@ -34,6 +34,9 @@ class ModelSpec(BaseModel):
     max_concurrency: int = Field(default=0, ge=0, description="Running tasks of this model across all workers; 0 = no cap.")
     queue_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global queue timeout.")
     processing_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global processing timeout.")
+    fail_times: int = Field(default=0, ge=0, description="Test/bench only, 'sleep' kind: attempts 1..N of every task fail.")
+    fail_code: str = Field(default="INJECTED_FAILURE", description="Test/bench only: error code of an injected failure.")
+    fail_retryable: bool = Field(default=True, description="Test/bench only: whether an injected failure is retryable.")
 
 
 class Settings(BaseSettings):
@@ -122,6 +125,13 @@ class Settings(BaseSettings):
     priority_weights: tuple[int, int, int] = Field(default=(6, 3, 1), description="Fetch weights HIGH, NORMAL, LOW.")
     result_store: Literal["objectstore", "fs"] = "objectstore"
     result_dir: Path | None = Field(default=None, description="Folder for result_store=fs; default state_dir/results.")
+    worker_fetch_linger_seconds: float = Field(
+        default=1.0, gt=0, description="How long an idle worker's pull request waits on the server before it is renewed."
+    )
+    worker_cap_retry_seconds: float = Field(
+        default=0.5, gt=0, description="Redelivery delay of a message refused by its model's concurrency cap."
+    )
+    retry_jitter: float = Field(default=0.2, ge=0, lt=1, description="Retry delays are scaled by a random factor in [1-j, 1+j].")
 
     # Notifier
     webhook_schedule_seconds: list[float] = Field(

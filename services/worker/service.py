@@ -1,0 +1,122 @@
+"""The worker service: loads its models, starts the engine and the WorkerControl server, drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health
+
+from services.worker import runner as runmod
+from services.worker.control import WorkerControlServicer
+from services.worker.engine import Worker
+from taskgate.config import Settings
+from taskgate.runtime import Backends, connect, stop_signal
+from taskgate.server import mark_not_serving, start_server
+from taskgate.v1 import worker_pb2_grpc
+
+log = logging.getLogger("taskgate.worker")
+
+SERVICE_NAME = "taskgate.v1.WorkerControl"
+_instances = itertools.count()
+
+
+@dataclass
+class WorkerHandle:
+    """A running worker: its control port and id, a graceful stop (drain) and a crash (kill) for tests."""
+
+    port: int
+    worker: Worker
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    backends: Backends
+    owns_backends: bool
+    stopped: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.worker_id
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drains (running tasks get `grace`, default drain_grace_seconds, then are released) and closes."""
+        if self.stopped:
+            return
+        self.stopped = True
+        await mark_not_serving(self.health)
+        await self.worker.begin_drain(grace)
+        await self.worker.close()
+        await self.server.stop(1.0)
+        if self.owns_backends:
+            await self.backends.close()
+
+    async def kill(self) -> None:
+        """Simulates a crash: heartbeats and runs stop, nothing is released or acked, connections close."""
+        self.stopped = True
+        await self.server.stop(0)
+        await self.worker.kill()
+        if self.owns_backends:
+            with contextlib.suppress(Exception):
+                await self.backends.bus.nc.close()
+            self.backends.pool.terminate()
+
+
+def default_worker_id() -> str:
+    """hostname-pid, with a counter for a second worker in the same process (tests)."""
+    n = next(_instances)
+    base = f"{socket.gethostname()}-{os.getpid()}"
+    return base if n == 0 else f"{base}-{n}"
+
+
+def served_models(settings: Settings) -> list[str]:
+    """The models this worker serves: worker_models, or every registered model."""
+    wanted = settings.worker_models or list(settings.models)
+    unknown = [m for m in wanted if m not in settings.models]
+    if unknown:
+        raise ValueError(f"worker_models names unknown models: {unknown}")
+    return wanted
+
+
+async def start(settings: Settings, backends: Backends | None = None) -> WorkerHandle:
+    """Loads the models, then starts consuming and serves WorkerControl on settings.worker_port (0 = ephemeral)."""
+    models = served_models(settings)
+    specs = {m: settings.models[m] for m in models}
+    devices, use_cuda = await asyncio.to_thread(runmod.device_plan, {s.kind for s in specs.values()}, settings.worker_slots)
+    runners = await asyncio.to_thread(runmod.load_runners, specs, devices)
+    owns = backends is None
+    if backends is None:
+        backends = await connect(settings, "worker")
+    try:
+        worker = Worker(settings, backends, runners, devices, settings.worker_id or default_worker_id(), models, use_cuda)
+        await worker.start()
+        servicer = WorkerControlServicer(worker)
+
+        def register(server: grpc.aio.Server) -> Iterable[str]:
+            worker_pb2_grpc.add_WorkerControlServicer_to_server(servicer, server)
+            return [SERVICE_NAME]
+
+        server, port, health_servicer = await start_server(settings, settings.worker_port, register)
+    except BaseException:
+        if owns:
+            await backends.close()
+        raise
+    return WorkerHandle(port, worker, server, health_servicer, backends, owns)
+
+
+async def main(settings: Settings) -> None:
+    """Runs a worker until SIGTERM/SIGINT or a Drain call, then drains and exits."""
+    async with stop_signal() as stop:
+        handle = await start(settings)
+        stopped = asyncio.ensure_future(stop.wait())
+        drained = asyncio.ensure_future(handle.worker.drain_requested.wait())
+        await asyncio.wait({stopped, drained}, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in (stopped, drained):
+            waiter.cancel()
+        log.info("stopping", extra={"worker": handle.worker_id, "grace_seconds": settings.drain_grace_seconds})
+        await handle.stop()
