@@ -9,7 +9,15 @@ from dataclasses import dataclass
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import BadRequestError, NotFoundError
 
 from taskgate.config import Settings
@@ -90,6 +98,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
 async def declare(bus: Bus, settings: Settings) -> None:
     """Creates (or updates) every stream, durable consumer and bucket; safe to run from every replica."""
     js = bus.js
+    replicas = settings.stream_replicas
     await _ensure_stream(
         js,
         StreamConfig(
@@ -98,6 +107,7 @@ async def declare(bus: Bus, settings: Settings) -> None:
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=120.0,
+            num_replicas=replicas,
         ),
     )
     await _ensure_stream(
@@ -109,11 +119,18 @@ async def declare(bus: Bus, settings: Settings) -> None:
             storage=StorageType.FILE,
             max_age=7 * 24 * 3600.0,
             duplicate_window=120.0,
+            num_replicas=replicas,
         ),
     )
     await _ensure_stream(
         js,
-        StreamConfig(name=DEAD_STREAM, subjects=[DEAD_SUBJECTS], storage=StorageType.FILE, max_age=30 * 24 * 3600.0),
+        StreamConfig(
+            name=DEAD_STREAM,
+            subjects=[DEAD_SUBJECTS],
+            storage=StorageType.FILE,
+            max_age=30 * 24 * 3600.0,
+            num_replicas=replicas,
+        ),
     )
     for model_id in settings.models:
         for priority in Priority.ALL:
@@ -121,7 +138,9 @@ async def declare(bus: Bus, settings: Settings) -> None:
     try:
         await js.object_store(RESULTS_BUCKET)
     except (NotFoundError, Exception):  # nats-py raises BucketNotFoundError (a NotFoundError subclass)
-        await js.create_object_store(RESULTS_BUCKET)
+        await js.create_object_store(
+            config=ObjectStoreConfig(bucket=RESULTS_BUCKET, storage=StorageType.FILE, replicas=replicas)
+        )
 
 
 async def ensure_task_consumer(bus: Bus, settings: Settings, model_id: str, priority: int) -> str:
