@@ -139,7 +139,7 @@ async def declare(bus: Bus, settings: Settings) -> None:
         await js.object_store(RESULTS_BUCKET)
     except (NotFoundError, Exception):  # nats-py raises BucketNotFoundError (a NotFoundError subclass)
         await js.create_object_store(
-            config=ObjectStoreConfig(bucket=RESULTS_BUCKET, storage=StorageType.FILE, replicas=replicas)
+            RESULTS_BUCKET, config=ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas)
         )
 
 
