@@ -141,7 +141,7 @@ async def test_queue_timeout_republishes_twice_then_times_out(backends: Backends
     assert (final.status, final.error_code) == (Status.TIMEOUT, "QUEUE_TIMEOUT")
     dead = await backends.pool.fetchrow("SELECT * FROM dead_letter WHERE task_id = $1", task.id)
     assert dead is not None and dead["error_code"] == "QUEUE_TIMEOUT"
-    assert [m for _, m, _ in await dispatches(backends.bus)] == [f"{task.id}.p1", f"{task.id}.p2"]
+    assert [m for _, m, _ in await dispatches(backends.bus)] == [f"{task.id}.p{task.version + 1}", f"{task.id}.p{task.version + 2}"]
 
 
 async def test_queue_timeout_is_per_model(settings: Settings) -> None:

@@ -86,7 +86,8 @@ def dispatch_msg_id(task: TaskRow, move: Move) -> str:
     if move is Move.QUEUE:
         return f"{task.id}.q0"
     if move is Move.REPUBLISH:
-        return f"{task.id}.p{task.publish_count + 1}"
+        # the version after the bump never repeats (publish_count restarts after a release)
+        return f"{task.id}.p{task.version + 1}"
     if move is Move.RELEASE:
         return f"{task.id}.a{task.attempt}"
     raise ValueError(f"{move.name} publishes no dispatch")
