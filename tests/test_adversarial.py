@@ -1,0 +1,489 @@
+"""Hostile input to the gateway: every SubmitTask field, raw bytes and oversized messages on the port, other tenants' ids."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import math
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+from services.notifier.service import NotifierHandle
+from services.notifier.service import start as start_notifier
+from services.submit.service import SubmitHandle
+from services.submit.service import start as start_submit
+from taskgate import auth, errors, results
+from taskgate.config import ModelSpec, Settings
+from taskgate.runtime import Backends
+from taskgate.store import Move, transition
+from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from tests.factories import insert_task
+
+Metadata = tuple[tuple[str, str], ...]
+# TASKGATE_HYPOTHESIS_EXAMPLES raises the example count for a longer hunt (e.g. 2000).
+EXAMPLES = hsettings(
+    max_examples=int(os.environ.get("TASKGATE_HYPOTHESIS_EXAMPLES", "40")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+SPEC = ModelSpec(kind="sleep")
+MAX_PROMPT = Settings.model_fields["max_prompt_chars"].default
+MAX_METADATA = Settings.model_fields["max_metadata_bytes"].default
+MAX_KEY = Settings.model_fields["max_idempotency_key_chars"].default
+MAX_URL = Settings.model_fields["max_callback_url_chars"].default
+MAX_FPS = Settings.model_fields["max_fps"].default
+MAX_RETRIES = Settings.model_fields["max_task_retries"].default
+PUBLIC_HOOK = "http://93.184.216.34/hook"  # a public address literal: valid without DNS
+INT32 = (-(2**31), 2**31 - 1)
+CONTROL = [chr(c) for c in [*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0)]]
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture
+def hostile_settings(settings: Settings) -> Settings:
+    """No host is exempt from the SSRF guard; only the sleep model is registered."""
+    return settings.model_copy(
+        update={"callback_allow_hosts": [], "models": {"sleepy": SPEC}, "default_model": "sleepy", "stream_keepalive_seconds": 0.2}
+    )
+
+
+@pytest.fixture
+async def gateway(hostile_settings: Settings, backends: Backends) -> AsyncIterator[SubmitHandle]:
+    handle = await start_submit(hostile_settings, backends)
+    try:
+        yield handle
+    finally:
+        await handle.stop(0)
+
+
+@pytest.fixture
+async def channel(gateway: SubmitHandle) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as ch:
+        yield ch
+
+
+@pytest.fixture
+def stub(channel: grpc.aio.Channel) -> Any:
+    return gateway_pb2_grpc.TaskGatewayStub(channel)
+
+
+async def key_for(backends: Backends, tenant: str) -> Metadata:
+    """A key of `tenant` whose limits never get in the way of many requests."""
+    key, _ = await auth.create_key(
+        backends.pool, backends.settings.api_key_pepper, tenant, max_pending=1_000_000, submits_per_minute=1_000_000
+    )
+    return (("authorization", f"Bearer {key}"),)
+
+
+async def failure(call: Any) -> tuple[grpc.StatusCode, list[Any]]:
+    """The code and google.rpc details of a call that must fail."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    status = rpc_status.from_call(info.value)
+    return info.value.code(), errors.details_of(status) if status else []
+
+
+def violated(details: list[Any]) -> set[str]:
+    return {v.field for d in details if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations}
+
+
+async def task_count(backends: Backends) -> int:
+    return int(await backends.pool.fetchval("SELECT count(*) FROM task"))
+
+
+def base_request(**fields: Any) -> gateway_pb2.SubmitTaskRequest:
+    """A valid request, with `fields` replacing parts of it (params.* names a VideoParams field)."""
+    params = task_pb2.VideoParams(num_frames=9, width=32, height=32, num_inference_steps=2, guidance_scale=5.0, fps=8)
+    top: dict[str, Any] = {"prompt": "a red fox in the snow", "model_id": "sleepy"}
+    for name, value in fields.items():
+        if name.startswith("params."):
+            setattr(params, name.removeprefix("params."), value)
+        else:
+            top[name] = value
+    return gateway_pb2.SubmitTaskRequest(params=params, **top)
+
+
+# ---------------------------------------------------------------- strategies: one bad field each
+
+
+def _control_inside(min_size: int = 0) -> st.SearchStrategy[str]:
+    return st.tuples(st.text(min_size=min_size, max_size=20), st.sampled_from(CONTROL), st.text(max_size=20)).map(
+        lambda t: "a" + t[0] + t[1] + t[2]
+    )
+
+
+def _long(limit: int) -> st.SearchStrategy[str]:
+    return st.integers(limit + 1, limit * 50).map(lambda n: "p" * n)
+
+
+def _private_v4() -> st.SearchStrategy[str]:
+    networks = ["127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16", "100.64.0.0/10",
+                "0.0.0.0/8", "224.0.0.0/4", "240.0.0.0/4", "198.18.0.0/15", "192.0.0.0/29"]
+    return st.sampled_from(networks).flatmap(lambda n: st.ip_addresses(v=4, network=n)).map(str)
+
+
+def _private_v6() -> st.SearchStrategy[str]:
+    networks = ["::1/128", "fc00::/7", "fe80::/10", "ff00::/8", "::/128", "2001:db8::/32"]
+    plain = st.sampled_from(networks).flatmap(lambda n: st.ip_addresses(v=6, network=n)).map(str)
+    mapped = _private_v4().map(lambda a: f"::ffff:{a}")
+    return st.one_of(plain, mapped)
+
+
+def _numeric_forms(address: str) -> list[str]:
+    """The spellings of one IPv4 address that getaddrinfo also accepts: decimal, hex, octal, short."""
+    value = int(ipaddress.IPv4Address(address))
+    a, b, c, d = (int(x) for x in address.split("."))
+    return [str(value), hex(value), f"0{value:o}", f"{a}.{(b << 16) | (c << 8) | d}", f"0x{a:x}.{b}.{c}.{d}"]
+
+
+def _bad_urls() -> st.SearchStrategy[str]:
+    path = st.sampled_from(["/", "/hook", "/a?b=c", ""])
+    v4 = st.builds(lambda host, p: f"http://{host}{p}", _private_v4(), path)
+    v6 = st.builds(lambda host, p: f"https://[{host}]{p}", _private_v6(), path)
+    numeric = _private_v4().flatmap(lambda a: st.sampled_from(_numeric_forms(a))).map(lambda h: f"http://{h}/hook")
+    zone = st.sampled_from(["http://[fe80::1%25eth0]/", "http://[fe80::1%25lo]:8080/x"])
+    userinfo = st.sampled_from([
+        "http://user:pass@93.184.216.34/hook", "http://user@93.184.216.34/", "http://:@93.184.216.34/",
+        "http://93.184.216.34@127.0.0.1/", "http://93.184.216.34:80@10.0.0.1/", "https://a%40b@93.184.216.34/",
+    ])
+    schemes = st.sampled_from(["ftp", "file", "gopher", "javascript", "data", "ws", "wss", "dict", "ldap", "jar", "h"]).map(
+        lambda s: f"{s}://93.184.216.34/hook"
+    )
+    names = st.sampled_from([
+        "http://localhost/hook", "http://LOCALHOST:8080/", "http://localhost./", "http://vm/", "http://runsc:9/x",
+        "http://ip6-localhost/", "http://does-not-exist.invalid/", "http://x.example./", "http://0/", "http://[::]/",
+    ])
+    malformed = st.sampled_from([
+        "http:///hook", "http://:80/", "http://93.184.216.34:99999/", "http://93.184.216.34:-1/", "http://[::1/",
+        "http://93.184.216.34/a b", "http://93.184.216.34/\x00", " http://93.184.216.34/", "//93.184.216.34/",
+        "93.184.216.34/hook", "http:93.184.216.34", "http://[93.184.216.34]/", "\u202ehttp://93.184.216.34/",
+    ])
+    too_long = st.integers(MAX_URL + 1, MAX_URL * 4).map(lambda n: PUBLIC_HOOK + "/" + "a" * n)
+    return st.one_of(v4, v6, numeric, zone, userinfo, schemes, names, malformed, too_long)
+
+
+def _outside(low: int, high: int) -> st.SearchStrategy[int]:
+    """int32 values below `low` or above `high` (0 excluded: it means 'the default')."""
+    return st.one_of(st.integers(INT32[0], low - 1), st.integers(high + 1, INT32[1])).filter(lambda v: v != 0)
+
+
+def _bad_sizes(limit: int) -> st.SearchStrategy[int]:
+    return st.one_of(_outside(1, limit), st.integers(1, limit).filter(lambda v: v % SPEC.size_multiple != 0))
+
+
+BAD_FIELD: st.SearchStrategy[tuple[str, dict[str, Any]]] = st.one_of(
+    st.one_of(st.sampled_from(["", " ", "\n\t ", "\u3000"]), _long(MAX_PROMPT), _control_inside()).map(
+        lambda v: ("prompt", {"prompt": v})
+    ),
+    st.text(min_size=1, max_size=300).filter(lambda v: v != "sleepy").map(lambda v: ("model_id", {"model_id": v})),
+    st.text(min_size=1, max_size=300).filter(lambda v: v != "text-to-video").map(lambda v: ("task_type", {"task_type": v})),
+    st.one_of(_outside(1, SPEC.max_frames), st.integers(2, SPEC.max_frames).filter(lambda n: (n - 1) % SPEC.frame_step != 0)).map(
+        lambda v: ("params.num_frames", {"params.num_frames": v})
+    ),
+    _bad_sizes(SPEC.max_width).map(lambda v: ("params.width", {"params.width": v})),
+    _bad_sizes(SPEC.max_height).map(lambda v: ("params.height", {"params.height": v})),
+    _outside(1, SPEC.max_steps).map(lambda v: ("params.num_inference_steps", {"params.num_inference_steps": v})),
+    st.one_of(
+        st.floats(max_value=-0.5, width=32),
+        st.floats(min_value=SPEC.max_guidance + 0.5, width=32),
+        st.sampled_from([math.nan, math.inf, -math.inf]),
+    ).map(lambda v: ("params.guidance_scale", {"params.guidance_scale": v})),
+    _outside(1, MAX_FPS).map(lambda v: ("params.fps", {"params.fps": v})),
+    st.integers(-(2**63), -1).map(lambda v: ("params.seed", {"params.seed": v})),
+    st.one_of(_long(MAX_PROMPT), _control_inside()).map(lambda v: ("params.negative_prompt", {"params.negative_prompt": v})),
+    st.integers(*INT32).filter(lambda v: v not in (0, 1, 5, 10)).map(lambda v: ("priority", {"priority": v})),
+    st.one_of(
+        st.integers(MAX_METADATA, MAX_METADATA * 20).map(lambda n: {"k": "v" * n}),
+        st.integers(MAX_METADATA // 8, MAX_METADATA).map(lambda n: {f"key-{i:05d}": "v" for i in range(n)}),
+        st.integers(MAX_METADATA // 2, MAX_METADATA).map(lambda n: {"snow": "\u2603" * n}),
+    ).map(lambda v: ("metadata", {"metadata": v})),
+    st.one_of(
+        _long(MAX_KEY),
+        st.tuples(st.text(max_size=20), st.sampled_from([*CONTROL, "\u2028", "\u200b"])).map(lambda t: "k" + t[0] + t[1] + "k"),
+        st.sampled_from([" key", "key ", "\tkey", " "]),
+    ).map(lambda v: ("idempotency_key", {"idempotency_key": v})),
+    _outside(0, MAX_RETRIES).map(lambda v: ("max_retries", {"max_retries": v})),
+    st.one_of(
+        st.lists(st.text(max_size=30).filter(lambda e: e not in ("CANCELED", "PROGRESS")), min_size=1, max_size=5).map(
+            lambda v: {"callback_events": v, "callback_url": PUBLIC_HOOK}
+        ),
+        st.lists(st.sampled_from(["CANCELED", "PROGRESS"]), min_size=1, max_size=2).map(lambda v: {"callback_events": v}),
+    ).map(lambda v: ("callback_events", v)),
+    _bad_urls().map(lambda v: ("callback_url", {"callback_url": v})),
+)
+
+
+# ---------------------------------------------------------------- SubmitTask, field by field
+
+
+async def test_the_valid_base_request_is_accepted(stub: Any, backends: Backends) -> None:
+    md = await key_for(backends, "tenant-a")
+    resp = await stub.SubmitTask(base_request(callback_url=PUBLIC_HOOK, callback_events=["PROGRESS"]), metadata=md, timeout=10)
+    assert resp.created and resp.task.status == task_pb2.TASK_STATUS_QUEUED
+    assert await task_count(backends) == 1
+
+
+@EXAMPLES
+@given(bad=BAD_FIELD)
+async def test_every_bad_field_is_invalid_argument_and_stores_nothing(
+    stub: Any, backends: Backends, bad: tuple[str, dict[str, Any]]
+) -> None:
+    field, changes = bad
+    md = await key_for(backends, "tenant-a")
+    before = await task_count(backends)  # an earlier failing example may have stored one (shrinking replays)
+    code, details = await failure(stub.SubmitTask(base_request(**changes), metadata=md, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, changes)
+    assert field in violated(details), (field, violated(details))
+    assert await task_count(backends) == before
+
+
+ANY_TEXT = st.one_of(st.text(max_size=60), st.sampled_from(["", "sleepy", "text-to-video", PUBLIC_HOOK, "PROGRESS"]))
+ANY_INT = st.one_of(st.integers(*INT32), st.sampled_from([0, 1, 5, 9, 10, 16, 32]))
+
+
+@EXAMPLES
+@given(
+    prompt=ANY_TEXT, model_id=ANY_TEXT, task_type=ANY_TEXT, key=ANY_TEXT, url=ANY_TEXT,
+    events=st.lists(ANY_TEXT, max_size=3), metadata=st.dictionaries(st.text(max_size=20), st.text(max_size=40), max_size=4),
+    priority=ANY_INT, retries=st.one_of(st.none(), ANY_INT),
+    params=st.fixed_dictionaries({
+        "num_frames": ANY_INT, "width": ANY_INT, "height": ANY_INT, "num_inference_steps": ANY_INT, "fps": ANY_INT,
+        "guidance_scale": st.floats(width=32), "negative_prompt": ANY_TEXT,
+    }),
+)
+async def test_arbitrary_requests_get_ok_or_invalid_argument_never_an_internal_error(
+    stub: Any, backends: Backends, prompt: str, model_id: str, task_type: str, key: str, url: str, events: list[str],
+    metadata: dict[str, str], priority: int, retries: int | None, params: dict[str, Any],
+) -> None:
+    md = await key_for(backends, "tenant-a")
+    request = gateway_pb2.SubmitTaskRequest(
+        prompt=prompt, model_id=model_id, task_type=task_type, idempotency_key=key, callback_url=url,
+        callback_events=events, metadata=metadata, priority=priority, params=task_pb2.VideoParams(**params),  # type: ignore[arg-type]
+    )
+    if retries is not None:
+        request.max_retries = retries
+    before = await task_count(backends)
+    try:
+        resp = await stub.SubmitTask(request, metadata=md, timeout=10)
+    except grpc.aio.AioRpcError as exc:
+        # ALREADY_EXISTS: an earlier example used the same idempotency key for another request.
+        assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS), exc
+        assert await task_count(backends) == before
+        return
+    stored = await backends.pool.fetchrow("SELECT prompt, model_id FROM task WHERE id = $1", int(resp.task.id))
+    assert stored is not None and (stored["prompt"], stored["model_id"]) == (prompt, "sleepy")
+    assert await task_count(backends) == before + int(resp.created)
+
+
+@EXAMPLES
+@given(task_id=st.one_of(st.text(max_size=40), st.integers(-(2**70), 2**70).map(str)))
+async def test_any_task_id_is_not_found_or_invalid(stub: Any, backends: Backends, task_id: str) -> None:
+    md = await key_for(backends, "tenant-a")
+    wanted = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+    for call in (
+        stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=md, timeout=5),
+        stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=task_id, hard=True), metadata=md, timeout=5),
+    ):
+        code, _ = await failure(call)
+        assert code in wanted, (task_id, code)
+    code, _ = await failure(_drain(stub.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=md, timeout=5)))
+    assert code in wanted, (task_id, code)
+
+
+@EXAMPLES
+@given(token=st.one_of(st.text(max_size=200), st.binary(max_size=200).map(lambda b: b.hex())), size=st.integers(*INT32))
+async def test_list_with_garbage_page_tokens_is_invalid_argument(stub: Any, backends: Backends, token: str, size: int) -> None:
+    md = await key_for(backends, "tenant-a")
+    request = gateway_pb2.ListTasksRequest(page_token=token, page_size=size)
+    try:
+        await stub.ListTasks(request, metadata=md, timeout=5)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+    else:
+        assert not token and size >= 0
+
+
+async def _drain(call: Any) -> None:
+    async for _ in call:
+        pass
+
+
+# ---------------------------------------------------------------- the port itself
+
+
+GARBAGE = [
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64,  # a TLS ClientHello to a plaintext port
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 9,  # the HTTP/2 preface, then a frame of every bit set
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00" + b"\x00\xff\xff\x01\x00\x00\x00\x00\x01",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00\xff\xff\xff\x01\x05\x00\x00\x00\x01",
+    os.urandom(256 * 1024),
+]
+
+
+def _blast(port: int, data: bytes, keep_open: bool = False) -> socket.socket | None:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    with contextlib.suppress(OSError):  # the server may hang up before taking it all
+        sock.sendall(data)
+    if keep_open:
+        return sock
+    sock.close()
+    return None
+
+
+async def _still_serves(port: int, md: Metadata, prompt: str) -> None:
+    """A fresh connection gets a normal answer."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as fresh:
+        request = base_request(prompt=prompt, idempotency_key=uuid.uuid4().hex)
+        resp = await gateway_pb2_grpc.TaskGatewayStub(fresh).SubmitTask(request, metadata=md, timeout=10)
+        assert resp.created
+
+
+@hsettings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=st.one_of(st.binary(min_size=1, max_size=4096), st.sampled_from(GARBAGE)))
+async def test_garbage_bytes_on_the_grpc_port_do_not_stop_the_server(
+    gateway: SubmitHandle, stub: Any, backends: Backends, junk: bytes
+) -> None:
+    md = await key_for(backends, "tenant-a")
+    await asyncio.to_thread(_blast, gateway.port, junk)
+    await _still_serves(gateway.port, md, f"after {len(junk)} junk bytes {junk[:8].hex()}")
+
+
+async def test_stalled_and_half_open_connections_do_not_block_others(gateway: SubmitHandle, backends: Backends) -> None:
+    md = await key_for(backends, "tenant-a")
+    stalled = [
+        await asyncio.to_thread(_blast, gateway.port, data, True)
+        for data in (b"", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x10\x01\x04\x00\x00\x00\x01")
+        for _ in range(20)
+    ]
+    try:
+        for i in range(3):
+            await _still_serves(gateway.port, md, f"beside stalled connections {i}")
+    finally:
+        for sock in stalled:
+            assert sock is not None
+            sock.close()
+
+
+async def test_oversized_message_is_resource_exhausted_and_the_server_goes_on(
+    gateway: SubmitHandle, stub: Any, backends: Backends, hostile_settings: Settings
+) -> None:
+    md = await key_for(backends, "tenant-a")
+    huge = "x" * (hostile_settings.grpc_max_message_bytes + 1024)
+    code, _ = await failure(stub.SubmitTask(base_request(prompt=huge), metadata=md, timeout=30))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    code, _ = await failure(stub.SubmitTask(base_request(metadata={"k": huge}), metadata=md, timeout=30))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await task_count(backends) == 0
+    resp = await stub.SubmitTask(base_request(), metadata=md, timeout=10)
+    assert resp.created
+    await _still_serves(gateway.port, md, "after oversized messages")
+
+
+async def test_huge_call_metadata_is_refused_and_the_server_goes_on(gateway: SubmitHandle, stub: Any, backends: Backends) -> None:
+    md = await key_for(backends, "tenant-a")
+    for extra in ((("authorization", "Bearer " + "k" * 200_000),), (("x-request-id", "r" * 100_000), *md), tuple(
+        (f"x-h{i}", "v" * 100) for i in range(2000)) + md):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SubmitTask(base_request(prompt="big headers"), metadata=extra, timeout=10)
+        assert info.value.code() != grpc.StatusCode.OK
+    assert await task_count(backends) == 0
+    await _still_serves(gateway.port, md, "after huge metadata")
+
+
+# ---------------------------------------------------------------- other tenants' tasks
+
+
+@pytest.fixture
+async def notifier(hostile_settings: Settings, backends: Backends) -> AsyncIterator[NotifierHandle]:
+    handle = await start_notifier(hostile_settings, backends)
+    try:
+        yield handle
+    finally:
+        await handle.stop()
+
+
+async def _succeeded_task(backends: Backends, settings: Settings, tenant: str) -> int:
+    """A task of `tenant` that SUCCEEDED with a stored result."""
+    task = await insert_task(backends.pool, user_id=tenant, model_id="sleepy")
+    store = results.result_store(settings, backends.bus)
+    stored = await store.put(f"{task.id}-a1.json", b'{"ok": true}', "application/json")
+    for move, args in ((Move.QUEUE, ()), (Move.CLAIM, ("w1", 30.0)),
+                       (Move.SUCCEED, (stored.uri, stored.content_type, stored.size, stored.sha256, False))):
+        out = await transition(backends.pool, task.id, move, *args, actor="test")
+        assert out.applied, move
+    return task.id
+
+
+async def test_other_tenants_tasks_are_not_found_on_every_rpc(
+    stub: Any, backends: Backends, hostile_settings: Settings, notifier: NotifierHandle
+) -> None:
+    owner, prober = await key_for(backends, "tenant-a"), await key_for(backends, "tenant-b")
+    queued = (await stub.SubmitTask(base_request(prompt="tenant a's secret"), metadata=owner, timeout=10)).task.id
+    done = str(await _succeeded_task(backends, hostile_settings, "tenant-a"))
+    missing = str(int(done) + 12345)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{notifier.port}") as ch:
+        events: Any = events_pb2_grpc.TaskEventsStub(ch)
+        for task_id in (queued, done, missing):
+            probes = [
+                stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=prober, timeout=5),
+                stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=task_id, hard=True), metadata=prober, timeout=5),
+                _drain(stub.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=prober, timeout=5)),
+                _drain(events.WatchTask(events_pb2.WatchTaskRequest(task_id=task_id), metadata=prober, timeout=5)),
+                _drain(events.WatchTask(events_pb2.WatchTaskRequest(task_id=task_id, after_version=1), metadata=prober, timeout=5)),
+            ]
+            for probe in probes:
+                code, details = await failure(probe)
+                assert code == grpc.StatusCode.NOT_FOUND, (task_id, code)
+                assert [d.reason for d in details if isinstance(d, error_details_pb2.ErrorInfo)] == ["NOT_FOUND"]
+        listed = await stub.ListTasks(gateway_pb2.ListTasksRequest(), metadata=prober, timeout=5)
+        assert list(listed.tasks) == []
+        # The owner still sees both, untouched by the probes.
+        mine = await stub.ListTasks(gateway_pb2.ListTasksRequest(), metadata=owner, timeout=5)
+        assert {t.id for t in mine.tasks} == {queued, done}
+        assert {t.status for t in mine.tasks} == {task_pb2.TASK_STATUS_QUEUED, task_pb2.TASK_STATUS_SUCCEEDED}
+
+
+async def test_watch_tasks_never_shows_another_tenants_events(
+    stub: Any, backends: Backends, hostile_settings: Settings, notifier: NotifierHandle
+) -> None:
+    owner, prober = await key_for(backends, "tenant-a"), await key_for(backends, "tenant-b")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{notifier.port}") as ch:
+        events: Any = events_pb2_grpc.TaskEventsStub(ch)
+        call = events.WatchTasks(events_pb2.WatchTasksRequest(), metadata=prober, timeout=30)
+        seen: list[task_pb2.TaskEvent] = []
+        live = asyncio.Event()
+
+        async def collect() -> None:
+            async for item in call:
+                live.set()  # the first keep-alive: the subscription is in place
+                if item.HasField("event"):
+                    seen.append(item.event)
+                    if item.event.user_id == "tenant-b":
+                        return
+
+        reader = asyncio.create_task(collect())
+        await asyncio.wait_for(live.wait(), 10)
+        for i in range(3):
+            await stub.SubmitTask(base_request(prompt=f"a's task {i}"), metadata=owner, timeout=10)
+        await _succeeded_task(backends, hostile_settings, "tenant-a")
+        # tenant-b's own task, last: once its event arrives, every earlier event had its chance to leak.
+        mine = await stub.SubmitTask(base_request(prompt="b's own"), metadata=prober, timeout=10)
+        await asyncio.wait_for(reader, 20)
+        call.cancel()
+    assert seen and all(e.user_id == "tenant-b" and e.task_id == mine.task.id for e in seen)
