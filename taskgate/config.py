@@ -143,6 +143,12 @@ class Settings(BaseSettings):
     webhook_concurrency: int = Field(default=32, ge=1)
     stream_keepalive_seconds: float = Field(default=15.0, gt=0)
     stream_buffer_size: int = Field(default=1000, ge=1, description="Events buffered per slow subscriber.")
+    relay_batch_size: int = Field(default=500, ge=1, description="Events one relay pass publishes and records.")
+    relay_scan_interval_seconds: float = Field(default=1.0, gt=0, description="Relay catch-up scan period (NOTIFY wakes it sooner).")
+    relay_publish_timeout_seconds: float = Field(default=5.0, gt=0, description="Wait for JetStream acks of one relay pass.")
+    webhook_scan_interval_seconds: float = Field(default=1.0, gt=0, description="Safety-net scan period of the webhook outbox.")
+    webhook_lease_seconds: float = Field(default=30.0, gt=0, description="A sender's hold on a delivery (at least 2x the timeout).")
+    webhook_jitter: float = Field(default=0.1, ge=0, lt=1, description="Retry delays vary by up to this fraction.")
 
     # Local stack (`make run`: taskgate.dev)
     dev_start_timeout_seconds: float = Field(default=180.0, gt=0, description="make run: time the services get to become healthy.")

@@ -1,0 +1,113 @@
+"""The notifier process: event relay, webhook sender and TaskEvents streams over one set of backends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health
+
+from services.notifier.listen import Listener
+from services.notifier.relay import EventRelay
+from services.notifier.streams import EventHub, TaskEventsService, register
+from services.notifier.webhooks import WebhookSender
+from taskgate import runtime, server
+from taskgate.auth import Authenticator
+from taskgate.config import Settings
+
+log = logging.getLogger("taskgate.notifier")
+
+EVENT_CHANNEL = "taskgate_event"
+WEBHOOK_CHANNEL = "taskgate_webhook"
+LISTEN_READY_SECONDS = 5.0
+STOP_GRACE_SECONDS = 1.0
+
+
+@dataclass
+class NotifierHandle:
+    """A running notifier: its gRPC port, its parts (for tests), and how to stop or crash it."""
+
+    port: int
+    backends: runtime.Backends
+    relay: EventRelay
+    sender: WebhookSender
+    hub: EventHub
+    listener: Listener
+    grpc_server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    owns_backends: bool
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    ended: bool = False
+
+    async def stop(self) -> None:
+        """Graceful: readiness off, streams closed, loops stopped, attempts in flight finished, connections closed."""
+        if self.ended:
+            return
+        self.ended = True
+        await server.mark_not_serving(self.health)
+        await self.grpc_server.stop(STOP_GRACE_SECONDS)
+        await self._cancel_loops()
+        await self.sender.stop()
+        await self.hub.stop()
+        if self.owns_backends:
+            await self.backends.close()
+        log.info("notifier stopped")
+
+    async def kill(self) -> None:
+        """Like a crash: nothing is finished or committed (crash tests); owned connections are dropped at once."""
+        if self.ended:
+            return
+        self.ended = True
+        self.listener.terminate()
+        if self.owns_backends:
+            self.backends.pool.terminate()
+        await self._cancel_loops()
+        await self.sender.kill()
+        await self.grpc_server.stop(None)
+        if self.owns_backends:
+            with contextlib.suppress(Exception):
+                await self.backends.bus.nc.close()
+        else:
+            await self.hub.stop()
+
+    async def _cancel_loops(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def start(settings: Settings, backends: runtime.Backends | None = None) -> NotifierHandle:
+    """Starts the relay, the webhook sender and the TaskEvents server; `backends` is shared if given, else owned."""
+    owns = backends is None
+    b = backends if backends is not None else await runtime.connect(settings, "notifier")
+    owner = f"notifier-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    sender = WebhookSender(settings, b.pool, owner)
+    relay = EventRelay(settings, b.pool, b.bus, on_deliveries=sender.notify)
+    listener = Listener(b.database_url, {EVENT_CHANNEL: relay.notify, WEBHOOK_CHANNEL: sender.notify})
+    hub = EventHub(b.bus)
+    await hub.start()
+    service = TaskEventsService(settings, b.pool, hub, Authenticator(b.pool, settings.api_key_pepper))
+    grpc_server, port, health_servicer = await server.start_server(settings, settings.notifier_port, register(service))
+    tasks = [
+        asyncio.create_task(listener.run(), name="notifier-listen"),
+        asyncio.create_task(relay.run(), name="notifier-relay"),
+        asyncio.create_task(sender.run(), name="notifier-webhooks"),
+    ]
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(listener.connected.wait(), LISTEN_READY_SECONDS)
+    log.info("notifier started", extra={"port": port, "owner": owner})
+    return NotifierHandle(port, b, relay, sender, hub, listener, grpc_server, health_servicer, owns, tasks)
+
+
+async def main(settings: Settings) -> None:
+    """Runs until SIGTERM/SIGINT, then stops gracefully."""
+    async with runtime.stop_signal() as stop:
+        handle = await start(settings)
+        await stop.wait()
+        await handle.stop()

@@ -1,0 +1,300 @@
+"""TaskEvents: resumable server-streaming subscriptions, history from the table then live from one JetStream feed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import asyncpg
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+
+from services.notifier.events import event_proto, is_terminal
+from services.notifier.wake import woken
+from taskgate import bus as busmod
+from taskgate import errors, sql, store
+from taskgate.auth import Authenticator
+from taskgate.config import Settings
+from taskgate.states import Status
+from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
+
+log = logging.getLogger("taskgate.notifier.streams")
+
+SERVICE_NAME = "taskgate.v1.TaskEvents"
+REPLAY_PAGE = 500
+MAX_VERSION = 2**62
+TRACKED_TASKS = 100_000  # per WatchTasks stream: tasks whose last version is remembered for de-duplication
+
+
+class Overflow(Exception):
+    """The subscriber fell further behind than its buffer allows."""
+
+
+class Subscriber:
+    """One stream's bounded buffer of live events; overflowing marks it instead of dropping events silently."""
+
+    def __init__(self, key: int | str, capacity: int) -> None:
+        self.key = key
+        self.capacity = capacity
+        self.overflowed = False
+        self._items: deque[task_pb2.TaskEvent] = deque()
+        self._ready = asyncio.Event()
+
+    def offer(self, event: task_pb2.TaskEvent) -> bool:
+        """Buffers a live event; False once the buffer has overflowed."""
+        if self.overflowed:
+            return False
+        if len(self._items) >= self.capacity:
+            self.overflowed = True
+            self._items.clear()
+        else:
+            self._items.append(event)
+        self._ready.set()
+        return not self.overflowed
+
+    async def next(self, wait_seconds: float) -> task_pb2.TaskEvent | None:
+        """The next live event, or None after `wait_seconds` without one; raises Overflow."""
+        while not self._items and not self.overflowed:
+            self._ready.clear()
+            if not await woken(self._ready, wait_seconds):
+                return None
+        if self.overflowed:
+            raise Overflow
+        return self._items.popleft()
+
+
+class EventHub:
+    """Fans one ordered JetStream consumer of every task event out to the streams of this process."""
+
+    def __init__(self, bus: busmod.Bus) -> None:
+        self._bus = bus
+        self._by_task: dict[int, set[Subscriber]] = defaultdict(set)
+        self._by_user: dict[str, set[Subscriber]] = defaultdict(set)
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        """Subscribes from the stream's end; ordered consumers recover from gaps by themselves."""
+        self._sub = await self._bus.js.subscribe(
+            busmod.EVENT_SUBJECTS,
+            stream=busmod.EVENTS_STREAM,
+            cb=self._on_message,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.NEW,
+        )
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            event = task_pb2.TaskEvent.FromString(msg.data)
+            task_id = int(event.task_id)
+        except (DecodeError, ValueError):
+            log.error("undecodable event on the event stream", extra={"subject": msg.subject})
+            return
+        for sub in [*self._by_task.get(task_id, ()), *self._by_user.get(event.user_id, ())]:
+            if not sub.offer(event):
+                self.drop(sub)
+
+    def watch_task(self, task_id: int, capacity: int) -> Subscriber:
+        """Buffers one task's live events from now on."""
+        sub = Subscriber(task_id, capacity)
+        self._by_task[task_id].add(sub)
+        return sub
+
+    def watch_user(self, user_id: str, capacity: int) -> Subscriber:
+        """Buffers every live event of one tenant from now on."""
+        sub = Subscriber(user_id, capacity)
+        self._by_user[user_id].add(sub)
+        return sub
+
+    def drop(self, sub: Subscriber) -> None:
+        """Stops buffering for a subscriber."""
+        table: dict[Any, set[Subscriber]] = self._by_task if isinstance(sub.key, int) else self._by_user
+        subs = table.get(sub.key)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del table[sub.key]
+
+    @property
+    def subscribers(self) -> int:
+        """How many streams are attached (tests and gauges)."""
+        return sum(len(s) for s in self._by_task.values()) + sum(len(s) for s in self._by_user.values())
+
+
+def too_slow(message: str, **metadata: str) -> errors.ApiError:
+    """ABORTED with reason SUBSCRIBER_TOO_SLOW and where to resume: the client reconnects from there."""
+    info = error_details_pb2.ErrorInfo(reason="SUBSCRIBER_TOO_SLOW", domain=errors.DOMAIN, metadata=metadata)
+    return errors.ApiError(grpc.StatusCode.ABORTED, message, info)
+
+
+def _task_id(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise errors.invalid_argument([("task_id", "must be a decimal task id")]) from None
+    if not 0 < value < 2**63:
+        raise errors.invalid_argument([("task_id", "out of range")])
+    return value
+
+
+def _statuses(values: Iterable[int]) -> set[int]:
+    out = set()
+    for value in values:
+        if value not in task_pb2.TaskStatus.values() or value == task_pb2.TASK_STATUS_UNSPECIFIED:
+            raise errors.invalid_argument([("statuses", f"unknown status {value}")])
+        out.add(value)
+    return out
+
+
+class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
+    """WatchTask and WatchTasks: snapshot or history first, then live events, with keep-alives and resume points."""
+
+    def __init__(self, settings: Settings, pool: asyncpg.Pool, hub: EventHub, authenticator: Authenticator) -> None:
+        self._settings = settings
+        self._pool = pool
+        self._hub = hub
+        self._auth = authenticator
+
+    async def WatchTask(
+        self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
+        principal = await self._auth.principal(context)
+        task_id = _task_id(request.task_id)
+        if request.after_version < 0:
+            raise errors.invalid_argument([("after_version", "must not be negative")])
+        # Subscribe before reading, so an event committed after the read is buffered: no gap at the seam.
+        sub = self._hub.watch_task(task_id, self._settings.stream_buffer_size)
+        try:
+            task = await store.get_task(self._pool, task_id)
+            if task is None or task.user_id != principal.tenant_id:
+                raise errors.not_found()
+            last = request.after_version
+            if last > task.version:
+                raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
+            if last == 0:
+                position = 0
+                if task.status is Status.QUEUED:
+                    position = int(await self._pool.fetchval(sql.query("stream_queue_position"), task_id))
+                yield events_pb2.WatchTaskResponse(snapshot=task.to_proto(position))
+                last = task.version
+            if task.status.terminal and last >= task.version:
+                return
+            for row in await self._pool.fetch(sql.query("stream_task_events"), task_id, last, MAX_VERSION):
+                event = event_proto(row)
+                yield events_pb2.WatchTaskResponse(event=event)
+                last = event.version
+                if is_terminal(event):
+                    return
+            while True:
+                try:
+                    live = await sub.next(self._settings.stream_keepalive_seconds)
+                except Overflow:
+                    raise too_slow(
+                        f"subscriber too slow: resume with after_version={last}", last_version=str(last)
+                    ) from None
+                if live is None:
+                    yield events_pb2.WatchTaskResponse(keepalive=events_pb2.KeepAlive())
+                    continue
+                if live.version <= last:
+                    continue  # already sent from the history (or a relay replay)
+                if live.version > last + 1:  # the live feed missed some: they are in the table
+                    for row in await self._pool.fetch(sql.query("stream_task_events"), task_id, last, live.version - 1):
+                        yield events_pb2.WatchTaskResponse(event=event_proto(row))
+                yield events_pb2.WatchTaskResponse(event=live)
+                last = live.version
+                if is_terminal(live):
+                    return
+        finally:
+            self._hub.drop(sub)
+
+    async def WatchTasks(
+        self, request: events_pb2.WatchTasksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[events_pb2.WatchTasksResponse]:
+        principal = await self._auth.principal(context)
+        tenant = principal.tenant_id
+        wanted = _statuses(request.statuses)
+        cursor = 0
+        if request.cursor:
+            try:
+                cursor = int(request.cursor)
+            except ValueError:
+                raise errors.invalid_argument([("cursor", "not a cursor from this API")]) from None
+        sub = self._hub.watch_user(tenant, self._settings.stream_buffer_size)
+        try:
+            versions: OrderedDict[str, int] = OrderedDict()
+
+            def fresh(event: task_pb2.TaskEvent) -> bool:
+                """Records the event; False when this stream already sent it (history/live seam, relay replays)."""
+                nonlocal cursor
+                if versions.get(event.task_id, 0) >= event.version:
+                    return False
+                versions[event.task_id] = event.version
+                versions.move_to_end(event.task_id)
+                if len(versions) > TRACKED_TASKS:
+                    versions.popitem(last=False)
+                cursor = max(cursor, event.event_id)
+                return True
+
+            def response(event: task_pb2.TaskEvent) -> events_pb2.WatchTasksResponse | None:
+                if wanted and event.to_status not in wanted:
+                    return None
+                return events_pb2.WatchTasksResponse(event=event, cursor=str(cursor))
+
+            if request.cursor:
+                relayed_at = await self._pool.fetchval(sql.query("stream_cursor_time"), cursor, tenant)
+                history = list(await self._pool.fetch(sql.query("stream_user_events_lookback"), tenant, cursor, relayed_at))
+                after = cursor
+                while True:
+                    for row in history:
+                        event = event_proto(row)
+                        if fresh(event) and (out := response(event)) is not None:
+                            yield out
+                    if history and history[-1]["id"] > after:
+                        after = history[-1]["id"]
+                    page = await self._pool.fetch(sql.query("stream_user_events_after"), tenant, after, REPLAY_PAGE)
+                    if not page:
+                        break
+                    history = list(page)
+            else:
+                cursor = int(await self._pool.fetchval(sql.query("stream_user_last_event"), tenant))
+            while True:
+                try:
+                    live = await sub.next(self._settings.stream_keepalive_seconds)
+                except Overflow:
+                    raise too_slow(f"subscriber too slow: resume with cursor={cursor}", cursor=str(cursor)) from None
+                if live is None:
+                    yield events_pb2.WatchTasksResponse(keepalive=events_pb2.KeepAlive(), cursor=str(cursor))
+                    continue
+                known = versions.get(live.task_id)
+                if known is not None and live.version > known + 1:  # the live feed missed some: they are in the table
+                    rows = await self._pool.fetch(sql.query("stream_task_events"), int(live.task_id), known, live.version - 1)
+                    for row in rows:
+                        event = event_proto(row)
+                        if fresh(event) and (out := response(event)) is not None:
+                            yield out
+                if fresh(live) and (out := response(live)) is not None:
+                    yield out
+        finally:
+            self._hub.drop(sub)
+
+
+def register(service: TaskEventsService) -> Any:
+    """The `register` callback of taskgate.server.start_server for this service."""
+
+    def add(server: grpc.aio.Server) -> list[str]:
+        events_pb2_grpc.add_TaskEventsServicer_to_server(service, server)
+        return [SERVICE_NAME]
+
+    return add

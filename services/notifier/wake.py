@@ -1,0 +1,20 @@
+"""Waiting for wake-ups in background loops without ever swallowing a cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+async def woken(event: asyncio.Event, seconds: float) -> bool:
+    """Waits until `event` is set or `seconds` pass; True when it was set (asyncio.timeout keeps cancels intact)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    return event.is_set()
+
+
+def cancelling() -> bool:
+    """Whether the current task is being cancelled (an error raised while unwinding must not hide that)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

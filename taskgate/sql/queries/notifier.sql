@@ -1,0 +1,122 @@
+-- The notifier: the event relay (task_event -> JetStream), the callback outbox, and the event streams.
+
+-- name: relay_lock
+-- One relay pass at a time across replicas (keeps per-task order and relay-time order); the pass's relay time. $1 key.
+SELECT pg_try_advisory_xact_lock($1) AS locked, clock_timestamp() AS at;
+
+-- name: relay_take_events
+-- The oldest events not yet on JetStream, locked for this pass, with what the outbox needs of their task. $1 limit.
+SELECT e.*, t.callback_url, t.callback_events, t.created_at AS task_created_at, t.queued_at AS task_queued_at,
+       t.started_at AS task_started_at, t.finished_at AS task_finished_at, t.metadata AS task_metadata,
+       t.result_reused AS task_result_reused
+FROM task_event e JOIN task t ON t.id = e.task_id
+WHERE e.published_at IS NULL
+ORDER BY e.id
+LIMIT $1
+FOR UPDATE OF e SKIP LOCKED;
+
+-- name: relay_mark_published
+-- Records that events are on JetStream. $1 event ids, $2 the pass's relay time.
+UPDATE task_event SET published_at = $2 WHERE id = ANY($1::bigint[]) AND published_at IS NULL;
+
+-- name: relay_lag
+-- Seconds since the oldest event not yet relayed was written (0 when none).
+SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(at)), 0)::float8 FROM task_event WHERE published_at IS NULL;
+
+-- name: outbox_insert_delivery
+-- A webhook to send for one event (idempotent per event and url). $1 task, $2 event, $3 user, $4 webhook id,
+-- $5 event type, $6 url, $7 payload, $8 seconds before the first attempt.
+INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, next_attempt_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, now() + make_interval(secs => $8))
+ON CONFLICT DO NOTHING;
+
+-- name: outbox_callback_none
+-- Terminal tasks whose last event asked for no webhook (e.g. a cancel without the CANCELED filter). $1 task ids.
+UPDATE task SET callback_status = 'NONE' WHERE id = ANY($1::bigint[]) AND callback_status = 'PENDING';
+
+-- name: outbox_redeliver
+-- Starts a new delivery round, same webhook ids, for a task's terminal webhooks (and, with $2, its progress ones).
+-- $1 task id, $2 include progress deliveries.
+WITH d AS (
+    UPDATE callback_delivery
+    SET status = 'PENDING', next_attempt_at = now(), round_start = attempts, delivered_at = NULL
+    WHERE task_id = $1 AND ($2 OR event_type <> 'task.progress')
+    RETURNING id, event_type
+), t AS (
+    UPDATE task SET callback_status = 'PENDING'
+    WHERE id = $1 AND callback_url IS NOT NULL AND EXISTS (SELECT 1 FROM d WHERE event_type <> 'task.progress')
+)
+SELECT count(*) AS reset FROM d;
+
+-- name: outbox_wake
+-- Wakes every notifier's webhook sender (delivered at commit). $1 payload (a task id).
+SELECT pg_notify('taskgate_webhook', $1::text);
+
+-- name: webhook_claim
+-- Due deliveries for this sender, leased so no other replica sends them meanwhile. $1 limit, $2 owner, $3 lease s.
+WITH due AS (
+    SELECT id FROM callback_delivery
+    WHERE status = 'PENDING' AND next_attempt_at <= now()
+      AND (lease_expires_at IS NULL OR lease_expires_at < now())
+    ORDER BY next_attempt_at, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE callback_delivery d SET lease_owner = $2, lease_expires_at = now() + make_interval(secs => $3)
+FROM due WHERE d.id = due.id
+RETURNING d.*;
+
+-- name: webhook_next_due
+-- Seconds until the next pending delivery is due (NULL when none).
+SELECT GREATEST(EXTRACT(EPOCH FROM min(next_attempt_at) - now()), 0)::float8
+FROM callback_delivery WHERE status = 'PENDING';
+
+-- name: webhook_record
+-- The outcome of one attempt, only while this sender holds the lease. $1 delivery, $2 owner, $3 new status,
+-- $4 seconds to the next attempt (PENDING), $5 HTTP status code, $6 error excerpt.
+UPDATE callback_delivery
+SET status = $3, attempts = attempts + 1, lease_owner = NULL, lease_expires_at = NULL,
+    next_attempt_at = CASE WHEN $3 = 'PENDING' THEN now() + make_interval(secs => $4) ELSE next_attempt_at END,
+    delivered_at = CASE WHEN $3 = 'DELIVERED' THEN now() END,
+    last_status_code = $5, last_error = $6
+WHERE id = $1 AND lease_owner = $2 AND status = 'PENDING'
+RETURNING id, task_id, attempts, round_start, event_type;
+
+-- name: webhook_insert_attempt
+-- The log of one attempt. $1 delivery, $2 attempt number, $3 webhook id, $4 status code, $5 latency ms, $6 error.
+INSERT INTO callback_attempt (delivery_id, attempt, webhook_id, status_code, latency_ms, error)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (delivery_id, attempt) DO NOTHING;
+
+-- name: webhook_task_status
+-- The task's view of its terminal webhook. $1 task, $2 callback status, $3 retries so far.
+UPDATE task SET callback_status = $2, callback_retry = $3 WHERE id = $1 AND callback_url IS NOT NULL;
+
+-- name: stream_task_events
+-- A task's events with version in ($2, $3], in version order. $1 task id.
+SELECT * FROM task_event WHERE task_id = $1 AND version > $2 AND version <= $3 ORDER BY version;
+
+-- name: stream_user_events_after
+-- A tenant's events after a cursor, in id order, one page. $1 user, $2 cursor id, $3 limit.
+SELECT * FROM task_event WHERE user_id = $1 AND id > $2 ORDER BY id LIMIT $3;
+
+-- name: stream_user_events_lookback
+-- A tenant's events at or before the cursor id that were relayed in or after the cursor's pass, or not yet:
+-- ids commit out of order, so these may not have reached the subscriber. $1 user, $2 cursor id, $3 its relay time.
+SELECT * FROM task_event
+WHERE user_id = $1 AND id <= $2 AND (published_at IS NULL OR published_at >= $3)
+ORDER BY id;
+
+-- name: stream_cursor_time
+-- When the cursor's event was relayed (NULL: not yet). $1 event id, $2 user.
+SELECT published_at FROM task_event WHERE id = $1 AND user_id = $2;
+
+-- name: stream_user_last_event
+-- The newest event id of a tenant (0 when none): the cursor of "from now". $1 user.
+SELECT COALESCE(max(id), 0) FROM task_event WHERE user_id = $1;
+
+-- name: stream_queue_position
+-- 1-based rank of a QUEUED task among its model's QUEUED tasks (priority, then queue time). $1 task id.
+SELECT count(*) + 1 FROM task q, task t
+WHERE t.id = $1 AND q.model_id = t.model_id AND q.status = 'QUEUED' AND q.id <> t.id
+  AND (q.priority > t.priority OR (q.priority = t.priority AND (q.queued_at, q.id) < (t.queued_at, t.id)));

@@ -1,0 +1,465 @@
+"""Notifier: the event relay, the webhook outbox and its HTTP behaviour, against real PostgreSQL, NATS and HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from services.notifier import outbox
+from services.notifier.service import NotifierHandle, start
+from taskgate import auth, webhook_signing
+from taskgate import bus as busmod
+from taskgate.config import Settings
+from taskgate.runtime import Backends
+from taskgate.states import Status
+from taskgate.store import Move, transition
+from taskgate.v1 import task_pb2
+from tests.factories import insert_task
+
+TENANT = "tenant-a"
+SHA = "ab" * 32
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@dataclass
+class Request:
+    """One request the test receiver got."""
+
+    at: float
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Reply:
+    """What the receiver answers: a status (None = hang until the client gives up), headers, a body."""
+
+    status: int | None = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b"ok"
+
+
+class Receiver:
+    """A tiny HTTP/1.1 server on a loopback address; `reply(n)` decides the answer to the n-th request (0-based)."""
+
+    def __init__(self, reply: Callable[[int], Reply] = lambda _n: Reply(), host: str = "127.0.0.1") -> None:
+        self.reply = reply
+        self.host = host
+        self.requests: list[Request] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._hang = asyncio.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/hook"
+
+    async def __aenter__(self) -> Receiver:
+        self._server = await asyncio.start_server(self._handle, self.host, 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        self._hang.set()
+        assert self._server is not None
+        self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            headers = {}
+            for line in lines[1:]:
+                if ":" in line:
+                    name, value = line.split(":", 1)
+                    headers[name.strip().lower()] = value.strip()
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+            n = len(self.requests)
+            self.requests.append(Request(time.monotonic(), headers, body))
+            reply = self.reply(n)
+            if reply.status is None:
+                await self._hang.wait()
+                return
+            extra = "".join(f"{k}: {v}\r\n" for k, v in reply.headers.items())
+            writer.write(
+                f"HTTP/1.1 {reply.status} X\r\ncontent-length: {len(reply.body)}\r\nconnection: close\r\n{extra}\r\n".encode()
+                + reply.body
+            )
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def ids(self) -> list[str]:
+        return [r.headers["webhook-id"] for r in self.requests]
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool] | bool], within: float = 10.0) -> None:
+    """Polls `condition` every 20 ms until it holds; fails the test after `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        result = condition()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def fast(settings: Settings, **update: Any) -> Settings:
+    """Short periods and a short retry schedule for tests."""
+    base: dict[str, Any] = {
+        "webhook_schedule_seconds": [0.0, 0.2, 0.4],
+        "webhook_timeout_seconds": 2.0,
+        "webhook_scan_interval_seconds": 0.2,
+        "relay_scan_interval_seconds": 0.2,
+        "webhook_jitter": 0.05,
+    }
+    return settings.model_copy(update={**base, **update})
+
+
+@pytest.fixture
+async def secret(backends: Backends, settings: Settings) -> str:
+    """The tenant's webhook secret (its first one, made with its first API key)."""
+    _key, made = await auth.create_key(backends.pool, settings.api_key_pepper, TENANT)
+    assert made is not None
+    return made
+
+
+@pytest.fixture
+async def notifier_factory(backends: Backends) -> AsyncIterator[Callable[..., Awaitable[NotifierHandle]]]:
+    """Starts notifiers (sharing the test's backends unless own=True) and stops them at the end."""
+    handles: list[NotifierHandle] = []
+
+    async def make(settings: Settings, own: bool = False) -> NotifierHandle:
+        handle = await start(settings, None if own else backends)
+        handles.append(handle)
+        return handle
+
+    yield make
+    for handle in handles:
+        await handle.stop()
+
+
+async def run_to(pool: Any, task_id: int, status: Status, progress_steps: Sequence[int] = ()) -> None:
+    """Drives a CREATED task through QUEUED and PROCESSING (with progress writes) to `status`."""
+    assert (await transition(pool, task_id, Move.QUEUE, actor="test")).applied
+    if status is Status.QUEUED:
+        return
+    assert (await transition(pool, task_id, Move.CLAIM, "w1", 30.0, actor="test")).applied
+    for step in progress_steps:
+        assert (await transition(pool, task_id, Move.PROGRESS, step, 30.0, actor="test")).applied
+    moves: dict[Status, tuple[Move, tuple[Any, ...]]] = {
+        Status.SUCCEEDED: (Move.SUCCEED, ("nats-os://taskgate-results/x.mp4", "video/mp4", 1234, SHA, False)),
+        Status.FAILED: (Move.FAIL, ("MODEL_ERROR", "the model fell over")),
+        Status.TIMEOUT: (Move.TIMEOUT, ("PROCESSING_TIMEOUT", "too slow")),
+        Status.CANCELED: (Move.CANCEL, ("soft",)),
+    }
+    if status in moves:
+        move, args = moves[status]
+        assert (await transition(pool, task_id, move, *args, actor="test")).applied
+
+
+async def delivery(pool: Any, task_id: int) -> Any:
+    return await pool.fetchrow("SELECT * FROM callback_delivery WHERE task_id = $1 AND event_type <> 'task.progress'", task_id)
+
+
+def independent_signature(secret: str, request: Request) -> str:
+    """The Standard Webhooks signature computed without taskgate's code."""
+    key = base64.b64decode(secret.split("_", 1)[1])
+    signed = f"{request.headers['webhook-id']}.{request.headers['webhook-timestamp']}.".encode() + request.body
+    return "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+
+
+async def stream_events(backends: Backends) -> list[task_pb2.TaskEvent]:
+    """Every message on the TASK_EVENTS stream, in stream order."""
+    info = await backends.bus.js.stream_info(busmod.EVENTS_STREAM)
+    out = []
+    if not info.state.messages:
+        return out
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await backends.bus.js.get_msg(busmod.EVENTS_STREAM, seq)
+        assert msg.data is not None
+        out.append(task_pb2.TaskEvent.FromString(msg.data))
+    return out
+
+
+# ---------------------------------------------------------------- pure logic
+
+
+def test_signature_verifies_with_either_secret_during_rotation() -> None:
+    old, new = auth.new_webhook_secret(), auth.new_webhook_secret()
+    body = b'{"a":1}'
+    now = int(time.time())
+    headers = webhook_signing.headers([new, old], "msg_1_4", now, body)
+    assert len(headers["webhook-signature"].split()) == 2
+    assert webhook_signing.verify(headers, body, old) == {"a": 1}
+    assert webhook_signing.verify(headers, body, [new]) == {"a": 1}
+    with pytest.raises(webhook_signing.WebhookVerificationError):
+        webhook_signing.verify(headers, b'{"a":2}', [old, new])
+    with pytest.raises(webhook_signing.WebhookVerificationError):
+        webhook_signing.verify(headers, body, auth.new_webhook_secret())
+    with pytest.raises(webhook_signing.WebhookVerificationError, match="tolerance"):
+        webhook_signing.verify(headers, body, old, now=now + 301)
+    assert webhook_signing.verify(headers, body, old, now=now - 299) == {"a": 1}
+
+
+def test_which_events_become_webhooks() -> None:
+    for status in (Status.SUCCEEDED, Status.FAILED, Status.TIMEOUT):
+        assert outbox.event_type(status, []) == f"task.{status.value.lower()}"
+    assert outbox.event_type(Status.CANCELED, []) is None
+    assert outbox.event_type(Status.CANCELED, ["canceled"]) == "task.canceled"
+    assert outbox.event_type(Status.CANCELED, ["TASK_STATUS_CANCELED"]) == "task.canceled"
+    assert outbox.event_type(Status.PROCESSING, []) is None
+    assert outbox.event_type(Status.PROCESSING, ["PROGRESS"]) == "task.progress"
+    assert outbox.event_type(Status.QUEUED, ["PROGRESS", "CANCELED"]) is None
+
+
+# ---------------------------------------------------------------- webhooks
+
+
+async def test_failing_receiver_gets_same_webhook_id_with_growing_delays_and_valid_signature(
+    backends: Backends, settings: Settings, secret: str, notifier_factory: Any
+) -> None:
+    async with Receiver(lambda n: Reply(500, body=b"busy") if n < 2 else Reply(204, body=b"")) as rx:
+        await notifier_factory(fast(settings))
+        task = await insert_task(backends.pool, callback_url=rx.url)
+        await run_to(backends.pool, task.id, Status.SUCCEEDED, [50])
+        await wait_for(lambda: len(rx.requests) == 3)
+        await wait_for(
+            lambda: _eq(backends.pool.fetchval("SELECT callback_status FROM task WHERE id = $1", task.id), "DELIVERED")
+        )
+
+    assert set(rx.ids()) == {f"msg_{task.id}_5"}  # CREATED, QUEUED, PROCESSING, 50 %, SUCCEEDED
+    first_gap = rx.requests[1].at - rx.requests[0].at
+    second_gap = rx.requests[2].at - rx.requests[1].at
+    assert 0.17 <= first_gap < 0.4, first_gap
+    assert 0.36 <= second_gap < 0.7, second_gap
+    assert second_gap > first_gap
+    for request in rx.requests:
+        assert request.headers["webhook-signature"] == independent_signature(secret, request)
+        assert abs(int(request.headers["webhook-timestamp"]) - time.time()) < 60
+        assert request.headers["content-type"] == "application/json"
+    body = json.loads(rx.requests[-1].body)
+    assert body["type"] == "task.succeeded"
+    data = body["data"]
+    assert data["task_id"] == str(task.id) and data["status"] == "SUCCEEDED" and data["version"] == 5
+    assert data["result"] == {"uri": "nats-os://taskgate-results/x.mp4", "size": 1234, "sha256": SHA,
+                              "content_type": "video/mp4", "reused": False}
+    assert data["error"] is None and data["finished_at"] and data["created_at"] and data["started_at"]
+
+    row = await delivery(backends.pool, task.id)
+    assert row["status"] == "DELIVERED" and row["attempts"] == 3 and row["last_status_code"] == 204
+    attempts = await backends.pool.fetch(
+        "SELECT * FROM callback_attempt WHERE delivery_id = $1 ORDER BY attempt", row["id"]
+    )
+    assert [a["attempt"] for a in attempts] == [1, 2, 3]
+    assert [a["status_code"] for a in attempts] == [500, 500, 204]
+    assert {a["webhook_id"] for a in attempts} == {f"msg_{task.id}_5"}
+    assert "busy" in attempts[0]["error"] and attempts[2]["error"] is None
+    assert all(a["latency_ms"] >= 0 for a in attempts)
+
+
+async def _eq(value: Awaitable[Any], expected: Any) -> bool:
+    return (await value) == expected
+
+
+async def test_hanging_receiver_is_cut_at_the_timeout(
+    backends: Backends, settings: Settings, secret: str, notifier_factory: Any
+) -> None:
+    async with Receiver(lambda _n: Reply(None)) as rx:
+        await notifier_factory(fast(settings, webhook_timeout_seconds=0.3, webhook_schedule_seconds=[0.0]))
+        task = await insert_task(backends.pool, callback_url=rx.url)
+        await run_to(backends.pool, task.id, Status.FAILED)
+        await wait_for(lambda: _eq(_status(backends, task.id), "FAILED"), within=5)
+    row = await delivery(backends.pool, task.id)
+    attempt = await backends.pool.fetchrow("SELECT * FROM callback_attempt WHERE delivery_id = $1", row["id"])
+    assert len(rx.requests) == 1 and row["attempts"] == 1
+    assert attempt["status_code"] is None and "timeout" in attempt["error"]
+    assert 250 <= attempt["latency_ms"] < 1500, attempt["latency_ms"]
+    assert json.loads(rx.requests[0].body)["data"]["error"] == {"code": "MODEL_ERROR", "message": "the model fell over"}
+    assert await backends.pool.fetchval("SELECT callback_status FROM task WHERE id = $1", task.id) == "FAILED"
+
+
+async def _status(backends: Backends, task_id: int) -> str | None:
+    row = await delivery(backends.pool, task_id)
+    return None if row is None else str(row["status"])
+
+
+async def test_gone_stops_retries_at_once(
+    backends: Backends, settings: Settings, secret: str, notifier_factory: Any
+) -> None:
+    async with Receiver(lambda _n: Reply(410, body=b"unsubscribed")) as rx:
+        await notifier_factory(fast(settings, webhook_schedule_seconds=[0.0, 0.05, 0.05]))
+        task = await insert_task(backends.pool, callback_url=rx.url)
+        await run_to(backends.pool, task.id, Status.SUCCEEDED)
+        await wait_for(lambda: _eq(_status(backends, task.id), "FAILED"))
+        await asyncio.sleep(0.3)  # the would-be retries were due by now; none may come
+    assert len(rx.requests) == 1
+    row = await delivery(backends.pool, task.id)
+    assert row["attempts"] == 1 and row["last_status_code"] == 410
+
+
+async def test_redirect_is_not_followed_and_counts_as_failure(
+    backends: Backends, settings: Settings, secret: str, notifier_factory: Any
+) -> None:
+    async with Receiver(host="127.0.0.2") as private, Receiver(
+        lambda _n: Reply(302, headers={"location": private.url})
+    ) as rx:
+        await notifier_factory(fast(settings, webhook_schedule_seconds=[0.0, 0.05]))
+        task = await insert_task(backends.pool, callback_url=rx.url)
+        await run_to(backends.pool, task.id, Status.SUCCEEDED)
+        await wait_for(lambda: _eq(_status(backends, task.id), "FAILED"))
+    assert len(rx.requests) == 2 and private.requests == []
+    row = await delivery(backends.pool, task.id)
+    assert row["last_status_code"] == 302 and private.url in row["last_error"]
+
+
+async def test_private_address_is_refused_at_send_time(
+    backends: Backends, settings: Settings, secret: str, notifier_factory: Any
+) -> None:
+    async with Receiver(host="127.0.0.2") as private:
+        await notifier_factory(fast(settings, webhook_schedule_seconds=[0.0, 0.05]))
+        task = await insert_task(backends.pool, callback_url=private.url)  # 127.0.0.2 is not allow-listed
+        await run_to(backends.pool, task.id, Status.SUCCEEDED)
+        await wait_for(lambda: _eq(_status(backends, task.id), "FAILED"))
+    assert private.requests == []
+    row = await delivery(backends.pool, task.id)
+    assert row["attempts"] == 2 and row["last_status_code"] is None and row["last_error"].startswith("blocked")
+
+
+async def test_cancel_sends_a_webhook_only_when_asked_and_progress_only_with_the_filter(
+    backends: Backends, settings: Settings, secret: str, notifier_factory: Any
+) -> None:
+    async with Receiver() as rx:
+        await notifier_factory(fast(settings))
+        quiet = await insert_task(backends.pool, callback_url=rx.url)
+        asked = await insert_task(backends.pool, callback_url=rx.url)
+        await backends.pool.execute(
+            "UPDATE task SET callback_events = '{CANCELED,PROGRESS}' WHERE id = $1", asked.id
+        )
+        await run_to(backends.pool, quiet.id, Status.CANCELED, [30])
+        await run_to(backends.pool, asked.id, Status.CANCELED, [30])
+        await wait_for(lambda: _eq(_status(backends, asked.id), "DELIVERED"))
+        await wait_for(
+            lambda: _eq(backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL"), 0)
+        )
+        await wait_for(lambda: len(rx.requests) == 3)
+    assert await delivery(backends.pool, quiet.id) is None
+    assert await backends.pool.fetchval("SELECT callback_status FROM task WHERE id = $1", quiet.id) == "NONE"
+    assert await backends.pool.fetchval("SELECT callback_status FROM task WHERE id = $1", asked.id) == "DELIVERED"
+    types = sorted(json.loads(r.body)["type"] for r in rx.requests)
+    assert types == ["task.canceled", "task.progress", "task.progress"]  # the claim and the 30 % write
+    assert all(json.loads(r.body)["data"]["task_id"] == str(asked.id) for r in rx.requests)
+
+
+async def test_redeliver_sends_again_with_the_same_webhook_id(
+    backends: Backends, settings: Settings, secret: str, notifier_factory: Any
+) -> None:
+    async with Receiver() as rx:
+        await notifier_factory(fast(settings))
+        task = await insert_task(backends.pool, callback_url=rx.url)
+        await run_to(backends.pool, task.id, Status.SUCCEEDED)
+        await wait_for(lambda: _eq(_status(backends, task.id), "DELIVERED"))
+        assert await outbox.redeliver(backends.pool, task.id) == 1
+        await wait_for(lambda: len(rx.requests) == 2)
+        await wait_for(lambda: _eq(_status(backends, task.id), "DELIVERED"))
+    assert rx.ids() == [f"msg_{task.id}_4"] * 2
+    attempts = await backends.pool.fetch(
+        "SELECT a.attempt FROM callback_attempt a JOIN callback_delivery d ON d.id = a.delivery_id WHERE d.task_id = $1"
+        " ORDER BY a.attempt",
+        task.id,
+    )
+    assert [a["attempt"] for a in attempts] == [1, 2]
+    assert await outbox.redeliver(backends.pool, 1) == 0  # no such task, nothing to do
+
+
+async def test_two_replicas_deliver_each_event_exactly_once(
+    backends: Backends, settings: Settings, secret: str, notifier_factory: Any
+) -> None:
+    async with Receiver() as rx:
+        tuned = fast(settings)
+        await notifier_factory(tuned)
+        await notifier_factory(tuned, own=True)
+        tasks = [await insert_task(backends.pool, callback_url=rx.url) for _ in range(12)]
+        await asyncio.gather(*(run_to(backends.pool, t.id, Status.SUCCEEDED, [10, 60]) for t in tasks))
+        await wait_for(lambda: len(rx.requests) >= len(tasks))
+        await wait_for(
+            lambda: _eq(backends.pool.fetchval("SELECT count(*) FROM callback_delivery WHERE status = 'DELIVERED'"), 12)
+        )
+        await asyncio.sleep(0.3)  # a duplicate, if any, would arrive now
+    assert sorted(rx.ids()) == sorted(f"msg_{t.id}_6" for t in tasks)
+    assert await backends.pool.fetchval("SELECT count(*) FROM callback_attempt") == len(tasks)
+    events = await stream_events(backends)
+    assert sorted((e.task_id, e.version) for e in events) == sorted((str(t.id), v) for t in tasks for v in range(1, 7))
+
+
+# ---------------------------------------------------------------- relay
+
+
+async def test_relay_killed_mid_batch_recovers_with_no_gap(
+    backends: Backends, settings: Settings, notifier_factory: Any
+) -> None:
+    tuned = fast(settings, relay_batch_size=1000)
+    first = await notifier_factory(tuned, own=True)
+    published = asyncio.Event()
+
+    async def crash_here(_ids: Sequence[int]) -> None:
+        published.set()
+        await asyncio.Event().wait()  # killed while the pass is open: published, not recorded
+
+    first.relay.before_commit = crash_here
+    tasks = [await insert_task(backends.pool) for _ in range(5)]
+    for t in tasks:
+        await run_to(backends.pool, t.id, Status.PROCESSING, [])
+    await asyncio.wait_for(published.wait(), 10)
+    await asyncio.wait_for(first.kill(), 10)
+    assert await backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL") >= 1
+    on_stream_before = len(await stream_events(backends))
+    assert on_stream_before >= 1  # the killed pass did publish
+
+    await notifier_factory(tuned)
+    for t in tasks:
+        await run_to_more(backends, t.id)
+    await wait_for(
+        lambda: _eq(backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL"), 0)
+    )
+    events = await stream_events(backends)
+    by_task: dict[str, list[int]] = {}
+    for event in events:
+        by_task.setdefault(event.task_id, []).append(event.version)
+    for t in tasks:
+        assert by_task[str(t.id)] == [1, 2, 3, 4], by_task[str(t.id)]  # each once, in version order, none missing
+
+
+async def run_to_more(backends: Backends, task_id: int) -> None:
+    assert (await transition(backends.pool, task_id, Move.PROGRESS, 40, 30.0, actor="test")).applied
+
+
+async def test_relay_marks_events_published_and_records_lag(
+    backends: Backends, settings: Settings, notifier_factory: Any
+) -> None:
+    handle = await notifier_factory(fast(settings))
+    task = await insert_task(backends.pool)
+    await run_to(backends.pool, task.id, Status.QUEUED)
+    await wait_for(
+        lambda: _eq(backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL"), 0)
+    )
+    assert await handle.relay.relay_once() == 0
+    events = await stream_events(backends)
+    assert [(e.version, Status.from_proto(e.to_status)) for e in events] == [(1, Status.CREATED), (2, Status.QUEUED)]
+    assert events[1].from_status == task_pb2.TASK_STATUS_CREATED and events[1].event_id > events[0].event_id
