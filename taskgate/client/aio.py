@@ -72,6 +72,8 @@ class AsyncTaskgateClient:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config.resolved()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.retries = 0
+        """How many times a call was retried after UNAVAILABLE (for metrics and tests)."""
 
     async def __aenter__(self) -> AsyncTaskgateClient:
         return self
@@ -130,8 +132,12 @@ class AsyncTaskgateClient:
             retry=retry_if_exception_type(Unavailable),
             stop=stop_after_attempt(self.config.retry_attempts),
             wait=_ServerHintedWait(self.config.retry_max_delay),
+            before_sleep=self._count_retry,
             reraise=True,
         )
+
+    def _count_retry(self, state: RetryCallState) -> None:
+        self.retries += 1
 
     async def _call(self, make: Callable[[], Awaitable[T]]) -> T:
         """Runs one unary call, retrying UNAVAILABLE with backoff; errors become TaskgateError subclasses."""
@@ -394,12 +400,11 @@ class AsyncTaskgateClient:
         reason: str = "",
     ) -> AsyncIterator[admin_pb2.RequeueBatch]:
         """Requeues the given tasks (or those matching the filter) in batches, yielding each batch's report."""
-        task_filter = admin_pb2.TaskFilter(statuses=_statuses(status), model_id=model or "")
-        if older_than is not None:
-            task_filter.older_than.CopyFrom(_duration(older_than))
-        request = admin_pb2.RequeueTasksRequest(
-            task_ids=list(task_ids), filter=task_filter, dry_run=dry_run, batch_size=batch_size, reason=reason
-        )
+        request = admin_pb2.RequeueTasksRequest(task_ids=list(task_ids), dry_run=dry_run, batch_size=batch_size, reason=reason)
+        if status is not None or model or older_than is not None:
+            request.filter.CopyFrom(admin_pb2.TaskFilter(statuses=_statuses(status), model_id=model or ""))
+            if older_than is not None:
+                request.filter.older_than.CopyFrom(_duration(older_than))
         call = self.admin_stub.RequeueTasks(request, metadata=self.admin_metadata)
         try:
             async for batch in call:

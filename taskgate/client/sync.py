@@ -6,7 +6,7 @@ import asyncio
 import builtins
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, TypeVar
@@ -40,7 +40,7 @@ class _LoopThread:
             future.cancel()
             raise
 
-    def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+    def iterate(self, agen: AsyncIterator[T]) -> Generator[T, None, None]:
         try:
             while True:
                 try:
@@ -88,7 +88,7 @@ class TaskgateClient:
         """The task's current state."""
         return self._runner.run(self._client.get(task_id))
 
-    def list(self, status: StatusFilter = None, *, page_size: int = 100) -> Iterator[Task]:
+    def list(self, status: StatusFilter = None, *, page_size: int = 100) -> Generator[Task, None, None]:
         """The caller's tasks, newest first, fetching pages as the iteration goes."""
         return self._runner.iterate(self._client.list(status, page_size=page_size))
 
@@ -96,7 +96,7 @@ class TaskgateClient:
         """Cancels a task (soft by default; hard stops inference at the next step)."""
         return self._runner.run(self._client.cancel(task_id, hard))
 
-    def watch(self, task_id: str, *, after_version: int = 0) -> Iterator[TaskEvent]:
+    def watch(self, task_id: str, *, after_version: int = 0) -> Generator[TaskEvent, None, None]:
         """The snapshot, then each event until the task is terminal; resumes dropped streams."""
         return self._runner.iterate(self._client.watch(task_id, after_version=after_version))
 
@@ -116,11 +116,11 @@ class TaskgateClient:
         """Admin: tasks the scheduler considers stuck."""
         return self._runner.run(self._client.stuck(limit))
 
-    def requeue(self, task_ids: Iterable[str] = (), **kwargs: Any) -> Iterator[admin_pb2.RequeueBatch]:
+    def requeue(self, task_ids: Iterable[str] = (), **kwargs: Any) -> Generator[admin_pb2.RequeueBatch, None, None]:
         """Admin: requeues in batches, yielding each batch's report."""
         return self._runner.iterate(self._client.requeue(task_ids, **kwargs))
 
-    def dead_letters(self, *, page_size: int = 100) -> Iterator[admin_pb2.DeadLetter]:
+    def dead_letters(self, *, page_size: int = 100) -> Generator[admin_pb2.DeadLetter, None, None]:
         """Admin: tasks that failed for good."""
         return self._runner.iterate(self._client.dead_letters(page_size=page_size))
 
