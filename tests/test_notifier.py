@@ -9,20 +9,23 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 
 from services.notifier import outbox
 from services.notifier.service import NotifierHandle, start
-from taskgate import auth, webhook_signing
+from taskgate import auth, errors, webhook_signing
 from taskgate import bus as busmod
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import Move, transition
-from taskgate.v1 import task_pb2
+from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
 from tests.factories import insert_task
 
 TENANT = "tenant-a"
@@ -188,7 +191,7 @@ def independent_signature(secret: str, request: Request) -> str:
 async def stream_events(backends: Backends) -> list[task_pb2.TaskEvent]:
     """Every message on the TASK_EVENTS stream, in stream order."""
     info = await backends.bus.js.stream_info(busmod.EVENTS_STREAM)
-    out = []
+    out: list[task_pb2.TaskEvent] = []
     if not info.state.messages:
         return out
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
@@ -278,6 +281,11 @@ async def _eq(value: Awaitable[Any], expected: Any) -> bool:
     return (await value) == expected
 
 
+async def all_relayed(pool: Any) -> None:
+    """Waits until the relay has put every event on JetStream."""
+    await wait_for(lambda: _eq(pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL"), 0))
+
+
 async def test_hanging_receiver_is_cut_at_the_timeout(
     backends: Backends, settings: Settings, secret: str, notifier_factory: Any
 ) -> None:
@@ -355,9 +363,7 @@ async def test_cancel_sends_a_webhook_only_when_asked_and_progress_only_with_the
         await run_to(backends.pool, quiet.id, Status.CANCELED, [30])
         await run_to(backends.pool, asked.id, Status.CANCELED, [30])
         await wait_for(lambda: _eq(_status(backends, asked.id), "DELIVERED"))
-        await wait_for(
-            lambda: _eq(backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL"), 0)
-        )
+        await all_relayed(backends.pool)
         await wait_for(lambda: len(rx.requests) == 3)
     assert await delivery(backends.pool, quiet.id) is None
     assert await backends.pool.fetchval("SELECT callback_status FROM task WHERE id = $1", quiet.id) == "NONE"
@@ -435,9 +441,7 @@ async def test_relay_killed_mid_batch_recovers_with_no_gap(
     await notifier_factory(tuned)
     for t in tasks:
         await run_to_more(backends, t.id)
-    await wait_for(
-        lambda: _eq(backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL"), 0)
-    )
+    await all_relayed(backends.pool)
     events = await stream_events(backends)
     by_task: dict[str, list[int]] = {}
     for event in events:
@@ -456,10 +460,222 @@ async def test_relay_marks_events_published_and_records_lag(
     handle = await notifier_factory(fast(settings))
     task = await insert_task(backends.pool)
     await run_to(backends.pool, task.id, Status.QUEUED)
-    await wait_for(
-        lambda: _eq(backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL"), 0)
-    )
+    await all_relayed(backends.pool)
     assert await handle.relay.relay_once() == 0
     events = await stream_events(backends)
     assert [(e.version, Status.from_proto(e.to_status)) for e in events] == [(1, Status.CREATED), (2, Status.QUEUED)]
     assert events[1].from_status == task_pb2.TASK_STATUS_CREATED and events[1].event_id > events[0].event_id
+
+
+# ---------------------------------------------------------------- streams (TaskEvents)
+
+
+@pytest.fixture
+async def api_key(backends: Backends, settings: Settings) -> str:
+    key, _secret = await auth.create_key(backends.pool, settings.api_key_pepper, TENANT)
+    return key
+
+
+@asynccontextmanager
+async def events_stub(handle: NotifierHandle, options: Sequence[tuple[str, Any]] = ()) -> AsyncIterator[Any]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}", options=list(options)) as channel:
+        yield events_pb2_grpc.TaskEventsStub(channel)
+
+
+def bearer(key: str) -> tuple[tuple[str, str]]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+async def read_until(call: Any, done: Callable[[list[Any]], bool], within: float = 10.0) -> list[Any]:
+    """Reads stream messages (keep-alives included) until `done(messages)` holds."""
+    got: list[Any] = []
+    async with asyncio.timeout(within):
+        while not done(got):
+            msg = await call.read()
+            assert msg is not grpc.aio.EOF, "the stream ended early"
+            got.append(msg)
+    return got
+
+
+def versions_of(messages: Sequence[Any]) -> list[int]:
+    return [m.event.version for m in messages if m.WhichOneof("kind") == "event"]
+
+
+def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    for key, value in exc.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            for detail in errors.details_of(status_pb2.Status.FromString(value)):
+                if isinstance(detail, error_details_pb2.ErrorInfo):
+                    return detail
+    raise AssertionError("no ErrorInfo in the status")
+
+
+async def progress(pool: Any, task_id: int, *steps: int) -> None:
+    for step in steps:
+        assert (await transition(pool, task_id, Move.PROGRESS, step, 30.0, actor="test")).applied
+
+
+async def succeed(pool: Any, task_id: int) -> None:
+    args = ("nats-os://taskgate-results/x.mp4", "video/mp4", 1234, SHA, False)
+    assert (await transition(pool, task_id, Move.SUCCEED, *args, actor="test")).applied
+
+
+async def test_watch_task_resume_after_a_dropped_connection_yields_every_version_once(
+    backends: Backends, settings: Settings, api_key: str, notifier_factory: Any
+) -> None:
+    handle = await notifier_factory(fast(settings))
+    pool = backends.pool
+    task = await insert_task(pool)
+    await run_to(pool, task.id, Status.QUEUED)
+    async with events_stub(handle) as stub:
+        call = stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id)), metadata=bearer(api_key))
+        first = await call.read()
+        assert first.WhichOneof("kind") == "snapshot"
+        assert (first.snapshot.version, first.snapshot.status) == (2, task_pb2.TASK_STATUS_QUEUED)
+        assert first.snapshot.queue_position == 1
+        assert (await transition(pool, task.id, Move.CLAIM, "w1", 30.0, actor="test")).applied
+        await progress(pool, task.id, 10)
+        before = versions_of(await read_until(call, lambda got: 4 in versions_of(got)))
+    # The connection is gone; the task moves on meanwhile.
+    await progress(pool, task.id, 20, 30)
+
+    async def more() -> None:  # keeps events coming while the resumed stream replays history and joins live
+        await progress(pool, task.id, 40, 50, 60)
+        await succeed(pool, task.id)
+
+    async with events_stub(handle) as stub:
+        producer = asyncio.create_task(more())
+        call = stub.WatchTask(
+            events_pb2.WatchTaskRequest(task_id=str(task.id), after_version=before[-1]), metadata=bearer(api_key)
+        )
+        after = []
+        async with asyncio.timeout(10):
+            async for msg in call:  # ends by itself at the terminal event
+                assert msg.WhichOneof("kind") != "snapshot"
+                after.append(msg)
+        await producer
+        assert await call.code() == grpc.StatusCode.OK
+    assert before == [3, 4]
+    assert versions_of(after) == [5, 6, 7, 8, 9, 10]
+    last = after[-1].event
+    assert last.to_status == task_pb2.TASK_STATUS_SUCCEEDED and last.result.sha256 == SHA
+
+
+async def test_watch_task_of_another_tenant_is_not_found(
+    backends: Backends, settings: Settings, api_key: str, notifier_factory: Any
+) -> None:
+    handle = await notifier_factory(fast(settings))
+    other_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "tenant-b")
+    task = await insert_task(backends.pool)
+    cases = [
+        (str(task.id), bearer(other_key), grpc.StatusCode.NOT_FOUND),
+        ("123456789", bearer(api_key), grpc.StatusCode.NOT_FOUND),
+        ("not-an-id", bearer(api_key), grpc.StatusCode.INVALID_ARGUMENT),
+        (str(task.id), (), grpc.StatusCode.UNAUTHENTICATED),
+    ]
+    async with events_stub(handle) as stub:
+        for task_id, metadata, code in cases:
+            call = stub.WatchTask(events_pb2.WatchTaskRequest(task_id=task_id), metadata=metadata)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call.read()
+            assert caught.value.code() == code, (task_id, caught.value.code())
+    assert handle.hub.subscribers == 0
+
+
+async def test_idle_streams_get_keepalives(
+    backends: Backends, settings: Settings, api_key: str, notifier_factory: Any
+) -> None:
+    handle = await notifier_factory(fast(settings, stream_keepalive_seconds=0.2))
+    task = await insert_task(backends.pool)
+    async with events_stub(handle) as stub:
+        call = stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id)), metadata=bearer(api_key))
+        assert (await call.read()).WhichOneof("kind") == "snapshot"
+        started = time.monotonic()
+        assert (await call.read()).WhichOneof("kind") == "keepalive"
+        assert (await call.read()).WhichOneof("kind") == "keepalive"
+        assert 0.3 <= time.monotonic() - started < 2.0
+        call.cancel()
+        every = stub.WatchTasks(events_pb2.WatchTasksRequest(), metadata=bearer(api_key))
+        hello = await every.read()  # at once: caught up, with the resume point
+        assert hello.WhichOneof("kind") == "keepalive" and int(hello.cursor) > 0
+        again = await every.read()
+        assert again.WhichOneof("kind") == "keepalive" and again.cursor == hello.cursor
+        every.cancel()
+
+
+async def test_slow_subscriber_is_told_where_to_resume_and_loses_nothing(
+    backends: Backends, settings: Settings, api_key: str, notifier_factory: Any
+) -> None:
+    handle = await notifier_factory(fast(settings, stream_buffer_size=2))
+    pool = backends.pool
+    task = await insert_task(pool)
+    await run_to(pool, task.id, Status.PROCESSING)
+    # A client that does not read: tiny HTTP/2 windows make the server's writes block almost at once.
+    tiny = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    async with events_stub(handle, tiny) as stub:
+        call = stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id)), metadata=bearer(api_key))
+        assert (await call.read()).snapshot.version == 3
+        for step in range(150):
+            await progress(pool, task.id, step % 100)
+        await succeed(pool, task.id)  # version 154
+        await all_relayed(pool)
+        got: list[Any] = []
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async with asyncio.timeout(10):
+                while (msg := await call.read()) is not grpc.aio.EOF:
+                    got.append(msg)
+    assert caught.value.code() == grpc.StatusCode.ABORTED
+    info = error_info(caught.value)
+    first_part = versions_of(got)
+    assert info.reason == "SUBSCRIBER_TOO_SLOW" and info.metadata["last_version"] == str(first_part[-1])
+    assert first_part == list(range(4, 4 + len(first_part))) and first_part[-1] < 154
+    async with events_stub(handle) as stub:
+        call = stub.WatchTask(
+            events_pb2.WatchTaskRequest(task_id=str(task.id), after_version=first_part[-1]), metadata=bearer(api_key)
+        )
+        rest = [m async for m in call]
+    assert first_part + versions_of(rest) == list(range(4, 155))
+
+
+async def test_watch_tasks_follows_the_tenant_and_resumes_from_a_cursor(
+    backends: Backends, settings: Settings, api_key: str, notifier_factory: Any
+) -> None:
+    handle = await notifier_factory(fast(settings))
+    pool = backends.pool
+    one, two = await insert_task(pool), await insert_task(pool)
+    stranger = await insert_task(pool, user_id="tenant-b")
+    await all_relayed(pool)
+    async with events_stub(handle) as stub:
+        call = stub.WatchTasks(events_pb2.WatchTasksRequest(), metadata=bearer(api_key))
+        start_cursor = (await call.read()).cursor
+        await run_to(pool, stranger.id, Status.SUCCEEDED)
+        await run_to(pool, one.id, Status.PROCESSING)
+        got = await read_until(call, lambda ms: any(m.event.version == 3 for m in ms if m.WhichOneof("kind") == "event"))
+        cursor = got[-1].cursor
+        call.cancel()
+    # Disconnected: both tasks move on.
+    await progress(pool, one.id, 50)
+    await succeed(pool, one.id)
+    await run_to(pool, two.id, Status.SUCCEEDED, [20])
+
+    def seen(messages: Sequence[Any]) -> list[tuple[int, int]]:
+        return [(int(m.event.task_id), m.event.version) for m in messages if m.WhichOneof("kind") == "event"]
+
+    expected_rest = [(one.id, 4), (one.id, 5), (two.id, 2), (two.id, 3), (two.id, 4), (two.id, 5)]
+    async with events_stub(handle) as stub:
+        call = stub.WatchTasks(events_pb2.WatchTasksRequest(cursor=cursor), metadata=bearer(api_key))
+        resumed = await read_until(call, lambda ms: set(expected_rest) <= set(seen(ms)))
+        call.cancel()
+        only_done = stub.WatchTasks(
+            events_pb2.WatchTasksRequest(cursor=start_cursor, statuses=[task_pb2.TASK_STATUS_SUCCEEDED]),
+            metadata=bearer(api_key),
+        )
+        finished = await read_until(only_done, lambda ms: len(seen(ms)) == 2)
+        only_done.cancel()
+    first = seen(got)
+    assert first == [(one.id, 2), (one.id, 3)]  # version 1 came before the stream started; tenant-b is not here
+    rest = seen(resumed)
+    assert len(rest) == len(set(rest)) and stranger.id not in {t for t, _ in rest}
+    assert sorted(set(first + rest)) == sorted([(one.id, v) for v in range(2, 6)] + [(two.id, v) for v in range(2, 6)])
+    assert sorted(seen(finished)) == sorted([(one.id, 5), (two.id, 5)])
+    assert all(int(m.cursor) >= int(start_cursor) for m in resumed)

@@ -269,6 +269,8 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     history = list(page)
             else:
                 cursor = int(await self._pool.fetchval(sql.query("stream_user_last_event"), tenant))
+            # Caught up: this keep-alive tells the client the stream is live and where it would resume.
+            yield events_pb2.WatchTasksResponse(keepalive=events_pb2.KeepAlive(), cursor=str(cursor))
             while True:
                 try:
                     live = await sub.next(self._settings.stream_keepalive_seconds)
