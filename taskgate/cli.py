@@ -189,14 +189,17 @@ def print_event(out: Output, event: TaskEvent) -> None:
     out.line(f"v{event.version:<4} {at}  {move:<26} {' '.join(extra)}".rstrip())
 
 
-def report_error(out: Output, exc: TaskgateError) -> int:
+def report_error(out: Output, exc: TaskgateError, *, admin: bool = False) -> int:
     """Prints one line naming the status code, with the reason and a hint; returns the exit code."""
     reason = f" [{exc.reason}]" if exc.reason and exc.reason != exc.code_name else ""
-    fields = "".join(f"; {v.field}: {v.description}" for v in exc.field_violations)
+    missing = [f"{v.field}: {v.description}" for v in exc.field_violations]
+    fields = "".join(f"; {text}" for text in dict.fromkeys(missing) if text not in exc.message)
     retry = f"; retry in {exc.retry_delay:g}s" if exc.retry_delay and exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED else ""
     hint = HINTS.get(exc.code, "")
     if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         hint = "wait for some of your tasks to finish, or retry later"
+    elif admin and exc.code is grpc.StatusCode.UNAUTHENTICATED:
+        hint = "pass --admin-key or set TASKGATE_ADMIN_KEY (`make run` saves one in .taskgate/client.json)"
     out.err.write(f"error: {exc.code_name}: {exc.message}{reason}{fields}{retry}" + (f" — hint: {hint}" if hint else "") + "\n")
     if out.json:
         out.document({"error": {**exc.to_dict(), "hint": hint}})
@@ -738,7 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return asyncio.run(_run(args, out))
     except TaskgateError as exc:
-        return report_error(out, exc)
+        return report_error(out, exc, admin=args.command == "admin")
     except WaitTimeout as exc:
         out.err.write(f"error: DEADLINE_EXCEEDED: {exc} — hint: the task goes on; follow it with `taskgate watch {exc.task_id}`\n")
         if out.json:

@@ -366,7 +366,7 @@ async def main_async(settings: Settings, *, demo_only: bool, demo: bool, prompt:
         return 1
     code = 0
     try:
-        work = asyncio.create_task(_start_and_demo(dev, settings, demo=demo, prompt=prompt))
+        work = asyncio.create_task(_start_and_demo(dev, settings, demo=demo, prompt=prompt, demo_only=demo_only))
         stopped = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if work in done:
@@ -394,7 +394,7 @@ async def main_async(settings: Settings, *, demo_only: bool, demo: bool, prompt:
     return code
 
 
-async def _start_and_demo(dev: DevStack, settings: Settings, *, demo: bool, prompt: str) -> None:
+async def _start_and_demo(dev: DevStack, settings: Settings, *, demo: bool, prompt: str, demo_only: bool) -> None:
     await asyncio.gather(dev.start_servers(), dev.build_model())
     details = await dev.prepare_database()
     await dev.start_services()
@@ -403,7 +403,8 @@ async def _start_and_demo(dev: DevStack, settings: Settings, *, demo: bool, prom
     dev.console.say(f"saved connection details for the CLI in {path}")
     if demo:
         await run_demo(dev.console, details, settings, prompt)
-    next_steps(dev.console, details, dev.state_dir)
+    if not demo_only:
+        next_steps(dev.console, details, dev.state_dir)
 
 
 async def _serve(dev: DevStack, stop: asyncio.Event) -> int:

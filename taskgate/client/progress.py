@@ -66,7 +66,7 @@ class ProgressBar:
         elapsed = f"{time.monotonic() - self._started:5.1f}s"
         if self.tty:
             self.out.write(f"\r\x1b[2K{line}  {elapsed}" + ("\n" if final else ""))
-        elif line != self._last_line or final:
+        elif line != self._last_line:
             self.out.write(f"{line}  {elapsed}\n")
         self._last_line = line
         self.out.flush()
