@@ -380,7 +380,10 @@ async def test_redeliver_sends_again_with_the_same_webhook_id(
         task = await insert_task(backends.pool, callback_url=rx.url)
         await run_to(backends.pool, task.id, Status.SUCCEEDED)
         await wait_for(lambda: _eq(_status(backends, task.id), "DELIVERED"))
-        assert await outbox.redeliver(backends.pool, task.id) == 1
+        again = await outbox.redeliver(backends.pool, task.id)
+        assert [(r["webhook_id"], r["status"], r["event_type"]) for r in again] == [
+            (f"msg_{task.id}_4", "PENDING", "task.succeeded")
+        ]
         await wait_for(lambda: len(rx.requests) == 2)
         await wait_for(lambda: _eq(_status(backends, task.id), "DELIVERED"))
     assert rx.ids() == [f"msg_{task.id}_4"] * 2
@@ -390,7 +393,7 @@ async def test_redeliver_sends_again_with_the_same_webhook_id(
         task.id,
     )
     assert [a["attempt"] for a in attempts] == [1, 2]
-    assert await outbox.redeliver(backends.pool, 1) == 0  # no such task, nothing to do
+    assert await outbox.redeliver(backends.pool, 1) == []  # no such task, nothing to do
 
 
 async def test_redeliver_after_the_schedule_ran_out_starts_a_new_round(
@@ -405,7 +408,7 @@ async def test_redeliver_after_the_schedule_ran_out_starts_a_new_round(
         row = await delivery(backends.pool, task.id)
         assert row["attempts"] == 1 and len(row["last_error"]) <= 300 and row["last_error"].startswith("HTTP 503")
         assert await backends.pool.fetchval("SELECT callback_status FROM task WHERE id = $1", task.id) == "FAILED"
-        assert await outbox.redeliver(backends.pool, task.id) == 1
+        assert len(await outbox.redeliver(backends.pool, task.id)) == 1
         await wait_for(lambda: _eq(_status(backends, task.id), "DELIVERED"))
     row = await delivery(backends.pool, task.id)
     assert (row["attempts"], row["round_start"], row["event_type"]) == (2, 1, "task.timeout")

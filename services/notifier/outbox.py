@@ -133,17 +133,20 @@ async def write(conn: asyncpg.Connection, rows: Sequence[Mapping[str, Any]], fir
     return len(deliveries)
 
 
-async def redeliver(pool: asyncpg.Pool | asyncpg.Connection, task_id: int, *, include_progress: bool = False) -> int:
-    """Sends a task's terminal webhook(s) again with the same webhook-id, on a fresh retry schedule.
+async def redeliver(
+    pool: asyncpg.Pool | asyncpg.Connection, task_id: int, *, include_progress: bool = False
+) -> list[asyncpg.Record]:
+    """Sends a task's terminal webhook(s) again with the same webhook-id, on a fresh round of the retry schedule.
 
-    Returns how many deliveries were reset (0: the task has none, e.g. no callback URL or not terminal yet).
-    Every notifier replica is woken through NOTIFY 'taskgate_webhook' at commit.
+    Returns the reset deliveries (id, webhook_id, event_type, status, attempts), oldest first; empty when the task has
+    none (no callback URL, not terminal yet, or no such task). Every notifier replica is woken through
+    NOTIFY 'taskgate_webhook' at commit, so the first attempt goes out at once.
     """
     if isinstance(pool, asyncpg.Pool):
         async with pool.acquire() as conn:
             return await redeliver(conn, task_id, include_progress=include_progress)
     async with pool.transaction():
-        count = int(await pool.fetchval(sql.query("outbox_redeliver"), task_id, include_progress))
-        if count:
+        rows = list(await pool.fetch(sql.query("outbox_redeliver"), task_id, include_progress))
+        if rows:
             await pool.execute(sql.query("outbox_wake"), str(task_id))
-    return count
+    return rows

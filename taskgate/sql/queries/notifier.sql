@@ -36,17 +36,17 @@ UPDATE task SET callback_status = 'NONE' WHERE id = ANY($1::bigint[]) AND callba
 
 -- name: outbox_redeliver
 -- Starts a new delivery round, same webhook ids, for a task's terminal webhooks (and, with $2, its progress ones).
--- $1 task id, $2 include progress deliveries.
+-- A lease in flight is kept, so no second replica sends the same delivery meanwhile. $1 task id, $2 with progress.
 WITH d AS (
     UPDATE callback_delivery
     SET status = 'PENDING', next_attempt_at = now(), round_start = attempts, delivered_at = NULL
     WHERE task_id = $1 AND ($2 OR event_type <> 'task.progress')
-    RETURNING id, event_type
+    RETURNING id, webhook_id, event_type, status, attempts
 ), t AS (
     UPDATE task SET callback_status = 'PENDING'
     WHERE id = $1 AND callback_url IS NOT NULL AND EXISTS (SELECT 1 FROM d WHERE event_type <> 'task.progress')
 )
-SELECT count(*) AS reset FROM d;
+SELECT * FROM d ORDER BY id;
 
 -- name: outbox_wake
 -- Wakes every notifier's webhook sender (delivered at commit). $1 payload (a task id).
