@@ -210,26 +210,26 @@ def report_error(out: Output, exc: TaskgateError, *, admin: bool = False) -> int
 
 
 def _state_dir() -> Path:
-    return find_state_dir(Path(os.environ.get("TASKGATE_STATE_DIR") or ".taskgate"))
+    return find_state_dir(Path(_env("TASKGATE_STATE_DIR") or ".taskgate"))
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name) or None
 
 
 def client_config(args: argparse.Namespace) -> ClientConfig:
     """Flags win, then TASKGATE_* variables, then the details `make run` saved, then localhost defaults."""
     saved = LocalStack.load(_state_dir())
-    address = args.address or os.environ.get("TASKGATE_ADDRESS")
+    address = args.address or _env("TASKGATE_ADDRESS")
     use_saved = address is None and saved is not None
     if address is None:
         address = saved.address if saved is not None else DEFAULT_ADDRESS
     return make_config(
         address,
-        args.api_key or os.environ.get("TASKGATE_API_KEY") or (saved.api_key if saved else None),
-        events_address=args.events_address
-        or os.environ.get("TASKGATE_EVENTS_ADDRESS")
-        or (saved.events_address if use_saved and saved else None),
-        admin_address=args.admin_address
-        or os.environ.get("TASKGATE_ADMIN_ADDRESS")
-        or (saved.admin_address if use_saved and saved else None),
-        admin_key=args.admin_key or os.environ.get("TASKGATE_ADMIN_KEY") or (saved.admin_key if saved else None),
+        args.api_key or _env("TASKGATE_API_KEY") or (saved.api_key if saved else None),
+        events_address=args.events_address or _env("TASKGATE_EVENTS_ADDRESS") or (saved.events_address if use_saved and saved else None),
+        admin_address=args.admin_address or _env("TASKGATE_ADMIN_ADDRESS") or (saved.admin_address if use_saved and saved else None),
+        admin_key=args.admin_key or _env("TASKGATE_ADMIN_KEY") or (saved.admin_key if saved else None),
         tls=args.tls,
         root_certificates=args.tls_ca,
         client_cert=args.tls_cert,

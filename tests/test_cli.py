@@ -1,0 +1,286 @@
+"""The `taskgate` CLI as a real subprocess against the real services: output contract and exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.notifier import service as notifier_service
+from services.scheduler import service as scheduler_service
+from services.submit import service as submit_service
+from services.worker import service as worker_service
+from taskgate import auth
+from taskgate.cli import EXIT_BY_STATUS, build_parser
+from taskgate.client.local import LocalStack
+from taskgate.config import ModelSpec, Settings
+from taskgate.embedded import free_port
+from taskgate.runtime import Backends
+from taskgate.states import Status
+
+
+@dataclass
+class Result:
+    """One finished CLI run."""
+
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+    def lines(self) -> list[Any]:
+        return [json.loads(line) for line in self.out.splitlines() if line.strip()]
+
+
+@dataclass
+class Cli:
+    """Runs `python -m taskgate.cli` with the stack's addresses in the environment (not the flags)."""
+
+    env: dict[str, str]
+    cwd: Path
+    settings: Settings
+    backends: Backends
+
+    async def __call__(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Result:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "taskgate.cli", *args,
+            env={**self.env, **(env or {})},
+            cwd=cwd or self.cwd,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode is not None
+        return Result(proc.returncode, out.decode(), err.decode())
+
+    async def key(self, tenant: str, **limits: Any) -> str:
+        key, _ = await auth.create_key(self.backends.pool, self.settings.api_key_pepper, tenant, **limits)
+        return key
+
+
+@pytest.fixture
+async def cli(settings: Settings, backends: Backends, tmp_path: Path) -> AsyncIterator[Cli]:
+    models = {
+        **settings.models,
+        "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.6, default_steps=3),
+        "failing": ModelSpec(kind="sleep", fail_times=9, fail_retryable=False, fail_code="MODEL_CRASHED"),
+    }
+    settings = settings.model_copy(update={"models": models, "worker_models": ["sleepy", "failing"]})
+    submit = await submit_service.start(settings, backends)
+    scheduler = await scheduler_service.start(settings, backends, scan_loop=False)
+    notifier = await notifier_service.start(settings)
+    worker = await worker_service.start(settings)
+    api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "tenant-a", max_pending=50, submits_per_minute=1000)
+    admin_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "ops", admin=True)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("TASKGATE_")
+    } | {
+        "TASKGATE_ADDRESS": f"127.0.0.1:{submit.port}",
+        "TASKGATE_EVENTS_ADDRESS": f"127.0.0.1:{notifier.port}",
+        "TASKGATE_ADMIN_ADDRESS": f"127.0.0.1:{scheduler.port}",
+        "TASKGATE_API_KEY": api_key,
+        "TASKGATE_ADMIN_KEY": admin_key,
+        "TASKGATE_STATE_DIR": str(tmp_path / "state"),
+        "TASKGATE_DATABASE_URL": settings.database_url or "",
+        "TASKGATE_NATS_URL": settings.nats_url or "",
+    }
+    try:
+        yield Cli(env, tmp_path, settings, backends)
+    finally:
+        await worker.stop(1.0)
+        await notifier.stop()
+        await scheduler.stop(0)
+        await submit.stop(0)
+
+
+def one_error_line(result: Result, code: str) -> str:
+    """The error contract: exactly one stderr line naming the status code, with a hint, and no traceback."""
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err
+    assert lines[0].startswith(f"error: {code}: "), lines[0]
+    assert "hint: " in lines[0] and "Traceback" not in result.err
+    return lines[0]
+
+
+async def test_submit_get_list_json(cli: Cli) -> None:
+    submitted = await cli("submit", "a fox", "--model", "sleepy", "--steps", "2", "--seed", "3", "--metadata", "k=v", "--json")
+    assert submitted.code == 0, submitted.err
+    task = submitted.json()
+    assert task["status"] in ("QUEUED", "PROCESSING", "SUCCEEDED") and task["created"] is True
+    assert task["params"]["seed"] == 3 and task["metadata"] == {"k": "v"}
+    got = await cli("get", task["task_id"], "--json")
+    assert got.code == 0 and got.json()["task_id"] == task["task_id"]
+    listed = await cli("--json", "list")
+    assert [t["task_id"] for t in listed.json()["tasks"]] == [task["task_id"]]
+    table = await cli("list")
+    assert table.code == 0 and table.out.splitlines()[0].split()[:3] == ["TASK", "ID", "STATUS"]
+    assert task["task_id"] in table.out
+    human = await cli("get", task["task_id"])
+    assert "task_id" in human.out and task["task_id"] in human.out
+
+
+async def test_submit_wait_shows_progress_then_the_outcome_as_exit_code(cli: Cli) -> None:
+    ok = await cli("submit", "runs fine", "--model", "sleepy", "--steps", "3", "--wait")
+    assert ok.code == 0, ok.err
+    assert "SUCCEEDED" in ok.out
+    progress = [line for line in ok.err.splitlines() if "[" in line]
+    assert any(line.startswith("PROCESSING") and "33%" in line for line in progress), ok.err
+    assert progress[-1].startswith("SUCCEEDED") and "100%" in progress[-1]
+
+    failed = await cli("submit", "breaks", "--model", "failing", "--max-retries", "0", "--wait", "--json")
+    assert failed.code == EXIT_BY_STATUS[Status.FAILED] == 20, failed.err
+    assert failed.json()["status"] == "FAILED" and failed.json()["error_code"] == "MODEL_CRASHED"
+    assert "[" not in failed.err  # --json without a terminal: no progress bar mixed into the output
+
+
+async def test_wait_gives_up_with_exit_11(cli: Cli) -> None:
+    task = (await cli("submit", "never runs", "--json")).json()  # wan-tiny has no worker here
+    waited = await cli("wait", task["task_id"], "--wait-timeout", "0.5")
+    assert waited.code == 11
+    assert "DEADLINE_EXCEEDED" in waited.err and "Traceback" not in waited.err
+
+
+async def test_watch_prints_each_version_until_terminal(cli: Cli) -> None:
+    task = (await cli("submit", "watch me", "--model", "sleepy", "--steps", "3", "--json")).json()
+    watched = await cli("watch", task["task_id"], "--json")
+    assert watched.code == 0, watched.err
+    events = watched.lines()
+    versions = [e["version"] for e in events]
+    assert versions == list(range(versions[0], versions[0] + len(events)))
+    assert events[-1]["status"] == "SUCCEEDED"
+    human = await cli("watch", task["task_id"], "--after-version", "2")
+    lines = human.out.strip().splitlines()
+    assert lines[0].startswith("v3 ") and "QUEUED → PROCESSING" in lines[0]
+    assert "SUCCEEDED" in lines[-1]
+
+
+async def test_cancel_and_result(cli: Cli, tmp_path: Path) -> None:
+    queued = (await cli("submit", "cancel me", "--json")).json()
+    canceled = await cli("cancel", queued["task_id"], "--hard", "--json")
+    assert canceled.code == 0 and canceled.json()["status"] == "CANCELED"
+    no_result = await cli("result", queued["task_id"], "-o", str(tmp_path / "x.mp4"))
+    assert no_result.code == 8
+    assert "TASK_NOT_SUCCEEDED" in one_error_line(no_result, "FAILED_PRECONDITION")
+
+    done = await cli("submit", "keep me", "--model", "sleepy", "--steps", "1", "--wait", "--json")
+    target = tmp_path / "out.json"
+    fetched = await cli("result", done.json()["task_id"], "-o", str(target), "--json")
+    assert fetched.code == 0, fetched.err
+    info = fetched.json()
+    assert target.stat().st_size == info["size_bytes"] and info["sha256"] == done.json()["result"]["sha256"]
+
+
+async def test_grpc_errors_print_one_line_and_map_to_exit_codes(cli: Cli) -> None:
+    missing = await cli("get", "4242")
+    assert missing.code == 3
+    one_error_line(missing, "NOT_FOUND")
+
+    bad = await cli("submit", "bad sizes", "--frames", "8", "--width", "33")
+    assert bad.code == 4
+    line = one_error_line(bad, "INVALID_ARGUMENT")
+    assert "params.num_frames" in line and "params.width" in line
+
+    stranger = await cli("list", "--api-key", "tg_nobody")
+    assert stranger.code == 6
+    one_error_line(stranger, "UNAUTHENTICATED")
+
+    not_admin = await cli("admin", "stats", env={"TASKGATE_ADMIN_KEY": cli.env["TASKGATE_API_KEY"]})
+    assert not_admin.code == 7
+    one_error_line(not_admin, "PERMISSION_DENIED")
+
+    limited = await cli.key("tenant-slow", submits_per_minute=1)
+    first = await cli("submit", "one", "--api-key", limited)
+    assert first.code == 0
+    second = await cli("submit", "two", "--api-key", limited, "--json")
+    assert second.code == 5
+    assert "retry in" in one_error_line(second, "RESOURCE_EXHAUSTED")
+    error = second.json()["error"]
+    assert error["code"] == "RESOURCE_EXHAUSTED" and error["reason"] and error["retry_delay"] > 0
+
+    down = await cli("get", "1", "--address", f"127.0.0.1:{free_port()}", "--timeout", "2")
+    assert down.code == 10
+    one_error_line(down, "UNAVAILABLE")
+
+    usage = await cli("submit")
+    assert usage.code == 2 and "Traceback" not in usage.err
+
+
+async def test_keys_create_list_revoke(cli: Cli) -> None:
+    created = await cli("keys", "create", "--tenant", "bob", "--json")
+    assert created.code == 0, created.err
+    doc = created.json()
+    assert doc["api_key"].startswith("tg_") and doc["webhook_secret"].startswith("whsec_")
+    again = (await cli("keys", "create", "--tenant", "bob", "--json")).json()
+    assert again["webhook_secret"] is None  # shown once, when the tenant was created
+    assert (await cli("list", "--api-key", doc["api_key"])).code == 0
+    listed = (await cli("keys", "list", "--json")).json()["keys"]
+    assert {k["prefix"] for k in listed if k["tenant"] == "bob"} == {doc["prefix"], again["prefix"]}
+    assert all("api_key" not in k for k in listed)
+    revoked = await cli("keys", "revoke", doc["prefix"])
+    assert revoked.code == 0
+    # The gateway caches a key's lookup for a few seconds; the revocation holds once that passes.
+    deadline = time.monotonic() + 20
+    while (refused := await cli("list", "--api-key", doc["api_key"])).code != 6:
+        assert refused.code == 0 and time.monotonic() < deadline
+    assert (await cli("keys", "revoke", doc["prefix"])).code == 3
+    invalid = await cli("keys", "create", "--tenant", "no spaces please")
+    assert invalid.code == 4 and invalid.err.startswith("error: ")
+
+
+async def test_admin_commands(cli: Cli) -> None:
+    task = (await cli("submit", "for the operators", "--json")).json()
+    stats = await cli("admin", "stats", "--json")
+    assert stats.code == 0, stats.err
+    counts = {(c["model_id"], c["status"]): int(c["count"]) for c in stats.json()["counts"]}
+    assert counts[("wan-tiny", "TASK_STATUS_QUEUED")] == 1
+    assert "WORKER" in (await cli("admin", "stats")).out
+    assert (await cli("admin", "stuck", "--json")).json() == {"tasks": []}
+    requeue = await cli("admin", "requeue", task["task_id"], "--dry-run", "--json")
+    assert requeue.code == 0, requeue.err
+    items = [item for batch in requeue.lines() for item in batch["items"]]
+    assert [i["task_id"] for i in items] == [task["task_id"]]
+    assert (await cli("admin", "requeue")).code == 2
+    repair = await cli("admin", "repair", "--dry-run", "--json")
+    assert repair.code == 0 and repair.json()["stuck"] == 0
+    assert (await cli("admin", "dead-letters", "--json")).json() == {"dead_letters": []}
+    assert (await cli("admin", "redeliver", task["task_id"], "--json")).json() == {"deliveries": []}
+
+
+async def test_defaults_come_from_the_saved_local_stack(cli: Cli, tmp_path: Path) -> None:
+    env = cli.env
+    LocalStack(
+        address=env["TASKGATE_ADDRESS"],
+        events_address=env["TASKGATE_EVENTS_ADDRESS"],
+        admin_address=env["TASKGATE_ADMIN_ADDRESS"],
+        worker_address="127.0.0.1:1",
+        api_key=env["TASKGATE_API_KEY"],
+        admin_key=env["TASKGATE_ADMIN_KEY"],
+        tenant="tenant-a",
+    ).save(tmp_path / ".taskgate")
+    names = ("TASKGATE_ADDRESS", "TASKGATE_EVENTS_ADDRESS", "TASKGATE_ADMIN_ADDRESS", "TASKGATE_API_KEY", "TASKGATE_ADMIN_KEY")
+    bare = dict.fromkeys(names, "")
+    bare["TASKGATE_STATE_DIR"] = ".taskgate"
+    sub = tmp_path / "some" / "folder"
+    sub.mkdir(parents=True)
+    listed = await cli("list", "--json", env=bare, cwd=sub)  # found by walking up from the working directory
+    assert listed.code == 0, listed.err
+    assert (await cli("admin", "stats", env=bare, cwd=sub)).code == 0
+
+
+def test_every_command_accepts_json_before_or_after() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["--json", "get", "1"]).json is True
+    assert parser.parse_args(["get", "1", "--json"]).json is True
+    assert parser.parse_args(["admin", "stats", "--json"]).json is True
+    assert parser.parse_args(["keys", "list", "--json"]).json is True
+    assert not hasattr(parser.parse_args(["get", "1"]), "json")  # filled in by main()
