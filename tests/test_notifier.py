@@ -1,4 +1,4 @@
-"""Notifier: the event relay, the webhook outbox and its HTTP behaviour, against real PostgreSQL, NATS and HTTP."""
+"""Notifier: the event relay, the webhook outbox and its HTTP behaviour, the TaskEvents streams (real PG, NATS, HTTP, gRPC)."""
 
 from __future__ import annotations
 
