@@ -15,7 +15,7 @@ from google.protobuf.duration_pb2 import Duration
 from services.scheduler.requeue import Item, Requeuer
 from services.scheduler.scans import TaskScan
 from taskgate import bus as busmod
-from taskgate import errors, sql, store
+from taskgate import callbacks, errors, sql, store
 from taskgate.auth import Authenticator
 from taskgate.config import Settings
 from taskgate.model import TaskRow, timestamp
@@ -215,12 +215,12 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     async def RedeliverCallback(
         self, request: admin_pb2.RedeliverCallbackRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.RedeliverCallbackResponse:
-        """Puts a task's webhook deliveries back to PENDING, due now, same webhook ids; the notifier sends them."""
+        """Sends a task's terminal webhooks again (same webhook ids, a fresh retry round); the notifier wakes at once."""
         await self.auth.principal(context, admin=True)
         task_id = parse_task_id(request.task_id)
         if await store.get_task(self.pool, task_id) is None:
             raise errors.not_found()
-        rows: list[Any] = sorted(await self.pool.fetch(sql.query("admin_redeliver_callback"), task_id), key=lambda r: r["id"])
+        rows: list[Any] = await callbacks.redeliver(self.pool, task_id)
         return admin_pb2.RedeliverCallbackResponse(
             deliveries=[
                 admin_pb2.CallbackDelivery(

@@ -160,11 +160,3 @@ FROM dead_letter d JOIN task t ON t.id = d.task_id
 WHERE $1::timestamptz IS NULL OR (d.created_at, d.task_id) < ($1, $2::bigint)
 ORDER BY d.created_at DESC, d.task_id DESC
 LIMIT $3;
-
--- name: admin_redeliver_callback
--- Sends a task's webhooks again: its deliveries go back to PENDING, due now, same webhook ids (the notifier's
--- periodic scan picks them up). $1 task id.
-UPDATE callback_delivery
-SET status = 'PENDING', next_attempt_at = now(), delivered_at = NULL, lease_owner = NULL, lease_expires_at = NULL
-WHERE task_id = $1
-RETURNING id, webhook_id, event_type, status, attempts;
