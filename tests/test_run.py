@@ -1,0 +1,155 @@
+"""`make run`'s path as a real process tree: embedded servers, tiny model, four services, a real MP4, clean exit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import av
+import psutil
+import pytest
+
+from taskgate.client.local import LocalStack
+
+pytestmark = pytest.mark.slow
+
+READY = "Ctrl-C stops everything."
+
+
+def dev_env(state: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKGATE_")}
+    env.update({"TASKGATE_STATE_DIR": str(state), "NO_COLOR": "1"})
+    for name in ("SUBMIT", "NOTIFIER", "SCHEDULER", "WORKER"):
+        env[f"TASKGATE_{name}_PORT"] = "0"  # free ports, chosen by make run
+        env[f"TASKGATE_{name}_METRICS_PORT"] = "0"
+    return env
+
+
+class Tree:
+    """Every process a run started: its descendants (sampled while it runs) and anything using its state folder."""
+
+    def __init__(self, root: subprocess.Popen[str], state: Path) -> None:
+        self.root = root
+        self.state = str(state)
+        self.seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            for proc in self._ours():
+                self.seen.setdefault(proc.pid, proc.create_time())
+            self._stop.wait(0.1)
+
+    def _ours(self) -> list[psutil.Process]:
+        found: list[psutil.Process] = []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found += psutil.Process(self.root.pid).children(recursive=True)
+        for proc in psutil.process_iter(["cmdline"]):
+            if any(self.state in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        return found
+
+    def finish(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def leftovers(self) -> list[str]:
+        alive = []
+        for pid, created in self.seen.items():
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{pid} {' '.join(proc.cmdline())}")
+            except psutil.NoSuchProcess:
+                continue
+        alive += [f"{p.pid} {' '.join(p.cmdline())}" for p in self._ours() if p.pid not in self.seen]
+        return alive
+
+
+def read_lines(proc: subprocess.Popen[str], into: list[str], ready: threading.Event) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        into.append(line)
+        if READY in line:
+            ready.set()
+    ready.set()
+
+
+def frames_of(path: Path) -> tuple[int, int, int]:
+    with av.open(str(path)) as container:
+        frames = list(container.decode(video=0))
+    return len(frames), frames[0].width, frames[0].height
+
+
+def test_make_run_demo_then_a_second_run_reuses_the_state_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)  # the embedded PostgreSQL runs as its own user when we are root
+    state = tmp_path / "state"
+
+    # First run: nothing exists yet. --demo-only: exit after the video is saved.
+    first = subprocess.Popen(
+        [sys.executable, "-m", "taskgate.dev", "--demo-only"],
+        env=dev_env(state), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    tree = Tree(first, state)
+    try:
+        out, _ = first.communicate(timeout=420)
+    finally:
+        first.kill()
+        tree.finish()
+    assert first.returncode == 0, out
+    assert "building the tiny wan-tiny model" in out
+    for name in ("submit", "notifier", "scheduler", "worker"):
+        assert f"{name} is serving on 127.0.0.1:" in out
+        assert any(line.lstrip().startswith(f"{name} |") for line in out.splitlines()), f"no {name} log lines"
+    assert "PROCESSING [" in out and "SUCCEEDED  [" in out  # the live progress
+    video = state / "demo.mp4"
+    assert f"demo video: {video}" in out
+    assert frames_of(video) == (17, 64, 64)
+    assert tree.leftovers() == []
+    saved = LocalStack.load(state)
+    assert saved is not None and saved.api_key.startswith("tg_") and saved.webhook_secret
+    model_built_at = (state / "models" / "wan-tiny" / "model_index.json").stat().st_mtime_ns
+    video.unlink()
+
+    # Second run: same folder, stays up until Ctrl-C; the CLI finds it through client.json.
+    second = subprocess.Popen(
+        [sys.executable, "-m", "taskgate.dev"],
+        env=dev_env(state), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    tree = Tree(second, state)
+    lines: list[str] = []
+    ready = threading.Event()
+    reader = threading.Thread(target=read_lines, args=(second, lines, ready), daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(420) and second.poll() is None, "".join(lines)
+        again = LocalStack.load(state)
+        assert again is not None and (again.api_key, again.admin_key) == (saved.api_key, saved.admin_key)
+        cli = Path(sys.executable).parent / "taskgate"  # the installed entry point
+        listed = subprocess.run(
+            [str(cli), "list", "--json"], env=dev_env(state), capture_output=True, text=True, timeout=60, cwd=tmp_path
+        )
+        assert listed.returncode == 0, listed.stderr
+        tasks = json.loads(listed.stdout)["tasks"]
+        assert [t["status"] for t in tasks] == ["SUCCEEDED", "SUCCEEDED"]  # both runs' demo tasks, one database
+        second.send_signal(signal.SIGINT)
+        second.wait(120)
+    finally:
+        second.kill()
+        reader.join(10)
+        tree.finish()
+    out = "".join(lines)
+    assert second.returncode == 0, out
+    assert "building the tiny" not in out
+    assert (state / "models" / "wan-tiny" / "model_index.json").stat().st_mtime_ns == model_built_at
+    assert frames_of(video) == (17, 64, 64)
+    assert out.rstrip().endswith("stopped.")
+    assert tree.leftovers() == []
