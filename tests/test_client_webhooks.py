@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
+import importlib.util
 import json
+import threading
+import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import standardwebhooks
 
-from taskgate.client import WebhookVerificationError, verify_webhook
+from taskgate import auth
+from taskgate.client import Status, Task, WebhookVerificationError, connect_async, verify_webhook
+from taskgate.config import ModelSpec, Settings
+from taskgate.runtime import Backends
 
 KEY = bytes(range(32))
 SECRET = "whsec_" + base64.b64encode(KEY).decode()
@@ -121,3 +132,87 @@ def test_agrees_with_the_reference_library() -> None:
     signature = reference.sign(MSG_ID, datetime.fromtimestamp(NOW, tz=UTC), BODY.decode())
     assert signature == by_hand(KEY, MSG_ID, NOW, BODY)
     assert verify_webhook(headers(signature), BODY, SECRET, now=NOW) == json.loads(BODY)
+
+
+# -- end to end: the notifier signs, the example receiver verifies ------------------------------------------------
+
+
+def _load_example() -> Any:
+    path = Path(__file__).resolve().parent.parent / "examples" / "webhook_receiver.py"
+    spec = importlib.util.spec_from_file_location("webhook_receiver_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_example_receiver_gets_a_verified_webhook_from_the_notifier(settings: Settings, backends: Backends) -> None:
+    from services.notifier import service as notifier_service
+    from services.submit import service as submit_service
+    from services.worker import service as worker_service
+
+    settings = settings.model_copy(
+        update={
+            "models": {**settings.models, "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.1)},
+            "worker_models": ["sleepy"],
+        }
+    )
+    example = _load_example()
+    received: list[dict[str, Any]] = []
+    arrived = threading.Event()
+
+    def on_event(event: dict[str, Any]) -> None:
+        received.append(event)
+        arrived.set()
+
+    api_key, secret = await auth.create_key(backends.pool, settings.api_key_pepper, "hooked")
+    assert secret is not None
+    receiver = example.make_server("127.0.0.1", 0, [secret], on_event)
+    thread = threading.Thread(target=receiver.serve_forever, daemon=True)
+    thread.start()
+    submit = await submit_service.start(settings, backends)
+    notifier = await notifier_service.start(settings)
+    worker = await worker_service.start(settings)
+    try:
+        async with connect_async(f"127.0.0.1:{submit.port}", api_key, events_address=f"127.0.0.1:{notifier.port}") as client:
+            url = f"http://127.0.0.1:{receiver.server_port}/hook"
+            task = await client.submit("call me back", "sleepy", callback_url=url, metadata={"order": "7"})
+            assert (await client.wait(task.task_id, 30)).status is Status.SUCCEEDED
+            assert await asyncio.to_thread(arrived.wait, 30)
+            await wait_until(lambda: client.get(task.task_id), lambda t: t.callback_status == "DELIVERED")
+    finally:
+        await worker.stop(1.0)
+        await notifier.stop()
+        await submit.stop(0)
+        receiver.shutdown()
+        receiver.server_close()
+    assert len(received) == 1
+    event = received[0]
+    assert event["type"] == "task.succeeded"
+    assert event["data"]["task_id"] == task.task_id and event["data"]["status"] == "SUCCEEDED"
+    assert event["data"]["metadata"] == {"order": "7"} and event["data"]["result"]["sha256"]
+
+
+async def test_example_receiver_refuses_a_bad_signature() -> None:
+    example = _load_example()
+    receiver = example.make_server("127.0.0.1", 0, [SECRET], lambda event: None)
+    thread = threading.Thread(target=receiver.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{receiver.server_port}/hook"
+    now = int(time.time())
+    try:
+        async with httpx.AsyncClient() as http:
+            good = await http.post(url, content=BODY, headers=headers(by_hand(KEY, MSG_ID, now, BODY), now))
+            bad = await http.post(url, content=BODY, headers=headers(by_hand(b"\x02" * 32, MSG_ID, now, BODY), now))
+    finally:
+        receiver.shutdown()
+        receiver.server_close()
+    assert (good.status_code, bad.status_code) == (204, 401)
+
+
+async def wait_until(fetch: Callable[[], Awaitable[Task]], done: Callable[[Task], bool], within: float = 20.0) -> None:
+    """Polls `fetch` every 50 ms until `done` holds."""
+    deadline = time.monotonic() + within
+    while not done(await fetch()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)

@@ -105,6 +105,7 @@ def test_make_run_demo_then_a_second_run_reuses_the_state_and_stops_on_ctrl_c(tm
         first.kill()
         tree.finish()
     assert first.returncode == 0, out
+    assert len(tree.seen) >= 6, tree.seen  # four services, PostgreSQL, NATS (and their helpers) were watched
     assert "building the tiny wan-tiny model" in out
     for name in ("submit", "notifier", "scheduler", "worker"):
         assert f"{name} is serving on 127.0.0.1:" in out
