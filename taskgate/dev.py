@@ -134,6 +134,7 @@ class DevStack:
         self.ports = _ports(settings)
         self.host = _client_host(settings)
         self.stack: embedded.EmbeddedStack | None = None
+        self._starting: asyncio.Future[embedded.EmbeddedStack] | None = None
         self.children: list[Child] = []
         self.database_url = settings.database_url or ""
         self.nats_url = settings.nats_url or ""
@@ -151,7 +152,10 @@ class DevStack:
             self.console.say(f"using the embedded servers already running under {self.state_dir}")
         else:
             self.console.say(f"starting embedded PostgreSQL and NATS under {self.state_dir} …")
-            self.stack = await asyncio.to_thread(embedded.EmbeddedStack(self.state_dir).start)
+            self.stack = embedded.EmbeddedStack(self.state_dir)
+            # A Ctrl-C now must not leave servers behind: stop() waits for this thread before stopping them.
+            self._starting = asyncio.ensure_future(asyncio.to_thread(self.stack.start))
+            await asyncio.shield(self._starting)
             assert self.stack.postgres is not None and self.stack.nats is not None
             running = (self.stack.postgres.url, self.stack.nats.url)
         self.database_url = self.database_url or running[0]
@@ -170,7 +174,12 @@ class DevStack:
             sys.executable, "-m", "taskgate.tinymodel", "--out", str(folder),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )
-        output, _ = await proc.communicate()
+        try:
+            output, _ = await proc.communicate()
+        except asyncio.CancelledError:
+            proc.kill()
+            await proc.wait()
+            raise
         if proc.returncode != 0:
             raise StartError(f"building the tiny model failed:\n{output.decode(errors='replace')}")
 
@@ -304,6 +313,8 @@ class DevStack:
         for child in self.children:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(child.pump, 5)
+        if self._starting is not None:
+            await asyncio.wait([self._starting])
         if self.stack is not None:
             self.console.say("stopping embedded PostgreSQL and NATS …")
             await asyncio.to_thread(self.stack.stop)
