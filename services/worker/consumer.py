@@ -24,7 +24,6 @@ log = logging.getLogger("taskgate.worker.consumer")
 
 _STATUS = "Status"
 _NO_MESSAGES = {"404", "408"}  # no message now / the lingering request expired
-_ERROR_PAUSE = 0.5  # seconds before a level that answered with an error is asked again
 
 
 @dataclass(eq=False)
@@ -74,8 +73,7 @@ class Puller:
     nc: NATS
     levels: list[Level]
     on_delivery: Callable[[Level, Msg | None], None]  # a message, or None when a lingering request ended empty
-    linger_seconds: float
-    probe_timeout: float = 2.0
+    linger_seconds: float  # also how long a probe may take and how long a level that answered with an error rests
     _closed: bool = field(default=False, init=False)
 
     async def start(self) -> None:
@@ -111,7 +109,7 @@ class Puller:
             answer = None
             status = msg.headers.get(_STATUS) if msg.headers else None
             if status not in _NO_MESSAGES:
-                level.paused_until = time.monotonic() + _ERROR_PAUSE
+                level.paused_until = time.monotonic() + self.linger_seconds
                 log.warning("pull refused", extra={"consumer": level.consumer, "status": status})
         if waiter is not None and not waiter.done():
             waiter.set_result(answer)
@@ -130,12 +128,12 @@ class Puller:
         for level in levels:
             waiter: asyncio.Future[Msg | None] = loop.create_future()
             level.waiter = waiter
-            await self._request(level, {"batch": 1, "no_wait": True}, self.probe_timeout)
+            await self._request(level, {"batch": 1, "no_wait": True}, self.linger_seconds)
             waiters.append((level, waiter))
         got: list[tuple[Level, Msg]] = []
         for level, waiter in waiters:
             try:
-                msg = await asyncio.wait_for(asyncio.shield(waiter), self.probe_timeout)
+                msg = await asyncio.wait_for(asyncio.shield(waiter), self.linger_seconds)
             except TimeoutError:
                 if level.waiter is waiter:
                     level.waiter = None  # a late answer arrives as a delivery
@@ -148,7 +146,7 @@ class Puller:
         """Opens a lingering pull request on each level: the next message is delivered as soon as it is stored."""
         expires = int(self.linger_seconds * 1e9)
         for level in levels:
-            await self._request(level, {"batch": 1, "expires": expires}, self.linger_seconds + self.probe_timeout)
+            await self._request(level, {"batch": 1, "expires": expires}, 2 * self.linger_seconds)
 
 
 def is_status(msg: Msg) -> bool:

@@ -256,6 +256,9 @@ class Worker:
             if self.draining or not self._free_slots():
                 self._spawn(self._bounce(msg))
                 return
+            if not self._ready:
+                self._take([(level, msg)])  # an idle worker's only message: no choice to make, start it now
+                return
             self._ready.append((level, msg))
         self._wake.set()
 
@@ -471,6 +474,8 @@ class Worker:
     def _progress_due(self, run: Run) -> bool:
         if run.finishing or run.soft_canceled or run.abort_reason is not None:
             return False
+        if run.steps_done >= run.total_steps:
+            return False  # the final transition writes 100 a moment later
         pct = run.percent
         if pct <= run.written:
             return False
