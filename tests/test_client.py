@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -407,3 +408,49 @@ def test_sibling_addresses() -> None:
     c = connect_async("10.0.0.5:50051", "k")
     assert (c.config.events_address, c.config.admin_address) == ("10.0.0.5:50052", "10.0.0.5:50053")
     assert not c.config.tls
+
+
+# -- TLS -----------------------------------------------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(folder: Path) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA (openssl CLI)."""
+    folder.mkdir()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+             "-subj", "/CN=taskgate test CA", cwd=folder)
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", "extendedKeyUsage=clientAuth")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=folder)
+        (folder / f"{name}.ext").write_text(ext + "\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext", cwd=folder)
+    return folder
+
+
+async def test_tls_and_mutual_tls(settings: Settings, backends: Backends, tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki")
+    api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "tenant-tls")
+    mtls = settings.model_copy(
+        update={"tls_cert_file": pki / "server.pem", "tls_key_file": pki / "server.key", "tls_client_ca_file": pki / "ca.pem"}
+    )
+    gateway = await submit_service.start(mtls, backends)
+    address = f"127.0.0.1:{gateway.port}"
+    try:
+        async with connect_async(
+            address, api_key, root_certificates=pki / "ca.pem", client_cert=pki / "client.pem", client_key=pki / "client.key"
+        ) as c:
+            assert c.config.tls
+            task = await c.submit("over mutual TLS", **SMALL)  # type: ignore[arg-type]
+            assert (await c.get(task.task_id)).prompt == "over mutual TLS"
+        async with connect_async(address, api_key, root_certificates=(pki / "ca.pem").read_bytes(), retry_attempts=1) as c:
+            with pytest.raises(Unavailable):  # no client certificate: the handshake fails
+                await c.get(task.task_id)
+        async with connect_async(address, api_key, retry_attempts=1) as c:
+            with pytest.raises(Unavailable):  # plaintext against TLS
+                await c.get(task.task_id)
+    finally:
+        await gateway.stop(0)
