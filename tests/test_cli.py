@@ -145,9 +145,10 @@ async def test_submit_wait_shows_progress_then_the_outcome_as_exit_code(cli: Cli
 
 async def test_wait_gives_up_with_exit_11(cli: Cli) -> None:
     task = (await cli("submit", "never runs", "--json")).json()  # wan-tiny has no worker here
-    waited = await cli("wait", task["task_id"], "--wait-timeout", "0.5")
+    waited = await cli("wait", task["task_id"], "--wait-timeout", "1.5")
     assert waited.code == 11
     assert "DEADLINE_EXCEEDED" in waited.err and "Traceback" not in waited.err
+    assert any(line.startswith("QUEUED") and "queue position 1" in line for line in waited.err.splitlines()), waited.err
 
 
 async def test_watch_prints_each_version_until_terminal(cli: Cli) -> None:
