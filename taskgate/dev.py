@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -101,6 +102,24 @@ def _ports(settings: Settings) -> dict[str, int]:
 
 def _client_host(settings: Settings) -> str:
     return "127.0.0.1" if settings.grpc_host in ("0.0.0.0", "::", "") else settings.grpc_host
+
+
+def busy_ports(settings: Settings, ports: dict[str, int]) -> list[str]:
+    """The gRPC and metrics ports something already listens on (the servers use SO_REUSEPORT and would share them)."""
+    wanted = {f"TASKGATE_{name.upper()}_PORT": port for name, port in ports.items()}
+    for name in SERVICES:
+        metrics = int(getattr(settings, f"{name}_metrics_port"))
+        if metrics:
+            wanted[f"TASKGATE_{name.upper()}_METRICS_PORT"] = metrics
+    busy = []
+    for variable, port in wanted.items():
+        host = settings.metrics_host if "METRICS" in variable else settings.grpc_host
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                busy.append(f"{port} ({variable})")
+    return busy
 
 
 async def _pump(console: Console, child_name: str, stream: asyncio.StreamReader, tail: list[str]) -> None:
@@ -247,6 +266,9 @@ class DevStack:
 
     async def start_services(self) -> None:
         """Starts each service as `python -m services.<name>` in its own session (so only we get Ctrl-C)."""
+        busy = busy_ports(self.settings, self.ports)
+        if busy:
+            raise StartError(f"ports in use: {', '.join(busy)}; stop what uses them, or set those variables (0 = any free port)")
         env = self._child_env()
         for name in SERVICES:
             proc = await asyncio.create_subprocess_exec(
