@@ -123,6 +123,18 @@ def backoff(settings: Settings, retry_count: int) -> float:
     return min(settings.retry_backoff_max_seconds, base * jitter)
 
 
+def _task_id(data: bytes) -> int | None:
+    """The task id of a dispatch message, or None when the message is not one (poison is dropped, not retried)."""
+    try:
+        text = task_pb2.TaskDispatch.FromString(data).task_id
+    except Exception:
+        return None
+    if not text.isascii() or not text.isdigit():
+        return None
+    value = int(text)
+    return value if 0 < value < 2**63 else None
+
+
 def _seconds(a: datetime | None, b: datetime | None) -> float | None:
     return (b - a).total_seconds() if a is not None and b is not None else None
 
@@ -344,9 +356,8 @@ class Worker:
 
     async def _handle(self, slot: Slot, level: Level, msg: Msg) -> None:
         try:
-            try:
-                task_id = int(task_pb2.TaskDispatch.FromString(msg.data).task_id)
-            except Exception:
+            task_id = _task_id(msg.data)
+            if task_id is None:
                 log.warning("undecodable dispatch message dropped", extra={"consumer": level.consumer})
                 await msg.term()
                 return
@@ -358,46 +369,56 @@ class Worker:
         finally:
             self._free(slot)
 
+    async def _drop(self, msg: Msg, task_id: int, why: str, **extra: Any) -> None:
+        """Acks a message this worker will not run, with one log line."""
+        await msg.ack()
+        log.info("message dropped", extra={"task_id": str(task_id), "why": why, **extra})
+        self._report(RunReport(task_id, "refused"))
+
     async def _claim_and_run(self, slot: Slot, level: Level, msg: Msg, task_id: int) -> None:
         spec = self.settings.models[level.model_id]
-        lookup = asyncio.create_task(self._find_reusable(task_id))
         try:
-            outcome = await self._claim(task_id, level.model_id, spec.max_concurrency)
+            preview = await self.pool.fetchrow(sql.query("worker_preview"), task_id)
+            outcome = None
+            if preview is not None and preview["model_id"] == level.model_id and not Status(preview["status"]).terminal:
+                outcome = await self._claim(task_id, level.model_id, spec.max_concurrency)
         except Exception:
-            lookup.cancel()
             log.warning("claim failed; message redelivered later", extra={"task_id": str(task_id)}, exc_info=True)
             await msg.nak(delay=self.settings.worker_cap_retry_seconds)
             return
+        if preview is None:
+            await self._drop(msg, task_id, "no such task")
+            return
+        if preview["model_id"] != level.model_id:
+            await self._drop(msg, task_id, "task of another model", model=preview["model_id"], consumer=level.consumer)
+            return
+        if outcome is None and Status(preview["status"]).terminal:
+            await self._drop(msg, task_id, "task already finished", state=preview["status"])
+            return
         if outcome is None:
-            lookup.cancel()
             delay = self.settings.worker_cap_retry_seconds
             self._capped_until[level.model_id] = time.monotonic() + delay
             await msg.nak(delay=delay)
             self._report(RunReport(task_id, "capped", delay=delay))
             return
         if not outcome.applied:
-            lookup.cancel()
-            await msg.ack()
             current = outcome.task
-            log.info(
-                "claim refused; message dropped",
-                extra={
-                    "task_id": str(task_id),
-                    "rejection": outcome.rejection.value if outcome.rejection else None,
-                    "state": current.status.value if current else None,
-                    "holder": current.worker_id if current else None,
-                },
+            await self._drop(
+                msg,
+                task_id,
+                "claim refused",
+                rejection=outcome.rejection.value if outcome.rejection else None,
+                state=current.status.value if current else None,
+                holder=current.worker_id if current else None,
             )
-            self._report(RunReport(task_id, "refused"))
             return
         task = outcome.task
         assert task is not None
         # Restart the ack wait now, so a redelivery after a crash comes after the lease has expired.
         await msg.in_progress()
-        try:
-            reusable = await lookup
-        except Exception:
-            reusable = None
+        reusable = None
+        if preview["result_uri"] is not None:
+            reusable = Reusable(preview["result_uri"], preview["result_content_type"], preview["result_size"], preview["result_sha256"])
         run = Run(task, msg, slot)
         self.runs[task.id] = run
         self._gauges()
@@ -431,12 +452,6 @@ class Worker:
             if running >= cap:
                 return None
             return await store.transition(conn, task_id, Move.CLAIM, self.worker_id, lease, actor=ACTOR, reason=reason)
-
-    async def _find_reusable(self, task_id: int) -> Reusable | None:
-        rec = await self.pool.fetchrow(sql.query("worker_find_reusable"), task_id)
-        if rec is None:
-            return None
-        return Reusable(rec["result_uri"], rec["result_content_type"], rec["result_size"], rec["result_sha256"])
 
     # ---- running ----
 

@@ -20,10 +20,11 @@ SELECT pg_advisory_xact_lock(hashtextextended('taskgate.model:' || $1::text, 0))
 SELECT count(*) FROM task
 WHERE model_id = $1 AND status = 'PROCESSING' AND lease_expires_at > now() AND id <> $2;
 
--- name: worker_find_reusable
--- A soft-cancelled run's output for the same tenant and request as this task, if any. $1 task id.
-SELECT r.result_uri, r.result_content_type, r.result_size, r.result_sha256, r.source_task_id
-FROM task t JOIN reusable_result r ON r.user_id = t.user_id AND r.request_hash = t.request_hash
+-- name: worker_preview
+-- What a worker checks before claiming: the task's model and state, and a reusable output for the same request
+-- (a soft-cancelled run's) if any. $1 task id.
+SELECT t.model_id, t.status, r.result_uri, r.result_content_type, r.result_size, r.result_sha256
+FROM task t LEFT JOIN reusable_result r ON r.user_id = t.user_id AND r.request_hash = t.request_hash
 WHERE t.id = $1;
 
 -- name: worker_keep_reusable
