@@ -179,13 +179,11 @@ class Worker:
         self._drain_task: asyncio.Task[None] | None = None
         self._cancel_sub: Any = None
         self._killed = False
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- life cycle ----
 
     async def start(self) -> None:
         """Registers, subscribes to cancel signals, and starts fetching and heartbeating."""
-        self._loop = asyncio.get_running_loop()
         await self._beat_registry()
         for model_id in self.models:
             for level in self.levels:
@@ -288,7 +286,7 @@ class Worker:
                 raise
             except Exception:
                 log.exception("dispatch failed", extra={"worker": self.worker_id})
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(self.settings.worker_fetch_linger_seconds)
         for _, msg in self._ready:
             await self._bounce(msg)
         self._ready.clear()
@@ -316,8 +314,9 @@ class Worker:
             await self.puller.linger(idle)
         if self._wake.is_set():
             return
-        pauses = [t for t in [*self._capped_until.values(), *(lv.paused_until for lv in self.levels)] if t > now]
-        timeout = max(0.0, min(pauses) - now) + 0.001 if pauses else None
+        # Wake for the end of a pause, or when a lingering request should long have been answered (a lost answer).
+        ends = [t for t in [*self._capped_until.values(), *(lv.paused_until for lv in self.levels)] if t > now]
+        timeout = min([t - now + 0.001 for t in ends] + [2 * self.settings.worker_fetch_linger_seconds])
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 
