@@ -20,7 +20,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from services.worker import service as worker_service
 from services.worker.consumer import Level, Weighted
-from services.worker.engine import RunReport, backoff
+from services.worker.engine import RunReport, backoff, persist
 from services.worker.service import WorkerHandle
 from taskgate import bus as busmod
 from taskgate import results, sql, store
@@ -170,6 +170,27 @@ def test_high_goes_first_when_it_appears_beside_a_busy_low_level() -> None:
         assert Weighted.pick([low]) is low
     Weighted.forget([])
     assert Weighted.pick([high, low]) is high
+
+
+async def test_final_writes_are_retried_through_a_short_outage_then_given_up() -> None:
+    calls: list[float] = []
+
+    async def flaky() -> str:
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise ConnectionResetError("connection reset")
+        return "written"
+
+    assert await persist(2.0, "succeed", 1, flaky) == "written" and len(calls) == 3
+    calls.clear()
+
+    async def down() -> str:
+        calls.append(time.monotonic())
+        raise ConnectionRefusedError("refused")
+
+    with pytest.raises(ConnectionRefusedError):
+        await persist(0.3, "succeed", 1, down)
+    assert len(calls) >= 2 and calls[-1] - calls[0] <= 0.3
 
 
 def test_backoff_doubles_with_jitter_and_is_capped(settings: Settings) -> None:
@@ -494,3 +515,4 @@ async def test_reusable_result_query_is_guarded_by_attempt(settings: Settings, b
     args = ("nats-os://b/x", "application/json", 3, "abc")
     assert await backends.pool.fetchval(sql.query("worker_keep_reusable"), task.id, 2, *args) is None
     assert await backends.pool.fetchval(sql.query("worker_keep_reusable"), task.id, 1, *args) == task.id
+

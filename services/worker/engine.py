@@ -11,10 +11,10 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
 
@@ -25,6 +25,7 @@ from taskgate import results, sql, store, telemetry
 from taskgate.config import Settings
 from taskgate.model import TaskRow, timestamp
 from taskgate.runtime import Backends
+from taskgate.server import BACKEND_ERRORS
 from taskgate.states import Status
 from taskgate.store import Move, Outcome
 from taskgate.v1 import task_pb2, worker_pb2
@@ -32,6 +33,7 @@ from taskgate.v1 import task_pb2, worker_pb2
 log = logging.getLogger("taskgate.worker")
 
 ACTOR = "worker"
+T = TypeVar("T")
 ERROR_MSG_CHARS = 500
 
 
@@ -121,6 +123,21 @@ def backoff(settings: Settings, retry_count: int) -> float:
     base = settings.retry_backoff_seconds * 2**retry_count
     jitter = random.uniform(1 - settings.retry_jitter, 1 + settings.retry_jitter)
     return min(settings.retry_backoff_max_seconds, base * jitter)
+
+
+async def persist(within: float, what: str, task_id: int, action: Callable[[], Awaitable[T]]) -> T:
+    """Retries a final write through a backend outage of up to `within` seconds (the heartbeat keeps the lease)."""
+    deadline = time.monotonic() + within
+    delay = 0.05
+    while True:
+        try:
+            return await action()
+        except BACKEND_ERRORS as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("final write failed; retrying", extra={"task_id": str(task_id), "what": what, "error": type(exc).__name__})
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
 
 def _task_id(data: bytes) -> int | None:
@@ -529,78 +546,92 @@ class Worker:
 
     # ---- outcomes ----
 
+    async def _persist(self, what: str, task_id: int, action: Callable[[], Awaitable[T]]) -> T:
+        return await persist(self.settings.lease_seconds, what, task_id, action)
+
     async def _finish(self, run: Run, output: runmod.RunOutput) -> None:
         task = run.task
         if run.abort_reason is Abort.KILLED:
             return
         await self._finish_writes(run)
-        stored = await self.results.put(f"{task.id}-a{task.attempt}.{output.extension}", output.data, output.content_type)
-        out = await store.transition(
-            self.pool,
+        name = f"{task.id}-a{task.attempt}.{output.extension}"
+        stored = await self._persist("result", task.id, lambda: self.results.put(name, output.data, output.content_type))
+        out = await self._persist(
+            "succeed",
             task.id,
-            Move.SUCCEED,
-            stored.uri,
-            stored.content_type,
-            stored.size,
-            stored.sha256,
-            False,
-            actor=ACTOR,
-            reason="finished",
-            expected_attempt=task.attempt,
+            lambda: store.transition(
+                self.pool,
+                task.id,
+                Move.SUCCEED,
+                stored.uri,
+                stored.content_type,
+                stored.size,
+                stored.sha256,
+                False,
+                actor=ACTOR,
+                reason="finished",
+                expected_attempt=task.attempt,
+            ),
         )
-        if out.applied:
+        row = out.task
+        # A retried SUCCEED whose first try committed (its reply was lost) is refused, yet the result is ours.
+        ours = row is not None and row.status is Status.SUCCEEDED and row.attempt == task.attempt and row.result_uri == stored.uri
+        if out.applied or ours:
             await run.msg.ack()
-            self._finished(run, out.task, "succeeded")
+            self._finished(run, row, "succeeded")
             return
-        await self._refused_result(run, out, stored.uri, stored)
+        await self._refused_result(run, out, stored)
 
     async def _finish_reused(self, run: Run, reusable: Reusable) -> None:
         task = run.task
         await self._finish_writes(run)
-        out = await store.transition(
-            self.pool,
+        out = await self._persist(
+            "succeed",
             task.id,
-            Move.SUCCEED,
-            reusable.uri,
-            reusable.content_type,
-            reusable.size,
-            reusable.sha256,
-            True,
-            actor=ACTOR,
-            reason="reused a soft-cancelled run's output",
-            expected_attempt=task.attempt,
+            lambda: store.transition(
+                self.pool,
+                task.id,
+                Move.SUCCEED,
+                reusable.uri,
+                reusable.content_type,
+                reusable.size,
+                reusable.sha256,
+                True,
+                actor=ACTOR,
+                reason="reused a soft-cancelled run's output",
+                expected_attempt=task.attempt,
+            ),
         )
         if out.applied:
             await run.msg.ack()
             self._finished(run, out.task, "reused")
             return
-        await self._refused_result(run, out, None, None)
+        await self._refused_result(run, out, None)
 
-    async def _refused_result(self, run: Run, out: Outcome, uri: str | None, stored: results.StoredResult | None) -> None:
-        """The SUCCEED was refused: keep the output if the attempt was soft-cancelled, else delete it."""
+    async def _refused_result(self, run: Run, out: Outcome, stored: results.StoredResult | None) -> None:
+        """The SUCCEED was refused: keep this run's output if its attempt was soft-cancelled, else delete it."""
         row = out.task
-        if (
-            stored is not None
-            and row is not None
-            and row.attempt == run.attempt
-            and row.status is Status.CANCELED
-            and row.cancel_mode == "soft"
-        ):
-            kept = await self.pool.fetchval(
-                sql.query("worker_keep_reusable"),
+        soft = row is not None and row.attempt == run.attempt and row.status is Status.CANCELED and row.cancel_mode == "soft"
+        if stored is not None and soft:
+            kept = await self._persist(
+                "reusable",
                 run.task.id,
-                run.attempt,
-                stored.uri,
-                stored.content_type,
-                stored.size,
-                stored.sha256,
+                lambda: self.pool.fetchval(
+                    sql.query("worker_keep_reusable"),
+                    run.task.id,
+                    run.attempt,
+                    stored.uri,
+                    stored.content_type,
+                    stored.size,
+                    stored.sha256,
+                ),
             )
             if kept is not None:
                 await run.msg.ack()
                 self._report_run(run, "soft_canceled")
                 return
-        if uri is not None:
-            await self.results.delete(uri)
+        if stored is not None:
+            await self.results.delete(stored.uri)
         outcome = await self._settle_message(run, row)
         if outcome == "fenced":
             log.warning(
@@ -630,8 +661,12 @@ class Worker:
             return
         await self._finish_writes(run)
         if reason is Abort.DRAIN:
-            out = await store.transition(
-                self.pool, run.task.id, Move.RELEASE, actor=ACTOR, reason="worker draining", expected_attempt=run.attempt
+            out = await self._persist(
+                "release",
+                run.task.id,
+                lambda: store.transition(
+                    self.pool, run.task.id, Move.RELEASE, actor=ACTOR, reason="worker draining", expected_attempt=run.attempt
+                ),
             )
             if out.applied:
                 await run.msg.nak()
@@ -662,32 +697,43 @@ class Worker:
         await self._finish_writes(run)
         if retryable and task.retry_count < task.max_retries:
             delay = backoff(self.settings, task.retry_count)
-            out = await store.transition(
-                self.pool,
+            out = await self._persist(
+                "retry",
                 task.id,
-                Move.RETRY,
-                code,
-                message,
-                delay,
-                actor=ACTOR,
-                reason=f"retry {task.retry_count + 1} of {task.max_retries}",
-                expected_attempt=task.attempt,
+                lambda: store.transition(
+                    self.pool,
+                    task.id,
+                    Move.RETRY,
+                    code,
+                    message,
+                    delay,
+                    actor=ACTOR,
+                    reason=f"retry {task.retry_count + 1} of {task.max_retries}",
+                    expected_attempt=task.attempt,
+                ),
             )
-            if out.applied:
+            row = out.task
+            # A retried RETRY whose first try committed (its reply was lost) is refused, yet the move is ours.
+            ours = row is not None and row.attempt == task.attempt and row.retry_count == task.retry_count + 1
+            if out.applied or (ours and row is not None and row.status is Status.QUEUED):
                 await run.msg.nak(delay=delay)
                 self._report_run(run, "retried", error_code=code, delay=delay)
             else:
                 self._report_run(run, await self._settle_message(run, out.task))
             return
         if retryable:
-            out = await store.fail_for_good(
-                self.pool,
+            out = await self._persist(
+                "fail",
                 task.id,
-                error_code=code,
-                error_msg=message,
-                reason="retries exhausted",
-                actor=ACTOR,
-                expected_attempt=task.attempt,
+                lambda: store.fail_for_good(
+                    self.pool,
+                    task.id,
+                    error_code=code,
+                    error_msg=message,
+                    reason="retries exhausted",
+                    actor=ACTOR,
+                    expected_attempt=task.attempt,
+                ),
             )
             if out.applied:
                 await self._publish_dead_letter(task, "retries exhausted", code, message)
@@ -696,8 +742,12 @@ class Worker:
             else:
                 self._report_run(run, await self._settle_message(run, out.task))
             return
-        out = await store.transition(
-            self.pool, task.id, Move.FAIL, code, message, actor=ACTOR, reason="permanent failure", expected_attempt=task.attempt
+        out = await self._persist(
+            "fail",
+            task.id,
+            lambda: store.transition(
+                self.pool, task.id, Move.FAIL, code, message, actor=ACTOR, reason="permanent failure", expected_attempt=task.attempt
+            ),
         )
         if out.applied:
             await run.msg.ack()
