@@ -104,8 +104,16 @@ async def publish(backends: Backends, task: TaskRow, msg_id: str) -> None:
 
 
 def params(steps: int = 4, seed: int = 1, **extra: Any) -> dict[str, Any]:
-    base = {"num_frames": 9, "width": 32, "height": 32, "num_inference_steps": steps, "guidance_scale": 5.0, "fps": 8,
-            "seed": seed, "negative_prompt": ""}
+    base = {
+        "num_frames": 9,
+        "width": 32,
+        "height": 32,
+        "num_inference_steps": steps,
+        "guidance_scale": 5.0,
+        "fps": 8,
+        "seed": seed,
+        "negative_prompt": "",
+    }
     base.update(extra)
     return base
 
@@ -230,9 +238,7 @@ async def test_task_runs_end_to_end_with_progress_and_status(settings: Settings,
     assert registered is not None and registered["models"] == [SLEEPY] and registered["slots"] == 1
 
 
-async def test_claim_of_a_created_task_wins_over_a_slow_submit(
-    settings: Settings, backends: Backends, workers: Factory
-) -> None:
+async def test_claim_of_a_created_task_wins_over_a_slow_submit(settings: Settings, backends: Backends, workers: Factory) -> None:
     await workers(sleepy_settings(settings))
     task = await submit(backends, queue=False)  # the message outruns the CREATED -> QUEUED commit
     row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED))
@@ -241,9 +247,7 @@ async def test_claim_of_a_created_task_wins_over_a_slow_submit(
     assert late.rejection is Rejection.ILLEGAL and late.task is not None and late.task.status is Status.SUCCEEDED
 
 
-async def test_message_for_a_canceled_task_is_acked_and_dropped(
-    settings: Settings, backends: Backends, workers: Factory
-) -> None:
+async def test_message_for_a_canceled_task_is_acked_and_dropped(settings: Settings, backends: Backends, workers: Factory) -> None:
     handle = await workers(sleepy_settings(settings))
     task = await insert_task(backends.pool, model_id=SLEEPY)
     canceled = await store.transition(backends.pool, task.id, Move.CANCEL, "soft", actor="submit")
@@ -255,9 +259,7 @@ async def test_message_for_a_canceled_task_is_acked_and_dropped(
     assert row is not None and row.status is Status.CANCELED and row.attempt == 0
 
 
-async def test_redelivery_while_the_lease_is_live_is_acked_and_dropped(
-    settings: Settings, backends: Backends, workers: Factory
-) -> None:
+async def test_redelivery_while_the_lease_is_live_is_acked_and_dropped(settings: Settings, backends: Backends, workers: Factory) -> None:
     handle = await workers(sleepy_settings(settings, sleep=0.8), worker_slots=2)
     task = await submit(backends, params=params(steps=2))
     await wait_task(backends, task.id, is_status(Status.PROCESSING))
@@ -335,17 +337,13 @@ async def test_soft_cancel_keeps_the_output_and_an_identical_task_reuses_it(
     await wait_consumer_empty(backends, SLEEPY, Priority.NORMAL)
 
 
-async def test_hard_cancel_of_a_sleep_run_frees_the_slot_at_once(
-    settings: Settings, backends: Backends, workers: Factory
-) -> None:
+async def test_hard_cancel_of_a_sleep_run_frees_the_slot_at_once(settings: Settings, backends: Backends, workers: Factory) -> None:
     handle = await workers(sleepy_settings(settings, sleep=20.0))
     task = await submit(backends, params=params(steps=100))
     await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.progress > 0)
     assert (await store.transition(backends.pool, task.id, Move.CANCEL, "hard", actor="submit")).applied
     started = time.monotonic()
-    await backends.bus.nc.publish(
-        busmod.CANCEL_SUBJECT, task_pb2.CancelSignal(task_id=str(task.id), hard=True).SerializeToString()
-    )
+    await backends.bus.nc.publish(busmod.CANCEL_SUBJECT, task_pb2.CancelSignal(task_id=str(task.id), hard=True).SerializeToString())
     report = await handle.worker.wait_for(report_for(task.id), within=5)
     assert time.monotonic() - started < 1.0  # one 0.2 s step at most, not the 20 s run
     assert report.outcome == "canceled" and report.steps_at_abort is not None
@@ -354,9 +352,25 @@ async def test_hard_cancel_of_a_sleep_run_frees_the_slot_at_once(
     await wait_consumer_empty(backends, SLEEPY, Priority.NORMAL)
 
 
-async def test_crashed_workers_task_is_finished_by_another_exactly_once(
+async def test_a_task_timed_out_elsewhere_is_stopped_at_the_next_lease_renewal(
     settings: Settings, backends: Backends, workers: Factory
 ) -> None:
+    handle = await workers(sleepy_settings(settings, sleep=20.0))
+    task = await submit(backends, params=params(steps=100))
+    await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.progress > 0)
+    # What the scheduler does on a processing timeout, here without the cancel signal: the renewal must notice.
+    timed_out = await store.transition(backends.pool, task.id, Move.TIMEOUT, "PROCESSING_TIMEOUT", "took too long", actor="scheduler")
+    assert timed_out.applied
+    started = time.monotonic()
+    report = await handle.worker.wait_for(report_for(task.id), within=5)
+    assert report.outcome == "terminal" and time.monotonic() - started < 2 * handle.worker.settings.heartbeat_seconds + 0.5
+    assert handle.worker.status().free_slots == 1
+    row = await store.get_task(backends.pool, task.id)
+    assert row is not None and row.status is Status.TIMEOUT and row.result_uri is None
+    await wait_consumer_empty(backends, SLEEPY, Priority.NORMAL)
+
+
+async def test_crashed_workers_task_is_finished_by_another_exactly_once(settings: Settings, backends: Backends, workers: Factory) -> None:
     s = with_(sleepy_settings(settings, sleep=1.0), lease_seconds=1.0, heartbeat_seconds=0.25)
     first = await workers(s)
     task = await submit(backends, params=params(steps=4))
@@ -401,9 +415,7 @@ async def test_paused_workers_late_result_is_fenced_out(settings: Settings, back
     assert healthy.worker_id == "healthy"
 
 
-async def test_drain_releases_running_work_after_the_grace(
-    settings: Settings, backends: Backends, workers: Factory
-) -> None:
+async def test_drain_releases_running_work_after_the_grace(settings: Settings, backends: Backends, workers: Factory) -> None:
     s = sleepy_settings(settings, sleep=30.0)
     handle = await workers(s, worker_id="draining")
     task = await submit(backends, params=params(steps=30))
@@ -451,8 +463,13 @@ async def test_sigterm_drains_and_exits_zero(settings: Settings, backends: Backe
         }
     )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.worker", env=env, cwd=Path(__file__).parent.parent,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "services.worker",
+        env=env,
+        cwd=Path(__file__).parent.parent,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
         task = await submit(backends, params=params(steps=30))
@@ -471,9 +488,7 @@ async def test_sigterm_drains_and_exits_zero(settings: Settings, backends: Backe
     assert any(line.get("msg") == "task handled" and line.get("outcome") == "released" for line in lines)
 
 
-async def test_high_priority_task_behind_twenty_low_ones_starts_next(
-    settings: Settings, backends: Backends, workers: Factory
-) -> None:
+async def test_high_priority_task_behind_twenty_low_ones_starts_next(settings: Settings, backends: Backends, workers: Factory) -> None:
     await workers(sleepy_settings(settings, sleep=0.15))
     first, *_ = [await submit(backends, priority=Priority.LOW, params=params(steps=1, seed=i)) for i in range(20)]
     count_low = "SELECT count(*) FROM task WHERE priority = 1 AND started_at < $1"
@@ -515,4 +530,3 @@ async def test_reusable_result_query_is_guarded_by_attempt(settings: Settings, b
     args = ("nats-os://b/x", "application/json", 3, "abc")
     assert await backends.pool.fetchval(sql.query("worker_keep_reusable"), task.id, 2, *args) is None
     assert await backends.pool.fetchval(sql.query("worker_keep_reusable"), task.id, 1, *args) == task.id
-

@@ -38,9 +38,7 @@ async def wan_worker(settings: Settings, tiny_model: Path) -> AsyncIterator[Work
     """A worker serving only wan-tiny from the module's folder, writing progress at every 10%."""
     models = dict(settings.models)
     models[MODEL] = ModelSpec(path=tiny_model)
-    s = settings.model_copy(
-        update={"models": models, "worker_models": [MODEL], "worker_slots": 1, "progress_interval_seconds": 0.0}
-    )
+    s = settings.model_copy(update={"models": models, "worker_models": [MODEL], "worker_slots": 1, "progress_interval_seconds": 0.0})
     handle = await worker_service.start(s)
     try:
         yield handle
@@ -48,9 +46,7 @@ async def wan_worker(settings: Settings, tiny_model: Path) -> AsyncIterator[Work
         await handle.stop(grace=0)
 
 
-async def test_tiny_pipeline_task_yields_the_requested_video_and_same_seed_same_bytes(
-    backends: Backends, wan_worker: WorkerHandle
-) -> None:
+async def test_tiny_pipeline_task_yields_the_requested_video_and_same_seed_same_bytes(backends: Backends, wan_worker: WorkerHandle) -> None:
     first = await submit(backends, model=MODEL, params=params(steps=6, seed=7))
     again = await submit(backends, model=MODEL, params=params(steps=6, seed=7))
     other = await submit(backends, model=MODEL, params=params(steps=6, seed=8))
