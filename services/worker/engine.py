@@ -94,6 +94,7 @@ class Run:
 
     @property
     def attempt(self) -> int:
+        """This run's fencing token: every write it makes is guarded by it."""
         return self.task.attempt
 
     @property
@@ -199,6 +200,7 @@ class Worker:
         self._killed = False
         self._claim_conn: asyncpg.Connection | None = None
         self._claim_lock = asyncio.Lock()
+        self._stats: asyncio.Task[None] | None = None
 
     # ---- life cycle ----
 
@@ -246,9 +248,10 @@ class Worker:
     async def close(self) -> None:
         """After a drain: stops the loops, unsubscribes, removes the registry row."""
         await self.begin_drain()
-        for task in self._loops:
+        loops = [*self._loops, *([self._stats] if self._stats else [])]
+        for task in loops:
             task.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await asyncio.gather(*loops, return_exceptions=True)
         await self.puller.close()
         if self._cancel_sub is not None:
             with contextlib.suppress(Exception):
@@ -268,9 +271,10 @@ class Worker:
         self.draining = True
         for run in self.runs.values():
             run.stop(Abort.KILLED)
-        for task in [*self._loops, *self._tasks]:
+        tasks = [*self._loops, *self._tasks, *([self._stats] if self._stats else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._release_claim_connection()
         await self.puller.close()
         if self._cancel_sub is not None:
@@ -850,8 +854,11 @@ class Worker:
                 log.warning("heartbeat failed", extra={"worker": self.worker_id}, exc_info=True)
 
     async def _beat(self) -> None:
+        renewals = await asyncio.gather(*(self._renew(run) for run in list(self.runs.values())), return_exceptions=True)
+        for failure in renewals:
+            if isinstance(failure, Exception):
+                log.warning("lease renewal failed", extra={"worker": self.worker_id, "error": type(failure).__name__})
         await self._beat_registry()
-        await asyncio.gather(*(self._renew(run) for run in list(self.runs.values())), return_exceptions=True)
         telemetry.WORKER_HEARTBEAT.set(time.time())
         self._gauges()
         if self.use_cuda:
@@ -859,6 +866,10 @@ class Worker:
 
             for index in range(torch.cuda.device_count()):
                 telemetry.GPU_MEMORY.labels(f"cuda:{index}").set(torch.cuda.memory_allocated(index))
+        if self._stats is None or self._stats.done():  # off the heartbeat's path: a slow NATS must not delay renewals
+            self._stats = asyncio.create_task(self._consumer_stats())
+
+    async def _consumer_stats(self) -> None:
         for level in self.levels:
             with contextlib.suppress(Exception):
                 info = await self.bus.js.consumer_info(busmod.TASKS_STREAM, level.consumer, timeout=1.0)

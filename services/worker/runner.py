@@ -58,7 +58,9 @@ class ModelRunner(Protocol):
 
     model_id: str
 
-    def generate(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> RunOutput: ...
+    def generate(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> RunOutput:
+        """Runs one task to an encoded output."""
+        ...
 
 
 def classify(exc: BaseException) -> tuple[bool, str]:

@@ -42,6 +42,7 @@ class WorkerHandle:
 
     @property
     def worker_id(self) -> str:
+        """The id this worker claims under and registers as."""
         return self.worker.worker_id
 
     async def stop(self, grace: float | None = None) -> None:
