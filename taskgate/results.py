@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.object_store import ObjectStore
 
 from taskgate import bus as busmod
 from taskgate.config import Settings
@@ -51,9 +52,15 @@ class ObjectStoreResults:
     def __init__(self, bus: busmod.Bus, bucket: str = busmod.RESULTS_BUCKET) -> None:
         self._bus = bus
         self._bucket = bucket
+        self._handle: ObjectStore | None = None
+
+    async def _store(self) -> ObjectStore:
+        if self._handle is None:  # looked up once: the lookup is a round trip per call otherwise
+            self._handle = await self._bus.js.object_store(self._bucket)
+        return self._handle
 
     async def put(self, name: str, data: bytes, content_type: str) -> StoredResult:
-        store = await self._bus.js.object_store(self._bucket)
+        store = await self._store()
         await store.put(name, data)
         return StoredResult(f"nats-os://{self._bucket}/{name}", content_type, len(data), hashlib.sha256(data).hexdigest())
 
@@ -64,7 +71,7 @@ class ObjectStoreResults:
         return uri[len(prefix) :]
 
     async def read(self, uri: str) -> AsyncIterator[bytes]:
-        store = await self._bus.js.object_store(self._bucket)
+        store = await self._store()
         try:
             result = await store.get(self._name(uri))
         except (ObjectNotFoundError, NotFoundError) as exc:
@@ -74,7 +81,7 @@ class ObjectStoreResults:
             yield data[offset : offset + CHUNK]
 
     async def delete(self, uri: str) -> None:
-        store = await self._bus.js.object_store(self._bucket)
+        store = await self._store()
         with contextlib.suppress(ObjectNotFoundError, NotFoundError):
             await store.delete(self._name(uri))
 

@@ -10,7 +10,7 @@ from typing import Any, TypeAlias
 
 import asyncpg
 
-from taskgate import sql, states
+from taskgate import sql, states, telemetry
 from taskgate.model import TaskRow
 from taskgate.states import Status
 
@@ -117,6 +117,8 @@ async def transition(
                 "reason": reason,
             },
         )
+        if task.status.terminal:
+            _count_finished(task)
         return Outcome(task=task, from_status=old)
     current = await get_task(db, task_id)
     if current is None:
@@ -126,6 +128,13 @@ async def transition(
     if move is Move.CLAIM and current.status is Status.PROCESSING and expected_attempt is None:
         return Outcome(task=current, rejection=Rejection.ILLEGAL)  # lease still live
     return Outcome(task=current, rejection=Rejection.STALE)
+
+
+def _count_finished(task: TaskRow) -> None:
+    """Every terminal move passes here, whichever service makes it, so the counters miss none."""
+    telemetry.TASKS_FINISHED.labels(task.model_id, task.task_type, task.status.value).inc()
+    if task.finished_at is not None:
+        telemetry.END_TO_END.labels(task.model_id).observe(max(0.0, (task.finished_at - task.created_at).total_seconds()))
 
 
 async def get_task(db: Conn, task_id: int) -> TaskRow | None:

@@ -805,11 +805,6 @@ class Worker:
             log.warning("dead-letter publish failed", extra={"task_id": str(task.id)}, exc_info=True)
 
     def _finished(self, run: Run, row: TaskRow | None, outcome: str, error_code: str | None = None) -> None:
-        if row is not None:
-            telemetry.TASKS_FINISHED.labels(row.model_id, row.task_type, row.status.value).inc()
-            total = _seconds(row.created_at, row.finished_at)
-            if total is not None:
-                telemetry.END_TO_END.labels(row.model_id).observe(max(0.0, total))
         self._report_run(run, outcome, error_code=error_code)
 
     # ---- watching a running task ----
