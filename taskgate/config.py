@@ -17,20 +17,20 @@ class ModelSpec(BaseModel):
     path: Path | None = Field(default=None, description="Folder holding a diffusers pipeline (save_pretrained).")
     kind: Literal["diffusers", "sleep"] = Field(default="diffusers", description="'sleep' holds a slot without a GPU.")
     sleep_seconds: float = Field(default=0.0, ge=0, description="How long a 'sleep' model runs.")
-    task_types: list[str] = Field(default_factory=lambda: ["text-to-video"])
-    max_frames: int = Field(default=81, ge=1)
+    task_types: list[str] = Field(default_factory=lambda: ["text-to-video"], description="Task types this model serves.")
+    max_frames: int = Field(default=81, ge=1, description="Most frames a request may ask for.")
     frame_step: int = Field(default=4, ge=1, description="num_frames - 1 must be a multiple of this.")
-    max_width: int = Field(default=1280, ge=16)
-    max_height: int = Field(default=1280, ge=16)
-    size_multiple: int = Field(default=16, ge=1)
-    max_steps: int = Field(default=100, ge=1)
-    max_guidance: float = Field(default=30.0, ge=0)
-    default_frames: int = 9
-    default_width: int = 32
-    default_height: int = 32
-    default_steps: int = 4
-    default_guidance: float = 5.0
-    default_fps: int = 8
+    max_width: int = Field(default=1280, ge=16, description="Widest frame, pixels.")
+    max_height: int = Field(default=1280, ge=16, description="Tallest frame, pixels.")
+    size_multiple: int = Field(default=16, ge=1, description="Width and height must be multiples of this.")
+    max_steps: int = Field(default=100, ge=1, description="Most denoising steps.")
+    max_guidance: float = Field(default=30.0, ge=0, description="Largest guidance scale.")
+    default_frames: int = Field(default=9, description="Frames when a request gives none.")
+    default_width: int = Field(default=32, description="Width when a request gives none.")
+    default_height: int = Field(default=32, description="Height when a request gives none.")
+    default_steps: int = Field(default=4, description="Steps when a request gives none.")
+    default_guidance: float = Field(default=5.0, description="Guidance scale when a request gives none.")
+    default_fps: int = Field(default=8, description="Frames per second of the MP4 when a request gives none.")
     max_concurrency: int = Field(default=0, ge=0, description="Running tasks of this model across all workers; 0 = no cap.")
     queue_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global queue timeout.")
     processing_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global processing timeout.")
@@ -48,21 +48,21 @@ class Settings(BaseSettings):
     database_url: str | None = Field(default=None, description="PostgreSQL URL; unset = embedded server under state_dir.")
     nats_url: str | None = Field(default=None, description="NATS URL; unset = embedded nats-server under state_dir.")
     state_dir: Path = Field(default=Path(".taskgate"), description="Local state folder (embedded servers, models, results).")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level of the JSON logs.")
     db_pool_size: int = Field(default=10, ge=1, le=200, description="asyncpg pool size per process.")
     stream_replicas: int = Field(default=1, ge=1, le=5, description="Replicas of each JetStream stream (3 in a 3-node NATS cluster).")
 
     # gRPC and metrics endpoints
     grpc_host: str = Field(default="127.0.0.1", description="Address the gRPC servers bind ('0.0.0.0' in a cluster).")
-    submit_port: int = Field(default=50051, ge=0, le=65535)
-    notifier_port: int = Field(default=50052, ge=0, le=65535)
-    scheduler_port: int = Field(default=50053, ge=0, le=65535)
-    worker_port: int = Field(default=50054, ge=0, le=65535)
+    submit_port: int = Field(default=50051, ge=0, le=65535, description="gRPC port of the submit service (TaskGateway); 0 = ephemeral.")
+    notifier_port: int = Field(default=50052, ge=0, le=65535, description="gRPC port of the notifier (TaskEvents).")
+    scheduler_port: int = Field(default=50053, ge=0, le=65535, description="gRPC port of the scheduler (TaskAdmin).")
+    worker_port: int = Field(default=50054, ge=0, le=65535, description="gRPC port of a worker (WorkerControl).")
     metrics_host: str = Field(default="127.0.0.1", description="Address the /metrics endpoints bind.")
     submit_metrics_port: int = Field(default=9101, ge=0, le=65535, description="0 disables /metrics.")
-    notifier_metrics_port: int = Field(default=9102, ge=0, le=65535)
-    scheduler_metrics_port: int = Field(default=9103, ge=0, le=65535)
-    worker_metrics_port: int = Field(default=9104, ge=0, le=65535)
+    notifier_metrics_port: int = Field(default=9102, ge=0, le=65535, description="/metrics port of the notifier; 0 disables.")
+    scheduler_metrics_port: int = Field(default=9103, ge=0, le=65535, description="/metrics port of the scheduler; 0 disables.")
+    worker_metrics_port: int = Field(default=9104, ge=0, le=65535, description="/metrics port of a worker; 0 disables.")
     tls_cert_file: Path | None = Field(default=None, description="Server certificate (PEM); enables TLS.")
     tls_key_file: Path | None = Field(default=None, description="Server private key (PEM).")
     tls_client_ca_file: Path | None = Field(default=None, description="CA for client certificates; enables mutual TLS.")
@@ -74,10 +74,10 @@ class Settings(BaseSettings):
     # Submission limits
     max_pending_per_tenant: int = Field(default=3, ge=1, description="Unfinished tasks a tenant may hold.")
     submits_per_minute: int = Field(default=30, ge=1, description="Submissions a tenant may make per minute.")
-    max_prompt_chars: int = Field(default=2000, ge=1)
+    max_prompt_chars: int = Field(default=2000, ge=1, description="Longest prompt accepted, in characters.")
     max_metadata_bytes: int = Field(default=4096, ge=0, description="Size of the metadata map as JSON.")
     callback_allow_hosts: list[str] = Field(default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1'].")
-    default_model: str = "wan-tiny"
+    default_model: str = Field(default="wan-tiny", description="Model used when a request names none.")
     models: dict[str, ModelSpec] = Field(default_factory=dict, description="Model registry as JSON; default: wan-tiny under state_dir.")
     result_cache_size: int = Field(default=10000, ge=0, description="Terminal tasks kept in the submit service's cache.")
     max_fps: int = Field(default=60, ge=1, description="Largest frames-per-second a request may ask for.")
@@ -97,15 +97,15 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=10.0, gt=0, description="A claim's lease; also the JetStream ack wait.")
     heartbeat_seconds: float = Field(default=2.0, gt=0, description="How often a worker renews its lease.")
     scan_interval_seconds: float = Field(default=2.0, gt=0, description="Scheduler scan period.")
-    scan_batch_size: int = Field(default=100, ge=1)
+    scan_batch_size: int = Field(default=100, ge=1, description="Rows one scheduler scan moves per pass.")
     created_timeout_seconds: float = Field(default=30.0, gt=0, description="CREATED longer than this is re-published.")
     queue_timeout_seconds: float = Field(default=180.0, gt=0, description="QUEUED longer than this is re-published, then TIMEOUT.")
     max_republish: int = Field(default=2, ge=0, description="Re-publishes of a QUEUED task before QUEUE_TIMEOUT.")
-    processing_timeout_seconds: float = Field(default=300.0, gt=0)
+    processing_timeout_seconds: float = Field(default=300.0, gt=0, description="PROCESSING longer than this (plus one grace) is TIMEOUT.")
     processing_grace_seconds: float = Field(default=60.0, ge=0, description="One extension for a slow but live worker.")
     max_retries: int = Field(default=3, ge=0, description="Default retries of retryable failures.")
     retry_backoff_seconds: float = Field(default=2.0, gt=0, description="First retry delay; doubles each retry.")
-    retry_backoff_max_seconds: float = Field(default=120.0, gt=0)
+    retry_backoff_max_seconds: float = Field(default=120.0, gt=0, description="Cap of the retry delay.")
 
     # Scheduler and TaskAdmin
     worker_forget_seconds: float = Field(default=100.0, gt=0, description="Worker rows silent this long are deleted (about 10 leases).")
@@ -123,7 +123,7 @@ class Settings(BaseSettings):
     drain_grace_seconds: float = Field(default=30.0, ge=0, description="SIGTERM: time running tasks get to finish.")
     progress_interval_seconds: float = Field(default=1.0, ge=0, description="Minimum time between progress writes.")
     priority_weights: tuple[int, int, int] = Field(default=(6, 3, 1), description="Fetch weights HIGH, NORMAL, LOW.")
-    result_store: Literal["objectstore", "fs"] = "objectstore"
+    result_store: Literal["objectstore", "fs"] = Field(default="objectstore", description="JetStream object store, or a folder (fs).")
     result_dir: Path | None = Field(default=None, description="Folder for result_store=fs; default state_dir/results.")
     worker_fetch_linger_seconds: float = Field(
         default=1.0, gt=0, description="How long an idle worker's pull request waits on the server before it is renewed."
@@ -138,10 +138,10 @@ class Settings(BaseSettings):
         default_factory=lambda: [0.0, 5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0],
         description="Delay before each attempt; after the last one the delivery is FAILED.",
     )
-    webhook_timeout_seconds: float = Field(default=10.0, gt=0)
-    webhook_max_response_bytes: int = Field(default=4096, ge=0)
-    webhook_concurrency: int = Field(default=32, ge=1)
-    stream_keepalive_seconds: float = Field(default=15.0, gt=0)
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0, description="Timeout of one webhook POST.")
+    webhook_max_response_bytes: int = Field(default=4096, ge=0, description="Bytes of a response body read.")
+    webhook_concurrency: int = Field(default=32, ge=1, description="Webhook POSTs in flight per notifier.")
+    stream_keepalive_seconds: float = Field(default=15.0, gt=0, description="Keep-alive period on idle WatchTask/WatchTasks streams.")
     stream_buffer_size: int = Field(default=1000, ge=1, description="Events buffered per slow subscriber.")
     relay_batch_size: int = Field(default=500, ge=1, description="Events one relay pass publishes and records.")
     relay_scan_interval_seconds: float = Field(default=1.0, gt=0, description="Relay catch-up scan period (NOTIFY wakes it sooner).")

@@ -15,8 +15,9 @@ from typing import Any, TypeVar, cast
 import grpc
 from google.protobuf import duration_pb2
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+from typing_extensions import Unpack
 
-from taskgate.client.config import CertSource, ClientConfig, make_config
+from taskgate.client.config import ClientConfig, ConnectOptions, make_config
 from taskgate.client.errors import IntegrityError, TaskgateError, Unavailable, WaitTimeout, from_rpc_error
 from taskgate.client.types import Task, TaskEvent, TaskResult, priority_value
 from taskgate.states import Status
@@ -441,39 +442,14 @@ class AsyncTaskgateClient:
 
 
 def connect_async(
-    address: str | None = None,
-    api_key: str | None = None,
-    *,
-    events_address: str | None = None,
-    admin_address: str | None = None,
-    admin_key: str | None = None,
-    tls: bool = False,
-    root_certificates: CertSource = None,
-    client_cert: CertSource = None,
-    client_key: CertSource = None,
-    tls_server_name: str | None = None,
-    call_timeout: float = 30.0,
-    retry_attempts: int = 5,
+    address: str | None = None, api_key: str | None = None, **options: Unpack[ConnectOptions]
 ) -> AsyncTaskgateClient:
     """An asyncio client. Events default to port 50052 and admin to 50053 on the gateway's host.
 
     Certificates may be PEM bytes or file paths; giving any of them turns TLS on.
     """
     return AsyncTaskgateClient(
-        make_config(
-            address,
-            api_key,
-            events_address=events_address,
-            admin_address=admin_address,
-            admin_key=admin_key,
-            tls=tls,
-            root_certificates=root_certificates,
-            client_cert=client_cert,
-            client_key=client_key,
-            tls_server_name=tls_server_name,
-            call_timeout=call_timeout,
-            retry_attempts=retry_attempts,
-        )
+        make_config(address, api_key, **options)
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypedDict
 
 import grpc
 
@@ -87,6 +88,21 @@ class ClientConfig:
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return options
+
+
+class ConnectOptions(TypedDict, total=False):
+    """The keyword options of connect() / connect_async(), as make_config takes them."""
+
+    events_address: str | None
+    admin_address: str | None
+    admin_key: str | None
+    tls: bool
+    root_certificates: CertSource
+    client_cert: CertSource
+    client_key: CertSource
+    tls_server_name: str | None
+    call_timeout: float
+    retry_attempts: int
 
 
 def make_config(

@@ -11,8 +11,10 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, TypeVar
 
+from typing_extensions import Unpack
+
 from taskgate.client.aio import AsyncTaskgateClient, StatusFilter
-from taskgate.client.config import CertSource, ClientConfig, make_config
+from taskgate.client.config import ClientConfig, ConnectOptions, make_config
 from taskgate.client.types import Task, TaskEvent, TaskResult
 from taskgate.v1 import admin_pb2
 
@@ -130,37 +132,12 @@ class TaskgateClient:
 
 
 def connect(
-    address: str | None = None,
-    api_key: str | None = None,
-    *,
-    events_address: str | None = None,
-    admin_address: str | None = None,
-    admin_key: str | None = None,
-    tls: bool = False,
-    root_certificates: CertSource = None,
-    client_cert: CertSource = None,
-    client_key: CertSource = None,
-    tls_server_name: str | None = None,
-    call_timeout: float = 30.0,
-    retry_attempts: int = 5,
+    address: str | None = None, api_key: str | None = None, **options: Unpack[ConnectOptions]
 ) -> TaskgateClient:
     """A blocking client. Events default to port 50052 and admin to 50053 on the gateway's host.
 
     Certificates may be PEM bytes or file paths; giving any of them turns TLS on.
     """
     return TaskgateClient(
-        make_config(
-            address,
-            api_key,
-            events_address=events_address,
-            admin_address=admin_address,
-            admin_key=admin_key,
-            tls=tls,
-            root_certificates=root_certificates,
-            client_cert=client_cert,
-            client_key=client_key,
-            tls_server_name=tls_server_name,
-            call_timeout=call_timeout,
-            retry_attempts=retry_attempts,
-        )
+        make_config(address, api_key, **options)
     )
