@@ -192,9 +192,12 @@ class Cluster:
         )
         return self.settings
 
-    def add(self, name: str, module: str, **overrides: Any) -> ServiceProcess:
-        """Declares a service process; `overrides` are Settings fields for this process only. Not started yet."""
-        port_field = PORT_FIELDS[module]
+    def add(self, name: str, module: str, port_field: str | None = None, **overrides: Any) -> ServiceProcess:
+        """Declares a service process; `overrides` are Settings fields for this process only. Not started yet.
+
+        `port_field` names the Settings field holding its gRPC port (known for the four services).
+        """
+        port_field = port_field or PORT_FIELDS[module]
         port = int(overrides.pop(port_field, 0) or free_port())
         settings = self.settings.model_copy(update={**overrides, port_field: port})
         env = {k: v for k, v in os.environ.items() if not k.startswith("TASKGATE_")}
@@ -275,9 +278,10 @@ class Cluster:
 
 @dataclass
 class Received:
-    """One request a WebhookReceiver got, and the status it answered (None: it hung or trickled)."""
+    """One request a WebhookReceiver got (monotonic and wall-clock arrival), and the status it answered (None: hung)."""
 
     at: float
+    wall: float
     path: str
     headers: dict[str, str]
     body: bytes
@@ -338,7 +342,7 @@ class WebhookReceiver:
                     name, value = line.split(":", 1)
                     headers[name.strip().lower()] = value.strip()
             body = await reader.readexactly(int(headers.get("content-length", "0")))
-            request = Received(time.monotonic(), path, headers, body)
+            request = Received(time.monotonic(), time.time(), path, headers, body)
             self.requests.append(request)
             reply = self.reply(request)
             request.status = reply.status

@@ -1,0 +1,131 @@
+"""`python -m bench` (make bench): runs every phase on a fresh embedded stack, prints the table, writes the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from bench import history, latency, peers, recovery, throughput
+from bench.load import LoadResult
+from bench.stack import BenchStack, bench_settings
+from bench.stats import Report
+
+DEFAULT_OUT = Path("bench-results/latest.json")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="short levels and a 100,000-row history (a smoke run)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per load level")
+    parser.add_argument("--submit-procs", type=int, default=2, help="submit processes sharing the port")
+    parser.add_argument("--history", type=int, default=1_000_000, help="historical tasks for the large-table phase (0: skip)")
+    parser.add_argument("--latency-tasks", type=int, default=300, help="tasks sent one by one for the latency figures")
+    parser.add_argument("--no-recovery", action="store_true", help="skip the dead-worker recovery phases")
+    parser.add_argument("--no-peers", action="store_true", help="skip Celery and procrastinate even when installed")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON report goes")
+    parser.add_argument("--keep", action="store_true", help="keep the stack's folder (logs) after the run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds = min(args.seconds, 2.0)
+        args.history = min(args.history, 100_000)
+        args.latency_tasks = min(args.latency_tasks, 100)
+    return args
+
+
+async def run(args: argparse.Namespace, state_dir: Path) -> Report:
+    report = Report()
+    report.context = {"cpus": os.cpu_count(), "submit_processes": args.submit_procs, "seconds_per_level": args.seconds,
+                      "load_average_at_start": os.getloadavg()}
+    opts = throughput.Options(seconds=args.seconds, warmup=min(1.0, args.seconds / 2))
+    stack = BenchStack(state_dir, args.submit_procs, 2, bench_settings(state_dir))
+    executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    section = f"submit ({args.submit_procs} submit processes, workers stopped)"
+    submit: dict[int, LoadResult] = {}
+    get: dict[int, LoadResult] = {}
+
+    async def phase(title: str, work: Callable[[], Awaitable[object]]) -> bool:
+        """Runs one phase; a failure is reported as a skipped figure and the run goes on."""
+        say(f"{title} …")
+        try:
+            await work()
+        except Exception as exc:
+            say(f"{title} failed: {type(exc).__name__}: {exc}")
+            report.skip("failed phases", title, f"{type(exc).__name__}: {str(exc)[:200]}")
+            return False
+        return True
+
+    async def submit_phase() -> None:
+        submit.update(await throughput.submit_levels(stack, executor, opts, report, section, opts.levels, "submit"))
+
+    async def get_phase() -> None:
+        get.update(await throughput.get_task(stack, executor, opts, report, section, "get"))
+
+    async def latency_phase() -> None:
+        await stack.purge_tasks_stream()
+        await stack.start_workers()
+        await latency.measure(stack, report, "latency (2 idle workers, no-op tasks, one at a time)", args.latency_tasks)
+
+    async def history_phase() -> None:
+        await stack.stop_group(stack.worker_names())
+        await stack.close_open_tasks()
+        await history.compare(stack, executor, opts, report, args.history, submit, get)
+
+    try:
+        await phase(f"starting the stack under {state_dir}", stack.start)
+        if await phase("SubmitTask at 1, 16, 64, 256 in flight", submit_phase):
+            best = max(r.rate for r in submit.values())
+            await phase("64 in flight over 16 tenants", lambda: throughput.many_tenants(stack, executor, opts, report, section))
+            await phase("p99 at about half the maximum throughput",
+                        lambda: throughput.half_max_latency(stack, executor, opts, report, section, best))
+            await phase("raw ceiling", lambda: throughput.ceiling(stack, executor, opts, report, "raw ceiling", submit))
+        await phase("GetTask", get_phase)
+        await phase("latencies with idle workers", latency_phase)
+        if not args.no_recovery:
+            await phase("dead-worker recovery, shipped defaults", lambda: recovery.dead_worker(
+                stack, report, "dead-worker recovery", "shipped defaults (lease 10 s)", 15.0))
+        if args.history and submit and get:
+            await phase(f"{args.history:,} historical tasks", history_phase)
+        if not args.no_recovery:
+            await phase("dead-worker recovery, lease 5 s", lambda: recovery.with_lease(stack, report, "dead-worker recovery", 5.0))
+    finally:
+        executor.shutdown(cancel_futures=True)
+        await stack.stop()
+    if not args.no_peers:
+        await peers.run_all(report, state_dir, opts)
+    report.context["load_average_at_end"] = os.getloadavg()
+    return report
+
+
+def say(text: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    state_dir = Path(tempfile.mkdtemp(prefix="taskgate-bench-"))
+    try:
+        report = asyncio.run(run(args, state_dir))
+    finally:
+        if not args.keep:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        else:
+            say(f"logs kept in {state_dir}/logs")
+    print(report.table())
+    print(f"load average (1, 5, 15 min) at start {report.context['load_average_at_start']}, at end {report.context['load_average_at_end']}"
+          " - other work on this machine skews every figure")
+    report.write(args.out)
+    say(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The same submit and GetTask figures with a large history of finished tasks in the table."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from bench import throughput
+from bench.load import LoadResult
+from bench.stack import TENANT, BenchStack
+from bench.stats import Report, ms
+from taskgate import sql
+
+
+async def fill(stack: BenchStack, rows: int) -> float:
+    """Inserts `rows` finished tasks (a tenth of them the bench tenant's) and their terminal events; returns seconds."""
+    start = time.monotonic()
+    async with stack.db.acquire() as conn:
+        await conn.execute(sql.query("bench_triggers_off"))
+        try:
+            await conn.execute(sql.query("bench_insert_history"), rows, TENANT, timeout=1800)
+            await conn.execute(sql.query("bench_insert_history_events"), rows, timeout=1800)
+        finally:
+            await conn.execute(sql.query("bench_triggers_on"))
+        await conn.execute("ANALYZE task", timeout=600)
+        await conn.execute("ANALYZE task_event", timeout=600)
+    return time.monotonic() - start
+
+
+def _p99(result: LoadResult) -> float:
+    return ms(result.latencies)[1]
+
+
+async def compare(
+    stack: BenchStack, executor: ProcessPoolExecutor, opts: throughput.Options, report: Report, rows: int,
+    empty_submit: dict[int, LoadResult], empty_get: dict[int, LoadResult],
+) -> None:
+    """Fills the table, measures again, and reports each p99 as a ratio of the empty table's."""
+    section = f"with {rows:,} historical tasks"
+    seconds = await fill(stack, rows)
+    report.add(section, "bulk insert of the history (tasks + events, ANALYZE)", seconds, "s")
+    levels = tuple(level for level in (1, 64) if level in empty_submit)
+    full_submit = await throughput.submit_levels(stack, executor, opts, report, section, levels, "submit_history")
+    full_get = await throughput.get_task(stack, executor, opts, report, section, "get_history")
+    for level in levels:
+        ratio = _p99(full_submit[level]) / _p99(empty_submit[level])
+        report.add(section, f"SubmitTask p99 vs empty table, {level} in flight", ratio, "x", at_most=1.2)
+    for get_level, empty in empty_get.items():
+        ratio = _p99(full_get[get_level]) / _p99(empty)
+        report.add(section, f"GetTask p99 vs empty table, {get_level} in flight", ratio, "x", at_most=1.2)

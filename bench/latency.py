@@ -1,0 +1,112 @@
+"""One task at a time through idle workers: dispatch, end-to-end, stream and webhook latencies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from datetime import datetime
+from typing import Any
+
+import grpc
+
+from bench.stack import BenchStack
+from bench.stats import Report, ms
+from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from tests.harness import WebhookReceiver, wait_for
+
+TERMINAL = {task_pb2.TASK_STATUS_SUCCEEDED, task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_TIMEOUT, task_pb2.TASK_STATUS_CANCELED}
+
+
+def _wall(ts: Any) -> float:
+    return float(ts.seconds) + ts.nanos / 1e9
+
+
+async def measure(stack: BenchStack, report: Report, section: str, count: int) -> None:
+    """Submits `count` no-op tasks one by one (workers idle), each followed with WatchTask to its end."""
+    md = (("authorization", f"Bearer {stack.api_key}"),)
+    streamed: list[tuple[task_pb2.TaskEvent, float]] = []
+    returned: dict[str, float] = {}
+    e2e: list[float] = []
+    async with WebhookReceiver() as receiver, grpc.aio.insecure_channel(stack.submit_address) as gw, grpc.aio.insecure_channel(
+        stack.notifier_address
+    ) as ev:
+        gateway = gateway_pb2_grpc.TaskGatewayStub(gw)
+        events = events_pb2_grpc.TaskEventsStub(ev)
+        watch_all = events.WatchTasks(events_pb2.WatchTasksRequest(), metadata=md)
+
+        async def collect() -> None:
+            async for item in watch_all:
+                if item.HasField("event"):
+                    streamed.append((item.event, time.time()))
+
+        collector = asyncio.create_task(collect())
+        await asyncio.sleep(1.0)  # the tenant-wide stream subscribes before the first task
+        for i in range(count):
+            request = gateway_pb2.SubmitTaskRequest(
+                prompt=f"latency task {i}", model_id="sleepy", idempotency_key=f"latency-{time.time_ns()}-{i}",
+                callback_url=receiver.url(), params=task_pb2.VideoParams(num_inference_steps=1),
+            )
+            resp = await gateway.SubmitTask(request, metadata=md, timeout=10)
+            done_at = time.time()
+            returned[resp.task.id] = done_at
+            async for item in events.WatchTask(events_pb2.WatchTaskRequest(task_id=resp.task.id), metadata=md, timeout=30):
+                status = item.snapshot.status if item.HasField("snapshot") else item.event.to_status
+                if item.HasField("keepalive"):
+                    continue
+                if status in TERMINAL:
+                    e2e.append(time.time() - done_at)
+                    break
+            await asyncio.sleep(0.005)
+        with contextlib.suppress(TimeoutError):
+            await wait_for(lambda: len({r.headers.get("webhook-id") for r in receiver.requests}) >= count, 30)
+        await asyncio.sleep(0.5)  # the last events reach the tenant stream
+        watch_all.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await collector
+        webhooks = list(receiver.requests)
+
+    ids = [int(t) for t in returned]
+    rows = await stack.db.fetch(
+        "SELECT task_id, to_status::text AS dst, extract(epoch FROM at)::float8 AS at FROM task_event"
+        " WHERE task_id = ANY($1::bigint[]) ORDER BY task_id, version",
+        ids,
+    )
+    created: dict[int, float] = {}
+    claimed: dict[int, float] = {}
+    for r in rows:
+        if r["dst"] == "CREATED":
+            created[r["task_id"]] = r["at"]
+        elif r["dst"] == "PROCESSING" and r["task_id"] not in claimed:
+            claimed[r["task_id"]] = r["at"]
+    dispatch = [claimed[t] - created[t] for t in ids if t in claimed and t in created]
+    after_return = [claimed[int(t)] - at for t, at in returned.items() if int(t) in claimed]
+    stream = [when - _wall(event.at) for event, when in streamed if event.task_id in returned]
+    first_hook: dict[str, float] = {}
+    for hook in webhooks:
+        wid = hook.headers.get("webhook-id", "")
+        if wid in first_hook:
+            continue
+        data = hook.json()["data"]
+        first_hook[wid] = hook.wall - datetime.fromisoformat(data["event_at"].replace("Z", "+00:00")).timestamp()
+
+    p50, p99 = ms(dispatch)
+    report.add(section, "dispatch: row committed -> worker claimed, p50", p50, "ms", at_most=2)
+    report.add(section, "dispatch: row committed -> worker claimed, p99", p99, "ms", at_most=5)
+    p50, p99 = ms(after_return)
+    report.add(section, "dispatch: submit returned -> worker claimed, p50 / p99", p50, "ms",
+               note=f"p99 {p99:.1f} ms (negative: claimed before the response arrived)")
+    p50, p99 = ms(e2e)
+    report.add(section, "terminal state seen by a streaming client after submit returns, p50", p50, "ms", at_most=5,
+               note=f"p99 {p99:.1f} ms")
+    p50, p99 = ms(stream)
+    report.add(section, "stream: event committed -> WatchTasks receives, p50", p50, "ms", note=f"{len(stream)} events")
+    report.add(section, "stream: event committed -> WatchTasks receives, p99", p99, "ms", at_most=20)
+    hooks = list(first_hook.values())
+    p50, p99 = ms(hooks)
+    report.add(section, "webhook: terminal event -> first POST arrives, p50", p50, "ms", at_most=20, note=f"{len(hooks)} webhooks")
+    report.add(section, "webhook: terminal event -> first POST arrives, p99", p99, "ms", at_most=100)
+    report.raw["latency"] = {
+        "tasks": count, "dispatch_ms": sorted(round(x * 1000, 3) for x in dispatch),
+        "e2e_ms": sorted(round(x * 1000, 3) for x in e2e), "stream_events": len(stream), "webhooks": len(hooks),
+    }

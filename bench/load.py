@@ -1,0 +1,108 @@
+"""The load client: runs in its own (spawned) process and drives SubmitTask or GetTask at a fixed concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+
+from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What one load run does: `method` is 'submit' or 'get'; `ids` are the tasks 'get' reads, in turn."""
+
+    address: str
+    api_key: str
+    method: str
+    concurrency: int
+    seconds: float
+    warmup: float = 0.5
+    channels: int = 8
+    model: str = "sleepy"
+    tag: str = "bench"
+    ids: tuple[str, ...] = ()
+    keep_ids: int = 20_000
+    extra_keys: tuple[str, ...] = ()  # more tenants' keys: caller i uses key i mod (1 + len(extra_keys))
+
+
+@dataclass
+class LoadResult:
+    """Completed calls inside the measured window, their latencies (seconds), errors by code, created task ids."""
+
+    ok: int = 0
+    total: int = 0  # every completed call, warm-up and tail included (for CPU per call)
+    cpu: float = 0.0  # the client process's CPU seconds
+    elapsed: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    ids: list[str] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.ok / self.elapsed if self.elapsed else 0.0
+
+
+def run_load(spec: LoadSpec) -> LoadResult:
+    """Entry point in the client process."""
+    return asyncio.run(_run(spec))
+
+
+async def _run(spec: LoadSpec) -> LoadResult:
+    # One HTTP/2 connection per channel (no shared subchannel pool), so the kernel spreads them over the
+    # server processes that share the port with SO_REUSEPORT.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(spec.address, options=options) for _ in range(max(1, spec.channels))]
+    stubs = [gateway_pb2_grpc.TaskGatewayStub(ch) for ch in channels]
+    keys = (spec.api_key, *spec.extra_keys)
+    mds = [(("authorization", f"Bearer {key}"),) for key in keys]
+    for ch in channels:
+        await ch.channel_ready()
+    result = LoadResult()
+    cpu_start = time.process_time()
+    start = time.perf_counter()
+    measure_from = start + spec.warmup
+    stop_at = measure_from + spec.seconds
+    counter = iter(range(10**9))
+    pid = os.getpid()
+    params = task_pb2.VideoParams(num_inference_steps=1)
+
+    async def one(stub: gateway_pb2_grpc.TaskGatewayStub, md: tuple[tuple[str, str], ...]) -> None:
+        while True:
+            n = next(counter)
+            began = time.perf_counter()
+            if began >= stop_at:
+                return
+            try:
+                if spec.method == "submit":
+                    request = gateway_pb2.SubmitTaskRequest(
+                        prompt=f"{spec.tag} task {n}", model_id=spec.model, params=params,
+                        idempotency_key=f"{spec.tag}-{pid}-{n}",
+                    )
+                    resp = await stub.SubmitTask(request, metadata=md, timeout=30)
+                    if len(result.ids) < spec.keep_ids:
+                        result.ids.append(resp.task.id)
+                else:
+                    task_id = spec.ids[n % len(spec.ids)]
+                    await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=md, timeout=30)
+            except grpc.aio.AioRpcError as exc:
+                if began >= measure_from:
+                    result.errors[exc.code().name] += 1
+                continue
+            ended = time.perf_counter()
+            result.total += 1
+            if began >= measure_from and ended <= stop_at:
+                result.ok += 1
+                result.latencies.append(ended - began)
+
+    await asyncio.gather(*(one(stubs[i % len(stubs)], mds[i % len(mds)]) for i in range(spec.concurrency)))
+    result.elapsed = spec.seconds
+    result.cpu = time.process_time() - cpu_start
+    for ch in channels:
+        await ch.close()
+    return result

@@ -1,0 +1,156 @@
+"""SubmitTask and GetTask under load from a separate client process, and the raw ceiling beside the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from bench import cpu
+from bench.load import LoadResult, LoadSpec, run_load
+from bench.stack import BenchStack
+from bench.stats import Report, ms
+
+
+@dataclass
+class Options:
+    """How long and how hard each load level runs."""
+
+    seconds: float = 5.0
+    warmup: float = 1.0
+    channels: int = 8
+    levels: tuple[int, ...] = (1, 16, 64, 256)
+
+
+async def load(executor: ProcessPoolExecutor, spec: LoadSpec) -> LoadResult:
+    return await asyncio.get_running_loop().run_in_executor(executor, run_load, spec)
+
+
+def summary(result: LoadResult) -> dict[str, Any]:
+    p50, p99 = ms(result.latencies)
+    return {"rate": round(result.rate, 1), "ok": result.ok, "p50_ms": round(p50, 2), "p99_ms": round(p99, 2),
+            "errors": dict(result.errors)}
+
+
+async def submit_levels(
+    stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, levels: tuple[int, ...],
+    raw_key: str,
+) -> dict[int, LoadResult]:
+    """SubmitTask at each concurrency; every level starts with an empty queue."""
+    results: dict[int, LoadResult] = {}
+    for level in levels:
+        spec = LoadSpec(stack.submit_address, stack.api_key, "submit", level, opts.seconds, opts.warmup, opts.channels,
+                        tag=f"{raw_key}-c{level}")
+        before = cpu.snapshot(stack)
+        result = await load(executor, spec)
+        costs = cpu.per_task(before, cpu.snapshot(stack), result.total, result.cpu)
+        results[level] = result
+        report.raw.setdefault(raw_key, {})[str(level)] = summary(result) | {"cpu_ms_per_task": costs}
+        p50, p99 = ms(result.latencies)
+        if level == 64:
+            report.add(section, f"CPU per submitted task, {level} in flight", sum(costs.values()), "ms",
+                       note=", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
+        errors = f"{sum(result.errors.values())} errors {dict(result.errors)}" if result.errors else ""
+        if level == 64:
+            report.add(section, f"SubmitTask throughput, {level} in flight", result.rate, "tasks/s", at_least=1500, note=errors)
+        else:
+            report.add(section, f"SubmitTask throughput, {level} in flight", result.rate, "tasks/s", note=errors)
+        report.add(section, f"SubmitTask p50 / p99, {level} in flight", p50, "ms", note=f"p99 {p99:.1f} ms")
+        await stack.close_open_tasks()
+    return results
+
+
+async def many_tenants(
+    stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, tenants: int = 16
+) -> None:
+    """64 in flight spread over several tenants: shows what the per-tenant serialisation of submits costs."""
+    keys = await stack.tenant_keys(tenants)
+    spec = LoadSpec(stack.submit_address, keys[0], "submit", 64, opts.seconds, opts.warmup, opts.channels,
+                    tag="tenants-c64", extra_keys=tuple(keys[1:]))
+    result = await load(executor, spec)
+    report.raw["submit_many_tenants"] = summary(result)
+    p50, p99 = ms(result.latencies)
+    report.add(section, f"SubmitTask throughput, 64 in flight over {tenants} tenants", result.rate, "tasks/s",
+               note=f"p50 {p50:.1f} / p99 {p99:.1f} ms")
+    await stack.close_open_tasks()
+
+
+async def half_max_latency(
+    stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, best: float
+) -> None:
+    """p99 at about half the best throughput: a paced open loop would be exact; a concurrency that lands there will do."""
+    target_rate = best / 2
+    # Little's law: in flight = rate x latency; start from the latency at 1 in flight and search a few levels.
+    chosen: LoadResult | None = None
+    for level in (2, 4, 8, 16, 32):
+        spec = LoadSpec(stack.submit_address, stack.api_key, "submit", level, opts.seconds, opts.warmup, opts.channels,
+                        tag=f"half-c{level}")
+        result = await load(executor, spec)
+        await stack.close_open_tasks()
+        chosen = result
+        if result.rate >= target_rate:
+            break
+    assert chosen is not None
+    _, p99 = ms(chosen.latencies)
+    report.add(section, "SubmitTask p99 at about half the best throughput", p99, "ms", at_most=20,
+               note=f"{chosen.rate:.0f}/s ({chosen.rate / best:.0%} of {best:.0f}/s)")
+    report.raw["submit_half_max"] = summary(chosen)
+
+
+async def ceiling(
+    stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, gateway: dict[int, LoadResult]
+) -> None:
+    """The bare INSERT + publish + UPDATE handler in as many processes as the gateway, at the same concurrencies."""
+    names = [f"ceiling-{i}" for i in range(1, stack.submit_procs + 1)]
+    await stack.cluster.start(*names)
+    try:
+        for level in sorted(gateway):
+            if level < 16:
+                continue
+            spec = LoadSpec(stack.ceiling_address, "none", "submit", level, opts.seconds, opts.warmup, opts.channels,
+                            tag=f"ceiling-c{level}")
+            before = cpu.snapshot(stack)
+            result = await load(executor, spec)
+            costs = cpu.per_task(before, cpu.snapshot(stack), result.total, result.cpu)
+            report.raw.setdefault("ceiling", {})[str(level)] = summary(result) | {"cpu_ms_per_task": costs}
+            if level == 64:
+                report.add(section, f"CPU per task, {level} in flight", sum(costs.values()), "ms",
+                           note=", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
+            ratio = gateway[level].rate / result.rate if result.rate else float("nan")
+            p50, p99 = ms(result.latencies)
+            report.add(section, f"raw ceiling, {level} in flight", result.rate, "tasks/s", note=f"p50 {p50:.1f} / p99 {p99:.1f} ms")
+            report.add(section, f"gateway / ceiling, {level} in flight", ratio * 100, "%")
+            await stack.close_open_tasks()
+    finally:
+        await stack.stop_group(names)
+
+
+async def get_task(
+    stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, raw_key: str,
+    sample: int = 2000,
+) -> dict[int, LoadResult]:
+    """GetTask of QUEUED tasks (so the submit service's cache of finished tasks does not answer): `sample` fresh tasks."""
+    seed = LoadSpec(stack.submit_address, stack.api_key, "submit", 16, 60.0, 0.0, opts.channels, tag=f"{raw_key}-seed",
+                    keep_ids=sample)
+    ids = await _submit_exactly(stack, executor, seed, sample)
+    results: dict[int, LoadResult] = {}
+    for level in (1, 16):
+        spec = LoadSpec(stack.submit_address, stack.api_key, "get", level, opts.seconds, opts.warmup, opts.channels, ids=tuple(ids))
+        result = await load(executor, spec)
+        results[level] = result
+        report.raw.setdefault(raw_key, {})[str(level)] = summary(result)
+        p50, p99 = ms(result.latencies)
+        report.add(section, f"GetTask p50 / p99, {level} in flight", p50, "ms", note=f"p99 {p99:.1f} ms, {result.rate:.0f}/s")
+    await stack.close_open_tasks()
+    return results
+
+
+async def _submit_exactly(stack: BenchStack, executor: ProcessPoolExecutor, spec: LoadSpec, count: int) -> list[str]:
+    """Submits until `count` tasks exist (a load run stops at its time limit; short runs are repeated)."""
+    ids: list[str] = []
+    while len(ids) < count:
+        short = LoadSpec(spec.address, spec.api_key, "submit", spec.concurrency, 2.0, 0.0, spec.channels,
+                         tag=f"{spec.tag}-{len(ids)}", keep_ids=count - len(ids))
+        ids += (await load(executor, short)).ids
+    return ids[:count]

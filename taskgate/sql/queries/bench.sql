@@ -1,0 +1,58 @@
+-- `make bench` only: the raw-ceiling handler's statements, closing a phase's leftovers, and bulk history.
+
+-- name: bench_ceiling_insert
+-- The least a durable submit writes: one CREATED row (the history trigger adds its event). $1 id, $2 user,
+-- $3 idempotency key, $4 prompt, $5 model, $6 queue name.
+INSERT INTO task (id, user_id, idempotency_key, request_hash, task_type, model_id, prompt, request_payload,
+                  priority, queue_name)
+VALUES ($1, $2, $3, $3, 'text-to-video', $5, $4, '{}', 5, $6);
+
+-- name: bench_ceiling_queue
+-- CREATED -> QUEUED once the message is on JetStream, without the guarded transition's extras. $1 id.
+UPDATE task SET status = 'QUEUED', version = version + 1, queued_at = now(), updated_at = now(), last_actor = 'bench'
+WHERE id = $1 AND status = 'CREATED';
+
+-- name: bench_close_open
+-- Ends a phase: every unfinished task is cancelled (one event each), so later phases start with idle queues.
+UPDATE task SET status = 'CANCELED', version = version + 1, cancel_mode = 'soft', finished_at = now(), updated_at = now(),
+       lease_expires_at = NULL, last_actor = 'bench', last_reason = 'bench phase over'
+WHERE status IN ('CREATED', 'QUEUED', 'PROCESSING');
+
+-- name: bench_triggers_off
+-- Bulk history rows skip the per-row history trigger and NOTIFY (superuser; this session only).
+SET session_replication_role = replica;
+
+-- name: bench_triggers_on
+-- Back to normal trigger behaviour for this session.
+SET session_replication_role = DEFAULT;
+
+-- name: bench_insert_history
+-- $1 finished tasks with ids 1..$1 (far below time-ordered ids), spread over the last 30 days; every tenth
+-- belongs to $2, the rest to 97 other tenants.
+INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
+                  request_payload, metadata, priority, queue_name, status, progress, version, attempt, worker_id,
+                  result_uri, result_content_type, result_size, result_sha256, last_actor, last_reason,
+                  created_at, updated_at, queued_at, started_at, finished_at)
+SELECT g,
+       CASE WHEN g % 10 = 0 THEN $2 ELSE 'hist-' || (g % 97) END,
+       'hist-' || g, true, md5(g::text) || md5(g::text), 'text-to-video', 'sleepy', 'historical task ' || g,
+       jsonb_build_object('num_frames', 9, 'width', 32, 'height', 32, 'num_inference_steps', 4,
+                          'guidance_scale', 5.0, 'fps', 8, 'seed', g, 'negative_prompt', ''),
+       '{}', 5, 'taskgate.tasks.sleepy.normal', 'SUCCEEDED', 100, 5, 1, 'hist-worker',
+       'nats-os://taskgate-results/' || g || '-a1.json', 'application/json', 100, md5(g::text) || md5(g::text),
+       'worker', 'finished',
+       t, t + interval '3 s', t + interval '10 ms', t + interval '20 ms', t + interval '3 s'
+FROM generate_series(1, $1::bigint) AS g,
+     LATERAL (SELECT now() - interval '30 days' + (g::float8 / $1 * interval '30 days') AS t) AS times;
+
+-- name: bench_insert_history_events
+-- The terminal event of each historical task, already relayed. $1 the count given to bench_insert_history.
+INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, at, actor, reason, progress,
+                        attempt, worker_id, result_uri, result_size, result_sha256, result_content_type, published_at)
+SELECT id, user_id, model_id, 5, 'PROCESSING', 'SUCCEEDED', finished_at, 'worker', 'finished', 100, 1, worker_id,
+       result_uri, result_size, result_sha256, result_content_type, finished_at
+FROM task WHERE id <= $1::bigint;
+
+-- name: bench_history_ids
+-- Some historical task ids of one tenant, for GetTask. $1 tenant, $2 how many.
+SELECT id FROM task WHERE user_id = $1 AND id < 1000000000 ORDER BY random() LIMIT $2;
