@@ -649,11 +649,12 @@ async def test_slow_subscriber_is_told_where_to_resume_and_loses_nothing(
     assert caught.value.code() == grpc.StatusCode.ABORTED
     info = error_info(caught.value)
     first_part = versions_of(got)
-    assert info.reason == "SUBSCRIBER_TOO_SLOW" and info.metadata["last_version"] == str(first_part[-1])
-    assert first_part == list(range(4, 4 + len(first_part))) and first_part[-1] < 154
+    last = first_part[-1] if first_part else 3  # on a loaded machine the overflow can come before any event is sent
+    assert info.reason == "SUBSCRIBER_TOO_SLOW" and info.metadata["last_version"] == str(last)
+    assert first_part == list(range(4, 4 + len(first_part))) and last < 154
     async with events_stub(handle) as stub:
         call = stub.WatchTask(
-            events_pb2.WatchTaskRequest(task_id=str(task.id), after_version=first_part[-1]), metadata=bearer(api_key)
+            events_pb2.WatchTaskRequest(task_id=str(task.id), after_version=last), metadata=bearer(api_key)
         )
         rest = [m async for m in call]
     assert first_part + versions_of(rest) == list(range(4, 155))
