@@ -31,6 +31,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--latency-tasks", type=int, default=300, help="tasks sent one by one for the latency figures")
     parser.add_argument("--no-recovery", action="store_true", help="skip the dead-worker recovery phases")
     parser.add_argument("--no-peers", action="store_true", help="skip Celery and procrastinate even when installed")
+    parser.add_argument("--peers-only", action="store_true", help="measure only Celery and procrastinate")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON report goes")
     parser.add_argument("--keep", action="store_true", help="keep the stack's folder (logs) after the run")
     args = parser.parse_args(argv)
@@ -79,6 +80,10 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
         await stack.close_open_tasks()
         await history.compare(stack, executor, opts, report, args.history, submit, get)
 
+    if args.peers_only:
+        await peers.run_all(report, state_dir, opts)
+        report.context["load_average_at_end"] = os.getloadavg()
+        return report
     try:
         await phase(f"starting the stack under {state_dir}", stack.start)
         if await phase("SubmitTask at 1, 16, 64, 256 in flight", submit_phase):

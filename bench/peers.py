@@ -1,13 +1,323 @@
-"""Celery (Redis) and procrastinate (PostgreSQL) running the same no-op workload, when their packages are installed."""
+"""Celery (Redis) and procrastinate (PostgreSQL) running the same no-op workload, when their packages are installed.
+
+Each peer gets the same figures as taskgate: enqueue throughput at 1 and 64 in flight (workers stopped), dispatch
+latency (enqueue returned -> task body starts, idle worker), end-to-end (enqueue returned -> the client sees the
+result) and dead-worker recovery (SIGKILL the whole worker mid-task, start a fresh one, wait for the task to start
+again). Install them with `pip install -e '.[bench]'`; Celery also needs a `redis-server` binary on PATH.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import importlib.util
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-from bench.stats import Report
+from bench.load import LoadResult
+from bench.stats import Report, ms
 from bench.throughput import Options
+from taskgate.embedded import EmbeddedPostgres, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+RECOVERY_WAIT = 60.0
+
+
+def installed(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
 
 
 async def run_all(report: Report, state_dir: Path, opts: Options) -> None:
-    report.skip("peers", "Celery + Redis", "not implemented yet")
-    report.skip("peers", "procrastinate", "not implemented yet")
+    """Both peers, each skipped with a clear line when its packages (or Redis) are missing."""
+    if not installed("celery", "redis"):
+        report.skip("peer: Celery + Redis", "all figures", "skipped: celery/redis not installed (pip install -e '.[bench]')")
+    elif shutil.which("redis-server") is None:
+        report.skip("peer: Celery + Redis", "all figures", "skipped: no redis-server binary on PATH")
+    else:
+        await _guarded(report, "peer: Celery + Redis", lambda: celery_peer(report, state_dir, opts))
+    if not installed("procrastinate", "psycopg"):
+        report.skip("peer: procrastinate", "all figures", "skipped: procrastinate not installed (pip install -e '.[bench]')")
+    else:
+        await _guarded(report, "peer: procrastinate", lambda: procrastinate_peer(report, state_dir, opts))
+
+
+async def _guarded(report: Report, section: str, work: Callable[[], Any]) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {section} …", file=sys.stderr, flush=True)
+    try:
+        await work()
+    except Exception as exc:
+        report.skip(section, "failed", f"{type(exc).__name__}: {str(exc)[:200]}")
+
+
+def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(args, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen[bytes] | None, sig: signal.Signals = signal.SIGKILL) -> None:
+    if proc is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _report(report: Report, section: str, enqueue: dict[int, LoadResult], dispatch: list[float], e2e: list[float],
+            recovery: float | None, recovery_note: str) -> None:
+    for level, result in enqueue.items():
+        p50, p99 = ms(result.latencies)
+        report.add(section, f"enqueue throughput, {level} in flight", result.rate, "tasks/s", note=f"p50 {p50:.2f} / p99 {p99:.1f} ms")
+    p50, p99 = ms(dispatch)
+    report.add(section, "dispatch: enqueue returned -> body starts, p50 / p99", p50, "ms", note=f"p99 {p99:.1f} ms")
+    p50, p99 = ms(e2e)
+    report.add(section, "result seen by the client, p50 / p99", p50, "ms", note=f"p99 {p99:.1f} ms")
+    shown = f"> {RECOVERY_WAIT:g} s" if recovery is None else ""
+    report.add(section, "dead-worker recovery (fresh worker started)", recovery, "s", note=recovery_note, shown=shown)
+
+
+# ---------------------------------------------------------------- Celery
+
+
+def celery_enqueue(url: str, concurrency: int, seconds: float, warmup: float) -> LoadResult:
+    """In a client process: `concurrency` threads calling apply_async for `seconds`."""
+    os.environ["BENCH_REDIS_URL"] = url
+    from bench.peer_celery import noop
+
+    result = LoadResult()
+    start = time.perf_counter()
+    measure_from, stop_at = start + warmup, start + warmup + seconds
+
+    def loop() -> list[float]:
+        mine: list[float] = []
+        while True:
+            began = time.perf_counter()
+            if began >= stop_at:
+                return mine
+            noop.apply_async(args=(uuid.uuid4().hex,), ignore_result=True)
+            ended = time.perf_counter()
+            if began >= measure_from and ended <= stop_at:
+                mine.append(ended - began)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for latencies in pool.map(lambda _i: loop(), range(concurrency)):
+            result.latencies += latencies
+    result.ok, result.elapsed = len(result.latencies), seconds
+    return result
+
+
+def celery_latency(url: str, count: int) -> tuple[list[float], list[float]]:
+    """In a client process: one no-op at a time; (dispatch, end-to-end) in seconds."""
+    os.environ["BENCH_REDIS_URL"] = url
+    from bench.peer_celery import noop
+
+    dispatch, e2e = [], []
+    for _ in range(count):
+        handle = noop.apply_async(args=(uuid.uuid4().hex,))
+        returned = time.time()
+        started = float(handle.get(timeout=30))
+        e2e.append(time.time() - returned)
+        dispatch.append(started - returned)
+        time.sleep(0.005)
+    return dispatch, e2e
+
+
+async def celery_peer(report: Report, state_dir: Path, opts: Options) -> None:
+    import redis
+
+    section = "peer: Celery + Redis (acks_late, prefetch 1)"
+    folder = state_dir / "peers" / "celery"
+    folder.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    os.environ["BENCH_REDIS_URL"] = url  # read when bench.peer_celery is imported, here and in the children
+    env = dict(os.environ)
+    redis_cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    server = _spawn(redis_cmd, env, folder / "redis.log")
+    worker_cmd = [sys.executable, "-m", "celery", "-A", "bench.peer_celery", "worker", "--concurrency=1", "--pool=prefork",
+                  "--prefetch-multiplier=1", "-O", "fair", "--without-gossip", "--without-mingle", "--without-heartbeat",
+                  "--loglevel=WARNING"]
+    worker: subprocess.Popen[bytes] | None = None
+    executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    loop = asyncio.get_running_loop()
+    try:
+        client = redis.Redis.from_url(url)
+        for _ in range(100):
+            with contextlib.suppress(redis.ConnectionError):
+                if client.ping():
+                    break
+            await asyncio.sleep(0.05)
+        enqueue = {}
+        for level in (1, 64):
+            enqueue[level] = await loop.run_in_executor(executor, celery_enqueue, url, level, opts.seconds, opts.warmup)
+        client.flushdb()
+        worker = _spawn(worker_cmd, env, folder / "worker.log")
+        await loop.run_in_executor(executor, celery_latency, url, 3)  # the worker is up and warm
+        dispatch, e2e = await loop.run_in_executor(executor, celery_latency, url, 200)
+
+        from bench.peer_celery import hold
+
+        token = uuid.uuid4().hex
+        hold.apply_async(args=(token, 600.0))
+        for _ in range(600):
+            if client.llen(f"starts:{token}") >= 1:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        _kill(worker)
+        worker = _spawn(worker_cmd, env, folder / "worker.log")
+        recovery: float | None = None
+        while time.monotonic() - t0 < RECOVERY_WAIT:
+            if client.llen(f"starts:{token}") >= 2:
+                recovery = time.monotonic() - t0
+                break
+            await asyncio.sleep(0.1)
+        note = "" if recovery is not None else f"not redelivered within {RECOVERY_WAIT:g} s (Redis visibility timeout: 1 h)"
+        _report(report, section, enqueue, dispatch, e2e, recovery, note)
+    finally:
+        executor.shutdown(cancel_futures=True)
+        _kill(worker)
+        _kill(server, signal.SIGTERM)
+
+
+# ---------------------------------------------------------------- procrastinate
+
+
+def procrastinate_enqueue(dsn: str, concurrency: int, seconds: float, warmup: float) -> LoadResult:
+    """In a client process: `concurrency` coroutines calling defer_async for `seconds`."""
+    os.environ["BENCH_PROCRASTINATE_DSN"] = dsn
+    from bench.peer_procrastinate import app, noop
+
+    async def run() -> LoadResult:
+        result = LoadResult()
+        async with app.open_async():
+            start = time.perf_counter()
+            measure_from, stop_at = start + warmup, start + warmup + seconds
+
+            async def one() -> None:
+                while True:
+                    began = time.perf_counter()
+                    if began >= stop_at:
+                        return
+                    await noop.defer_async(token=uuid.uuid4().hex)
+                    ended = time.perf_counter()
+                    if began >= measure_from and ended <= stop_at:
+                        result.latencies.append(ended - began)
+
+            await asyncio.gather(*(one() for _ in range(concurrency)))
+        result.ok, result.elapsed = len(result.latencies), seconds
+        return result
+
+    return asyncio.run(run())
+
+
+def procrastinate_latency(dsn: str, count: int) -> tuple[list[float], list[float]]:
+    """In a client process: one no-op at a time; (dispatch, end-to-end) in seconds, polling every millisecond."""
+    os.environ["BENCH_PROCRASTINATE_DSN"] = dsn
+    import psycopg
+
+    from bench.peer_procrastinate import app, noop
+
+    async def run() -> tuple[list[float], list[float]]:
+        dispatch, e2e = [], []
+        async with app.open_async(), await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            for _ in range(count):
+                token = uuid.uuid4().hex
+                job_id = await noop.defer_async(token=token)
+                returned = time.time()
+                while True:
+                    cur = await conn.execute("SELECT status::text FROM procrastinate_jobs WHERE id = %s", (job_id,))
+                    row = await cur.fetchone()
+                    if row is not None and row[0] == "succeeded":
+                        break
+                    await asyncio.sleep(0.001)
+                e2e.append(time.time() - returned)
+                cur = await conn.execute("SELECT at FROM bench_peer_start WHERE token = %s", (token,))
+                started = await cur.fetchone()
+                assert started is not None
+                dispatch.append(float(started[0]) - returned)
+                await asyncio.sleep(0.005)
+        return dispatch, e2e
+
+    return asyncio.run(run())
+
+
+async def procrastinate_peer(report: Report, state_dir: Path, opts: Options) -> None:
+    import psycopg
+
+    section = "peer: procrastinate (PostgreSQL)"
+    folder = state_dir / "peers" / "procrastinate"
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o755)
+    postgres = await asyncio.to_thread(EmbeddedPostgres(folder / "pg").start)
+    dsn = postgres.url.replace("/postgres?", "/procrastinate?")
+    env = {**os.environ, "BENCH_PROCRASTINATE_DSN": dsn}
+    worker_cmd = [sys.executable, "-m", "procrastinate", "--app=bench.peer_procrastinate.app", "--log-level=warning", "worker",
+                  "--concurrency=1"]
+    worker: subprocess.Popen[bytes] | None = None
+    executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    loop = asyncio.get_running_loop()
+    try:
+        async with await psycopg.AsyncConnection.connect(postgres.url, autocommit=True) as admin:
+            await admin.execute("CREATE DATABASE procrastinate")
+        os.environ["BENCH_PROCRASTINATE_DSN"] = dsn
+        from bench.peer_procrastinate import START_TABLE, app
+
+        async with app.open_async():
+            await app.schema_manager.apply_schema_async()
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await conn.execute(START_TABLE)
+            enqueue = {}
+            for level in (1, 64):
+                enqueue[level] = await loop.run_in_executor(executor, procrastinate_enqueue, dsn, level, opts.seconds, opts.warmup)
+            await conn.execute("DELETE FROM procrastinate_jobs")
+            worker = _spawn(worker_cmd, env, folder / "worker.log")
+            await loop.run_in_executor(executor, procrastinate_latency, dsn, 3)
+            dispatch, e2e = await loop.run_in_executor(executor, procrastinate_latency, dsn, 200)
+
+            from bench.peer_procrastinate import hold
+
+            token = uuid.uuid4().hex
+            async with app.open_async():
+                await hold.defer_async(token=token, seconds=600.0)
+
+            async def starts() -> int:
+                cur = await conn.execute("SELECT count(*) FROM bench_peer_start WHERE token = %s", (token,))
+                row = await cur.fetchone()
+                return int(row[0]) if row else 0
+
+            for _ in range(600):
+                if await starts() >= 1:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
+            t0 = time.monotonic()
+            _kill(worker)
+            worker = _spawn(worker_cmd, env, folder / "worker.log")
+            recovery: float | None = None
+            while time.monotonic() - t0 < RECOVERY_WAIT:
+                if await starts() >= 2:
+                    recovery = time.monotonic() - t0
+                    break
+                await asyncio.sleep(0.1)
+        note = "periodic retry of stalled jobs every second, default 30 s stall timeout"
+        if recovery is None:
+            note = f"not retried within {RECOVERY_WAIT:g} s; " + note
+        _report(report, section, enqueue, dispatch, e2e, recovery, note)
+    finally:
+        executor.shutdown(cancel_futures=True)
+        _kill(worker)
+        await asyncio.to_thread(postgres.stop)

@@ -13,6 +13,8 @@ from bench.stats import Report
 from taskgate import bus as busmod
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 
+WAIT = 120.0  # seconds a killed worker's task may take to run again before the figure reads "> WAIT"
+
 
 async def _wait(check: object, within: float) -> None:
     deadline = time.monotonic() + within
@@ -49,14 +51,12 @@ async def dead_worker(stack: BenchStack, report: Report, section: str, label: st
             return bool(await stack.db.fetchval("SELECT status = 'PROCESSING' AND attempt >= 2 FROM task WHERE id = $1", task_id))
 
         try:
-            await _wait(again, 300)
+            await _wait(again, WAIT)
             seconds: float | None = time.monotonic() - t0
         except TimeoutError:
             seconds = None
-        if target_s is None:
-            report.add(section, f"dead-worker recovery, {label}", seconds, "s")
-        else:
-            report.add(section, f"dead-worker recovery, {label}", seconds, "s", at_most=target_s)
+        shown = f"> {WAIT:g} s" if seconds is None else ""
+        report.add(section, f"dead-worker recovery, {label}", seconds, "s", at_most=target_s, shown=shown)
         await stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=str(task_id), hard=True), metadata=md, timeout=10)
     await stack.cluster.restart(victim)
 

@@ -32,9 +32,12 @@ class Figure:
     target: str = ""
     met: bool | None = None  # None: no target, or not measured
     note: str = ""
+    shown: str = ""  # printed instead of a value that could not be measured, e.g. "> 60 s"
 
     @property
     def verdict(self) -> str:
+        if self.shown:
+            return "MISSED" if self.met is False else ""
         if self.value is None:
             return "SKIPPED"
         if self.met is None:
@@ -62,6 +65,7 @@ class Report:
         at_least: float | None = None,
         target: str = "",
         note: str = "",
+        shown: str = "",
     ) -> Figure:
         """Records a figure; `at_most`/`at_least` make a target of it (shown as text unless `target` says more)."""
         met: bool | None = None
@@ -74,7 +78,9 @@ class Report:
                 target = target or f">= {_fmt(at_least)} {unit}"
         elif value is not None and math.isnan(value):
             value = None
-        figure = Figure(section, name, value, unit, target, met, note)
+        if shown and at_most is not None:
+            met, target = False, target or f"<= {_fmt(at_most)} {unit}"
+        figure = Figure(section, name, value, unit, target, met, note, shown)
         self.figures.append(figure)
         return figure
 
@@ -90,7 +96,7 @@ class Report:
             if f.section != section:
                 section = f.section
                 rows.append((f"[{section}]", "", "", "", ""))
-            value = "-" if f.value is None else f"{_fmt(f.value)} {f.unit}".strip()
+            value = f.shown or ("-" if f.value is None else f"{_fmt(f.value)} {f.unit}".strip())
             rows.append((f"  {f.name}", value, f.target, f.verdict, f.note))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = []
