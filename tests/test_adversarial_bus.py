@@ -97,16 +97,7 @@ POISON: dict[str, bytes] = {
 }
 
 
-# Known worker bugs (reported to the lead); strict, so the marks must go once the worker is fixed.
-INT64_BUG = pytest.mark.xfail(
-    strict=True, reason="worker: a task id beyond int64 fails the claim query and is nak'ed forever (engine._claim_and_run)"
-)
-FOREIGN_MODEL_BUG = pytest.mark.xfail(
-    strict=True, reason="worker: claims a task of a model it does not serve, KeyError in _execute, redelivered forever"
-)
-
-
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=INT64_BUG) if k == "beyond int64" else k for k in POISON])
+@pytest.mark.parametrize("kind", list(POISON))
 async def test_poison_message_is_dropped_and_the_slot_stays_free(backends: Backends, worker: WorkerHandle, kind: str) -> None:
     await publish(backends, POISON[kind], f"poison-{kind}")
     await wait_for(lambda: consumer_drained(backends), 10)
@@ -115,7 +106,6 @@ async def test_poison_message_is_dropped_and_the_slot_stays_free(backends: Backe
     await wait_for(lambda: consumer_drained(backends), 5)
 
 
-@FOREIGN_MODEL_BUG
 async def test_message_naming_a_task_of_another_model_does_not_claim_it(backends: Backends, worker: WorkerHandle) -> None:
     # A wan-tiny task (this worker does not serve that model) announced on the sleepy subject.
     foreign = await insert_task(backends.pool, model_id="wan-tiny")
