@@ -154,3 +154,35 @@ async def test_a_flood_of_poison_does_not_starve_a_real_task(backends: Backends,
     row = await run_normal_task(backends, "behind the flood")
     assert row.status is Status.SUCCEEDED
     await wait_for(lambda: consumer_drained(backends), 15)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="worker: _execute frees the slot when generate returns and _handle frees it again at the end; if another "
+    "run took the slot in between, that second free hands the busy slot out once more, so a 1-slot worker piles up runs",
+)
+async def test_a_burst_never_runs_more_tasks_than_the_worker_has_slots(
+    backends: Backends, worker_settings: Settings
+) -> None:
+    slow = worker_settings.model_copy(update={"models": {**worker_settings.models, SLEEPY: ModelSpec(kind="sleep", sleep_seconds=0.2)}})
+    handle = await worker_service.start(slow)
+    try:
+        ids = []
+        for i in range(20):
+            task = await insert_task(backends.pool, model_id=SLEEPY, prompt=f"burst {i}", params={"num_inference_steps": 2, "seed": i})
+            await publish(backends, dispatch(str(task.id)), f"{task.id}.q0")
+            ids.append(task.id)
+        peak = 0
+
+        async def finished() -> bool:
+            nonlocal peak
+            running = await backends.pool.fetchval("SELECT count(*) FROM task WHERE status = 'PROCESSING'")
+            peak = max(peak, int(running))
+            done = await backends.pool.fetchval("SELECT count(*) FROM task WHERE status = 'SUCCEEDED'")
+            return bool(done == len(ids))
+
+        await wait_for(finished, 30, every=0.005)
+    finally:
+        await handle.stop(grace=0)
+    # One slot; it takes its next task while the previous output is stored, so two rows may overlap, never more.
+    assert peak <= 2, f"{peak} tasks PROCESSING at once on a 1-slot worker"
