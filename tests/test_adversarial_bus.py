@@ -156,11 +156,6 @@ async def test_a_flood_of_poison_does_not_starve_a_real_task(backends: Backends,
     await wait_for(lambda: consumer_drained(backends), 15)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker: _execute frees the slot when generate returns and _handle frees it again at the end; if another "
-    "run took the slot in between, that second free hands the busy slot out once more, so a 1-slot worker piles up runs",
-)
 async def test_a_burst_never_runs_more_tasks_than_the_worker_has_slots(
     backends: Backends, worker_settings: Settings
 ) -> None:

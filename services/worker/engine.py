@@ -74,12 +74,20 @@ class Slot:
 
 
 @dataclass(eq=False)
+class SlotHold:
+    """One message's hold on a slot; releasing it twice frees the slot once, never a later holder's."""
+
+    slot: Slot
+    released: bool = False
+
+
+@dataclass(eq=False)
 class Run:
     """One claimed attempt running here."""
 
     task: TaskRow
     msg: Msg
-    slot: Slot
+    hold: SlotHold
     abort: threading.Event = field(default_factory=threading.Event)
     abort_reason: Abort | None = None
     steps_at_abort: int | None = None
@@ -359,9 +367,9 @@ class Worker:
             level = Weighted.pick(list(dict.fromkeys(lv for lv, _ in pending)))
             index = next(i for i, (lv, _) in enumerate(pending) if lv is level)
             _, msg = pending.pop(index)
-            slot = free[0]
-            slot.busy = True
-            self._spawn(self._handle(slot, level, msg))
+            hold = SlotHold(free[0])
+            hold.slot.busy = True
+            self._spawn(self._handle(hold, level, msg))
         for _, msg in pending:
             self._spawn(self._bounce(msg))
         self._gauges()
@@ -372,28 +380,30 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _free(self, slot: Slot) -> None:
-        if slot.busy:
-            slot.busy = False
+    def _free(self, hold: SlotHold) -> None:
+        # the slot is freed early (when generation ends) and again on the way out; only the first counts
+        if not hold.released:
+            hold.released = True
+            hold.slot.busy = False
             self._gauges()
             self._wake.set()
 
     # ---- claiming ----
 
-    async def _handle(self, slot: Slot, level: Level, msg: Msg) -> None:
+    async def _handle(self, hold: SlotHold, level: Level, msg: Msg) -> None:
         try:
             task_id = _task_id(msg.data)
             if task_id is None:
                 log.warning("undecodable dispatch message dropped", extra={"consumer": level.consumer})
                 await msg.term()
                 return
-            await self._claim_and_run(slot, level, msg, task_id)
+            await self._claim_and_run(hold, level, msg, task_id)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("message handling failed", extra={"worker": self.worker_id})
         finally:
-            self._free(slot)
+            self._free(hold)
 
     async def _drop(self, msg: Msg, task_id: int, why: str, **extra: Any) -> None:
         """Acks a message this worker will not run, with one log line."""
@@ -401,7 +411,7 @@ class Worker:
         log.info("message dropped", extra={"task_id": str(task_id), "why": why, **extra})
         self._report(RunReport(task_id, "refused"))
 
-    async def _claim_and_run(self, slot: Slot, level: Level, msg: Msg, task_id: int) -> None:
+    async def _claim_and_run(self, hold: SlotHold, level: Level, msg: Msg, task_id: int) -> None:
         spec = self.settings.models[level.model_id]
         try:
             async with self._claim_connection() as conn:
@@ -446,7 +456,7 @@ class Worker:
         reusable = None
         if preview["result_uri"] is not None:
             reusable = Reusable(preview["result_uri"], preview["result_content_type"], preview["result_size"], preview["result_sha256"])
-        run = Run(task, msg, slot)
+        run = Run(task, msg, hold)
         self.runs[task.id] = run
         self._gauges()
         wait = _seconds(task.queued_at or task.created_at, task.started_at)
@@ -503,7 +513,7 @@ class Worker:
 
     async def _execute(self, run: Run) -> None:
         task = run.task
-        model_runner = self.runners[(task.model_id, run.slot.device)]
+        model_runner = self.runners[(task.model_id, run.hold.slot.device)]
         inp = runmod.RunInput(task.id, task.attempt, task.prompt, dict(task.request_payload))
         loop = asyncio.get_running_loop()
 
@@ -511,19 +521,19 @@ class Worker:
             loop.call_soon_threadsafe(self._on_step, run, step, total)
 
         try:
-            output = await loop.run_in_executor(run.slot.executor, model_runner.generate, inp, on_step, run.abort.is_set)
+            output = await loop.run_in_executor(run.hold.slot.executor, model_runner.generate, inp, on_step, run.abort.is_set)
         except runmod.RunAborted:
-            self._free(run.slot)
+            self._free(run.hold)
             await self._after_abort(run)
             return
         except Exception as exc:
-            self._free(run.slot)
+            self._free(run.hold)
             if run.abort_reason is not None:
                 await self._after_abort(run)
             else:
                 await self._after_failure(run, exc)
             return
-        self._free(run.slot)
+        self._free(run.hold)
         telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
         await self._finish(run, output)
 
