@@ -379,7 +379,11 @@ async def _run(
         try:
             await wait_for(lambda: quiescent(db, expected), QUIESCE_SECONDS, every=0.5)
         except TimeoutError:
-            await _dump_open(db, cluster)
+            with capsys.disabled():
+                print(f"\nnot quiescent {QUIESCE_SECONDS:g} s after the last fault (seed {seed}); faults:")
+                for f in chaos.faults:
+                    print(f"  {f.target:<10} at {f.at:6.1f}s recovered {f.recovery_s}s ({f.measure})")
+                await _dump_open(db, cluster)
             raise
         drain_s = time.monotonic() - t_drain
         report = await _check(db, cluster, subs, chaos, receiver, secret)
@@ -393,9 +397,27 @@ async def _dump_open(db: asyncpg.Pool, cluster: Cluster) -> None:
         "SELECT id, status::text, attempt, worker_id, callback_status, updated_at FROM task"
         " WHERE status NOT IN ('SUCCEEDED', 'FAILED', 'TIMEOUT', 'CANCELED') OR callback_status = 'PENDING' LIMIT 20"
     )
-    print("not quiescent; open tasks:", [dict(r) for r in rows])
+    print("  open tasks:", [(r["id"], r["status"], r["attempt"], r["callback_status"]) for r in rows])
     for name, service in cluster.services.items():
-        print(f"--- {name} (starts {service.starts}, exits {service.exits}) log tail:\n{service.tail(15)}")
+        try:
+            lines = service.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        warnings = Counter(
+            f"{record.get('level')}: {record.get('msg')}"
+            for record in (_json_or_none(line) for line in lines)
+            if record is not None and record.get("level") in ("warning", "error", "critical")
+        )
+        print(f"  {name} (starts {service.starts}, exits {service.exits}) warnings: {warnings.most_common(4)}")
+    print(f"  logs: {next(iter(cluster.services.values())).log_path.parent}")
+
+
+def _json_or_none(line: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 async def _check(
