@@ -183,11 +183,6 @@ async def test_a_burst_never_runs_more_tasks_than_the_worker_has_slots(
     assert peak <= 2, f"{peak} tasks PROCESSING at once on a 1-slot worker"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker: the kept claim connection is detached by asyncpg when its connection dies; _claim_connection then "
-    "calls is_closed() on the released proxy (InterfaceError, outside the try) and never replaces it: every claim fails",
-)
 async def test_the_worker_claims_again_after_the_database_drops_its_connections(
     backends: Backends, worker: WorkerHandle
 ) -> None:

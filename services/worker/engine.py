@@ -162,6 +162,14 @@ def _task_id(data: bytes) -> int | None:
     return value if 0 < value < 2**63 else None
 
 
+def _usable(conn: asyncpg.Connection) -> bool:
+    """False for a closed connection, and for a pool proxy whose connection asyncpg already detached."""
+    try:
+        return not conn.is_closed()
+    except asyncpg.InterfaceError:
+        return False
+
+
 def _seconds(a: datetime | None, b: datetime | None) -> float | None:
     return (b - a).total_seconds() if a is not None and b is not None else None
 
@@ -481,12 +489,12 @@ class Worker:
     async def _claim_connection(self) -> AsyncIterator[asyncpg.Connection]:
         """One connection kept for claims: a pool round trip (and its reset query) less on the dispatch path."""
         async with self._claim_lock:
-            if self._claim_conn is None or self._claim_conn.is_closed():
+            if self._claim_conn is None or not _usable(self._claim_conn):
                 await self._release_claim_connection()
                 self._claim_conn = await self.pool.acquire()
             try:
                 yield self._claim_conn
-            except BACKEND_ERRORS:
+            except Exception:  # a broken connection is replaced on the next claim; a healthy one is simply re-taken
                 await self._release_claim_connection()
                 raise
 
