@@ -13,9 +13,10 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from services.submit.service import SubmitHandle, start
-from services.submit.validation import check_callback_url, forbidden_address, validate
+from services.submit.validation import check_callback_url, validate
 from taskgate import auth, errors
 from taskgate.config import Settings
+from taskgate.netguard import forbidden_address
 from taskgate.runtime import Backends
 from taskgate.store import Move, transition
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
@@ -239,7 +240,7 @@ async def test_callback_ssrf_guard_over_grpc(stub: Any, backends: Backends, sett
 def test_forbidden_address_ranges() -> None:
     bad = ["127.0.0.1", "10.0.0.1", "172.16.5.4", "192.168.1.1", "169.254.1.1", "169.254.169.254", "100.64.0.1",
            "0.0.0.0", "240.0.0.1", "224.0.0.5", "::1", "::", "fe80::1", "fc00::1", "fd00:ec2::254", "ff02::1",
-           "::ffff:10.0.0.1"]
+           "::ffff:10.0.0.1", "192.0.0.8", "fec0::1", "2002:7f00:1::1", "2001:db8::1"]
     good = ["93.184.216.34", "8.8.8.8", "2606:4700:4700::1111"]
     assert all(forbidden_address(ipaddress.ip_address(a)) for a in bad)
     assert not any(forbidden_address(ipaddress.ip_address(a)) for a in good)

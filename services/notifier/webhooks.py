@@ -19,6 +19,7 @@ import httpx
 from services.notifier.wake import cancelling, woken
 from taskgate import auth, sql, telemetry, webhook_signing
 from taskgate.config import Settings
+from taskgate.netguard import forbidden_address
 
 log = logging.getLogger("taskgate.notifier.webhook")
 
@@ -41,9 +42,7 @@ class Attempt:
 
 
 def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_global and not ip.is_multicast
+    return not forbidden_address(ip)
 
 
 async def resolve(url: httpx.URL, allow_hosts: list[str]) -> str:

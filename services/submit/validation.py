@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from taskgate import errors
 from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
+from taskgate.netguard import IPAddress, forbidden_address
 from taskgate.states import Priority
 from taskgate.v1 import gateway_pb2
 
@@ -29,9 +30,7 @@ _RANDOM_SEEDS = 2**32  # a seed every backend (torch, numpy) accepts
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 # Cloud metadata endpoints (AWS/GCP/Azure, AWS IPv6, Alibaba) refused even where the ranges below miss one.
-_METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200"))
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,22 +66,6 @@ def request_hash(tenant: str, task_type: str, model_id: str, prompt: str, params
     """sha256 of what determines the output; `params` carries the seed the client gave (None if it gave none)."""
     canonical = json.dumps([tenant, task_type, model_id, prompt, params], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def forbidden_address(addr: IPAddress) -> bool:
-    """True for addresses a webhook must never reach: loopback, private, link-local, multicast, reserved, metadata."""
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return (
-        addr in _METADATA_ADDRESSES
-        or addr.is_loopback
-        or addr.is_private
-        or addr.is_link_local
-        or addr.is_multicast
-        or addr.is_reserved
-        or addr.is_unspecified
-        or not addr.is_global
-    )
 
 
 async def resolve(host: str, port: int, within: float) -> set[IPAddress]:
