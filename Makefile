@@ -28,7 +28,7 @@ test-faults: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy taskgate services tests
+	$(VENV)/bin/mypy taskgate services tests bench
 
 ## Regenerates the gRPC code and its typed stubs from protos/.
 proto: $(STAMP)
