@@ -67,9 +67,14 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         await conn.set_type_codec(typ, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """A release that sends nothing: asyncpg's default reset query costs a round trip per checkout."""
+
+
 async def create_pool(dsn: str, size: int = 10) -> asyncpg.Pool:
     """A pool whose connections decode json/jsonb to Python objects."""
-    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=size, init=_init_connection)
+    # no reset query on release: no caller leaves session state (settings via server_settings, LISTEN on its own conn)
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=size, init=_init_connection, reset=_keep_session)
     assert pool is not None
     return pool
 

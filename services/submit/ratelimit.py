@@ -14,13 +14,18 @@ async def take_submit_slot(db: Conn, tenant: str, per_minute: int, budget: float
     row = await db.fetchrow(sql.query("submit_take_rate_slot"), tenant, per_minute, timeout=budget)
     assert row is not None
     if not row["allowed"]:
-        telemetry.SUBMIT_REJECTIONS.labels(RATE_LIMITED).inc()
-        raise errors.resource_exhausted(
-            RATE_LIMITED,
-            f"more than {per_minute} submissions this minute",
-            retry_after=max(float(row["retry_after"]), 0.001),
-            limit=str(per_minute),
-        )
+        raise rate_limited(per_minute, float(row["retry_after"]))
+
+
+def rate_limited(per_minute: int, retry_after: float) -> errors.ApiError:
+    """RESOURCE_EXHAUSTED with RetryInfo for a tenant whose minute window is full."""
+    telemetry.SUBMIT_REJECTIONS.labels(RATE_LIMITED).inc()
+    return errors.resource_exhausted(
+        RATE_LIMITED,
+        f"more than {per_minute} submissions this minute",
+        retry_after=max(retry_after, 0.001),
+        limit=str(per_minute),
+    )
 
 
 def too_many_pending(limit: int) -> errors.ApiError:

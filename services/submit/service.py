@@ -30,7 +30,7 @@ from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 
 from . import paging
 from .cache import TerminalCache
-from .ratelimit import take_submit_slot, too_many_pending
+from .ratelimit import rate_limited, take_submit_slot, too_many_pending
 from .validation import Submission, validate
 
 log = logging.getLogger("taskgate.submit")
@@ -93,61 +93,64 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     async def SubmitTask(self, request: gateway_pb2.SubmitTaskRequest, context: Context) -> gateway_pb2.SubmitTaskResponse:
         who = await self._principal(context)
         per_minute = who.submits_per_minute or self._settings.submits_per_minute
-        await take_submit_slot(self._pool, who.tenant_id, per_minute, self._budget(context))
+        slot_taken = False
+        if request.callback_url:
+            # checking a callback URL resolves its host: a rate-limited caller must not get to make us do that
+            await take_submit_slot(self._pool, who.tenant_id, per_minute, self._budget(context))
+            slot_taken = True
         try:
             sub = await validate(who.tenant_id, request, self._settings)
         except errors.ApiError:
+            if not slot_taken:  # an invalid request counts too, and a rate-limited caller hears that first
+                await take_submit_slot(self._pool, who.tenant_id, per_minute, self._budget(context))
             telemetry.SUBMIT_REJECTIONS.labels("INVALID_ARGUMENT").inc()
             raise
-        task, created = await self._insert(who.tenant_id, sub, context)
+        task, created = await self._insert(who.tenant_id, sub, None if slot_taken else per_minute, context)
         if created:
             telemetry.TASKS_SUBMITTED.labels(task.model_id, task.task_type).inc()
             task = await self._dispatch(task, context)
         position = await self._queue_position(task, context)
         return gateway_pb2.SubmitTaskResponse(task=task.to_proto(position), created=created)
 
-    async def _insert(self, tenant: str, sub: Submission, context: Context) -> tuple[TaskRow, bool]:
-        """The tenant's task for this idempotency key, inserted as CREATED unless it exists; True when new."""
-        async with self._pool.acquire(timeout=self._budget(context)) as conn, conn.transaction():
-            # One tenant's submissions take turns here, on every replica: the pending count cannot race.
-            locked = await conn.fetchrow(sql.query("submit_lock_tenant"), tenant, timeout=self._budget(context))
-            if locked is None:
-                raise errors.unauthenticated("the key's tenant no longer exists")
-            limit = locked["max_pending"] or self._settings.max_pending_per_tenant
-            found = await conn.fetchrow(
-                sql.query("submit_existing_and_pending"), tenant, sub.idempotency_key, timeout=self._budget(context)
-            )
-            assert found is not None
-            if found["id"] is not None:
-                return self._replay(TaskRow.from_record(found), sub), False
-            if found["pending"] >= limit:
-                raise too_many_pending(limit)
-            task_id = ids.new_id()
-            rec = await conn.fetchrow(
-                sql.query("submit_insert_task"),
-                task_id,
-                tenant,
-                sub.idempotency_key,
-                sub.key_derived,
-                sub.request_hash,
-                sub.task_type,
-                sub.model_id,
-                sub.prompt,
-                sub.payload,
-                sub.metadata,
-                sub.priority,
-                busmod.task_subject(sub.model_id, sub.priority),
-                sub.max_retries,
-                sub.callback_url,
-                sub.callback_events,
-                timeout=self._budget(context),
-            )
-            if rec is None:  # a writer that does not take the tenant lock holds the key
-                again = await conn.fetchrow(
-                    sql.query("submit_existing_and_pending"), tenant, sub.idempotency_key, timeout=self._budget(context)
-                )
-                assert again is not None and again["id"] is not None
-                return self._replay(TaskRow.from_record(again), sub), False
+    async def _insert(self, tenant: str, sub: Submission, per_minute: int | None, context: Context) -> tuple[TaskRow, bool]:
+        """The tenant's task for this idempotency key, inserted as CREATED unless it exists; True when new.
+
+        One statement (submit_fast_path) takes the rate slot (unless `per_minute` is None: already taken), locks the
+        tenant row, looks the key up, counts pending tasks and inserts, so the tenant lock lasts one round trip.
+        """
+        rec = await self._pool.fetchrow(
+            sql.query("submit_fast_path"),
+            ids.new_id(),
+            tenant,
+            sub.idempotency_key,
+            sub.key_derived,
+            sub.request_hash,
+            sub.task_type,
+            sub.model_id,
+            sub.prompt,
+            sub.payload,
+            sub.metadata,
+            sub.priority,
+            busmod.task_subject(sub.model_id, sub.priority),
+            sub.max_retries,
+            sub.callback_url,
+            sub.callback_events,
+            per_minute,
+            self._settings.max_pending_per_tenant,
+            timeout=self._budget(context),
+        )
+        assert rec is not None
+        outcome = rec["outcome"]
+        if outcome == "rate_limited":
+            assert per_minute is not None
+            raise rate_limited(per_minute, float(rec["retry_after"]))
+        if outcome == "no_tenant":
+            raise errors.unauthenticated("the key's tenant no longer exists")
+        if outcome == "too_many_pending":
+            raise too_many_pending(int(rec["pending_limit"]))
+        if outcome == "existing":
+            return self._replay(TaskRow.from_record(rec), sub), False
+        assert outcome == "created", outcome
         task = TaskRow.from_record(rec)
         log.info(
             "task created",

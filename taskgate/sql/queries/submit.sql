@@ -38,6 +38,14 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
 ON CONFLICT (user_id, idempotency_key) DO NOTHING
 RETURNING *;
 
+-- name: submit_fast_path
+-- One submission in one round trip (migration 0008): rate slot, tenant lock, idempotent lookup, pending count, insert.
+-- $1 id, $2 user, $3 idempotency key, $4 key derived, $5 request hash, $6 task type, $7 model, $8 prompt, $9 payload,
+-- $10 metadata, $11 priority, $12 queue name, $13 max retries, $14 callback url, $15 callback events,
+-- $16 submissions allowed per minute (NULL: slot already taken), $17 default max pending.
+SELECT f.outcome, f.retry_after, f.pending_limit, (f.task_row).*
+FROM submit_fast_path($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) f;
+
 -- name: submit_queue_position
 -- 1-based rank of a QUEUED task among its model's QUEUED tasks: higher priority first, then older
 -- (served by task_queued_rank_idx). $1 model, $2 priority, $3 queued_at, $4 id.
