@@ -51,12 +51,17 @@ class EventRelay:
     async def run(self) -> None:
         """Relays on every wake-up and on a catch-up period, until cancelled."""
         interval = self._settings.relay_scan_interval_seconds
+        loop = asyncio.get_running_loop()
+        lag_due = 0.0
         while True:
             self.wake.clear()
             try:
                 while await self.relay_once() >= self._settings.relay_batch_size:
                     pass
-                telemetry.RELAY_LAG.set(await self._pool.fetchval(sql.query("relay_lag")))
+                # once per scan period, not per pass: under load a pass per NOTIFY made this a round trip per event
+                if loop.time() >= lag_due:
+                    telemetry.RELAY_LAG.set(await self._pool.fetchval(sql.query("relay_lag")))
+                    lag_due = loop.time() + interval
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, nats.errors.Error) as exc:
                 if cancelling():
                     raise asyncio.CancelledError from exc
