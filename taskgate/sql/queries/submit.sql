@@ -47,11 +47,13 @@ SELECT f.outcome, f.retry_after, f.pending_limit, (f.task_row).*
 FROM submit_fast_path($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) f;
 
 -- name: submit_queue_position
--- 1-based rank of a QUEUED task among its model's QUEUED tasks: higher priority first, then older
--- (served by task_queued_rank_idx). $1 model, $2 priority, $3 queued_at, $4 id.
-SELECT count(*) + 1 FROM task
-WHERE status = 'QUEUED' AND model_id = $1
-  AND (priority > $2 OR (priority = $2 AND (queued_at, id) < ($3::timestamptz, $4::bigint)));
+-- 1-based rank of a QUEUED task among its model's QUEUED tasks: higher priority first, then older. Two index-only
+-- range scans of task_queued_rank_idx (an OR would scan every QUEUED entry of the model). $1 model, $2 priority,
+-- $3 queued_at, $4 id.
+SELECT (SELECT count(*) FROM task WHERE status = 'QUEUED' AND model_id = $1 AND priority > $2)
+     + (SELECT count(*) FROM task WHERE status = 'QUEUED' AND model_id = $1 AND priority = $2
+          AND (queued_at, id) < ($3::timestamptz, $4::bigint))
+     + 1;
 
 -- name: submit_list_tasks
 -- A tenant's tasks, newest first, after a keyset cursor. $1 user, $2 statuses (NULL = all), $3 created after,
