@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from dataclasses import dataclass
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -70,9 +72,15 @@ class Bus:
     nc: NATS
     js: JetStreamContext
 
-    async def close(self) -> None:
-        if not self.nc.is_closed:
-            await self.nc.drain()
+    async def close(self, drain_seconds: float = 5.0) -> None:
+        """Drains (in-flight messages finish), but never for longer than `drain_seconds`; then closes."""
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), drain_seconds)
+        except (TimeoutError, NatsError):
+            log.warning("NATS drain did not finish; closing")
+            await self.nc.close()
 
 
 async def connect(url: str, name: str) -> Bus:

@@ -30,7 +30,7 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from tests.harness import Cluster, Received, Reply, WebhookReceiver, wait_for
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(1200)]
 
 TENANT = "faults"
 TASKS = int(os.environ.get("TASKGATE_FAULT_TASKS", "300"))
