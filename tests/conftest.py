@@ -10,14 +10,18 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+import grpc
 import nats
 import pytest
 
+from services.submit.service import SubmitHandle
+from services.submit.service import start as start_submit
 from taskgate import bus as busmod
 from taskgate.config import ModelSpec, Settings
 from taskgate.embedded import EmbeddedStack
 from taskgate.migrate import migrate
 from taskgate.runtime import Backends, connect
+from taskgate.v1 import gateway_pb2_grpc
 
 TEMPLATE = "taskgate_template"
 _counter = itertools.count()
@@ -124,6 +128,24 @@ async def backends(settings: Settings) -> AsyncIterator[Backends]:
         yield b
     finally:
         await b.close()
+
+
+
+@pytest.fixture
+async def gateway(settings: Settings, backends: Backends) -> AsyncIterator[SubmitHandle]:
+    """A submit service on an ephemeral port over the test's backends."""
+    handle = await start_submit(settings, backends)
+    try:
+        yield handle
+    finally:
+        await handle.stop(0)
+
+
+@pytest.fixture
+async def stub(gateway: SubmitHandle) -> AsyncIterator[gateway_pb2_grpc.TaskGatewayAsyncStub]:
+    """A TaskGateway stub over a real channel to `gateway`."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        yield gateway_pb2_grpc.TaskGatewayStub(channel)  # type: ignore[misc]
 
 
 __all__ = ["busmod"]

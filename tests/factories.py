@@ -8,8 +8,11 @@ from typing import Any
 
 import asyncpg
 
-from taskgate import ids, sql
+from taskgate import auth, ids, sql
 from taskgate.model import TaskRow
+from taskgate.runtime import Backends
+
+Metadata = tuple[tuple[str, str], ...]
 
 
 async def insert_task(
@@ -34,3 +37,9 @@ async def insert_task(
     )
     assert rec is not None
     return TaskRow.from_record(rec)
+
+
+async def key_for(backends: Backends, tenant: str = "tenant-a", **limits: Any) -> Metadata:
+    """Call metadata carrying a fresh API key of `tenant` (limits as taskgate.auth.create_key takes them)."""
+    key, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, tenant, **limits)
+    return (("authorization", f"Bearer {key}"),)

@@ -24,14 +24,14 @@ from services.notifier.service import NotifierHandle
 from services.notifier.service import start as start_notifier
 from services.submit.service import SubmitHandle
 from services.submit.service import start as start_submit
-from taskgate import auth, errors, results
+from taskgate import errors, results
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate.store import Move, transition
 from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
-from tests.factories import insert_task
+from tests import factories
+from tests.factories import Metadata, insert_task
 
-Metadata = tuple[tuple[str, str], ...]
 # TASKGATE_HYPOTHESIS_EXAMPLES raises the example count for a longer hunt (e.g. 2000).
 EXAMPLES = hsettings(
     max_examples=int(os.environ.get("TASKGATE_HYPOTHESIS_EXAMPLES", "40")),
@@ -84,10 +84,7 @@ def stub(channel: grpc.aio.Channel) -> Any:
 
 async def key_for(backends: Backends, tenant: str) -> Metadata:
     """A key of `tenant` whose limits never get in the way of many requests."""
-    key, _ = await auth.create_key(
-        backends.pool, backends.settings.api_key_pepper, tenant, max_pending=1_000_000, submits_per_minute=1_000_000
-    )
-    return (("authorization", f"Bearer {key}"),)
+    return await factories.key_for(backends, tenant, max_pending=1_000_000, submits_per_minute=1_000_000)
 
 
 async def failure(call: Any) -> tuple[grpc.StatusCode, list[Any]]:

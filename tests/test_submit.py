@@ -11,7 +11,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,8 +25,8 @@ from grpc_status import rpc_status
 
 from services.submit.cache import TerminalCache
 from services.submit.service import SubmitHandle, poll_interval, start
-from taskgate import auth, errors
 from taskgate import bus as busmod
+from taskgate import errors
 from taskgate.config import Settings
 from taskgate.embedded import EmbeddedNats, free_port
 from taskgate.model import TaskRow
@@ -35,30 +35,7 @@ from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import Move, get_task, transition
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
-from tests.factories import insert_task
-
-Metadata = tuple[tuple[str, str], ...]
-
-
-@pytest.fixture
-async def gateway(settings: Settings, backends: Backends) -> AsyncIterator[SubmitHandle]:
-    handle = await start(settings, backends)
-    try:
-        yield handle
-    finally:
-        await handle.stop(0)
-
-
-@pytest.fixture
-async def stub(gateway: SubmitHandle) -> AsyncIterator[gateway_pb2_grpc.TaskGatewayAsyncStub]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-        yield gateway_pb2_grpc.TaskGatewayStub(channel)  # type: ignore[misc]
-
-
-async def key_for(backends: Backends, tenant: str = "tenant-a", **limits: Any) -> Metadata:
-    """Call metadata carrying a fresh API key of `tenant`."""
-    key, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, tenant, **limits)
-    return (("authorization", f"Bearer {key}"),)
+from tests.factories import Metadata, insert_task, key_for
 
 
 async def failure(call: Awaitable[object]) -> tuple[grpc.StatusCode, str, list[Any]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any
 
 import grpc
@@ -12,36 +12,15 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from services.submit.service import SubmitHandle, start
+from services.submit.service import start
 from services.submit.validation import check_callback_url, validate
-from taskgate import auth, errors
+from taskgate import errors
 from taskgate.config import Settings
 from taskgate.netguard import forbidden_address
 from taskgate.runtime import Backends
 from taskgate.store import Move, transition
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
-
-Metadata = tuple[tuple[str, str], ...]
-
-
-@pytest.fixture
-async def gateway(settings: Settings, backends: Backends) -> AsyncIterator[SubmitHandle]:
-    handle = await start(settings, backends)
-    try:
-        yield handle
-    finally:
-        await handle.stop(0)
-
-
-@pytest.fixture
-async def stub(gateway: SubmitHandle) -> AsyncIterator[Any]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-        yield gateway_pb2_grpc.TaskGatewayStub(channel)
-
-
-async def key_for(backends: Backends, tenant: str = "tenant-a", **limits: Any) -> Metadata:
-    key, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, tenant, **limits)
-    return (("authorization", f"Bearer {key}"),)
+from tests.factories import key_for
 
 
 async def outcome(call: Awaitable[Any]) -> tuple[grpc.StatusCode, list[Any], Any]:

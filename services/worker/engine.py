@@ -604,23 +604,7 @@ class Worker:
         await self._finish_writes(run)
         name = f"{task.id}-a{task.attempt}.{output.extension}"
         stored = await self._persist("result", task.id, lambda: self.results.put(name, output.data, output.content_type))
-        out = await self._persist(
-            "succeed",
-            task.id,
-            lambda: store.transition(
-                self.pool,
-                task.id,
-                Move.SUCCEED,
-                stored.uri,
-                stored.content_type,
-                stored.size,
-                stored.sha256,
-                False,
-                actor=ACTOR,
-                reason="finished",
-                expected_attempt=task.attempt,
-            ),
-        )
+        out = await self._succeed(run, stored.uri, stored.content_type, stored.size, stored.sha256, reused=False)
         row = out.task
         # A retried SUCCEED whose first try committed (its reply was lost) is refused, yet the result is ours.
         ours = row is not None and row.status is Status.SUCCEEDED and row.attempt == task.attempt and row.result_uri == stored.uri
@@ -631,30 +615,26 @@ class Worker:
         await self._refused_result(run, out, stored)
 
     async def _finish_reused(self, run: Run, reusable: Reusable) -> None:
-        task = run.task
         await self._finish_writes(run)
-        out = await self._persist(
-            "succeed",
-            task.id,
-            lambda: store.transition(
-                self.pool,
-                task.id,
-                Move.SUCCEED,
-                reusable.uri,
-                reusable.content_type,
-                reusable.size,
-                reusable.sha256,
-                True,
-                actor=ACTOR,
-                reason="reused a soft-cancelled run's output",
-                expected_attempt=task.attempt,
-            ),
-        )
+        out = await self._succeed(run, reusable.uri, reusable.content_type, reusable.size, reusable.sha256, reused=True)
         if out.applied:
             await run.msg.ack()
             self._finished(run, out.task, "reused")
             return
         await self._refused_result(run, out, None)
+
+    async def _succeed(self, run: Run, uri: str, content_type: str, size: int, sha256: str, *, reused: bool) -> Outcome:
+        """SUCCEED with a result, fenced by this run's attempt, retried through short backend outages."""
+        task = run.task
+        reason = "reused a soft-cancelled run's output" if reused else "finished"
+        return await self._persist(
+            "succeed",
+            task.id,
+            lambda: store.transition(
+                self.pool, task.id, Move.SUCCEED, uri, content_type, size, sha256, reused,
+                actor=ACTOR, reason=reason, expected_attempt=task.attempt,
+            ),
+        )
 
     async def _refused_result(self, run: Run, out: Outcome, stored: results.StoredResult | None) -> None:
         """The SUCCEED was refused: keep this run's output if its attempt was soft-cancelled, else delete it."""
