@@ -72,15 +72,35 @@ class Bus:
     nc: NATS
     js: JetStreamContext
 
-    async def close(self, drain_seconds: float = 5.0) -> None:
-        """Drains (in-flight messages finish), but never for longer than `drain_seconds`; then closes."""
+    async def close(self, drain_seconds: float = 5.0, close_seconds: float = 2.0) -> None:
+        """Drains (in-flight messages finish), but never for longer than `drain_seconds`; then closes.
+
+        nats-py's drain swallows a cancellation and then flushes, so `wait_for` would not bound it: the drain runs
+        as its own task, and a drain past its time is left to finish while the connection is closed under it.
+        """
         if self.nc.is_closed:
             return
-        try:
-            await asyncio.wait_for(self.nc.drain(), drain_seconds)
-        except (TimeoutError, NatsError):
+        drain = asyncio.create_task(self.nc.drain(), name="nats-drain")
+        drain.add_done_callback(_retrieve)
+        done, _ = await asyncio.wait({drain}, timeout=drain_seconds)
+        if drain in done:
+            failed = None if drain.cancelled() else drain.exception()
+            if failed is not None:
+                log.warning("NATS drain failed; closing", extra={"error": type(failed).__name__})
+        else:
             log.warning("NATS drain did not finish; closing")
-            await self.nc.close()
+            drain.cancel()
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.close(), close_seconds)
+            except (TimeoutError, NatsError, OSError) as exc:
+                log.warning("NATS close did not finish", extra={"error": type(exc).__name__})
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Marks a background task's outcome as seen (its failure is logged where it matters)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def connect(url: str, name: str) -> Bus:

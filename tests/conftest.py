@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import os
-from collections.abc import AsyncIterator, Iterator
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
+from types import FrameType
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -25,6 +30,44 @@ from taskgate.v1 import gateway_pb2_grpc
 
 TEMPLATE = "taskgate_template"
 _counter = itertools.count()
+WATCHDOG_MARGIN_SECONDS = 20.0
+DROP_SECONDS = 30.0
+
+
+def _dump_asyncio_tasks(_signum: int, _frame: FrameType | None) -> None:
+    """SIGUSR1: prints every asyncio task's stack (runs in the main thread, inside the hung loop)."""
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:
+        return  # no loop running: pytest-timeout's thread dump says it all
+    out = io.StringIO()
+    print(f"\n=== about to time out; {len(tasks)} asyncio tasks ===", file=out)
+    for task in tasks:
+        task.print_stack(limit=12, file=out)
+    if sys.__stderr__ is not None:  # past pytest's capture: the dump must reach CI's log
+        sys.__stderr__.write(out.getvalue())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """Shortly before pytest-timeout fires, dumps the asyncio tasks: pytest-timeout shows only threads, and a hang
+    in async code (a teardown awaiting forever) is otherwise one stack of `select()`."""
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    timer = None
+    if limit > WATCHDOG_MARGIN_SECONDS:
+        timer = threading.Timer(limit - WATCHDOG_MARGIN_SECONDS, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def _with_database(url: str, name: str) -> str:
@@ -79,11 +122,16 @@ async def database_url(servers: tuple[str, str], template_url: str) -> AsyncIter
     finally:
         await conn.close()
     yield _with_database(servers[0], name)
-    conn = await asyncpg.connect(servers[0])
+    # Bounded: a backend that cannot take the drop's barrier (say, one blocked writing to a client that stopped
+    # reading) must not hang the run; a leftover test database costs only disk.
+    conn = await asyncpg.connect(servers[0], timeout=DROP_SECONDS)
     try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)", timeout=DROP_SECONDS)
+    except (TimeoutError, asyncpg.PostgresError) as exc:
+        if sys.__stderr__ is not None:
+            sys.__stderr__.write(f"\nleft test database {name} behind: {type(exc).__name__}: {exc}\n")
     finally:
-        await conn.close()
+        conn.terminate()
 
 
 @pytest.fixture

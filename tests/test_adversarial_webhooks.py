@@ -18,7 +18,7 @@ from tests.factories import insert_task
 from tests.harness import Received, Reply, WebhookReceiver, wait_for
 
 TENANT = "tenant-a"
-TIMEOUT = 1.0
+TIMEOUT = 2.0  # short, so the suite is quick; long enough that a loaded machine does not cut an honest answer
 SCHEDULE = [0.0, 0.2]
 SHA = "cd" * 32
 
@@ -119,7 +119,8 @@ async def test_hostile_receivers_fail_on_schedule_and_a_good_one_still_gets_its_
         assert [a["attempt"] for a in logged] == list(range(1, row["attempts"] + 1)), name
         assert {a["webhook_id"] for a in logged} == {row["webhook_id"]}, name
         assert row["attempts"] == (len(SCHEDULE) if expected == "FAILED" else 1), name
-        assert all(a["latency_ms"] <= (TIMEOUT + 0.5) * 1000 for a in logged), (name, [a["latency_ms"] for a in logged])
+        # cut at the timeout: the trickles would take 10 s, the hang forever
+        assert all(a["latency_ms"] <= (TIMEOUT + 3) * 1000 for a in logged), (name, [a["latency_ms"] for a in logged])
     assert elapsed < budget
 
 
@@ -128,9 +129,14 @@ async def test_redirects_are_not_followed_even_in_a_loop(backends: Backends, not
         looping.reply = lambda r: Reply(status=307, headers={"location": looping.url(r.path)})
         async with WebhookReceiver(always(Reply(status=302, headers={"location": target.url()}))) as redirecting:
             ids = [await succeed_with_callback(backends, looping.url()), await succeed_with_callback(backends, redirecting.url())]
-            await wait_for(lambda: deliveries_settled(backends, ids), 15)
+            await wait_for(lambda: deliveries_settled(backends, ids), 30)
+            logged = await backends.pool.fetch(
+                "SELECT d.task_id, a.attempt, a.status_code, a.error FROM callback_attempt a "
+                "JOIN callback_delivery d ON d.id = a.delivery_id WHERE d.task_id = ANY($1::bigint[]) ORDER BY a.id",
+                ids,
+            )
             assert target.requests == []
-            assert len(looping.requests) == len(SCHEDULE) and len(redirecting.requests) == len(SCHEDULE)
+            assert len(looping.requests) == len(SCHEDULE) and len(redirecting.requests) == len(SCHEDULE), [dict(r) for r in logged]
             statuses = await backends.pool.fetch(
                 "SELECT status, last_status_code FROM callback_delivery WHERE task_id = ANY($1::bigint[])", ids
             )

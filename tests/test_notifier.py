@@ -293,12 +293,12 @@ async def test_hanging_receiver_is_cut_at_the_timeout(
         await notifier_factory(fast(settings, webhook_timeout_seconds=0.3, webhook_schedule_seconds=[0.0]))
         task = await insert_task(backends.pool, callback_url=rx.url)
         await run_to(backends.pool, task.id, Status.FAILED)
-        await wait_for(lambda: _eq(_status(backends, task.id), "FAILED"), within=5)
+        await wait_for(lambda: _eq(_status(backends, task.id), "FAILED"), within=15)
     row = await delivery(backends.pool, task.id)
     attempt = await backends.pool.fetchrow("SELECT * FROM callback_attempt WHERE delivery_id = $1", row["id"])
     assert len(rx.requests) == 1 and row["attempts"] == 1
     assert attempt["status_code"] is None and "timeout" in attempt["error"]
-    assert 250 <= attempt["latency_ms"] < 1500, attempt["latency_ms"]
+    assert 250 <= attempt["latency_ms"] < 5000, attempt["latency_ms"]  # cut at 0.3 s; the receiver never answers
     assert json.loads(rx.requests[0].body)["data"]["error"] == {"code": "MODEL_ERROR", "message": "the model fell over"}
     assert await backends.pool.fetchval("SELECT callback_status FROM task WHERE id = $1", task.id) == "FAILED"
 
@@ -615,7 +615,7 @@ async def test_idle_streams_get_keepalives(
         started = time.monotonic()
         assert (await call.read()).WhichOneof("kind") == "keepalive"
         assert (await call.read()).WhichOneof("kind") == "keepalive"
-        assert 0.3 <= time.monotonic() - started < 2.0
+        assert 0.3 <= time.monotonic() - started < 10.0  # two 0.2 s periods: never early, and no 15 s default
         call.cancel()
         every = stub.WatchTasks(events_pb2.WatchTasksRequest(), metadata=bearer(api_key))
         hello = await every.read()  # at once: caught up, with the resume point

@@ -345,7 +345,7 @@ async def test_hard_cancel_of_a_sleep_run_frees_the_slot_at_once(settings: Setti
     started = time.monotonic()
     await backends.bus.nc.publish(busmod.CANCEL_SUBJECT, task_pb2.CancelSignal(task_id=str(task.id), hard=True).SerializeToString())
     report = await handle.worker.wait_for(report_for(task.id), within=5)
-    assert time.monotonic() - started < 1.0  # one 0.2 s step at most, not the 20 s run
+    assert time.monotonic() - started < 5.0  # one 0.2 s step (plus a loaded machine's delays), not the 20 s run
     assert report.outcome == "canceled" and report.steps_at_abort is not None
     assert report.steps_done <= report.steps_at_abort + 1 < 100
     assert handle.worker.status().free_slots == 1
@@ -363,7 +363,7 @@ async def test_a_task_timed_out_elsewhere_is_stopped_at_the_next_lease_renewal(
     assert timed_out.applied
     started = time.monotonic()
     report = await handle.worker.wait_for(report_for(task.id), within=5)
-    assert report.outcome == "terminal" and time.monotonic() - started < 2 * handle.worker.settings.heartbeat_seconds + 0.5
+    assert report.outcome == "terminal" and time.monotonic() - started < 10.0  # a renewal or two, not the 20 s run
     assert handle.worker.status().free_slots == 1
     row = await store.get_task(backends.pool, task.id)
     assert row is not None and row.status is Status.TIMEOUT and row.result_uri is None
@@ -371,13 +371,13 @@ async def test_a_task_timed_out_elsewhere_is_stopped_at_the_next_lease_renewal(
 
 
 async def test_crashed_workers_task_is_finished_by_another_exactly_once(settings: Settings, backends: Backends, workers: Factory) -> None:
-    s = with_(sleepy_settings(settings, sleep=1.0), lease_seconds=1.0, heartbeat_seconds=0.25)
+    s = with_(sleepy_settings(settings, sleep=1.0), lease_seconds=2.0, heartbeat_seconds=0.5)
     first = await workers(s)
     task = await submit(backends, params=params(steps=4))
     await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.progress > 0)
     await first.kill()
     second = await workers(s)
-    running = await wait_task(backends, task.id, lambda r: r.attempt == 2, within=10)
+    running = await wait_task(backends, task.id, lambda r: r.attempt == 2, within=20)
     assert running.worker_id == second.worker_id
     stale = await store.transition(
         backends.pool, task.id, Move.PROGRESS, 90, 1.0, actor="worker", expected_attempt=1
@@ -393,18 +393,18 @@ async def test_crashed_workers_task_is_finished_by_another_exactly_once(settings
 
 
 async def test_paused_workers_late_result_is_fenced_out(settings: Settings, backends: Backends, workers: Factory) -> None:
-    base = with_(sleepy_settings(settings, sleep=0.3), lease_seconds=1.0, heartbeat_seconds=0.25)
+    base = with_(sleepy_settings(settings, sleep=0.3), lease_seconds=2.0, heartbeat_seconds=0.5)
     # A worker that stops renewing (a long pause): its lease and ack wait lapse while it still runs.
     paused = await workers(
-        sleepy_settings(base, sleep=2.5).model_copy(update={"heartbeat_seconds": 60.0, "lease_seconds": 1.0}),
+        sleepy_settings(base, sleep=5.0).model_copy(update={"heartbeat_seconds": 60.0, "lease_seconds": 1.0}),
         worker_id="paused",
     )
     task = await submit(backends, params=params(steps=1))
     await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.worker_id == "paused")
     healthy = await workers(base, worker_id="healthy")
-    row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED), within=10)
+    row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED), within=20)
     assert (row.attempt, row.worker_id) == (2, "healthy")
-    fenced = await paused.worker.wait_for(report_for(task.id), within=5)
+    fenced = await paused.worker.wait_for(report_for(task.id), within=20)
     assert fenced.outcome == "fenced" and fenced.attempt == 1
     store_ = results.result_store(base, backends.bus)
     with pytest.raises(results.ResultNotFound):

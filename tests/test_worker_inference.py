@@ -75,7 +75,7 @@ async def test_hard_cancel_stops_the_pipeline_within_one_step(backends: Backends
     report = await wan_worker.worker.wait_for(report_for(task.id), within=30)
     assert report.outcome == "canceled" and report.steps_at_abort is not None
     assert report.steps_done <= report.steps_at_abort + 1 and report.steps_done < total
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 10  # a step or two, not the 1000-step run
     assert wan_worker.worker.status().free_slots == 1
     row = await store.get_task(backends.pool, task.id)
     assert row is not None and row.status is Status.CANCELED and row.result_uri is None

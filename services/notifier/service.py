@@ -50,13 +50,15 @@ class NotifierHandle:
         if self.ended:
             return
         self.ended = True
-        await server.mark_not_serving(self.health)
-        await self.grpc_server.stop(STOP_GRACE_SECONDS)
-        await self._cancel_loops()
-        await self.sender.stop()
-        await self.hub.stop()
-        if self.owns_backends:
-            await self.backends.close()
+        try:
+            await server.mark_not_serving(self.health)
+            await self.grpc_server.stop(STOP_GRACE_SECONDS)
+            await self._cancel_loops()
+            await self.sender.stop()
+            await self.hub.stop()
+        finally:
+            if self.owns_backends:
+                await self.backends.close()
         log.info("notifier stopped")
 
     async def kill(self) -> None:

@@ -129,15 +129,17 @@ class SchedulerHandle:
         """Stops the scan loop (a pass in flight gets `grace` seconds), then the server (in-flight calls get
         `grace` seconds), then the connections."""
         self._stop.set()
-        await server.mark_not_serving(self._health)
-        if self._loop is not None:
-            try:
-                await asyncio.wait_for(self._loop, grace)
-            except TimeoutError:
-                log.warning("scan pass cancelled at shutdown")
-        await self._server.stop(grace)
-        if self._owns_backends:
-            await self.backends.close()
+        try:
+            await server.mark_not_serving(self._health)
+            if self._loop is not None:
+                try:
+                    await asyncio.wait_for(self._loop, grace)
+                except TimeoutError:
+                    log.warning("scan pass cancelled at shutdown")
+            await self._server.stop(grace)
+        finally:
+            if self._owns_backends:
+                await self.backends.close()
 
 
 async def start(settings: Settings, backends: runtime.Backends | None = None, *, scan_loop: bool = True) -> SchedulerHandle:

@@ -81,8 +81,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         remaining = context.time_remaining()
         if remaining is None:
             return cap
-        # keep a tenth of what is left (50-250 ms) to roll back and send UNAVAILABLE before the client gives up
-        margin = min(max(remaining * 0.1, 0.05), 0.25)
+        # keep a fifth of what is left (50-500 ms) to roll back and send UNAVAILABLE before the client gives up
+        margin = min(max(remaining * 0.2, 0.05), 0.5)
         return max(min(cap, remaining - margin), 0.001)
 
     async def _principal(self, context: Context) -> Principal:
@@ -358,10 +358,12 @@ class SubmitHandle:
 
     async def stop(self, grace: float | None = None) -> None:
         """Readiness off, stop accepting, let in-flight calls finish within `grace`, then close the backends."""
-        await mark_not_serving(self.health)
-        await self.server.stop(self.settings.submit_shutdown_grace_seconds if grace is None else grace)
-        if self.owns_backends:
-            await self.backends.close()
+        try:
+            await mark_not_serving(self.health)
+            await self.server.stop(self.settings.submit_shutdown_grace_seconds if grace is None else grace)
+        finally:
+            if self.owns_backends:
+                await self.backends.close()
 
 
 async def start(settings: Settings, backends: Backends | None = None) -> SubmitHandle:

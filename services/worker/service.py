@@ -50,12 +50,14 @@ class WorkerHandle:
         if self.stopped:
             return
         self.stopped = True
-        await mark_not_serving(self.health)
-        await self.worker.begin_drain(grace)
-        await self.worker.close()
-        await self.server.stop(1.0)
-        if self.owns_backends:
-            await self.backends.close()
+        try:
+            await mark_not_serving(self.health)
+            await self.worker.begin_drain(grace)
+            await self.worker.close()
+            await self.server.stop(1.0)
+        finally:
+            if self.owns_backends:
+                await self.backends.close()
 
     async def kill(self) -> None:
         """Simulates a crash: heartbeats and runs stop, nothing is released or acked, connections close."""
