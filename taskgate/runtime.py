@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 
@@ -18,6 +19,26 @@ from taskgate.migrate import migrate
 from taskgate.store import create_pool
 
 log = logging.getLogger("taskgate.runtime")
+STOP_TASKS_SECONDS = 5.0
+
+
+async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], within: float = STOP_TASKS_SECONDS) -> None:
+    """Cancels background loops and waits for them, never longer than `within`.
+
+    Some client libraries turn a cancellation into an error of their own (nats-py's publish_async does), and a loop
+    that handles that error carries on: shutdown must not wait for it forever. A loop left running is logged.
+    """
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    if not pending:
+        return
+    done, stuck = await asyncio.wait(pending, timeout=within)
+    for task in done:
+        if not task.cancelled():
+            task.exception()  # retrieved: a loop that died of an error logged it itself
+    for task in stuck:
+        log.error("background task did not stop when cancelled", extra={"task": task.get_name()})
 
 
 @dataclass

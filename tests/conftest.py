@@ -43,7 +43,9 @@ def _dump_asyncio_tasks(_signum: int, _frame: FrameType | None) -> None:
     out = io.StringIO()
     print(f"\n=== about to time out; {len(tasks)} asyncio tasks ===", file=out)
     for task in tasks:
-        task.print_stack(limit=12, file=out)
+        print(f"--- {task!r}", file=out)
+        for frame in task.get_stack(limit=12):  # not print_stack: Cython frames have no line number
+            print(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", file=out)
     if sys.__stderr__ is not None:  # past pytest's capture: the dump must reach CI's log
         sys.__stderr__.write(out.getvalue())
 

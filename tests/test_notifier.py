@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -14,11 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import nats.js.errors
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from services.notifier import outbox
+from services.notifier.relay import EventRelay
 from services.notifier.service import NotifierHandle, start
+from services.notifier.wake import woken
 from taskgate import auth, errors, webhook_signing
 from taskgate import bus as busmod
 from taskgate.config import Settings
@@ -470,6 +474,63 @@ async def test_relay_killed_mid_batch_recovers_with_no_gap(
         by_task.setdefault(event.task_id, []).append(event.version)
     for t in tasks:
         assert by_task[str(t.id)] == [1, 2, 3, 4], by_task[str(t.id)]  # each once, in version order, none missing
+
+
+class _StalledJetStream:
+    """publish_async waiting for room, as nats-py's does with too many in flight; like nats-py, it reports a
+    cancellation during that wait as TooManyStalledMsgsError (until `honest`)."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.honest = False
+
+    async def publish_async(self, *_args: Any, **_kwargs: Any) -> Any:
+        self.entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if self.honest:
+                raise
+            raise nats.js.errors.TooManyStalledMsgsError from None
+
+
+async def test_relay_stops_when_cancelled_inside_a_publish_that_hides_the_cancellation(
+    backends: Backends, settings: Settings
+) -> None:
+    js = _StalledJetStream()
+    relay = EventRelay(fast(settings), backends.pool, busmod.Bus(nc=backends.bus.nc, js=js))  # type: ignore[arg-type]
+    await insert_task(backends.pool)  # its CREATED event waits to be relayed
+    loop = asyncio.create_task(relay.run())
+    try:
+        await asyncio.wait_for(js.entered.wait(), 10)
+        loop.cancel()
+        done, _ = await asyncio.wait({loop}, timeout=5)
+        assert loop in done and loop.cancelled()
+    finally:
+        js.honest = True  # lets a relay that ignored the cancel end, so a failure here does not hang the run
+        loop.cancel()
+        await asyncio.wait({loop}, timeout=5)
+    assert await backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL") == 1
+
+
+async def test_a_wait_honours_a_cancellation_that_was_swallowed_before_it() -> None:
+    passes = 0
+    stop = False
+
+    async def background_loop() -> None:
+        nonlocal passes
+        while not stop:
+            passes += 1
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(30)  # a library call that catches the cancellation and carries on
+            await woken(asyncio.Event(), 0.01)
+
+    loop = asyncio.create_task(background_loop())
+    await asyncio.sleep(0.05)
+    loop.cancel()
+    done, _ = await asyncio.wait({loop}, timeout=5)
+    stop = True
+    assert loop in done and loop.cancelled() and passes == 1
 
 
 async def run_to_more(backends: Backends, task_id: int) -> None:

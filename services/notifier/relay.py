@@ -118,6 +118,8 @@ class EventRelay:
                     )
                 )
         except (nats.errors.Error, nats.js.errors.Error) as exc:
+            if cancelling():  # publish_async turns a cancellation into TooManyStalledMsgsError
+                raise asyncio.CancelledError from exc
             log.warning("relay publish failed", extra={"error": f"{type(exc).__name__}: {exc}"[:300]})
         if futures:
             await asyncio.wait(futures, timeout=timeout)

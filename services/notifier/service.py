@@ -79,9 +79,7 @@ class NotifierHandle:
             await self.hub.stop()
 
     async def _cancel_loops(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await runtime.stop_tasks(self.tasks)
 
 
 async def start(settings: Settings, backends: runtime.Backends | None = None) -> NotifierHandle:

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from services.worker import runner as runmod
 from services.worker.consumer import Level, Puller, Weighted, make_levels
 from taskgate import bus as busmod
-from taskgate import results, sql, store, telemetry
+from taskgate import results, runtime, sql, store, telemetry
 from taskgate.config import Settings
 from taskgate.model import TaskRow, timestamp
 from taskgate.runtime import Backends
@@ -264,10 +264,7 @@ class Worker:
     async def close(self) -> None:
         """After a drain: stops the loops, unsubscribes, removes the registry row."""
         await self.begin_drain()
-        loops = [*self._loops, *([self._stats] if self._stats else [])]
-        for task in loops:
-            task.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
+        await runtime.stop_tasks([*self._loops, *([self._stats] if self._stats else [])])
         await self.puller.close()
         if self._cancel_sub is not None:
             with contextlib.suppress(Exception):
@@ -287,10 +284,7 @@ class Worker:
         self.draining = True
         for run in self.runs.values():
             run.stop(Abort.KILLED)
-        tasks = [*self._loops, *self._tasks, *([self._stats] if self._stats else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await runtime.stop_tasks([*self._loops, *self._tasks, *([self._stats] if self._stats else [])])
         await self._release_claim_connection()
         await self.puller.close()
         if self._cancel_sub is not None:
