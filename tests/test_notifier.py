@@ -22,7 +22,6 @@ from google.rpc import error_details_pb2, status_pb2
 from services.notifier import outbox
 from services.notifier.relay import EventRelay
 from services.notifier.service import NotifierHandle, start
-from services.notifier.wake import woken
 from taskgate import auth, errors, webhook_signing
 from taskgate import bus as busmod
 from taskgate.config import Settings
@@ -30,6 +29,7 @@ from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import Move, transition
 from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
+from taskgate.waiting import woken
 from tests.factories import insert_task
 
 TENANT = "tenant-a"

@@ -10,7 +10,7 @@ from typing import Any
 
 import asyncpg
 
-from services.notifier.wake import cancelling
+from taskgate.waiting import cancelling
 
 log = logging.getLogger("taskgate.notifier.listen")
 

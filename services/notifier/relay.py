@@ -13,10 +13,10 @@ import nats.js.errors
 
 from services.notifier import outbox
 from services.notifier.events import event_proto, msg_id
-from services.notifier.wake import cancelling, woken
 from taskgate import bus as busmod
 from taskgate import sql, telemetry
 from taskgate.config import Settings
+from taskgate.waiting import cancelling, woken
 
 log = logging.getLogger("taskgate.notifier.relay")
 

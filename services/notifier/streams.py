@@ -17,13 +17,13 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from services.notifier.events import event_proto, is_terminal
-from services.notifier.wake import woken
 from taskgate import bus as busmod
 from taskgate import errors, sql, store
 from taskgate.auth import Authenticator
 from taskgate.config import Settings
 from taskgate.states import Status
 from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
+from taskgate.waiting import woken
 
 log = logging.getLogger("taskgate.notifier.streams")
 

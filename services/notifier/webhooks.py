@@ -16,10 +16,10 @@ from typing import Any
 import asyncpg
 import httpx
 
-from services.notifier.wake import cancelling, woken
 from taskgate import auth, sql, telemetry, webhook_signing
 from taskgate.config import Settings
 from taskgate.netguard import forbidden_address
+from taskgate.waiting import cancelling, woken
 
 log = logging.getLogger("taskgate.notifier.webhook")
 

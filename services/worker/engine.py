@@ -30,6 +30,7 @@ from taskgate.server import BACKEND_ERRORS
 from taskgate.states import Status
 from taskgate.store import Move, Outcome
 from taskgate.v1 import task_pb2, worker_pb2
+from taskgate.waiting import cancelling
 
 log = logging.getLogger("taskgate.worker")
 
@@ -321,7 +322,9 @@ class Worker:
                 await self._dispatch_once()
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
+                if cancelling():  # a client library reported our cancellation as its own error
+                    raise asyncio.CancelledError from exc
                 log.exception("dispatch failed", extra={"worker": self.worker_id})
                 await asyncio.sleep(self.settings.worker_fetch_linger_seconds)
         for _, msg in self._ready:
@@ -837,7 +840,9 @@ class Worker:
                 await self._beat()
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
+                if cancelling():
+                    raise asyncio.CancelledError from exc
                 log.warning("heartbeat failed", extra={"worker": self.worker_id}, exc_info=True)
 
     async def _beat(self) -> None:

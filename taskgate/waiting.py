@@ -1,4 +1,4 @@
-"""Waiting for wake-ups in background loops without ever swallowing a cancellation."""
+"""Waiting in background loops without ever losing a cancellation (shared by every service)."""
 
 from __future__ import annotations
 
