@@ -17,7 +17,7 @@ import pytest
 
 from taskgate.client.local import LocalStack
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # its own waits allow a slow first build
 
 READY = "Ctrl-C stops everything."
 
