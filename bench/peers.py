@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,28 @@ async def _guarded(report: Report, section: str, work: Callable[[], Any]) -> Non
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(args, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def _recovery_after_kill(
+    starts: Callable[[], Awaitable[int]], worker: subprocess.Popen[bytes], worker_cmd: list[str], env: dict[str, str], log: Path
+) -> tuple[subprocess.Popen[bytes], float | None]:
+    """Once the held job has started, SIGKILLs the worker, starts a fresh one and times until the job starts again.
+
+    Returns the new worker (for the caller to stop) and the seconds to the second start, or None after RECOVERY_WAIT.
+    """
+    for _ in range(600):
+        if await starts() >= 1:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)
+    t0 = time.monotonic()
+    _kill(worker)
+    worker = _spawn(worker_cmd, env, log)
+    while time.monotonic() - t0 < RECOVERY_WAIT:
+        if await starts() >= 2:
+            return worker, time.monotonic() - t0
+        await asyncio.sleep(0.1)
+    return worker, None
 
 
 def _kill(proc: subprocess.Popen[bytes] | None, sig: signal.Signals = signal.SIGKILL) -> None:
@@ -171,20 +193,11 @@ async def celery_peer(report: Report, state_dir: Path, opts: Options) -> None:
 
         token = uuid.uuid4().hex
         hold.apply_async(args=(token, 600.0))
-        for _ in range(600):
-            if client.llen(f"starts:{token}") >= 1:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)
-        t0 = time.monotonic()
-        _kill(worker)
-        worker = _spawn(worker_cmd, env, folder / "worker.log")
-        recovery: float | None = None
-        while time.monotonic() - t0 < RECOVERY_WAIT:
-            if client.llen(f"starts:{token}") >= 2:
-                recovery = time.monotonic() - t0
-                break
-            await asyncio.sleep(0.1)
+
+        async def celery_starts() -> int:
+            return int(client.llen(f"starts:{token}"))
+
+        worker, recovery = await _recovery_after_kill(celery_starts, worker, worker_cmd, env, folder / "worker.log")
         note = "" if recovery is not None else f"not redelivered within {RECOVERY_WAIT:g} s (Redis visibility timeout: 1 h)"
         _report(report, section, enqueue, dispatch, e2e, recovery, note)
     finally:
@@ -299,20 +312,7 @@ async def procrastinate_peer(report: Report, state_dir: Path, opts: Options) -> 
                 row = await cur.fetchone()
                 return int(row[0]) if row else 0
 
-            for _ in range(600):
-                if await starts() >= 1:
-                    break
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(1.0)
-            t0 = time.monotonic()
-            _kill(worker)
-            worker = _spawn(worker_cmd, env, folder / "worker.log")
-            recovery: float | None = None
-            while time.monotonic() - t0 < RECOVERY_WAIT:
-                if await starts() >= 2:
-                    recovery = time.monotonic() - t0
-                    break
-                await asyncio.sleep(0.1)
+            worker, recovery = await _recovery_after_kill(starts, worker, worker_cmd, env, folder / "worker.log")
         note = "periodic retry of stalled jobs every second, default 30 s stall timeout"
         if recovery is None:
             note = f"not retried within {RECOVERY_WAIT:g} s; " + note

@@ -108,6 +108,18 @@ class Output:
         for row in cells:
             self.line("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
+    def listing(
+        self, key: str, items: Sequence[Message], empty: str, headers: Sequence[str], row: Callable[[Any], Sequence[object]]
+    ) -> int:
+        """A list of messages: `{key: [...]}` with --json, else a table (or `empty` when there is nothing)."""
+        if self.json:
+            self.document({key: [_proto_dict(item) for item in items]})
+        elif not items:
+            self.line(empty)
+        else:
+            self.table(headers, [row(item) for item in items])
+        return EXIT_OK
+
     def fields(self, pairs: Sequence[tuple[str, object]]) -> None:
         width = max(len(k) for k, _ in pairs)
         for key, value in pairs:
@@ -141,6 +153,10 @@ def _short(text: str, width: int = 48) -> str:
 
 def _status_name(value: int) -> str:
     return task_pb2.TaskStatus.Name(value).removeprefix("TASK_STATUS_")  # type: ignore[arg-type]
+
+
+def _callback_name(value: int) -> str:
+    return task_pb2.CallbackStatus.Name(value).removeprefix("CALLBACK_STATUS_")  # type: ignore[arg-type]
 
 
 def print_task(out: Output, task: Task) -> None:
@@ -373,24 +389,19 @@ async def cmd_admin_stats(client: AsyncTaskgateClient, args: argparse.Namespace,
         out.line()
         out.table(
             ["CALLBACKS", "COUNT"],
-            [[task_pb2.CallbackStatus.Name(c.status).removeprefix("CALLBACK_STATUS_"), c.count] for c in stats.callbacks],
+            [[_callback_name(c.status), c.count] for c in stats.callbacks],
         )
     return EXIT_OK
 
 
 async def cmd_admin_stuck(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
-    stuck = await client.stuck(args.limit)
-    if out.json:
-        out.document({"tasks": [_proto_dict(s) for s in stuck]})
-        return EXIT_OK
-    if not stuck:
-        out.line("no stuck tasks")
-        return EXIT_OK
-    out.table(
+    return out.listing(
+        "tasks",
+        await client.stuck(args.limit),
+        "no stuck tasks",
         ["TASK ID", "STATUS", "MODEL", "ATTEMPT", "REASON"],
-        [[s.task.id, _status_name(s.task.status), s.task.model_id, s.task.attempt, s.reason] for s in stuck],
+        lambda s: [s.task.id, _status_name(s.task.status), s.task.model_id, s.task.attempt, s.reason],
     )
-    return EXIT_OK
 
 
 def _print_batch(out: Output, batch: admin_pb2.RequeueBatch) -> None:
@@ -449,38 +460,23 @@ async def cmd_admin_dead_letters(client: AsyncTaskgateClient, args: argparse.Nam
         letters.append(letter)
         if len(letters) >= args.limit:
             break
-    if out.json:
-        out.document({"dead_letters": [_proto_dict(d) for d in letters]})
-        return EXIT_OK
-    if not letters:
-        out.line("no dead letters")
-        return EXIT_OK
-    out.table(
+    return out.listing(
+        "dead_letters",
+        letters,
+        "no dead letters",
         ["TASK ID", "STATUS", "MODEL", "DEAD AT", "REASON"],
-        [
-            [d.task.id, _status_name(d.task.status), d.task.model_id, _ts(d.dead_at), _short(d.reason, 60)]
-            for d in letters
-        ],
+        lambda d: [d.task.id, _status_name(d.task.status), d.task.model_id, _ts(d.dead_at), _short(d.reason, 60)],
     )
-    return EXIT_OK
 
 
 async def cmd_admin_redeliver(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
-    deliveries = await client.redeliver(args.task_id)
-    if out.json:
-        out.document({"deliveries": [_proto_dict(d) for d in deliveries]})
-        return EXIT_OK
-    if not deliveries:
-        out.line("nothing to redeliver")
-        return EXIT_OK
-    out.table(
+    return out.listing(
+        "deliveries",
+        await client.redeliver(args.task_id),
+        "nothing to redeliver",
         ["DELIVERY", "WEBHOOK ID", "EVENT", "STATUS", "ATTEMPTS"],
-        [
-            [d.delivery_id, d.webhook_id, d.event, task_pb2.CallbackStatus.Name(d.status).removeprefix("CALLBACK_STATUS_"), d.attempts]
-            for d in deliveries
-        ],
+        lambda d: [d.delivery_id, d.webhook_id, d.event, _callback_name(d.status), d.attempts],
     )
-    return EXIT_OK
 
 
 # -- keys (straight to the database) ------------------------------------------------------------------------------

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import subprocess
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,22 +39,10 @@ from taskgate.embedded import free_port
 from taskgate.results import result_store
 from taskgate.runtime import Backends
 from taskgate.store import Move, transition
+from tests.harness import wait_for
 
 SMALL = {"frames": 9, "width": 32, "height": 32, "steps": 2}
 
-
-async def wait_for(condition: Callable[[], Awaitable[bool] | bool], within: float = 10.0) -> None:
-    """Polls `condition` every 20 ms until it holds, failing after `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        value = condition()
-        if not isinstance(value, bool):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 @dataclass
@@ -243,16 +230,22 @@ async def test_retries_are_bounded(stack: Stack) -> None:
 # -- watch, wait, download -----------------------------------------------------------------------------------------
 
 
-async def test_watch_yields_snapshot_then_every_version_until_terminal(stack: Stack, client: AsyncTaskgateClient) -> None:
-    task = await client.submit("watch me", **SMALL)  # type: ignore[arg-type]
+async def watching(client: AsyncTaskgateClient, task_id: str) -> tuple[list[TaskEvent], asyncio.Task[None]]:
+    """Watches a task in the background until its stream ends; returns once the first event (the snapshot) is in."""
     seen: list[TaskEvent] = []
 
     async def collect() -> None:
-        async for event in client.watch(task.task_id):
+        async for event in client.watch(task_id):
             seen.append(event)
 
     watcher = asyncio.create_task(collect())
     await wait_for(lambda: len(seen) >= 1)
+    return seen, watcher
+
+
+async def test_watch_yields_snapshot_then_every_version_until_terminal(stack: Stack, client: AsyncTaskgateClient) -> None:
+    task = await client.submit("watch me", **SMALL)  # type: ignore[arg-type]
+    seen, watcher = await watching(client, task.task_id)
     await run_task(stack.backends, task.task_id, progress=(25, 75))
     await asyncio.wait_for(watcher, 10)
     assert seen[0].snapshot and seen[0].status is Status.QUEUED
@@ -265,14 +258,7 @@ async def test_watch_yields_snapshot_then_every_version_until_terminal(stack: St
 
 async def test_watch_resumes_after_the_notifier_restarts(stack: Stack, client: AsyncTaskgateClient) -> None:
     task = await client.submit("survive a restart", **SMALL)  # type: ignore[arg-type]
-    seen: list[TaskEvent] = []
-
-    async def collect() -> None:
-        async for event in client.watch(task.task_id):
-            seen.append(event)
-
-    watcher = asyncio.create_task(collect())
-    await wait_for(lambda: len(seen) >= 1)
+    seen, watcher = await watching(client, task.task_id)
     tid = int(task.task_id)
     claimed = await transition(stack.backends.pool, tid, Move.CLAIM, "w", 30.0, actor="worker")
     assert claimed.task is not None

@@ -31,6 +31,7 @@ from taskgate.store import Move, transition
 from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
 from taskgate.waiting import woken
 from tests.factories import insert_task
+from tests.harness import wait_for
 
 TENANT = "tenant-a"
 SHA = "ab" * 32
@@ -112,19 +113,6 @@ class Receiver:
     def ids(self) -> list[str]:
         return [r.headers["webhook-id"] for r in self.requests]
 
-
-async def wait_for(condition: Callable[[], Awaitable[bool] | bool], within: float = 10.0) -> None:
-    """Polls `condition` every 20 ms until it holds; fails the test after `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 def fast(settings: Settings, **update: Any) -> Settings:

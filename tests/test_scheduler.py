@@ -8,7 +8,6 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 import asyncpg
@@ -30,6 +29,7 @@ from taskgate.states import Status
 from taskgate.store import Move, Rejection, transition
 from taskgate.v1 import task_pb2
 from tests.factories import insert_task
+from tests.harness import wait_for
 
 RESULT = ("mem://x", "video/mp4", 10, "ab" * 32, False)
 
@@ -76,14 +76,6 @@ async def dispatches(bus: busmod.Bus) -> list[tuple[str, str, task_pb2.TaskDispa
         out.append((msg.subject or "", (msg.headers or {}).get("Nats-Msg-Id", ""), task_pb2.TaskDispatch.FromString(msg.data or b"")))
     return out
 
-
-async def wait_for(condition: Callable[[], Awaitable[bool]], within: float = 5.0) -> None:
-    """Polls `condition` every 20 ms until it holds; fails the test after `within` seconds."""
-    deadline = time.monotonic() + within
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
