@@ -48,8 +48,11 @@ RUN pip install -r /tmp/requirements.txt
 FROM ${PYTHON_IMAGE} AS app
 WORKDIR /app
 COPY taskgate/ taskgate/
+COPY taskgate_client/ taskgate_client/
 COPY services/ services/
-RUN python -m compileall -q taskgate services
+# the dev overlay's init container builds the tiny model with taskgate_local.tinymodel
+COPY taskgate_local/ taskgate_local/
+RUN python -m compileall -q taskgate taskgate_client taskgate_local services
 
 FROM ${PYTHON_IMAGE} AS runtime
 RUN groupadd --system --gid 10001 taskgate \

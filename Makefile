@@ -16,7 +16,7 @@ venv: $(STAMP)
 
 ## The first command: embedded PostgreSQL + NATS, the four services, and a real demo job.
 run: $(STAMP)
-	$(PY) -m taskgate.dev
+	$(PY) -m taskgate_local.dev
 
 ## The whole suite against real PostgreSQL, NATS and gRPC (embedded servers, started per session).
 test: $(STAMP)
@@ -28,7 +28,7 @@ test-faults: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy taskgate services tests bench
+	$(VENV)/bin/mypy taskgate taskgate_client taskgate_local services tests bench
 
 ## Regenerates the gRPC code and its typed stubs from protos/.
 proto: $(STAMP)
@@ -37,7 +37,7 @@ proto: $(STAMP)
 
 ## Builds the tiny random-weight text-to-video pipeline used by tests and the demo.
 tiny-model: $(STAMP)
-	$(PY) -m taskgate.tinymodel
+	$(PY) -m taskgate_local.tinymodel
 
 ## Runs the tiny pipeline on CUDA and prints seconds per step.
 gpu-check: $(STAMP)

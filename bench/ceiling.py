@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from taskgate import bus as busmod
-from taskgate import ids, sql
+from taskgate import ids
 from taskgate.runtime import stop_signal
+from taskgate.store import bench as bench_store
 from taskgate.store import create_pool
 from taskgate.v1 import gateway_pb2, task_pb2
+from taskgate.wire import dispatch
 
 TENANT = "bench-ceiling"
 
@@ -35,11 +36,13 @@ class Ceiling:
         task_id = ids.new_id()
         model = request.model_id or "sleepy"
         subject = busmod.task_subject(model, 5)
-        await self.pool.execute(sql.query("bench_ceiling_insert"), task_id, TENANT, request.idempotency_key, request.prompt, model, subject)
-        message = task_pb2.TaskDispatch(task_id=str(task_id), model_id=model, priority=task_pb2.PRIORITY_NORMAL,
-                                        published_at_unix_ms=int(time.time() * 1000))
-        await self.bus.js.publish(subject, message.SerializeToString(), headers={"Nats-Msg-Id": f"{task_id}.q0"})
-        await self.pool.execute(sql.query("bench_ceiling_queue"), task_id)
+        await bench_store.ceiling_insert(
+            self.pool, task_id=task_id, tenant=TENANT, key=request.idempotency_key, prompt=request.prompt, model=model,
+            queue_name=subject,
+        )
+        message = dispatch.encode_fields(task_id, model, task_pb2.PRIORITY_NORMAL)
+        await self.bus.js.publish(subject, message, headers={"Nats-Msg-Id": f"{task_id}.q0"})
+        await bench_store.ceiling_queue(self.pool, task_id)
         return gateway_pb2.SubmitTaskResponse(task=task_pb2.Task(id=str(task_id), status=task_pb2.TASK_STATUS_QUEUED), created=True)
 
 

@@ -9,23 +9,14 @@ from bench import throughput
 from bench.load import LoadResult
 from bench.stack import TENANT, BenchStack
 from bench.stats import Report, ms
-from taskgate import sql
+from taskgate.store import bench as bench_store
 
 
 async def fill(stack: BenchStack, rows: int) -> float:
     """Inserts `rows` finished tasks (a tenth of them the bench tenant's) and their terminal events, vacuums; returns seconds."""
     start = time.monotonic()
     async with stack.db.acquire() as conn:
-        await conn.execute(sql.query("bench_triggers_off"))
-        try:
-            await conn.execute(sql.query("bench_insert_history"), rows, TENANT, timeout=1800)
-            await conn.execute(sql.query("bench_insert_history_events"), rows, timeout=1800)
-        finally:
-            await conn.execute(sql.query("bench_triggers_on"))
-        # A table that has held a million rows for a while has been vacuumed: do it now, so autovacuum does not
-        # run during the measurement instead.
-        await conn.execute("VACUUM (ANALYZE) task", timeout=900)
-        await conn.execute("VACUUM (ANALYZE) task_event", timeout=900)
+        await bench_store.fill_history(conn, rows=rows, tenant=TENANT)
     return time.monotonic() - start
 
 

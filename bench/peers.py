@@ -27,7 +27,7 @@ from typing import Any
 from bench.load import LoadResult
 from bench.stats import Report, ms
 from bench.throughput import Options
-from taskgate.embedded import EmbeddedPostgres, free_port
+from taskgate_local.embedded import EmbeddedPostgres, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RECOVERY_WAIT = 60.0

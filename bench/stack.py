@@ -9,10 +9,11 @@ from typing import Any
 
 import asyncpg
 
-from taskgate import auth, sql
+from taskgate import auth
 from taskgate.config import ModelSpec, Settings
-from taskgate.embedded import free_port
 from taskgate.migrate import migrate
+from taskgate.store import bench as bench_store
+from taskgate_local.embedded import free_port
 from tests.harness import Cluster, ServiceProcess
 
 TENANT = "bench"
@@ -123,12 +124,12 @@ class BenchStack:
 
     async def close_open_tasks(self) -> int:
         """Cancels what a phase left unfinished and waits until the notifier has relayed every event."""
-        done = await self.db.execute(sql.query("bench_close_open"))
+        done = await bench_store.close_open(self.db)
         for _ in range(600):
-            if not await self.db.fetchval("SELECT EXISTS (SELECT 1 FROM task_event WHERE published_at IS NULL)"):
+            if not await bench_store.events_unrelayed(self.db):
                 break
             await asyncio.sleep(0.1)
-        return int(done.split()[-1])
+        return done
 
     async def purge_tasks_stream(self) -> None:
         """Drops dispatch messages of cancelled tasks, so workers started later do not chew through them."""

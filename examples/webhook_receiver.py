@@ -22,8 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from taskgate.client import WebhookVerificationError, verify_webhook
-from taskgate.client.local import LocalStack, find_state_dir
+from taskgate_client import WebhookVerificationError, verify_webhook
+from taskgate_client.local import LocalStack, find_state_dir
 
 MAX_BODY = 1024 * 1024
 Event = dict[str, Any]

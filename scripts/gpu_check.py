@@ -17,14 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from taskgate import tinymodel
-from taskgate.inference import (
+from services.worker.inference import (
     GenerationRequest,
     InferenceAborted,
     VideoPipeline,
     decode_mp4_info,
     pick_device,
 )
+from taskgate_local import tinymodel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -7,24 +7,15 @@ import hashlib
 import hmac
 import secrets
 import time
-from dataclasses import dataclass
 
-import asyncpg
 import grpc
 
-from taskgate import errors, sql
+from taskgate import errors
+from taskgate.store import tenants
+from taskgate.store.pool import Conn
+from taskgate.store.tenants import Principal as Principal  # re-exported: services name the caller taskgate.auth.Principal
 
 KEY_PREFIX = "tg_"
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """Who is calling: a tenant, and whether the key may use the admin API."""
-
-    tenant_id: str
-    is_admin: bool
-    max_pending: int | None
-    submits_per_minute: int | None
 
 
 def hash_key(pepper: str, key: str) -> str:
@@ -41,7 +32,7 @@ def new_webhook_secret() -> str:
 
 
 async def create_key(
-    db: asyncpg.Connection | asyncpg.Pool,
+    db: Conn,
     pepper: str,
     tenant_id: str,
     *,
@@ -52,37 +43,30 @@ async def create_key(
     """Creates the tenant if new and a key for it; returns (key, webhook secret if the tenant was new)."""
     key = new_api_key()
     secret = new_webhook_secret()
-    row = await db.fetchrow(
-        sql.query("create_api_key"),
-        tenant_id,
-        hash_key(pepper, key),
-        key[:10],
-        admin,
-        max_pending,
-        submits_per_minute,
-        secret,
+    tenant_was_new = await tenants.create_api_key(
+        db,
+        tenant_id=tenant_id,
+        key_hash=hash_key(pepper, key),
+        prefix=key[:10],
+        admin=admin,
+        max_pending=max_pending,
+        submits_per_minute=submits_per_minute,
+        first_secret=secret,
     )
-    assert row is not None
-    return key, (secret if row["secret_created"] else None)
+    return key, (secret if tenant_was_new else None)
 
 
-async def rotate_webhook_secret(db: asyncpg.Connection | asyncpg.Pool, tenant_id: str, overlap_seconds: float) -> str:
+async def rotate_webhook_secret(db: Conn, tenant_id: str, overlap_seconds: float) -> str:
     """Adds a new secret; the previous ones stay valid for `overlap_seconds`."""
     secret = new_webhook_secret()
-    await db.execute(sql.query("rotate_webhook_secret"), tenant_id, secret, overlap_seconds)
+    await tenants.rotate_webhook_secret(db, tenant_id, secret=secret, overlap_seconds=overlap_seconds)
     return secret
-
-
-async def webhook_secrets(db: asyncpg.Connection | asyncpg.Pool, tenant_id: str) -> list[str]:
-    """The tenant's valid secrets, newest first (two during a rotation)."""
-    rows = await db.fetch(sql.query("webhook_secrets"), tenant_id)
-    return [r["secret"] for r in rows]
 
 
 class Authenticator:
     """Resolves `authorization: Bearer <key>` to a Principal, caching hits for a few seconds."""
 
-    def __init__(self, pool: asyncpg.Pool, pepper: str, cache_seconds: float = 5.0) -> None:
+    def __init__(self, pool: Conn, pepper: str, cache_seconds: float = 5.0) -> None:
         self._pool = pool
         self._pepper = pepper
         self._ttl = cache_seconds
@@ -101,10 +85,10 @@ class Authenticator:
         if hit is not None and hit[0] > now:
             found = hit[1]
         else:
-            row = await self._pool.fetchrow(sql.query("lookup_api_key"), digest)
-            if row is None:
+            looked_up = await tenants.lookup_api_key(self._pool, digest)
+            if looked_up is None:
                 raise errors.unauthenticated()
-            found = Principal(row["tenant_id"], row["is_admin"], row["max_pending"], row["submits_per_minute"])
+            found = looked_up
             if len(self._cache) > 10_000:
                 self._cache.clear()
             self._cache[digest] = (now + self._ttl, found)

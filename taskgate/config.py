@@ -150,7 +150,7 @@ class Settings(BaseSettings):
     webhook_lease_seconds: float = Field(default=30.0, gt=0, description="A sender's hold on a delivery (at least 2x the timeout).")
     webhook_jitter: float = Field(default=0.1, ge=0, lt=1, description="Retry delays vary by up to this fraction.")
 
-    # Local stack (`make run`: taskgate.dev)
+    # Local stack (`make run`: taskgate_local.dev)
     dev_start_timeout_seconds: float = Field(default=180.0, gt=0, description="make run: time the services get to become healthy.")
     dev_demo_timeout_seconds: float = Field(default=300.0, gt=0, description="make run: time the demo task gets to finish.")
     dev_stop_timeout_seconds: float = Field(

@@ -7,6 +7,8 @@ import random
 import threading
 import time
 
+from taskgate import errors
+
 EPOCH_MS = 1_704_067_200_000
 _NODE_BITS = 10
 _SEQ_BITS = 12
@@ -45,6 +47,25 @@ def new_id() -> int:
     if _default is None or _default_pid != os.getpid():
         _default, _default_pid = IdGenerator(), os.getpid()
     return _default.next()
+
+
+MAX_ID = 2**63 - 1
+
+
+def parse(text: str) -> int | None:
+    """The task id a decimal string names (1 to 2**63 - 1, ASCII digits only), or None: the one rule for every reader."""
+    if not text or len(text) > 19 or not text.isascii() or not text.isdigit():
+        return None
+    value = int(text)
+    return value if 0 < value <= MAX_ID else None
+
+
+def require(text: str, field: str = "task_id") -> int:
+    """The task id of a request field, or INVALID_ARGUMENT naming the field."""
+    value = parse(text)
+    if value is None:
+        raise errors.invalid_argument([(field, "must be a decimal task id")])
+    return value
 
 
 def timestamp_ms(task_id: int) -> int:

@@ -10,15 +10,8 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from taskgate.states import Status
+from taskgate.states import CallbackStatus, Status
 from taskgate.v1 import task_pb2
-
-_CALLBACK = {
-    "NONE": task_pb2.CALLBACK_STATUS_NONE,
-    "PENDING": task_pb2.CALLBACK_STATUS_PENDING,
-    "DELIVERED": task_pb2.CALLBACK_STATUS_DELIVERED,
-    "FAILED": task_pb2.CALLBACK_STATUS_FAILED,
-}
 
 
 @dataclass(slots=True)
@@ -60,7 +53,7 @@ class TaskRow:
     result_reused: bool = False
     callback_url: str | None = None
     callback_events: list[str] = field(default_factory=list)
-    callback_status: str = "NONE"
+    callback_status: CallbackStatus = CallbackStatus.NONE
     callback_retry: int = 0
     last_actor: str = ""
     last_reason: str | None = None
@@ -74,6 +67,8 @@ class TaskRow:
         present = set(rec.keys())
         data = {f.name: rec[f.name] for f in _FIELDS if f.name in present}
         data["status"] = Status(data["status"])
+        if "callback_status" in data:
+            data["callback_status"] = CallbackStatus(data["callback_status"])
         for key in ("request_payload", "metadata"):
             if isinstance(data.get(key), str):
                 data[key] = json.loads(data[key])
@@ -109,7 +104,7 @@ class TaskRow:
             error_code=self.error_code or "",
             error_message=self.error_msg or "",
             callback_url=self.callback_url or "",
-            callback_status=_CALLBACK.get(self.callback_status, task_pb2.CALLBACK_STATUS_UNSPECIFIED),
+            callback_status=self.callback_status.to_proto(),
             version=self.version,
             worker_id=self.worker_id or "",
             queue_position=queue_position,

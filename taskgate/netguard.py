@@ -1,8 +1,15 @@
-"""Which addresses a webhook may reach: public ones only (the server-side request forgery guard)."""
+"""Which addresses a webhook may reach: public ones only (the server-side request forgery guard).
+
+One policy for submit (checking a callback URL) and the notifier (sending to it): resolve the host once, refuse it
+if ANY address is forbidden, and connect only to an address that was checked (closing the DNS-rebinding gap).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import socket
+from collections.abc import Iterable
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -32,3 +39,36 @@ def forbidden_address(addr: IPAddress) -> bool:
         or addr.is_unspecified
         or not addr.is_global
     )
+
+
+class Refused(Exception):
+    """A host a webhook must not reach; the message says why."""
+
+
+async def resolve(host: str, port: int, *, within: float) -> list[IPAddress]:
+    """Every address `host` resolves to, in resolver order (numeric forms such as 2130706433 or 0x7f.1 included)."""
+    loop = asyncio.get_running_loop()
+    infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), within)
+    found: list[IPAddress] = []
+    for info in infos:
+        address = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])  # drop an IPv6 scope id
+        if address not in found:
+            found.append(address)
+    return found
+
+
+async def checked_address(host: str, port: int, *, within: float, allow_hosts: Iterable[str] = ()) -> IPAddress:
+    """The address to connect to for `host`: resolved once, refused if any of its addresses is forbidden.
+
+    An allow-listed host (operators' own receivers) skips the address check but is still resolved once.
+    """
+    try:
+        addresses = await resolve(host, port, within=within)
+    except (OSError, TimeoutError, UnicodeError, ValueError):
+        raise Refused("host does not resolve") from None
+    if not addresses:
+        raise Refused("host does not resolve")
+    allowed = host.lower() in {h.lower() for h in allow_hosts}
+    if not allowed and any(forbidden_address(a) for a in addresses):
+        raise Refused("resolves to a loopback, private, link-local or metadata address")
+    return addresses[0]

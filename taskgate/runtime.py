@@ -13,9 +13,10 @@ from typing import Any
 import asyncpg
 
 from taskgate import bus as busmod
-from taskgate import embedded, telemetry
+from taskgate import telemetry
 from taskgate.config import Settings, load_settings
 from taskgate.migrate import migrate
+from taskgate.stackfile import local_stack_urls
 from taskgate.store import create_pool
 
 log = logging.getLogger("taskgate.runtime")
@@ -62,11 +63,11 @@ def resolve_urls(settings: Settings) -> tuple[str, str]:
     """Configured URLs win; else a running embedded stack under state_dir; else an error saying what to do."""
     if settings.database_url and settings.nats_url:
         return settings.database_url, settings.nats_url
-    running = embedded.running_urls(settings.state_dir)
+    running = local_stack_urls(settings.state_dir)
     if running is None:
         raise SystemExit(
             "taskgate: no TASKGATE_DATABASE_URL/TASKGATE_NATS_URL and no embedded stack running under "
-            f"{settings.state_dir} (start one with `python -m taskgate.stack`)"
+            f"{settings.state_dir} (start one with `python -m taskgate_local.stack`)"
         )
     return settings.database_url or running[0], settings.nats_url or running[1]
 

@@ -58,6 +58,29 @@ def is_legal(src: Status, dst: Status) -> bool:
     return dst in LEGAL[src]
 
 
+class CallbackStatus(StrEnum):
+    """A task's terminal webhook as the task sees it; the values are task.callback_status."""
+
+    NONE = "NONE"  # no callback URL, or the task's last event asked for no webhook
+    PENDING = "PENDING"  # a terminal webhook is owed or being retried
+    DELIVERED = "DELIVERED"
+    FAILED = "FAILED"  # the retry schedule ran out
+
+    def to_proto(self) -> task_pb2.CallbackStatus.ValueType:
+        return task_pb2.CallbackStatus.Value(f"CALLBACK_STATUS_{self.value}")
+
+
+# from -> the callback states it may move to (taskgate.store.callbacks refuses any other). PENDING -> PENDING is a
+# retry scheduled, or a redelivery mid-round; a redelivery starts a new round (DELIVERED/FAILED -> PENDING). NONE
+# is final: a task with it has no URL, or its terminal event asked for no webhook, so it has none to redeliver.
+CALLBACK_LEGAL: dict[CallbackStatus, frozenset[CallbackStatus]] = {
+    CallbackStatus.NONE: frozenset(),
+    CallbackStatus.PENDING: frozenset({CallbackStatus.NONE, CallbackStatus.DELIVERED, CallbackStatus.FAILED, CallbackStatus.PENDING}),
+    CallbackStatus.DELIVERED: frozenset({CallbackStatus.PENDING}),
+    CallbackStatus.FAILED: frozenset({CallbackStatus.PENDING}),
+}
+
+
 class Priority:
     """Wire priorities; NORMAL when unspecified."""
 

@@ -23,10 +23,10 @@ from services.submit.service import SubmitHandle
 from services.submit.service import start as start_submit
 from taskgate import bus as busmod
 from taskgate.config import ModelSpec, Settings
-from taskgate.embedded import EmbeddedStack
 from taskgate.migrate import migrate
 from taskgate.runtime import Backends, connect
 from taskgate.v1 import gateway_pb2_grpc
+from taskgate_local.embedded import EmbeddedStack
 
 TEMPLATE = "taskgate_template"
 _counter = itertools.count()

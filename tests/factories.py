@@ -1,4 +1,4 @@
-"""Rows for tests, inserted the way the submit service inserts them."""
+"""Rows for tests, inserted by the store function that also inserts the submit service's tasks."""
 
 from __future__ import annotations
 
@@ -6,17 +6,16 @@ import hashlib
 import json
 from typing import Any
 
-import asyncpg
-
-from taskgate import auth, ids, sql
+from taskgate import auth, ids
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
+from taskgate.store import Conn, submissions
 
 Metadata = tuple[tuple[str, str], ...]
 
 
 async def insert_task(
-    db: asyncpg.Pool | asyncpg.Connection,
+    db: Conn,
     *,
     user_id: str = "tenant-a",
     model_id: str = "wan-tiny",
@@ -30,13 +29,16 @@ async def insert_task(
                          "guidance_scale": 5.0, "fps": 8, "seed": 1, "negative_prompt": ""}
     task_id = ids.new_id()
     digest = hashlib.sha256(json.dumps([user_id, model_id, prompt, payload], sort_keys=True).encode()).hexdigest()
-    rec = await db.fetchrow(
-        sql.query("insert_task"),
-        task_id, user_id, f"k-{task_id}", False, digest, "text-to-video", model_id, prompt, payload, {},
-        priority, f"{model_id}.{priority}", max_retries, callback_url, [],
+    task = await submissions.create(
+        db,
+        submissions.NewTask(
+            id=task_id, user_id=user_id, idempotency_key=f"k-{task_id}", key_derived=False, request_hash=digest,
+            task_type="text-to-video", model_id=model_id, prompt=prompt, payload=payload, metadata={}, priority=priority,
+            max_retries=max_retries, callback_url=callback_url, callback_events=[],
+        ),
     )
-    assert rec is not None
-    return TaskRow.from_record(rec)
+    assert task is not None
+    return task
 
 
 async def key_for(backends: Backends, tenant: str = "tenant-a", **limits: Any) -> Metadata:

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from taskgate.config import Settings
-from taskgate.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedStack, free_port
+from taskgate_local.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedStack, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

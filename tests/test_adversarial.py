@@ -24,10 +24,9 @@ from services.notifier.service import NotifierHandle
 from services.notifier.service import start as start_notifier
 from services.submit.service import SubmitHandle
 from services.submit.service import start as start_submit
-from taskgate import errors, results
+from taskgate import errors, results, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
-from taskgate.store import Move, transition
 from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from tests import factories
 from tests.factories import Metadata, insert_task
@@ -418,12 +417,12 @@ async def notifier(hostile_settings: Settings, backends: Backends) -> AsyncItera
 async def _succeeded_task(backends: Backends, settings: Settings, tenant: str) -> int:
     """A task of `tenant` that SUCCEEDED with a stored result."""
     task = await insert_task(backends.pool, user_id=tenant, model_id="sleepy")
-    store = results.result_store(settings, backends.bus)
-    stored = await store.put(f"{task.id}-a1.json", b'{"ok": true}', "application/json")
-    for move, args in ((Move.QUEUE, ()), (Move.CLAIM, ("w1", 30.0)),
-                       (Move.SUCCEED, (stored.uri, stored.content_type, stored.size, stored.sha256, False))):
-        out = await transition(backends.pool, task.id, move, *args, actor="test")
-        assert out.applied, move
+    results_store = results.result_store(settings, backends.bus)
+    stored = await results_store.put(f"{task.id}-a1.json", b'{"ok": true}', "application/json")
+    result = store.ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256)
+    for change in (store.Queue(), store.Claim("w1", 30.0), store.Succeed(result)):
+        out = await store.apply(backends.pool, task.id, change, actor="test")
+        assert out.applied, change
     return task.id
 
 

@@ -16,7 +16,7 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
-from taskgate.store import Move
+from taskgate.store import TaskError
 from taskgate.v1 import task_pb2
 from tests.factories import insert_task
 from tests.harness import wait_for
@@ -67,7 +67,7 @@ async def run_normal_task(backends: Backends, prompt: str) -> TaskRow:
     """A well-formed task, dispatched the way submit does; returns its finished row."""
     task = await insert_task(backends.pool, model_id=SLEEPY, prompt=prompt)
     await publish(backends, dispatch(str(task.id)), f"{task.id}.q0")
-    await store.transition(backends.pool, task.id, Move.QUEUE, actor="submit")
+    await store.queue(backends.pool, task.id, actor="submit")
 
     async def done() -> bool:
         row = await store.get_task(backends.pool, task.id)
@@ -108,7 +108,7 @@ async def test_poison_message_is_dropped_and_the_slot_stays_free(backends: Backe
 async def test_message_naming_a_task_of_another_model_does_not_claim_it(backends: Backends, worker: WorkerHandle) -> None:
     # A wan-tiny task (this worker does not serve that model) announced on the sleepy subject.
     foreign = await insert_task(backends.pool, model_id="wan-tiny")
-    await store.transition(backends.pool, foreign.id, Move.QUEUE, actor="submit")
+    await store.queue(backends.pool, foreign.id, actor="submit")
     await publish(backends, dispatch(str(foreign.id), "wan-tiny"), f"{foreign.id}.stray")
     await wait_for(lambda: consumer_drained(backends), 10)
     row = await run_normal_task(backends, "after a stray message")
@@ -121,8 +121,10 @@ async def test_replayed_messages_of_finished_tasks_change_nothing(backends: Back
     done = await run_normal_task(backends, "finished once")
     assert done.status is Status.SUCCEEDED
     failed = await insert_task(backends.pool, model_id=SLEEPY, prompt="failed once")
-    for move, args in ((Move.QUEUE, ()), (Move.CLAIM, ("w-old", 30.0)), (Move.FAIL, ("BOOM", "failed for good"))):
-        assert (await store.transition(backends.pool, failed.id, move, *args, actor="test")).applied
+    assert (await store.queue(backends.pool, failed.id, actor="test")).applied
+    assert (await store.claim(backends.pool, failed.id, worker_id="w-old", lease_seconds=30.0, actor="test")).applied
+    boom = TaskError("BOOM", "failed for good")
+    assert (await store.fail(backends.pool, failed.id, error=boom, actor="test", reason="failed for good")).applied
     failed_row = await store.get_task(backends.pool, failed.id)
     assert failed_row is not None
     before = {t.id: (t.version, t.attempt, t.status) for t in (done, failed_row)}

@@ -10,10 +10,9 @@ import pytest
 
 from services.notifier.service import NotifierHandle
 from services.notifier.service import start as start_notifier
-from taskgate import auth
+from taskgate import auth, store
 from taskgate.config import Settings
 from taskgate.runtime import Backends
-from taskgate.store import Move, transition
 from tests.factories import insert_task
 from tests.harness import Received, Reply, WebhookReceiver, wait_for
 
@@ -68,9 +67,10 @@ def always(reply: Reply) -> Callable[[Received], Reply]:
 
 async def succeed_with_callback(backends: Backends, url: str) -> int:
     task = await insert_task(backends.pool, user_id=TENANT, model_id="sleepy", callback_url=url)
-    for move, args in ((Move.QUEUE, ()), (Move.CLAIM, ("w1", 30.0)),
-                       (Move.SUCCEED, ("nats-os://taskgate-results/x.json", "application/json", 10, SHA, False))):
-        assert (await transition(backends.pool, task.id, move, *args, actor="test")).applied
+    result = store.ResultRef(uri="nats-os://taskgate-results/x.json", content_type="application/json", size=10, sha256=SHA)
+    changes: list[store.Change] = [store.Queue(), store.Claim(worker_id="w1", lease_seconds=30.0), store.Succeed(result)]
+    for change in changes:
+        assert (await store.apply(backends.pool, task.id, change, actor="test")).applied
     return task.id
 
 

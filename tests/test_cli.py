@@ -18,13 +18,13 @@ from services.notifier import service as notifier_service
 from services.scheduler import service as scheduler_service
 from services.submit import service as submit_service
 from services.worker import service as worker_service
-from taskgate import auth
-from taskgate.cli import EXIT_BY_STATUS, build_parser
-from taskgate.client.local import LocalStack
+from taskgate import auth, keys
 from taskgate.config import ModelSpec, Settings
-from taskgate.embedded import free_port
 from taskgate.runtime import Backends
-from taskgate.states import Status
+from taskgate_client import Status
+from taskgate_client.cli import EXIT_BY_STATUS, build_parser
+from taskgate_client.local import LocalStack
+from taskgate_local.embedded import free_port
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Result:
 
 @dataclass
 class Cli:
-    """Runs `python -m taskgate.cli` with the stack's addresses in the environment (not the flags)."""
+    """Runs `python -m taskgate_client.cli` with the stack's addresses in the environment (not the flags)."""
 
     env: dict[str, str]
     cwd: Path
@@ -52,8 +52,15 @@ class Cli:
     backends: Backends
 
     async def __call__(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Result:
+        return await self.run("taskgate_client.cli", args, env=env, cwd=cwd)
+
+    async def keys(self, *args: str) -> Result:
+        """Runs the server-side `taskgate-keys` (`python -m taskgate.keys`) in the same environment."""
+        return await self.run("taskgate.keys", args)
+
+    async def run(self, module: str, args: tuple[str, ...], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> Result:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "taskgate.cli", *args,
+            sys.executable, "-m", module, *args,
             env={**self.env, **(env or {})},
             cwd=cwd or self.cwd,
             stdout=asyncio.subprocess.PIPE,
@@ -217,24 +224,24 @@ async def test_grpc_errors_print_one_line_and_map_to_exit_codes(cli: Cli) -> Non
 
 
 async def test_keys_create_list_revoke(cli: Cli) -> None:
-    created = await cli("keys", "create", "--tenant", "bob", "--json")
+    created = await cli.keys("create", "--tenant", "bob", "--json")
     assert created.code == 0, created.err
     doc = created.json()
     assert doc["api_key"].startswith("tg_") and doc["webhook_secret"].startswith("whsec_")
-    again = (await cli("keys", "create", "--tenant", "bob", "--json")).json()
+    again = (await cli.keys("create", "--tenant", "bob", "--json")).json()
     assert again["webhook_secret"] is None  # shown once, when the tenant was created
     assert (await cli("list", "--api-key", doc["api_key"])).code == 0
-    listed = (await cli("keys", "list", "--json")).json()["keys"]
+    listed = (await cli.keys("list", "--json")).json()["keys"]
     assert {k["prefix"] for k in listed if k["tenant"] == "bob"} == {doc["prefix"], again["prefix"]}
     assert all("api_key" not in k for k in listed)
-    revoked = await cli("keys", "revoke", doc["prefix"])
+    revoked = await cli.keys("revoke", doc["prefix"])
     assert revoked.code == 0
     # The gateway caches a key's lookup for a few seconds; the revocation holds once that passes.
     deadline = time.monotonic() + 20
     while (refused := await cli("list", "--api-key", doc["api_key"])).code != 6:
         assert refused.code == 0 and time.monotonic() < deadline
-    assert (await cli("keys", "revoke", doc["prefix"])).code == 3
-    invalid = await cli("keys", "create", "--tenant", "no spaces please")
+    assert (await cli.keys("revoke", doc["prefix"])).code == 3
+    invalid = await cli.keys("create", "--tenant", "no spaces please")
     assert invalid.code == 4 and invalid.err.startswith("error: ")
 
 
@@ -283,5 +290,8 @@ def test_every_command_accepts_json_before_or_after() -> None:
     assert parser.parse_args(["--json", "get", "1"]).json is True
     assert parser.parse_args(["get", "1", "--json"]).json is True
     assert parser.parse_args(["admin", "stats", "--json"]).json is True
-    assert parser.parse_args(["keys", "list", "--json"]).json is True
+    assert keys.build_parser().parse_args(["list", "--json"]).json is True
+    assert keys.build_parser().parse_args(["--json", "list"]).json is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["keys", "list"])  # server-side now: `taskgate-keys`
     assert not hasattr(parser.parse_args(["get", "1"]), "json")  # filled in by main()

@@ -16,8 +16,11 @@ import pytest
 from services.notifier import service as notifier_service
 from services.scheduler import service as scheduler_service
 from services.submit import service as submit_service
-from taskgate import auth
-from taskgate.client import (
+from taskgate import auth, store
+from taskgate.config import Settings
+from taskgate.results import result_store
+from taskgate.runtime import Backends
+from taskgate_client import (
     AsyncTaskgateClient,
     FailedPrecondition,
     IntegrityError,
@@ -33,12 +36,8 @@ from taskgate.client import (
     connect,
     connect_async,
 )
-from taskgate.client.config import sibling_address
-from taskgate.config import Settings
-from taskgate.embedded import free_port
-from taskgate.results import result_store
-from taskgate.runtime import Backends
-from taskgate.store import Move, transition
+from taskgate_client.config import sibling_address
+from taskgate_local.embedded import free_port
 from tests.harness import wait_for
 
 SMALL = {"frames": 9, "width": 32, "height": 32, "steps": 2}
@@ -111,20 +110,19 @@ async def client(stack: Stack) -> AsyncIterator[AsyncTaskgateClient]:
 async def run_task(backends: Backends, task_id: str, result: bytes | None = b"video-bytes", *, progress: tuple[int, ...] = (50,)) -> None:
     """Plays the worker: claim, report progress, then succeed with `result` (or fail when it is None)."""
     tid = int(task_id)
-    claimed = await transition(backends.pool, tid, Move.CLAIM, "test-worker", 30.0, actor="worker")
+    claimed = await store.claim(backends.pool, tid, worker_id="test-worker", lease_seconds=30.0, actor="worker")
     assert claimed.task is not None
     attempt = claimed.task.attempt
     for pct in progress:
-        out = await transition(backends.pool, tid, Move.PROGRESS, pct, 30.0, actor="worker", expected_attempt=attempt)
+        out = await store.progress(backends.pool, tid, attempt=attempt, percent=pct, lease_seconds=30.0, actor="worker")
         assert out.task is not None
     if result is None:
-        out = await transition(backends.pool, tid, Move.FAIL, "BOOM", "it broke", actor="worker", expected_attempt=attempt)
+        error = store.TaskError("BOOM", "it broke")
+        out = await store.fail(backends.pool, tid, error=error, actor="worker", reason="failed", attempt=attempt)
     else:
         stored = await result_store(backends.settings, backends.bus).put(f"{task_id}-a{attempt}.mp4", result, "video/mp4")
-        out = await transition(
-            backends.pool, tid, Move.SUCCEED, stored.uri, stored.content_type, stored.size, stored.sha256, False,
-            actor="worker", expected_attempt=attempt,
-        )
+        result_ref = store.ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256)
+        out = await store.succeed(backends.pool, tid, attempt=attempt, result=result_ref, actor="worker")
     assert out.task is not None
 
 
@@ -165,7 +163,7 @@ async def test_cancel_soft_and_hard(stack: Stack, client: AsyncTaskgateClient) -
     canceled = await client.cancel(queued.task_id)
     assert canceled.status is Status.CANCELED and canceled.terminal
     running = await client.submit("cancel me hard", **SMALL)  # type: ignore[arg-type]
-    await transition(stack.backends.pool, int(running.task_id), Move.CLAIM, "w", 30.0, actor="worker")
+    await store.claim(stack.backends.pool, int(running.task_id), worker_id="w", lease_seconds=30.0, actor="worker")
     hard = await client.cancel(running.task_id, hard=True)
     assert hard.status is Status.CANCELED
     mode = await stack.backends.pool.fetchval("SELECT cancel_mode FROM task WHERE id = $1", int(running.task_id))
@@ -260,13 +258,13 @@ async def test_watch_resumes_after_the_notifier_restarts(stack: Stack, client: A
     task = await client.submit("survive a restart", **SMALL)  # type: ignore[arg-type]
     seen, watcher = await watching(client, task.task_id)
     tid = int(task.task_id)
-    claimed = await transition(stack.backends.pool, tid, Move.CLAIM, "w", 30.0, actor="worker")
+    claimed = await store.claim(stack.backends.pool, tid, worker_id="w", lease_seconds=30.0, actor="worker")
     assert claimed.task is not None
     await wait_for(lambda: len(seen) >= 2)
     await stack.notifier.kill()  # the stream drops mid-task
     # Events the client cannot see while the notifier is down.
     for pct in (30, 60):
-        await transition(stack.backends.pool, tid, Move.PROGRESS, pct, 30.0, actor="worker", expected_attempt=1)
+        await store.progress(stack.backends.pool, tid, attempt=1, percent=pct, lease_seconds=30.0, actor="worker")
     stack.notifier = await notifier_service.start(stack.settings)
     await run_task_finish(stack.backends, task.task_id, attempt=1)
     await asyncio.wait_for(watcher, 20)
@@ -278,10 +276,8 @@ async def test_watch_resumes_after_the_notifier_restarts(stack: Stack, client: A
 
 async def run_task_finish(backends: Backends, task_id: str, attempt: int) -> None:
     stored = await result_store(backends.settings, backends.bus).put(f"{task_id}-a{attempt}.mp4", b"data", "video/mp4")
-    out = await transition(
-        backends.pool, int(task_id), Move.SUCCEED, stored.uri, stored.content_type, stored.size, stored.sha256, False,
-        actor="worker", expected_attempt=attempt,
-    )
+    result = store.ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256)
+    out = await store.succeed(backends.pool, int(task_id), attempt=attempt, result=result, actor="worker")
     assert out.task is not None
 
 

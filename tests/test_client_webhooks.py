@@ -20,9 +20,9 @@ import pytest
 import standardwebhooks
 
 from taskgate import auth
-from taskgate.client import Status, Task, WebhookVerificationError, connect_async, verify_webhook
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
+from taskgate_client import Status, Task, WebhookVerificationError, connect_async, verify_webhook
 
 KEY = bytes(range(32))
 SECRET = "whsec_" + base64.b64encode(KEY).decode()

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from taskgate.config import ModelSpec, Settings
-from taskgate.settings_doc import render
+from taskgate_local.settings_doc import render
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_readme_settings_table_is_current() -> None:
     text = README.read_text()
-    assert render(text) == text, "run `python -m taskgate.settings_doc` to refresh README.md"
+    assert render(text) == text, "run `python -m taskgate_local.settings_doc` to refresh README.md"
 
 
 def test_every_setting_says_what_it_is_for() -> None:

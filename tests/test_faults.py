@@ -24,10 +24,11 @@ import asyncpg
 import grpc
 import pytest
 
-from taskgate import auth, tinymodel
-from taskgate.client.webhooks import WebhookVerificationError, verify_webhook
+from taskgate import auth
 from taskgate.config import ModelSpec, Settings
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_client.webhooks import WebhookVerificationError, verify_webhook
+from taskgate_local import tinymodel
 from tests.harness import Cluster, Received, Reply, WebhookReceiver, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(1200)]

@@ -11,9 +11,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from taskgate import store
 from taskgate.migrate import migrate
 from taskgate.runtime import Backends
-from taskgate.store import Move, transition
 from tests.factories import insert_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ async def test_schema_refuses_rows_that_break_the_rules(backends: Backends) -> N
             " request_payload, priority, queue_name FROM task WHERE id=$1",
             task.id,
         )
-    queued = await transition(pool, task.id, Move.QUEUE, actor="test")
+    queued = await store.queue(pool, task.id, actor="test")
     assert queued.applied
 
 

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from taskgate import tinymodel
-from taskgate.inference import (
+from services.worker.inference import (
     GeneratedVideo,
     GenerationRequest,
     InferenceAborted,
@@ -24,6 +23,7 @@ from taskgate.inference import (
     encode_mp4,
     pick_device,
 )
+from taskgate_local import tinymodel
 
 
 def _request(**changes: object) -> GenerationRequest:

@@ -22,19 +22,21 @@ from google.rpc import error_details_pb2, status_pb2
 from services.notifier import outbox
 from services.notifier.relay import EventRelay
 from services.notifier.service import NotifierHandle, start
-from taskgate import auth, errors, webhook_signing
+from taskgate import auth, errors, store
 from taskgate import bus as busmod
 from taskgate.config import Settings
 from taskgate.runtime import Backends
-from taskgate.states import Status
-from taskgate.store import Move, transition
+from taskgate.states import CALLBACK_LEGAL, CallbackStatus, Status
+from taskgate.store import callbacks as outbox_store
 from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
 from taskgate.waiting import woken
+from taskgate_client import webhook_signing
 from tests.factories import insert_task
 from tests.harness import wait_for
 
 TENANT = "tenant-a"
 SHA = "ab" * 32
+RESULT = store.ResultRef(uri="nats-os://taskgate-results/x.mp4", content_type="video/mp4", size=1234, sha256=SHA)
 
 
 # ---------------------------------------------------------------- helpers
@@ -152,21 +154,19 @@ async def notifier_factory(backends: Backends) -> AsyncIterator[Callable[..., Aw
 
 async def run_to(pool: Any, task_id: int, status: Status, progress_steps: Sequence[int] = ()) -> None:
     """Drives a CREATED task through QUEUED and PROCESSING (with progress writes) to `status`."""
-    assert (await transition(pool, task_id, Move.QUEUE, actor="test")).applied
+    assert (await store.queue(pool, task_id, actor="test")).applied
     if status is Status.QUEUED:
         return
-    assert (await transition(pool, task_id, Move.CLAIM, "w1", 30.0, actor="test")).applied
-    for step in progress_steps:
-        assert (await transition(pool, task_id, Move.PROGRESS, step, 30.0, actor="test")).applied
-    moves: dict[Status, tuple[Move, tuple[Any, ...]]] = {
-        Status.SUCCEEDED: (Move.SUCCEED, ("nats-os://taskgate-results/x.mp4", "video/mp4", 1234, SHA, False)),
-        Status.FAILED: (Move.FAIL, ("MODEL_ERROR", "the model fell over")),
-        Status.TIMEOUT: (Move.TIMEOUT, ("PROCESSING_TIMEOUT", "too slow")),
-        Status.CANCELED: (Move.CANCEL, ("soft",)),
+    assert (await store.claim(pool, task_id, worker_id="w1", lease_seconds=30.0, actor="test")).applied
+    await progress(pool, task_id, *progress_steps)
+    ends: dict[Status, store.Change] = {
+        Status.SUCCEEDED: store.Succeed(RESULT),
+        Status.FAILED: store.Fail(store.TaskError("MODEL_ERROR", "the model fell over")),
+        Status.TIMEOUT: store.TimeOut(store.TaskError("PROCESSING_TIMEOUT", "too slow")),
+        Status.CANCELED: store.Cancel(store.CancelMode.SOFT),
     }
-    if status in moves:
-        move, args = moves[status]
-        assert (await transition(pool, task_id, move, *args, actor="test")).applied
+    if status in ends:
+        assert (await store.apply(pool, task_id, ends[status], actor="test")).applied
 
 
 async def delivery(pool: Any, task_id: int) -> Any:
@@ -372,9 +372,9 @@ async def test_redeliver_sends_again_with_the_same_webhook_id(
         task = await insert_task(backends.pool, callback_url=rx.url)
         await run_to(backends.pool, task.id, Status.SUCCEEDED)
         await wait_for(lambda: _eq(_status(backends, task.id), "DELIVERED"))
-        again = await outbox.redeliver(backends.pool, task.id)
-        assert [(r["webhook_id"], r["status"], r["event_type"]) for r in again] == [
-            (f"msg_{task.id}_4", "PENDING", "task.succeeded")
+        again = await outbox_store.redeliver(backends.pool, task.id)
+        assert [(r.webhook_id, r.status, r.event_type) for r in again] == [
+            (f"msg_{task.id}_4", CallbackStatus.PENDING, "task.succeeded")
         ]
         await wait_for(lambda: len(rx.requests) == 2)
         await wait_for(lambda: _eq(_status(backends, task.id), "DELIVERED"))
@@ -385,7 +385,7 @@ async def test_redeliver_sends_again_with_the_same_webhook_id(
         task.id,
     )
     assert [a["attempt"] for a in attempts] == [1, 2]
-    assert await outbox.redeliver(backends.pool, 1) == []  # no such task, nothing to do
+    assert await outbox_store.redeliver(backends.pool, 1) == []  # no such task, nothing to do
 
 
 async def test_redeliver_after_the_schedule_ran_out_starts_a_new_round(
@@ -400,12 +400,27 @@ async def test_redeliver_after_the_schedule_ran_out_starts_a_new_round(
         row = await delivery(backends.pool, task.id)
         assert row["attempts"] == 1 and len(row["last_error"]) <= 300 and row["last_error"].startswith("HTTP 503")
         assert await backends.pool.fetchval("SELECT callback_status FROM task WHERE id = $1", task.id) == "FAILED"
-        assert len(await outbox.redeliver(backends.pool, task.id)) == 1
+        assert len(await outbox_store.redeliver(backends.pool, task.id)) == 1
         await wait_for(lambda: _eq(_status(backends, task.id), "DELIVERED"))
     row = await delivery(backends.pool, task.id)
     assert (row["attempts"], row["round_start"], row["event_type"]) == (2, 1, "task.timeout")
     assert rx.ids() == [row["webhook_id"]] * 2
     assert await backends.pool.fetchval("SELECT callback_status FROM task WHERE id = $1", task.id) == "DELIVERED"
+
+
+async def test_callback_status_moves_only_as_the_table_allows(backends: Backends) -> None:
+    task = await insert_task(backends.pool, callback_url="http://127.0.0.1:9/hook")
+    for src in CallbackStatus:
+        for dst in CallbackStatus:
+            # any state as the starting point; the store has no way back to every one of them
+            await backends.pool.execute("UPDATE task SET callback_status = $2, callback_retry = 0 WHERE id = $1", task.id, src)
+            moved = await outbox_store.move_status(backends.pool, [task.id], to=dst, retries=2)
+            allowed = dst in CALLBACK_LEGAL[src]
+            assert moved == ([task.id] if allowed else []), (src, dst)
+            row = await backends.pool.fetchrow("SELECT callback_status, callback_retry FROM task WHERE id = $1", task.id)
+            assert (row["callback_status"], row["callback_retry"]) == ((dst, 2) if allowed else (src, 0)), (src, dst)
+    silent = await insert_task(backends.pool)  # no callback URL: NONE for good
+    assert await outbox_store.move_status(backends.pool, [silent.id], to=CallbackStatus.PENDING) == []
 
 
 async def test_two_replicas_deliver_each_event_exactly_once(
@@ -522,7 +537,7 @@ async def test_a_wait_honours_a_cancellation_that_was_swallowed_before_it() -> N
 
 
 async def run_to_more(backends: Backends, task_id: int) -> None:
-    assert (await transition(backends.pool, task_id, Move.PROGRESS, 40, 30.0, actor="test")).applied
+    await progress(backends.pool, task_id, 40)
 
 
 async def test_relay_marks_events_published_and_records_lag(
@@ -583,12 +598,11 @@ def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
 
 async def progress(pool: Any, task_id: int, *steps: int) -> None:
     for step in steps:
-        assert (await transition(pool, task_id, Move.PROGRESS, step, 30.0, actor="test")).applied
+        assert (await store.apply(pool, task_id, store.Progress(percent=step, lease_seconds=30.0), actor="test")).applied
 
 
 async def succeed(pool: Any, task_id: int) -> None:
-    args = ("nats-os://taskgate-results/x.mp4", "video/mp4", 1234, SHA, False)
-    assert (await transition(pool, task_id, Move.SUCCEED, *args, actor="test")).applied
+    assert (await store.apply(pool, task_id, store.Succeed(RESULT), actor="test")).applied
 
 
 async def test_watch_task_resume_after_a_dropped_connection_yields_every_version_once(
@@ -604,7 +618,7 @@ async def test_watch_task_resume_after_a_dropped_connection_yields_every_version
         assert first.WhichOneof("kind") == "snapshot"
         assert (first.snapshot.version, first.snapshot.status) == (2, task_pb2.TASK_STATUS_QUEUED)
         assert first.snapshot.queue_position == 1
-        assert (await transition(pool, task.id, Move.CLAIM, "w1", 30.0, actor="test")).applied
+        assert (await store.claim(pool, task.id, worker_id="w1", lease_seconds=30.0, actor="test")).applied
         await progress(pool, task.id, 10)
         before = versions_of(await read_until(call, lambda got: 4 in versions_of(got)))
     # The connection is gone; the task moves on meanwhile.

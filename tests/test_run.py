@@ -15,7 +15,7 @@ import av
 import psutil
 import pytest
 
-from taskgate.client.local import LocalStack
+from taskgate_client.local import LocalStack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # its own waits allow a slow first build
 
@@ -95,7 +95,7 @@ def test_make_run_demo_then_a_second_run_reuses_the_state_and_stops_on_ctrl_c(tm
 
     # First run: nothing exists yet. --demo-only: exit after the video is saved.
     first = subprocess.Popen(
-        [sys.executable, "-m", "taskgate.dev", "--demo-only"],
+        [sys.executable, "-m", "taskgate_local.dev", "--demo-only"],
         env=dev_env(state), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     tree = Tree(first, state)
@@ -122,7 +122,7 @@ def test_make_run_demo_then_a_second_run_reuses_the_state_and_stops_on_ctrl_c(tm
 
     # Second run: same folder, stays up until Ctrl-C; the CLI finds it through client.json.
     second = subprocess.Popen(
-        [sys.executable, "-m", "taskgate.dev"],
+        [sys.executable, "-m", "taskgate_local.dev"],
         env=dev_env(state), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     tree = Tree(second, state)

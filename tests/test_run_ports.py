@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 
 from taskgate.config import Settings
-from taskgate.dev import busy_ports
-from taskgate.embedded import free_port
+from taskgate_local.dev import busy_ports
+from taskgate_local.embedded import free_port
 
 
 def test_a_port_in_use_is_reported_by_its_variable() -> None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import asyncpg
 import pytest
+from asyncpg.connection import LoggedQuery
 
 from services.scheduler.scans import Action
 from services.scheduler.service import Scheduler
-from taskgate import sql
 from taskgate.runtime import Backends
+from taskgate.store import admin as admin_store
+from taskgate.store import maintenance
 
 # 100k tasks, mostly finished, as a long-running installation holds them; states get consistent columns.
 BULK = """
@@ -64,29 +69,42 @@ async def big(backends: Backends) -> Backends:
 
 async def test_every_scan_query_uses_an_index_on_task(big: Backends) -> None:
     s = big.settings
-    models = sorted(s.models)
-    queue_timeouts = [s.queue_timeout_for(m) for m in models]
-    processing_timeouts = [s.processing_timeout_for(m) for m in models]
-    scans: dict[str, tuple[object, ...]] = {
-        "sched_created_due": (None, s.created_timeout_seconds, s.scan_batch_size),
-        "sched_queued_due": (None, models, queue_timeouts, s.queue_timeout_seconds, min(queue_timeouts), s.scan_batch_size),
-        "sched_lease_expired": (None, s.scan_batch_size),
-        "sched_processing_overdue": (
-            None, models, processing_timeouts, s.processing_timeout_seconds, s.processing_grace_seconds, s.scan_batch_size,
+    limit = s.scan_batch_size
+    queue_timeouts = {m: s.queue_timeout_for(m) for m in s.models}
+    processing_timeouts = {m: s.processing_timeout_for(m) for m in s.models}
+    # each runs one statement, as the scheduler calls it; its logged SQL and arguments are what EXPLAIN checks
+    scans: dict[str, Callable[[asyncpg.Connection], Awaitable[object]]] = {
+        "created_due": lambda c: maintenance.created_due(c, timeout_seconds=s.created_timeout_seconds, limit=limit),
+        "queued_due": lambda c: maintenance.queued_due(
+            c, timeouts=queue_timeouts, default_seconds=s.queue_timeout_seconds, limit=limit
         ),
-        "sched_dead_letter_missing": (None, s.dead_letter_window_seconds, "retries exhausted", s.scan_batch_size),
-        "sched_queue_gauges": (),
-        "admin_live_counts": (),
-        "admin_oldest_queued_age": (),
+        "lease_expired": lambda c: maintenance.lease_expired(c, limit=limit),
+        "processing_overdue": lambda c: maintenance.processing_overdue(
+            c, timeouts=processing_timeouts, default_seconds=s.processing_timeout_seconds,
+            grace_seconds=s.processing_grace_seconds, limit=limit,
+        ),
+        "add_missing_dead_letters": lambda c: maintenance.add_missing_dead_letters(
+            c, window_seconds=s.dead_letter_window_seconds, reason="retries exhausted", limit=limit
+        ),
+        "queue_gauges": maintenance.queue_gauges,
+        "live_counts": admin_store.live_counts,
+        "oldest_queued_age": admin_store.oldest_queued_age,
     }
     assert await big.pool.fetchval("SELECT count(*) FROM task") == 100_000
-    for name, args in scans.items():
-        [explained] = await big.pool.fetchval(f"EXPLAIN (FORMAT JSON) {sql.query(name)}", *args)
-        on_task = [n["Node Type"] for n in _nodes(explained["Plan"]) if n.get("Relation Name") == "task" or
-                   n.get("Index Name", "").startswith("task_")]
-        assert on_task, (name, explained)
-        assert "Seq Scan" not in on_task, (name, on_task)
-        assert any("Index" in t for t in on_task), (name, on_task)
+    logged: asyncio.Queue[LoggedQuery] = asyncio.Queue()
+    async with big.pool.acquire() as conn:
+        for name, scan in scans.items():
+            await scan(conn)  # asyncpg's type introspection runs (and is logged) on a connection's first use only
+            with conn.query_logger(logged.put_nowait):
+                await scan(conn)
+            ran = await asyncio.wait_for(logged.get(), 5)
+            [explained] = await conn.fetchval(f"EXPLAIN (FORMAT JSON) {ran.query}", *ran.args)
+            assert logged.empty(), name  # one statement per scan query: the one explained
+            on_task = [n["Node Type"] for n in _nodes(explained["Plan"]) if n.get("Relation Name") == "task" or
+                       n.get("Index Name", "").startswith("task_")]
+            assert on_task, (name, explained)
+            assert "Seq Scan" not in on_task, (name, on_task)
+            assert any("Index" in t for t in on_task), (name, on_task)
 
 
 async def test_the_scans_still_find_their_rows_on_the_big_table(big: Backends) -> None:

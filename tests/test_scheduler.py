@@ -18,7 +18,7 @@ from nats.js.api import RawStreamMsg
 from prometheus_client import REGISTRY
 
 from services.scheduler import service
-from services.scheduler.scans import Action, dispatch_msg_id
+from services.scheduler.scans import Action
 from services.scheduler.service import Scheduler
 from taskgate import bus as busmod
 from taskgate import store
@@ -26,12 +26,13 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends, connect
 from taskgate.states import Status
-from taskgate.store import Move, Rejection, transition
+from taskgate.store import Rejection
 from taskgate.v1 import task_pb2
+from taskgate.wire import dispatch
 from tests.factories import insert_task
 from tests.harness import wait_for
 
-RESULT = ("mem://x", "video/mp4", 10, "ab" * 32, False)
+RESULT = store.ResultRef("mem://x", "video/mp4", 10, "ab" * 32)
 
 
 async def put_in(
@@ -40,17 +41,18 @@ async def put_in(
 ) -> TaskRow:
     """A task driven to `status` through legal moves; PROCESSING ones hold a lease of `lease` seconds."""
     task = await insert_task(pool, model_id=model_id, max_retries=max_retries)
-    path: dict[Status, list[tuple[Move, tuple[object, ...]]]] = {
+    claim = store.Claim(worker, lease)
+    path: dict[Status, list[store.Change]] = {
         Status.CREATED: [],
-        Status.QUEUED: [(Move.QUEUE, ())],
-        Status.PROCESSING: [(Move.QUEUE, ()), (Move.CLAIM, (worker, lease))],
-        Status.SUCCEEDED: [(Move.QUEUE, ()), (Move.CLAIM, (worker, lease)), (Move.SUCCEED, RESULT)],
-        Status.FAILED: [(Move.QUEUE, ()), (Move.CLAIM, (worker, lease)), (Move.FAIL, ("BOOM", "it broke"))],
-        Status.CANCELED: [(Move.CANCEL, ("soft",))],
+        Status.QUEUED: [store.Queue()],
+        Status.PROCESSING: [store.Queue(), claim],
+        Status.SUCCEEDED: [store.Queue(), claim, store.Succeed(RESULT)],
+        Status.FAILED: [store.Queue(), claim, store.Fail(store.TaskError("BOOM", "it broke"))],
+        Status.CANCELED: [store.Cancel(store.CancelMode.SOFT)],
     }
-    for move, args in path[status]:
-        out = await transition(pool, task.id, move, *args, actor="test")
-        assert out.applied and out.task is not None, (status, move, out.rejection)
+    for change in path[status]:
+        out = await store.apply(pool, task.id, change, actor="test")
+        assert out.applied and out.task is not None, (status, change, out.rejection)
         task = out.task
     return task
 
@@ -153,7 +155,9 @@ async def test_queue_timeout_is_per_model(settings: Settings) -> None:
 
 async def test_retry_backoff_delays_the_queue_timeout(backends: Backends, scheduler: Scheduler) -> None:
     task = await put_in(backends.pool, Status.PROCESSING)
-    out = await transition(backends.pool, task.id, Move.RETRY, "E", "flaky", 120.0, actor="test", expected_attempt=1)
+    out = await store.retry(
+        backends.pool, task.id, attempt=1, error=store.TaskError("E", "flaky"), delay_seconds=120.0, actor="test"
+    )
     assert out.applied
     now = await db_now(backends.pool)
     assert (await scheduler.run_once(now + timedelta(seconds=181)))[Action.REPUBLISH] == 0  # still backing off
@@ -172,13 +176,13 @@ async def test_expired_lease_requeues_and_fences_out_the_old_attempt(backends: B
     assert [m for _, m, _ in await dispatches(backends.bus)] == [f"{task.id}.a1"]
 
     # the old worker wakes up and writes its result: refused, the task is not its any more
-    late = await transition(backends.pool, task.id, Move.SUCCEED, *RESULT, actor="w1", expected_attempt=1)
+    late = await store.succeed(backends.pool, task.id, attempt=1, result=RESULT, actor="w1")
     assert late.rejection is Rejection.ILLEGAL
-    again = await transition(backends.pool, task.id, Move.CLAIM, "w2", 10.0, actor="w2")
+    again = await store.claim(backends.pool, task.id, worker_id="w2", lease_seconds=10.0, actor="w2")
     assert again.applied and again.task is not None and again.task.attempt == 2
-    late = await transition(backends.pool, task.id, Move.SUCCEED, *RESULT, actor="w1", expected_attempt=1)
+    late = await store.succeed(backends.pool, task.id, attempt=1, result=RESULT, actor="w1")
     assert late.rejection is Rejection.STALE
-    done = await transition(backends.pool, task.id, Move.SUCCEED, *RESULT, actor="w2", expected_attempt=2)
+    done = await store.succeed(backends.pool, task.id, attempt=2, result=RESULT, actor="w2")
     assert done.applied
 
 
@@ -190,7 +194,7 @@ async def test_slow_but_alive_worker_gets_one_grace_then_timeout_and_cancel(back
     await backends.bus.nc.flush()
 
     async def heartbeat() -> None:  # the worker is alive: its lease always covers the injected clock
-        assert await store.renew_lease(backends.pool, task.id, task.attempt, 100_000)
+        assert await store.renew_lease(backends.pool, task.id, attempt=task.attempt, lease_seconds=100_000)
 
     await heartbeat()
     past_timeout = task.started_at + timedelta(seconds=s.processing_timeout_seconds + 1)
@@ -210,7 +214,7 @@ async def test_slow_but_alive_worker_gets_one_grace_then_timeout_and_cancel(back
     assert await backends.pool.fetchval("SELECT count(*) FROM dead_letter WHERE task_id = $1", task.id) == 1
     signal = task_pb2.CancelSignal.FromString((await sub.next_msg(timeout=5)).data)
     assert (signal.task_id, signal.hard) == (str(task.id), True)
-    assert not await store.renew_lease(backends.pool, task.id, task.attempt, 10)  # the worker learns it too
+    assert not await store.renew_lease(backends.pool, task.id, attempt=task.attempt, lease_seconds=10)  # the worker learns it too
     await sub.unsubscribe()
 
 
@@ -237,7 +241,7 @@ async def test_two_replicas_never_double_requeue(settings: Settings) -> None:
         )
         assert len(rows) == 200 and all(r["n"] == 1 for r in rows)
         msg_ids = [m for _, m, _ in await dispatches(a.bus)]
-        assert sorted(msg_ids) == sorted(dispatch_msg_id(t, Move.RELEASE) for t in tasks)
+        assert sorted(msg_ids) == sorted(dispatch.msg_id(t, dispatch.Reason.RELEASED) for t in tasks)
     finally:
         await a.close()
         await b.close()

@@ -11,13 +11,12 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from services.scheduler import service
-from services.scheduler.repair import repair
-from taskgate import auth
+from taskgate import auth, store
 from taskgate import bus as busmod
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from taskgate.store import Move, fail_for_good, transition
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, task_pb2
+from taskgate_client.repair import repair
 from tests.factories import insert_task
 from tests.test_scheduler import dispatches, put_in, row
 
@@ -247,7 +246,9 @@ async def test_list_dead_letters_newest_first_in_pages(admin: Admin) -> None:
     ids = []
     for n in range(3):
         task = await put_in(pool, Status.PROCESSING)
-        out = await fail_for_good(pool, task.id, error_code=f"E{n}", error_msg="bad", reason="retries exhausted", actor="w1")
+        out = await store.fail(
+            pool, task.id, error=store.TaskError(f"E{n}", "bad"), reason="retries exhausted", actor="w1", dead_letter=True
+        )
         assert out.applied
         ids.append(task.id)
 
@@ -338,5 +339,5 @@ async def test_requeue_of_a_row_a_scan_holds_is_skipped(admin: Admin) -> None:
     [item] = batch.items
     assert item.action == "SKIPPED" and "busy" in item.detail
     assert (await row(pool, task.id)).version == task.version
-    out = await transition(pool, task.id, Move.RELEASE, actor="test")
+    out = await store.release(pool, task.id, actor="test")
     assert out.applied  # nothing else changed it

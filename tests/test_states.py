@@ -8,10 +8,10 @@ import itertools
 import asyncpg
 import pytest
 
-from taskgate import ids, states
+from taskgate import ids, states, store
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from taskgate.store import Move, Rejection, get_task, transition
+from taskgate.store import CancelMode, Change, Move, Rejection, ResultRef, TaskError, apply, get_task
 from tests.factories import insert_task
 
 
@@ -25,6 +25,17 @@ def test_every_move_is_in_the_table() -> None:
     for move in Move:
         for src in move.sources:
             assert states.is_legal(src, move.target)
+
+
+def test_every_move_has_one_typed_change() -> None:
+    assert sorted(c.move.name for c in _CHANGES.values()) == sorted(m.name for m in Move)
+    assert all(_CHANGES[m].move is m for m in Move)
+
+
+def test_task_ids_have_one_parsing_rule() -> None:
+    assert ids.parse("42") == 42 and ids.parse(str(2**63 - 1)) == 2**63 - 1
+    for bad in ("", "0", "-1", "+1", " 1", "1.0", "٣", str(2**63), "9" * 20, "0x10"):
+        assert ids.parse(bad) is None, bad
 
 
 def test_ids_are_time_ordered_and_unique() -> None:
@@ -45,33 +56,32 @@ async def test_database_enum_and_transition_table_match(backends: Backends) -> N
 async def _put_in(pool: asyncpg.Pool, status: Status) -> int:
     """A task driven to `status` through legal moves."""
     task = await insert_task(pool)
-    path: dict[Status, list[tuple[Move, tuple[object, ...]]]] = {
+    path: dict[Status, list[Change]] = {
         Status.CREATED: [],
-        Status.QUEUED: [(Move.QUEUE, ())],
-        Status.PROCESSING: [(Move.QUEUE, ()), (Move.CLAIM, ("w1", 10.0))],
-        Status.SUCCEEDED: [(Move.QUEUE, ()), (Move.CLAIM, ("w1", 10.0)),
-                           (Move.SUCCEED, ("mem://x", "video/mp4", 10, "ab" * 32, False))],
-        Status.FAILED: [(Move.QUEUE, ()), (Move.CLAIM, ("w1", 10.0)), (Move.FAIL, ("E", "boom"))],
-        Status.TIMEOUT: [(Move.QUEUE, ()), (Move.TIMEOUT, ("QUEUE_TIMEOUT", "late"))],
-        Status.CANCELED: [(Move.CANCEL, ("soft",))],
+        Status.QUEUED: [store.Queue()],
+        Status.PROCESSING: [store.Queue(), store.Claim("w1", 10.0)],
+        Status.SUCCEEDED: [store.Queue(), store.Claim("w1", 10.0), store.Succeed(ResultRef("mem://x", "video/mp4", 10, "ab" * 32))],
+        Status.FAILED: [store.Queue(), store.Claim("w1", 10.0), store.Fail(TaskError("E", "boom"))],
+        Status.TIMEOUT: [store.Queue(), store.TimeOut(TaskError("QUEUE_TIMEOUT", "late"))],
+        Status.CANCELED: [store.Cancel(CancelMode.SOFT)],
     }
-    for move, args in path[status]:
-        out = await transition(pool, task.id, move, *args, actor="test")
-        assert out.applied, (status, move, out.rejection)
+    for change in path[status]:
+        out = await apply(pool, task.id, change, actor="test")
+        assert out.applied, (status, change, out.rejection)
     return task.id
 
 
-_ARGS: dict[Move, tuple[object, ...]] = {
-    Move.QUEUE: (),
-    Move.REPUBLISH: (),
-    Move.CLAIM: ("w2", 10.0),
-    Move.PROGRESS: (50, 10.0),
-    Move.SUCCEED: ("mem://y", "video/mp4", 5, "cd" * 32, False),
-    Move.FAIL: ("E", "x"),
-    Move.RETRY: ("E", "x", 1.0),
-    Move.RELEASE: (),
-    Move.CANCEL: ("hard",),
-    Move.TIMEOUT: ("T", "x"),
+_CHANGES: dict[Move, Change] = {
+    Move.QUEUE: store.Queue(),
+    Move.REPUBLISH: store.Republish(),
+    Move.CLAIM: store.Claim("w2", 10.0),
+    Move.PROGRESS: store.Progress(50, 10.0),
+    Move.SUCCEED: store.Succeed(ResultRef("mem://y", "video/mp4", 5, "cd" * 32)),
+    Move.FAIL: store.Fail(TaskError("E", "x")),
+    Move.RETRY: store.Retry(TaskError("E", "x"), 1.0),
+    Move.RELEASE: store.Release(),
+    Move.CANCEL: store.Cancel(CancelMode.HARD),
+    Move.TIMEOUT: store.TimeOut(TaskError("T", "x")),
 }
 
 
@@ -80,7 +90,7 @@ async def test_every_pair_is_applied_or_refused_by_the_table(backends: Backends,
     task_id = await _put_in(backends.pool, status)
     before = await get_task(backends.pool, task_id)
     assert before is not None and before.status is status
-    out = await transition(backends.pool, task_id, move, *_ARGS[move], actor="test")
+    out = await apply(backends.pool, task_id, _CHANGES[move], actor="test")
     # a claim of a PROCESSING task needs an expired lease; the lease here is live
     expected = status in move.sources and not (move is Move.CLAIM and status is Status.PROCESSING)
     assert out.applied is expected
@@ -102,18 +112,18 @@ async def test_the_database_refuses_an_illegal_move_even_without_the_guard(backe
 
 async def test_stale_version_loses(backends: Backends) -> None:
     task = await insert_task(backends.pool)
-    first = await transition(backends.pool, task.id, Move.QUEUE, actor="t", expected_version=task.version)
+    first = await store.queue(backends.pool, task.id, actor="t", expected_version=task.version)
     assert first.applied
-    again = await transition(backends.pool, task.id, Move.REPUBLISH, actor="t", expected_version=task.version)
+    again = await store.republish(backends.pool, task.id, actor="t", expected_version=task.version)
     assert again.rejection is Rejection.STALE
-    missing = await transition(backends.pool, 42, Move.QUEUE, actor="t")
+    missing = await store.queue(backends.pool, 42, actor="t")
     assert missing.rejection is Rejection.NOT_FOUND and missing.task is None
 
 
 async def test_fifty_concurrent_claimers_one_winner(backends: Backends) -> None:
     task_id = await _put_in(backends.pool, Status.QUEUED)
     results = await asyncio.gather(
-        *(transition(backends.pool, task_id, Move.CLAIM, f"w{i}", 10.0, actor="worker") for i in range(50))
+        *(store.claim(backends.pool, task_id, worker_id=f"w{i}", lease_seconds=10.0, actor="worker") for i in range(50))
     )
     winners = [r for r in results if r.applied]
     assert len(winners) == 1
@@ -125,10 +135,10 @@ async def test_fifty_concurrent_claimers_one_winner(backends: Backends) -> None:
 async def test_stale_attempt_cannot_write(backends: Backends) -> None:
     task_id = await _put_in(backends.pool, Status.PROCESSING)
     await backends.pool.execute("UPDATE task SET lease_expires_at = now() - interval '1 second' WHERE id = $1", task_id)
-    reclaimed = await transition(backends.pool, task_id, Move.CLAIM, "w-new", 10.0, actor="worker")
+    reclaimed = await store.claim(backends.pool, task_id, worker_id="w-new", lease_seconds=10.0, actor="worker")
     assert reclaimed.applied and reclaimed.task is not None and reclaimed.task.attempt == 2
-    late = await transition(backends.pool, task_id, Move.SUCCEED, "mem://old", "video/mp4", 1, "00" * 32, False,
-                            actor="worker", expected_attempt=1)
+    late = await store.succeed(backends.pool, task_id, attempt=1, result=ResultRef("mem://old", "video/mp4", 1, "00" * 32),
+                               actor="worker")
     assert late.rejection is Rejection.STALE
     row = await get_task(backends.pool, task_id)
     assert row is not None and row.status is Status.PROCESSING and row.result_uri is None

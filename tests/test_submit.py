@@ -26,15 +26,15 @@ from grpc_status import rpc_status
 from services.submit.cache import TerminalCache
 from services.submit.service import SubmitHandle, poll_interval, start
 from taskgate import bus as busmod
-from taskgate import errors
+from taskgate import errors, store
 from taskgate.config import Settings
-from taskgate.embedded import EmbeddedNats, free_port
 from taskgate.model import TaskRow
 from taskgate.results import ObjectStoreResults
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from taskgate.store import Move, get_task, transition
+from taskgate.store import get_task
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_local.embedded import EmbeddedNats, free_port
 from tests.factories import Metadata, insert_task, key_for
 
 
@@ -59,17 +59,17 @@ async def submit(stub: Any, md: Metadata, request: gateway_pb2.SubmitTaskRequest
     return resp
 
 
-async def drive(backends: Backends, task_id: int, *moves: tuple[Move, tuple[object, ...]]) -> TaskRow:
+async def drive(backends: Backends, task_id: int, *changes: store.Change) -> TaskRow:
     row: TaskRow | None = None
-    for move, args in moves:
-        out = await transition(backends.pool, task_id, move, *args, actor="test")
-        assert out.applied, (move, out.rejection)
+    for change in changes:
+        out = await store.apply(backends.pool, task_id, change, actor="test")
+        assert out.applied, (change, out.rejection)
         row = out.task
     assert row is not None
     return row
 
 
-CLAIM = (Move.CLAIM, ("w1", 10.0))
+CLAIM = store.Claim("w1", 10.0)
 
 
 # Submit, dispatch, defaults
@@ -313,13 +313,13 @@ async def test_terminal_cache_is_bounded_and_skips_pending_webhooks(backends: Ba
     rows = []
     for i in range(3):
         task = await insert_task(backends.pool, prompt=f"p{i}")
-        rows.append(await drive(backends, task.id, (Move.CANCEL, ("soft",))))
+        rows.append(await drive(backends, task.id, store.Cancel(store.CancelMode.SOFT)))
         cache.put(rows[-1])
     assert len(cache) == 2 and cache.get(rows[0].id) is None and cache.get(rows[2].id) is not None
     hooked = await insert_task(backends.pool, prompt="hook", callback_url="http://127.0.0.1:9/h")
-    cache.put(await drive(backends, hooked.id, (Move.CANCEL, ("soft",))))
+    cache.put(await drive(backends, hooked.id, store.Cancel(store.CancelMode.SOFT)))
     assert cache.get(hooked.id) is None
-    queued = await drive(backends, (await insert_task(backends.pool, prompt="q")).id, (Move.QUEUE, ()))
+    queued = await drive(backends, (await insert_task(backends.pool, prompt="q")).id, store.Queue())
     cache.put(queued)
     assert cache.get(queued.id) is None
 
@@ -369,8 +369,8 @@ async def test_list_tasks_pages_newest_first_stable_under_inserts(stub: Any, bac
 async def test_list_tasks_filters_by_status_and_time(stub: Any, backends: Backends) -> None:
     md = await key_for(backends)
     early = await insert_task(backends.pool, prompt="early")
-    queued = await drive(backends, (await insert_task(backends.pool, prompt="q")).id, (Move.QUEUE, ()))
-    canceled = await drive(backends, (await insert_task(backends.pool, prompt="c")).id, (Move.CANCEL, ("hard",)))
+    queued = await drive(backends, (await insert_task(backends.pool, prompt="q")).id, store.Queue())
+    canceled = await drive(backends, (await insert_task(backends.pool, prompt="c")).id, store.Cancel(store.CancelMode.HARD))
     by_status = await _list_all(stub, md, statuses=[task_pb2.TASK_STATUS_QUEUED, task_pb2.TASK_STATUS_CANCELED])
     assert by_status == [str(canceled.id), str(queued.id)]
 
@@ -414,7 +414,7 @@ async def test_cancel_created_and_queued_tasks_at_once(stub: Any, backends: Back
 async def test_cancel_processing_task_signals_the_worker(stub: Any, backends: Backends, hard: bool) -> None:
     md = await key_for(backends)
     task = await insert_task(backends.pool)
-    await drive(backends, task.id, (Move.QUEUE, ()), CLAIM)
+    await drive(backends, task.id, store.Queue(), CLAIM)
     received: asyncio.Queue[task_pb2.CancelSignal] = asyncio.Queue()
 
     async def on_signal(msg: Any) -> None:
@@ -441,7 +441,7 @@ async def test_cancel_twice_returns_the_canceled_task_and_terminal_is_refused(st
     assert again.task == first.task
 
     done = await insert_task(backends.pool, prompt="done")
-    await drive(backends, done.id, (Move.QUEUE, ()), CLAIM, (Move.FAIL, ("E", "boom")))
+    await drive(backends, done.id, store.Queue(), CLAIM, store.Fail(store.TaskError("E", "boom")))
     code, _, details = await failure(
         stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=str(done.id)), metadata=md, timeout=5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and reason_of(details) == "TASK_FINISHED"
@@ -450,14 +450,14 @@ async def test_cancel_twice_returns_the_canceled_task_and_terminal_is_refused(st
 async def test_cancel_racing_a_finish_tells_the_truth(stub: Any, backends: Backends, gateway: SubmitHandle) -> None:
     md = await key_for(backends)
     task = await insert_task(backends.pool)
-    await drive(backends, task.id, (Move.QUEUE, ()), CLAIM)
+    await drive(backends, task.id, store.Queue(), CLAIM)
     # the service read PROCESSING; the worker finishes before the guarded cancel runs
     async with backends.pool.acquire() as conn, conn.transaction():
         await conn.execute("SELECT 1 FROM task WHERE id = $1 FOR UPDATE", task.id)
         call = stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=str(task.id)), metadata=md, timeout=5)
         pending = asyncio.ensure_future(failure(call))
         await _wait_for_lock_waiter(backends, task.id)
-        await transition(conn, task.id, Move.SUCCEED, "mem://x", "video/mp4", 1, "ab" * 32, False, actor="test")
+        await store.apply(conn, task.id, store.Succeed(store.ResultRef("mem://x", "video/mp4", 1, "ab" * 32)), actor="test")
     code, _, details = await pending
     assert code == grpc.StatusCode.FAILED_PRECONDITION and reason_of(details) == "TASK_FINISHED"
 
@@ -479,8 +479,8 @@ async def test_get_task_result_streams_the_stored_bytes(stub: Any, backends: Bac
     data = bytes(range(256)) * 3000  # 768,000 bytes: several chunks
     stored = await ObjectStoreResults(backends.bus).put("r-a1.mp4", data, "video/mp4")
     task = await insert_task(backends.pool)
-    await drive(backends, task.id, (Move.QUEUE, ()), CLAIM,
-                (Move.SUCCEED, (stored.uri, stored.content_type, stored.size, stored.sha256, False)))
+    await drive(backends, task.id, store.Queue(), CLAIM,
+                store.Succeed(store.ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256)))
     chunks = [c async for c in stub.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=str(task.id)),
                                                   metadata=md, timeout=10)]
     assert len(chunks) > 1 and b"".join(c.data for c in chunks) == data
@@ -510,8 +510,8 @@ async def test_other_tenants_tasks_look_like_missing_ones(stub: Any, backends: B
     data = b"video"
     stored = await ObjectStoreResults(backends.bus).put("iso.mp4", data, "video/mp4")
     task = await insert_task(backends.pool)
-    await drive(backends, task.id, (Move.QUEUE, ()), CLAIM,
-                (Move.SUCCEED, (stored.uri, stored.content_type, stored.size, stored.sha256, False)))
+    await drive(backends, task.id, store.Queue(), CLAIM,
+                store.Succeed(store.ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256)))
     missing = str(task.id + 1)
 
     async def outcomes(task_id: str) -> list[tuple[grpc.StatusCode, str, list[Any]]]:

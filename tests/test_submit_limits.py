@@ -14,11 +14,10 @@ from grpc_status import rpc_status
 
 from services.submit.service import start
 from services.submit.validation import check_callback_url, validate
-from taskgate import errors
+from taskgate import errors, store
 from taskgate.config import Settings
 from taskgate.netguard import forbidden_address
 from taskgate.runtime import Backends
-from taskgate.store import Move, transition
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from tests.factories import key_for
 
@@ -76,7 +75,7 @@ async def test_finished_tasks_free_pending_slots_and_tenant_limit_wins(stub: Any
     # an idempotent replay of the pending task still answers with it
     again = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="one"), metadata=md, timeout=5)
     assert again.task.id == first.task.id and not again.created
-    await transition(backends.pool, int(first.task.id), Move.CANCEL, "soft", actor="test")
+    await store.cancel(backends.pool, int(first.task.id), mode=store.CancelMode.SOFT, actor="test")
     code, _, resp = await outcome(stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="two"), metadata=md, timeout=5))
     assert code == grpc.StatusCode.OK and resp.created
 

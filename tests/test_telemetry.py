@@ -105,9 +105,9 @@ async def test_each_transition_logs_one_json_line_without_the_prompt(database_ur
     pool = await store.create_pool(database_url, 2)
     try:
         task = await insert_task(pool, prompt=prompt)
-        queued = await store.transition(pool, task.id, store.Move.QUEUE, actor="submit", reason="published")
-        claimed = await store.transition(pool, task.id, store.Move.CLAIM, "w-1", 10.0, actor="worker", reason="claimed")
-        refused = await store.transition(pool, task.id, store.Move.QUEUE, actor="submit", reason="late")
+        queued = await store.queue(pool, task.id, actor="submit", reason="published")
+        claimed = await store.claim(pool, task.id, worker_id="w-1", lease_seconds=10.0, actor="worker", reason="claimed")
+        refused = await store.queue(pool, task.id, actor="submit", reason="late")
     finally:
         await pool.close()
     assert queued.applied and claimed.applied and not refused.applied

@@ -20,16 +20,19 @@ from google.protobuf.duration_pb2 import Duration
 
 from services.worker import service as worker_service
 from services.worker.consumer import Level, Weighted
-from services.worker.engine import RunReport, backoff, persist
+from services.worker.engine import RunReport
+from services.worker.retry import backoff, persist
 from services.worker.service import WorkerHandle
 from taskgate import bus as busmod
-from taskgate import results, sql, store
+from taskgate import results, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
-from taskgate.store import Move, Rejection
-from taskgate.v1 import task_pb2, worker_pb2, worker_pb2_grpc
+from taskgate.store import CancelMode, Rejection, ResultRef, TaskError
+from taskgate.store import workers as registry
+from taskgate.v1 import worker_pb2, worker_pb2_grpc
+from taskgate.wire import cancel, dispatch
 from tests.factories import insert_task
 
 SLEEPY = "sleepy"
@@ -86,20 +89,15 @@ async def submit(
     task = await insert_task(backends.pool, model_id=model, priority=priority, params=params, **kwargs)
     await publish(backends, task, f"{task.id}.q0")
     if queue:
-        out = await store.transition(backends.pool, task.id, Move.QUEUE, actor="submit")
+        out = await store.queue(backends.pool, task.id, actor="submit")
         assert out.applied or out.task is not None
     return task
 
 
 async def publish(backends: Backends, task: TaskRow, msg_id: str) -> None:
-    dispatch = task_pb2.TaskDispatch(
-        task_id=str(task.id),
-        model_id=task.model_id,
-        priority=task.priority,  # type: ignore[arg-type]
-        published_at_unix_ms=int(time.time() * 1000),
-    )
+    """The task's dispatch message under a chosen message id (a test's replay or re-publish)."""
     await backends.bus.js.publish(
-        busmod.task_subject(task.model_id, task.priority), dispatch.SerializeToString(), headers={"Nats-Msg-Id": msg_id}
+        busmod.task_subject(task.model_id, task.priority), dispatch.encode(task), headers={"Nats-Msg-Id": msg_id}
     )
 
 
@@ -243,14 +241,14 @@ async def test_claim_of_a_created_task_wins_over_a_slow_submit(settings: Setting
     task = await submit(backends, queue=False)  # the message outruns the CREATED -> QUEUED commit
     row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED))
     assert row.queued_at is None and row.attempt == 1
-    late = await store.transition(backends.pool, task.id, Move.QUEUE, actor="submit")
+    late = await store.queue(backends.pool, task.id, actor="submit")
     assert late.rejection is Rejection.ILLEGAL and late.task is not None and late.task.status is Status.SUCCEEDED
 
 
 async def test_message_for_a_canceled_task_is_acked_and_dropped(settings: Settings, backends: Backends, workers: Factory) -> None:
     handle = await workers(sleepy_settings(settings))
     task = await insert_task(backends.pool, model_id=SLEEPY)
-    canceled = await store.transition(backends.pool, task.id, Move.CANCEL, "soft", actor="submit")
+    canceled = await store.cancel(backends.pool, task.id, mode=CancelMode.SOFT, actor="submit")
     assert canceled.applied
     await publish(backends, task, f"{task.id}.q0")
     await handle.worker.wait_for(report_for(task.id, "refused"))
@@ -317,8 +315,8 @@ async def test_soft_cancel_keeps_the_output_and_an_identical_task_reuses_it(
     handle = await workers(sleepy_settings(settings, sleep=0.6))
     first = await submit(backends, params=params(steps=3))
     await wait_task(backends, first.id, is_status(Status.PROCESSING))
-    assert (await store.transition(backends.pool, first.id, Move.CANCEL, "soft", actor="submit")).applied
-    await backends.bus.nc.publish(busmod.CANCEL_SUBJECT, task_pb2.CancelSignal(task_id=str(first.id)).SerializeToString())
+    assert (await store.cancel(backends.pool, first.id, mode=CancelMode.SOFT, actor="submit")).applied
+    assert await cancel.send(backends.bus, first.id, hard=False, reason="test")
     kept = await handle.worker.wait_for(report_for(first.id), within=5)
     assert kept.outcome == "soft_canceled" and kept.steps_done == 3
     row = await store.get_task(backends.pool, first.id)
@@ -341,9 +339,9 @@ async def test_hard_cancel_of_a_sleep_run_frees_the_slot_at_once(settings: Setti
     handle = await workers(sleepy_settings(settings, sleep=20.0))
     task = await submit(backends, params=params(steps=100))
     await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.progress > 0)
-    assert (await store.transition(backends.pool, task.id, Move.CANCEL, "hard", actor="submit")).applied
+    assert (await store.cancel(backends.pool, task.id, mode=CancelMode.HARD, actor="submit")).applied
     started = time.monotonic()
-    await backends.bus.nc.publish(busmod.CANCEL_SUBJECT, task_pb2.CancelSignal(task_id=str(task.id), hard=True).SerializeToString())
+    assert await cancel.send(backends.bus, task.id, hard=True, reason="test")
     report = await handle.worker.wait_for(report_for(task.id), within=5)
     assert time.monotonic() - started < 5.0  # one 0.2 s step (plus a loaded machine's delays), not the 20 s run
     assert report.outcome == "canceled" and report.steps_at_abort is not None
@@ -359,7 +357,9 @@ async def test_a_task_timed_out_elsewhere_is_stopped_at_the_next_lease_renewal(
     task = await submit(backends, params=params(steps=100))
     await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.progress > 0)
     # What the scheduler does on a processing timeout, here without the cancel signal: the renewal must notice.
-    timed_out = await store.transition(backends.pool, task.id, Move.TIMEOUT, "PROCESSING_TIMEOUT", "took too long", actor="scheduler")
+    timed_out = await store.time_out(
+        backends.pool, task.id, error=TaskError("PROCESSING_TIMEOUT", "took too long"), actor="scheduler", reason="processing timeout"
+    )
     assert timed_out.applied
     started = time.monotonic()
     report = await handle.worker.wait_for(report_for(task.id), within=5)
@@ -379,8 +379,8 @@ async def test_crashed_workers_task_is_finished_by_another_exactly_once(settings
     second = await workers(s)
     running = await wait_task(backends, task.id, lambda r: r.attempt == 2, within=20)
     assert running.worker_id == second.worker_id
-    stale = await store.transition(
-        backends.pool, task.id, Move.PROGRESS, 90, 1.0, actor="worker", expected_attempt=1
+    stale = await store.progress(
+        backends.pool, task.id, attempt=1, percent=90, lease_seconds=1.0, actor="worker"
     )  # the crashed attempt's write
     assert stale.rejection in (Rejection.STALE, Rejection.ILLEGAL) and not stale.applied
     row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED))
@@ -524,9 +524,11 @@ async def test_model_cap_holds_across_two_workers(settings: Settings, backends: 
 
 async def test_reusable_result_query_is_guarded_by_attempt(settings: Settings, backends: Backends) -> None:
     task = await insert_task(backends.pool, model_id=SLEEPY)
-    claimed = await store.transition(backends.pool, task.id, Move.CLAIM, "w", 5.0, actor="worker")
+    claimed = await store.claim(backends.pool, task.id, worker_id="w", lease_seconds=5.0, actor="worker")
     assert claimed.applied
-    assert (await store.transition(backends.pool, task.id, Move.CANCEL, "soft", actor="submit")).applied
-    args = ("nats-os://b/x", "application/json", 3, "abc")
-    assert await backends.pool.fetchval(sql.query("worker_keep_reusable"), task.id, 2, *args) is None
-    assert await backends.pool.fetchval(sql.query("worker_keep_reusable"), task.id, 1, *args) == task.id
+    assert (await store.cancel(backends.pool, task.id, mode=CancelMode.SOFT, actor="submit")).applied
+    output = ResultRef("nats-os://b/x", "application/json", 3, "abc")
+    assert not await registry.keep_reusable(backends.pool, task.id, attempt=2, result=output)
+    assert await registry.keep_reusable(backends.pool, task.id, attempt=1, result=output)
+    kept = await backends.pool.fetchrow("SELECT * FROM reusable_result WHERE source_task_id = $1", task.id)
+    assert kept is not None and (kept["result_uri"], kept["result_size"]) == (output.uri, output.size)

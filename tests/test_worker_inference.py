@@ -12,16 +12,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 from services.worker import service as worker_service
+from services.worker.inference import decode_mp4_info
 from services.worker.service import WorkerHandle
 from taskgate import bus as busmod
 from taskgate import results, store
 from taskgate.config import ModelSpec, Settings
-from taskgate.inference import decode_mp4_info
 from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
-from taskgate.store import Move
-from taskgate.tinymodel import build_tiny_pipeline
-from taskgate.v1 import task_pb2
+from taskgate.store import CancelMode
+from taskgate.wire import cancel
+from taskgate_local.tinymodel import build_tiny_pipeline
 from tests.test_worker import events, is_status, params, read_result, report_for, submit, wait_consumer_empty, wait_task
 
 MODEL = "wan-tiny"
@@ -68,9 +68,8 @@ async def test_hard_cancel_stops_the_pipeline_within_one_step(backends: Backends
     total = 1000
     task = await submit(backends, model=MODEL, params=params(steps=total, seed=3))
     await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.progress > 0, within=60)
-    assert (await store.transition(backends.pool, task.id, Move.CANCEL, "hard", actor="submit")).applied
-    signal = task_pb2.CancelSignal(task_id=str(task.id), hard=True, reason="test")
-    await backends.bus.nc.publish(busmod.CANCEL_SUBJECT, signal.SerializeToString())
+    assert (await store.cancel(backends.pool, task.id, mode=CancelMode.HARD, actor="submit")).applied
+    assert await cancel.send(backends.bus, task.id, hard=True, reason="test")
     started = time.monotonic()
     report = await wan_worker.worker.wait_for(report_for(task.id), within=30)
     assert report.outcome == "canceled" and report.steps_at_abort is not None

@@ -12,17 +12,14 @@ import nats.errors
 import nats.js.errors
 
 from services.notifier import outbox
-from services.notifier.events import event_proto, msg_id
 from taskgate import bus as busmod
-from taskgate import sql, telemetry
+from taskgate import telemetry
 from taskgate.config import Settings
+from taskgate.store import events as event_store
 from taskgate.waiting import cancelling, woken
+from taskgate.wire import events as event_wire
 
 log = logging.getLogger("taskgate.notifier.relay")
-
-# One relay pass at a time across all replicas: serialised passes keep each task's versions in order on the
-# stream and give every pass a later relay time than the one before (WatchTasks cursors rely on that).
-RELAY_LOCK_KEY = 0x7467_7265_6C61_7900  # "tgrelay"
 
 
 class EventRelay:
@@ -60,7 +57,7 @@ class EventRelay:
                     pass
                 # once per scan period, not per pass: under load a pass per NOTIFY made this a round trip per event
                 if loop.time() >= lag_due:
-                    telemetry.RELAY_LAG.set(await self._pool.fetchval(sql.query("relay_lag")))
+                    telemetry.RELAY_LAG.set(await event_store.relay_lag(self._pool))
                     lag_due = loop.time() + interval
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, nats.errors.Error) as exc:
                 if cancelling():
@@ -72,63 +69,52 @@ class EventRelay:
         """One pass over the oldest unpublished events; returns how many it relayed."""
         created = 0
         async with self._pool.acquire() as conn, conn.transaction():
-            lock = await conn.fetchrow(sql.query("relay_lock"), RELAY_LOCK_KEY)
-            assert lock is not None
-            if not lock["locked"]:
+            relay_time = await event_store.lock_relay(conn)
+            if relay_time is None:
                 return 0  # another replica is relaying; it was woken by the same NOTIFY
-            rows = await conn.fetch(sql.query("relay_take_events"), self._settings.relay_batch_size)
+            rows = await event_store.take_unpublished(conn, limit=self._settings.relay_batch_size)
             if not rows:
                 return 0
-            created = await outbox.write(conn, rows, self._settings.webhook_schedule_seconds[0])
-            done = await self._publish(rows)
+            created = await outbox.write(conn, rows, first_delay=self._settings.webhook_schedule_seconds[0])
+            done = await self._publish([r.event for r in rows])
             if self.before_commit is not None:
                 await self.before_commit(done)
             if done:
-                await conn.execute(sql.query("relay_mark_published"), done, lock["at"])
+                await event_store.mark_published(conn, done, at=relay_time)
         telemetry.EVENTS_RELAYED.inc(len(done))
         if created and self._on_deliveries is not None:
             self._on_deliveries()
         # A short pass after a failure must not loop at once: report "not a full batch".
         return len(done) if len(done) == len(rows) else 0
 
-    async def _publish(self, rows: Sequence[Any]) -> list[int]:
+    async def _publish(self, events: Sequence[event_store.Event]) -> list[int]:
         """Publishes in id order, pipelined; returns the ids of the longest prefix that JetStream acknowledged.
 
         Stopping at the first failure keeps each task's versions in order: a later version is never recorded before
         an earlier one, and anything after the failure is published again (deduplicated by Nats-Msg-Id).
         """
-        js = self._bus.js
         timeout = self._settings.relay_publish_timeout_seconds
         futures: list[asyncio.Future[Any]] = []
         done: list[int] = []
         try:
-            for row in rows:
-                try:
-                    subject = busmod.event_subject(row["user_id"], row["task_id"])
-                except ValueError:
-                    log.error("event has no valid subject; recorded without publishing", extra={"event_id": row["id"]})
-                    futures.append(_resolved())
-                    continue
-                futures.append(
-                    await js.publish_async(
-                        subject,
-                        event_proto(row).SerializeToString(),
-                        wait_stall=timeout,
-                        headers={"Nats-Msg-Id": msg_id(row["task_id"], row["version"])},
-                    )
-                )
+            for event in events:
+                fut = await event_wire.publish_async(self._bus, event, wait_stall=timeout)
+                if fut is None:
+                    log.error("event has no valid subject; recorded without publishing", extra={"event_id": event.id})
+                    fut = _resolved()
+                futures.append(fut)
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             if cancelling():  # publish_async turns a cancellation into TooManyStalledMsgsError
                 raise asyncio.CancelledError from exc
             log.warning("relay publish failed", extra={"error": f"{type(exc).__name__}: {exc}"[:300]})
         if futures:
             await asyncio.wait(futures, timeout=timeout)
-        for row, fut in zip(rows, futures, strict=False):
+        for event, fut in zip(events, futures, strict=False):
             if not fut.done() or fut.cancelled() or fut.exception() is not None:
                 error = "timeout" if not fut.done() else repr(fut.exception())
-                log.warning("relay publish not acknowledged", extra={"event_id": row["id"], "error": error[:300]})
+                log.warning("relay publish not acknowledged", extra={"event_id": event.id, "error": error[:300]})
                 break
-            done.append(row["id"])
+            done.append(event.id)
         for fut in futures:
             fut.cancel()
         return done

@@ -11,25 +11,24 @@ from typing import Any
 
 import asyncpg
 import grpc
-from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
-from services.notifier.events import event_proto, is_terminal
 from taskgate import bus as busmod
-from taskgate import errors, sql, store
+from taskgate import errors, ids, store
 from taskgate.auth import Authenticator
 from taskgate.config import Settings
-from taskgate.states import Status
+from taskgate.store import events as event_store
+from taskgate.store import submissions
 from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
 from taskgate.waiting import woken
+from taskgate.wire import events as event_wire
 
 log = logging.getLogger("taskgate.notifier.streams")
 
 SERVICE_NAME = "taskgate.v1.TaskEvents"
 REPLAY_PAGE = 500
-MAX_VERSION = 2**62
 TRACKED_TASKS = 100_000  # per WatchTasks stream: tasks whose last version is remembered for de-duplication
 
 
@@ -96,12 +95,11 @@ class EventHub:
             self._sub = None
 
     async def _on_message(self, msg: Msg) -> None:
-        try:
-            event = task_pb2.TaskEvent.FromString(msg.data)
-            task_id = int(event.task_id)
-        except (DecodeError, ValueError):
+        event = event_wire.decode(msg.data)
+        if event is None:
             log.error("undecodable event on the event stream", extra={"subject": msg.subject})
             return
+        task_id = int(event.task_id)
         for sub in [*self._by_task.get(task_id, ()), *self._by_user.get(event.user_id, ())]:
             if not sub.offer(event):
                 self.drop(sub)
@@ -139,16 +137,6 @@ def too_slow(message: str, **metadata: str) -> errors.ApiError:
     return errors.ApiError(grpc.StatusCode.ABORTED, message, info)
 
 
-def _task_id(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise errors.invalid_argument([("task_id", "must be a decimal task id")]) from None
-    if not 0 < value < 2**63:
-        raise errors.invalid_argument([("task_id", "out of range")])
-    return value
-
-
 def _statuses(values: Iterable[int]) -> set[int]:
     out = set()
     for value in values:
@@ -171,7 +159,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
         principal = await self._auth.principal(context)
-        task_id = _task_id(request.task_id)
+        task_id = ids.require(request.task_id)
         if request.after_version < 0:
             raise errors.invalid_argument([("after_version", "must not be negative")])
         # Subscribe before reading, so an event committed after the read is buffered: no gap at the seam.
@@ -184,18 +172,16 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             if last > task.version:
                 raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
             if last == 0:
-                position = 0
-                if task.status is Status.QUEUED:
-                    position = int(await self._pool.fetchval(sql.query("stream_queue_position"), task_id))
+                position = await submissions.queue_position(self._pool, task)
                 yield events_pb2.WatchTaskResponse(snapshot=task.to_proto(position))
                 last = task.version
             if task.status.terminal and last >= task.version:
                 return
-            for row in await self._pool.fetch(sql.query("stream_task_events"), task_id, last, MAX_VERSION):
-                event = event_proto(row)
+            for row in await event_store.task_events(self._pool, task_id, after_version=last):
+                event = event_wire.message(row)
                 yield events_pb2.WatchTaskResponse(event=event)
                 last = event.version
-                if is_terminal(event):
+                if event_wire.is_terminal(event):
                     return
             while True:
                 try:
@@ -210,11 +196,14 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 if live.version <= last:
                     continue  # already sent from the history (or a relay replay)
                 if live.version > last + 1:  # the live feed missed some: they are in the table
-                    for row in await self._pool.fetch(sql.query("stream_task_events"), task_id, last, live.version - 1):
-                        yield events_pb2.WatchTaskResponse(event=event_proto(row))
+                    missed = await event_store.task_events(
+                        self._pool, task_id, after_version=last, up_to_version=live.version - 1
+                    )
+                    for row in missed:
+                        yield events_pb2.WatchTaskResponse(event=event_wire.message(row))
                 yield events_pb2.WatchTaskResponse(event=live)
                 last = live.version
-                if is_terminal(live):
+                if event_wire.is_terminal(live):
                     return
         finally:
             self._hub.drop(sub)
@@ -253,22 +242,21 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 return events_pb2.WatchTasksResponse(event=event, cursor=str(cursor))
 
             if request.cursor:
-                relayed_at = await self._pool.fetchval(sql.query("stream_cursor_time"), cursor, tenant)
-                history = list(await self._pool.fetch(sql.query("stream_user_events_lookback"), tenant, cursor, relayed_at))
+                relayed_at = await event_store.relayed_at(self._pool, event_id=cursor, user_id=tenant)
+                history = await event_store.user_events_lookback(self._pool, tenant, cursor=cursor, relayed_at=relayed_at)
                 after = cursor
                 while True:
                     for row in history:
-                        event = event_proto(row)
+                        event = event_wire.message(row)
                         if fresh(event) and (out := response(event)) is not None:
                             yield out
-                    if history and history[-1]["id"] > after:
-                        after = history[-1]["id"]
-                    page = await self._pool.fetch(sql.query("stream_user_events_after"), tenant, after, REPLAY_PAGE)
-                    if not page:
+                    if history and history[-1].id > after:
+                        after = history[-1].id
+                    history = await event_store.user_events_after(self._pool, tenant, after_id=after, limit=REPLAY_PAGE)
+                    if not history:
                         break
-                    history = list(page)
             else:
-                cursor = int(await self._pool.fetchval(sql.query("stream_user_last_event"), tenant))
+                cursor = await event_store.last_event_id(self._pool, tenant)
             # Caught up: this keep-alive tells the client the stream is live and where it would resume.
             yield events_pb2.WatchTasksResponse(keepalive=events_pb2.KeepAlive(), cursor=str(cursor))
             while True:
@@ -281,9 +269,11 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     continue
                 known = versions.get(live.task_id)
                 if known is not None and live.version > known + 1:  # the live feed missed some: they are in the table
-                    rows = await self._pool.fetch(sql.query("stream_task_events"), int(live.task_id), known, live.version - 1)
+                    rows = await event_store.task_events(
+                        self._pool, int(live.task_id), after_version=known, up_to_version=live.version - 1
+                    )
                     for row in rows:
-                        event = event_proto(row)
+                        event = event_wire.message(row)
                         if fresh(event) and (out := response(event)) is not None:
                             yield out
                 if fresh(live) and (out := response(live)) is not None:

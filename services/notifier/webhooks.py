@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import random
-import socket
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import asyncpg
 import httpx
 
-from taskgate import auth, sql, telemetry, webhook_signing
+from taskgate import netguard, telemetry
 from taskgate.config import Settings
-from taskgate.netguard import forbidden_address
+from taskgate.states import CallbackStatus
+from taskgate.store import callbacks as outbox_store
+from taskgate.store import tenants
 from taskgate.waiting import cancelling, woken
+from taskgate_client import webhook_signing
 
 log = logging.getLogger("taskgate.notifier.webhook")
 
@@ -28,7 +27,7 @@ ERROR_EXCERPT = 300
 
 
 class Blocked(Exception):
-    """The callback URL is not one we may call (scheme, or an address that is not public and not allow-listed)."""
+    """The callback URL is not one we may call (its scheme, or a host the callback-host policy refuses)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,31 +38,6 @@ class Attempt:
     latency_ms: float
     error: str | None
     result: str  # bounded metric label: 2xx, 3xx, 4xx, 5xx, timeout, error, blocked, unsigned
-
-
-def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    return not forbidden_address(ip)
-
-
-async def resolve(url: httpx.URL, allow_hosts: list[str]) -> str:
-    """The address to connect to: the first resolved one that is public or allow-listed; else Blocked.
-
-    Resolving here and connecting to that very address (not the name) closes the DNS-rebinding gap.
-    """
-    if url.scheme not in ("http", "https") or not url.host:
-        raise Blocked(f"scheme {url.scheme!r} is not allowed")
-    host = url.host
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise Blocked(f"cannot resolve {host}: {exc}") from None
-    for info in infos:
-        address = str(info[4][0])
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-        if host in allow_hosts or address in allow_hosts or _public(ip):
-            return address
-    raise Blocked(f"{host} resolves only to non-public addresses")
 
 
 class WebhookSender:
@@ -98,7 +72,7 @@ class WebhookSender:
             self.wake.clear()
             try:
                 await self._claim_and_send()
-                next_due = await self._pool.fetchval(sql.query("webhook_next_due"))
+                next_due = await outbox_store.seconds_to_next_due(self._pool)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 if cancelling():
                     raise asyncio.CancelledError from exc
@@ -106,7 +80,7 @@ class WebhookSender:
                 next_due = None
             wait = self._settings.webhook_scan_interval_seconds
             if next_due is not None:
-                wait = min(wait, max(float(next_due), 0.005))
+                wait = min(wait, max(next_due, 0.005))
             await woken(self.wake, wait)
 
     async def _claim_and_send(self) -> None:
@@ -114,7 +88,7 @@ class WebhookSender:
             free = self._settings.webhook_concurrency - len(self._inflight)
             if free <= 0:
                 return
-            rows = await self._pool.fetch(sql.query("webhook_claim"), free, self._owner, self.lease_seconds)
+            rows = await outbox_store.claim_due(self._pool, limit=free, owner=self._owner, lease_seconds=self.lease_seconds)
             for row in rows:
                 task = asyncio.create_task(self._deliver(row))
                 self._inflight.add(task)
@@ -128,73 +102,75 @@ class WebhookSender:
         if not task.cancelled() and task.exception() is not None:
             log.error("webhook delivery crashed", exc_info=task.exception())
 
-    async def _deliver(self, row: Mapping[str, Any]) -> None:
-        attempt_no = row["attempts"] + 1
-        round_no = row["attempts"] - row["round_start"] + 1
-        body = json.dumps(row["payload"], separators=(",", ":"), sort_keys=True).encode()
-        secrets = await auth.webhook_secrets(self._pool, row["user_id"])
+    async def _deliver(self, delivery: outbox_store.Delivery) -> None:
+        attempt_no = delivery.attempts + 1
+        round_no = delivery.attempts - delivery.round_start + 1
+        body = json.dumps(delivery.payload, separators=(",", ":"), sort_keys=True).encode()
+        secrets = await tenants.webhook_secrets(self._pool, delivery.user_id)
         if secrets:
-            attempt = await self.post(row["url"], row["webhook_id"], body, secrets)
+            attempt = await self.post(delivery.url, delivery.webhook_id, body, secrets)
         else:
             attempt = Attempt(None, 0.0, "the tenant has no webhook secret", "unsigned")
         schedule = self._settings.webhook_schedule_seconds
         if attempt.status_code is not None and 200 <= attempt.status_code < 300:
-            status, delay, outcome = "DELIVERED", 0.0, "delivered"
+            status, delay, outcome = CallbackStatus.DELIVERED, 0.0, "delivered"
         elif attempt.status_code == 410:
-            status, delay, outcome = "FAILED", 0.0, "gone"
+            status, delay, outcome = CallbackStatus.FAILED, 0.0, "gone"
         elif round_no < len(schedule):
             jitter = self._settings.webhook_jitter
-            status, delay, outcome = "PENDING", schedule[round_no] * random.uniform(1 - jitter, 1 + jitter), "retry"
+            delay = schedule[round_no] * random.uniform(1 - jitter, 1 + jitter)
+            status, outcome = CallbackStatus.PENDING, "retry"
         else:
-            status, delay, outcome = "FAILED", 0.0, "exhausted"
-        recorded = await self._record(row, attempt_no, status, delay, attempt)
+            status, delay, outcome = CallbackStatus.FAILED, 0.0, "exhausted"
+        recorded = await outbox_store.record(
+            self._pool,
+            delivery,
+            owner=self._owner,
+            outcome=outbox_store.AttemptOutcome(
+                status=status,
+                delay_seconds=delay,
+                status_code=attempt.status_code,
+                latency_ms=attempt.latency_ms,
+                error=attempt.error,
+            ),
+        )
         telemetry.CALLBACK_ATTEMPTS.labels(attempt.result).inc()
         log.info(
             "webhook attempt",
             extra={
-                "delivery_id": row["id"],
-                "webhook_id": row["webhook_id"],
-                "event_type": row["event_type"],
+                "delivery_id": delivery.id,
+                "webhook_id": delivery.webhook_id,
+                "event_type": delivery.event_type,
                 "attempt": attempt_no,
                 "status_code": attempt.status_code,
                 "latency_ms": round(attempt.latency_ms, 1),
                 "error": attempt.error,
                 "outcome": outcome if recorded else "lease_lost",
-                "next_attempt_in_s": round(delay, 3) if status == "PENDING" else None,
+                "next_attempt_in_s": round(delay, 3) if status is CallbackStatus.PENDING else None,
             },
         )
         if not recorded:
             return
-        if status == "PENDING":
+        if status is CallbackStatus.PENDING:
             asyncio.get_running_loop().call_later(delay, self.wake.set)  # retry on time, not at the next scan
         else:
             telemetry.CALLBACK_DELIVERIES.labels(outcome).inc()
             telemetry.CALLBACK_ATTEMPTS_PER_DELIVERY.observe(round_no)
-            if status == "DELIVERED":
-                telemetry.CALLBACK_LATENCY.observe(max(time.time() - row["created_at"].timestamp(), 0.0))
+            if status is CallbackStatus.DELIVERED:
+                telemetry.CALLBACK_LATENCY.observe(max(time.time() - delivery.created_at.timestamp(), 0.0))
 
-    async def _record(self, row: Mapping[str, Any], attempt_no: int, status: str, delay: float, attempt: Attempt) -> bool:
-        """Writes the outcome under the lease, the attempt log row, and the task's callback status, together."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            done = await conn.fetchrow(
-                sql.query("webhook_record"), row["id"], self._owner, status, delay, attempt.status_code, attempt.error
+    async def _checked_address(self, url: httpx.URL) -> str:
+        """The one address to connect to: never the name again, which closes the DNS-rebinding gap."""
+        if url.scheme not in ("http", "https") or not url.host:
+            raise Blocked(f"scheme {url.scheme!r} is not allowed")
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            address = await netguard.checked_address(
+                url.host, port, within=self._settings.webhook_timeout_seconds, allow_hosts=self._settings.callback_allow_hosts
             )
-            if done is None:
-                return False  # the lease was lost (expired, or the row was redelivered and taken by another replica)
-            await conn.execute(
-                sql.query("webhook_insert_attempt"),
-                row["id"],
-                attempt_no,
-                row["webhook_id"],
-                attempt.status_code,
-                attempt.latency_ms,
-                attempt.error,
-            )
-            if row["event_type"] != "task.progress":
-                retries = done["attempts"] - done["round_start"] - 1
-                task_status = "PENDING" if status == "PENDING" else status
-                await conn.execute(sql.query("webhook_task_status"), row["task_id"], task_status, retries)
-        return True
+        except netguard.Refused as exc:
+            raise Blocked(f"{url.host}: {exc}") from None
+        return str(address)
 
     async def post(self, url: str, webhook_id: str, body: bytes, secrets: list[str]) -> Attempt:
         """One signed POST, cut at the timeout, never following redirects, reading at most a few KiB back."""
@@ -205,7 +181,7 @@ class WebhookSender:
 
         try:
             target = httpx.URL(url)
-            address = await resolve(target, self._settings.callback_allow_hosts)
+            address = await self._checked_address(target)
         except (Blocked, httpx.InvalidURL) as exc:
             return Attempt(None, elapsed(), f"blocked: {exc}"[:ERROR_EXCERPT], "blocked")
         headers = webhook_signing.headers(secrets, webhook_id, int(time.time()), body)

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import AsyncIterator, Sequence
-from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import asyncpg
 import grpc
@@ -15,45 +11,26 @@ from google.protobuf.duration_pb2 import Duration
 from services.scheduler.requeue import Item, Requeuer
 from services.scheduler.scans import TaskScan
 from taskgate import bus as busmod
-from taskgate import callbacks, errors, sql, store
+from taskgate import errors, ids, paging, store
 from taskgate.auth import Authenticator
 from taskgate.config import Settings
-from taskgate.model import TaskRow, timestamp
+from taskgate.model import timestamp
 from taskgate.states import UNFINISHED, Status
+from taskgate.store import admin as admin_store
+from taskgate.store import callbacks as callback_store
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, task_pb2
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_CALLBACK = {
-    "PENDING": task_pb2.CALLBACK_STATUS_PENDING,
-    "DELIVERED": task_pb2.CALLBACK_STATUS_DELIVERED,
-    "FAILED": task_pb2.CALLBACK_STATUS_FAILED,
-}
+_DEAD_LETTERS = paging.filter_key("admin.dead_letters")  # no filter, but its tokens fit no other listing
 
 
-def encode_cursor(at: datetime, task_id: int) -> str:
-    """An opaque page token for a (timestamp, id) keyset position."""
-    micros = (at - _EPOCH) // timedelta(microseconds=1)
-    return base64.urlsafe_b64encode(f"{micros}:{task_id}".encode()).decode()
-
-
-def decode_cursor(token: str, field: str = "page_token") -> tuple[datetime, int]:
-    """The keyset position of a page token; INVALID_ARGUMENT when it is not one of ours."""
+def _cursor(token: str, fingerprint: str) -> paging.Cursor | None:
+    """The keyset position of a page token (None: the first page); INVALID_ARGUMENT when it is not one of ours."""
+    if not token:
+        return None
     try:
-        micros, task_id = base64.urlsafe_b64decode(token.encode()).decode().split(":")
-        return _EPOCH + timedelta(microseconds=int(micros)), int(task_id)
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise errors.invalid_argument([(field, "not a page token from this listing")]) from None
-
-
-def parse_task_id(value: str, field: str = "task_id") -> int:
-    """A decimal task id; INVALID_ARGUMENT otherwise."""
-    try:
-        task_id = int(value)
-    except ValueError:
-        raise errors.invalid_argument([(field, "must be a decimal task id")]) from None
-    if not 0 < task_id < 2**63:
-        raise errors.invalid_argument([(field, "must be a decimal task id")])
-    return task_id
+        return paging.decode(token, fingerprint)
+    except paging.BadToken as exc:
+        raise errors.invalid_argument([("page_token", str(exc))]) from None
 
 
 def _duration(seconds: float) -> Duration:
@@ -69,8 +46,8 @@ def _statuses(values: Sequence[int], field: str) -> list[Status]:
         raise errors.invalid_argument([(field, "unknown or unspecified task status")]) from None
 
 
-def _state_counts(rows: list[asyncpg.Record]) -> list[admin_pb2.StateCount]:
-    return [admin_pb2.StateCount(model_id=r["model_id"], status=Status(r["status"]).to_proto(), count=r["n"]) for r in rows]
+def _state_counts(counts: list[admin_store.StateCount]) -> list[admin_pb2.StateCount]:
+    return [admin_pb2.StateCount(model_id=c.model_id, status=c.status.to_proto(), count=c.count) for c in counts]
 
 
 class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
@@ -98,23 +75,20 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         """Counts per state and model, the oldest QUEUED age, tasks per worker, webhook outcomes."""
         await self.auth.principal(context, admin=True)
         async with self.pool.acquire() as conn:
-            counts = await conn.fetch(sql.query("admin_state_counts"))
-            oldest = await conn.fetchval(sql.query("admin_oldest_queued_age"))
-            workers = await conn.fetch(sql.query("admin_worker_stats"), self.settings.lease_seconds)
-            callbacks = await conn.fetch(sql.query("admin_callback_counts"))
+            counts = await admin_store.state_counts(conn)
+            oldest = await admin_store.oldest_queued_age(conn)
+            workers = await admin_store.worker_stats(conn, lease_seconds=self.settings.lease_seconds)
+            deliveries = await admin_store.callback_counts(conn)
         response = admin_pb2.GetStatsResponse(
             counts=_state_counts(counts),
-            callbacks=[
-                admin_pb2.CallbackCount(status=_CALLBACK.get(r["status"], task_pb2.CALLBACK_STATUS_UNSPECIFIED), count=r["n"])
-                for r in callbacks
-            ],
+            callbacks=[admin_pb2.CallbackCount(status=c.status.to_proto(), count=c.count) for c in deliveries],
         )
         if oldest is not None:
             response.oldest_queued_age.CopyFrom(_duration(oldest))
         for w in workers:
-            stats = response.workers.add(worker_id=w["worker_id"], running=w["running"], slots=w["slots"], alive=w["alive"])
-            if w["last_heartbeat"] is not None:
-                stats.last_heartbeat.CopyFrom(timestamp(w["last_heartbeat"]))
+            stats = response.workers.add(worker_id=w.worker_id, running=w.running, slots=w.slots, alive=w.alive)
+            if w.last_heartbeat is not None:
+                stats.last_heartbeat.CopyFrom(timestamp(w.last_heartbeat))
         return response
 
     async def ListTasks(
@@ -124,12 +98,13 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         await self.auth.principal(context, admin=True)
         statuses, model_id, older = self._filter(request.filter)
         limit = self._page_size(request.page_size)
-        after_at, after_id = decode_cursor(request.page_token) if request.page_token else (None, None)
-        rows = await self.pool.fetch(
-            sql.query("admin_list_tasks"), [s.value for s in statuses], model_id, older, after_at, after_id, limit + 1
+        fingerprint = paging.filter_key("admin.tasks", sorted({s.value for s in statuses}), model_id, older)
+        after = _cursor(request.page_token, fingerprint)
+        rows = await admin_store.list_tasks(
+            self.pool, statuses=statuses, model_id=model_id, older_than_seconds=older, after=after, limit=limit + 1
         )
-        tasks = [TaskRow.from_record(r) for r in rows[:limit]]
-        token = encode_cursor(tasks[-1].updated_at, tasks[-1].id) if len(rows) > limit else ""
+        tasks = rows[:limit]
+        token = paging.encode(paging.Cursor(tasks[-1].updated_at, tasks[-1].id), fingerprint) if len(rows) > limit else ""
         return admin_pb2.AdminListTasksResponse(tasks=[t.to_proto() for t in tasks], next_page_token=token)
 
     async def ListStuckTasks(
@@ -164,35 +139,36 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         batch_size = request.batch_size or self.settings.requeue_batch_size
         reason = request.reason or "operator requeue"
         number = 0
-        async for ids in self._batches(request, batch_size):
+        async for batch in self._batches(request, batch_size):
             number += 1
             if request.dry_run:
-                items = await self.requeuer.plan(ids)
+                items = await self.requeuer.plan(batch)
             else:
-                items = await self.requeuer.apply(ids, actor=f"admin:{principal.tenant_id}", reason=reason)
-            summary = await self.pool.fetch(sql.query("admin_live_counts"))
+                items = await self.requeuer.apply(batch, actor=f"admin:{principal.tenant_id}", reason=reason)
+            summary = await admin_store.live_counts(self.pool)
             yield admin_pb2.RequeueBatch(
                 batch=number, items=[_requeue_item(i) for i in items], summary=_state_counts(summary), dry_run=request.dry_run
             )
 
     async def _batches(self, request: admin_pb2.RequeueTasksRequest, batch_size: int) -> AsyncIterator[list[int]]:
         if request.task_ids:
-            ids = list(dict.fromkeys(parse_task_id(v, "task_ids") for v in request.task_ids))
-            for i in range(0, len(ids), batch_size):
-                yield ids[i : i + batch_size]
+            task_ids = list(dict.fromkeys(ids.require(v, "task_ids") for v in request.task_ids))
+            for i in range(0, len(task_ids), batch_size):
+                yield task_ids[i : i + batch_size]
             return
         statuses, model_id, older = self._filter(request.filter)
         if any(s.terminal for s in statuses):
             raise errors.invalid_argument([("filter.statuses", "terminal tasks cannot be requeued")])
-        wanted = [s.value for s in (statuses or sorted(UNFINISHED))]
+        wanted = statuses or sorted(UNFINISHED)
         after = 0
         while True:
-            rows = await self.pool.fetch(sql.query("admin_requeue_page"), wanted, model_id, older, after, batch_size)
-            if not rows:
+            page = await admin_store.requeue_page(
+                self.pool, statuses=wanted, model_id=model_id, older_than_seconds=older, after_id=after, limit=batch_size
+            )
+            if not page:
                 return
-            ids = [r["id"] for r in rows]
-            yield ids
-            after = ids[-1]
+            yield page
+            after = page[-1]
 
     async def ListDeadLetters(
         self, request: admin_pb2.ListDeadLettersRequest, context: grpc.aio.ServicerContext
@@ -200,16 +176,14 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         """Dead letters with their tasks (last error included), newest first, a page at a time."""
         await self.auth.principal(context, admin=True)
         limit = self._page_size(request.page_size)
-        before_at, before_id = decode_cursor(request.page_token) if request.page_token else (None, None)
-        rows = await self.pool.fetch(sql.query("admin_dead_letters"), before_at, before_id, limit + 1)
+        before = _cursor(request.page_token, _DEAD_LETTERS)
+        rows = await admin_store.dead_letters(self.pool, before=before, limit=limit + 1)
         response = admin_pb2.ListDeadLettersResponse()
-        for r in rows[:limit]:
-            response.dead_letters.add(
-                task=TaskRow.from_record(r).to_proto(), reason=r["dead_reason"], dead_at=timestamp(r["dead_at"])
-            )
+        for d in rows[:limit]:
+            response.dead_letters.add(task=d.task.to_proto(), reason=d.reason, dead_at=timestamp(d.dead_at))
         if len(rows) > limit:
             last = rows[limit - 1]
-            response.next_page_token = encode_cursor(last["dead_at"], last["id"])
+            response.next_page_token = paging.encode(paging.Cursor(last.dead_at, last.task.id), _DEAD_LETTERS)
         return response
 
     async def RedeliverCallback(
@@ -217,17 +191,17 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     ) -> admin_pb2.RedeliverCallbackResponse:
         """Sends a task's terminal webhooks again (same webhook ids, a fresh retry round); the notifier wakes at once."""
         await self.auth.principal(context, admin=True)
-        task_id = parse_task_id(request.task_id)
+        task_id = ids.require(request.task_id)
         if await store.get_task(self.pool, task_id) is None:
             raise errors.not_found()
-        rows: list[Any] = await callbacks.redeliver(self.pool, task_id)
+        reset = await callback_store.redeliver(self.pool, task_id)
         return admin_pb2.RedeliverCallbackResponse(
             deliveries=[
                 admin_pb2.CallbackDelivery(
-                    delivery_id=r["id"], webhook_id=r["webhook_id"], event=r["event_type"],
-                    status=_CALLBACK[r["status"]], attempts=r["attempts"],
+                    delivery_id=d.id, webhook_id=d.webhook_id, event=d.event_type, status=d.status.to_proto(),
+                    attempts=d.attempts,
                 )
-                for r in rows
+                for d in reset
             ]
         )
 

@@ -9,17 +9,25 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from services.scheduler.scans import Action, dispatch_msg_id, publish_dispatch
+from services.scheduler.scans import Action
 from taskgate import bus as busmod
-from taskgate import sql, store, telemetry
+from taskgate import store, telemetry
 from taskgate.model import TaskRow
 from taskgate.states import Status
 from taskgate.store import Move
+from taskgate.store import admin as admin_store
+from taskgate.wire import dispatch
+from taskgate.wire.dispatch import Reason
 
 log = logging.getLogger("taskgate.scheduler")
 
-# The move that puts a task of each unfinished state back in the queue.
-REQUEUE_MOVES = {Status.CREATED: Move.QUEUE, Status.QUEUED: Move.REPUBLISH, Status.PROCESSING: Move.RELEASE}
+# The move that puts a task of each unfinished state back in the queue, and the dispatch that goes with it.
+REQUEUE_MOVES: dict[Status, store.Queue | store.Republish | store.Release] = {
+    Status.CREATED: store.Queue(),
+    Status.QUEUED: store.Republish(),
+    Status.PROCESSING: store.Release(),
+}
+DISPATCH_REASONS = {Move.QUEUE: Reason.SUBMITTED, Move.REPUBLISH: Reason.REPUBLISHED, Move.RELEASE: Reason.RELEASED}
 
 
 class Outcome(enum.StrEnum):
@@ -46,7 +54,7 @@ class Decision:
 
     task_id: int
     task: TaskRow | None
-    move: Move | None
+    change: store.Change | None
     detail: str
 
 
@@ -58,8 +66,8 @@ def decide(task_id: int, task: TaskRow | None, lease_live: bool) -> Decision:
         return Decision(task_id, task, None, f"{task.status.value} is terminal")
     if task.status is Status.PROCESSING and lease_live:
         return Decision(task_id, task, None, f"worker {task.worker_id} is alive and holds the lease")
-    move = REQUEUE_MOVES[task.status]
-    return Decision(task_id, task, move, f"{task.status.value} -> QUEUED ({move.name.lower()})")
+    change = REQUEUE_MOVES[task.status]
+    return Decision(task_id, task, change, f"{task.status.value} -> QUEUED ({change.move.name.lower()})")
 
 
 def _item(d: Decision, outcome: Outcome, detail: str | None = None) -> Item:
@@ -75,33 +83,35 @@ class Requeuer:
 
     async def plan(self, ids: list[int]) -> list[Item]:
         """What apply() would do, reading without locks and changing nothing."""
-        rows = {r["id"]: r for r in await self.pool.fetch(sql.query("admin_peek_tasks"), ids)}
+        found = await admin_store.peek_tasks(self.pool, ids)
         out = []
         for task_id in ids:
-            rec = rows.get(task_id)
-            d = decide(task_id, TaskRow.from_record(rec) if rec else None, bool(rec and rec["lease_live"]))
-            out.append(_item(d, Outcome.WOULD_REQUEUE if d.move else Outcome.SKIPPED))
+            seen = found.get(task_id)
+            d = decide(task_id, seen.task if seen else None, bool(seen and seen.lease_live))
+            out.append(_item(d, Outcome.WOULD_REQUEUE if d.change else Outcome.SKIPPED))
         return out
 
     async def apply(self, ids: list[int], *, actor: str, reason: str) -> list[Item]:
         """Locks the batch, publishes each dispatch, then moves each task; a failed publish aborts the batch."""
         async with self.pool.acquire() as conn, conn.transaction():
-            locked = {r["id"]: r for r in await conn.fetch(sql.query("admin_lock_tasks"), ids)}
+            locked = await admin_store.lock_tasks(conn, ids)
             missing = [i for i in ids if i not in locked]
-            busy = {r["id"]: r for r in await conn.fetch(sql.query("admin_peek_tasks"), missing)} if missing else {}
+            busy = await admin_store.peek_tasks(conn, missing) if missing else {}
             decisions: list[Decision] = []
             for task_id in ids:
                 if task_id in locked:
-                    rec = locked[task_id]
-                    decisions.append(decide(task_id, TaskRow.from_record(rec), rec["lease_live"]))
+                    decisions.append(decide(task_id, locked[task_id].task, locked[task_id].lease_live))
                 elif task_id in busy:
-                    row = TaskRow.from_record(busy[task_id])
+                    row = busy[task_id].task
                     decisions.append(Decision(task_id, row, None, "busy: a scan or a worker holds the row; try again"))
                 else:
                     decisions.append(decide(task_id, None, False))
-            moving = [d for d in decisions if d.move is not None and d.task is not None]
             results = await asyncio.gather(
-                *(publish_dispatch(self.bus, d.task, dispatch_msg_id(d.task, d.move)) for d in moving if d.task and d.move),
+                *(
+                    dispatch.publish(self.bus, d.task, DISPATCH_REASONS[d.change.move])
+                    for d in decisions
+                    if d.task is not None and d.change is not None
+                ),
                 return_exceptions=True,
             )
             for result in results:
@@ -109,11 +119,11 @@ class Requeuer:
                     raise result  # nothing of this batch moves; the caller stops here
             items = []
             for d in decisions:
-                if d.move is None or d.task is None:
+                if d.change is None or d.task is None:
                     items.append(_item(d, Outcome.SKIPPED))
                     continue
-                out = await store.transition(
-                    conn, d.task_id, d.move, actor=actor, reason=reason, expected_version=d.task.version,
+                out = await store.apply(
+                    conn, d.task_id, d.change, actor=actor, reason=reason, expected_version=d.task.version,
                     sources=(d.task.status,),
                 )
                 if out.applied:

@@ -1,31 +1,30 @@
 """The scheduler's scans: each finds one kind of stuck task in a bounded, locked batch and moves it on.
 
 Every scan runs in one transaction: select due rows with FOR UPDATE SKIP LOCKED (so two replicas never take the
-same row), publish what must be published, then move each row with store.transition guarded by its version.
+same row), publish what must be published, then move each row with its store move guarded by its version.
 A row whose publish failed is left as it was; the next pass tries it again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import asyncpg
 from nats.errors import Error as NatsError
 
 from taskgate import bus as busmod
-from taskgate import sql, store, telemetry
+from taskgate import store, telemetry
 from taskgate.config import Settings
 from taskgate.model import TaskRow
-from taskgate.store import Move
-from taskgate.v1 import task_pb2
+from taskgate.store import maintenance
+from taskgate.wire import cancel, dispatch
+from taskgate.wire.dispatch import Reason
 
 log = logging.getLogger("taskgate.scheduler")
 
@@ -81,69 +80,8 @@ class TaskScan(Scan, Protocol):
     async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]: ...
 
 
-def dispatch_msg_id(task: TaskRow, move: Move) -> str:
-    """The Nats-Msg-Id of the dispatch that goes with a move back to QUEUED (see the cross-service contract)."""
-    if move is Move.QUEUE:
-        return f"{task.id}.q0"
-    if move is Move.REPUBLISH:
-        # the version after the bump never repeats (publish_count restarts after a release)
-        return f"{task.id}.p{task.version + 1}"
-    if move is Move.RELEASE:
-        return f"{task.id}.a{task.attempt}"
-    raise ValueError(f"{move.name} publishes no dispatch")
-
-
-async def publish_dispatch(bus: busmod.Bus, task: TaskRow, msg_id: str) -> None:
-    """Publishes the dispatch hint of a task and waits for JetStream's ack."""
-    payload = task_pb2.TaskDispatch(
-        task_id=str(task.id),
-        model_id=task.model_id,
-        priority=task.priority,  # type: ignore[arg-type]
-        published_at_unix_ms=int(time.time() * 1000),
-    ).SerializeToString()
-    await bus.js.publish(busmod.task_subject(task.model_id, task.priority), payload, headers={"Nats-Msg-Id": msg_id})
-
-
-async def publish_dispatches(bus: busmod.Bus, items: list[tuple[TaskRow, Move]]) -> list[tuple[TaskRow, Move]]:
-    """Publishes concurrently; returns the items whose publish was acknowledged."""
-    results = await asyncio.gather(
-        *(publish_dispatch(bus, task, dispatch_msg_id(task, move)) for task, move in items), return_exceptions=True
-    )
-    done = []
-    for (task, move), result in zip(items, results, strict=True):
-        if isinstance(result, BaseException):
-            log.warning("dispatch publish failed", extra={"task_id": str(task.id), "error": type(result).__name__})
-        else:
-            done.append((task, move))
-    return done
-
-
-async def time_out(conn: asyncpg.Connection, task: TaskRow, error_code: str, error_msg: str, reason: str) -> bool:
-    """TIMEOUT plus a dead letter, as store.fail_for_good does, inside the caller's transaction."""
-    out = await store.transition(
-        conn, task.id, Move.TIMEOUT, error_code, error_msg, actor=ACTOR, reason=reason, expected_version=task.version
-    )
-    if out.applied:
-        await conn.execute(sql.query("insert_dead_letter"), task.id, reason, error_code, error_msg)
-    return out.applied
-
-
-def _per_model(settings: Settings, timeout_for: Callable[[str], float]) -> tuple[list[str], list[float]]:
-    models = sorted(settings.models)
-    return models, [timeout_for(m) for m in models]
-
-
-async def _fetch_tasks(conn: asyncpg.Connection, query: str, *args: Any) -> list[TaskRow]:
-    return [TaskRow.from_record(r) for r in await conn.fetch(sql.query(query), *args)]
-
-
-async def _move_published(conn: asyncpg.Connection, items: list[tuple[TaskRow, Move]], reason: str) -> Counter[Move]:
-    moved: Counter[Move] = Counter()
-    for task, move in items:
-        out = await store.transition(conn, task.id, move, actor=ACTOR, reason=reason, expected_version=task.version)
-        if out.applied:
-            moved[move] += 1
-    return moved
+def _timeouts(settings: Settings, timeout_for: Callable[[str], float]) -> dict[str, float]:
+    return {m: timeout_for(m) for m in settings.models}
 
 
 class CreatedScan:
@@ -157,14 +95,20 @@ class CreatedScan:
 
     async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]:
         """CREATED tasks past the created timeout, locked."""
-        return await _fetch_tasks(conn, "sched_created_due", now, self.ctx.settings.created_timeout_seconds, limit)
+        return await maintenance.created_due(
+            conn, now=now, timeout_seconds=self.ctx.settings.created_timeout_seconds, limit=limit
+        )
 
     async def run(self, now: datetime | None = None) -> ScanResult:
+        moved = 0
         async with self.ctx.pool.acquire() as conn, conn.transaction():
             tasks = await self.due(conn, now, self.ctx.settings.scan_batch_size)
-            published = await publish_dispatches(self.ctx.bus, [(t, Move.QUEUE) for t in tasks])
-            moved = await _move_published(conn, published, "created too long: dispatch re-published")
-        return ScanResult(Counter({Action.QUEUE: moved[Move.QUEUE]}), len(tasks))
+            for task, _ in await dispatch.publish_many(self.ctx.bus, [(t, Reason.SUBMITTED) for t in tasks]):
+                out = await store.queue(
+                    conn, task.id, actor=ACTOR, reason="created too long: dispatch re-published", expected_version=task.version
+                )
+                moved += out.applied
+        return ScanResult(Counter({Action.QUEUE: moved}), len(tasks))
 
 
 class QueuedScan:
@@ -179,9 +123,9 @@ class QueuedScan:
     async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]:
         """QUEUED tasks past their model's queue timeout, locked."""
         s = self.ctx.settings
-        models, timeouts = _per_model(s, s.queue_timeout_for)
-        smallest = min([s.queue_timeout_seconds, *timeouts])
-        return await _fetch_tasks(conn, "sched_queued_due", now, models, timeouts, s.queue_timeout_seconds, smallest, limit)
+        return await maintenance.queued_due(
+            conn, now=now, timeouts=_timeouts(s, s.queue_timeout_for), default_seconds=s.queue_timeout_seconds, limit=limit
+        )
 
     async def run(self, now: datetime | None = None) -> ScanResult:
         s = self.ctx.settings
@@ -189,15 +133,20 @@ class QueuedScan:
         async with self.ctx.pool.acquire() as conn, conn.transaction():
             tasks = await self.due(conn, now, s.scan_batch_size)
             result.examined = len(tasks)
-            again = [(t, Move.REPUBLISH) for t in tasks if t.publish_count < s.max_republish]
-            published = await publish_dispatches(self.ctx.bus, again)
-            moved = await _move_published(conn, published, "queued too long: dispatch re-published")
-            result.actions[Action.REPUBLISH] = moved[Move.REPUBLISH]
+            again = [(t, Reason.REPUBLISHED) for t in tasks if t.publish_count < s.max_republish]
+            for task, _ in await dispatch.publish_many(self.ctx.bus, again):
+                out = await store.republish(
+                    conn, task.id, actor=ACTOR, reason="queued too long: dispatch re-published", expected_version=task.version
+                )
+                result.actions[Action.REPUBLISH] += out.applied
             for task in tasks:
                 if task.publish_count >= s.max_republish:
                     msg = f"no worker took the task within the queue timeout after {task.publish_count} re-publishes"
-                    if await time_out(conn, task, QUEUE_TIMEOUT, msg, "queue timeout"):
-                        result.actions[Action.QUEUE_TIMEOUT] += 1
+                    out = await store.time_out(
+                        conn, task.id, error=store.TaskError(QUEUE_TIMEOUT, msg), actor=ACTOR, reason="queue timeout",
+                        expected_version=task.version,
+                    )
+                    result.actions[Action.QUEUE_TIMEOUT] += out.applied
         return result
 
 
@@ -215,14 +164,18 @@ class LeaseScan:
 
     async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]:
         """PROCESSING tasks whose lease expired, locked."""
-        return await _fetch_tasks(conn, "sched_lease_expired", now, limit)
+        return await maintenance.lease_expired(conn, now=now, limit=limit)
 
     async def run(self, now: datetime | None = None) -> ScanResult:
+        moved = 0
         async with self.ctx.pool.acquire() as conn, conn.transaction():
             tasks = await self.due(conn, now, self.ctx.settings.scan_batch_size)
-            published = await publish_dispatches(self.ctx.bus, [(t, Move.RELEASE) for t in tasks])
-            moved = await _move_published(conn, published, "lease expired: worker lost")
-        return ScanResult(Counter({Action.RELEASE: moved[Move.RELEASE]}), len(tasks))
+            for task, _ in await dispatch.publish_many(self.ctx.bus, [(t, Reason.RELEASED) for t in tasks]):
+                out = await store.release(
+                    conn, task.id, actor=ACTOR, reason="lease expired: worker lost", expected_version=task.version
+                )
+                moved += out.applied
+        return ScanResult(Counter({Action.RELEASE: moved}), len(tasks))
 
 
 class ProcessingTimeoutScan:
@@ -240,10 +193,9 @@ class ProcessingTimeoutScan:
     async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]:
         """Live PROCESSING tasks past their timeout (plus the grace once granted), locked."""
         s = self.ctx.settings
-        models, timeouts = _per_model(s, s.processing_timeout_for)
-        return await _fetch_tasks(
-            conn, "sched_processing_overdue", now, models, timeouts, s.processing_timeout_seconds,
-            s.processing_grace_seconds, limit,
+        return await maintenance.processing_overdue(
+            conn, now=now, timeouts=_timeouts(s, s.processing_timeout_for), default_seconds=s.processing_timeout_seconds,
+            grace_seconds=s.processing_grace_seconds, limit=limit,
         )
 
     async def run(self, now: datetime | None = None) -> ScanResult:
@@ -254,20 +206,25 @@ class ProcessingTimeoutScan:
             result.examined = len(tasks)
             for task in tasks:
                 if not task.timeout_extended:
-                    if await conn.fetchval(sql.query("sched_grant_grace"), task.id, task.attempt) is not None:
+                    if await maintenance.grant_grace(conn, task.id, attempt=task.attempt):
                         log.info("processing grace granted", extra={"task_id": str(task.id), "worker": task.worker_id})
                         result.actions[Action.GRACE] += 1
-                elif await time_out(conn, task, PROCESSING_TIMEOUT, "the task ran past its processing timeout", "processing timeout"):
+                    continue
+                error = store.TaskError(PROCESSING_TIMEOUT, "the task ran past its processing timeout")
+                out = await store.time_out(
+                    conn, task.id, error=error, actor=ACTOR, reason="processing timeout", expected_version=task.version
+                )
+                if out.applied:
                     timed_out.append(task)
         result.actions[Action.PROCESSING_TIMEOUT] = len(timed_out)
-        try:
-            for task in timed_out:
-                signal = task_pb2.CancelSignal(task_id=str(task.id), hard=True, reason=PROCESSING_TIMEOUT)
-                await self.ctx.bus.nc.publish(busmod.CANCEL_SUBJECT, signal.SerializeToString())
-            if timed_out:
+        # only a hint: the worker's next lease renewal fails too (cancel.send logs a refused signal)
+        for task in timed_out:
+            await cancel.send(self.ctx.bus, task.id, hard=True, reason=PROCESSING_TIMEOUT)
+        if timed_out:
+            try:
                 await self.ctx.bus.nc.flush()
-        except (NatsError, OSError, TimeoutError) as exc:  # only a hint: the worker's next lease renewal fails too
-            log.warning("cancel signal not sent", extra={"error": type(exc).__name__})
+            except (NatsError, OSError, TimeoutError) as exc:
+                log.warning("cancel signal not sent", extra={"error": type(exc).__name__})
         return result
 
 
@@ -281,10 +238,11 @@ class DeadLetterScan:
 
     async def run(self, now: datetime | None = None) -> ScanResult:
         s = self.ctx.settings
-        rows = await self.ctx.pool.fetch(
-            sql.query("sched_dead_letter_missing"), now, s.dead_letter_window_seconds, "retries exhausted", s.scan_batch_size
+        added = await maintenance.add_missing_dead_letters(
+            self.ctx.pool, now=now, window_seconds=s.dead_letter_window_seconds, reason="retries exhausted",
+            limit=s.scan_batch_size,
         )
-        return ScanResult(Counter({Action.DEAD_LETTER: len(rows)}), len(rows))
+        return ScanResult(Counter({Action.DEAD_LETTER: added}), added)
 
 
 class WorkerScan:
@@ -297,10 +255,12 @@ class WorkerScan:
 
     async def run(self, now: datetime | None = None) -> ScanResult:
         s = self.ctx.settings
-        rows = await self.ctx.pool.fetch(sql.query("sched_forget_workers"), now, s.worker_forget_seconds, s.scan_batch_size)
-        for row in rows:
-            log.info("worker forgotten", extra={"worker": row["id"]})
-        return ScanResult(Counter({Action.FORGET_WORKER: len(rows)}), len(rows))
+        gone = await maintenance.forget_workers(
+            self.ctx.pool, now=now, silent_seconds=s.worker_forget_seconds, limit=s.scan_batch_size
+        )
+        for worker_id in gone:
+            log.info("worker forgotten", extra={"worker": worker_id})
+        return ScanResult(Counter({Action.FORGET_WORKER: len(gone)}), len(gone))
 
 
 def count(result: ScanResult) -> None:

@@ -30,8 +30,9 @@ from services.scheduler.scans import (
     count,
 )
 from taskgate import bus as busmod
-from taskgate import runtime, server, sql, telemetry
+from taskgate import runtime, server, telemetry
 from taskgate.config import Settings
+from taskgate.store import maintenance
 from taskgate.v1 import admin_pb2_grpc
 
 log = logging.getLogger("taskgate.scheduler")
@@ -88,14 +89,13 @@ class Scheduler:
 
     async def refresh_gauges(self) -> None:
         """Sets QUEUE_DEPTH, QUEUE_OLDEST_AGE and PROCESSING per model, and WORKERS_ALIVE."""
-        rows = await self.pool.fetch(sql.query("sched_queue_gauges"))
-        seen = {r["model_id"]: r for r in rows}
+        seen = {load.model_id: load for load in await maintenance.queue_gauges(self.pool)}
         for model_id in set(self.settings.models) | set(seen):
-            row = seen.get(model_id)
-            telemetry.QUEUE_DEPTH.labels(model_id).set(row["queued"] if row else 0)
-            telemetry.QUEUE_OLDEST_AGE.labels(model_id).set((row["oldest_queued_age"] or 0.0) if row else 0.0)
-            telemetry.PROCESSING.labels(model_id).set(row["processing"] if row else 0)
-        telemetry.WORKERS_ALIVE.set(await self.pool.fetchval(sql.query("sched_workers_alive"), self.settings.lease_seconds))
+            load = seen.get(model_id)
+            telemetry.QUEUE_DEPTH.labels(model_id).set(load.queued if load else 0)
+            telemetry.QUEUE_OLDEST_AGE.labels(model_id).set((load.oldest_queued_age or 0.0) if load else 0.0)
+            telemetry.PROCESSING.labels(model_id).set(load.processing if load else 0)
+        telemetry.WORKERS_ALIVE.set(await maintenance.workers_alive(self.pool, lease_seconds=self.settings.lease_seconds))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scans every scan_interval_seconds (at once again while batches come back full) until `stop` is set."""

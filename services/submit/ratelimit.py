@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from taskgate import errors, sql, telemetry
-from taskgate.store import Conn
+from taskgate import errors, telemetry
+from taskgate.store import Conn, submissions
 
 RATE_LIMITED = "RATE_LIMITED"
 TOO_MANY_PENDING = "TOO_MANY_PENDING_TASKS"
@@ -11,10 +11,9 @@ TOO_MANY_PENDING = "TOO_MANY_PENDING_TASKS"
 
 async def take_submit_slot(db: Conn, tenant: str, per_minute: int, budget: float) -> None:
     """Counts one submission in the tenant's minute window, or raises RESOURCE_EXHAUSTED with RetryInfo."""
-    row = await db.fetchrow(sql.query("submit_take_rate_slot"), tenant, per_minute, timeout=budget)
-    assert row is not None
-    if not row["allowed"]:
-        raise rate_limited(per_minute, float(row["retry_after"]))
+    retry_after = await submissions.take_rate_slot(db, tenant, per_minute=per_minute, within=budget)
+    if retry_after is not None:
+        raise rate_limited(per_minute, retry_after)
 
 
 def rate_limited(per_minute: int, retry_after: float) -> errors.ApiError:

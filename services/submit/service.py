@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -16,8 +15,7 @@ from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health
 from nats.errors import Error as NatsError
 
-from taskgate import bus as busmod
-from taskgate import errors, ids, sql, telemetry
+from taskgate import errors, ids, paging, store, telemetry
 from taskgate.auth import Authenticator, Principal
 from taskgate.config import Settings
 from taskgate.model import TaskRow
@@ -25,10 +23,11 @@ from taskgate.results import ResultNotFound, result_store
 from taskgate.runtime import Backends, connect, stop_signal
 from taskgate.server import BACKEND_ERRORS, mark_not_serving, start_server
 from taskgate.states import Status
-from taskgate.store import Move, transition
+from taskgate.store import submissions
+from taskgate.store.submissions import NewTask, Verdict
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate.wire import cancel, dispatch
 
-from . import paging
 from .cache import TerminalCache
 from .ratelimit import rate_limited, take_submit_slot, too_many_pending
 from .validation import Submission, validate
@@ -37,7 +36,6 @@ log = logging.getLogger("taskgate.submit")
 
 ACTOR = "submit"
 SERVICE_NAME = "taskgate.v1.TaskGateway"
-_MAX_ID = 2**63 - 1
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -50,13 +48,6 @@ def poll_interval(created_at: datetime, now: datetime | None = None) -> float:
     if age < 120:
         return 5.0
     return 10.0
-
-
-def parse_task_id(value: str) -> int:
-    """A task id from the wire (decimal), or INVALID_ARGUMENT."""
-    if not value.isdecimal() or len(value) > 19 or int(value) > _MAX_ID:
-        raise errors.invalid_argument([("task_id", "must be a decimal task id")])
-    return int(value)
 
 
 def _prompt_fingerprint(prompt: str) -> dict[str, object]:
@@ -115,43 +106,45 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     async def _insert(self, tenant: str, sub: Submission, per_minute: int | None, context: Context) -> tuple[TaskRow, bool]:
         """The tenant's task for this idempotency key, inserted as CREATED unless it exists; True when new.
 
-        One statement (submit_fast_path) takes the rate slot (unless `per_minute` is None: already taken), locks the
-        tenant row, looks the key up, counts pending tasks and inserts, so the tenant lock lasts one round trip.
+        One statement takes the rate slot (unless `per_minute` is None: already taken), locks the tenant row, looks
+        the key up, counts pending tasks and inserts, so the tenant lock lasts one round trip.
         """
-        rec = await self._pool.fetchrow(
-            sql.query("submit_fast_path"),
-            ids.new_id(),
-            tenant,
-            sub.idempotency_key,
-            sub.key_derived,
-            sub.request_hash,
-            sub.task_type,
-            sub.model_id,
-            sub.prompt,
-            sub.payload,
-            sub.metadata,
-            sub.priority,
-            busmod.task_subject(sub.model_id, sub.priority),
-            sub.max_retries,
-            sub.callback_url,
-            sub.callback_events,
-            per_minute,
-            self._settings.max_pending_per_tenant,
-            timeout=self._budget(context),
+        new = NewTask(
+            id=ids.new_id(),
+            user_id=tenant,
+            idempotency_key=sub.idempotency_key,
+            key_derived=sub.key_derived,
+            request_hash=sub.request_hash,
+            task_type=sub.task_type,
+            model_id=sub.model_id,
+            prompt=sub.prompt,
+            payload=sub.payload,
+            metadata=sub.metadata,
+            priority=sub.priority,
+            max_retries=sub.max_retries,
+            callback_url=sub.callback_url,
+            callback_events=sub.callback_events,
         )
-        assert rec is not None
-        outcome = rec["outcome"]
-        if outcome == "rate_limited":
-            assert per_minute is not None
-            raise rate_limited(per_minute, float(rec["retry_after"]))
-        if outcome == "no_tenant":
+        admission = await submissions.admit(
+            self._pool,
+            new,
+            per_minute=per_minute,
+            default_max_pending=self._settings.max_pending_per_tenant,
+            within=self._budget(context),
+        )
+        verdict = admission.verdict
+        if verdict is Verdict.RATE_LIMITED:
+            assert per_minute is not None and admission.retry_after is not None
+            raise rate_limited(per_minute, admission.retry_after)
+        if verdict is Verdict.NO_TENANT:
             raise errors.unauthenticated("the key's tenant no longer exists")
-        if outcome == "too_many_pending":
-            raise too_many_pending(int(rec["pending_limit"]))
-        if outcome == "existing":
-            return self._replay(TaskRow.from_record(rec), sub), False
-        assert outcome == "created", outcome
-        task = TaskRow.from_record(rec)
+        if verdict is Verdict.TOO_MANY_PENDING:
+            assert admission.pending_limit is not None
+            raise too_many_pending(admission.pending_limit)
+        task = admission.task
+        assert task is not None, verdict
+        if verdict is Verdict.EXISTING:
+            return self._replay(task, sub), False
         log.info(
             "task created",
             extra={"task_id": str(task.id), "state": task.status.value, "model": task.model_id,
@@ -171,18 +164,12 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
     async def _dispatch(self, task: TaskRow, context: Context) -> TaskRow:
         """Publishes the dispatch hint, then CREATED->QUEUED; on any failure the task stays as it truly is."""
-        message = task_pb2.TaskDispatch(
-            task_id=str(task.id),
-            model_id=task.model_id,
-            priority=task.priority,  # type: ignore[arg-type]
-            published_at_unix_ms=int(time.time() * 1000),
-        )
         try:
-            await self._bus.js.publish(
-                busmod.task_subject(task.model_id, task.priority),
-                message.SerializeToString(),
-                timeout=self._budget(context, self._settings.submit_publish_timeout_seconds),
-                headers={"Nats-Msg-Id": f"{task.id}.q0"},
+            await dispatch.publish(
+                self._bus,
+                task,
+                dispatch.Reason.SUBMITTED,
+                ack_timeout=self._budget(context, self._settings.submit_publish_timeout_seconds),
             )
         except (NatsError, TimeoutError, OSError) as exc:
             # The row is safe in CREATED; the scheduler re-publishes it with the same message id.
@@ -191,7 +178,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             return task
         try:
             out = await asyncio.wait_for(
-                transition(self._pool, task.id, Move.QUEUE, actor=ACTOR, reason="dispatched"), self._budget(context)
+                store.queue(self._pool, task.id, actor=ACTOR, reason="dispatched"), self._budget(context)
             )
         except BACKEND_ERRORS as exc:
             log.warning("queue move failed; task stays CREATED", extra={"task_id": str(task.id), "error": type(exc).__name__})
@@ -200,13 +187,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         return out.task or task
 
     async def _queue_position(self, task: TaskRow, context: Context) -> int:
-        if task.status is not Status.QUEUED or task.queued_at is None:
-            return 0
-        position = await self._pool.fetchval(
-            sql.query("submit_queue_position"), task.model_id, task.priority, task.queued_at, task.id,
-            timeout=self._budget(context),
-        )
-        return int(position)
+        return await submissions.queue_position(self._pool, task, within=self._budget(context))
 
     # Reads
 
@@ -214,8 +195,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         """The caller's task; NOT_FOUND for a missing id and for another tenant's task alike."""
         task = self._cache.get(task_id)
         if task is None:
-            rec = await self._pool.fetchrow(sql.query("get_task"), task_id, timeout=self._budget(context))
-            task = TaskRow.from_record(rec) if rec is not None else None
+            task = await asyncio.wait_for(store.get_task(self._pool, task_id), self._budget(context))
             if task is not None:
                 self._cache.put(task)
         if task is None or task.user_id != tenant:
@@ -224,7 +204,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
     async def GetTask(self, request: gateway_pb2.GetTaskRequest, context: Context) -> gateway_pb2.GetTaskResponse:
         who = await self._principal(context)
-        task = await self._load(who.tenant_id, parse_task_id(request.task_id), context)
+        task = await self._load(who.tenant_id, ids.require(request.task_id), context)
         position = await self._queue_position(task, context)
         interval = Duration()
         interval.FromMilliseconds(int(poll_interval(task.created_at) * 1000))
@@ -237,16 +217,15 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         if size < 0:
             bad.append(("page_size", "must not be negative"))
         size = min(max(size, 1), self._settings.list_max_page_size)
-        statuses: list[str] = []
+        statuses: set[Status] = set()
         for value in request.statuses:
             if value == task_pb2.TASK_STATUS_UNSPECIFIED or value not in task_pb2.TaskStatus.values():
                 bad.append(("statuses", "each must be a known status"))
                 break
-            statuses.append(Status.from_proto(value).value)
-        statuses = sorted(set(statuses))
+            statuses.add(Status.from_proto(value))
         after = request.created_after.ToDatetime(tzinfo=UTC) if request.HasField("created_after") else None
         before = request.created_before.ToDatetime(tzinfo=UTC) if request.HasField("created_before") else None
-        fingerprint = paging.filter_key(statuses, after, before)
+        fingerprint = paging.filter_key(sorted(s.value for s in statuses), after, before)
         cursor = None
         if request.page_token:
             try:
@@ -255,18 +234,17 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                 bad.append(("page_token", str(exc)))
         if bad:
             raise errors.invalid_argument(bad)
-        rows = await self._pool.fetch(
-            sql.query("submit_list_tasks"),
+        rows = await submissions.list_tasks(
+            self._pool,
             who.tenant_id,
-            statuses or None,
-            after,
-            before,
-            cursor.created_at if cursor else None,
-            cursor.task_id if cursor else None,
-            size + 1,
-            timeout=self._budget(context),
+            statuses=statuses,
+            created_after=after,
+            created_before=before,
+            after=cursor,
+            limit=size + 1,
+            within=self._budget(context),
         )
-        tasks = [TaskRow.from_record(r) for r in rows[:size]]
+        tasks = rows[:size]
         token = ""
         if len(rows) > size:
             last = tasks[-1]
@@ -277,14 +255,14 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
     async def CancelTask(self, request: gateway_pb2.CancelTaskRequest, context: Context) -> gateway_pb2.CancelTaskResponse:
         who = await self._principal(context)
-        task = await self._load(who.tenant_id, parse_task_id(request.task_id), context)
+        task = await self._load(who.tenant_id, ids.require(request.task_id), context)
         if task.status is Status.CANCELED:
             return gateway_pb2.CancelTaskResponse(task=task.to_proto())
         if task.status.terminal:
             raise _already_finished(task)
-        mode = "hard" if request.hard else "soft"
+        mode = store.CancelMode.HARD if request.hard else store.CancelMode.SOFT
         out = await asyncio.wait_for(
-            transition(self._pool, task.id, Move.CANCEL, mode, actor=ACTOR, reason=f"{mode} cancel by client"),
+            store.cancel(self._pool, task.id, mode=mode, actor=ACTOR, reason=f"{mode.value} cancel by client"),
             self._budget(context),
         )
         current = out.task
@@ -295,23 +273,15 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                 return gateway_pb2.CancelTaskResponse(task=current.to_proto())
             raise _already_finished(current)
         if out.from_status is Status.PROCESSING:
-            await self._signal_cancel(current.id, request.hard)
+            await cancel.send(self._bus, current.id, hard=request.hard, reason="canceled by client")
         self._cache.put(current)
         return gateway_pb2.CancelTaskResponse(task=current.to_proto())
-
-    async def _signal_cancel(self, task_id: int, hard: bool) -> None:
-        """Tells the worker at once; a lost hint costs only time, since its next lease renewal fails anyway."""
-        signal = task_pb2.CancelSignal(task_id=str(task_id), hard=hard, reason="canceled by client")
-        try:
-            await self._bus.nc.publish(busmod.CANCEL_SUBJECT, signal.SerializeToString())
-        except (NatsError, OSError) as exc:
-            log.warning("cancel signal not sent", extra={"task_id": str(task_id), "error": type(exc).__name__})
 
     async def GetTaskResult(
         self, request: gateway_pb2.GetTaskResultRequest, context: Context
     ) -> AsyncIterator[gateway_pb2.ResultChunk]:
         who = await self._principal(context)
-        task = await self._load(who.tenant_id, parse_task_id(request.task_id), context)
+        task = await self._load(who.tenant_id, ids.require(request.task_id), context)
         if task.status is not Status.SUCCEEDED or task.result_uri is None:
             raise errors.failed_precondition(
                 "TASK_NOT_SUCCEEDED", f"the task is {task.status.value}; only SUCCEEDED tasks have a result",

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import ipaddress
 import json
 import math
 import re
 import secrets
-import socket
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from taskgate import errors
+from taskgate import errors, netguard
 from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
-from taskgate.netguard import IPAddress, forbidden_address
 from taskgate.states import Priority
 from taskgate.v1 import gateway_pb2
 
@@ -28,9 +24,6 @@ _RANDOM_SEEDS = 2**32  # a seed every backend (torch, numpy) accepts
 
 # Control characters other than newline and tab.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-# Cloud metadata endpoints (AWS/GCP/Azure, AWS IPv6, Alibaba) refused even where the ranges below miss one.
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,17 +61,6 @@ def request_hash(tenant: str, task_type: str, model_id: str, prompt: str, params
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-async def resolve(host: str, port: int, within: float) -> set[IPAddress]:
-    """Every address `host` resolves to (numeric forms such as 2130706433 or 0x7f.1 included)."""
-    loop = asyncio.get_running_loop()
-    infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), within)
-    found: set[IPAddress] = set()
-    for info in infos:
-        literal = str(info[4][0]).split("%", 1)[0]  # drop an IPv6 scope id
-        found.add(ipaddress.ip_address(literal))
-    return found
-
-
 async def check_callback_url(url: str, settings: Settings) -> str | None:
     """Why a callback URL is refused, or None when a webhook may be sent to it."""
     if len(url) > settings.max_callback_url_chars:
@@ -98,15 +80,13 @@ async def check_callback_url(url: str, settings: Settings) -> str | None:
     if not host:
         return "has no host"
     if host in {h.lower() for h in settings.callback_allow_hosts}:
-        return None
+        return None  # an operator's own receiver is trusted and need not resolve at submit time
     try:
-        addresses = await resolve(host, port or (443 if parts.scheme == "https" else 80), settings.callback_resolve_timeout_seconds)
-    except (OSError, TimeoutError, UnicodeError, ValueError):
-        return "host does not resolve"
-    if not addresses:
-        return "host does not resolve"
-    if any(forbidden_address(a) for a in addresses):
-        return "resolves to a loopback, private, link-local or metadata address"
+        await netguard.checked_address(
+            host, port or (443 if parts.scheme == "https" else 80), within=settings.callback_resolve_timeout_seconds
+        )
+    except netguard.Refused as refused:
+        return str(refused)
     return None
 
 

@@ -67,7 +67,7 @@ def classify(exc: BaseException) -> tuple[bool, str]:
     """(retryable, error_code) of a run's failure."""
     if isinstance(exc, InjectedFailure):
         return exc.retryable, exc.code
-    inference = sys.modules.get("taskgate.inference")
+    inference = sys.modules.get("services.worker.inference")
     if inference is not None:  # only loaded when a diffusers model is served
         retryable, code = inference.classify(exc)
         return bool(retryable), str(code)
@@ -116,7 +116,7 @@ class SleepRunner:
 
 
 class DiffusersRunner:
-    """A loaded text-to-video pipeline (taskgate.inference.VideoPipeline) on one device."""
+    """A loaded text-to-video pipeline (services.worker.inference.VideoPipeline) on one device."""
 
     def __init__(self, model_id: str, spec: ModelSpec, pipeline: Any) -> None:
         self.model_id = model_id
@@ -126,7 +126,7 @@ class DiffusersRunner:
     @classmethod
     def load(cls, model_id: str, spec: ModelSpec, device: str) -> DiffusersRunner:
         """Loads the pipeline from the model's folder onto `device` and warms it once (blocking; call in a thread)."""
-        from taskgate import inference
+        from services.worker import inference
 
         if spec.path is None:
             raise ValueError(f"model {model_id!r} has no path")
@@ -142,7 +142,7 @@ class DiffusersRunner:
 
     def generate(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> RunOutput:
         """Runs the pipeline with the task's parameters and returns the MP4."""
-        from taskgate import inference
+        from services.worker import inference
 
         p, s = inp.params, self.spec
         seed = p.get("seed")

@@ -1,13 +1,35 @@
-"""SQL by name: the schema migrations and the named query blocks live beside this module."""
+"""SQL by name: the schema migrations, the functions re-applied on every migrate, and the named query blocks."""
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 HERE = Path(__file__).parent
 _BLOCK = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One numbered schema change: its version, its file and the file's text."""
+
+    version: int
+    path: Path
+    text: str
+
+    @property
+    def name(self) -> str:
+        """The file name without `.sql`, as recorded in schema_migration."""
+        return self.path.stem
+
+    @property
+    def checksum(self) -> str:
+        """sha256 of the text, hex: once applied, a migration must keep it."""
+        return hashlib.sha256(self.text.encode()).hexdigest()
 
 
 @lru_cache(maxsize=1)
@@ -32,10 +54,19 @@ def query(name: str) -> str:
     return queries()[name]
 
 
-def migrations() -> list[tuple[int, str, str]]:
-    """(version, name, sql) of each migration, in order."""
-    out = []
-    for path in sorted((HERE / "migrations").glob("*.sql")):
+def migrations() -> list[Migration]:
+    """Each migrations/NNNN_name.sql, in version order."""
+    out: list[Migration] = []
+    for path in (HERE / "migrations").glob("*.sql"):
         version = int(path.name.split("_", 1)[0])
-        out.append((version, path.stem, path.read_text()))
+        out.append(Migration(version=version, path=path, text=path.read_text(encoding="utf-8")))
+    out.sort(key=lambda m: (m.version, m.path.name))
+    for before, after in itertools.pairwise(out):
+        if before.version == after.version:
+            raise ValueError(f"migration version {after.version} is used twice ({before.path.name}, {after.path.name})")
     return out
+
+
+def functions() -> list[Path]:
+    """functions/*.sql in name order: CREATE OR REPLACE statements that migrate re-applies after the migrations."""
+    return sorted((HERE / "functions").glob("*.sql"))

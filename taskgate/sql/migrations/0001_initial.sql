@@ -117,7 +117,7 @@ CREATE INDEX task_user_created_idx ON task (user_id, created_at DESC, id DESC);
 -- reusable outputs: identical requests
 CREATE INDEX task_request_hash_idx ON task (user_id, request_hash) WHERE result_sha256 IS NOT NULL;
 
--- History: one row per version of a task, written by the database itself.
+-- History: one row per version of a task, written by the database itself (functions/task_history.sql).
 CREATE TABLE task_event (
     id            bigserial PRIMARY KEY,     -- global order; WatchTasks cursor
     task_id       bigint NOT NULL REFERENCES task (id) ON DELETE CASCADE,
@@ -143,34 +143,6 @@ CREATE TABLE task_event (
 );
 CREATE INDEX task_event_unpublished_idx ON task_event (id) WHERE published_at IS NULL;
 CREATE INDEX task_event_user_idx ON task_event (user_id, id);
-
-CREATE FUNCTION task_record_event() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF TG_OP = 'UPDATE' THEN
-        IF NEW.version = OLD.version THEN
-            RETURN NEW;
-        END IF;
-        IF NEW.version <> OLD.version + 1 THEN
-            RAISE EXCEPTION 'task % version must grow by one (% -> %)', NEW.id, OLD.version, NEW.version;
-        END IF;
-        IF NOT EXISTS (SELECT 1 FROM task_transition WHERE from_status = OLD.status AND to_status = NEW.status) THEN
-            RAISE EXCEPTION 'illegal transition % -> % for task %', OLD.status, NEW.status, NEW.id
-                USING ERRCODE = 'check_violation';
-        END IF;
-    END IF;
-    INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason, progress,
-                            attempt, worker_id, error_code, error_msg, result_uri, result_size, result_sha256,
-                            result_content_type)
-    VALUES (NEW.id, NEW.user_id, NEW.model_id, NEW.version,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.status END, NEW.status, NEW.last_actor, NEW.last_reason,
-            NEW.progress, NEW.attempt, NEW.worker_id, NEW.error_code, NEW.error_msg, NEW.result_uri,
-            NEW.result_size, NEW.result_sha256, NEW.result_content_type);
-    PERFORM pg_notify('taskgate_event', NEW.id::text);
-    RETURN NEW;
-END $$;
-
-CREATE TRIGGER task_event_on_insert AFTER INSERT ON task FOR EACH ROW EXECUTE FUNCTION task_record_event();
-CREATE TRIGGER task_event_on_update AFTER UPDATE ON task FOR EACH ROW EXECUTE FUNCTION task_record_event();
 
 -- Outputs of soft-cancelled runs, reusable by an identical later request of the same tenant.
 CREATE TABLE reusable_result (

@@ -52,7 +52,3 @@ INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_sta
 SELECT id, user_id, model_id, 5, 'PROCESSING', 'SUCCEEDED', finished_at, 'worker', 'finished', 100, 1, worker_id,
        result_uri, result_size, result_sha256, result_content_type, finished_at
 FROM task WHERE id <= $1::bigint;
-
--- name: bench_history_ids
--- Some historical task ids of one tenant, for GetTask. $1 tenant, $2 how many.
-SELECT id FROM task WHERE user_id = $1 AND id < 1000000000 ORDER BY random() LIMIT $2;

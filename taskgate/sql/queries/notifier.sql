@@ -30,9 +30,12 @@ INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_typ
 VALUES ($1, $2, $3, $4, $5, $6, $7, now() + make_interval(secs => $8))
 ON CONFLICT DO NOTHING;
 
--- name: outbox_callback_none
--- Terminal tasks whose last event asked for no webhook (e.g. a cancel without the CANCELED filter). $1 task ids.
-UPDATE task SET callback_status = 'NONE' WHERE id = ANY($1::bigint[]) AND callback_status = 'PENDING';
+-- name: callback_move_status
+-- The one writer of task.callback_status: a move only from a status states.CALLBACK_LEGAL allows. $1 task ids,
+-- $2 new status, $3 the allowed current statuses, $4 callback_retry (NULL: unchanged).
+UPDATE task SET callback_status = $2, callback_retry = COALESCE($4, callback_retry)
+WHERE id = ANY($1::bigint[]) AND callback_url IS NOT NULL AND callback_status = ANY($3::text[])
+RETURNING id;
 
 -- name: outbox_redeliver
 -- Starts a new delivery round, same webhook ids, for a task's terminal webhooks (and, with $2, its progress ones).
@@ -42,9 +45,6 @@ WITH d AS (
     SET status = 'PENDING', next_attempt_at = now(), round_start = attempts, delivered_at = NULL
     WHERE task_id = $1 AND ($2 OR event_type <> 'task.progress')
     RETURNING id, webhook_id, event_type, status, attempts
-), t AS (
-    UPDATE task SET callback_status = 'PENDING'
-    WHERE id = $1 AND callback_url IS NOT NULL AND EXISTS (SELECT 1 FROM d WHERE event_type <> 'task.progress')
 )
 SELECT * FROM d ORDER BY id;
 
@@ -88,10 +88,6 @@ INSERT INTO callback_attempt (delivery_id, attempt, webhook_id, status_code, lat
 VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (delivery_id, attempt) DO NOTHING;
 
--- name: webhook_task_status
--- The task's view of its terminal webhook. $1 task, $2 callback status, $3 retries so far.
-UPDATE task SET callback_status = $2, callback_retry = $3 WHERE id = $1 AND callback_url IS NOT NULL;
-
 -- name: stream_task_events
 -- A task's events with version in ($2, $3], in version order. $1 task id.
 SELECT * FROM task_event WHERE task_id = $1 AND version > $2 AND version <= $3 ORDER BY version;
@@ -114,9 +110,3 @@ SELECT published_at FROM task_event WHERE id = $1 AND user_id = $2;
 -- name: stream_user_last_event
 -- The newest event id of a tenant (0 when none): the cursor of "from now". $1 user.
 SELECT COALESCE(max(id), 0) FROM task_event WHERE user_id = $1;
-
--- name: stream_queue_position
--- 1-based rank of a QUEUED task among its model's QUEUED tasks (priority, then queue time). $1 task id.
-SELECT count(*) + 1 FROM task q, task t
-WHERE t.id = $1 AND q.model_id = t.model_id AND q.status = 'QUEUED' AND q.id <> t.id
-  AND (q.priority > t.priority OR (q.priority = t.priority AND (q.queued_at, q.id) < (t.queued_at, t.id)));

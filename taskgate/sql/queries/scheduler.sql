@@ -1,6 +1,6 @@
 -- The scheduler's scans and the TaskAdmin API. Every scan takes an optional "now" ($1, NULL = now()) so tests can
 -- move the clock, and locks what it returns with FOR UPDATE SKIP LOCKED so replicas never take the same row.
--- The moves themselves go through the guarded blocks of tasks.sql (store.transition).
+-- The moves themselves are the typed ones of taskgate/store/tasks.py (the guarded blocks of tasks.sql).
 
 -- name: sched_created_due
 -- CREATED tasks older than the created timeout (their dispatch was lost or never confirmed). $1 now, $2 timeout
@@ -54,7 +54,7 @@ RETURNING id;
 
 -- name: sched_dead_letter_missing
 -- Dead letters for recent FAILED tasks that exhausted their retries but have none (a writer that failed them
--- without store.fail_for_good). $1 now, $2 window seconds, $3 reason, $4 limit.
+-- without store.fail(dead_letter=True)). $1 now, $2 window seconds, $3 reason, $4 limit.
 INSERT INTO dead_letter (task_id, reason, error_code, error_msg)
 SELECT t.id, $3, t.error_code, t.error_msg FROM task t
 WHERE t.status = 'FAILED'

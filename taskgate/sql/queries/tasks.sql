@@ -116,17 +116,6 @@ UPDATE task SET lease_expires_at = now() + make_interval(secs => $3)
 WHERE id = $1 AND status = 'PROCESSING' AND attempt = $2
 RETURNING lease_expires_at;
 
--- name: insert_task
--- A new task in CREATED (the history trigger records version 1). $1 id, $2 user, $3 idempotency key,
--- $4 key derived, $5 request hash, $6 task type, $7 model, $8 prompt, $9 payload, $10 metadata, $11 priority,
--- $12 queue name, $13 max retries, $14 callback url, $15 callback events.
-INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
-                  request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
-                  callback_status)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
-        CASE WHEN $14::text IS NULL THEN 'NONE' ELSE 'PENDING' END)
-RETURNING *;
-
 -- name: insert_dead_letter
 -- Records why a task was failed for good. $1 task id, $2 reason, $3 error code, $4 error message.
 INSERT INTO dead_letter (task_id, reason, error_code, error_msg) VALUES ($1, $2, $3, $4)

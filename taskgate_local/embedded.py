@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -14,7 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("taskgate.embedded")
+from taskgate.stackfile import SERVERS_FILE, write_stack_urls
+
+log = logging.getLogger("taskgate_local.embedded")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -134,7 +135,7 @@ class EmbeddedPostgres:
 
 @dataclass
 class EmbeddedStack:
-    """Both servers under one state folder; `urls.json` tells other processes where they are."""
+    """Both servers under one state folder; its servers file (taskgate.stackfile) tells other processes where they are."""
 
     state_dir: Path
     postgres: EmbeddedPostgres | None = None
@@ -142,16 +143,14 @@ class EmbeddedStack:
 
     @property
     def urls_file(self) -> Path:
-        return self.state_dir / "servers.json"
+        return self.state_dir / SERVERS_FILE
 
     def start(self) -> EmbeddedStack:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir.chmod(0o755)
         self.postgres = EmbeddedPostgres(self.state_dir / "pg").start()
         self.nats = EmbeddedNats(self.state_dir / "nats").start()
-        self.urls_file.write_text(
-            json.dumps({"database_url": self.postgres.url, "nats_url": self.nats.url, "owner_pid": os.getpid()})
-        )
+        write_stack_urls(self.state_dir, database_url=self.postgres.url, nats_url=self.nats.url)
         return self
 
     def stop(self) -> None:
@@ -160,14 +159,3 @@ class EmbeddedStack:
         if self.postgres is not None:
             self.postgres.stop()
         self.urls_file.unlink(missing_ok=True)
-
-
-def running_urls(state_dir: Path) -> tuple[str, str] | None:
-    """The URLs of an embedded stack another process runs under `state_dir`, if it is alive."""
-    path = state_dir / "servers.json"
-    try:
-        data = json.loads(path.read_text())
-        os.kill(int(data["owner_pid"]), 0)
-    except (OSError, ValueError, KeyError):
-        return None
-    return str(data["database_url"]), str(data["nats_url"])

@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import grpc
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
-
-from taskgate.errors import details_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +129,18 @@ class _Parsed:
     retry_delay: float | None = None
 
 
+def _details(status: status_pb2.Status) -> list[object]:
+    """The google.rpc detail types the gateway sends, unpacked from a status."""
+    out: list[object] = []
+    for anyp in status.details:
+        for cls in (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo):
+            if anyp.Is(cls.DESCRIPTOR):
+                msg = cls()
+                anyp.Unpack(msg)
+                out.append(msg)
+    return out
+
+
 def _parse_details(exc: grpc.RpcError) -> _Parsed:
     out = _Parsed()
     try:
@@ -139,7 +149,7 @@ def _parse_details(exc: grpc.RpcError) -> _Parsed:
         return out
     if status is None:
         return out
-    for detail in details_of(status):
+    for detail in _details(status):
         if isinstance(detail, error_details_pb2.ErrorInfo):
             out.reason, out.domain, out.metadata = detail.reason, detail.domain, dict(detail.metadata)
         elif isinstance(detail, error_details_pb2.BadRequest):

@@ -18,7 +18,7 @@ import io
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -27,19 +27,20 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from taskgate.client import (
+from taskgate.v1 import admin_pb2, task_pb2
+from taskgate_client import (
     AsyncTaskgateClient,
+    Status,
     Task,
     TaskEvent,
     TaskgateError,
     WaitTimeout,
     make_config,
 )
-from taskgate.client.config import DEFAULT_ADDRESS, ClientConfig
-from taskgate.client.local import LocalStack, find_state_dir
-from taskgate.client.progress import follow
-from taskgate.states import Status
-from taskgate.v1 import admin_pb2, task_pb2
+from taskgate_client.config import DEFAULT_ADDRESS, ClientConfig
+from taskgate_client.local import LocalStack, find_state_dir
+from taskgate_client.progress import follow
+from taskgate_client.repair import repair
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -65,7 +66,7 @@ HINTS: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.NOT_FOUND: "check the id with `taskgate list` (tasks are visible only to the tenant that submitted them)",
     grpc.StatusCode.INVALID_ARGUMENT: "fix the fields named above and submit again",
     grpc.StatusCode.UNAUTHENTICATED: "pass --api-key or set TASKGATE_API_KEY (`make run` saves a demo key in .taskgate/client.json)",
-    grpc.StatusCode.PERMISSION_DENIED: "use an admin key: --admin-key or TASKGATE_ADMIN_KEY (`taskgate keys create --tenant ops --admin`)",
+    grpc.StatusCode.PERMISSION_DENIED: "use an admin key: --admin-key or TASKGATE_ADMIN_KEY (`taskgate-keys create --tenant ops --admin`)",
     grpc.StatusCode.FAILED_PRECONDITION: "check the task's status with `taskgate get ID`",
     grpc.StatusCode.ALREADY_EXISTS: "this idempotency key was used for a different request; use a new key",
     grpc.StatusCode.UNAVAILABLE: "is the stack running? start it with `make run`, or pass --address; then retry",
@@ -75,7 +76,7 @@ HINTS: dict[grpc.StatusCode, str] = {
 
 
 class CliError(Exception):
-    """A failure outside gRPC (configuration, database) with the exit code to use."""
+    """A failure outside gRPC (usage, configuration) with the exit code to use."""
 
     def __init__(self, message: str, exit_code: int = EXIT_ERROR, hint: str = "") -> None:
         super().__init__(message)
@@ -220,6 +221,14 @@ def report_error(out: Output, exc: TaskgateError, *, admin: bool = False) -> int
     if out.json:
         out.document({"error": {**exc.to_dict(), "hint": hint}})
     return EXIT_BY_CODE.get(exc.code, EXIT_ERROR)
+
+
+def report_cli_error(out: Output, exc: CliError) -> int:
+    """Prints one line with the message and its hint; returns the exit code."""
+    out.err.write(f"error: {exc}" + (f" — hint: {exc.hint}" if exc.hint else "") + "\n")
+    if out.json:
+        out.document({"error": {"code": "CLI", "message": str(exc), "hint": exc.hint}})
+    return exc.exit_code
 
 
 # -- connection ---------------------------------------------------------------------------------------------------
@@ -431,10 +440,6 @@ async def cmd_admin_requeue(client: AsyncTaskgateClient, args: argparse.Namespac
 
 
 async def cmd_admin_repair(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
-    try:
-        from services.scheduler.repair import repair
-    except ImportError as exc:
-        raise CliError(f"repair is not available: {exc}") from None
     report = io.StringIO() if out.json else out.out
     result = await repair(
         client.admin_stub,
@@ -477,111 +482,6 @@ async def cmd_admin_redeliver(client: AsyncTaskgateClient, args: argparse.Namesp
         ["DELIVERY", "WEBHOOK ID", "EVENT", "STATUS", "ATTEMPTS"],
         lambda d: [d.delivery_id, d.webhook_id, d.event, _callback_name(d.status), d.attempts],
     )
-
-
-# -- keys (straight to the database) ------------------------------------------------------------------------------
-
-
-async def _keys(action: Callable[[Any, Any], Awaitable[int]]) -> int:
-    import asyncpg
-
-    from taskgate.config import load_settings
-    from taskgate.runtime import resolve_urls
-
-    settings = load_settings()
-    if not settings.state_dir.is_absolute():
-        settings = settings.model_copy(update={"state_dir": find_state_dir(settings.state_dir, None, marker="servers.json")})
-    try:
-        database_url, _ = resolve_urls(settings)
-    except SystemExit as exc:
-        raise CliError(str(exc.code), EXIT_UNAVAILABLE, "start the stack with `make run`, or set TASKGATE_DATABASE_URL") from None
-    try:
-        conn = await asyncpg.connect(database_url, timeout=10)
-    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
-        raise CliError(f"cannot reach the database: {exc}", EXIT_UNAVAILABLE, "is the stack running (`make run`)?") from None
-    try:
-        return await action(conn, settings)
-    finally:
-        await conn.close()
-
-
-async def cmd_keys_create(args: argparse.Namespace, out: Output) -> int:
-    from taskgate.auth import create_key
-
-    async def run(conn: Any, settings: Any) -> int:
-        try:
-            key, secret = await create_key(
-                conn,
-                settings.api_key_pepper,
-                args.tenant,
-                admin=args.admin,
-                max_pending=args.max_pending,
-                submits_per_minute=args.submits_per_minute,
-            )
-        except Exception as exc:
-            if type(exc).__name__ == "CheckViolationError":
-                raise CliError(f"invalid tenant name {args.tenant!r}: use 1-64 of A-Z a-z 0-9 _ -", 4) from None
-            raise
-        if out.json:
-            out.document({"tenant": args.tenant, "api_key": key, "prefix": key[:10], "admin": args.admin, "webhook_secret": secret})
-            return EXIT_OK
-        out.fields(
-            [
-                ("tenant", args.tenant),
-                ("api key", key),
-                ("admin", "yes" if args.admin else "no"),
-                ("webhook secret", secret or "(unchanged: it was shown when the tenant was created)"),
-            ]
-        )
-        out.line("\nStore these now: they are not shown again (only a hash of the key is kept).")
-        return EXIT_OK
-
-    return await _keys(run)
-
-
-async def cmd_keys_revoke(args: argparse.Namespace, out: Output) -> int:
-    from taskgate import sql
-
-    async def run(conn: Any, settings: Any) -> int:
-        rows = await conn.fetch(sql.query("revoke_api_key"), args.prefix)
-        if out.json:
-            out.document({"revoked": [{"id": r["id"], "tenant": r["tenant_id"]} for r in rows]})
-        elif rows:
-            out.line(f"revoked {len(rows)} key(s) with prefix {args.prefix}")
-        if not rows:
-            raise CliError(f"no live key with prefix {args.prefix!r}", EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND], "see `taskgate keys list`")
-        return EXIT_OK
-
-    return await _keys(run)
-
-
-async def cmd_keys_list(args: argparse.Namespace, out: Output) -> int:
-    from taskgate import sql
-
-    async def run(conn: Any, settings: Any) -> int:
-        rows = await conn.fetch(sql.query("list_api_keys"))
-        keys = [
-            {
-                "prefix": r["prefix"],
-                "tenant": r["tenant_id"],
-                "admin": r["is_admin"],
-                "created_at": r["created_at"],
-                "revoked_at": r["revoked_at"],
-            }
-            for r in rows
-        ]
-        if out.json:
-            out.document({"keys": keys})
-        elif not keys:
-            out.line("no keys")
-        else:
-            out.table(
-                ["PREFIX", "TENANT", "ADMIN", "CREATED", "REVOKED"],
-                [[k["prefix"], k["tenant"], "yes" if k["admin"] else "", k["created_at"], k["revoked_at"] or ""] for k in keys],
-            )
-        return EXIT_OK
-
-    return await _keys(run)
 
 
 # -- parser -------------------------------------------------------------------------------------------------------
@@ -682,17 +582,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task_id")
     p.add_argument("-o", "--output", help="file to write (default: <task id>.mp4)")
 
-    keys = add("keys", None, "manage API keys (talks to the database directly)")
-    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
-    p = add("create", cmd_keys_create, "create a key (and the tenant, with its webhook secret, if new)", keys_sub)
-    p.add_argument("--tenant", required=True)
-    p.add_argument("--admin", action="store_true", help="the key may use the admin API")
-    p.add_argument("--max-pending", type=int, help="the tenant's unfinished-task limit")
-    p.add_argument("--submits-per-minute", type=int, help="the tenant's submission rate limit")
-    p = add("revoke", cmd_keys_revoke, "revoke keys by the prefix `keys list` shows", keys_sub)
-    p.add_argument("prefix")
-    add("list", cmd_keys_list, "list keys (prefixes only)", keys_sub)
-
     admin = add("admin", None, "operator commands (need an admin key)")
     admin_sub = admin.add_subparsers(dest="admin_command", required=True, metavar="ACTION")
     add("stats", cmd_admin_stats, "counts per model and state, workers, callbacks", admin_sub)
@@ -718,8 +607,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _run(args: argparse.Namespace, out: Output) -> int:
     handler = args.handler
-    if args.command == "keys":
-        return int(await handler(args, out))
     client = AsyncTaskgateClient(client_config(args))
     try:
         return int(await handler(client, args, out))
@@ -744,10 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.document({"error": {"code": "DEADLINE_EXCEEDED", "message": str(exc), "task_id": exc.task_id}})
         return EXIT_TIMEOUT
     except CliError as exc:
-        out.err.write(f"error: {exc}" + (f" — hint: {exc.hint}" if exc.hint else "") + "\n")
-        if out.json:
-            out.document({"error": {"code": "CLI", "message": str(exc), "hint": exc.hint}})
-        return exc.exit_code
+        return report_cli_error(out, exc)
     except KeyboardInterrupt:
         out.err.write("\ninterrupted\n")
         return EXIT_INTERRUPTED

@@ -7,9 +7,8 @@ import contextlib
 import time
 from typing import TextIO
 
-from taskgate.client.aio import AsyncTaskgateClient
-from taskgate.client.types import Task, TaskEvent
-from taskgate.states import Status
+from taskgate_client.aio import AsyncTaskgateClient
+from taskgate_client.types import Status, Task, TaskEvent
 
 WAITING = frozenset({Status.CREATED, Status.QUEUED})
 

@@ -17,11 +17,10 @@ from google.protobuf import duration_pb2
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 from typing_extensions import Unpack
 
-from taskgate.client.config import ClientConfig, ConnectOptions, make_config
-from taskgate.client.errors import IntegrityError, TaskgateError, Unavailable, WaitTimeout, from_rpc_error
-from taskgate.client.types import Task, TaskEvent, TaskResult, priority_value
-from taskgate.states import Status
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_client.config import ClientConfig, ConnectOptions, make_config
+from taskgate_client.errors import IntegrityError, TaskgateError, Unavailable, WaitTimeout, from_rpc_error
+from taskgate_client.types import Status, Task, TaskEvent, TaskResult, priority_value
 
 T = TypeVar("T")
 

@@ -125,7 +125,7 @@ def default_folder() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: build the tiny model unless it is already there."""
-    parser = argparse.ArgumentParser(prog="python -m taskgate.tinymodel", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m taskgate_local.tinymodel", description=__doc__)
     parser.add_argument("--out", type=Path, default=None, help="target folder (default: <state dir>/models/wan-tiny)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder holds a pipeline")

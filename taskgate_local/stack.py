@@ -1,4 +1,4 @@
-"""`python -m taskgate.stack`: runs embedded PostgreSQL and NATS under the state folder until stopped."""
+"""`python -m taskgate_local.stack`: runs embedded PostgreSQL and NATS under the state folder until stopped."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import sys
 import threading
 
 from taskgate.config import load_settings
-from taskgate.embedded import EmbeddedStack, running_urls
+from taskgate.stackfile import local_stack_urls
+from taskgate_local.embedded import EmbeddedStack
 
 
 def main() -> None:
     settings = load_settings()
-    if running_urls(settings.state_dir) is not None:
+    if local_stack_urls(settings.state_dir) is not None:
         sys.stderr.write(f"taskgate: an embedded stack already runs under {settings.state_dir}\n")
         raise SystemExit(1)
     stack = EmbeddedStack(settings.state_dir.resolve()).start()

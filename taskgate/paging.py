@@ -1,4 +1,4 @@
-"""Opaque ListTasks page tokens: a keyset cursor over (created_at, id), bound to the filter that made it."""
+"""Opaque page tokens for every keyset listing: a cursor over (timestamp, id), bound to the filter that made it."""
 
 from __future__ import annotations
 

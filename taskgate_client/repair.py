@@ -10,8 +10,8 @@ from typing import TextIO
 
 import grpc
 
-from taskgate.states import Status
 from taskgate.v1 import admin_pb2, admin_pb2_grpc
+from taskgate_client.types import Status
 
 
 @dataclass

@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 
 from typing_extensions import Unpack
 
-from taskgate.client.aio import AsyncTaskgateClient, StatusFilter
-from taskgate.client.config import ClientConfig, ConnectOptions, make_config
-from taskgate.client.types import Task, TaskEvent, TaskResult
 from taskgate.v1 import admin_pb2
+from taskgate_client.aio import AsyncTaskgateClient, StatusFilter
+from taskgate_client.config import ClientConfig, ConnectOptions, make_config
+from taskgate_client.types import Task, TaskEvent, TaskResult
 
 T = TypeVar("T")
 

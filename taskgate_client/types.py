@@ -4,12 +4,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from taskgate.states import Status
 from taskgate.v1 import task_pb2
+
+
+class Status(StrEnum):
+    """A task's state, as the wire names it (TASK_STATUS_<name>)."""
+
+    CREATED = "CREATED"
+    QUEUED = "QUEUED"
+    PROCESSING = "PROCESSING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    TIMEOUT = "TIMEOUT"
+    CANCELED = "CANCELED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Status.SUCCEEDED, Status.FAILED, Status.TIMEOUT, Status.CANCELED)
+
+    def to_proto(self) -> task_pb2.TaskStatus.ValueType:
+        return task_pb2.TaskStatus.Value(f"TASK_STATUS_{self.value}")
+
+    @classmethod
+    def from_proto(cls, value: int) -> Status:
+        return cls(task_pb2.TaskStatus.Name(value).removeprefix("TASK_STATUS_"))  # type: ignore[arg-type]
+
 
 PRIORITIES: dict[str, task_pb2.Priority.ValueType] = {
     "low": task_pb2.PRIORITY_LOW,

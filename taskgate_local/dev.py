@@ -19,11 +19,14 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from taskgate import auth, embedded, runtime, sql, tinymodel
-from taskgate.client import connect_async
-from taskgate.client.local import LocalStack
-from taskgate.client.progress import follow
+from taskgate import auth, runtime
 from taskgate.config import Settings, load_settings
+from taskgate.stackfile import local_stack_urls
+from taskgate.store import tenants
+from taskgate_client import connect_async
+from taskgate_client.local import LocalStack
+from taskgate_client.progress import follow
+from taskgate_local import embedded, tinymodel
 
 SERVICES = ("submit", "notifier", "scheduler", "worker")
 DEMO_TENANT = "demo"
@@ -166,7 +169,7 @@ class DevStack:
         if self.database_url and self.nats_url:
             self.console.say("using PostgreSQL and NATS from TASKGATE_DATABASE_URL / TASKGATE_NATS_URL")
             return
-        running = embedded.running_urls(self.state_dir)
+        running = local_stack_urls(self.state_dir)
         if running is not None:
             self.console.say(f"using the embedded servers already running under {self.state_dir}")
         else:
@@ -190,7 +193,7 @@ class DevStack:
             return
         self.console.say(f"building the tiny {self.settings.default_model} model in {folder} (once) …")
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "taskgate.tinymodel", "--out", str(folder),
+            sys.executable, "-m", "taskgate_local.tinymodel", "--out", str(folder),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )
         try:
@@ -213,8 +216,8 @@ class DevStack:
             async def valid(key: str | None, tenant: str, admin: bool) -> bool:
                 if not key:
                     return False
-                row = await pool.fetchrow(sql.query("lookup_api_key"), auth.hash_key(pepper, key))
-                return row is not None and row["tenant_id"] == tenant and bool(row["is_admin"]) == admin
+                found = await tenants.lookup_api_key(pool, auth.hash_key(pepper, key))
+                return found is not None and found.tenant_id == tenant and found.is_admin == admin
 
             api_key = saved.api_key if saved and await valid(saved.api_key, DEMO_TENANT, False) else None
             admin_key = saved.admin_key if saved and await valid(saved.admin_key, ADMIN_TENANT, True) else None
@@ -222,7 +225,7 @@ class DevStack:
                 api_key, _ = await auth.create_key(pool, pepper, DEMO_TENANT)
             if admin_key is None:
                 admin_key, _ = await auth.create_key(pool, pepper, ADMIN_TENANT, admin=True)
-            secrets = await auth.webhook_secrets(pool, DEMO_TENANT)
+            secrets = await tenants.webhook_secrets(pool, DEMO_TENANT)
         finally:
             await backends.close()
         details = LocalStack(
@@ -455,8 +458,8 @@ async def _serve(dev: DevStack, stop: asyncio.Event) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line of `python -m taskgate.dev`."""
-    parser = argparse.ArgumentParser(prog="python -m taskgate.dev", description=__doc__)
+    """Command line of `python -m taskgate_local.dev`."""
+    parser = argparse.ArgumentParser(prog="python -m taskgate_local.dev", description=__doc__)
     parser.add_argument("--demo-only", action="store_true", help="exit after the demo video is saved (env TASKGATE_DEV_DEMO_ONLY)")
     parser.add_argument("--no-demo", action="store_true", help="start the stack without submitting the demo task")
     parser.add_argument("--prompt", default=DEMO_PROMPT, help="the demo task's prompt")

@@ -1,4 +1,4 @@
-"""`python -m taskgate.settings_doc`: the README's configuration table, made from the Settings class itself."""
+"""`python -m taskgate_local.settings_doc`: the README's configuration table, made from the Settings class itself."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The taskgate client SDK: blocking and asyncio clients, typed errors, and webhook verification.
 
-    from taskgate.client import connect
+    from taskgate_client import connect
 
     with connect("127.0.0.1:50051", api_key="tg_...") as client:
         task = client.submit("a red fox running through snow", frames=9, width=32, height=32)
@@ -8,9 +8,9 @@
         client.download(done.task_id, "fox.mp4")
 """
 
-from taskgate.client.aio import AsyncTaskgateClient, connect_async
-from taskgate.client.config import ClientConfig, make_config
-from taskgate.client.errors import (
+from taskgate_client.aio import AsyncTaskgateClient, connect_async
+from taskgate_client.config import ClientConfig, make_config
+from taskgate_client.errors import (
     AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
@@ -25,10 +25,9 @@ from taskgate.client.errors import (
     Unavailable,
     WaitTimeout,
 )
-from taskgate.client.sync import TaskgateClient, connect
-from taskgate.client.types import Task, TaskEvent, TaskResult
-from taskgate.client.webhooks import WebhookVerificationError, verify_webhook
-from taskgate.states import Status
+from taskgate_client.sync import TaskgateClient, connect
+from taskgate_client.types import Status, Task, TaskEvent, TaskResult
+from taskgate_client.webhooks import WebhookVerificationError, verify_webhook
 
 __all__ = [
     "AlreadyExists",

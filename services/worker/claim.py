@@ -1,0 +1,136 @@
+"""Claiming the task a dispatch message names: a preview, then the guarded claim under the model's cap."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+from nats.aio.msg import Msg
+
+from services.worker.consumer import Level
+from services.worker.run import ACTOR
+from services.worker.settle import Action, Fate, Step
+from taskgate.config import Settings
+from taskgate.model import TaskRow
+from taskgate.store import ResultRef, workers
+from taskgate.wire import dispatch
+
+log = logging.getLogger("taskgate.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A new attempt held by this worker, and an earlier run's output for the same request if one was kept."""
+
+    task: TaskRow
+    reusable: ResultRef | None
+
+
+@dataclass(frozen=True, slots=True)
+class Declined:
+    """A message this worker does not run, and what happens to it (task_id None: it names no task)."""
+
+    task_id: int | None
+    step: Step
+
+
+class Claimer:
+    """Claims on one connection kept for claims: a pool checkout less on the dispatch path."""
+
+    def __init__(self, *, pool: asyncpg.Pool, settings: Settings, worker_id: str) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.worker_id = worker_id
+        self._conn: asyncpg.Connection | None = None
+        self._lock = asyncio.Lock()
+
+    async def claim(self, level: Level, msg: Msg) -> Claimed | Declined:
+        """A new attempt of the task `msg` names, or why not (and what to do with the message)."""
+        task_id = dispatch.task_id_of(msg.data)
+        if task_id is None:
+            log.warning("undecodable dispatch message dropped", extra={"consumer": level.consumer})
+            return Declined(None, Step(Action.TERM, None))
+        retry_in = self.settings.worker_cap_retry_seconds
+        try:
+            async with self._connection() as conn:
+                seen = await workers.preview(conn, task_id)
+                out = None
+                if seen is not None and seen.model_id == level.model_id and not seen.status.terminal:
+                    out = await workers.claim_within_cap(
+                        conn,
+                        task_id,
+                        model_id=level.model_id,
+                        cap=self.settings.models[level.model_id].max_concurrency,
+                        worker_id=self.worker_id,
+                        lease_seconds=self.settings.lease_seconds,
+                        actor=ACTOR,
+                        reason="claimed",
+                    )
+        except Exception:
+            log.warning("claim failed; message redelivered later", extra={"task_id": str(task_id)}, exc_info=True)
+            return Declined(task_id, Step(Action.NAK, None, delay=retry_in))
+        if seen is None:
+            return _drop(task_id, "no such task")
+        if seen.model_id != level.model_id:
+            return _drop(task_id, "task of another model", model=seen.model_id, consumer=level.consumer)
+        if out is None and seen.status.terminal:
+            return _drop(task_id, "task already finished", state=seen.status.value)
+        if out is None:
+            return Declined(task_id, Step(Action.NAK, Fate.CAPPED, delay=retry_in))
+        if not out.applied:
+            current = out.task
+            return _drop(
+                task_id,
+                "claim refused",
+                rejection=out.rejection.value if out.rejection else None,
+                state=current.status.value if current else None,
+                holder=current.worker_id if current else None,
+            )
+        assert out.task is not None
+        return Claimed(out.task, seen.reusable)
+
+    async def close(self) -> None:
+        """Hands the kept connection back to the pool."""
+        async with self._lock:
+            await self._release()
+
+    async def abandon(self) -> None:
+        """A crash, for tests: hands the kept connection back without waiting for a claim in flight."""
+        await self._release()
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
+        async with self._lock:
+            if self._conn is None or not _usable(self._conn):
+                await self._release()
+                self._conn = await self.pool.acquire()
+            try:
+                yield self._conn
+            except Exception:  # a broken connection is replaced on the next claim; a healthy one is simply re-taken
+                await self._release()
+                raise
+
+    async def _release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await self.pool.release(conn)
+
+
+def _drop(task_id: int, why: str, **extra: Any) -> Declined:
+    """A message this worker will not run: acked, with one log line."""
+    log.info("message dropped", extra={"task_id": str(task_id), "why": why, **extra})
+    return Declined(task_id, Step(Action.ACK, Fate.REFUSED))
+
+
+def _usable(conn: asyncpg.Connection) -> bool:
+    """False for a closed connection, and for a pool proxy whose connection asyncpg already detached."""
+    try:
+        return not conn.is_closed()
+    except asyncpg.InterfaceError:
+        return False

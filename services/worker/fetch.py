@@ -1,0 +1,192 @@
+"""What to take next: dispatch messages while a slot is free, weighted across priorities, the rest handed back."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from services.worker.consumer import Level, Puller, Weighted, make_levels
+from taskgate import bus as busmod
+from taskgate.config import Settings
+from taskgate.waiting import cancelling
+
+log = logging.getLogger("taskgate.worker")
+
+Start = Callable[["SlotHold", Level, Msg], Coroutine[Any, Any, None]]
+Spawn = Callable[[Coroutine[Any, Any, Any]], object]
+
+
+@dataclass(eq=False)
+class Slot:
+    """One concurrent run's place: a device and the single thread that runs generations on it."""
+
+    index: int
+    device: str
+    executor: concurrent.futures.ThreadPoolExecutor
+    busy: bool = False
+
+
+@dataclass(eq=False)
+class SlotHold:
+    """One message's hold on a slot; releasing it twice frees the slot once, never a later holder's."""
+
+    slot: Slot
+    released: bool = False
+
+
+class Fetcher:
+    """Pulls dispatch messages from this worker's (model, priority) levels and starts one per free slot."""
+
+    def __init__(
+        self,
+        *,
+        bus: busmod.Bus,
+        settings: Settings,
+        worker_id: str,
+        models: list[str],
+        devices: list[str],
+        start: Start,
+        spawn: Spawn,
+        changed: Callable[[], None],
+    ) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.worker_id = worker_id
+        self.models = models
+        self.slots = [
+            Slot(i, device, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"slot-{i}")) for i, device in enumerate(devices)
+        ]
+        self.levels = make_levels(models, settings.priority_weights)
+        self.puller = Puller(bus.nc, self.levels, self._on_delivery, settings.worker_fetch_linger_seconds)
+        self.draining = False
+        self._start = start
+        self._spawn = spawn
+        self._changed = changed  # free slots or draining changed: the gauges follow
+        self._ready: list[tuple[Level, Msg]] = []
+        self._wake = asyncio.Event()
+        self._capped_until: dict[str, float] = {}
+
+    async def start(self) -> None:
+        """Makes sure every level's durable consumer exists, then opens this worker's pull inboxes."""
+        for model_id in self.models:
+            for level in self.levels:
+                if level.model_id == model_id:
+                    await busmod.ensure_task_consumer(self.bus, self.settings, model_id, level.priority)
+        await self.puller.start()
+
+    def stop(self) -> None:
+        """Takes no more messages: the loop hands back what it holds and ends."""
+        self.draining = True
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Closes the pull inboxes and the slots' threads."""
+        await self.puller.close()
+        for slot in self.slots:
+            slot.executor.shutdown(wait=False, cancel_futures=True)
+
+    def free_slots(self) -> list[Slot]:
+        """The slots no message holds."""
+        return [slot for slot in self.slots if not slot.busy]
+
+    def release(self, hold: SlotHold) -> None:
+        """Frees a held slot; the slot is freed early (when generation ends) and again on the way out, only the first counts."""
+        if not hold.released:
+            hold.released = True
+            hold.slot.busy = False
+            self._changed()
+            self._wake.set()
+
+    def cap(self, model_id: str, delay: float) -> None:
+        """The model's concurrency cap is reached: leave its levels alone for `delay` seconds."""
+        self._capped_until[model_id] = time.monotonic() + delay
+
+    async def loop(self) -> None:
+        """Takes messages until draining, then hands back the ones it holds."""
+        while not self.draining:
+            self._wake.clear()
+            try:
+                await self._once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if cancelling():  # a client library reported our cancellation as its own error
+                    raise asyncio.CancelledError from exc
+                log.exception("dispatch failed", extra={"worker": self.worker_id})
+                await asyncio.sleep(self.settings.worker_fetch_linger_seconds)
+        for _, msg in self._ready:
+            await _bounce(msg)
+        self._ready.clear()
+
+    def _on_delivery(self, level: Level, msg: Msg | None) -> None:
+        if msg is not None:
+            if self.draining or not self.free_slots():
+                self._spawn(_bounce(msg))
+                return
+            if not self._ready:
+                self._take([(level, msg)])  # an idle worker's only message: no choice to make, start it now
+                return
+            self._ready.append((level, msg))
+        self._wake.set()
+
+    async def _once(self) -> None:
+        ready, self._ready = self._ready, []
+        if not self.free_slots():
+            for _, msg in ready:
+                await _bounce(msg)
+            await self._wake.wait()
+            return
+        now = time.monotonic()
+        active = [lv for lv in self.levels if lv.paused_until <= now and self._capped_until.get(lv.model_id, 0.0) <= now]
+        holding = {lv for lv, _ in ready}
+        to_probe = [lv for lv in active if not lv.open(now) and lv not in holding]
+        found = ready + (await self.puller.probe(to_probe) if to_probe else [])
+        if found:
+            self._take(found)
+            return
+        if self.draining:
+            return
+        now = time.monotonic()
+        idle = [lv for lv in active if not lv.open(now)]
+        if idle:
+            await self.puller.linger(idle)
+        if self._wake.is_set():
+            return
+        # Wake for the end of a pause, or when a lingering request should long have been answered (a lost answer).
+        ends = [t for t in [*self._capped_until.values(), *(lv.paused_until for lv in self.levels)] if t > now]
+        timeout = min([t - now + 0.001 for t in ends] + [2 * self.settings.worker_fetch_linger_seconds])
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _take(self, found: list[tuple[Level, Msg]]) -> None:
+        """Starts as many of the found messages as there are free slots, in weighted order; hands back the rest."""
+        pending = list(found)
+        has = {lv for lv, _ in pending}
+        Weighted.forget([lv for lv in self.levels if lv not in has])
+        while pending:
+            free = self.free_slots()
+            if not free or self.draining:
+                break
+            level = Weighted.pick(list(dict.fromkeys(lv for lv, _ in pending)))
+            index = next(i for i, (lv, _) in enumerate(pending) if lv is level)
+            _, msg = pending.pop(index)
+            hold = SlotHold(free[0])
+            hold.slot.busy = True
+            self._spawn(self._start(hold, level, msg))
+        for _, msg in pending:
+            self._spawn(_bounce(msg))
+        self._changed()
+
+
+async def _bounce(msg: Msg) -> None:
+    """Hands back a message this worker has no room for, for the next worker (or itself) to take."""
+    with contextlib.suppress(Exception):
+        await msg.nak()

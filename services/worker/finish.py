@@ -1,0 +1,150 @@
+"""An attempt's end: its final write (fenced by its attempt, retried through short outages), then settle's step."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import asyncpg
+from nats.aio.msg import Msg
+
+from services.worker import runner as runmod
+from services.worker.retry import PermanentError, RetryableError, persist
+from services.worker.run import ACTOR, Halt, Run
+from services.worker.settle import Action, Fate, Produced, Released, Step, decide
+from taskgate import bus as busmod
+from taskgate import results, store
+from taskgate.config import Settings
+from taskgate.store import ResultRef, workers
+from taskgate.wire import dead_letter
+
+log = logging.getLogger("taskgate.worker")
+
+T = TypeVar("T")
+Report = Callable[[Run, Step], None]
+
+
+async def act(msg: Msg, step: Step) -> None:
+    """Does what the step says with the message (keeping an output for reuse is the caller's part)."""
+    if step.action is Action.ACK:
+        await msg.ack()
+    elif step.action is Action.NAK:
+        await msg.nak(delay=step.delay)
+    elif step.action is Action.TERM:
+        await msg.term()
+
+
+class Finisher:
+    """Ends attempts: succeeded, reused, failed or stopped."""
+
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool,
+        bus: busmod.Bus,
+        outputs: results.ResultStore,
+        settings: Settings,
+        report: Report,
+    ) -> None:
+        self.pool = pool
+        self.bus = bus
+        self.outputs = outputs
+        self.settings = settings
+        self._report = report
+
+    async def succeeded(self, run: Run, output: runmod.RunOutput) -> None:
+        """Stores the output and records it as the task's result."""
+        if run.stopped_by is Halt.KILLED:
+            return
+        await run.end_progress()
+        task = run.task
+        name = f"{task.id}-a{task.attempt}.{output.extension}"
+        stored = await self._persist("result", run, lambda: self.outputs.put(name, output.data, output.content_type))
+        await self._succeed(run, ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256))
+
+    async def reused(self, run: Run, result: ResultRef) -> None:
+        """Records an earlier soft-cancelled run's output for the same request as the task's result."""
+        await run.end_progress()
+        await self._succeed(run, result)
+
+    async def failed(self, run: Run, failure: RetryableError | PermanentError) -> None:
+        """Queues the task again after the failure's delay, or fails it (dead-lettered once its retries ran out)."""
+        await run.end_progress()
+        task = run.task
+        if isinstance(failure, RetryableError):
+            out = await self._persist(
+                "retry",
+                run,
+                lambda: store.retry(
+                    self.pool, task.id, attempt=task.attempt, error=failure.error, delay_seconds=failure.delay, actor=ACTOR,
+                    reason=f"retry {failure.retry} of {task.max_retries}",
+                ),
+            )
+        else:
+            out = await self._persist(
+                "fail",
+                run,
+                lambda: store.fail(
+                    self.pool, task.id, error=failure.error, actor=ACTOR, reason=failure.reason, attempt=task.attempt,
+                    dead_letter=failure.dead_letter,
+                ),
+            )
+        step = decide(out.task, attempt=run.attempt, run=failure)
+        if step.fate is Fate.DEAD and isinstance(failure, PermanentError):
+            await dead_letter.publish(self.bus, task, reason=failure.reason, error_code=failure.code, error_message=failure.message)
+        await self._settle(run, step)
+
+    async def stopped(self, run: Run) -> None:
+        """After a stop: a drained run releases its task; the others do what the row said when they were stopped."""
+        reason = run.stopped_by
+        assert reason is not None, "only a stopped run ends here"
+        if reason is Halt.KILLED:
+            return
+        await run.end_progress()
+        if reason is Halt.DRAIN:
+            out = await self._persist(
+                "release",
+                run,
+                lambda: store.release(self.pool, run.task.id, actor=ACTOR, reason="worker draining", expected_attempt=run.attempt),
+            )
+            reason = decide(out.task, attempt=run.attempt, run=Released())
+        if reason.fate is Fate.LOST:
+            log.warning("lease lost; output discarded", extra={"task_id": str(run.task.id), "attempt": run.attempt})
+        await self._settle(run, reason)
+
+    async def _succeed(self, run: Run, result: ResultRef) -> None:
+        task = run.task
+        reason = "reused a soft-cancelled run's output" if result.reused else "finished"
+        out = await self._persist(
+            "succeed",
+            run,
+            lambda: store.succeed(self.pool, task.id, attempt=task.attempt, result=result, actor=ACTOR, reason=reason),
+        )
+        produced = Produced(result.uri, reused=result.reused)
+        step = decide(out.task, attempt=run.attempt, run=produced)
+        if step.action is Action.KEEP_REUSABLE:
+            kept = await self._persist(
+                "reusable", run, lambda: workers.keep_reusable(self.pool, task.id, attempt=task.attempt, result=result)
+            )
+            if kept:
+                await run.msg.ack()
+                self._report(run, step)
+                return
+            step = decide(out.task, attempt=run.attempt, run=dataclasses.replace(produced, keepable=False))
+        if not result.reused and step.fate is not Fate.SUCCEEDED:
+            await self.outputs.delete(result.uri)
+        if step.fate is Fate.FENCED:
+            log.warning(
+                "stale attempt's output discarded",
+                extra={"task_id": str(task.id), "attempt": run.attempt, "current_attempt": out.task.attempt if out.task else None},
+            )
+        await self._settle(run, step)
+
+    async def _settle(self, run: Run, step: Step) -> None:
+        await act(run.msg, step)
+        self._report(run, step)
+
+    async def _persist(self, what: str, run: Run, action: Callable[[], Awaitable[T]]) -> T:
+        return await persist(self.settings.lease_seconds, what, run.task.id, action)

@@ -1,0 +1,142 @@
+"""`taskgate-keys` (`python -m taskgate.keys`): create, revoke and list API keys, straight in the database.
+
+A server-side command: it needs the database (TASKGATE_DATABASE_URL, or the stack `make run` started), not the gateway.
+Exit codes are the `taskgate` command's: 0 success, 2 usage, 3 no such key, 4 invalid tenant name, 10 database down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
+import asyncpg
+import grpc
+
+from taskgate import auth
+from taskgate.config import Settings, load_settings
+from taskgate.runtime import resolve_urls
+from taskgate.stackfile import SERVERS_FILE
+from taskgate.store import tenants
+from taskgate_client.cli import EXIT_BY_CODE, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE, CliError, Output, report_cli_error
+from taskgate_client.local import find_state_dir
+
+Handler = Callable[[asyncpg.Connection, Settings, argparse.Namespace, Output], Awaitable[int]]
+
+
+async def create(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+    """Creates a key (and the tenant, with its webhook secret, if new) and prints it once."""
+    try:
+        key, secret = await auth.create_key(
+            conn,
+            settings.api_key_pepper,
+            args.tenant,
+            admin=args.admin,
+            max_pending=args.max_pending,
+            submits_per_minute=args.submits_per_minute,
+        )
+    except asyncpg.CheckViolationError:
+        invalid = EXIT_BY_CODE[grpc.StatusCode.INVALID_ARGUMENT]
+        raise CliError(f"invalid tenant name {args.tenant!r}: use 1-64 of A-Z a-z 0-9 _ -", invalid) from None
+    if out.json:
+        out.document({"tenant": args.tenant, "api_key": key, "prefix": key[:10], "admin": args.admin, "webhook_secret": secret})
+        return EXIT_OK
+    out.fields(
+        [
+            ("tenant", args.tenant),
+            ("api key", key),
+            ("admin", "yes" if args.admin else "no"),
+            ("webhook secret", secret or "(unchanged: it was shown when the tenant was created)"),
+        ]
+    )
+    out.line("\nStore these now: they are not shown again (only a hash of the key is kept).")
+    return EXIT_OK
+
+
+async def revoke(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+    """Revokes the live keys with a prefix."""
+    rows = await tenants.revoke_api_keys(conn, args.prefix)
+    if out.json:
+        out.document({"revoked": [{"id": r.id, "tenant": r.tenant_id} for r in rows]})
+    elif rows:
+        out.line(f"revoked {len(rows)} key(s) with prefix {args.prefix}")
+    if not rows:
+        raise CliError(f"no live key with prefix {args.prefix!r}", EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND], "see `taskgate-keys list`")
+    return EXIT_OK
+
+
+async def list_keys(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+    """Lists every key by prefix (the keys themselves are not stored)."""
+    keys = [
+        {"prefix": k.prefix, "tenant": k.tenant_id, "admin": k.is_admin, "created_at": k.created_at, "revoked_at": k.revoked_at}
+        for k in await tenants.list_api_keys(conn)
+    ]
+    if out.json:
+        out.document({"keys": keys})
+    elif not keys:
+        out.line("no keys")
+    else:
+        out.table(
+            ["PREFIX", "TENANT", "ADMIN", "CREATED", "REVOKED"],
+            [[k["prefix"], k["tenant"], "yes" if k["admin"] else "", k["created_at"], k["revoked_at"] or ""] for k in keys],
+        )
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; --json is accepted before or after the action."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output (JSON)")
+    parser = argparse.ArgumentParser(prog="taskgate-keys", parents=[common], description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    def add(name: str, handler: Handler, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
+        p.set_defaults(handler=handler)
+        return p
+
+    p = add("create", create, "create a key (and the tenant, with its webhook secret, if new)")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--admin", action="store_true", help="the key may use the admin API")
+    p.add_argument("--max-pending", type=int, help="the tenant's unfinished-task limit")
+    p.add_argument("--submits-per-minute", type=int, help="the tenant's submission rate limit")
+    p = add("revoke", revoke, "revoke keys by the prefix `list` shows")
+    p.add_argument("prefix")
+    add("list", list_keys, "list keys (prefixes only)")
+    return parser
+
+
+async def _run(handler: Handler, args: argparse.Namespace, out: Output) -> int:
+    settings = load_settings()
+    if not settings.state_dir.is_absolute():
+        settings = settings.model_copy(update={"state_dir": find_state_dir(settings.state_dir, None, marker=SERVERS_FILE)})
+    try:
+        database_url, _ = resolve_urls(settings)
+    except SystemExit as exc:
+        raise CliError(str(exc.code), EXIT_UNAVAILABLE, "start the stack with `make run`, or set TASKGATE_DATABASE_URL") from None
+    try:
+        conn = await asyncpg.connect(database_url, timeout=10)
+    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        raise CliError(f"cannot reach the database: {exc}", EXIT_UNAVAILABLE, "is the stack running (`make run`)?") from None
+    try:
+        return await handler(conn, settings, args, out)
+    finally:
+        await conn.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `taskgate-keys` command; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    out = Output(bool(getattr(args, "json", False)))
+    try:
+        return asyncio.run(_run(args.handler, args, out))
+    except CliError as exc:
+        return report_cli_error(out, exc)
+    except KeyboardInterrupt:
+        out.err.write("\ninterrupted\n")
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

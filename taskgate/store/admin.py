@@ -1,0 +1,153 @@
+"""TaskAdmin's queries: stats, keyset-paged listings, the rows a requeue reads or locks, dead letters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from taskgate import sql
+from taskgate.model import TaskRow
+from taskgate.paging import Cursor
+from taskgate.states import CallbackStatus, Status
+from taskgate.store.pool import Conn
+
+
+@dataclass(frozen=True, slots=True)
+class StateCount:
+    """How many tasks of one model are in one state."""
+
+    model_id: str
+    status: Status
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStat:
+    """A registered worker, or one holding PROCESSING tasks: its load, its slots and whether it is alive."""
+
+    worker_id: str
+    running: int
+    slots: int
+    last_heartbeat: datetime | None
+    alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CallbackCount:
+    """How many webhook deliveries are in one state."""
+
+    status: CallbackStatus
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedTask:
+    """A task and whether it holds a live lease (PROCESSING with an unexpired lease)."""
+
+    task: TaskRow
+    lease_live: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A dead letter with its task."""
+
+    task: TaskRow
+    reason: str
+    dead_at: datetime
+
+
+async def _state_counts(db: Conn, query: str) -> list[StateCount]:
+    return [StateCount(r["model_id"], Status(r["status"]), r["n"]) for r in await db.fetch(sql.query(query))]
+
+
+async def state_counts(db: Conn) -> list[StateCount]:
+    """Tasks per model and state."""
+    return await _state_counts(db, "admin_state_counts")
+
+
+async def live_counts(db: Conn) -> list[StateCount]:
+    """Unfinished tasks per model and state."""
+    return await _state_counts(db, "admin_live_counts")
+
+
+async def oldest_queued_age(db: Conn) -> float | None:
+    """Seconds since the oldest QUEUED task was queued; None when none is."""
+    return await db.fetchval(sql.query("admin_oldest_queued_age"))
+
+
+async def worker_stats(db: Conn, *, lease_seconds: float) -> list[WorkerStat]:
+    """Each registered worker and each worker holding PROCESSING tasks, by id; alive = heartbeat within the lease."""
+    return [
+        WorkerStat(r["worker_id"], r["running"], r["slots"], r["last_heartbeat"], r["alive"])
+        for r in await db.fetch(sql.query("admin_worker_stats"), lease_seconds)
+    ]
+
+
+async def callback_counts(db: Conn) -> list[CallbackCount]:
+    """Webhook deliveries per state."""
+    return [CallbackCount(CallbackStatus(r["status"]), r["n"]) for r in await db.fetch(sql.query("admin_callback_counts"))]
+
+
+async def list_tasks(
+    db: Conn,
+    *,
+    statuses: Sequence[Status],
+    model_id: str | None,
+    older_than_seconds: float | None,
+    after: Cursor | None,
+    limit: int,
+) -> list[TaskRow]:
+    """Tasks by state (none: all), model and time since their last update, least recently updated first.
+
+    Keyset-paged on (updated_at, id): `after` holds the last row's updated_at (in its `created_at` field) and id.
+    """
+    rows = await db.fetch(
+        sql.query("admin_list_tasks"),
+        [s.value for s in statuses],
+        model_id,
+        older_than_seconds,
+        after.created_at if after else None,
+        after.task_id if after else None,
+        limit,
+    )
+    return [TaskRow.from_record(r) for r in rows]
+
+
+async def requeue_page(
+    db: Conn, *, statuses: Sequence[Status], model_id: str | None, older_than_seconds: float | None, after_id: int, limit: int
+) -> list[int]:
+    """Ids of tasks in `statuses` matching a requeue filter, by id after `after_id` (stable while they are requeued)."""
+    rows = await db.fetch(
+        sql.query("admin_requeue_page"), [s.value for s in statuses], model_id, older_than_seconds, after_id, limit
+    )
+    return [r["id"] for r in rows]
+
+
+async def _leased(db: Conn, query: str, task_ids: Sequence[int]) -> dict[int, LeasedTask]:
+    return {r["id"]: LeasedTask(TaskRow.from_record(r), r["lease_live"]) for r in await db.fetch(sql.query(query), list(task_ids))}
+
+
+async def peek_tasks(db: Conn, task_ids: Sequence[int]) -> dict[int, LeasedTask]:
+    """The tasks that exist among `task_ids`, by id, read without locking."""
+    return await _leased(db, "admin_peek_tasks", task_ids)
+
+
+async def lock_tasks(db: Conn, task_ids: Sequence[int]) -> dict[int, LeasedTask]:
+    """The tasks among `task_ids` locked for a requeue, by id; rows a scan or a worker holds are left out.
+
+    Run it inside the caller's transaction: the locks last until it ends.
+    """
+    return await _leased(db, "admin_lock_tasks", task_ids)
+
+
+async def dead_letters(db: Conn, *, before: Cursor | None, limit: int) -> list[DeadLetter]:
+    """Dead letters with their tasks, newest first.
+
+    Keyset-paged on (dead_at, task id): `before` holds the last row's dead_at (in its `created_at` field) and task id.
+    """
+    rows = await db.fetch(
+        sql.query("admin_dead_letters"), before.created_at if before else None, before.task_id if before else None, limit
+    )
+    return [DeadLetter(TaskRow.from_record(r), r["dead_reason"], r["dead_at"]) for r in rows]

@@ -1,0 +1,41 @@
+"""`make bench` only: the raw-ceiling handler's statements, closing a phase, and bulk history. No service calls these."""
+
+from __future__ import annotations
+
+from taskgate import sql
+from taskgate.store.pool import Conn
+
+
+async def ceiling_insert(db: Conn, *, task_id: int, tenant: str, key: str, prompt: str, model: str, queue_name: str) -> None:
+    """The least a durable submit writes: one CREATED row."""
+    await db.execute(sql.query("bench_ceiling_insert"), task_id, tenant, key, prompt, model, queue_name)
+
+
+async def ceiling_queue(db: Conn, task_id: int) -> None:
+    """CREATED -> QUEUED without the guarded transition's extras."""
+    await db.execute(sql.query("bench_ceiling_queue"), task_id)
+
+
+async def close_open(db: Conn) -> int:
+    """Cancels every unfinished task; returns how many."""
+    done = await db.execute(sql.query("bench_close_open"))
+    return int(done.split()[-1])
+
+
+async def events_unrelayed(db: Conn) -> bool:
+    """Whether any event is still waiting for the relay."""
+    return bool(await db.fetchval("SELECT EXISTS (SELECT 1 FROM task_event WHERE published_at IS NULL)"))
+
+
+async def fill_history(db: Conn, *, rows: int, tenant: str) -> None:
+    """`rows` finished tasks (a tenth of them `tenant`'s) and their terminal events, then a vacuum (superuser)."""
+    await db.execute(sql.query("bench_triggers_off"))
+    try:
+        await db.execute(sql.query("bench_insert_history"), rows, tenant, timeout=1800)
+        await db.execute(sql.query("bench_insert_history_events"), rows, timeout=1800)
+    finally:
+        await db.execute(sql.query("bench_triggers_on"))
+    # A table that has held a million rows for a while has been vacuumed: do it now, so autovacuum does not
+    # run during the measurement instead.
+    await db.execute("VACUUM (ANALYZE) task", timeout=900)
+    await db.execute("VACUUM (ANALYZE) task_event", timeout=900)

@@ -1,0 +1,190 @@
+"""The webhook outbox: deliveries to send, their attempts, and the task's view of its terminal webhook.
+
+Every write of task.callback_status is `move_status`, guarded by states.CALLBACK_LEGAL: a move the table does not list
+matches no row. Several notifier replicas share the outbox by lease; a redelivery wakes them all at commit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from taskgate import sql
+from taskgate.states import CALLBACK_LEGAL, CallbackStatus
+from taskgate.store.pool import Conn
+
+log = logging.getLogger("taskgate.callbacks")
+
+PROGRESS_TYPE = "task.progress"  # the one event type that is not the task's terminal webhook
+
+
+def sources(target: CallbackStatus) -> list[CallbackStatus]:
+    """The callback states from which `target` may be entered."""
+    return [src for src, dests in CALLBACK_LEGAL.items() if target in dests]
+
+
+async def move_status(db: Conn, task_ids: Sequence[int], *, to: CallbackStatus, retries: int | None = None) -> list[int]:
+    """Moves tasks (with a callback URL) to `to` where the table allows it from their status; the ids that moved.
+
+    `retries` also records callback_retry (the failed attempts of the current round).
+    """
+    rows = await db.fetch(sql.query("callback_move_status"), list(task_ids), to.value, [s.value for s in sources(to)], retries)
+    moved = [r["id"] for r in rows]
+    if len(moved) < len(task_ids):
+        refused = sorted(set(task_ids) - set(moved))
+        log.warning("callback status move refused", extra={"to": to.value, "task_ids": [str(t) for t in refused][:20]})
+    return moved
+
+
+@dataclass(frozen=True, slots=True)
+class NewDelivery:
+    """A webhook to insert into the outbox for one event."""
+
+    task_id: int
+    event_id: int
+    user_id: str
+    webhook_id: str
+    event_type: str
+    url: str
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """An outbox row this sender holds the lease of: one webhook to send now."""
+
+    id: int
+    task_id: int
+    user_id: str
+    webhook_id: str
+    event_type: str
+    url: str
+    payload: dict[str, Any]
+    attempts: int  # made so far, over every round
+    round_start: int  # `attempts` when the current round (the first, or a redelivery) began
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptOutcome:
+    """What one attempt came to, and what the delivery does next."""
+
+    status: CallbackStatus  # the delivery's status after it: PENDING (retry later), DELIVERED or FAILED
+    delay_seconds: float  # until the next attempt, when PENDING
+    status_code: int | None
+    latency_ms: float
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Redelivery:
+    """A delivery reset for a new round by a redelivery."""
+
+    id: int
+    webhook_id: str
+    event_type: str
+    status: CallbackStatus
+    attempts: int
+
+
+async def insert_deliveries(db: Conn, deliveries: Sequence[NewDelivery], *, first_delay: float) -> None:
+    """Adds deliveries (idempotent per event and url), the first attempt due after `first_delay` seconds."""
+    await db.executemany(
+        sql.query("outbox_insert_delivery"),
+        [(d.task_id, d.event_id, d.user_id, d.webhook_id, d.event_type, d.url, d.payload, first_delay) for d in deliveries],
+    )
+
+
+async def claim_due(db: Conn, *, limit: int, owner: str, lease_seconds: float) -> list[Delivery]:
+    """Due deliveries, leased to `owner` so no other sender sends them meanwhile; at most `limit`."""
+    rows = await db.fetch(sql.query("webhook_claim"), limit, owner, lease_seconds)
+    return [
+        Delivery(
+            id=r["id"],
+            task_id=r["task_id"],
+            user_id=r["user_id"],
+            webhook_id=r["webhook_id"],
+            event_type=r["event_type"],
+            url=r["url"],
+            payload=r["payload"],
+            attempts=r["attempts"],
+            round_start=r["round_start"],
+            created_at=r["created_at"],
+        )
+        for r in rows
+    ]
+
+
+async def seconds_to_next_due(db: Conn) -> float | None:
+    """Seconds until the next pending delivery is due (None when none is pending)."""
+    value = await db.fetchval(sql.query("webhook_next_due"))
+    return float(value) if value is not None else None
+
+
+async def record(db: Conn, delivery: Delivery, *, owner: str, outcome: AttemptOutcome) -> bool:
+    """Writes the outcome under the lease, the attempt's log row and the task's callback status, in one transaction.
+
+    False when the lease was lost (expired, or the row was redelivered and taken by another sender): nothing written.
+    """
+    if isinstance(db, asyncpg.Pool):
+        async with db.acquire() as conn:
+            return await record(conn, delivery, owner=owner, outcome=outcome)
+    async with db.transaction():
+        done = await db.fetchrow(
+            sql.query("webhook_record"),
+            delivery.id,
+            owner,
+            outcome.status.value,
+            outcome.delay_seconds,
+            outcome.status_code,
+            outcome.error,
+        )
+        if done is None:
+            return False
+        await db.execute(
+            sql.query("webhook_insert_attempt"),
+            delivery.id,
+            delivery.attempts + 1,
+            delivery.webhook_id,
+            outcome.status_code,
+            outcome.latency_ms,
+            outcome.error,
+        )
+        if delivery.event_type != PROGRESS_TYPE:
+            retries = done["attempts"] - done["round_start"] - 1
+            await move_status(db, [delivery.task_id], to=outcome.status, retries=retries)
+    return True
+
+
+async def redeliver(db: Conn, task_id: int, *, include_progress: bool = False) -> list[Redelivery]:
+    """Sends a task's terminal webhook(s) again with the same webhook-id, on a fresh round of the retry schedule.
+
+    Returns the reset deliveries, oldest first; empty when the task has none (no callback URL, not terminal yet, or
+    no such task). A lease in flight is kept, so no second sender sends the same delivery meanwhile. Every notifier
+    is woken through NOTIFY 'taskgate_webhook' at commit, so the first attempt goes out at once.
+    """
+    if isinstance(db, asyncpg.Pool):
+        async with db.acquire() as conn:
+            return await redeliver(conn, task_id, include_progress=include_progress)
+    async with db.transaction():
+        rows = await db.fetch(sql.query("outbox_redeliver"), task_id, include_progress)
+        out = [
+            Redelivery(
+                id=r["id"],
+                webhook_id=r["webhook_id"],
+                event_type=r["event_type"],
+                status=CallbackStatus(r["status"]),
+                attempts=r["attempts"],
+            )
+            for r in rows
+        ]
+        if any(d.event_type != PROGRESS_TYPE for d in out):
+            await move_status(db, [task_id], to=CallbackStatus.PENDING)
+        if out:
+            await db.execute(sql.query("outbox_wake"), str(task_id))
+    return out

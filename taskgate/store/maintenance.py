@@ -1,0 +1,99 @@
+"""The scheduler's scans: due rows in bounded, locked batches, plus the safety nets and the queue gauges.
+
+Every scan takes an optional `now` (None: the database's now()) so tests can move the clock. The task queries lock
+what they return with FOR UPDATE SKIP LOCKED, so run them inside the caller's transaction; the moves themselves
+are the typed ones of store.tasks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from taskgate import sql
+from taskgate.model import TaskRow
+from taskgate.store.pool import Conn
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    """One model's queue: how many tasks wait, how long the oldest has waited, and how many run."""
+
+    model_id: str
+    queued: int
+    oldest_queued_age: float | None
+    processing: int
+
+
+def _per_model(timeouts: Mapping[str, float]) -> tuple[list[str], list[float]]:
+    models = sorted(timeouts)
+    return models, [timeouts[m] for m in models]
+
+
+async def _tasks(db: Conn, query: str, *args: object) -> list[TaskRow]:
+    return [TaskRow.from_record(r) for r in await db.fetch(sql.query(query), *args)]
+
+
+async def created_due(db: Conn, *, now: datetime | None = None, timeout_seconds: float, limit: int) -> list[TaskRow]:
+    """CREATED tasks untouched for `timeout_seconds` (their dispatch was lost), oldest first, locked."""
+    return await _tasks(db, "sched_created_due", now, timeout_seconds, limit)
+
+
+async def queued_due(
+    db: Conn, *, now: datetime | None = None, timeouts: Mapping[str, float], default_seconds: float, limit: int
+) -> list[TaskRow]:
+    """QUEUED tasks waiting past their model's queue timeout (`default_seconds` for a model not in `timeouts`), locked."""
+    models, seconds = _per_model(timeouts)
+    smallest = min([default_seconds, *seconds])  # the bound the index range scan uses
+    return await _tasks(db, "sched_queued_due", now, models, seconds, default_seconds, smallest, limit)
+
+
+async def lease_expired(db: Conn, *, now: datetime | None = None, limit: int) -> list[TaskRow]:
+    """PROCESSING tasks whose lease ran out (the worker is gone), locked."""
+    return await _tasks(db, "sched_lease_expired", now, limit)
+
+
+async def processing_overdue(
+    db: Conn,
+    *,
+    now: datetime | None = None,
+    timeouts: Mapping[str, float],
+    default_seconds: float,
+    grace_seconds: float,
+    limit: int,
+) -> list[TaskRow]:
+    """Live PROCESSING tasks past their model's processing timeout (plus `grace_seconds` once granted), locked."""
+    models, seconds = _per_model(timeouts)
+    return await _tasks(db, "sched_processing_overdue", now, models, seconds, default_seconds, grace_seconds, limit)
+
+
+async def grant_grace(db: Conn, task_id: int, *, attempt: int) -> bool:
+    """The one grace extension of a slow but live attempt (not a transition: no new version); False if not granted."""
+    return await db.fetchval(sql.query("sched_grant_grace"), task_id, attempt) is not None
+
+
+async def add_missing_dead_letters(
+    db: Conn, *, now: datetime | None = None, window_seconds: float, reason: str, limit: int
+) -> int:
+    """Dead letters for recent FAILED tasks that exhausted their retries but have none; returns how many were added."""
+    rows = await db.fetch(sql.query("sched_dead_letter_missing"), now, window_seconds, reason, limit)
+    return len(rows)
+
+
+async def forget_workers(db: Conn, *, now: datetime | None = None, silent_seconds: float, limit: int) -> list[str]:
+    """Deletes registry rows of workers silent for `silent_seconds`; returns their ids."""
+    return [r["id"] for r in await db.fetch(sql.query("sched_forget_workers"), now, silent_seconds, limit)]
+
+
+async def queue_gauges(db: Conn) -> list[ModelLoad]:
+    """Per model with QUEUED or PROCESSING tasks: the counts and the oldest QUEUED task's age (seconds)."""
+    return [
+        ModelLoad(r["model_id"], r["queued"], r["oldest_queued_age"], r["processing"])
+        for r in await db.fetch(sql.query("sched_queue_gauges"))
+    ]
+
+
+async def workers_alive(db: Conn, *, lease_seconds: float) -> int:
+    """Workers whose last heartbeat is within `lease_seconds`."""
+    return int(await db.fetchval(sql.query("sched_workers_alive"), lease_seconds))

@@ -1,0 +1,388 @@
+"""The task state machine's moves: one guarded UPDATE each, typed, logged once when applied.
+
+Each move is a small frozen dataclass (its own parameters) run by `apply`; the named functions below are what
+services call. The SQL is the `*_task` blocks of sql/queries/tasks.sql; the history trigger records every move.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import asyncpg
+
+from taskgate import sql, states, telemetry
+from taskgate.model import TaskRow
+from taskgate.states import Status
+from taskgate.store.pool import Conn
+
+log = logging.getLogger("taskgate.transition")
+
+
+class Move(enum.Enum):
+    """A named transition: the query block that performs it, its target, and the states it leaves."""
+
+    QUEUE = ("queue_task", Status.QUEUED, (Status.CREATED,))
+    REPUBLISH = ("republish_task", Status.QUEUED, (Status.QUEUED,))
+    CLAIM = ("claim_task", Status.PROCESSING, (Status.CREATED, Status.QUEUED, Status.PROCESSING))
+    PROGRESS = ("progress_task", Status.PROCESSING, (Status.PROCESSING,))
+    SUCCEED = ("succeed_task", Status.SUCCEEDED, (Status.PROCESSING,))
+    FAIL = ("fail_task", Status.FAILED, (Status.PROCESSING,))
+    RETRY = ("retry_task", Status.QUEUED, (Status.PROCESSING,))
+    RELEASE = ("release_task", Status.QUEUED, (Status.PROCESSING,))
+    CANCEL = ("cancel_task", Status.CANCELED, (Status.CREATED, Status.QUEUED, Status.PROCESSING))
+    TIMEOUT = ("timeout_task", Status.TIMEOUT, (Status.QUEUED, Status.PROCESSING))
+
+    def __init__(self, query: str, target: Status, sources: tuple[Status, ...]) -> None:
+        self.query = query
+        self.target = target
+        self.sources = sources
+        for src in sources:
+            assert states.is_legal(src, target), f"{self.name}: {src}->{target} is not in the state table"
+
+
+class Rejection(enum.Enum):
+    """Why a guarded transition matched no row."""
+
+    NOT_FOUND = "not_found"  # no such task
+    ILLEGAL = "illegal"  # the task is in a state this move does not leave (or, for a claim, its lease is live)
+    STALE = "stale"  # the state was right but the version or attempt was not
+
+
+class CancelMode(enum.StrEnum):
+    """Soft lets a running attempt finish (its output kept for reuse); hard stops it now."""
+
+    SOFT = "soft"
+    HARD = "hard"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The result of a guarded transition: the new row when applied, else why not and the current row."""
+
+    task: TaskRow | None
+    rejection: Rejection | None = None
+    from_status: Status | None = None
+
+    @property
+    def applied(self) -> bool:
+        return self.rejection is None
+
+
+@dataclass(frozen=True, slots=True)
+class ResultRef:
+    """A stored output as a task records it."""
+
+    uri: str
+    content_type: str
+    size: int
+    sha256: str
+    reused: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TaskError:
+    """Why an attempt failed: a stable code and a human message."""
+
+    code: str
+    message: str
+
+
+# ---- the moves: each knows its Move and its own parameters ----
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """CREATED -> QUEUED once the dispatch message is on JetStream."""
+
+    move: ClassVar[Move] = Move.QUEUE
+
+    def params(self) -> tuple[object, ...]:
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class Republish:
+    """QUEUED -> QUEUED: the dispatch message was sent again."""
+
+    move: ClassVar[Move] = Move.REPUBLISH
+
+    def params(self) -> tuple[object, ...]:
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """-> PROCESSING as a new attempt held by `worker_id` under a lease."""
+
+    worker_id: str
+    lease_seconds: float
+    move: ClassVar[Move] = Move.CLAIM
+
+    def params(self) -> tuple[object, ...]:
+        return (self.worker_id, self.lease_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """PROCESSING -> PROCESSING with new progress; renews the lease."""
+
+    percent: int
+    lease_seconds: float
+    move: ClassVar[Move] = Move.PROGRESS
+
+    def params(self) -> tuple[object, ...]:
+        return (self.percent, self.lease_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class Succeed:
+    """PROCESSING -> SUCCEEDED with its result."""
+
+    result: ResultRef
+    move: ClassVar[Move] = Move.SUCCEED
+
+    def params(self) -> tuple[object, ...]:
+        r = self.result
+        return (r.uri, r.content_type, r.size, r.sha256, r.reused)
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """PROCESSING -> FAILED."""
+
+    error: TaskError
+    move: ClassVar[Move] = Move.FAIL
+
+    def params(self) -> tuple[object, ...]:
+        return (self.error.code, self.error.message)
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """PROCESSING -> QUEUED after a retryable failure, not claimable for `delay_seconds`."""
+
+    error: TaskError
+    delay_seconds: float
+    move: ClassVar[Move] = Move.RETRY
+
+    def params(self) -> tuple[object, ...]:
+        return (self.error.code, self.error.message, self.delay_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """PROCESSING -> QUEUED without spending a retry (a lost or drained worker, an operator's requeue)."""
+
+    move: ClassVar[Move] = Move.RELEASE
+
+    def params(self) -> tuple[object, ...]:
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """CREATED/QUEUED/PROCESSING -> CANCELED."""
+
+    mode: CancelMode
+    move: ClassVar[Move] = Move.CANCEL
+
+    def params(self) -> tuple[object, ...]:
+        return (self.mode.value,)
+
+
+@dataclass(frozen=True, slots=True)
+class TimeOut:
+    """QUEUED/PROCESSING -> TIMEOUT."""
+
+    error: TaskError
+    move: ClassVar[Move] = Move.TIMEOUT
+
+    def params(self) -> tuple[object, ...]:
+        return (self.error.code, self.error.message)
+
+
+Change = Queue | Republish | Claim | Progress | Succeed | Fail | Retry | Release | Cancel | TimeOut
+
+
+async def apply(
+    db: Conn,
+    task_id: int,
+    change: Change,
+    *,
+    actor: str,
+    reason: str | None = None,
+    expected_version: int | None = None,
+    expected_attempt: int | None = None,
+    sources: tuple[Status, ...] | None = None,
+) -> Outcome:
+    """Runs one guarded UPDATE; logs one line when it applies; says why when it does not."""
+    move = change.move
+    allowed = sources if sources is not None else move.sources
+    assert set(allowed) <= set(move.sources), f"{move.name} cannot leave {allowed}"
+    rec = await db.fetchrow(
+        sql.query(move.query),
+        task_id,
+        [s.value for s in allowed],
+        expected_version,
+        expected_attempt,
+        actor,
+        reason,
+        *change.params(),
+    )
+    if rec is not None:
+        task = TaskRow.from_record(rec)
+        old = Status(rec["old_status"])
+        log.info(
+            "transition",
+            extra={
+                "task_id": str(task.id),
+                "from": old.value,
+                "to": task.status.value,
+                "state": task.status.value,
+                "version": task.version,
+                "attempt": task.attempt,
+                "worker": task.worker_id,
+                "actor": actor,
+                "reason": reason,
+            },
+        )
+        if task.status.terminal:
+            _count_finished(task)
+        return Outcome(task=task, from_status=old)
+    current = await get_task(db, task_id)
+    if current is None:
+        return Outcome(task=None, rejection=Rejection.NOT_FOUND)
+    if current.status not in allowed:
+        return Outcome(task=current, rejection=Rejection.ILLEGAL)
+    if move is Move.CLAIM and current.status is Status.PROCESSING and expected_attempt is None:
+        return Outcome(task=current, rejection=Rejection.ILLEGAL)  # lease still live
+    return Outcome(task=current, rejection=Rejection.STALE)
+
+
+def _count_finished(task: TaskRow) -> None:
+    """Every terminal move passes here, whichever service makes it, so the counters miss none."""
+    telemetry.TASKS_FINISHED.labels(task.model_id, task.task_type, task.status.value).inc()
+    if task.finished_at is not None:
+        telemetry.END_TO_END.labels(task.model_id).observe(max(0.0, (task.finished_at - task.created_at).total_seconds()))
+
+
+# ---- what services call ----
+
+
+async def queue(db: Conn, task_id: int, *, actor: str, reason: str | None = None, expected_version: int | None = None) -> Outcome:
+    """CREATED -> QUEUED once the task's dispatch message is on JetStream."""
+    return await apply(db, task_id, Queue(), actor=actor, reason=reason, expected_version=expected_version)
+
+
+async def republish(db: Conn, task_id: int, *, actor: str, reason: str | None = None, expected_version: int | None = None) -> Outcome:
+    """QUEUED -> QUEUED after the dispatch message was sent again."""
+    return await apply(db, task_id, Republish(), actor=actor, reason=reason, expected_version=expected_version)
+
+
+async def claim(db: Conn, task_id: int, *, worker_id: str, lease_seconds: float, actor: str, reason: str | None = None) -> Outcome:
+    """A new attempt for `worker_id`: from CREATED, QUEUED, or PROCESSING whose lease ran out."""
+    return await apply(db, task_id, Claim(worker_id, lease_seconds), actor=actor, reason=reason)
+
+
+async def progress(
+    db: Conn, task_id: int, *, attempt: int, percent: int, lease_seconds: float, actor: str, reason: str | None = "progress"
+) -> Outcome:
+    """New progress of a running attempt (fenced by its attempt number); renews the lease."""
+    return await apply(db, task_id, Progress(percent, lease_seconds), actor=actor, reason=reason, expected_attempt=attempt)
+
+
+async def succeed(db: Conn, task_id: int, *, attempt: int, result: ResultRef, actor: str, reason: str | None = None) -> Outcome:
+    """PROCESSING -> SUCCEEDED with its result, only for the attempt that still holds the task."""
+    return await apply(db, task_id, Succeed(result), actor=actor, reason=reason, expected_attempt=attempt)
+
+
+async def retry(
+    db: Conn, task_id: int, *, attempt: int, error: TaskError, delay_seconds: float, actor: str, reason: str | None = None
+) -> Outcome:
+    """PROCESSING -> QUEUED after a retryable failure; claimable again after `delay_seconds`."""
+    return await apply(db, task_id, Retry(error, delay_seconds), actor=actor, reason=reason, expected_attempt=attempt)
+
+
+async def release(
+    db: Conn,
+    task_id: int,
+    *,
+    actor: str,
+    reason: str | None = None,
+    expected_version: int | None = None,
+    expected_attempt: int | None = None,
+) -> Outcome:
+    """PROCESSING -> QUEUED without spending a retry."""
+    return await apply(
+        db, task_id, Release(), actor=actor, reason=reason, expected_version=expected_version, expected_attempt=expected_attempt
+    )
+
+
+async def cancel(
+    db: Conn, task_id: int, *, mode: CancelMode, actor: str, reason: str | None = None, expected_version: int | None = None
+) -> Outcome:
+    """CREATED/QUEUED/PROCESSING -> CANCELED."""
+    return await apply(db, task_id, Cancel(mode), actor=actor, reason=reason, expected_version=expected_version)
+
+
+async def fail(
+    db: Conn,
+    task_id: int,
+    *,
+    error: TaskError,
+    actor: str,
+    reason: str,
+    attempt: int | None = None,
+    dead_letter: bool = False,
+) -> Outcome:
+    """PROCESSING -> FAILED; with `dead_letter`, a dead_letter row in the same transaction."""
+    return await _end(db, task_id, Fail(error), actor=actor, reason=reason, attempt=attempt, version=None, dead_letter=dead_letter)
+
+
+async def time_out(
+    db: Conn,
+    task_id: int,
+    *,
+    error: TaskError,
+    actor: str,
+    reason: str,
+    expected_version: int | None = None,
+    expected_attempt: int | None = None,
+    dead_letter: bool = True,
+) -> Outcome:
+    """QUEUED/PROCESSING -> TIMEOUT; with `dead_letter` (the default), a dead_letter row in the same transaction."""
+    return await _end(
+        db, task_id, TimeOut(error), actor=actor, reason=reason, attempt=expected_attempt, version=expected_version,
+        dead_letter=dead_letter,
+    )
+
+
+async def _end(
+    db: Conn, task_id: int, change: Fail | TimeOut, *, actor: str, reason: str, attempt: int | None, version: int | None,
+    dead_letter: bool,
+) -> Outcome:
+    if not dead_letter:
+        return await apply(db, task_id, change, actor=actor, reason=reason, expected_attempt=attempt, expected_version=version)
+    if isinstance(db, asyncpg.Pool):
+        async with db.acquire() as conn:
+            return await _end(conn, task_id, change, actor=actor, reason=reason, attempt=attempt, version=version, dead_letter=True)
+    async with db.transaction():
+        out = await apply(db, task_id, change, actor=actor, reason=reason, expected_attempt=attempt, expected_version=version)
+        if out.applied:
+            await db.execute(sql.query("insert_dead_letter"), task_id, reason, change.error.code, change.error.message)
+        return out
+
+
+async def get_task(db: Conn, task_id: int) -> TaskRow | None:
+    """One task by id, or None."""
+    rec = await db.fetchrow(sql.query("get_task"), task_id)
+    return TaskRow.from_record(rec) if rec is not None else None
+
+
+async def renew_lease(db: Conn, task_id: int, *, attempt: int, lease_seconds: float) -> bool:
+    """Extends a running attempt's lease; False when the attempt no longer holds the task."""
+    return await db.fetchval(sql.query("renew_lease"), task_id, attempt, lease_seconds) is not None
+

@@ -1,0 +1,92 @@
+"""Tenants, their API keys (stored as hashes) and their webhook secrets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from taskgate import sql
+from taskgate.store.pool import Conn
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: a tenant, and whether the key may use the admin API."""
+
+    tenant_id: str
+    is_admin: bool
+    max_pending: int | None
+    submits_per_minute: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """A key as listed: never the key itself, which is not stored."""
+
+    id: int
+    tenant_id: str
+    prefix: str
+    is_admin: bool
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class RevokedKey:
+    """A key just revoked."""
+
+    id: int
+    tenant_id: str
+
+
+async def create_api_key(
+    db: Conn,
+    *,
+    tenant_id: str,
+    key_hash: str,
+    prefix: str,
+    admin: bool,
+    max_pending: int | None,
+    submits_per_minute: int | None,
+    first_secret: str,
+) -> bool:
+    """Creates the tenant if new (with `first_secret`; given limits update an existing one) and a key for it.
+
+    True when the tenant was new, so `first_secret` was stored.
+    """
+    row = await db.fetchrow(
+        sql.query("create_api_key"), tenant_id, key_hash, prefix, admin, max_pending, submits_per_minute, first_secret
+    )
+    assert row is not None
+    return bool(row["secret_created"])
+
+
+async def lookup_api_key(db: Conn, key_hash: str) -> Principal | None:
+    """The tenant and limits of a live key, or None for an unknown or revoked one."""
+    row = await db.fetchrow(sql.query("lookup_api_key"), key_hash)
+    if row is None:
+        return None
+    return Principal(row["tenant_id"], row["is_admin"], row["max_pending"], row["submits_per_minute"])
+
+
+async def revoke_api_keys(db: Conn, prefix: str) -> list[RevokedKey]:
+    """Revokes the live keys with a prefix (as listed); the ones it revoked."""
+    rows = await db.fetch(sql.query("revoke_api_key"), prefix)
+    return [RevokedKey(r["id"], r["tenant_id"]) for r in rows]
+
+
+async def list_api_keys(db: Conn) -> list[ApiKey]:
+    """Every key, newest first."""
+    rows = await db.fetch(sql.query("list_api_keys"))
+    return [ApiKey(r["id"], r["tenant_id"], r["prefix"], r["is_admin"], r["created_at"], r["revoked_at"]) for r in rows]
+
+
+async def rotate_webhook_secret(db: Conn, tenant_id: str, *, secret: str, overlap_seconds: float) -> None:
+    """Adds `secret`; the tenant's current ones stay valid for `overlap_seconds`."""
+    await db.execute(sql.query("rotate_webhook_secret"), tenant_id, secret, overlap_seconds)
+
+
+async def webhook_secrets(db: Conn, tenant_id: str) -> list[str]:
+    """The tenant's valid secrets, newest first (two during a rotation)."""
+    rows = await db.fetch(sql.query("webhook_secrets"), tenant_id)
+    return [r["secret"] for r in rows]

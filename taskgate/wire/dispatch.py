@@ -1,0 +1,85 @@
+"""TaskDispatch: the hint that a task is ready to run, its subject, and its Nats-Msg-Id scheme.
+
+JetStream drops a second publish with the same Nats-Msg-Id inside the duplicate window, so the id names *which*
+dispatch this is: the submit's first (`q0`), a scheduler re-publish (`p<version>`), or the one after a released
+attempt (`a<attempt>`). The same id is reused when the same dispatch is retried; a new dispatch gets a new id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+
+from taskgate import bus as busmod
+from taskgate import ids
+from taskgate.model import TaskRow
+from taskgate.v1 import task_pb2
+
+log = logging.getLogger("taskgate.dispatch")
+
+
+class Reason(enum.Enum):
+    """Why a task is (re-)dispatched; decides its message id."""
+
+    SUBMITTED = "submitted"  # the submit's own publish, or the scheduler re-sending a CREATED task's lost one
+    REPUBLISHED = "republished"  # QUEUED too long: sent again, a new message
+    RELEASED = "released"  # back in the queue after an attempt ended without a result
+
+
+def msg_id(task: TaskRow, reason: Reason) -> str:
+    """The Nats-Msg-Id of one dispatch of `task` (as the row is before the move that goes with it)."""
+    if reason is Reason.SUBMITTED:
+        return f"{task.id}.q0"
+    if reason is Reason.REPUBLISHED:
+        return f"{task.id}.p{task.version + 1}"  # the version after the bump never repeats
+    return f"{task.id}.a{task.attempt}"
+
+
+def encode(task: TaskRow) -> bytes:
+    """The TaskDispatch payload of a task."""
+    return encode_fields(task.id, task.model_id, task.priority)
+
+
+def encode_fields(task_id: int | str, model_id: str, priority: int) -> bytes:
+    """The TaskDispatch payload from its fields (also for tests that send malformed ids on purpose)."""
+    return task_pb2.TaskDispatch(
+        task_id=str(task_id),
+        model_id=model_id,
+        priority=priority,  # type: ignore[arg-type]
+        published_at_unix_ms=int(time.time() * 1000),
+    ).SerializeToString()
+
+
+def task_id_of(data: bytes) -> int | None:
+    """The task id a dispatch message names, or None when it is not one (poison is dropped, not retried)."""
+    try:
+        text = task_pb2.TaskDispatch.FromString(data).task_id
+    except Exception:  # protobuf raises DecodeError and, on some inputs, other errors
+        return None
+    return ids.parse(text)
+
+
+async def publish(bus: busmod.Bus, task: TaskRow, reason: Reason, *, ack_timeout: float | None = None) -> None:
+    """Publishes one dispatch and waits for JetStream's ack (raises on failure)."""
+    await bus.js.publish(
+        busmod.task_subject(task.model_id, task.priority),
+        encode(task),
+        timeout=ack_timeout,
+        headers={"Nats-Msg-Id": msg_id(task, reason)},
+    )
+
+
+async def publish_many(bus: busmod.Bus, items: list[tuple[TaskRow, Reason]]) -> list[tuple[TaskRow, Reason]]:
+    """Publishes concurrently; returns the items whose publish was acknowledged (failures are logged)."""
+    results = await asyncio.gather(*(publish(bus, task, reason) for task, reason in items), return_exceptions=True)
+    done = []
+    for (task, reason), result in zip(items, results, strict=True):
+        if isinstance(result, asyncio.CancelledError):
+            raise result
+        if isinstance(result, BaseException):
+            log.warning("dispatch publish failed", extra={"task_id": str(task.id), "error": type(result).__name__})
+        else:
+            done.append((task, reason))
+    return done
