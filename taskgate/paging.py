@@ -16,7 +16,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 class Cursor:
     """The last row of a page: the next page starts strictly after it."""
 
-    created_at: datetime
+    at: datetime  # the listing's ordering timestamp (created_at, updated_at, dead_at, ...)
     task_id: int
 
 
@@ -30,7 +30,7 @@ def filter_key(*parts: object) -> str:
 
 
 def encode(cursor: Cursor, filter_fp: str) -> str:
-    micros = (cursor.created_at - _EPOCH) // timedelta(microseconds=1)
+    micros = (cursor.at - _EPOCH) // timedelta(microseconds=1)
     raw = json.dumps({"c": micros, "i": str(cursor.task_id), "f": filter_fp}, separators=(",", ":"))
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 

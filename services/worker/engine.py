@@ -214,7 +214,7 @@ class Worker:
             elif claimed.reusable is not None:
                 await self.finisher.reused(run, claimed.reusable)
             else:
-                await self._execute(run)
+                await self._perform(run)
         finally:
             if run.writer is not None and not run.writer.done():
                 run.writer.cancel()
@@ -222,9 +222,9 @@ class Worker:
             self._gauges()
             self._notify()
 
-    async def _execute(self, run: Run) -> None:
+    async def _perform(self, run: Run) -> None:
         try:
-            output = await self.attempts.execute(run)
+            output = await self.attempts.perform(run)
         except runmod.RunAborted:
             await self.finisher.stopped(run)
         except (RetryableError, PermanentError) as failure:

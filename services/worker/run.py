@@ -101,7 +101,7 @@ class Attempts:
         self.runners = runners
         self._free = free
 
-    async def execute(self, run: Run) -> runmod.RunOutput:
+    async def perform(self, run: Run) -> runmod.RunOutput:
         """The run's output; raises RunAborted once it was stopped, RunError (classified) when it failed."""
         task = run.task
         model_runner = self.runners[(task.model_id, run.hold.slot.device)]

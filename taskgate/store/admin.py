@@ -101,14 +101,14 @@ async def list_tasks(
 ) -> list[TaskRow]:
     """Tasks by state (none: all), model and time since their last update, least recently updated first.
 
-    Keyset-paged on (updated_at, id): `after` holds the last row's updated_at (in its `created_at` field) and id.
+    Keyset-paged on (updated_at, id): `after` holds the last row's updated_at and id.
     """
     rows = await db.fetch(
         sql.query("admin_list_tasks"),
         [s.value for s in statuses],
         model_id,
         older_than_seconds,
-        after.created_at if after else None,
+        after.at if after else None,
         after.task_id if after else None,
         limit,
     )
@@ -145,9 +145,9 @@ async def lock_tasks(db: Conn, task_ids: Sequence[int]) -> dict[int, LeasedTask]
 async def dead_letters(db: Conn, *, before: Cursor | None, limit: int) -> list[DeadLetter]:
     """Dead letters with their tasks, newest first.
 
-    Keyset-paged on (dead_at, task id): `before` holds the last row's dead_at (in its `created_at` field) and task id.
+    Keyset-paged on (dead_at, task id): `before` holds the last row's dead_at and task id.
     """
     rows = await db.fetch(
-        sql.query("admin_dead_letters"), before.created_at if before else None, before.task_id if before else None, limit
+        sql.query("admin_dead_letters"), before.at if before else None, before.task_id if before else None, limit
     )
     return [DeadLetter(TaskRow.from_record(r), r["dead_reason"], r["dead_at"]) for r in rows]

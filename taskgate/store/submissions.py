@@ -126,7 +126,7 @@ async def list_tasks(
         sorted(s.value for s in statuses) or None,
         created_after,
         created_before,
-        after.created_at if after else None,
+        after.at if after else None,
         after.task_id if after else None,
         limit,
         timeout=within,
