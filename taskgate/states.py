@@ -5,30 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from taskgate.v1 import task_pb2
-
-
-class Status(StrEnum):
-    """A task's state; the values are the PostgreSQL enum task_status."""
-
-    CREATED = "CREATED"
-    QUEUED = "QUEUED"
-    PROCESSING = "PROCESSING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    TIMEOUT = "TIMEOUT"
-    CANCELED = "CANCELED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL
-
-    def to_proto(self) -> task_pb2.TaskStatus.ValueType:
-        return task_pb2.TaskStatus.Value(f"TASK_STATUS_{self.value}")
-
-    @classmethod
-    def from_proto(cls, value: int) -> Status:
-        return cls(task_pb2.TaskStatus.Name(value).removeprefix("TASK_STATUS_"))  # type: ignore[arg-type]
-
+from taskgate_client.types import Status as Status  # the wire enum; PostgreSQL's task_status has the same values
 
 TERMINAL: frozenset[Status] = frozenset({Status.SUCCEEDED, Status.FAILED, Status.TIMEOUT, Status.CANCELED})
 UNFINISHED: frozenset[Status] = frozenset({Status.CREATED, Status.QUEUED, Status.PROCESSING})

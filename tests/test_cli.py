@@ -210,6 +210,8 @@ async def test_grpc_errors_print_one_line_and_map_to_exit_codes(cli: Cli) -> Non
     first = await cli("submit", "one", "--api-key", limited)
     assert first.code == 0
     second = await cli("submit", "two", "--api-key", limited, "--json")
+    if second.code == 0:  # the first landed just before a minute boundary: this one opened the next window
+        second = await cli("submit", "three", "--api-key", limited, "--json")
     assert second.code == 5
     assert "retry in" in one_error_line(second, "RESOURCE_EXHAUSTED")
     error = second.json()["error"]
@@ -245,6 +247,24 @@ async def test_keys_create_list_revoke(cli: Cli) -> None:
     assert invalid.code == 4 and invalid.err.startswith("error: ")
 
 
+async def test_keys_tenant_priority_and_unstorable_names(cli: Cli) -> None:
+    created = await cli.keys("create", "--tenant", "vip", "--max-priority", "high", "--json")
+    assert created.code == 0, created.err
+    high = await cli("submit", "urgent", "--priority", "high", "--api-key", created.json()["api_key"], "--json")
+    assert high.code == 0 and high.json()["priority"] == "high", high.err
+    lowered = await cli.keys("tenant", "--tenant", "vip", "--max-priority", "NORMAL", "--max-pending", "7", "--json")
+    assert lowered.code == 0 and lowered.json() == {"tenant": "vip", "max_pending": 7, "submits_per_minute": None, "max_priority": "NORMAL"}
+    fresh = (await cli.keys("create", "--tenant", "vip", "--json")).json()["api_key"]  # not in the gateway's key cache
+    refused = await cli("submit", "urgent again", "--priority", "high", "--api-key", fresh)
+    assert "PRIORITY" in one_error_line(refused, "PERMISSION_DENIED")
+    assert (await cli.keys("tenant", "--tenant", "nobody", "--max-priority", "low")).code == 3
+    assert (await cli.keys("create", "--tenant", "vip", "--max-priority", "urgent")).code == 2
+    # A name that is not UTF-8 reaches Python as lone surrogates: refused before the database, with no traceback.
+    bad = await cli.keys("create", "--tenant", "bad\udcffname")
+    assert bad.code == 4 and bad.err.startswith("error: ") and "Traceback" not in bad.err
+    assert not auth.valid_tenant_name("nul\x00name") and not auth.valid_tenant_name("ok\n")
+
+
 async def test_admin_commands(cli: Cli) -> None:
     task = (await cli("submit", "for the operators", "--json")).json()
     stats = await cli("admin", "stats", "--json")
@@ -262,6 +282,12 @@ async def test_admin_commands(cli: Cli) -> None:
     assert repair.code == 0 and repair.json()["stuck"] == 0
     assert (await cli("admin", "dead-letters", "--json")).json() == {"dead_letters": []}
     assert (await cli("admin", "redeliver", task["task_id"], "--json")).json() == {"deliveries": []}
+    assert (await cli("admin", "deliveries", "--status", "failed", "--json")).json() == {"deliveries": []}
+    rotated = await cli("admin", "rotate-secret", "--tenant", "tenant-a", "--overlap", "1h", "--json")
+    assert rotated.code == 0 and rotated.json()["valid_secrets"] == 2, rotated.err
+    keys = (await cli("admin", "keys", "--tenant", "tenant-a", "--json")).json()["keys"]
+    assert len(keys) == 1 and keys[0]["tenant"] == "tenant-a"
+    assert (await cli("admin", "rotate-secret", "--tenant", "nobody")).code == 3
 
 
 async def test_defaults_come_from_the_saved_local_stack(cli: Cli, tmp_path: Path) -> None:
