@@ -59,7 +59,8 @@ async def test_tiny_pipeline_task_yields_the_requested_video_and_same_seed_same_
     assert rows[0].result_sha256 == rows[1].result_sha256 != rows[2].result_sha256
 
     progress = [e["progress"] for e in await events(backends, first.id) if e["to_status"] == "PROCESSING"]
-    assert progress[0] == 0 and progress == sorted(progress) and len(set(progress)) >= 4
+    # writes are coalesced (only the newest value is sent), so a slow database sees fewer of them: at least one
+    assert progress[0] == 0 and progress == sorted(progress) and len(set(progress)) >= 2
     assert wan_worker.worker.status().device == "cpu"
     await wait_consumer_empty(backends, MODEL, Priority.NORMAL)
 
