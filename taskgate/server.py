@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -11,11 +12,12 @@ from typing import Any
 
 import asyncpg
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from nats.errors import Error as NatsError
 
-from taskgate import errors, telemetry
+from taskgate import errors, telemetry, text, tracing
 from taskgate.config import Settings
 
 log = logging.getLogger("taskgate.rpc")
@@ -33,6 +35,15 @@ BACKEND_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     NatsError,
     asyncio.TimeoutError,
+)
+
+# Races between concurrent writers (two processes' ids or keys meeting on a unique index, a deadlock, a serialization
+# failure): nothing is written, and the same request sent again succeeds, so the caller hears ABORTED + RetryInfo.
+CONFLICT_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.UniqueViolationError,
+    asyncpg.exceptions.ExclusionViolationError,
+    asyncpg.exceptions.DeadlockDetectedError,
+    asyncpg.exceptions.SerializationError,
 )
 
 
@@ -55,8 +66,40 @@ async def _to_status(exc: BaseException, context: grpc.aio.ServicerContext, meth
     if isinstance(exc, BACKEND_ERRORS):
         log.warning("backend unavailable", extra={"method": method, "error": type(exc).__name__})
         await context.abort_with_status(errors.unavailable("a backend is unavailable; retry").to_status())
+    if isinstance(exc, CONFLICT_ERRORS):
+        log.warning("write conflict", extra={"method": method, "error": type(exc).__name__})
+        await context.abort_with_status(errors.aborted("CONFLICT", "a concurrent write conflicted; retry").to_status())
     log.error("unhandled error", exc_info=exc, extra={"method": method})
     await context.abort_with_status(errors.internal(telemetry.request_id.get()).to_status())
+
+
+class _Undecodable:
+    """A request whose strings are not UTF-8: answered INVALID_ARGUMENT naming them, not INTERNAL."""
+
+    def __init__(self, fields: list[str]) -> None:
+        self.fields = fields
+
+    def error(self) -> errors.ApiError:
+        return errors.invalid_argument([(f, "is not valid UTF-8 (a lone surrogate?)") for f in self.fields])
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """The handler's deserializer, returning an _Undecodable for a message whose only fault is a bad string."""
+    descriptor = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    if deserialize is None or descriptor is None:
+        return deserialize
+    parse = deserialize
+
+    def wrapped(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError:
+            fields = text.undecodable_fields(descriptor, data)
+            if not fields:
+                raise
+            return _Undecodable(fields)
+
+    return wrapped
 
 
 class ServerInterceptor(grpc.aio.ServerInterceptor):
@@ -88,6 +131,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 token = telemetry.request_id.set(rid)
                 start = time.perf_counter()
                 try:
+                    if isinstance(request, _Undecodable):
+                        raise request.error()
                     return await inner_uu(request, context)
                 except asyncio.CancelledError:
                     raise
@@ -101,7 +146,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
@@ -111,6 +156,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 token = telemetry.request_id.set(rid)
                 start = time.perf_counter()
                 try:
+                    if isinstance(request, _Undecodable):
+                        raise request.error()
                     async for item in inner_us(request, context):
                         yield item
                 except asyncio.CancelledError:
@@ -121,11 +168,13 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     finish(context, start)
-                    telemetry.request_id.reset(token)
+                    # a stream the client closed early is finalised from another context, where the token is foreign
+                    with contextlib.suppress(ValueError):
+                        telemetry.request_id.reset(token)
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -153,7 +202,7 @@ async def start_server(
     """
     limit = settings.grpc_max_message_bytes
     server = grpc.aio.server(
-        interceptors=[ServerInterceptor()],
+        interceptors=[*tracing.server_interceptors(), ServerInterceptor()],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", max(limit, 4 * 1024 * 1024)),
@@ -161,6 +210,12 @@ async def start_server(
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.keepalive_permit_without_calls", 1),
+            # clients' keepalive pings, also on idle connections, are welcome (gRPC's default 5 min ends in GOAWAY
+            # too_many_pings for a client pinging every 30 s)
+            ("grpc.http2.min_ping_interval_without_data_ms", int(settings.grpc_min_ping_interval_seconds * 1000)),
+            # a connection ends after its age (gRPC adds ±10% jitter), so long-lived clients spread over new pods
+            ("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age_seconds * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(settings.grpc_max_connection_age_grace_seconds * 1000)),
         ],
     )
     names = list(register(server))
