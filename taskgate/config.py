@@ -5,18 +5,35 @@ from __future__ import annotations
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from taskgate import families
+
+# Keyword arguments taskgate itself passes to a pipeline call; pipeline_options may not override them.
+RESERVED_CALL_OPTIONS = frozenset({
+    "prompt", "negative_prompt", "num_frames", "height", "width", "num_inference_steps", "guidance_scale", "frame_rate",
+    "generator", "output_type", "return_dict", "latents", "callback_on_step_end", "callback", "callback_steps",
+})
 
 
 class ModelSpec(BaseModel):
-    """One entry of the model registry: where the pipeline lives and what requests it accepts."""
+    """One entry of the model registry: where the pipeline lives, what requests it accepts and how it sits on a GPU."""
+
+    model_config = ConfigDict(extra="forbid")
 
     path: Path | None = Field(default=None, description="Folder holding a diffusers pipeline (save_pretrained).")
     kind: Literal["diffusers", "sleep"] = Field(default="diffusers", description="'sleep' holds a slot without a GPU.")
+    pipeline: str | None = Field(
+        default=None,
+        description="diffusers pipeline class (model_index.json's _class_name); its family fills the limits and defaults left out.",
+    )
     sleep_seconds: float = Field(default=0.0, ge=0, description="How long a 'sleep' model runs.")
+    encode_seconds: float = Field(
+        default=0.0, ge=0, description="Test/bench only, 'sleep' kind: a CPU phase after the device phase (as MP4 encoding)."
+    )
     task_types: list[str] = Field(default_factory=lambda: ["text-to-video"], description="Task types this model serves.")
     max_frames: int = Field(default=81, ge=1, description="Most frames a request may ask for.")
     frame_step: int = Field(default=4, ge=1, description="num_frames - 1 must be a multiple of this.")
@@ -31,12 +48,78 @@ class ModelSpec(BaseModel):
     default_steps: int = Field(default=4, description="Steps when a request gives none.")
     default_guidance: float = Field(default=5.0, description="Guidance scale when a request gives none.")
     default_fps: int = Field(default=8, description="Frames per second of the MP4 when a request gives none.")
+    negative_prompt: bool = Field(default=True, description="Whether a request may carry a negative prompt.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="Weights' dtype; auto = bfloat16 on CUDA (float16 without bf16), float32 on CPU."
+    )
+    offload: Literal["none", "model", "sequential"] = Field(
+        default="none", description="CPU offload on CUDA: whole components (model) or layer by layer (sequential, slowest)."
+    )
+    vae_tiling: bool = Field(default=False, description="Decode the video in tiles: less GPU memory at large sizes.")
+    vae_slicing: bool = Field(default=False, description="Decode batch entries one at a time.")
+    attention_backend: str | None = Field(
+        default=None, description="diffusers attention backend of the transformer ('flash', 'sage', '_native_cudnn', ...)."
+    )
+    torch_compile: Literal["off", "transformer", "blocks"] = Field(
+        default="off", description="torch.compile the whole transformer, or its repeated blocks (faster to compile); warmed up at start."
+    )
+    compile_mode: str | None = Field(default=None, description="torch.compile mode, e.g. 'max-autotune-no-cudagraphs'.")
+    compile_backend: str = Field(
+        default="inductor", description="torch.compile backend; 'eager' traces without making kernels (checks, not speed)."
+    )
+    gpus: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, description="CUDA device indices this model may run on; unset = every GPU of the worker."
+    )
+    pipeline_options: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="Extra keyword arguments of every pipeline call, e.g. {'decode_timestep': 0.05}."
+    )
     max_concurrency: int = Field(default=0, ge=0, description="Running tasks of this model across all workers; 0 = no cap.")
     queue_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global queue timeout.")
     processing_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global processing timeout.")
     fail_times: int = Field(default=0, ge=0, description="Test/bench only, 'sleep' kind: attempts 1..N of every task fail.")
     fail_code: str = Field(default="INJECTED_FAILURE", description="Test/bench only: error code of an injected failure.")
     fail_retryable: bool = Field(default=True, description="Test/bench only: whether an injected failure is retryable.")
+    kill_on_prompt: str | None = Field(
+        default=None, description="Test only, 'sleep' kind: a prompt containing this text kills the worker process mid-run."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _family_defaults(cls, data: Any) -> Any:
+        """Fills the limits and defaults an entry leaves out from its pipeline's family."""
+        if isinstance(data, dict):
+            family = families.family_of(data.get("pipeline"))
+            if family is not None:
+                return {**family.spec_defaults(), **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if not 1 <= self.default_frames <= self.max_frames or (self.default_frames - 1) % self.frame_step:
+            raise ValueError(f"default_frames {self.default_frames} breaks max_frames {self.max_frames} / frame_step {self.frame_step}")
+        for name, value, limit in (("default_width", self.default_width, self.max_width),
+                                   ("default_height", self.default_height, self.max_height)):
+            if not 1 <= value <= limit or value % self.size_multiple:
+                raise ValueError(f"{name} {value} is not a multiple of size_multiple {self.size_multiple} up to {limit}")
+        if not 1 <= self.default_steps <= self.max_steps:
+            raise ValueError(f"default_steps {self.default_steps} is not 1..max_steps {self.max_steps}")
+        if not 0 <= self.default_guidance <= self.max_guidance:
+            raise ValueError(f"default_guidance {self.default_guidance} is not 0..max_guidance {self.max_guidance}")
+        family = families.family_of(self.pipeline)
+        if family is not None and self.attention_backend is not None and not family.attention_backends:
+            raise ValueError(f"{self.pipeline}'s attention does not honour attention_backend")
+        if family is not None and self.torch_compile == "blocks" and not family.repeated_blocks:
+            raise ValueError(f"{self.pipeline} declares no repeated blocks: use torch_compile 'transformer'")
+        clash = sorted(RESERVED_CALL_OPTIONS & set(self.pipeline_options))
+        if clash:
+            raise ValueError(f"pipeline_options may not set {', '.join(clash)}: taskgate passes them")
+        return self
+
+
+# Request defaults of the tiny local models: a few frames at thumbnail size, quick on a CPU.
+TINY_DEFAULTS: dict[str, Any] = {
+    "default_frames": 9, "default_width": 32, "default_height": 32, "default_steps": 4, "default_guidance": 5.0, "default_fps": 8,
+}
 
 
 class Settings(BaseSettings):
@@ -67,6 +150,15 @@ class Settings(BaseSettings):
     tls_key_file: Path | None = Field(default=None, description="Server private key (PEM).")
     tls_client_ca_file: Path | None = Field(default=None, description="CA for client certificates; enables mutual TLS.")
     grpc_max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted.")
+    grpc_max_connection_age_seconds: float = Field(
+        default=300.0, gt=0, description="A client connection is closed (GOAWAY) after this long, so clients re-resolve and reach new pods."
+    )
+    grpc_max_connection_age_grace_seconds: float = Field(
+        default=30.0, ge=0, description="Time calls on a connection closed for its age get to finish."
+    )
+    grpc_min_ping_interval_seconds: float = Field(
+        default=10.0, gt=0, description="Most frequent keepalive ping accepted from a client (the SDK pings every 30 s)."
+    )
 
     # Authentication
     api_key_pepper: str = Field(default="taskgate-dev-pepper", min_length=8, description="Secret mixed into API-key hashes.")
@@ -92,6 +184,12 @@ class Settings(BaseSettings):
     list_default_page_size: int = Field(default=50, ge=1, description="ListTasks page size when the caller gives none.")
     list_max_page_size: int = Field(default=500, ge=1, description="Largest ListTasks page.")
     submit_shutdown_grace_seconds: float = Field(default=10.0, ge=0, description="SIGTERM: time in-flight calls get to finish.")
+    id_node_lease_seconds: float = Field(
+        default=60.0, ge=1, description="Lease of a submit replica's task id node number (renewed four times per lease)."
+    )
+    id_node: int | None = Field(
+        default=None, ge=0, le=1023, description="A fixed task id node number instead of a leased one; never share one."
+    )
 
     # Leases, retries and timeouts (seconds)
     lease_seconds: float = Field(default=10.0, gt=0, description="A claim's lease; also the JetStream ack wait.")
@@ -101,9 +199,14 @@ class Settings(BaseSettings):
     created_timeout_seconds: float = Field(default=30.0, gt=0, description="CREATED longer than this is re-published.")
     queue_timeout_seconds: float = Field(default=180.0, gt=0, description="QUEUED longer than this is re-published, then TIMEOUT.")
     max_republish: int = Field(default=2, ge=0, description="Re-publishes of a QUEUED task before QUEUE_TIMEOUT.")
-    processing_timeout_seconds: float = Field(default=300.0, gt=0, description="PROCESSING longer than this (plus one grace) is TIMEOUT.")
+    processing_timeout_seconds: float = Field(
+        default=300.0, gt=0, description="Processing longer than this, all attempts together (plus one grace), is TIMEOUT."
+    )
     processing_grace_seconds: float = Field(default=60.0, ge=0, description="One extension for a slow but live worker.")
     max_retries: int = Field(default=3, ge=0, description="Default retries of retryable failures.")
+    max_worker_losses: int = Field(
+        default=2, ge=1, description="Attempts of one task whose worker was lost (lease expired) before it is FAILED WORKER_LOST."
+    )
     retry_backoff_seconds: float = Field(default=2.0, gt=0, description="First retry delay; doubles each retry.")
     retry_backoff_max_seconds: float = Field(default=120.0, gt=0, description="Cap of the retry delay.")
 
@@ -116,15 +219,53 @@ class Settings(BaseSettings):
     admin_page_size: int = Field(default=100, ge=1, description="Admin listings' page size when the caller gives none.")
     admin_max_page_size: int = Field(default=1000, ge=1, description="Largest admin listing page (and ListStuckTasks limit).")
 
+    # Retention (the scheduler deletes what expired, scan_batch_size rows of each kind per pass; 0 keeps forever)
+    retain_tasks_seconds: float = Field(
+        default=30 * 86400.0, ge=0, description="Finished tasks (with events, webhook logs, dead letters, output) kept this long."
+    )
+    retain_events_seconds: float = Field(
+        default=7 * 86400.0, ge=0, description="Events and webhook attempt logs of finished tasks kept this long."
+    )
+    retain_results_seconds: float = Field(
+        default=7 * 86400.0, ge=0, description="Stored outputs of finished tasks kept this long (the task row stays)."
+    )
+    retain_reusable_seconds: float = Field(
+        default=86400.0, ge=0, description="Outputs of soft-cancelled runs kept for identical requests this long."
+    )
+
     # Worker
     worker_id: str | None = Field(default=None, description="Default: hostname-pid.")
-    worker_slots: int = Field(default=0, ge=0, description="Concurrent tasks; 0 = one per CUDA device, 1 on CPU.")
+    worker_slots: int = Field(
+        default=0, ge=0, description="Concurrent tasks; 0 = ceil(devices x worker_slots_per_device) (CPU: one device; sleep-only: 1)."
+    )
+    worker_slots_per_device: float = Field(
+        default=1.5,
+        ge=1,
+        description="Tasks per device: one in its device phase (denoising, VAE decode), the others encoding and storing meanwhile.",
+    )
     worker_models: list[str] = Field(default_factory=list, description="Models this worker serves; empty = all.")
     drain_grace_seconds: float = Field(default=30.0, ge=0, description="SIGTERM: time running tasks get to finish.")
     progress_interval_seconds: float = Field(default=1.0, ge=0, description="Minimum time between progress writes.")
     priority_weights: tuple[int, int, int] = Field(default=(6, 3, 1), description="Fetch weights HIGH, NORMAL, LOW.")
-    result_store: Literal["objectstore", "fs"] = Field(default="objectstore", description="JetStream object store, or a folder (fs).")
+    result_store: Literal["objectstore", "fs", "s3"] = Field(
+        default="objectstore", description="JetStream object store, a folder (fs), or an S3-compatible bucket (s3)."
+    )
     result_dir: Path | None = Field(default=None, description="Folder for result_store=fs; default state_dir/results.")
+    s3_bucket: str = Field(default="taskgate-results", description="Bucket of result_store=s3 (it must exist).")
+    s3_prefix: str = Field(default="results/", description="Key prefix of outputs in the bucket.")
+    s3_endpoint_url: str | None = Field(default=None, description="S3 API endpoint; unset = AWS for s3_region.")
+    s3_public_endpoint_url: str | None = Field(
+        default=None, description="Endpoint written into download URLs, when receivers reach S3 by another address."
+    )
+    s3_region: str = Field(default="us-east-1", description="Region the requests are signed for.")
+    s3_addressing_style: Literal["auto", "path", "virtual"] = Field(
+        default="auto", description="Bucket in the path or in the host name ('path' for most self-hosted servers)."
+    )
+    s3_access_key_id: str | None = Field(default=None, description="Access key; unset = the AWS default chain (env, role).")
+    s3_secret_access_key: str | None = Field(default=None, description="Secret key (from a Secret in a cluster).")
+    result_url_ttl_seconds: float = Field(
+        default=3600.0, gt=0, le=604800, description="Lifetime of a result_url (presigned GET; S3 allows 7 days at most)."
+    )
     worker_fetch_linger_seconds: float = Field(
         default=1.0, gt=0, description="How long an idle worker's pull request waits on the server before it is renewed."
     )
@@ -164,10 +305,12 @@ class Settings(BaseSettings):
             raise ValueError("heartbeat_seconds must be at most half of lease_seconds")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
+        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
+            raise ValueError("s3_access_key_id and s3_secret_access_key go together")
         if not self.webhook_schedule_seconds:
             raise ValueError("webhook_schedule_seconds needs at least one attempt")
         if not self.models:
-            self.models = {"wan-tiny": ModelSpec(path=self.state_dir / "models" / "wan-tiny")}
+            self.models = {"wan-tiny": ModelSpec(path=self.state_dir / "models" / "wan-tiny", pipeline="WanPipeline", **TINY_DEFAULTS)}
         if self.default_model not in self.models:
             raise ValueError(f"default_model {self.default_model!r} is not in models")
         return self

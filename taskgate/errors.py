@@ -70,12 +70,17 @@ def unauthenticated(message: str = "missing or unknown API key") -> ApiError:
     return ApiError(grpc.StatusCode.UNAUTHENTICATED, message, _info("UNAUTHENTICATED"))
 
 
-def permission_denied(message: str) -> ApiError:
-    return ApiError(grpc.StatusCode.PERMISSION_DENIED, message, _info("PERMISSION_DENIED"))
+def permission_denied(message: str, reason: str = "PERMISSION_DENIED", **metadata: str) -> ApiError:
+    return ApiError(grpc.StatusCode.PERMISSION_DENIED, message, _info(reason, **metadata))
 
 
 def unavailable(message: str, retry_after: float = 1.0) -> ApiError:
     return ApiError(grpc.StatusCode.UNAVAILABLE, message, _info("BACKEND_UNAVAILABLE"), _retry(retry_after))
+
+
+def aborted(reason: str, message: str, retry_after: float = 0.05) -> ApiError:
+    """ABORTED with RetryInfo: a concurrency conflict the same request, sent again, gets past."""
+    return ApiError(grpc.StatusCode.ABORTED, message, _info(reason), _retry(retry_after))
 
 
 def internal(request_id: str | None) -> ApiError:

@@ -18,15 +18,21 @@ from taskgate import auth
 from taskgate.config import Settings, load_settings
 from taskgate.runtime import resolve_urls
 from taskgate.stackfile import SERVERS_FILE
+from taskgate.states import Priority
 from taskgate.store import tenants
 from taskgate_client.cli import EXIT_BY_CODE, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE, CliError, Output, report_cli_error
 from taskgate_client.local import find_state_dir
+
+_PRIORITY_BY_NAME = {name: value for value, name in Priority.NAMES.items()}
 
 Handler = Callable[[asyncpg.Connection, Settings, argparse.Namespace, Output], Awaitable[int]]
 
 
 async def create(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
     """Creates a key (and the tenant, with its webhook secret, if new) and prints it once."""
+    invalid = EXIT_BY_CODE[grpc.StatusCode.INVALID_ARGUMENT]
+    if not auth.valid_tenant_name(args.tenant):
+        raise CliError(f"invalid tenant name {args.tenant!r}: use 1-64 of A-Z a-z 0-9 _ -", invalid)
     try:
         key, secret = await auth.create_key(
             conn,
@@ -35,9 +41,9 @@ async def create(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
             admin=args.admin,
             max_pending=args.max_pending,
             submits_per_minute=args.submits_per_minute,
+            max_priority=args.max_priority,
         )
     except asyncpg.CheckViolationError:
-        invalid = EXIT_BY_CODE[grpc.StatusCode.INVALID_ARGUMENT]
         raise CliError(f"invalid tenant name {args.tenant!r}: use 1-64 of A-Z a-z 0-9 _ -", invalid) from None
     if out.json:
         out.document({"tenant": args.tenant, "api_key": key, "prefix": key[:10], "admin": args.admin, "webhook_secret": secret})
@@ -52,6 +58,43 @@ async def create(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
     )
     out.line("\nStore these now: they are not shown again (only a hash of the key is kept).")
     return EXIT_OK
+
+
+async def tenant(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+    """Changes an existing tenant's limits (those given) and prints them all."""
+    changed = None
+    if auth.valid_tenant_name(args.tenant):
+        changed = await tenants.update_tenant(
+            conn, args.tenant, max_pending=args.max_pending, submits_per_minute=args.submits_per_minute,
+            max_priority=args.max_priority,
+        )
+    if changed is None:
+        raise CliError(f"no tenant {args.tenant!r}", EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND], "create it with `taskgate-keys create`")
+    doc = {
+        "tenant": changed.id,
+        "max_pending": changed.max_pending,
+        "submits_per_minute": changed.submits_per_minute,
+        "max_priority": Priority.NAMES[changed.max_priority].upper(),
+    }
+    if out.json:
+        out.document(doc)
+    else:
+        out.fields([(k.replace("_", " "), "(global setting)" if v is None else v) for k, v in doc.items()])
+    return EXIT_OK
+
+
+def _priority(text: str) -> int:
+    try:
+        return _PRIORITY_BY_NAME[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError("must be LOW, NORMAL or HIGH") from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 async def revoke(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
@@ -91,16 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taskgate-keys", parents=[common], description=__doc__.split("\n", 1)[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
 
-    def add(name: str, handler: Handler, help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
+    limits = argparse.ArgumentParser(add_help=False)
+    limits.add_argument("--tenant", required=True)
+    limits.add_argument("--max-pending", type=_positive, help="the tenant's unfinished-task limit")
+    limits.add_argument("--submits-per-minute", type=_positive, help="the tenant's submission rate limit")
+    limits.add_argument(
+        "--max-priority", type=_priority, metavar="{LOW,NORMAL,HIGH}",
+        help="the highest priority the tenant may submit at (a new tenant: NORMAL)",
+    )
+
+    def add(name: str, handler: Handler, help_text: str, *, tenant_limits: bool = False) -> argparse.ArgumentParser:
+        parents = [common, limits] if tenant_limits else [common]
+        p = sub.add_parser(name, parents=parents, help=help_text, description=help_text)
         p.set_defaults(handler=handler)
         return p
 
-    p = add("create", create, "create a key (and the tenant, with its webhook secret, if new)")
-    p.add_argument("--tenant", required=True)
+    p = add("create", create, "create a key (and the tenant, with its webhook secret, if new)", tenant_limits=True)
     p.add_argument("--admin", action="store_true", help="the key may use the admin API")
-    p.add_argument("--max-pending", type=int, help="the tenant's unfinished-task limit")
-    p.add_argument("--submits-per-minute", type=int, help="the tenant's submission rate limit")
+    add("tenant", tenant, "change an existing tenant's limits (those given) and show them", tenant_limits=True)
     p = add("revoke", revoke, "revoke keys by the prefix `list` shows")
     p.add_argument("prefix")
     add("list", list_keys, "list keys (prefixes only)")

@@ -42,6 +42,8 @@ class TaskRow:
     worker_id: str | None = None
     lease_expires_at: datetime | None = None
     timeout_extended: bool = False
+    worker_losses: int = 0
+    processed_seconds: float = 0.0
     cancel_mode: str | None = None
     not_before: datetime | None = None
     error_code: str | None = None
@@ -51,6 +53,7 @@ class TaskRow:
     result_size: int | None = None
     result_sha256: str | None = None
     result_reused: bool = False
+    result_expired_at: datetime | None = None
     callback_url: str | None = None
     callback_events: list[str] = field(default_factory=list)
     callback_status: CallbackStatus = CallbackStatus.NONE
@@ -60,6 +63,7 @@ class TaskRow:
     queued_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    trace_context: dict[str, str] | None = None  # W3C headers of the submit's span: every later span continues its trace
 
     @classmethod
     def from_record(cls, rec: Any) -> TaskRow:
@@ -69,7 +73,7 @@ class TaskRow:
         data["status"] = Status(data["status"])
         if "callback_status" in data:
             data["callback_status"] = CallbackStatus(data["callback_status"])
-        for key in ("request_payload", "metadata"):
+        for key in ("request_payload", "metadata", "trace_context"):
             if isinstance(data.get(key), str):
                 data[key] = json.loads(data[key])
         data["callback_events"] = list(data.get("callback_events") or [])
@@ -122,6 +126,8 @@ class TaskRow:
                     sha256=self.result_sha256 or "",
                 )
             )
+            if self.result_expired_at is not None:
+                msg.result.deleted_at.CopyFrom(timestamp(self.result_expired_at))
         for name in ("created_at", "queued_at", "started_at", "finished_at", "updated_at"):
             value = getattr(self, name)
             if value is not None:

@@ -1,6 +1,5 @@
-"""Where task outputs are kept: a JetStream object store bucket by default, a folder as an option.
-
-An S3 store would implement the same ResultStore protocol.
+"""Where task outputs are kept: a JetStream object store bucket by default, a folder or an S3-compatible bucket as
+options. Only the S3 store gives outputs a download URL (a presigned GET) that works without a gRPC client.
 """
 
 from __future__ import annotations
@@ -8,18 +7,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
 from taskgate import bus as busmod
 from taskgate.config import Settings
+from taskgate.v1 import task_pb2
 
 CHUNK = 256 * 1024
+SHA256_KEY = "sha256"  # the object's user metadata key (x-amz-meta-sha256) holding the output's hex sha256
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +38,16 @@ class StoredResult:
     sha256: str
 
 
+@dataclass(frozen=True, slots=True)
+class ResultLink:
+    """A download URL of an output and when it stops working."""
+
+    url: str
+    expires_at: datetime
+
+
 class ResultStore(Protocol):
-    """Stores, streams and deletes outputs by URI."""
+    """Stores, streams and deletes outputs by URI, and links to them where the store can."""
 
     async def put(self, name: str, data: bytes, content_type: str) -> StoredResult: ...
 
@@ -41,9 +55,15 @@ class ResultStore(Protocol):
 
     async def delete(self, uri: str) -> None: ...
 
+    def link(self, uri: str) -> ResultLink | None: ...
+
 
 class ResultNotFound(Exception):
     """The URI names nothing (deleted, or another store)."""
+
+
+class ResultStoreUnavailable(OSError):
+    """The store did not answer, or answered with a server error: retry later (an OSError, so a backend error)."""
 
 
 class ObjectStoreResults:
@@ -85,6 +105,10 @@ class ObjectStoreResults:
         with contextlib.suppress(ObjectNotFoundError, NotFoundError):
             await store.delete(self._name(uri))
 
+    def link(self, uri: str) -> ResultLink | None:
+        """None: the object store is reachable only through GetTaskResult."""
+        return None
+
 
 class FolderResults:
     """Outputs as files in a folder: uri file://<absolute path>."""
@@ -121,9 +145,123 @@ class FolderResults:
     async def delete(self, uri: str) -> None:
         self._path(uri).unlink(missing_ok=True)
 
+    def link(self, uri: str) -> ResultLink | None:
+        """None: a local folder has no URL."""
+        return None
+
+
+def _s3_client(settings: Settings, endpoint_url: str | None) -> Any:
+    config = Config(
+        signature_version="s3v4",
+        s3={"addressing_style": settings.s3_addressing_style},
+        retries={"mode": "standard", "max_attempts": 3},
+        connect_timeout=5,
+        read_timeout=30,
+    )
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=settings.s3_region,
+        aws_access_key_id=settings.s3_access_key_id,
+        aws_secret_access_key=settings.s3_secret_access_key,
+        config=config,
+    )
+
+
+class S3Results:
+    """Outputs in an S3-compatible bucket: uri s3://<bucket>/<key>, stored with their content type and sha256
+    (object metadata `sha256`); links are presigned GET URLs valid for result_url_ttl_seconds."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._bucket = settings.s3_bucket
+        self._prefix = settings.s3_prefix
+        self._ttl = settings.result_url_ttl_seconds
+        self._client = _s3_client(settings, settings.s3_endpoint_url)
+        # presigning is local: a second client only puts the receivers' endpoint into the URL
+        public = settings.s3_public_endpoint_url
+        self._signer = _s3_client(settings, public) if public else self._client
+
+    def _key(self, uri: str) -> str:
+        prefix = f"s3://{self._bucket}/"
+        if not uri.startswith(prefix):
+            raise ResultNotFound(uri)
+        return uri[len(prefix) :]
+
+    async def _call(self, uri: str, call: Callable[[], T]) -> T:
+        """Runs one blocking client call in a thread; a missing key is ResultNotFound, an outage ResultStoreUnavailable."""
+        try:
+            return await asyncio.to_thread(call)
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise ResultNotFound(uri) from exc
+            if status >= 500 or code in ("SlowDown", "RequestTimeout"):
+                raise ResultStoreUnavailable(f"S3 {code}") from exc
+            raise
+        except BotoCoreError as exc:
+            raise ResultStoreUnavailable(f"S3 {type(exc).__name__}") from exc
+
+    async def put(self, name: str, data: bytes, content_type: str) -> StoredResult:
+        key = self._prefix + name
+        uri = f"s3://{self._bucket}/{key}"
+        sha256 = hashlib.sha256(data).hexdigest()
+        await self._call(uri, lambda: self._client.put_object(
+            Bucket=self._bucket, Key=key, Body=data, ContentType=content_type, Metadata={SHA256_KEY: sha256}
+        ))
+        return StoredResult(uri, content_type, len(data), sha256)
+
+    async def read(self, uri: str) -> AsyncIterator[bytes]:
+        key = self._key(uri)
+        response = await self._call(uri, lambda: self._client.get_object(Bucket=self._bucket, Key=key))
+        body = response["Body"]
+        try:
+            while chunk := await self._call(uri, lambda: body.read(CHUNK)):
+                yield chunk
+        finally:
+            body.close()
+
+    async def delete(self, uri: str) -> None:
+        key = self._key(uri)
+        await self._call(uri, lambda: self._client.delete_object(Bucket=self._bucket, Key=key))
+
+    def link(self, uri: str) -> ResultLink | None:
+        """A presigned GET URL of the output (signing is local: no request is made)."""
+        try:
+            key = self._key(uri)
+        except ResultNotFound:
+            return None  # an output of another store, from before a switch
+        expires_at = datetime.now(UTC) + timedelta(seconds=self._ttl)
+        url = self._signer.generate_presigned_url(
+            "get_object", Params={"Bucket": self._bucket, "Key": key}, ExpiresIn=int(self._ttl)
+        )
+        return ResultLink(url, expires_at)
+
 
 def result_store(settings: Settings, bus: busmod.Bus) -> ResultStore:
     """The store the settings choose."""
     if settings.result_store == "fs":
         return FolderResults(settings.result_dir or settings.state_dir / "results")
+    if settings.result_store == "s3":
+        return S3Results(settings)
     return ObjectStoreResults(bus)
+
+
+def add_link(store: ResultStore, result: task_pb2.TaskResult) -> None:
+    """Fills a wire TaskResult's url and url_expires_at when its output has a download URL (and still exists)."""
+    if not result.uri or result.HasField("deleted_at"):
+        return
+    link = store.link(result.uri)
+    if link is not None:
+        result.url = link.url
+        result.url_expires_at.FromDatetime(link.expires_at)
+
+
+def linked_event(store: ResultStore, event: task_pb2.TaskEvent) -> task_pb2.TaskEvent:
+    """The event with a download URL in its result (a copy: the hub shares one message among streams)."""
+    if not event.result.uri:
+        return event
+    out = task_pb2.TaskEvent()
+    out.CopyFrom(event)
+    add_link(store, out.result)
+    return out

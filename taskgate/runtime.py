@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 
 from taskgate import bus as busmod
-from taskgate import telemetry
+from taskgate import telemetry, tracing
 from taskgate.config import Settings, load_settings
 from taskgate.migrate import migrate
 from taskgate.stackfile import local_stack_urls
@@ -100,10 +100,11 @@ async def stop_signal() -> AsyncIterator[asyncio.Event]:
 
 
 def run_service(name: str, main: Callable[[Settings], Coroutine[None, None, None]], metrics_port: Callable[[Settings], int]) -> None:
-    """Entry point of `python -m services.<name>`: reads settings, sets up logs and /metrics, runs `main`."""
+    """Entry point of `python -m services.<name>`: reads settings, sets up logs, /metrics and tracing, runs `main`."""
     settings = load_settings()
     telemetry.configure_logging(name, settings.log_level)
     telemetry.serve_metrics(metrics_port(settings), settings.metrics_host)
+    tracing.configure(name)  # before any server or connection exists: the instrumentations wrap them
     try:
         import uvloop
 

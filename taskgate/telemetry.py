@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any
 
+from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from taskgate.config import Settings
@@ -19,7 +20,7 @@ _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"me
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, service, logger, message, request id and every `extra` field."""
+    """One JSON object per line: time, level, service, logger, message, request id, trace and span ids, every `extra` field."""
 
     def __init__(self, service: str) -> None:
         super().__init__()
@@ -36,6 +37,10 @@ class JsonFormatter(logging.Formatter):
         rid = request_id.get()
         if rid:
             out["request_id"] = rid
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:  # the line joins its trace (tracing on, inside a span)
+            out["trace_id"] = trace.format_trace_id(span.trace_id)
+            out["span_id"] = trace.format_span_id(span.span_id)
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 out[key] = value
@@ -97,6 +102,11 @@ WORKERS_ALIVE = Gauge("taskgate_workers_alive", "Workers whose heartbeat is with
 CONSUMER_PENDING = Gauge("taskgate_consumer_pending_messages", "JetStream messages not yet delivered.", ["consumer"])
 CONSUMER_ACK_PENDING = Gauge("taskgate_consumer_ack_pending_messages", "JetStream messages delivered, not acked.", ["consumer"])
 GPU_MEMORY = Gauge("taskgate_gpu_memory_used_bytes", "CUDA memory allocated by this worker.", ["device"])
+DEVICE_BUSY = Counter(
+    "taskgate_worker_device_busy_seconds_total",
+    "Time a device spent in a task's device phase (denoising, VAE decode); its rate is the device's busy fraction.",
+    ["device"],
+)
 CALLBACK_DELIVERIES = Counter("taskgate_callback_deliveries_total", "Webhook deliveries finished, by outcome.", ["outcome"])
 CALLBACK_ATTEMPTS = Counter("taskgate_callback_attempts_total", "Webhook POST attempts, by result class.", ["result"])
 CALLBACK_ATTEMPTS_PER_DELIVERY = Histogram(

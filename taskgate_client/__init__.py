@@ -4,13 +4,15 @@
 
     with connect("127.0.0.1:50051", api_key="tg_...") as client:
         task = client.submit("a red fox running through snow", frames=9, width=32, height=32)
-        done = client.wait(task.task_id, timeout=120)
-        client.download(done.task_id, "fox.mp4")
+        done = task.wait(timeout=120)
+        done.download("fox.mp4")
+        # or in one call: client.run("a red fox running through snow", output="fox.mp4")
 """
 
-from taskgate_client.aio import AsyncTaskgateClient, connect_async
+from taskgate_client.aio import AsyncEventStream, AsyncTaskgateClient, connect_async
 from taskgate_client.config import ClientConfig, make_config
 from taskgate_client.errors import (
+    Aborted,
     AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
@@ -20,20 +22,26 @@ from taskgate_client.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    TaskFailed,
     TaskgateError,
     Unauthenticated,
     Unavailable,
     WaitTimeout,
 )
-from taskgate_client.sync import TaskgateClient, connect
-from taskgate_client.types import Status, Task, TaskEvent, TaskResult
+from taskgate_client.handles import AsyncTaskHandle, TaskHandle
+from taskgate_client.sync import EventStream, TaskgateClient, connect
+from taskgate_client.types import Status, SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult
 from taskgate_client.webhooks import WebhookVerificationError, verify_webhook
 
 __all__ = [
+    "Aborted",
     "AlreadyExists",
+    "AsyncEventStream",
+    "AsyncTaskHandle",
     "AsyncTaskgateClient",
     "ClientConfig",
     "DeadlineExceeded",
+    "EventStream",
     "FailedPrecondition",
     "FieldViolation",
     "IntegrityError",
@@ -42,8 +50,12 @@ __all__ = [
     "PermissionDenied",
     "ResourceExhausted",
     "Status",
+    "SubmitItem",
+    "SubmitOptions",
     "Task",
     "TaskEvent",
+    "TaskFailed",
+    "TaskHandle",
     "TaskResult",
     "TaskgateClient",
     "TaskgateError",

@@ -6,21 +6,37 @@ import asyncio
 import builtins
 import hashlib
 import os
+import urllib.error
+import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 from google.protobuf import duration_pb2
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
-from typing_extensions import Unpack
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
-from taskgate_client.config import ClientConfig, ConnectOptions, make_config
-from taskgate_client.errors import IntegrityError, TaskgateError, Unavailable, WaitTimeout, from_rpc_error
-from taskgate_client.types import Status, Task, TaskEvent, TaskResult, priority_value
+from taskgate_client import _compat as compat
+from taskgate_client import tracecontext
+from taskgate_client.config import ClientConfig, ConnectOptions, channel_target, make_config
+from taskgate_client.errors import (
+    IntegrityError,
+    TaskgateError,
+    Unavailable,
+    WaitTimeout,
+    from_rpc_error,
+    from_status,
+    retryable,
+)
+from taskgate_client.handles import AsyncTaskHandle
+from taskgate_client.types import Status, SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult, priority_value
+
+if TYPE_CHECKING:  # 3.11 typing names, in annotations only: the client also runs on 3.10
+    from typing import Self, Unpack
 
 T = TypeVar("T")
 
@@ -31,6 +47,10 @@ RESUMABLE = frozenset(
 # When the event stream itself cannot be used, wait() polls instead.
 POLL_INSTEAD = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED})
 DEFAULT_POLL_SECONDS = 1.0
+DOWNLOAD_CHUNK = 256 * 1024
+# watch_all() skips an event it already yielded (a resume may replay some); this many tasks are remembered.
+TRACKED_TASKS = 10_000
+MAX_SUBMIT_BATCH = 1000  # tasks per SubmitTasks call, the gateway's limit
 
 StatusFilter = str | Status | Iterable[str | Status] | None
 
@@ -63,6 +83,115 @@ class _ServerHintedWait:
         return delay
 
 
+def submit_request(
+    prompt: str = "",
+    model: str | None = None,
+    *,
+    frames: int | None = None,
+    width: int | None = None,
+    height: int | None = None,
+    steps: int | None = None,
+    guidance: float | None = None,
+    fps: int | None = None,
+    seed: int | None = None,
+    negative_prompt: str = "",
+    priority: str | int = "normal",
+    idempotency_key: str | None = None,
+    callback_url: str | None = None,
+    callback_events: Iterable[str] = (),
+    metadata: Mapping[str, str] | None = None,
+    max_retries: int | None = None,
+    task_type: str = "text-to-video",
+) -> gateway_pb2.SubmitTaskRequest:
+    """The SubmitTaskRequest for submit()'s arguments; a fresh idempotency key unless one is given."""
+    params = task_pb2.VideoParams(
+        num_frames=frames or 0,
+        width=width or 0,
+        height=height or 0,
+        num_inference_steps=steps or 0,
+        guidance_scale=guidance or 0.0,
+        fps=fps or 0,
+        negative_prompt=negative_prompt,
+    )
+    if seed is not None:
+        params.seed = seed
+    request = gateway_pb2.SubmitTaskRequest(
+        task_type=task_type,
+        model_id=model or "",
+        prompt=prompt,
+        params=params,
+        priority=priority_value(priority),
+        idempotency_key=idempotency_key or str(uuid.uuid4()),
+        callback_url=callback_url or "",
+        callback_events=list(callback_events),
+        metadata=dict(metadata or {}),
+    )
+    if max_retries is not None:
+        request.max_retries = max_retries
+    return request
+
+
+class AsyncEventStream:
+    """WatchTasks as an async iterator of TaskEvent that resumes a dropped stream from its last cursor.
+
+    `cursor` is where a later `watch_all(cursor=...)` resumes: save it after handling each event.
+    """
+
+    def __init__(
+        self,
+        open_stream: Callable[[str], grpc.aio.UnaryStreamCall[events_pb2.WatchTasksRequest, events_pb2.WatchTasksResponse]],
+        *,
+        cursor: str,
+        resume_attempts: int,
+        max_delay: float,
+    ) -> None:
+        self.cursor = cursor
+        self._open = open_stream
+        self._resume_attempts = resume_attempts
+        self._max_delay = max_delay
+        self._events = self._follow()
+
+    def __aiter__(self) -> AsyncEventStream:
+        return self
+
+    async def __anext__(self) -> TaskEvent:
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        """Ends the stream (leaving an `async for` early does not)."""
+        await self._events.aclose()
+
+    async def _follow(self) -> AsyncGenerator[TaskEvent, None]:
+        seen: OrderedDict[str, int] = OrderedDict()
+        failures = 0
+        while True:
+            call = self._open(self.cursor)
+            error: TaskgateError | None = None
+            try:
+                async for msg in call:
+                    failures = 0
+                    if msg.cursor:
+                        self.cursor = msg.cursor
+                    if msg.WhichOneof("kind") != "event" or seen.get(msg.event.task_id, 0) >= msg.event.version:
+                        continue
+                    seen[msg.event.task_id] = msg.event.version
+                    seen.move_to_end(msg.event.task_id)
+                    if len(seen) > TRACKED_TASKS:
+                        seen.popitem(last=False)
+                    yield TaskEvent.from_proto(msg.event)
+            except grpc.aio.AioRpcError as exc:
+                error = from_rpc_error(exc)
+                if exc.code() not in RESUMABLE:
+                    raise error from None
+            finally:
+                call.cancel()
+            failures += 1
+            if failures > self._resume_attempts:
+                raise error or Unavailable(grpc.StatusCode.UNAVAILABLE, "event stream keeps ending")
+            hint = error.retry_delay if error is not None and error.retry_delay else 0.0
+            await asyncio.sleep(max(hint, min(0.1 * 2 ** (failures - 1), self._max_delay)))
+
+
 class AsyncTaskgateClient:
     """An asyncio client for the gateway (submit), events (notifier) and admin (scheduler) services.
 
@@ -73,9 +202,9 @@ class AsyncTaskgateClient:
         self.config = config.resolved()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.retries = 0
-        """How many times a call was retried after UNAVAILABLE (for metrics and tests)."""
+        """How many times a call was retried after UNAVAILABLE or a retryable ABORTED (for metrics and tests)."""
 
-    async def __aenter__(self) -> AsyncTaskgateClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
@@ -95,9 +224,9 @@ class AsyncTaskgateClient:
             creds = self.config.channel_credentials()
             options = self.config.channel_options()
             if creds is None:
-                channel = grpc.aio.insecure_channel(address, options=options)
+                channel = grpc.aio.insecure_channel(channel_target(address), options=options)
             else:
-                channel = grpc.aio.secure_channel(address, creds, options=options)
+                channel = grpc.aio.secure_channel(channel_target(address), creds, options=options)
             self._channels[address] = channel
         return channel
 
@@ -118,18 +247,19 @@ class AsyncTaskgateClient:
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """Call metadata carrying the API key."""
-        return (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else ()
+        """Call metadata carrying the API key, and the caller's trace context when OpenTelemetry is installed."""
+        auth = (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else ()
+        return auth + tracecontext.metadata()
 
     @property
     def admin_metadata(self) -> tuple[tuple[str, str], ...]:
         """Call metadata carrying the admin key (the API key when no admin key is set)."""
         key = self.config.admin_key or self.config.api_key
-        return (("authorization", f"Bearer {key}"),) if key else ()
+        return ((("authorization", f"Bearer {key}"),) if key else ()) + tracecontext.metadata()
 
     def _retrying(self) -> AsyncRetrying:
         return AsyncRetrying(
-            retry=retry_if_exception_type(Unavailable),
+            retry=retry_if_exception(retryable),
             stop=stop_after_attempt(self.config.retry_attempts),
             wait=_ServerHintedWait(self.config.retry_max_delay),
             before_sleep=self._count_retry,
@@ -139,8 +269,11 @@ class AsyncTaskgateClient:
     def _count_retry(self, state: RetryCallState) -> None:
         self.retries += 1
 
+    def _handle(self, task: Task) -> AsyncTaskHandle:
+        return AsyncTaskHandle.bind(task, self)
+
     async def _call(self, make: Callable[[], Awaitable[T]]) -> T:
-        """Runs one unary call, retrying UNAVAILABLE with backoff; errors become TaskgateError subclasses."""
+        """Runs one unary call, retrying UNAVAILABLE (and ABORTED with RetryInfo) with backoff; errors become TaskgateError subclasses."""
         async for attempt in self._retrying():
             with attempt:
                 try:
@@ -171,40 +304,55 @@ class AsyncTaskgateClient:
         metadata: Mapping[str, str] | None = None,
         max_retries: int | None = None,
         task_type: str = "text-to-video",
-    ) -> Task:
-        """Submits a text-to-video task. Unset parameters take the model's defaults.
+    ) -> AsyncTaskHandle:
+        """Submits a text-to-video task and returns its handle. Unset parameters take the model's defaults.
 
         Without `idempotency_key` a fresh one is generated once per call, so the built-in retries never create
         a second task; pass your own to make retries across processes safe as well.
         """
-        params = task_pb2.VideoParams(
-            num_frames=frames or 0,
-            width=width or 0,
-            height=height or 0,
-            num_inference_steps=steps or 0,
-            guidance_scale=guidance or 0.0,
-            fps=fps or 0,
-            negative_prompt=negative_prompt,
-        )
-        if seed is not None:
-            params.seed = seed
-        request = gateway_pb2.SubmitTaskRequest(
+        request = submit_request(
+            prompt, model, frames=frames, width=width, height=height, steps=steps, guidance=guidance, fps=fps, seed=seed,
+            negative_prompt=negative_prompt, priority=priority, idempotency_key=idempotency_key,
+            callback_url=callback_url, callback_events=callback_events, metadata=metadata, max_retries=max_retries,
             task_type=task_type,
-            model_id=model or "",
-            prompt=prompt,
-            params=params,
-            priority=priority_value(priority),
-            idempotency_key=idempotency_key or str(uuid.uuid4()),
-            callback_url=callback_url or "",
-            callback_events=list(callback_events),
-            metadata=dict(metadata or {}),
         )
-        if max_retries is not None:
-            request.max_retries = max_retries
         response = await self._call(
             lambda: self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
         )
-        return Task.from_proto(response.task, created=response.created)
+        return self._handle(Task.from_proto(response.task, created=response.created))
+
+    async def submit_many(
+        self,
+        items: Iterable[SubmitItem],
+        *,
+        chunk_size: int = MAX_SUBMIT_BATCH,
+        on_progress: Callable[[int, int], Any] | None = None,
+    ) -> builtins.list[AsyncTaskHandle | TaskgateError]:
+        """Submits many tasks with SubmitTasks (`chunk_size` per call, 1,000 at most): one result per item, in order,
+        its handle or the error that refused it alone. `on_progress(done, total)` runs after each call.
+
+        An item without `idempotency_key` gets a fresh one, so a retried call never creates a task twice. A call that
+        fails as a whole (UNAVAILABLE after the retries, say) raises.
+        """
+        if not 1 <= chunk_size <= MAX_SUBMIT_BATCH:
+            raise ValueError(f"chunk_size must be 1 to {MAX_SUBMIT_BATCH}")
+        requests = [submit_request(**item) for item in items]
+        out: builtins.list[AsyncTaskHandle | TaskgateError] = []
+        for start in range(0, len(requests), chunk_size):
+            response = await self._submit_chunk(gateway_pb2.SubmitTasksRequest(requests=requests[start:start + chunk_size]))
+            for result in response.results:
+                if result.HasField("error"):
+                    out.append(from_status(result.error))
+                else:
+                    out.append(self._handle(Task.from_proto(result.response.task, created=result.response.created)))
+            if on_progress is not None:
+                on_progress(len(out), len(requests))
+        return out
+
+    async def _submit_chunk(self, request: gateway_pb2.SubmitTasksRequest) -> gateway_pb2.SubmitTasksResponse:
+        return await self._call(
+            lambda: self._gateway.SubmitTasks(request, metadata=self.metadata, timeout=self.config.call_timeout)
+        )
 
     async def get_with_interval(self, task_id: str) -> tuple[Task, float]:
         """The task and how long the gateway suggests waiting before polling it again (seconds)."""
@@ -215,11 +363,11 @@ class AsyncTaskgateClient:
         interval = response.suggested_poll_interval.ToNanoseconds() / 1e9 if response.HasField("suggested_poll_interval") else 0
         return Task.from_proto(response.task), interval or DEFAULT_POLL_SECONDS
 
-    async def get(self, task_id: str) -> Task:
+    async def get(self, task_id: str) -> AsyncTaskHandle:
         """The task's current state."""
-        return (await self.get_with_interval(task_id))[0]
+        return self._handle((await self.get_with_interval(task_id))[0])
 
-    async def list(self, status: StatusFilter = None, *, page_size: int = 100) -> AsyncIterator[Task]:
+    async def list(self, status: StatusFilter = None, *, page_size: int = 100) -> AsyncIterator[AsyncTaskHandle]:
         """The caller's tasks, newest first, fetching pages as the iteration goes."""
         token = ""
         while True:
@@ -228,18 +376,31 @@ class AsyncTaskgateClient:
                 lambda r=request: self._gateway.ListTasks(r, metadata=self.metadata, timeout=self.config.call_timeout)  # type: ignore[misc]
             )
             for msg in response.tasks:
-                yield Task.from_proto(msg)
+                yield self._handle(Task.from_proto(msg))
             token = response.next_page_token
             if not token:
                 return
 
-    async def cancel(self, task_id: str, hard: bool = False) -> Task:
+    async def cancel(self, task_id: str, hard: bool = False) -> AsyncTaskHandle:
         """Cancels a task. Soft (default): a running task finishes and its output is kept for reuse; hard: stops now."""
         request = gateway_pb2.CancelTaskRequest(task_id=task_id, hard=hard)
         response = await self._call(
             lambda: self._gateway.CancelTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
         )
-        return Task.from_proto(response.task)
+        return self._handle(Task.from_proto(response.task))
+
+    async def regenerate(self, task_id: str, *, seed: int | None = None, idempotency_key: str | None = None) -> AsyncTaskHandle:
+        """A new task from a finished one's request: a new seed (random unless given), at HIGH when the tenant may use it.
+
+        Without `idempotency_key` a fresh one is generated once per call, so the built-in retries make one task only.
+        """
+        request = gateway_pb2.RegenerateTaskRequest(task_id=task_id, idempotency_key=idempotency_key or str(uuid.uuid4()))
+        if seed is not None:
+            request.seed = seed
+        response = await self._call(
+            lambda: self._gateway.RegenerateTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
+        )
+        return self._handle(Task.from_proto(response.task, created=response.created))
 
     async def watch(self, task_id: str, *, after_version: int = 0, resume_attempts: int | None = None) -> AsyncIterator[TaskEvent]:
         """The task's snapshot, then each later event, until it is terminal.
@@ -289,19 +450,56 @@ class AsyncTaskgateClient:
             hint = error.retry_delay if error is not None and error.retry_delay else 0.0
             await asyncio.sleep(max(hint, min(0.1 * 2 ** (failures - 1), self.config.retry_max_delay)))
 
+    def watch_all(
+        self, status: StatusFilter = None, *, cursor: str | None = None, resume_attempts: int | None = None
+    ) -> AsyncEventStream:
+        """Every event of the caller's tasks (into the `status` states; None: all) from `cursor` on (None: from now).
+
+        The stream starts at its first iteration and never ends by itself. A dropped stream is resumed from the last
+        cursor and skips what it already yielded; after `resume_attempts` failures in a row the last error is raised.
+        A new stream from a saved cursor may repeat a few events from just before it (ids commit out of order).
+        """
+        statuses = _statuses(status)
+
+        def open_stream(after: str) -> grpc.aio.UnaryStreamCall[events_pb2.WatchTasksRequest, events_pb2.WatchTasksResponse]:
+            request = events_pb2.WatchTasksRequest(statuses=statuses, cursor=after)
+            return self._events.WatchTasks(request, metadata=self.metadata)
+
+        limit = self.config.watch_resume_attempts if resume_attempts is None else resume_attempts
+        return AsyncEventStream(open_stream, cursor=cursor or "", resume_attempts=limit, max_delay=self.config.retry_max_delay)
+
+    async def run(
+        self,
+        prompt: str,
+        model: str | None = None,
+        *,
+        output: str | os.PathLike[str],
+        timeout: float | None = None,
+        on_event: Callable[[TaskEvent], Any] | None = None,
+        **options: Unpack[SubmitOptions],
+    ) -> AsyncTaskHandle:
+        """Submits, follows the task until it ends and writes its output to `output`; returns the finished task.
+
+        Raises TaskFailed when it ended without a result, WaitTimeout after `timeout` seconds (the task goes on).
+        """
+        task = await self.submit(prompt, model, **options)
+        done = await task.wait(timeout, on_event=on_event)
+        await done.download(output)
+        return done
+
     async def wait(
         self,
         task_id: str,
-        timeout: float | None = None,  # noqa: ASYNC109 - the SDK's documented signature; applied via asyncio.timeout
+        timeout: float | None = None,
         *,
         on_event: Callable[[TaskEvent], Any] | None = None,
-    ) -> Task:
+    ) -> AsyncTaskHandle:
         """Waits until the task is terminal and returns it: follows the event stream, or polls if it is unusable.
 
         Raises WaitTimeout after `timeout` seconds (None: no limit). `on_event` sees each event (or polled state).
         """
         try:
-            async with asyncio.timeout(timeout):
+            async with compat.timeout(timeout):
                 try:
                     async for event in self.watch(task_id, resume_attempts=2):
                         if on_event is not None:
@@ -315,18 +513,25 @@ class AsyncTaskgateClient:
         except TimeoutError:
             raise WaitTimeout(task_id, timeout or 0.0) from None
 
-    async def _poll(self, task_id: str, on_event: Callable[[TaskEvent], Any] | None) -> Task:
+    async def _poll(self, task_id: str, on_event: Callable[[TaskEvent], Any] | None) -> AsyncTaskHandle:
         while True:
             task, interval = await self.get_with_interval(task_id)
             if on_event is not None:
                 on_event(TaskEvent.from_snapshot(task.proto))
             if task.terminal:
-                return task
+                return self._handle(task)
             await asyncio.sleep(interval)
 
     async def download(self, task_id: str, path: str | os.PathLike[str]) -> TaskResult:
-        """Streams a SUCCEEDED task's output into `path` and checks its size and sha256 (IntegrityError if not)."""
+        """Saves a SUCCEEDED task's output into `path` (from its result URL when it has one, else streamed over gRPC)
+        and checks its size and sha256 (IntegrityError if not)."""
         target = Path(path)
+        task, _ = await self.get_with_interval(task_id)
+        if task.result is not None and task.result.url.startswith(("https://", "http://")):
+            try:
+                return await asyncio.to_thread(_fetch_url, task.result, target, self.config.call_timeout)
+            except (urllib.error.URLError, OSError):
+                pass  # an expired or unreachable URL: the gateway still streams the output
         async for attempt in self._retrying():
             with attempt:
                 return await self._download_once(task_id, target)
@@ -351,13 +556,7 @@ class AsyncTaskgateClient:
                 await asyncio.to_thread(out.write, chunk.data)
             if info is None:
                 raise IntegrityError(grpc.StatusCode.DATA_LOSS, "the result stream carried no result info")
-            if size != info.size_bytes or digest.hexdigest() != info.sha256:
-                raise IntegrityError(
-                    grpc.StatusCode.DATA_LOSS,
-                    f"downloaded {size} bytes with sha256 {digest.hexdigest()[:16]}…, "
-                    f"expected {info.size_bytes} bytes with sha256 {info.sha256[:16]}…",
-                    reason="CHECKSUM_MISMATCH",
-                )
+            _check_integrity(info, size, digest)
             complete = True
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
@@ -438,6 +637,90 @@ class AsyncTaskgateClient:
             )
         )
         return list(response.deliveries)
+
+    async def deliveries(self, status: str | None = None, *, page_size: int = 100) -> AsyncIterator[admin_pb2.DeliveryRecord]:
+        """Webhook deliveries in a state (PENDING, DELIVERED, FAILED; None: all), newest first, with attempts and last error."""
+        wanted = task_pb2.CallbackStatus.Value(f"CALLBACK_STATUS_{status.upper()}") if status else 0
+        token = ""
+        while True:
+            request = admin_pb2.ListCallbackDeliveriesRequest(status=wanted, page_size=page_size, page_token=token)  # type: ignore[arg-type]
+            response = await self._call(
+                lambda r=request: self.admin_stub.ListCallbackDeliveries(  # type: ignore[misc]
+                    r, metadata=self.admin_metadata, timeout=self.config.call_timeout
+                )
+            )
+            for item in response.deliveries:
+                yield item
+            token = response.next_page_token
+            if not token:
+                return
+
+    async def rotate_webhook_secret(self, tenant: str, *, overlap: float = 24 * 3600.0) -> admin_pb2.RotateWebhookSecretResponse:
+        """A new webhook secret for `tenant` (shown once); its current ones keep signing for `overlap` seconds.
+
+        Not retried: a retry after a lost answer would rotate again and the secret shown first would be lost.
+        """
+        request = admin_pb2.RotateWebhookSecretRequest(tenant=tenant, overlap=_duration(overlap))
+        try:
+            return await self.admin_stub.RotateWebhookSecret(request, metadata=self.admin_metadata, timeout=self.config.call_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def api_keys(self, tenant: str | None = None) -> builtins.list[admin_pb2.ApiKeyInfo]:
+        """Every API key (of `tenant` when given) by prefix, newest first."""
+        request = admin_pb2.ListApiKeysRequest(tenant=tenant or "")
+        response = await self._call(
+            lambda: self.admin_stub.ListApiKeys(request, metadata=self.admin_metadata, timeout=self.config.call_timeout)
+        )
+        return list(response.keys)
+
+    async def revoke_api_keys(self, prefix: str) -> int:
+        """Revokes the live keys with a prefix (as `api_keys` lists it); how many. NotFound when none is live."""
+        request = admin_pb2.RevokeApiKeysRequest(prefix=prefix)
+        response = await self._call(
+            lambda: self.admin_stub.RevokeApiKeys(request, metadata=self.admin_metadata, timeout=self.config.call_timeout)
+        )
+        return response.revoked
+
+    async def purge(self, older_than: float, *, dry_run: bool = False) -> admin_pb2.PurgeTasksResponse:
+        """Deletes finished tasks (with their history and outputs) and reusable outputs older than `older_than`
+        seconds; `dry_run` only counts. Not retried: a purge cut short is safe to ask for again."""
+        request = admin_pb2.PurgeTasksRequest(older_than=_duration(older_than), dry_run=dry_run)
+        try:
+            return await self.admin_stub.PurgeTasks(request, metadata=self.admin_metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+
+
+def _check_integrity(info: TaskResult, size: int, digest: Any) -> None:
+    if size != info.size_bytes or digest.hexdigest() != info.sha256:
+        raise IntegrityError(
+            grpc.StatusCode.DATA_LOSS,
+            f"downloaded {size} bytes with sha256 {digest.hexdigest()[:16]}…, "
+            f"expected {info.size_bytes} bytes with sha256 {info.sha256[:16]}…",
+            reason="CHECKSUM_MISMATCH",
+        )
+
+
+def _fetch_url(info: TaskResult, target: Path, timeout: float) -> TaskResult:
+    """GETs the output from its result URL into `target` (blocking; run in a thread), checking size and sha256."""
+    partial = target.with_name(target.name + ".part")
+    digest = hashlib.sha256()
+    size = 0
+    complete = False
+    try:
+        with urllib.request.urlopen(info.url, timeout=timeout) as response, partial.open("wb") as out:
+            while chunk := response.read(DOWNLOAD_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+                out.write(chunk)
+        _check_integrity(info, size, digest)
+        complete = True
+    finally:
+        if not complete:
+            partial.unlink(missing_ok=True)
+    partial.replace(target)
+    return info
 
 
 def connect_async(

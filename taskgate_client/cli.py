@@ -19,7 +19,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,12 +31,14 @@ from taskgate.v1 import admin_pb2, task_pb2
 from taskgate_client import (
     AsyncTaskgateClient,
     Status,
+    SubmitItem,
     Task,
     TaskEvent,
     TaskgateError,
     WaitTimeout,
     make_config,
 )
+from taskgate_client._compat import UTC
 from taskgate_client.config import DEFAULT_ADDRESS, ClientConfig
 from taskgate_client.local import LocalStack, find_state_dir
 from taskgate_client.progress import follow
@@ -285,7 +287,70 @@ async def _finish(client: AsyncTaskgateClient, out: Output, task: Task, wait_sec
     return EXIT_BY_STATUS.get(final.status, EXIT_ERROR)
 
 
+SUBMIT_ITEM_KEYS = SubmitItem.__required_keys__ | SubmitItem.__optional_keys__
+
+
+def _submit_items(path: str) -> list[SubmitItem]:
+    """The tasks of a JSON-lines file (`-` for stdin): one object per line with submit_many's keys."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}", EXIT_USAGE) from None
+    items: list[SubmitItem] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise CliError(f"{path}:{number}: not JSON ({exc})", EXIT_USAGE) from None
+        if not isinstance(item, dict):
+            raise CliError(f"{path}:{number}: want a JSON object", EXIT_USAGE)
+        unknown = sorted(set(item) - SUBMIT_ITEM_KEYS)
+        if unknown:
+            raise CliError(f"{path}:{number}: unknown key {unknown[0]!r}; known: {', '.join(sorted(SUBMIT_ITEM_KEYS))}",
+                           EXIT_USAGE)
+        items.append(item)  # type: ignore[arg-type]  # its keys are checked; the gateway checks the values
+    return items
+
+
+async def cmd_submit_file(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    """`submit --file`: SubmitTasks in chunks; one line (or JSON line) per task, in file order."""
+    items = _submit_items(args.file)
+    progress_out: TextIO = out.err if (out.err.isatty() or not out.json) else io.StringIO()
+
+    def progress(done: int, total: int) -> None:
+        filled = 30 * done // max(total, 1)
+        end = "\n" if done == total else ""
+        progress_out.write(f"\rsubmitting [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}{end}")
+        progress_out.flush()
+
+    results = await client.submit_many(items, on_progress=progress) if items else []
+    failed = 0
+    for index, result in enumerate(results):
+        if isinstance(result, TaskgateError):
+            failed += 1
+            if out.json:
+                out.document({"index": index, "error": result.to_dict()})
+            else:
+                out.line(f"{index}\t{result.code_name}\t{result.message}")
+        elif out.json:
+            out.document({"index": index, "task": result.to_dict()})
+        else:
+            created = "created" if result.created else "existing"
+            out.line(f"{index}\t{result.task_id}\t{result.status.value}\t{created}")
+    if failed and not out.json:
+        out.err.write(f"{failed} of {len(results)} refused\n")
+    return EXIT_ERROR if failed else EXIT_OK
+
+
 async def cmd_submit(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    if args.file is not None:
+        if args.prompt is not None:
+            raise CliError("give a prompt or --file, not both", EXIT_USAGE)
+        return await cmd_submit_file(client, args, out)
+    if args.prompt is None:
+        raise CliError("give a prompt (or --file tasks.jsonl)", EXIT_USAGE)
     task = await client.submit(
         args.prompt,
         args.model,
@@ -354,6 +419,16 @@ async def cmd_watch(client: AsyncTaskgateClient, args: argparse.Namespace, out: 
 async def cmd_cancel(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
     print_task(out, await client.cancel(args.task_id, hard=args.hard))
     return EXIT_OK
+
+
+async def cmd_regenerate(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    task = await client.regenerate(args.task_id, seed=args.seed)
+    if not args.wait:
+        print_task(out, task)
+        return EXIT_OK
+    if not out.json:
+        out.err.write(f"submitted {task.task_id}\n")
+    return await _finish(client, out, task, args.wait_timeout)
 
 
 async def cmd_result(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
@@ -484,6 +559,83 @@ async def cmd_admin_redeliver(client: AsyncTaskgateClient, args: argparse.Namesp
     )
 
 
+AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _age(text: str) -> float:
+    """A cut-off age: seconds, or a number with s, m, h or d (`30d`, `12h`)."""
+    unit = AGE_UNITS.get(text[-1:].lower())
+    try:
+        value = float(text[:-1] if unit else text) * (unit or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age such as 3600, 90m, 12h or 30d") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("an age is not negative")
+    return value
+
+
+async def cmd_admin_deliveries(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    found = []
+    async for delivery in client.deliveries(args.status, page_size=min(args.limit, 100)):
+        found.append(delivery)
+        if len(found) >= args.limit:
+            break
+    return out.listing(
+        "deliveries",
+        found,
+        "no deliveries",
+        ["DELIVERY", "TASK ID", "TENANT", "EVENT", "STATUS", "ATTEMPTS", "LAST ERROR"],
+        lambda d: [d.delivery_id, d.task_id, d.tenant, d.event, _callback_name(d.status), d.attempts,
+                   _short(d.last_error or (f"HTTP {d.last_status_code}" if d.last_status_code else ""), 60)],
+    )
+
+
+async def cmd_admin_rotate_secret(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    done = await client.rotate_webhook_secret(args.tenant, overlap=args.overlap)
+    if out.json:
+        until = done.previous_valid_until.ToDatetime(tzinfo=UTC).isoformat()
+        out.document({"tenant": args.tenant, "webhook_secret": done.webhook_secret, "previous_valid_until": until,
+                      "valid_secrets": done.valid_secrets})
+        return EXIT_OK
+    out.fields([("tenant", args.tenant), ("webhook secret", done.webhook_secret),
+                ("previous valid until", _ts(done.previous_valid_until)),
+                ("secrets signing now", done.valid_secrets)])
+    out.line("\nStore the new secret now: it is not shown again. Receivers accept either secret until the overlap ends.")
+    return EXIT_OK
+
+
+async def cmd_admin_keys(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    return out.listing(
+        "keys",
+        await client.api_keys(args.tenant),
+        "no keys",
+        ["PREFIX", "TENANT", "ADMIN", "CREATED", "REVOKED"],
+        lambda k: [k.prefix, k.tenant, "yes" if k.admin else "", _ts(k.created_at),
+                   _ts(k.revoked_at) if k.HasField("revoked_at") else ""],
+    )
+
+
+async def cmd_admin_revoke_key(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    revoked = await client.revoke_api_keys(args.prefix)
+    if out.json:
+        out.document({"prefix": args.prefix, "revoked": revoked})
+    else:
+        out.line(f"revoked {revoked} key(s) with prefix {args.prefix}")
+    return EXIT_OK
+
+
+async def cmd_admin_purge(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    done = await client.purge(args.older_than, dry_run=args.dry_run)
+    if out.json:
+        out.document({"tasks": done.tasks, "results": done.results, "reusable_results": done.reusable_results,
+                      "dry_run": done.dry_run})
+        return EXIT_OK
+    verb = "would delete" if done.dry_run else "deleted"
+    out.line(f"{verb}: {done.tasks} finished task(s) with their history, {done.results} stored output(s), "
+             f"{done.reusable_results} reusable output(s)")
+    return EXIT_OK
+
+
 # -- parser -------------------------------------------------------------------------------------------------------
 
 
@@ -539,8 +691,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
         return p
 
-    p = add("submit", cmd_submit, "submit a text-to-video task")
-    p.add_argument("prompt")
+    p = add("submit", cmd_submit, "submit a text-to-video task, or many from a JSON-lines file")
+    p.add_argument("prompt", nargs="?")
+    p.add_argument("--file", metavar="TASKS.JSONL",
+                   help="submit one task per line (JSON objects with prompt, model, frames, ..., as submit_many takes "
+                        "them; '-' reads stdin); prints one result per line, in order")
     p.add_argument("--model", help="model id (default: the gateway's default model)")
     p.add_argument("--frames", type=int, help="number of frames (Wan: 4k+1)")
     p.add_argument("--width", type=int)
@@ -578,6 +733,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task_id")
     p.add_argument("--hard", action="store_true", help="stop inference at the next step and discard the output")
 
+    p = add("regenerate", cmd_regenerate, "a new task from a finished one's request (HIGH when your tenant may use it)")
+    p.add_argument("task_id")
+    p.add_argument("--seed", type=int, help="the new task's seed (default: a new random one)")
+    p.add_argument("--wait", action="store_true", help="show live progress until the task is finished")
+    p.add_argument("--wait-timeout", type=float, metavar="SECONDS", help="give up waiting after this long (exit 11)")
+
     p = add("result", cmd_result, "download a finished task's video (checks its sha256)")
     p.add_argument("task_id")
     p.add_argument("-o", "--output", help="file to write (default: <task id>.mp4)")
@@ -602,6 +763,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=100)
     p = add("redeliver", cmd_admin_redeliver, "send a task's webhooks again", admin_sub)
     p.add_argument("task_id")
+    p = add("deliveries", cmd_admin_deliveries, "webhook deliveries with their attempt count and last error", admin_sub)
+    p.add_argument("--status", type=str.upper, choices=["PENDING", "DELIVERED", "FAILED"], help="only this state")
+    p.add_argument("--limit", type=int, default=100)
+    p = add("rotate-secret", cmd_admin_rotate_secret, "a new webhook secret for a tenant (both sign during the overlap)", admin_sub)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--overlap", type=_age, default=24 * 3600.0, metavar="AGE",
+                   help="how long the current secrets keep signing: 3600, 90m, 24h (default), 0 retires them now")
+    p = add("keys", cmd_admin_keys, "API keys by prefix (never the keys themselves)", admin_sub)
+    p.add_argument("--tenant", help="only this tenant's")
+    p = add("revoke-key", cmd_admin_revoke_key, "revoke the live API keys with a prefix (as `admin keys` shows)", admin_sub)
+    p.add_argument("prefix")
+    p = add("purge", cmd_admin_purge, "delete finished tasks, their history and outputs older than an age", admin_sub)
+    p.add_argument("--older-than", type=_age, required=True, metavar="AGE", help="finished this long ago: 3600, 90m, 12h, 30d")
+    p.add_argument("--dry-run", action="store_true", help="count only, delete nothing")
     return parser
 
 

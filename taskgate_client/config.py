@@ -23,23 +23,51 @@ def _read(source: CertSource) -> bytes | None:
     return Path(source).expanduser().read_bytes()
 
 
+# The shipped manifests' Service names (deploy/k8s): events and admin are other Services than the gateway.
+SUBMIT_SERVICE = "taskgate-submit"
+SIBLING_SERVICES = {EVENTS_PORT: "taskgate-notifier", ADMIN_PORT: "taskgate-scheduler"}
+_SCHEMES = ("dns:///", "ipv4:", "ipv6:")
+
+
+def _sibling_host(host: str, port: int) -> str:
+    """`taskgate-submit[.namespace...]` becomes the sibling Service of the same namespace; any other host stays."""
+    name, dot, domain = host.partition(".")
+    if name == SUBMIT_SERVICE and port in SIBLING_SERVICES:
+        return SIBLING_SERVICES[port] + dot + domain
+    return host
+
+
 def sibling_address(address: str, port: int) -> str:
-    """The same host as `address` with another port ("gw:50051" -> "gw:50052"; "[::1]:1" -> "[::1]:50052")."""
+    """The same host(s) as `address` with another port; the shipped manifests' submit Service names its sibling.
+
+    "gw:50051" -> "gw:50052"; "[::1]:1" -> "[::1]:50052"; "ipv4:10.0.0.1:1,10.0.0.2:1" -> each address on `port`;
+    "taskgate-submit.prod.svc:50051" -> "taskgate-notifier.prod.svc:50052" (events) or "taskgate-scheduler...:50053".
+    """
     scheme = ""
     rest = address
-    for prefix in ("dns:///", "ipv4:", "ipv6:"):
+    for prefix in _SCHEMES:
         if rest.startswith(prefix):
             scheme, rest = prefix, rest[len(prefix) :]
             break
     if rest.startswith("unix:"):
         raise ValueError(f"cannot derive a sibling of {address!r}: give events_address/admin_address explicitly")
-    if rest.startswith("["):
-        host = rest[: rest.index("]") + 1]
-    elif ":" in rest:
-        host = rest.rsplit(":", 1)[0]
-    else:
-        host = rest
-    return f"{scheme}{host}:{port}"
+    out = []
+    for one in rest.split(",") if scheme in ("ipv4:", "ipv6:") else [rest]:
+        if one.startswith("["):
+            host = one[: one.index("]") + 1]
+        elif ":" in one:
+            host = one.rsplit(":", 1)[0]
+        else:
+            host = one
+        out.append(f"{_sibling_host(host, port)}:{port}")
+    return scheme + ",".join(out)
+
+
+def channel_target(address: str) -> str:
+    """The gRPC target: a bare "host:port" goes through the DNS resolver (every address of a headless Service)."""
+    if address.startswith((*_SCHEMES, "dns:", "unix:", "unix-abstract:", "vsock:")):
+        return address
+    return "dns:///" + address
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +90,7 @@ class ClientConfig:
     watch_resume_attempts: int = 8
 
     def resolved(self) -> ClientConfig:
-        """Events on port 50052 and admin on port 50053 of the gateway's host unless given."""
+        """Events on port 50052 and admin on port 50053 of the gateway's host (or sibling Service) unless given."""
         return replace(
             self,
             events_address=self.events_address or sibling_address(self.address, EVENTS_PORT),
@@ -84,6 +112,9 @@ class ClientConfig:
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.enable_retries", 0),
+            # one subchannel per address the target resolves to (every pod of a headless Service), calls spread over
+            # the ready ones; a pod that closes a connection for its age makes the channel resolve the name again
+            ("grpc.lb_policy_name", "round_robin"),
         ]
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))

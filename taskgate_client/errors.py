@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
+if TYPE_CHECKING:
+    from taskgate_client.types import Task
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,10 @@ class Unavailable(TaskgateError):
     """UNAVAILABLE: the service or one of its backends is down; safe to retry."""
 
 
+class Aborted(TaskgateError):
+    """ABORTED: a concurrent write conflicted; with `retry_delay` set the same call may simply be sent again."""
+
+
 class DeadlineExceeded(TaskgateError):
     """DEADLINE_EXCEEDED: the call did not finish within its deadline."""
 
@@ -106,6 +114,16 @@ class WaitTimeout(TimeoutError):
         self.timeout = timeout
 
 
+class TaskFailed(Exception):
+    """A followed task ended without a result (FAILED, TIMEOUT or CANCELED); `.task` is its final state."""
+
+    def __init__(self, task: Task) -> None:
+        why = f": {task.error_code}: {task.error_message}" if task.error_code else ""
+        super().__init__(f"task {task.task_id} ended {task.status.value}{why}")
+        self.task = task
+        self.task_id = task.task_id
+
+
 _BY_CODE: dict[grpc.StatusCode, type[TaskgateError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
@@ -115,6 +133,7 @@ _BY_CODE: dict[grpc.StatusCode, type[TaskgateError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.DATA_LOSS: IntegrityError,
 }
@@ -142,13 +161,15 @@ def _details(status: status_pb2.Status) -> list[object]:
 
 
 def _parse_details(exc: grpc.RpcError) -> _Parsed:
-    out = _Parsed()
     try:
         status = rpc_status.from_call(exc)
     except ValueError:
-        return out
-    if status is None:
-        return out
+        return _Parsed()
+    return _parse_status(status) if status is not None else _Parsed()
+
+
+def _parse_status(status: status_pb2.Status) -> _Parsed:
+    out = _Parsed()
     for detail in _details(status):
         if isinstance(detail, error_details_pb2.ErrorInfo):
             out.reason, out.domain, out.metadata = detail.reason, detail.domain, dict(detail.metadata)
@@ -157,6 +178,11 @@ def _parse_details(exc: grpc.RpcError) -> _Parsed:
         elif isinstance(detail, error_details_pb2.RetryInfo):
             out.retry_delay = detail.retry_delay.ToNanoseconds() / 1e9
     return out
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether the SDK sends a failed call again: UNAVAILABLE, or ABORTED that the server marked with RetryInfo."""
+    return isinstance(exc, Unavailable) or (isinstance(exc, Aborted) and exc.retry_delay is not None)
 
 
 def from_rpc_error(exc: grpc.RpcError) -> TaskgateError:
@@ -176,3 +202,21 @@ def from_rpc_error(exc: grpc.RpcError) -> TaskgateError:
         field_violations=parsed.violations,
         retry_delay=parsed.retry_delay,
     )
+
+
+def from_status(status: status_pb2.Status) -> TaskgateError:
+    """The typed exception for one item's error status in a batch answer (SubmitTasks), as for a failed call."""
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    parsed = _parse_status(status)
+    return _BY_CODE.get(code, TaskgateError)(
+        code,
+        status.message or str(code.name),
+        reason=parsed.reason,
+        domain=parsed.domain,
+        metadata=parsed.metadata,
+        field_violations=parsed.violations,
+        retry_delay=parsed.retry_delay,
+    )
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}

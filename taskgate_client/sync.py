@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any, TypeVar
-
-from typing_extensions import Unpack
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from taskgate.v1 import admin_pb2
-from taskgate_client.aio import AsyncTaskgateClient, StatusFilter
+from taskgate_client.aio import MAX_SUBMIT_BATCH, AsyncEventStream, AsyncTaskgateClient, StatusFilter
 from taskgate_client.config import ClientConfig, ConnectOptions, make_config
-from taskgate_client.types import Task, TaskEvent, TaskResult
+from taskgate_client.errors import TaskgateError
+from taskgate_client.handles import TaskHandle
+from taskgate_client.types import SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult
+
+if TYPE_CHECKING:  # 3.11 typing names, in annotations only: the client also runs on 3.10
+    from typing import Self, Unpack
 
 T = TypeVar("T")
 
@@ -61,15 +65,45 @@ class _LoopThread:
             self.loop.close()
 
 
+class EventStream:
+    """WatchTasks as an iterator of TaskEvent; `cursor` is where a later `watch_all(cursor=...)` resumes."""
+
+    def __init__(self, runner: _LoopThread, stream: AsyncEventStream) -> None:
+        self._stream = stream
+        self._events = runner.iterate(stream)
+
+    def __iter__(self) -> EventStream:
+        return self
+
+    def __next__(self) -> TaskEvent:
+        return next(self._events)
+
+    @property
+    def cursor(self) -> str:
+        """Resume after the last event yielded (save it after handling each event)."""
+        return self._stream.cursor
+
+    def close(self) -> None:
+        """Ends the stream."""
+        self._events.close()
+
+
 class TaskgateClient:
     """A blocking client with the same methods as AsyncTaskgateClient; use it as a context manager or close() it."""
 
     def __init__(self, config: ClientConfig) -> None:
         self._runner = _LoopThread()
-        self._client = AsyncTaskgateClient(config)
+        self._client = self._async_client(config)
         self.config = self._client.config
 
-    def __enter__(self) -> TaskgateClient:
+    def _async_client(self, config: ClientConfig) -> AsyncTaskgateClient:
+        """The asyncio client this one drives (the testing fake substitutes its own)."""
+        return AsyncTaskgateClient(config)
+
+    def _handle(self, task: Task) -> TaskHandle:
+        return TaskHandle.bind(task, self)
+
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
@@ -82,29 +116,70 @@ class TaskgateClient:
         finally:
             self._runner.stop()
 
-    def submit(self, prompt: str, model: str | None = None, **kwargs: Any) -> Task:
-        """Submits a task; see AsyncTaskgateClient.submit for the parameters."""
-        return self._runner.run(self._client.submit(prompt, model, **kwargs))
+    def submit(self, prompt: str, model: str | None = None, **options: Unpack[SubmitOptions]) -> TaskHandle:
+        """Submits a task and returns its handle; see AsyncTaskgateClient.submit for the parameters."""
+        return self._handle(self._runner.run(self._client.submit(prompt, model, **options)))
 
-    def get(self, task_id: str) -> Task:
+    def submit_many(
+        self,
+        items: Iterable[SubmitItem],
+        *,
+        chunk_size: int = MAX_SUBMIT_BATCH,
+        on_progress: Callable[[int, int], Any] | None = None,
+    ) -> builtins.list[TaskHandle | TaskgateError]:
+        """Submits many tasks, one result per item (its handle or its own error); see AsyncTaskgateClient.submit_many."""
+        results = self._runner.run(self._client.submit_many(items, chunk_size=chunk_size, on_progress=on_progress))
+        return [r if isinstance(r, TaskgateError) else self._handle(r) for r in results]
+
+    def run(
+        self,
+        prompt: str,
+        model: str | None = None,
+        *,
+        output: str | os.PathLike[str],
+        timeout: float | None = None,
+        on_event: Callable[[TaskEvent], Any] | None = None,
+        **options: Unpack[SubmitOptions],
+    ) -> TaskHandle:
+        """Submits, follows the task until it ends and writes its output to `output`; returns the finished task.
+
+        Raises TaskFailed when it ended without a result, WaitTimeout after `timeout` seconds (the task goes on).
+        """
+        task = self.submit(prompt, model, **options)
+        done = task.wait(timeout, on_event=on_event)
+        done.download(output)
+        return done
+
+    def get(self, task_id: str) -> TaskHandle:
         """The task's current state."""
-        return self._runner.run(self._client.get(task_id))
+        return self._handle(self._runner.run(self._client.get(task_id)))
 
-    def list(self, status: StatusFilter = None, *, page_size: int = 100) -> Generator[Task, None, None]:
+    def list(self, status: StatusFilter = None, *, page_size: int = 100) -> Generator[TaskHandle, None, None]:
         """The caller's tasks, newest first, fetching pages as the iteration goes."""
-        return self._runner.iterate(self._client.list(status, page_size=page_size))
+        tasks = self._runner.iterate(self._client.list(status, page_size=page_size))
+        with contextlib.closing(tasks):  # leaving the loop early closes the page stream at once
+            for task in tasks:
+                yield self._handle(task)
 
-    def cancel(self, task_id: str, hard: bool = False) -> Task:
+    def cancel(self, task_id: str, hard: bool = False) -> TaskHandle:
         """Cancels a task (soft by default; hard stops inference at the next step)."""
-        return self._runner.run(self._client.cancel(task_id, hard))
+        return self._handle(self._runner.run(self._client.cancel(task_id, hard)))
 
-    def watch(self, task_id: str, *, after_version: int = 0) -> Generator[TaskEvent, None, None]:
+    def regenerate(self, task_id: str, *, seed: int | None = None, idempotency_key: str | None = None) -> TaskHandle:
+        """A new task from a finished one's request: a new seed (random unless given), at HIGH when the tenant may use it."""
+        return self._handle(self._runner.run(self._client.regenerate(task_id, seed=seed, idempotency_key=idempotency_key)))
+
+    def watch(self, task_id: str, *, after_version: int = 0, resume_attempts: int | None = None) -> Generator[TaskEvent, None, None]:
         """The snapshot, then each event until the task is terminal; resumes dropped streams."""
-        return self._runner.iterate(self._client.watch(task_id, after_version=after_version))
+        return self._runner.iterate(self._client.watch(task_id, after_version=after_version, resume_attempts=resume_attempts))
 
-    def wait(self, task_id: str, timeout: float | None = None, *, on_event: Callable[[TaskEvent], Any] | None = None) -> Task:
+    def watch_all(self, status: StatusFilter = None, *, cursor: str | None = None, resume_attempts: int | None = None) -> EventStream:
+        """Every event of the caller's tasks from `cursor` on (None: from now); resumes dropped streams. Never ends."""
+        return EventStream(self._runner, self._client.watch_all(status, cursor=cursor, resume_attempts=resume_attempts))
+
+    def wait(self, task_id: str, timeout: float | None = None, *, on_event: Callable[[TaskEvent], Any] | None = None) -> TaskHandle:
         """Blocks until the task is terminal (WaitTimeout after `timeout` seconds)."""
-        return self._runner.run(self._client.wait(task_id, timeout, on_event=on_event))
+        return self._handle(self._runner.run(self._client.wait(task_id, timeout, on_event=on_event)))
 
     def download(self, task_id: str, path: str | os.PathLike[str]) -> TaskResult:
         """Writes the task's output to `path`, verified against its sha256."""
@@ -118,9 +193,23 @@ class TaskgateClient:
         """Admin: tasks the scheduler considers stuck."""
         return self._runner.run(self._client.stuck(limit))
 
-    def requeue(self, task_ids: Iterable[str] = (), **kwargs: Any) -> Generator[admin_pb2.RequeueBatch, None, None]:
+    def requeue(
+        self,
+        task_ids: Iterable[str] = (),
+        *,
+        status: StatusFilter = None,
+        model: str | None = None,
+        older_than: float | None = None,
+        dry_run: bool = False,
+        batch_size: int = 50,
+        reason: str = "",
+    ) -> Generator[admin_pb2.RequeueBatch, None, None]:
         """Admin: requeues in batches, yielding each batch's report."""
-        return self._runner.iterate(self._client.requeue(task_ids, **kwargs))
+        return self._runner.iterate(
+            self._client.requeue(
+                task_ids, status=status, model=model, older_than=older_than, dry_run=dry_run, batch_size=batch_size, reason=reason
+            )
+        )
 
     def dead_letters(self, *, page_size: int = 100) -> Generator[admin_pb2.DeadLetter, None, None]:
         """Admin: tasks that failed for good."""
@@ -129,6 +218,26 @@ class TaskgateClient:
     def redeliver(self, task_id: str) -> builtins.list[admin_pb2.CallbackDelivery]:
         """Admin: sends a task's callbacks again."""
         return self._runner.run(self._client.redeliver(task_id))
+
+    def deliveries(self, status: str | None = None, *, page_size: int = 100) -> Generator[admin_pb2.DeliveryRecord, None, None]:
+        """Admin: webhook deliveries in a state, newest first, with attempts and last error."""
+        return self._runner.iterate(self._client.deliveries(status, page_size=page_size))
+
+    def rotate_webhook_secret(self, tenant: str, *, overlap: float = 24 * 3600.0) -> admin_pb2.RotateWebhookSecretResponse:
+        """Admin: a new webhook secret for a tenant; its current ones keep signing for `overlap` seconds."""
+        return self._runner.run(self._client.rotate_webhook_secret(tenant, overlap=overlap))
+
+    def api_keys(self, tenant: str | None = None) -> builtins.list[admin_pb2.ApiKeyInfo]:
+        """Admin: every API key (of one tenant when given) by prefix."""
+        return self._runner.run(self._client.api_keys(tenant))
+
+    def revoke_api_keys(self, prefix: str) -> int:
+        """Admin: revokes the live keys with a prefix; how many."""
+        return self._runner.run(self._client.revoke_api_keys(prefix))
+
+    def purge(self, older_than: float, *, dry_run: bool = False) -> admin_pb2.PurgeTasksResponse:
+        """Admin: deletes finished tasks and reusable outputs older than `older_than` seconds (dry_run: counts only)."""
+        return self._runner.run(self._client.purge(older_than, dry_run=dry_run))
 
 
 def connect(

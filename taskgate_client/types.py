@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from enum import StrEnum
-from typing import Any
+from datetime import datetime
+from typing import Any, TypedDict
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from taskgate.v1 import task_pb2
+from taskgate_client._compat import UTC, StrEnum
 
 
 class Status(StrEnum):
@@ -33,6 +34,33 @@ class Status(StrEnum):
     @classmethod
     def from_proto(cls, value: int) -> Status:
         return cls(task_pb2.TaskStatus.Name(value).removeprefix("TASK_STATUS_"))  # type: ignore[arg-type]
+
+
+class SubmitOptions(TypedDict, total=False):
+    """The keyword options of submit(), so run() and the blocking client take them with the same types."""
+
+    frames: int | None
+    width: int | None
+    height: int | None
+    steps: int | None
+    guidance: float | None
+    fps: int | None
+    seed: int | None
+    negative_prompt: str
+    priority: str | int
+    idempotency_key: str | None
+    callback_url: str | None
+    callback_events: Iterable[str]
+    metadata: Mapping[str, str] | None
+    max_retries: int | None
+    task_type: str
+
+
+class SubmitItem(SubmitOptions, total=False):
+    """One task of submit_many: submit()'s prompt and model beside its options (a JSON line of `taskgate submit --file`)."""
+
+    prompt: str
+    model: str | None
 
 
 PRIORITIES: dict[str, task_pb2.Priority.ValueType] = {
@@ -78,19 +106,31 @@ def _json_value(value: object) -> object:
 
 @dataclass(frozen=True, slots=True)
 class TaskResult:
-    """Where a finished task's output lives, with its size and sha256."""
+    """Where a finished task's output lives, with its size and sha256; `url` is a download URL valid until
+    `url_expires_at` (S3 result store only), `deleted_at` when retention deleted the output."""
 
     uri: str
     content_type: str
     size_bytes: int
     sha256: str
+    url: str = ""
+    url_expires_at: datetime | None = None
+    deleted_at: datetime | None = None
 
     @classmethod
     def from_proto(cls, msg: task_pb2.TaskResult) -> TaskResult:
-        return cls(msg.uri, msg.content_type, msg.size_bytes, msg.sha256)
+        return cls(
+            msg.uri, msg.content_type, msg.size_bytes, msg.sha256, msg.url, _time(msg, "url_expires_at"),
+            _time(msg, "deleted_at"),
+        )
 
     def to_dict(self) -> dict[str, object]:
-        return {"uri": self.uri, "content_type": self.content_type, "size_bytes": self.size_bytes, "sha256": self.sha256}
+        out: dict[str, object] = {
+            "uri": self.uri, "content_type": self.content_type, "size_bytes": self.size_bytes, "sha256": self.sha256
+        }
+        if self.url:
+            out["url"] = self.url
+        return out
 
 
 @dataclass(frozen=True, slots=True)

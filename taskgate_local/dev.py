@@ -33,6 +33,10 @@ DEMO_TENANT = "demo"
 ADMIN_TENANT = "ops"
 DEMO_PROMPT = "a red fox running through fresh snow at sunrise, cinematic"
 COLOURS = {"submit": 36, "notifier": 35, "scheduler": 33, "worker": 32, "dev": 1}
+# A service that exits is started again after these delays in turn (the last repeats), as Kubernetes restarts a pod;
+# one that ran STABLE_SECONDS before exiting starts over from the first delay.
+RESTART_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+STABLE_SECONDS = 60.0
 LEVEL_COLOURS = {"warning": 33, "error": 31, "critical": 31}
 
 
@@ -90,6 +94,7 @@ class Child:
     proc: asyncio.subprocess.Process
     pump: asyncio.Task[None]
     tail: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
 
 
 def _ports(settings: Settings) -> dict[str, int]:
@@ -110,7 +115,7 @@ def _client_host(settings: Settings) -> str:
 def busy_ports(settings: Settings, ports: dict[str, int]) -> list[str]:
     """The gRPC and metrics ports something already listens on (the servers use SO_REUSEPORT and would share them)."""
     wanted = {f"TASKGATE_{name.upper()}_PORT": port for name, port in ports.items()}
-    for name in SERVICES:
+    for name in ports:
         metrics = int(getattr(settings, f"{name}_metrics_port"))
         if metrics:
             wanted[f"TASKGATE_{name.upper()}_METRICS_PORT"] = metrics
@@ -118,6 +123,8 @@ def busy_ports(settings: Settings, ports: dict[str, int]) -> list[str]:
     for variable, port in wanted.items():
         host = settings.metrics_host if "METRICS" in variable else settings.grpc_host
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # a connection of the previous run left in TIME_WAIT is no listener (the servers bind over it too)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((host, port))
             except OSError:
@@ -149,8 +156,9 @@ async def _serving(address: str) -> bool:
 class DevStack:
     """The processes and servers `make run` owns, and their orderly shutdown."""
 
-    def __init__(self, settings: Settings, console: Console) -> None:
+    def __init__(self, settings: Settings, console: Console, services: Sequence[str] = SERVICES) -> None:
         self.settings = settings
+        self.services = tuple(services)
         self.console = console
         self.state_dir = settings.state_dir.resolve()
         self.ports = _ports(settings)
@@ -158,6 +166,7 @@ class DevStack:
         self.stack: embedded.EmbeddedStack | None = None
         self._starting: asyncio.Future[embedded.EmbeddedStack] | None = None
         self.children: list[Child] = []
+        self._keepers: list[asyncio.Task[None]] = []
         self.database_url = settings.database_url or ""
         self.nats_url = settings.nats_url or ""
 
@@ -269,26 +278,51 @@ class DevStack:
 
     async def start_services(self) -> None:
         """Starts each service as `python -m services.<name>` in its own session (so only we get Ctrl-C)."""
-        busy = busy_ports(self.settings, self.ports)
+        busy = busy_ports(self.settings, {name: self.ports[name] for name in self.services})
         if busy:
             raise StartError(f"ports in use: {', '.join(busy)}; stop what uses them, or set those variables (0 = any free port)")
-        env = self._child_env()
-        for name in SERVICES:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                f"services.{name}",
-                env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                limit=1024 * 1024,
-            )
-            assert proc.stdout is not None
-            tail: list[str] = []
-            pump = asyncio.create_task(_pump(self.console, name, proc.stdout, tail))
-            self.children.append(Child(name, self.ports[name], proc, pump, tail))
+        for name in self.services:
+            self.children.append(await self._spawn(name))
+
+    async def _spawn(self, name: str) -> Child:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            f"services.{name}",
+            env=self._child_env(),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            limit=1024 * 1024,
+        )
+        assert proc.stdout is not None
+        tail: list[str] = []
+        pump = asyncio.create_task(_pump(self.console, name, proc.stdout, tail))
+        return Child(name, self.ports[name], proc, pump, tail)
+
+    def keep_running(self) -> None:
+        """From now on a service that exits is restarted with backoff instead of stopping the stack; stop() ends it."""
+        self._keepers = [asyncio.create_task(self._keep(index), name=f"keep-{c.name}") for index, c in enumerate(self.children)]
+
+    async def _keep(self, index: int) -> None:
+        restarts = 0
+        while True:
+            child = self.children[index]
+            code = await child.proc.wait()
+            _signal_group(child.proc.pid, signal.SIGKILL)  # whatever it started goes with it
+            if time.monotonic() - child.started >= STABLE_SECONDS:
+                restarts = 0
+            delay = RESTART_DELAYS[min(restarts, len(RESTART_DELAYS) - 1)]
+            restarts += 1
+            self.console.say(f"{child.name} exited with code {code}; restarting it in {delay:g}s (restart {restarts})")
+            await asyncio.sleep(delay)
+            spawning = asyncio.ensure_future(self._spawn(child.name))
+            try:
+                self.children[index] = await asyncio.shield(spawning)
+            except asyncio.CancelledError:
+                self.children[index] = await spawning  # started all the same: stop() stops it with the others
+                raise
 
     async def wait_healthy(self) -> None:
         """Waits until every service answers the gRPC health check; fails fast if one exits."""
@@ -306,18 +340,11 @@ class DevStack:
             if pending:
                 await asyncio.sleep(0.1)
 
-    async def first_exit(self) -> Child:
-        """The first service process to exit."""
-        waits = {asyncio.create_task(c.proc.wait()): c for c in self.children}
-        try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in waits:
-                task.cancel()
-        return waits[next(iter(done))]
-
     async def stop(self) -> None:
-        """SIGTERM every service, wait for them, SIGKILL what is left, then stop the embedded servers."""
+        """Ends the restarts, SIGTERMs every service, waits for them, SIGKILLs what is left, stops the embedded servers."""
+        for keeper in self._keepers:
+            keeper.cancel()
+        await asyncio.gather(*self._keepers, return_exceptions=True)
         alive = [c for c in self.children if c.proc.returncode is None]
         if alive:
             self.console.say(f"stopping {', '.join(c.name for c in alive)} …")
@@ -409,7 +436,7 @@ async def main_async(settings: Settings, *, demo_only: bool, demo: bool, prompt:
             stopped.cancel()
             work.result()
             if not demo_only:
-                code = await _serve(dev, stop)
+                await stop.wait()
         else:
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -435,26 +462,13 @@ async def _start_and_demo(dev: DevStack, settings: Settings, *, demo: bool, prom
     details = await dev.prepare_database()
     await dev.start_services()
     await dev.wait_healthy()
+    dev.keep_running()
     path = details.save(dev.state_dir)
     dev.console.say(f"saved connection details for the CLI in {path}")
     if demo:
         await run_demo(dev.console, details, settings, prompt)
     if not demo_only:
         next_steps(dev.console, details, dev.state_dir)
-
-
-async def _serve(dev: DevStack, stop: asyncio.Event) -> int:
-    """Keeps running until Ctrl-C/SIGTERM (exit 0) or until a service dies (exit 1)."""
-    stopped = asyncio.create_task(stop.wait())
-    died = asyncio.create_task(dev.first_exit())
-    done, _ = await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
-    if died in done:
-        stopped.cancel()
-        child = died.result()
-        dev.console.say(f"error: {child.name} exited with code {child.proc.returncode}; stopping the stack")
-        return 1
-    died.cancel()
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

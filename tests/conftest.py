@@ -27,6 +27,7 @@ from taskgate.migrate import migrate
 from taskgate.runtime import Backends, connect
 from taskgate.v1 import gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedStack
+from tests.s3server import SeaweedS3
 
 TEMPLATE = "taskgate_template"
 _counter = itertools.count()
@@ -199,3 +200,13 @@ async def stub(gateway: SubmitHandle) -> AsyncIterator[gateway_pb2_grpc.TaskGate
 
 
 __all__ = ["busmod"]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """A real S3-compatible server (SeaweedFS) for the session, started only when a test asks for it."""
+    server = SeaweedS3(tmp_path_factory.mktemp("s3")).start()
+    try:
+        yield server
+    finally:
+        server.stop()

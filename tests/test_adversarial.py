@@ -207,6 +207,8 @@ BAD_FIELD: st.SearchStrategy[tuple[str, dict[str, Any]]] = st.one_of(
         st.integers(MAX_METADATA, MAX_METADATA * 20).map(lambda n: {"k": "v" * n}),
         st.integers(MAX_METADATA // 8, MAX_METADATA).map(lambda n: {f"key-{i:05d}": "v" for i in range(n)}),
         st.integers(MAX_METADATA // 2, MAX_METADATA).map(lambda n: {"snow": "\u2603" * n}),
+        st.text(max_size=10).map(lambda k: {k + "\x00": "v"}),  # jsonb cannot hold U+0000
+        st.text(max_size=10).map(lambda v: {"k": v + "\x00" + v}),
     ).map(lambda v: ("metadata", {"metadata": v})),
     st.one_of(
         _long(MAX_KEY),
@@ -248,14 +250,16 @@ async def test_every_bad_field_is_invalid_argument_and_stores_nothing(
     assert await task_count(backends) == before
 
 
-ANY_TEXT = st.one_of(st.text(max_size=60), st.sampled_from(["", "sleepy", "text-to-video", PUBLIC_HOOK, "PROGRESS"]))
+ANY_TEXT = st.one_of(factories.any_text(60, surrogates=False), st.sampled_from(["", "sleepy", "text-to-video", PUBLIC_HOOK, "PROGRESS"]))
 ANY_INT = st.one_of(st.integers(*INT32), st.sampled_from([0, 1, 5, 9, 10, 16, 32]))
 
 
 @EXAMPLES
 @given(
     prompt=ANY_TEXT, model_id=ANY_TEXT, task_type=ANY_TEXT, key=ANY_TEXT, url=ANY_TEXT,
-    events=st.lists(ANY_TEXT, max_size=3), metadata=st.dictionaries(st.text(max_size=20), st.text(max_size=40), max_size=4),
+    events=st.lists(ANY_TEXT, max_size=3), metadata=st.dictionaries(
+        factories.any_text(20, surrogates=False), factories.any_text(40, surrogates=False), max_size=4
+    ),
     priority=ANY_INT, retries=st.one_of(st.none(), ANY_INT),
     params=st.fixed_dictionaries({
         "num_frames": ANY_INT, "width": ANY_INT, "height": ANY_INT, "num_inference_steps": ANY_INT, "fps": ANY_INT,
@@ -284,6 +288,36 @@ async def test_arbitrary_requests_get_ok_or_invalid_argument_never_an_internal_e
     stored = await backends.pool.fetchrow("SELECT prompt, model_id FROM task WHERE id = $1", int(resp.task.id))
     assert stored is not None and (stored["prompt"], stored["model_id"]) == (prompt, "sleepy")
     assert await task_count(backends) == before + int(resp.created)
+
+
+# The string fields of SubmitTaskRequest, each as the wire bytes that carry a value in it (lone surrogates kept).
+STRING_FIELDS: dict[str, Any] = {
+    "prompt": lambda v: factories.wire_field(3, factories.wire_text(v)),
+    "params.negative_prompt": lambda v: factories.wire_field(4, factories.wire_field(8, factories.wire_text(v))),
+    "metadata": lambda v: factories.wire_field(9, factories.wire_field(1, factories.wire_text(v)) + factories.wire_field(2, b"v")),
+    "metadata ": lambda v: factories.wire_field(9, factories.wire_field(1, b"k") + factories.wire_field(2, factories.wire_text(v))),
+    "idempotency_key": lambda v: factories.wire_field(6, factories.wire_text(v)),
+    "callback_url": lambda v: factories.wire_field(7, factories.wire_text(PUBLIC_HOOK + v)),
+}
+
+
+@EXAMPLES
+@given(field=st.sampled_from(sorted(STRING_FIELDS)), value=factories.unstorable_text())
+async def test_what_postgresql_cannot_store_is_invalid_argument_naming_the_field(
+    channel: grpc.aio.Channel, backends: Backends, field: str, value: str
+) -> None:
+    md = await key_for(backends, "tenant-a")
+    before = await task_count(backends)
+    # Raw bytes: the protobuf library refuses to encode a lone surrogate, but a client elsewhere can send one.
+    submit = channel.unary_unary("/taskgate.v1.TaskGateway/SubmitTask", response_deserializer=gateway_pb2.SubmitTaskResponse.FromString)
+    raw = base_request().SerializeToString() + STRING_FIELDS[field](value)  # a later field wins, or adds a map entry
+    code, details = await failure(submit(raw, metadata=md, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, value)
+    assert field.strip() in violated(details), (field, violated(details))
+    assert await task_count(backends) == before
+    get = channel.unary_unary("/taskgate.v1.TaskGateway/GetTask", response_deserializer=gateway_pb2.GetTaskResponse.FromString)
+    code, details = await failure(get(factories.wire_field(1, factories.wire_text(value)), metadata=md, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 @EXAMPLES

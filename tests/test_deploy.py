@@ -25,6 +25,7 @@ from taskgate import bus, migrate, telemetry
 from taskgate.config import Settings
 from taskgate.states import Priority, Status
 from taskgate.v1 import admin_pb2, events_pb2, gateway_pb2, worker_pb2
+from taskgate_client.config import ClientConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -213,6 +214,17 @@ def _calls(expr: Any) -> Iterator[Any]:
     found: list[Any] = []
     promql_parser.walk(expr, lambda node: found.append(node) if isinstance(node, promql_parser.Call) else None)
     return iter(found)
+
+
+def test_callback_alert_also_fires_on_failed_attempts_within_minutes() -> None:
+    rule = alert("TaskgateCallbackSuccessLow")
+    expr = promql_parser.parse(rule["expr"])
+    assert "taskgate_callback_attempts_total" in metric_names(expr)
+    assert {m.value for m in matchers(expr, "result")} == {"2xx"}  # the notifier's label for a successful POST
+    assert "[5m]" in rule["expr"] and promql_parser.parse_duration(rule["for"]).total_seconds() <= 300
+    notifier = ROOT / "services" / "notifier"
+    if notifier.exists():  # the label is the status class: f"{code // 100}xx"
+        assert '{code // 100}xx"' in (notifier / "webhooks.py").read_text()
 
 
 def test_callback_outcome_in_the_alert_is_the_one_the_notifier_counts() -> None:
@@ -506,23 +518,30 @@ def test_images_are_dockerfile_targets(overlay: str) -> None:
             if base.startswith("taskgate"):
                 assert base in targets, f"{container['image']}: no `FROM ... AS {base}` in the Dockerfile"
                 used.add(base)
+                # the API services and migrations run the image without torch; only workers carry it
+                expected = "worker" if component(container) == "worker" or container["name"] == "tiny-model" else "api"
+                assert (base == "taskgate-api") == (expected == "api"), f"{workload['metadata']['name']}: {base}"
             else:
                 assert re.search(r":[\w.-]+$", container["image"]), f"{container['image']}: third-party images are pinned"
-    assert "taskgate" in used
+    assert "taskgate-api" in used
 
 
-def test_dockerfile_is_multistage_non_root_with_pinned_torch() -> None:
+def test_dockerfile_builds_the_wheels_with_the_pinned_versions() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    pinned = re.search(r'"torch==([\d.]+)"', pyproject)
+    pinned = re.search(r"^torch==([\d.]+)", (ROOT / "constraints.txt").read_text(), re.M)
     assert pinned is not None
-    assert text.count(f"torch=={pinned.group(1)}") == 2, "both torch variants install the pyproject version"
+    assert text.count(f"torch=={pinned.group(1)}") == 2, "both torch variants install the constraints.txt version"
     assert "download.pytorch.org/whl/cpu" in text
-    assert {"taskgate", "taskgate-cuda"} <= dockerfile_targets()
+    assert {"taskgate-api", "taskgate", "taskgate-cuda"} <= dockerfile_targets()
+    stages = re.split(r"^FROM ", text, flags=re.M)
+    api = "\n".join(line for line in next(st for st in stages if st.split()[2:3] == ["deps-api"]).splitlines() if not line.startswith("#"))
+    assert "torch" not in api and "[worker]" not in api, "the API image has no torch"
+    installs = [line for line in text.splitlines() if line.startswith("RUN pip install") and "torch==" not in line]
+    assert installs and all("-c /tmp/constraints.txt" in line for line in installs)
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and all(u.split(":")[0] not in {"0", "root"} for u in users)
     dockerignore = (ROOT / ".dockerignore").read_text().split()
-    assert {"!taskgate/", "!services/", "!pyproject.toml"} <= set(dockerignore)
+    assert {"!taskgate/", "!services/", "!pyproject.toml", "!constraints.txt", "!clients/python/"} <= set(dockerignore)
 
 
 def test_dev_runs_one_of_everything_with_its_own_backends() -> None:
@@ -620,3 +639,26 @@ def test_prod_network_policies_admit_every_served_port() -> None:
                     for rule_port in rule.get("ports", [])
                 )
                 assert allowed, f"{workload['metadata']['name']} port {number} is unreachable under default-deny"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_grpc_services_are_headless_and_the_sdk_defaults_reach_them(overlay: str) -> None:
+    """Clients balance per call over every pod (headless names, SDK round_robin), and find events and admin unaided."""
+    objs = rendered(overlay)
+    services = {s["metadata"]["name"]: s for s in of_kind(objs, "Service")}
+    for workload, container, name in taskgate_containers(objs):
+        if name == "migrate":
+            continue
+        service = services[f"taskgate-{name}"]
+        assert service["spec"].get("clusterIP") == "None", f"{overlay} {service['metadata']['name']} is not headless"
+        settings = settings_for(container_env(objs, container))
+        sdk = dict(ClientConfig().channel_options())
+        assert settings.grpc_min_ping_interval_seconds * 1000 < int(str(sdk["grpc.keepalive_time_ms"])), workload["metadata"]["name"]
+        assert sdk["grpc.lb_policy_name"] == "round_robin"
+        assert settings.grpc_max_connection_age_seconds <= 600, f"{workload['metadata']['name']}: new pods wait that long for traffic"
+    namespace = services["taskgate-submit"]["metadata"]["namespace"]
+    grpc_port = {n: p["port"] for n, s in services.items() for p in s["spec"]["ports"] if p["name"] == "grpc"}
+    for host in ("taskgate-submit", f"taskgate-submit.{namespace}.svc.cluster.local"):
+        config = ClientConfig(address=f"{host}:{grpc_port['taskgate-submit']}").resolved()
+        for address, sibling in ((config.events_address, "taskgate-notifier"), (config.admin_address, "taskgate-scheduler")):
+            assert address == f"{host.replace('taskgate-submit', sibling)}:{grpc_port[sibling]}"

@@ -105,6 +105,7 @@ def fault_settings(model_dir: Path) -> Settings:
         queue_timeout_seconds=60.0,
         max_republish=5,
         processing_timeout_seconds=120.0,
+        max_worker_losses=10,  # every worker and PostgreSQL are killed twice: a task may be caught more than once
         retry_backoff_seconds=0.2,
         retry_backoff_max_seconds=2.0,
         progress_interval_seconds=0.5,
@@ -504,7 +505,7 @@ async def _check(
     for request in receiver.requests:
         received[request.headers.get("webhook-id", "")].append(request)
         try:
-            verify_webhook(request.headers, request.body, secret)
+            verify_webhook(request.headers, request.body, secret, now=request.wall)  # as the receiver would have, on arrival
         except WebhookVerificationError:
             bad_signatures += 1
     if bad_signatures:

@@ -14,6 +14,7 @@ import pytest
 from taskgate import store
 from taskgate.migrate import migrate
 from taskgate.runtime import Backends
+from taskgate_local import protopath
 from tests.factories import insert_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,8 +53,8 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "protos/taskgate/v1").glob("*.proto"))
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-Iprotos", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-         f"--mypy_out={tmp_path}", f"--mypy_grpc_out={tmp_path}", *protos],
+        [sys.executable, "-m", "grpc_tools.protoc", "-Iprotos", f"-I{protopath.include_dir()}", f"--python_out={tmp_path}",
+         f"--grpc_python_out={tmp_path}", f"--mypy_out={tmp_path}", f"--mypy_grpc_out={tmp_path}", *protos],
         cwd=ROOT, env=env, check=True, capture_output=True,
     )
     made = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.py*"))

@@ -1,4 +1,4 @@
-"""Tests for the inference layer against the tiny offline Wan pipeline."""
+"""Tests for the inference layer against every family's tiny offline pipeline (Wan, CogVideoX, LTX-Video, HunyuanVideo)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,15 @@ from services.worker.inference import (
     GeneratedVideo,
     GenerationRequest,
     InferenceAborted,
+    LoadOptions,
     VideoPipeline,
     classify,
     decode_mp4_info,
     encode_mp4,
     pick_device,
+    resolve_dtype,
 )
+from taskgate.families import FAMILIES
 from taskgate_local import tinymodel
 
 
@@ -61,35 +64,54 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, built once for this module."""
-    return tinymodel.build_tiny_pipeline(tmp_path_factory.mktemp("models") / "wan-tiny", seed=0)
+@pytest.fixture(scope="module", params=sorted(tinymodel.TINY_MODELS))
+def model_name(request: pytest.FixtureRequest) -> str:
+    """Each tiny model in turn: every test using it runs once per family."""
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def video_pipeline(model_dir: Path) -> VideoPipeline:
+def pipeline_class(model_name: str) -> str:
+    """The diffusers pipeline class of the model under test."""
+    return tinymodel.TINY_MODELS[model_name]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, model_name: str, pipeline_class: str) -> Path:
+    """The tiny model, built once per family."""
+    return tinymodel.build_tiny_pipeline(tmp_path_factory.mktemp("models") / model_name, seed=0, pipeline=pipeline_class)
+
+
+@pytest.fixture(scope="module")
+def video_pipeline(model_dir: Path, model_name: str, pipeline_class: str) -> VideoPipeline:
     """The tiny model loaded on CPU in float32."""
-    return VideoPipeline.load("wan-tiny", model_dir, "cpu", torch.float32)
+    return VideoPipeline.load(model_name, model_dir, "cpu", torch.float32, LoadOptions(pipeline=pipeline_class))
 
 
-def test_saved_folder_is_a_loadable_wan_pipeline(model_dir: Path, video_pipeline: VideoPipeline) -> None:
-    from diffusers import WanPipeline
-
+def test_saved_folder_is_a_loadable_pipeline_of_its_family(
+    model_dir: Path, video_pipeline: VideoPipeline, model_name: str, pipeline_class: str
+) -> None:
     assert (model_dir / "model_index.json").is_file()
-    assert isinstance(video_pipeline.pipe, WanPipeline)
-    assert video_pipeline.model_id == "wan-tiny"
+    assert type(video_pipeline.pipe).__name__ == pipeline_class
+    assert video_pipeline.model_id == model_name
 
 
-def test_plain_from_pretrained_loads_it_when_accelerate_is_installed(model_dir: Path) -> None:
+def test_the_family_rules_cover_what_the_networks_need(video_pipeline: VideoPipeline, pipeline_class: str) -> None:
+    spec = tinymodel.tiny_spec(pipeline_class, Path("unused"))
+    assert video_pipeline.needs.size_multiple > 1 and video_pipeline.needs.frame_step > 1
+    assert video_pipeline.needs.violations(spec) == []
+    assert video_pipeline.needs.violations(spec.model_copy(update={"size_multiple": 8, "frame_step": 2})) != []
+
+
+def test_plain_from_pretrained_loads_it_when_accelerate_is_installed(model_dir: Path, pipeline_class: str) -> None:
     pytest.importorskip("accelerate")
-    from diffusers import DiffusionPipeline, WanPipeline
+    from diffusers import DiffusionPipeline
 
-    assert isinstance(DiffusionPipeline.from_pretrained(model_dir, local_files_only=True), WanPipeline)
+    assert type(DiffusionPipeline.from_pretrained(model_dir, local_files_only=True)).__name__ == pipeline_class
 
 
-def test_build_is_deterministic_and_cli_skips_existing(model_dir: Path, tmp_path: Path) -> None:
-    again = tinymodel.build_tiny_pipeline(tmp_path / "again", seed=0)
+def test_build_is_deterministic_and_cli_skips_existing(model_dir: Path, tmp_path: Path, pipeline_class: str) -> None:
+    again = tinymodel.build_tiny_pipeline(tmp_path / "again", seed=0, pipeline=pipeline_class)
     built = sorted(p.relative_to(model_dir) for p in model_dir.rglob("*") if p.is_file())
     assert built == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
     for rel in built:
@@ -107,6 +129,14 @@ def test_generate_returns_a_decodable_mp4(video_pipeline: VideoPipeline) -> None
     assert (video.num_frames, video.width, video.height, video.fps, video.seed) == (9, 32, 32, 8, 1)
     assert video.sha256 == hashlib.sha256(video.data).hexdigest()
     assert decode_mp4_info(video.data) == (9, 32, 32)
+
+
+def test_every_size_the_family_allows_comes_out_exact(video_pipeline: VideoPipeline, pipeline_class: str) -> None:
+    family = FAMILIES[pipeline_class]
+    step, multiple = family.frame_step, family.size_multiple
+    for frames, width, height in ((1, multiple, multiple), (1 + 2 * step, 2 * multiple, multiple)):
+        video = video_pipeline.generate(_request(num_frames=frames, width=width, height=height), _no_steps, _never)
+        assert decode_mp4_info(video.data) == (frames, width, height)
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(video_pipeline: VideoPipeline) -> None:
@@ -153,7 +183,7 @@ def test_abort_before_start_runs_no_step(video_pipeline: VideoPipeline) -> None:
     assert steps == []
 
 
-@pytest.mark.parametrize("changes", [{"width": 24}, {"width": 33}, {"num_frames": 0}])
+@pytest.mark.parametrize("changes", [{"width": 24}, {"width": 33}, {"num_frames": 0}, {"num_frames": 4}])
 def test_bad_parameters_are_not_retryable(video_pipeline: VideoPipeline, changes: dict[str, object]) -> None:
     with pytest.raises(ValueError) as caught:
         video_pipeline.generate(_request(**changes), _no_steps, _never)
@@ -177,6 +207,76 @@ def test_encoding_is_byte_stable() -> None:
 def test_encoding_rejects_odd_sizes() -> None:
     with pytest.raises(ValueError):
         encode_mp4(np.zeros((2, 31, 32, 3), np.uint8), 16)
+
+
+def test_resolve_dtype() -> None:
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", "cuda:0") == pick_device()[1] or not torch.cuda.is_available()
+
+
+def test_runtime_options_are_applied_and_the_video_is_unchanged(
+    model_dir: Path, video_pipeline: VideoPipeline, model_name: str, pipeline_class: str
+) -> None:
+    baseline = video_pipeline.generate(_request(seed=5), _no_steps, _never)
+    options = LoadOptions(
+        pipeline=pipeline_class,
+        vae_tiling=True,
+        vae_slicing=True,
+        offload="model",  # CUDA only: on CPU the pipeline simply stays where it is
+        attention_backend="native" if FAMILIES[pipeline_class].attention_backends else None,
+    )
+    tuned = VideoPipeline.load(model_name, model_dir, "cpu", torch.float32, options)
+    assert tuned.pipe.vae.use_tiling and tuned.pipe.vae.use_slicing
+    steps: list[int] = []
+    video = tuned.generate(_request(seed=5), lambda done, _total: steps.append(done), _never)
+    assert steps == [1, 2] and video.sha256 == baseline.sha256
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["blocks", "transformer"])
+def test_torch_compile_is_applied_and_warmed(tmp_path_factory: pytest.TempPathFactory, mode: str) -> None:
+    folder = tinymodel.build_tiny_pipeline(tmp_path_factory.mktemp("compiled") / "wan-tiny")
+    plain = VideoPipeline.load("wan-tiny", folder, "cpu", torch.float32)
+    # 'eager' traces and guards like inductor, without minutes of kernel generation on a CPU.
+    compiled = VideoPipeline.load("wan-tiny", folder, "cpu", torch.float32, LoadOptions(torch_compile=mode, compile_backend="eager"))
+    modules = [compiled.pipe.transformer] if mode == "transformer" else list(compiled.pipe.transformer.blocks)
+    assert all(getattr(m, "_compiled_call_impl", None) is not None for m in modules)
+    assert compiled.warmup(_request(num_inference_steps=1)) > 0 and compiled.warmup_seconds is not None
+    assert compiled.generate(_request(), _no_steps, _never).sha256 == plain.generate(_request(), _no_steps, _never).sha256
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"pipeline": "SomeOtherPipeline"}, "the registry says SomeOtherPipeline"),
+        ({"attention_backend": "no-such-backend"}, "no-such-backend"),
+        ({"call_options": (("no_such_argument", 1),)}, "takes no no_such_argument"),
+    ],
+)
+def test_options_the_pipeline_cannot_take_fail_the_load(model_dir: Path, changes: dict[str, object], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        VideoPipeline.load("bad", model_dir, "cpu", torch.float32, LoadOptions(**changes))  # type: ignore[arg-type]
+
+
+# One keyword argument of each family's __call__ that taskgate does not set itself and that changes the video.
+EXTRA_OPTION: dict[str, tuple[str, object]] = {
+    "WanPipeline": ("max_sequence_length", 8),
+    "CogVideoXPipeline": ("use_dynamic_cfg", True),
+    "LTXPipeline": ("guidance_rescale", 0.7),
+    "HunyuanVideoPipeline": ("true_cfg_scale", 2.0),  # real CFG, so the negative prompt counts
+}
+
+
+def test_pipeline_options_reach_the_call(
+    model_dir: Path, video_pipeline: VideoPipeline, model_name: str, pipeline_class: str
+) -> None:
+    option = EXTRA_OPTION[pipeline_class]
+    tuned = VideoPipeline.load(model_name, model_dir, "cpu", torch.float32, LoadOptions(call_options=(option,)))
+    assert tuned.call_options == dict([option])
+    baseline = video_pipeline.generate(_request(), _no_steps, _never)
+    video = tuned.generate(_request(), _no_steps, _never)
+    assert decode_mp4_info(video.data) == decode_mp4_info(baseline.data) and video.sha256 != baseline.sha256
 
 
 def test_pick_device() -> None:
@@ -205,3 +305,27 @@ def test_pick_device() -> None:
 )
 def test_classify(exc: BaseException, expected: tuple[bool, str]) -> None:
     assert classify(exc) == expected
+
+
+def test_a_run_records_its_phases_as_children_of_the_current_span(
+    video_pipeline: VideoPipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from taskgate import tracing
+
+    provider = TracerProvider()
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    monkeypatch.setattr(tracing, "_tracer", tracer)  # tracing on, into memory, for this test only
+    with tracer.start_as_current_span("attempt") as attempt:
+        video_pipeline.generate(_request(), _no_steps, _never)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    phases = [spans[name] for name in ("load", "denoise", "decode", "encode")]
+    assert all(s.parent is not None and s.parent.span_id == attempt.get_span_context().span_id for s in phases)
+    times = [t or 0 for s in phases for t in (s.start_time, s.end_time)]
+    assert 0 not in times and times == sorted(times), "the phases follow each other"
+    assert phases[1].attributes is not None and phases[1].attributes["taskgate.steps"] == 2

@@ -61,12 +61,13 @@ async def test_migrating_twice_changes_nothing(conn: asyncpg.Connection) -> None
 async def test_an_edited_applied_migration_is_refused(conn: asyncpg.Connection, sql_copy: Path) -> None:
     edited = sql_copy / "migrations" / "0004_notifier_outbox.sql"
     edited.write_text(edited.read_text() + "ALTER TABLE worker ADD COLUMN region text;\n")
-    (sql_copy / "migrations" / "0009_pending.sql").write_text("CREATE TABLE pending_probe (id integer);\n")
+    pending = sql.migrations()[-1].version + 1
+    (sql_copy / "migrations" / f"{pending:04d}_pending.sql").write_text("CREATE TABLE pending_probe (id integer);\n")
     with pytest.raises(MigrationEdited) as refused:
         await migrate(conn)
     message = str(refused.value)
     assert "taskgate/sql/migrations/0004_notifier_outbox.sql" in message
-    assert "new migration (0010_<what>.sql)" in message
+    assert f"new migration ({pending + 1:04d}_<what>.sql)" in message
     assert "0001_initial" not in message
     # refused before anything ran: the pending migration waits, the edit is not applied
     assert await conn.fetchval("SELECT to_regclass('pending_probe')") is None
@@ -74,9 +75,10 @@ async def test_an_edited_applied_migration_is_refused(conn: asyncpg.Connection, 
 
 
 async def test_a_new_migration_is_applied_and_recorded(conn: asyncpg.Connection, sql_copy: Path) -> None:
-    (sql_copy / "migrations" / "0009_probe.sql").write_text("CREATE TABLE probe (id integer);\n")
-    assert await migrate(conn) == [9]
-    assert (await ledger(conn))[9] == sql.migrations()[-1].checksum
+    probe = sql.migrations()[-1].version + 1
+    (sql_copy / "migrations" / f"{probe:04d}_probe.sql").write_text("CREATE TABLE probe (id integer);\n")
+    assert await migrate(conn) == [probe]
+    assert (await ledger(conn))[probe] == sql.migrations()[-1].checksum
     assert await conn.fetchval("SELECT to_regclass('probe')::text") == "probe"
     assert await migrate(conn) == []
 
@@ -100,7 +102,7 @@ async def test_migrations_applied_before_checksums_are_baselined_once(
 
 async def test_functions_and_triggers_are_reapplied_on_every_migrate(conn: asyncpg.Connection) -> None:
     before = await definitions(conn)
-    assert {"task_record_event", "submit_fast_path", "task_event_on_insert", "task_event_on_update"} <= before.keys()
+    assert {"task_record_event", "submit_tasks", "task_event_on_insert", "task_event_on_update"} <= before.keys()
     await conn.execute("DROP FUNCTION task_record_event() CASCADE")  # takes both triggers with it
     assert await definitions(conn) != before
     assert await migrate(conn) == []
@@ -134,7 +136,7 @@ def test_function_files_only_create_or_replace_and_migrations_do_not_use_them() 
         text = path.read_text()
         assert not re.findall(r"^CREATE\b(?! OR REPLACE)", text, re.MULTILINE), f"{path.name}: use CREATE OR REPLACE"
         defined |= set(re.findall(r"^CREATE OR REPLACE FUNCTION (\w+)", text, re.MULTILINE))
-    assert {"task_record_event", "submit_fast_path"} <= defined
+    assert {"task_record_event", "submit_tasks"} <= defined
     # functions/ runs after the migrations: a migration may drop one of its functions, never create or call it
     for migration in sql.migrations():
         code = re.sub(r"--[^\n]*", "", migration.text)

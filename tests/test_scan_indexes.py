@@ -79,6 +79,7 @@ async def test_every_scan_query_uses_an_index_on_task(big: Backends) -> None:
             c, timeouts=queue_timeouts, default_seconds=s.queue_timeout_seconds, limit=limit
         ),
         "lease_expired": lambda c: maintenance.lease_expired(c, limit=limit),
+        "lapsed_holds": lambda c: maintenance.lapsed_holds(c, limit=limit),
         "processing_overdue": lambda c: maintenance.processing_overdue(
             c, timeouts=processing_timeouts, default_seconds=s.processing_timeout_seconds,
             grace_seconds=s.processing_grace_seconds, limit=limit,
@@ -86,6 +87,11 @@ async def test_every_scan_query_uses_an_index_on_task(big: Backends) -> None:
         "add_missing_dead_letters": lambda c: maintenance.add_missing_dead_letters(
             c, window_seconds=s.dead_letter_window_seconds, reason="retries exhausted", limit=limit
         ),
+        "purge_tasks": lambda c: maintenance.purge_tasks(c, older_than_seconds=s.retain_tasks_seconds, limit=limit),
+        "purge_results": lambda c: maintenance.purge_results(c, older_than_seconds=s.retain_results_seconds, limit=limit),
+        "purge_events": lambda c: maintenance.purge_events(c, older_than_seconds=s.retain_events_seconds, limit=limit),
+        "unreferenced": lambda c: maintenance.unreferenced(c, [("tenant-2", "c81e728d9d4c2f636f067f89cc14862c", "mem://2")]),
+        "retention_counts": lambda c: maintenance.retention_counts(c, older_than_seconds=s.retain_tasks_seconds),
         "queue_gauges": maintenance.queue_gauges,
         "live_counts": admin_store.live_counts,
         "oldest_queued_age": admin_store.oldest_queued_age,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -116,6 +117,14 @@ async def test_failed_publish_leaves_the_task_for_the_next_pass(backends: Backen
     assert (await row(backends.pool, task.id)).status is Status.QUEUED
 
 
+async def dead_notice(backends: Backends, task: TaskRow) -> tuple[str, str]:
+    """The reason and error code of the latest notice on the dead-letter stream for the task's model (it must be this task's)."""
+    msg = await backends.bus.js.get_last_msg(busmod.DEAD_STREAM, busmod.dead_subject(task.model_id))
+    notice = json.loads(msg.data or b"{}")
+    assert notice["task_id"] == str(task.id) and msg.headers and msg.headers.get("Nats-Msg-Id") == f"{task.id}.dead"
+    return notice["reason"], notice["error_code"]
+
+
 async def test_queue_timeout_republishes_twice_then_times_out(backends: Backends, scheduler: Scheduler) -> None:
     task = await put_in(backends.pool, Status.QUEUED)
     now = await db_now(backends.pool)
@@ -135,6 +144,7 @@ async def test_queue_timeout_republishes_twice_then_times_out(backends: Backends
     assert (final.status, final.error_code) == (Status.TIMEOUT, "QUEUE_TIMEOUT")
     dead = await backends.pool.fetchrow("SELECT * FROM dead_letter WHERE task_id = $1", task.id)
     assert dead is not None and dead["error_code"] == "QUEUE_TIMEOUT"
+    assert await dead_notice(backends, task) == ("queue timeout", "QUEUE_TIMEOUT")  # the stream too, not only the table
     assert [m for _, m, _ in await dispatches(backends.bus)] == [f"{task.id}.p{task.version + 1}", f"{task.id}.p{task.version + 2}"]
 
 
@@ -212,6 +222,7 @@ async def test_slow_but_alive_worker_gets_one_grace_then_timeout_and_cancel(back
     final = await row(backends.pool, task.id)
     assert (final.status, final.error_code) == (Status.TIMEOUT, "PROCESSING_TIMEOUT")
     assert await backends.pool.fetchval("SELECT count(*) FROM dead_letter WHERE task_id = $1", task.id) == 1
+    assert await dead_notice(backends, task) == ("processing timeout", "PROCESSING_TIMEOUT")
     signal = task_pb2.CancelSignal.FromString((await sub.next_msg(timeout=5)).data)
     assert (signal.task_id, signal.hard) == (str(task.id), True)
     assert not await store.renew_lease(backends.pool, task.id, attempt=task.attempt, lease_seconds=10)  # the worker learns it too

@@ -31,7 +31,7 @@ from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.results import ObjectStoreResults
 from taskgate.runtime import Backends
-from taskgate.states import Status
+from taskgate.states import Priority, Status
 from taskgate.store import get_task
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_local.embedded import EmbeddedNats, free_port
@@ -105,7 +105,7 @@ async def test_submit_stores_canonical_task_publishes_once_and_queues(
 
 
 async def test_given_seed_params_and_options_are_kept(stub: Any, backends: Backends) -> None:
-    md = await key_for(backends)
+    md = await key_for(backends, max_priority=Priority.HIGH)  # HIGH is an entitlement
     params = task_pb2.VideoParams(num_frames=17, width=64, height=48, num_inference_steps=3, guidance_scale=5.1,
                                   fps=12, seed=42, negative_prompt="blurry")
     resp = await submit(stub, md, req("a cat", model_id="sleepy", params=params, priority=task_pb2.PRIORITY_HIGH,
@@ -161,7 +161,7 @@ async def test_concurrent_identical_submits_make_one_task_and_one_message(stub: 
 
 
 async def test_same_key_for_a_different_request_is_already_exists(stub: Any, backends: Backends) -> None:
-    md = await key_for(backends)
+    md = await key_for(backends, max_priority=Priority.HIGH)  # HIGH is an entitlement
     first = await submit(stub, md, req("one thing", idempotency_key="k1"))
     code, _, details = await failure(stub.SubmitTask(req("another thing", idempotency_key="k1"), metadata=md, timeout=5))
     assert code == grpc.StatusCode.ALREADY_EXISTS
@@ -256,7 +256,7 @@ async def test_unresponsive_database_gives_unavailable_within_the_deadline(stub:
 
 
 async def test_get_task_reports_queue_position_by_priority_then_age(stub: Any, backends: Backends) -> None:
-    md = await key_for(backends, max_pending=10)
+    md = await key_for(backends, max_pending=10, max_priority=Priority.HIGH)
     low = await submit(stub, md, req("l", priority=task_pb2.PRIORITY_LOW))
     first = await submit(stub, md, req("n1"))
     second = await submit(stub, md, req("n2"))

@@ -8,6 +8,7 @@ from typing import Any
 
 import asyncpg
 
+from taskgate import tracing
 from taskgate.states import CallbackStatus, Status
 from taskgate.store import callbacks as outbox_store
 from taskgate.store.events import RelayEvent
@@ -81,8 +82,9 @@ def payload(row: RelayEvent, kind: str) -> dict[str, Any]:
     }
 
 
-def plan(row: RelayEvent) -> outbox_store.NewDelivery | None:
-    """The delivery one relayed event creates, if its task has a callback URL and the event qualifies."""
+def plan(row: RelayEvent, trace_context: tracing.Carrier | None = None) -> outbox_store.NewDelivery | None:
+    """The delivery one relayed event creates, if its task has a callback URL and the event qualifies; its webhook
+    continues `trace_context` (the relay span's)."""
     url = row.callback_url
     if not url:
         return None
@@ -98,12 +100,21 @@ def plan(row: RelayEvent) -> outbox_store.NewDelivery | None:
         event_type=kind,
         url=url,
         payload=payload(row, kind),
+        trace_context=trace_context,
     )
 
 
-async def write(conn: asyncpg.Connection, rows: Sequence[RelayEvent], *, first_delay: float) -> int:
-    """Inserts the deliveries of a relay batch (idempotent) and marks terminal tasks that get none; returns how many."""
-    deliveries = [d for d in (plan(r) for r in rows) if d is not None]
+async def write(
+    conn: asyncpg.Connection,
+    rows: Sequence[RelayEvent],
+    *,
+    first_delay: float,
+    traces: Sequence[tracing.Carrier | None] = (),
+) -> int:
+    """Inserts the deliveries of a relay batch (idempotent) and marks terminal tasks that get none; returns how many.
+    `traces`: each row's relay-span context, when tracing is on."""
+    contexts = list(traces) or [None] * len(rows)
+    deliveries = [d for d in (plan(r, t) for r, t in zip(rows, contexts, strict=True)) if d is not None]
     if deliveries:
         await outbox_store.insert_deliveries(conn, deliveries, first_delay=first_delay)
     with_webhook = {d.task_id for d in deliveries if d.event_type != outbox_store.PROGRESS_TYPE}

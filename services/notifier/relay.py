@@ -10,10 +10,11 @@ from typing import Any
 import asyncpg
 import nats.errors
 import nats.js.errors
+from opentelemetry.trace import Span, SpanKind
 
 from services.notifier import outbox
 from taskgate import bus as busmod
-from taskgate import telemetry
+from taskgate import telemetry, tracing
 from taskgate.config import Settings
 from taskgate.store import events as event_store
 from taskgate.waiting import cancelling, woken
@@ -75,19 +76,28 @@ class EventRelay:
             rows = await event_store.take_unpublished(conn, limit=self._settings.relay_batch_size)
             if not rows:
                 return 0
-            created = await outbox.write(conn, rows, first_delay=self._settings.webhook_schedule_seconds[0])
-            done = await self._publish([r.event for r in rows])
-            if self.before_commit is not None:
-                await self.before_commit(done)
-            if done:
-                await event_store.mark_published(conn, done, at=relay_time)
+            # one span per event in its task's trace (none when tracing is off); the message and the webhook continue it
+            spans = [_relay_span(r) for r in rows] if tracing.enabled() else []
+            traces = [tracing.carrier_of(s) for s in spans]
+            done: list[int] = []
+            try:
+                created = await outbox.write(conn, rows, first_delay=self._settings.webhook_schedule_seconds[0], traces=traces)
+                done = await self._publish([r.event for r in rows], traces)
+                if self.before_commit is not None:
+                    await self.before_commit(done)
+                if done:
+                    await event_store.mark_published(conn, done, at=relay_time)
+            finally:
+                relayed = set(done)
+                for row, started in zip(rows, spans, strict=False):
+                    tracing.end(started, error=None if row.event.id in relayed else "not relayed in this pass")
         telemetry.EVENTS_RELAYED.inc(len(done))
         if created and self._on_deliveries is not None:
             self._on_deliveries()
         # A short pass after a failure must not loop at once: report "not a full batch".
         return len(done) if len(done) == len(rows) else 0
 
-    async def _publish(self, events: Sequence[event_store.Event]) -> list[int]:
+    async def _publish(self, events: Sequence[event_store.Event], traces: Sequence[tracing.Carrier | None] = ()) -> list[int]:
         """Publishes in id order, pipelined; returns the ids of the longest prefix that JetStream acknowledged.
 
         Stopping at the first failure keeps each task's versions in order: a later version is never recorded before
@@ -97,8 +107,9 @@ class EventRelay:
         futures: list[asyncio.Future[Any]] = []
         done: list[int] = []
         try:
-            for event in events:
-                fut = await event_wire.publish_async(self._bus, event, wait_stall=timeout)
+            for i, event in enumerate(events):
+                trace = traces[i] if traces else None
+                fut = await event_wire.publish_async(self._bus, event, wait_stall=timeout, trace_context=trace)
                 if fut is None:
                     log.error("event has no valid subject; recorded without publishing", extra={"event_id": event.id})
                     fut = _resolved()
@@ -118,6 +129,16 @@ class EventRelay:
         for fut in futures:
             fut.cancel()
         return done
+
+
+def _relay_span(row: event_store.RelayEvent) -> Span | None:
+    event = row.event
+    return tracing.start(
+        f"relay {event.to_status.value}",
+        parent=row.trace_context,
+        kind=SpanKind.PRODUCER,
+        attributes={tracing.TASK_ID: str(event.task_id), "taskgate.version": event.version, "messaging.system": "nats"},
+    )
 
 
 def _resolved() -> asyncio.Future[Any]:

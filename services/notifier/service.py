@@ -17,7 +17,7 @@ from services.notifier.listen import Listener
 from services.notifier.relay import EventRelay
 from services.notifier.streams import EventHub, TaskEventsService, register
 from services.notifier.webhooks import WebhookSender
-from taskgate import runtime, server
+from taskgate import results, runtime, server
 from taskgate.auth import Authenticator
 from taskgate.config import Settings
 
@@ -87,12 +87,13 @@ async def start(settings: Settings, backends: runtime.Backends | None = None) ->
     owns = backends is None
     b = backends if backends is not None else await runtime.connect(settings, "notifier")
     owner = f"notifier-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-    sender = WebhookSender(settings, b.pool, owner)
+    outputs = results.result_store(settings, b.bus)
+    sender = WebhookSender(settings, b.pool, owner, outputs=outputs)
     relay = EventRelay(settings, b.pool, b.bus, on_deliveries=sender.notify)
     listener = Listener(b.database_url, {EVENT_CHANNEL: relay.notify, WEBHOOK_CHANNEL: sender.notify})
     hub = EventHub(b.bus)
     await hub.start()
-    service = TaskEventsService(settings, b.pool, hub, Authenticator(b.pool, settings.api_key_pepper))
+    service = TaskEventsService(settings, b.pool, hub, Authenticator(b.pool, settings.api_key_pepper), outputs=outputs)
     grpc_server, port, health_servicer = await server.start_server(settings, settings.notifier_port, register(service))
     tasks = [
         asyncio.create_task(listener.run(), name="notifier-listen"),

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from taskgate import bus as busmod
-from taskgate import errors, ids, store
+from taskgate import errors, ids, results, store
 from taskgate.auth import Authenticator
 from taskgate.config import Settings
 from taskgate.store import events as event_store
@@ -149,11 +149,24 @@ def _statuses(values: Iterable[int]) -> set[int]:
 class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
     """WatchTask and WatchTasks: snapshot or history first, then live events, with keep-alives and resume points."""
 
-    def __init__(self, settings: Settings, pool: asyncpg.Pool, hub: EventHub, authenticator: Authenticator) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: asyncpg.Pool,
+        hub: EventHub,
+        authenticator: Authenticator,
+        *,
+        outputs: results.ResultStore | None = None,
+    ) -> None:
         self._settings = settings
         self._pool = pool
         self._hub = hub
         self._auth = authenticator
+        self._outputs = outputs
+
+    def _linked(self, event: task_pb2.TaskEvent) -> task_pb2.TaskEvent:
+        """A terminal event with a result gets a fresh download URL (a replayed one would carry a stale URL)."""
+        return results.linked_event(self._outputs, event) if self._outputs is not None else event
 
     async def WatchTask(
         self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
@@ -173,16 +186,21 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
             if last == 0:
                 position = await submissions.queue_position(self._pool, task)
-                yield events_pb2.WatchTaskResponse(snapshot=task.to_proto(position))
+                snapshot = task.to_proto(position)
+                if self._outputs is not None:
+                    results.add_link(self._outputs, snapshot.result)
+                yield events_pb2.WatchTaskResponse(snapshot=snapshot)
                 last = task.version
             if task.status.terminal and last >= task.version:
                 return
             for row in await event_store.task_events(self._pool, task_id, after_version=last):
                 event = event_wire.message(row)
-                yield events_pb2.WatchTaskResponse(event=event)
+                yield events_pb2.WatchTaskResponse(event=self._linked(event))
                 last = event.version
                 if event_wire.is_terminal(event):
                     return
+            if task.status.terminal:
+                return  # its history was deleted by retention: nothing more will come
             while True:
                 try:
                     live = await sub.next(self._settings.stream_keepalive_seconds)
@@ -200,8 +218,8 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                         self._pool, task_id, after_version=last, up_to_version=live.version - 1
                     )
                     for row in missed:
-                        yield events_pb2.WatchTaskResponse(event=event_wire.message(row))
-                yield events_pb2.WatchTaskResponse(event=live)
+                        yield events_pb2.WatchTaskResponse(event=self._linked(event_wire.message(row)))
+                yield events_pb2.WatchTaskResponse(event=self._linked(live))
                 last = live.version
                 if event_wire.is_terminal(live):
                     return
@@ -239,7 +257,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             def response(event: task_pb2.TaskEvent) -> events_pb2.WatchTasksResponse | None:
                 if wanted and event.to_status not in wanted:
                     return None
-                return events_pb2.WatchTasksResponse(event=event, cursor=str(cursor))
+                return events_pb2.WatchTasksResponse(event=self._linked(event), cursor=str(cursor))
 
             if request.cursor:
                 relayed_at = await event_store.relayed_at(self._pool, event_id=cursor, user_id=tenant)

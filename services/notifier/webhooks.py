@@ -8,11 +8,13 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from datetime import UTC
+from typing import Any
 
 import asyncpg
 import httpx
 
-from taskgate import netguard, telemetry
+from taskgate import netguard, results, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.states import CallbackStatus
 from taskgate.store import callbacks as outbox_store
@@ -43,10 +45,13 @@ class Attempt:
 class WebhookSender:
     """Sends due deliveries with at most `webhook_concurrency` in flight; several replicas share the outbox by lease."""
 
-    def __init__(self, settings: Settings, pool: asyncpg.Pool, owner: str) -> None:
+    def __init__(
+        self, settings: Settings, pool: asyncpg.Pool, owner: str, *, outputs: results.ResultStore | None = None
+    ) -> None:
         self._settings = settings
         self._pool = pool
         self._owner = owner
+        self._outputs = outputs
         self.wake = asyncio.Event()
         self._inflight: set[asyncio.Task[None]] = set()
         self._client = httpx.AsyncClient(
@@ -105,10 +110,18 @@ class WebhookSender:
     async def _deliver(self, delivery: outbox_store.Delivery) -> None:
         attempt_no = delivery.attempts + 1
         round_no = delivery.attempts - delivery.round_start + 1
-        body = json.dumps(delivery.payload, separators=(",", ":"), sort_keys=True).encode()
+        body = json.dumps(self._with_link(delivery.payload), separators=(",", ":"), sort_keys=True).encode()
         secrets = await tenants.webhook_secrets(self._pool, delivery.user_id)
         if secrets:
-            attempt = await self.post(delivery.url, delivery.webhook_id, body, secrets)
+            with tracing.span(
+                f"webhook {delivery.event_type}",
+                parent=delivery.trace_context,
+                attributes={
+                    tracing.TASK_ID: str(delivery.task_id), "taskgate.webhook_id": delivery.webhook_id, "taskgate.attempt": attempt_no
+                },
+            ):
+                attempt = await self.post(delivery.url, delivery.webhook_id, body, secrets)
+                tracing.annotate({"taskgate.result": attempt.result}, error=attempt.error)
         else:
             attempt = Attempt(None, 0.0, "the tenant has no webhook secret", "unsigned")
         schedule = self._settings.webhook_schedule_seconds
@@ -159,6 +172,16 @@ class WebhookSender:
             if status is CallbackStatus.DELIVERED:
                 telemetry.CALLBACK_LATENCY.observe(max(time.time() - delivery.created_at.timestamp(), 0.0))
 
+    def _with_link(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The payload with data.result_url: minted per attempt, so a retry an hour later still carries a live URL."""
+        data = payload.get("data") or {}
+        result = data.get("result") or {}
+        link = self._outputs.link(result["uri"]) if self._outputs is not None and result.get("uri") else None
+        if link is None:
+            return payload
+        expires = link.expires_at.astimezone(UTC).isoformat().replace("+00:00", "Z")
+        return {**payload, "data": {**data, "result_url": link.url, "result_url_expires_at": expires}}
+
     async def _checked_address(self, url: httpx.URL) -> str:
         """The one address to connect to: never the name again, which closes the DNS-rebinding gap."""
         if url.scheme not in ("http", "https") or not url.host:
@@ -184,7 +207,7 @@ class WebhookSender:
             address = await self._checked_address(target)
         except (Blocked, httpx.InvalidURL) as exc:
             return Attempt(None, elapsed(), f"blocked: {exc}"[:ERROR_EXCERPT], "blocked")
-        headers = webhook_signing.headers(secrets, webhook_id, int(time.time()), body)
+        headers = tracing.headers(webhook_signing.headers(secrets, webhook_id, int(time.time()), body))  # + traceparent
         headers["content-type"] = "application/json"
         headers["host"] = target.netloc.decode("ascii")
         extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}

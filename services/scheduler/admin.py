@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
 from services.scheduler.requeue import Item, Requeuer
-from services.scheduler.scans import TaskScan
+from services.scheduler.scans import Action, Retention, RetentionScan, ScanContext, TaskScan, count
+from taskgate import auth, errors, ids, paging, store, text
 from taskgate import bus as busmod
-from taskgate import errors, ids, paging, store
 from taskgate.auth import Authenticator
 from taskgate.config import Settings
 from taskgate.model import timestamp
-from taskgate.states import UNFINISHED, Status
+from taskgate.states import UNFINISHED, CallbackStatus, Status
 from taskgate.store import admin as admin_store
 from taskgate.store import callbacks as callback_store
+from taskgate.store import maintenance, tenants
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, task_pb2
 
+log = logging.getLogger("taskgate.admin")
+
+DEFAULT_SECRET_OVERLAP = 24 * 3600.0  # seconds the previous webhook secrets keep signing after a rotation
 _DEAD_LETTERS = paging.filter_key("admin.dead_letters")  # no filter, but its tokens fit no other listing
 
 
@@ -59,6 +66,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self.auth = Authenticator(pool, settings.api_key_pepper)
         self.task_scans = list(task_scans)
         self.requeuer = Requeuer(pool, bus)
+        self.retention = RetentionScan(ScanContext(settings, pool, bus))
 
     def _page_size(self, requested: int, field: str = "page_size") -> int:
         if requested < 0:
@@ -69,6 +77,10 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         older = f.older_than.ToTimedelta().total_seconds() if f.HasField("older_than") else None
         if older is not None and older < 0:
             raise errors.invalid_argument([("filter.older_than", "must not be negative")])
+        bad: list[tuple[str, str]] = []
+        text.check("filter.model_id", [f.model_id], bad)
+        if bad:
+            raise errors.invalid_argument(bad)
         return _statuses(f.statuses, "filter.statuses"), f.model_id or None, older
 
     async def GetStats(self, request: admin_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.GetStatsResponse:
@@ -138,6 +150,10 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             raise errors.invalid_argument([("batch_size", "must be between 1 and 1000 (0 = default)")])
         batch_size = request.batch_size or self.settings.requeue_batch_size
         reason = request.reason or "operator requeue"
+        bad: list[tuple[str, str]] = []
+        text.check("reason", [reason], bad)  # stored as the transition's reason
+        if bad:
+            raise errors.invalid_argument(bad)
         number = 0
         async for batch in self._batches(request, batch_size):
             number += 1
@@ -203,6 +219,123 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
                 )
                 for d in reset
             ]
+        )
+
+    async def ListCallbackDeliveries(
+        self, request: admin_pb2.ListCallbackDeliveriesRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListCallbackDeliveriesResponse:
+        """Webhook deliveries in a state (all when unspecified), newest first, with attempts and last error."""
+        await self.auth.principal(context, admin=True)
+        status = None
+        if request.status:
+            name = task_pb2.CallbackStatus.Name(request.status) if request.status in task_pb2.CallbackStatus.values() else ""
+            if name.removeprefix("CALLBACK_STATUS_") not in CallbackStatus.__members__:
+                raise errors.invalid_argument([("status", "unknown callback status")])
+            status = CallbackStatus(name.removeprefix("CALLBACK_STATUS_"))
+        limit = self._page_size(request.page_size)
+        fingerprint = paging.filter_key("admin.deliveries", status.value if status else None)
+        rows = await admin_store.deliveries(
+            self.pool, status=status, before=_cursor(request.page_token, fingerprint), limit=limit + 1
+        )
+        response = admin_pb2.ListCallbackDeliveriesResponse()
+        for d in rows[:limit]:
+            record = response.deliveries.add(
+                delivery_id=d.id, task_id=str(d.task_id), tenant=d.user_id, webhook_id=d.webhook_id, event=d.event_type,
+                url=d.url, status=d.status.to_proto(), attempts=d.attempts, last_status_code=d.last_status_code or 0,
+                last_error=d.last_error or "", created_at=timestamp(d.created_at),
+            )
+            if d.status is CallbackStatus.PENDING:
+                record.next_attempt_at.CopyFrom(timestamp(d.next_attempt_at))
+            if d.last_attempt_at is not None:
+                record.last_attempt_at.CopyFrom(timestamp(d.last_attempt_at))
+        if len(rows) > limit:
+            last = rows[limit - 1]
+            response.next_page_token = paging.encode(paging.Cursor(last.created_at, last.id), fingerprint)
+        return response
+
+    async def _existing_tenant(self, tenant: str) -> str:
+        """The tenant named by a request; INVALID_ARGUMENT for a name no tenant can have, NOT_FOUND for none."""
+        if not auth.valid_tenant_name(tenant):
+            raise errors.invalid_argument([("tenant", "must be 1-64 of A-Z a-z 0-9 _ -")])
+        if not await tenants.tenant_exists(self.pool, tenant):
+            raise errors.not_found("tenant")
+        return tenant
+
+    async def RotateWebhookSecret(
+        self, request: admin_pb2.RotateWebhookSecretRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.RotateWebhookSecretResponse:
+        """Adds a webhook secret; the tenant's current ones keep signing until the overlap (default 24 h) ends."""
+        await self.auth.principal(context, admin=True)
+        overlap = request.overlap.ToTimedelta().total_seconds() if request.HasField("overlap") else DEFAULT_SECRET_OVERLAP
+        if overlap < 0:
+            raise errors.invalid_argument([("overlap", "must not be negative")])
+        tenant = await self._existing_tenant(request.tenant)
+        async with self.pool.acquire() as conn, conn.transaction():
+            secret = await auth.rotate_webhook_secret(conn, tenant, overlap)
+            valid = await tenants.webhook_secrets(conn, tenant)
+        log.info("webhook secret rotated", extra={"tenant": tenant, "overlap_seconds": overlap, "valid_secrets": len(valid)})
+        until = datetime.now(UTC) + timedelta(seconds=overlap)
+        return admin_pb2.RotateWebhookSecretResponse(
+            webhook_secret=secret, previous_valid_until=timestamp(until), valid_secrets=len(valid)
+        )
+
+    async def ListApiKeys(
+        self, request: admin_pb2.ListApiKeysRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListApiKeysResponse:
+        """Every key (of one tenant when given) by prefix, newest first; the keys themselves are not stored."""
+        await self.auth.principal(context, admin=True)
+        if request.tenant and not auth.valid_tenant_name(request.tenant):
+            raise errors.invalid_argument([("tenant", "must be 1-64 of A-Z a-z 0-9 _ -")])
+        response = admin_pb2.ListApiKeysResponse()
+        for k in await tenants.list_api_keys(self.pool, request.tenant or None):
+            info = response.keys.add(prefix=k.prefix, tenant=k.tenant_id, admin=k.is_admin, created_at=timestamp(k.created_at))
+            if k.revoked_at is not None:
+                info.revoked_at.CopyFrom(timestamp(k.revoked_at))
+        return response
+
+    async def RevokeApiKeys(
+        self, request: admin_pb2.RevokeApiKeysRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.RevokeApiKeysResponse:
+        """Revokes the live keys with a prefix; NOT_FOUND when none is live (gateways notice within their key cache)."""
+        who = await self.auth.principal(context, admin=True)
+        bad: list[tuple[str, str]] = []
+        text.check("prefix", [request.prefix], bad)
+        if not request.prefix:
+            bad.append(("prefix", "is required"))
+        if bad:
+            raise errors.invalid_argument(bad)
+        revoked = await tenants.revoke_api_keys(self.pool, request.prefix)
+        if not revoked:
+            raise errors.not_found("live key with that prefix")
+        log.info("api keys revoked", extra={"prefix": request.prefix, "count": len(revoked), "by": who.tenant_id})
+        return admin_pb2.RevokeApiKeysResponse(revoked=len(revoked))
+
+    async def PurgeTasks(
+        self, request: admin_pb2.PurgeTasksRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.PurgeTasksResponse:
+        """Deletes finished tasks (with their history and outputs) and reusable outputs older than older_than, in
+        scan-sized skip-locked batches; dry_run only counts (outputs: at most that many, shared ones may stay)."""
+        await self.auth.principal(context, admin=True)
+        if not request.HasField("older_than"):
+            raise errors.invalid_argument([("older_than", "is required")])
+        older = request.older_than.ToTimedelta().total_seconds()
+        if older < 0:
+            raise errors.invalid_argument([("older_than", "must not be negative")])
+        if request.dry_run:
+            would = await maintenance.retention_counts(self.pool, older_than_seconds=older)
+            return admin_pb2.PurgeTasksResponse(
+                tasks=would.tasks, results=would.results, reusable_results=would.reusable_results, dry_run=True
+            )
+        limit = self.settings.scan_batch_size
+        done: Counter[Action] = Counter()
+        while True:
+            batch = await self.retention.purge(Retention(tasks=older, reusable=older), limit=limit)
+            count(batch)
+            done.update(batch.actions)
+            if batch.examined < limit:
+                break
+        return admin_pb2.PurgeTasksResponse(
+            tasks=done[Action.PURGE_TASK], results=done[Action.PURGE_RESULT], reusable_results=done[Action.PURGE_REUSABLE]
         )
 
 

@@ -19,11 +19,11 @@ import asyncpg
 from nats.errors import Error as NatsError
 
 from taskgate import bus as busmod
-from taskgate import store, telemetry
+from taskgate import results, store, telemetry
 from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.store import maintenance
-from taskgate.wire import cancel, dispatch
+from taskgate.wire import cancel, dead_letter, dispatch
 from taskgate.wire.dispatch import Reason
 
 log = logging.getLogger("taskgate.scheduler")
@@ -31,6 +31,7 @@ log = logging.getLogger("taskgate.scheduler")
 ACTOR = "scheduler"
 QUEUE_TIMEOUT = "QUEUE_TIMEOUT"
 PROCESSING_TIMEOUT = "PROCESSING_TIMEOUT"
+WORKER_LOST = "WORKER_LOST"
 
 
 class Action(enum.StrEnum):
@@ -40,11 +41,17 @@ class Action(enum.StrEnum):
     REPUBLISH = "republish"  # QUEUED -> QUEUED with a new dispatch
     QUEUE_TIMEOUT = "queue_timeout"  # QUEUED -> TIMEOUT after max_republish re-publishes
     RELEASE = "release"  # PROCESSING with an expired lease -> QUEUED
+    WORKER_LOST = "worker_lost"  # PROCESSING with an expired lease -> FAILED after max_worker_losses lost attempts
     GRACE = "grace"  # one extension of a slow but live attempt
     PROCESSING_TIMEOUT = "processing_timeout"  # PROCESSING -> TIMEOUT after the grace
     DEAD_LETTER = "dead_letter"  # a missing dead_letter row written
     FORGET_WORKER = "forget_worker"  # a silent worker's registry row deleted
+    LET_GO = "let_go"  # a soft-cancelled attempt's lapsed lease ended (its pending slot freed)
     REQUEUE = "requeue"  # an operator's RequeueTasks moved a task
+    PURGE_TASK = "purge_task"  # a finished task past its retention deleted, with its history
+    PURGE_EVENT = "purge_event"  # an event (with its webhook deliveries and attempt logs) past its retention deleted
+    PURGE_RESULT = "purge_result"  # a stored output deleted from the result store
+    PURGE_REUSABLE = "purge_reusable"  # a reusable output past its retention forgotten
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,12 @@ class TaskScan(Scan, Protocol):
 
 def _timeouts(settings: Settings, timeout_for: Callable[[str], float]) -> dict[str, float]:
     return {m: timeout_for(m) for m in settings.models}
+
+
+async def _announce_dead(bus: busmod.Bus, dead: list[tuple[TaskRow, store.TaskError]], *, reason: str) -> None:
+    """The dead-letter stream's notices for tasks just ended for good; after the commit, so never for a rolled-back row."""
+    for task, error in dead:
+        await dead_letter.publish(bus, task, reason=reason, error_code=error.code, error_message=error.message)
 
 
 class CreatedScan:
@@ -130,6 +143,7 @@ class QueuedScan:
     async def run(self, now: datetime | None = None) -> ScanResult:
         s = self.ctx.settings
         result = ScanResult()
+        dead: list[tuple[TaskRow, store.TaskError]] = []
         async with self.ctx.pool.acquire() as conn, conn.transaction():
             tasks = await self.due(conn, now, s.scan_batch_size)
             result.examined = len(tasks)
@@ -142,16 +156,21 @@ class QueuedScan:
             for task in tasks:
                 if task.publish_count >= s.max_republish:
                     msg = f"no worker took the task within the queue timeout after {task.publish_count} re-publishes"
+                    error = store.TaskError(QUEUE_TIMEOUT, msg)
                     out = await store.time_out(
-                        conn, task.id, error=store.TaskError(QUEUE_TIMEOUT, msg), actor=ACTOR, reason="queue timeout",
-                        expected_version=task.version,
+                        conn, task.id, error=error, actor=ACTOR, reason="queue timeout", expected_version=task.version
                     )
                     result.actions[Action.QUEUE_TIMEOUT] += out.applied
+                    if out.applied and out.task is not None:
+                        dead.append((out.task, error))
+        await _announce_dead(self.ctx.bus, dead, reason="queue timeout")
         return result
 
 
 class LeaseScan:
-    """PROCESSING with an expired lease (the worker is gone): back to QUEUED with a new dispatch.
+    """PROCESSING with an expired lease (the worker is gone): back to QUEUED with a new dispatch, each such loss
+    counted; the loss that makes max_worker_losses fails the task WORKER_LOST (dead-lettered) instead: a task that
+    kills its worker is not run on every worker in turn.
 
     The next claim increments the attempt, so the old attempt's writes (guarded by expected_attempt) are refused.
     """
@@ -167,15 +186,32 @@ class LeaseScan:
         return await maintenance.lease_expired(conn, now=now, limit=limit)
 
     async def run(self, now: datetime | None = None) -> ScanResult:
-        moved = 0
+        limit = self.ctx.settings.max_worker_losses
+        result = ScanResult()
+        failed: list[tuple[TaskRow, store.TaskError]] = []
         async with self.ctx.pool.acquire() as conn, conn.transaction():
             tasks = await self.due(conn, now, self.ctx.settings.scan_batch_size)
-            for task, _ in await dispatch.publish_many(self.ctx.bus, [(t, Reason.RELEASED) for t in tasks]):
+            result.examined = len(tasks)
+            again = [(t, Reason.RELEASED) for t in tasks if t.worker_losses + 1 < limit]
+            for task, _ in await dispatch.publish_many(self.ctx.bus, again):
                 out = await store.release(
-                    conn, task.id, actor=ACTOR, reason="lease expired: worker lost", expected_version=task.version
+                    conn, task.id, actor=ACTOR, reason="lease expired: worker lost", expected_version=task.version,
+                    worker_lost=True,
                 )
-                moved += out.applied
-        return ScanResult(Counter({Action.RELEASE: moved}), len(tasks))
+                result.actions[Action.RELEASE] += out.applied
+            for task in tasks:
+                if task.worker_losses + 1 >= limit:
+                    error = store.TaskError(WORKER_LOST, f"the worker running it was lost {task.worker_losses + 1} times")
+                    out = await store.fail(
+                        conn, task.id, error=error, actor=ACTOR, reason="worker lost", expected_version=task.version,
+                        dead_letter=True, worker_lost=True,
+                    )
+                    if out.applied and out.task is not None:
+                        failed.append((out.task, error))
+        result.actions[Action.WORKER_LOST] = len(failed)
+        for task, error in failed:  # after the commit: a notice never announces a rolled-back row
+            await dead_letter.publish(self.ctx.bus, task, reason="worker lost", error_code=error.code, error_message=error.message)
+        return result
 
 
 class ProcessingTimeoutScan:
@@ -201,6 +237,7 @@ class ProcessingTimeoutScan:
     async def run(self, now: datetime | None = None) -> ScanResult:
         result = ScanResult()
         timed_out: list[TaskRow] = []
+        dead: list[tuple[TaskRow, store.TaskError]] = []
         async with self.ctx.pool.acquire() as conn, conn.transaction():
             tasks = await self.due(conn, now, self.ctx.settings.scan_batch_size)
             result.examined = len(tasks)
@@ -216,10 +253,12 @@ class ProcessingTimeoutScan:
                 )
                 if out.applied:
                     timed_out.append(task)
+                    dead.append((out.task or task, error))
         result.actions[Action.PROCESSING_TIMEOUT] = len(timed_out)
+        await _announce_dead(self.ctx.bus, dead, reason="processing timeout")
         # only a hint: the worker's next lease renewal fails too (cancel.send logs a refused signal)
         for task in timed_out:
-            await cancel.send(self.ctx.bus, task.id, hard=True, reason=PROCESSING_TIMEOUT)
+            await cancel.send(self.ctx.bus, task.id, hard=True, reason=PROCESSING_TIMEOUT, trace_context=task.trace_context)
         if timed_out:
             try:
                 await self.ctx.bus.nc.flush()
@@ -245,6 +284,20 @@ class DeadLetterScan:
         return ScanResult(Counter({Action.DEAD_LETTER: added}), added)
 
 
+class HoldScan:
+    """Soft-cancelled attempts keep their lease (and the tenant's pending slot) while their worker runs them; one whose
+    lease lapsed (the worker died before letting go) loses it here."""
+
+    name: ClassVar[str] = "holds"
+
+    def __init__(self, ctx: ScanContext) -> None:
+        self.ctx = ctx
+
+    async def run(self, now: datetime | None = None) -> ScanResult:
+        ended = await maintenance.lapsed_holds(self.ctx.pool, now=now, limit=self.ctx.settings.scan_batch_size)
+        return ScanResult(Counter({Action.LET_GO: ended}), ended)
+
+
 class WorkerScan:
     """Deletes registry rows of workers silent for worker_forget_seconds."""
 
@@ -261,6 +314,83 @@ class WorkerScan:
         for worker_id in gone:
             log.info("worker forgotten", extra={"worker": worker_id})
         return ScanResult(Counter({Action.FORGET_WORKER: len(gone)}), len(gone))
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """How long each kind of row is kept, in seconds; None keeps it forever."""
+
+    tasks: float | None = None
+    events: float | None = None
+    results: float | None = None
+    reusable: float | None = None
+
+    @classmethod
+    def of(cls, settings: Settings) -> Retention:
+        """The configured retention (a setting of 0 keeps forever)."""
+        return cls(
+            settings.retain_tasks_seconds or None, settings.retain_events_seconds or None,
+            settings.retain_results_seconds or None, settings.retain_reusable_seconds or None,
+        )
+
+
+class RetentionScan:
+    """Deletes what outlived its retention: finished tasks (with their history), events and webhook logs of finished
+    tasks, stored outputs, reusable outputs, each a bounded, skip-locked batch per pass in its own transaction.
+
+    An output goes from the result store inside the transaction that forgets it, so a failed delete leaves the row
+    for the next pass; an output shared by identical requests goes with the last row referring to it.
+    """
+
+    name: ClassVar[str] = "retention"
+
+    def __init__(self, ctx: ScanContext) -> None:
+        self.ctx = ctx
+        self.outputs = results.result_store(ctx.settings, ctx.bus)
+
+    async def run(self, now: datetime | None = None) -> ScanResult:
+        return await self.purge(Retention.of(self.ctx.settings), now=now, limit=self.ctx.settings.scan_batch_size)
+
+    async def _delete_outputs(self, uris: list[str]) -> int:
+        deleted = 0
+        for uri in uris:
+            try:
+                await self.outputs.delete(uri)
+                deleted += 1
+            except results.ResultNotFound:  # an output of another store (from before a switch): only its row goes
+                log.warning("output of another result store left in place", extra={"uri": uri})
+        return deleted
+
+    async def purge(self, keep: Retention, *, now: datetime | None = None, limit: int) -> ScanResult:
+        """One batch of each kind past `keep`; `examined` is the largest batch (a full one means more are due)."""
+        result = ScanResult()
+        batches: list[int] = []
+        pool = self.ctx.pool
+        if keep.tasks is not None:
+            async with pool.acquire() as conn, conn.transaction():
+                gone = await maintenance.purge_tasks(conn, now=now, older_than_seconds=keep.tasks, limit=limit)
+                result.actions[Action.PURGE_RESULT] += await self._delete_outputs(gone.orphans)
+            result.actions[Action.PURGE_TASK] += gone.rows
+            batches.append(gone.rows)
+        if keep.results is not None:
+            async with pool.acquire() as conn, conn.transaction():
+                expired = await maintenance.purge_results(conn, now=now, older_than_seconds=keep.results, limit=limit)
+                result.actions[Action.PURGE_RESULT] += await self._delete_outputs(expired.orphans)
+            batches.append(expired.rows)
+        if keep.reusable is not None:
+            async with pool.acquire() as conn, conn.transaction():
+                reusable = await maintenance.purge_reusable(conn, now=now, older_than_seconds=keep.reusable, limit=limit)
+                result.actions[Action.PURGE_RESULT] += await self._delete_outputs(reusable.orphans)
+            result.actions[Action.PURGE_REUSABLE] += reusable.rows
+            batches.append(reusable.rows)
+        if keep.events is not None:
+            events = await maintenance.purge_events(pool, now=now, older_than_seconds=keep.events, limit=limit)
+            result.actions[Action.PURGE_EVENT] += events
+            batches.append(events)
+        result.examined = max(batches, default=0)
+        if any(result.actions.values()):
+            log.info("retention purge", extra={"purged": {a.value: n for a, n in result.actions.items() if n}})
+        return result
 
 
 def count(result: ScanResult) -> None:

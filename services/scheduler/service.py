@@ -20,9 +20,11 @@ from services.scheduler.scans import (
     Action,
     CreatedScan,
     DeadLetterScan,
+    HoldScan,
     LeaseScan,
     ProcessingTimeoutScan,
     QueuedScan,
+    RetentionScan,
     Scan,
     ScanContext,
     TaskScan,
@@ -60,7 +62,8 @@ class Scheduler:
         ctx = ScanContext(settings, pool, bus)
         # QUEUED and CREATED first: a task released by the lease scan in this pass is not re-published in it.
         self.task_scans: list[TaskScan] = [QueuedScan(ctx), CreatedScan(ctx), LeaseScan(ctx), ProcessingTimeoutScan(ctx)]
-        self.scans: list[Scan] = [*self.task_scans, DeadLetterScan(ctx), WorkerScan(ctx)]
+        self.retention = RetentionScan(ctx)
+        self.scans: list[Scan] = [*self.task_scans, HoldScan(ctx), DeadLetterScan(ctx), WorkerScan(ctx), self.retention]
         self.passes = 0
 
     async def run_once(self, now: datetime | None = None) -> ScanReport:

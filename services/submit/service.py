@@ -13,24 +13,24 @@ from typing import Any, TypeAlias
 import grpc
 from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health
-from nats.errors import Error as NatsError
 
-from taskgate import errors, ids, paging, store, telemetry
+from taskgate import errors, ids, paging, store, telemetry, tracing
 from taskgate.auth import Authenticator, Principal
 from taskgate.config import Settings
 from taskgate.model import TaskRow
-from taskgate.results import ResultNotFound, result_store
+from taskgate.results import ResultNotFound, add_link, result_store
 from taskgate.runtime import Backends, connect, stop_signal
-from taskgate.server import BACKEND_ERRORS, mark_not_serving, start_server
+from taskgate.server import mark_not_serving, start_server
 from taskgate.states import Status
 from taskgate.store import submissions
-from taskgate.store.submissions import NewTask, Verdict
+from taskgate.store.submissions import Admission, Candidate, NewTask, Queued, Verdict
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
-from taskgate.wire import cancel, dispatch
+from taskgate.wire import cancel
 
+from .batching import MAX_BATCH, Submitter, ToAdmit, ToDispatch
 from .cache import TerminalCache
 from .ratelimit import rate_limited, take_submit_slot, too_many_pending
-from .validation import Submission, validate
+from .validation import Submission, check_priority, regenerate_request, validate
 
 log = logging.getLogger("taskgate.submit")
 
@@ -65,6 +65,10 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         self._auth = Authenticator(backends.pool, settings.api_key_pepper)
         self._cache = TerminalCache(settings.result_cache_size)
         self._results = result_store(settings, backends.bus)
+        self.ids = ids.LeasedIds(backends.pool, lease_seconds=settings.id_node_lease_seconds, fixed_node=settings.id_node)
+        self._submitter = Submitter(
+            backends.pool, backends.bus, default_max_pending=settings.max_pending_per_tenant, actor=ACTOR
+        )
 
     def _budget(self, context: Context, cap: float | None = None) -> float:
         """Seconds one backend call may take: the configured cap, shortened to fit the client's deadline."""
@@ -96,21 +100,111 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                 await take_submit_slot(self._pool, who.tenant_id, per_minute, self._budget(context))
             telemetry.SUBMIT_REJECTIONS.labels("INVALID_ARGUMENT").inc()
             raise
-        task, created = await self._insert(who.tenant_id, sub, None if slot_taken else per_minute, context)
-        if created:
-            telemetry.TASKS_SUBMITTED.labels(task.model_id, task.task_type).inc()
-            task = await self._dispatch(task, context)
-        position = await self._queue_position(task, context)
-        return gateway_pb2.SubmitTaskResponse(task=task.to_proto(position), created=created)
+        try:
+            check_priority(sub.priority, who.max_priority)
+        except errors.ApiError:
+            telemetry.SUBMIT_REJECTIONS.labels("PRIORITY_NOT_ALLOWED").inc()
+            raise
+        candidate = Candidate(self._new_task(who.tenant_id, sub), None if slot_taken else per_minute)
+        [admission] = await self._submitter.admit([ToAdmit(candidate, self._deadline(context))])
+        task, created = self._settle(candidate, sub, admission)
+        if not created:
+            return gateway_pb2.SubmitTaskResponse(task=task.to_proto(await self._queue_position(task, context)))
+        [queued] = await self._submitter.dispatch([self._to_dispatch(task, context)])
+        if isinstance(queued, BaseException):
+            raise queued
+        return gateway_pb2.SubmitTaskResponse(task=queued.task.to_proto(queued.position), created=True)
 
-    async def _insert(self, tenant: str, sub: Submission, per_minute: int | None, context: Context) -> tuple[TaskRow, bool]:
-        """The tenant's task for this idempotency key, inserted as CREATED unless it exists; True when new.
+    async def SubmitTasks(self, request: gateway_pb2.SubmitTasksRequest, context: Context) -> gateway_pb2.SubmitTasksResponse:
+        who = await self._principal(context)
+        items = list(request.requests)
+        if not 1 <= len(items) <= MAX_BATCH:
+            raise errors.invalid_argument([("requests", f"must hold 1 to {MAX_BATCH:,} submissions")])
+        per_minute = who.submits_per_minute or self._settings.submits_per_minute
+        answers: list[gateway_pb2.SubmitTaskResponse | errors.ApiError | None] = [None] * len(items)
 
-        One statement takes the rate slot (unless `per_minute` is None: already taken), locks the tenant row, looks
-        the key up, counts pending tasks and inserts, so the tenant lock lasts one round trip.
-        """
-        new = NewTask(
-            id=ids.new_id(),
+        async def take_slots(indices: list[int]) -> list[int]:
+            """The items that got a rate slot; the others answer RATE_LIMITED."""
+            waits = await submissions.take_rate_slots(
+                self._pool, who.tenant_id, per_minute=per_minute, count=len(indices), within=self._budget(context)
+            )
+            for i, wait in zip(indices, waits, strict=True):
+                if wait is not None:
+                    answers[i] = rate_limited(per_minute, wait)
+            return [i for i, wait in zip(indices, waits, strict=True) if wait is None]
+
+        # as in SubmitTask: a callback URL is resolved only with a rate slot in hand, and an invalid item counts too
+        with_callback = [i for i, r in enumerate(items) if r.callback_url]
+        slotted = set(await take_slots(with_callback)) if with_callback else set()
+        to_check = [i for i, r in enumerate(items) if not r.callback_url or i in slotted]
+        checked = await asyncio.gather(
+            *(validate(who.tenant_id, items[i], self._settings) for i in to_check), return_exceptions=True
+        )
+        subs: dict[int, Submission] = {}
+        invalid: list[int] = []
+        for i, sub in zip(to_check, checked, strict=True):
+            if isinstance(sub, errors.ApiError):
+                answers[i] = sub
+                invalid.append(i)
+            elif isinstance(sub, BaseException):
+                raise sub
+            else:
+                subs[i] = sub
+        unslotted_invalid = [i for i in invalid if i not in slotted]
+        if unslotted_invalid:
+            await take_slots(unslotted_invalid)  # a rate-limited caller hears that first
+        telemetry.SUBMIT_REJECTIONS.labels("INVALID_ARGUMENT").inc(len(invalid))
+        for i, sub in list(subs.items()):
+            try:
+                check_priority(sub.priority, who.max_priority)
+            except errors.ApiError as exc:
+                telemetry.SUBMIT_REJECTIONS.labels("PRIORITY_NOT_ALLOWED").inc()
+                answers[i] = exc
+                del subs[i]
+
+        order = list(subs)
+        candidates = [Candidate(self._new_task(who.tenant_id, subs[i]), None if i in slotted else per_minute) for i in order]
+        deadline = self._deadline(context)
+        admissions = await self._submitter.admit([ToAdmit(c, deadline) for c in candidates])
+        created: list[tuple[int, TaskRow]] = []
+        found: list[tuple[int, TaskRow]] = []
+        for i, candidate, admission in zip(order, candidates, admissions, strict=True):
+            try:
+                task, new = self._settle(candidate, subs[i], admission)
+            except errors.ApiError as exc:
+                answers[i] = exc
+                continue
+            (created if new else found).append((i, task))
+        queued = await self._submitter.dispatch([self._to_dispatch(task, context) for _, task in created])
+        dispatched: dict[int, Queued] = {}
+        for (i, _), result in zip(created, queued, strict=True):
+            if isinstance(result, BaseException):
+                raise result
+            dispatched[result.task.id] = result
+            answers[i] = gateway_pb2.SubmitTaskResponse(task=result.task.to_proto(result.position), created=True)
+        for i, task in found:  # a later copy of a key this call created answers with that task as it now is
+            now = dispatched.get(task.id) or Queued(task, await self._queue_position(task, context))
+            answers[i] = gateway_pb2.SubmitTaskResponse(task=now.task.to_proto(now.position))
+
+        results = []
+        for answer in answers:
+            if isinstance(answer, errors.ApiError):
+                results.append(gateway_pb2.SubmitTaskResult(error=answer.status_proto))
+            else:
+                assert answer is not None
+                results.append(gateway_pb2.SubmitTaskResult(response=answer))
+        return gateway_pb2.SubmitTasksResponse(results=results)
+
+    def _deadline(self, context: Context, cap: float | None = None) -> float:
+        """The loop time by which a backend call for this request must be done (see _budget)."""
+        return asyncio.get_running_loop().time() + self._budget(context, cap)
+
+    def _to_dispatch(self, task: TaskRow, context: Context) -> ToDispatch:
+        return ToDispatch(task, self._deadline(context, self._settings.submit_publish_timeout_seconds), self._deadline(context))
+
+    def _new_task(self, tenant: str, sub: Submission) -> NewTask:
+        return NewTask(
+            id=self.ids.next(),
             user_id=tenant,
             idempotency_key=sub.idempotency_key,
             key_derived=sub.key_derived,
@@ -124,18 +218,17 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             max_retries=sub.max_retries,
             callback_url=sub.callback_url,
             callback_events=sub.callback_events,
+            trace_context=tracing.carrier(),  # this call's span: the task's later spans continue its trace
         )
-        admission = await submissions.admit(
-            self._pool,
-            new,
-            per_minute=per_minute,
-            default_max_pending=self._settings.max_pending_per_tenant,
-            within=self._budget(context),
-        )
+
+    def _settle(self, candidate: Candidate, sub: Submission, admission: Admission | BaseException) -> tuple[TaskRow, bool]:
+        """The tenant's task for this submission and whether it is new, or the error its admission calls for."""
+        if isinstance(admission, BaseException):
+            raise admission
         verdict = admission.verdict
         if verdict is Verdict.RATE_LIMITED:
-            assert per_minute is not None and admission.retry_after is not None
-            raise rate_limited(per_minute, admission.retry_after)
+            assert candidate.per_minute is not None and admission.retry_after is not None
+            raise rate_limited(candidate.per_minute, admission.retry_after)
         if verdict is Verdict.NO_TENANT:
             raise errors.unauthenticated("the key's tenant no longer exists")
         if verdict is Verdict.TOO_MANY_PENDING:
@@ -145,6 +238,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         assert task is not None, verdict
         if verdict is Verdict.EXISTING:
             return self._replay(task, sub), False
+        telemetry.TASKS_SUBMITTED.labels(task.model_id, task.task_type).inc()
         log.info(
             "task created",
             extra={"task_id": str(task.id), "state": task.status.value, "model": task.model_id,
@@ -162,32 +256,28 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             "IDEMPOTENCY_KEY_REUSED", f"this idempotency key belongs to a different request{hint}", task_id=str(existing.id)
         )
 
-    async def _dispatch(self, task: TaskRow, context: Context) -> TaskRow:
-        """Publishes the dispatch hint, then CREATED->QUEUED; on any failure the task stays as it truly is."""
-        try:
-            await dispatch.publish(
-                self._bus,
-                task,
-                dispatch.Reason.SUBMITTED,
-                ack_timeout=self._budget(context, self._settings.submit_publish_timeout_seconds),
-            )
-        except (NatsError, TimeoutError, OSError) as exc:
-            # The row is safe in CREATED; the scheduler re-publishes it with the same message id.
-            telemetry.SUBMIT_PUBLISH_FAILURES.inc()
-            log.warning("dispatch publish failed; task stays CREATED", extra={"task_id": str(task.id), "error": type(exc).__name__})
-            return task
-        try:
-            out = await asyncio.wait_for(
-                store.queue(self._pool, task.id, actor=ACTOR, reason="dispatched"), self._budget(context)
-            )
-        except BACKEND_ERRORS as exc:
-            log.warning("queue move failed; task stays CREATED", extra={"task_id": str(task.id), "error": type(exc).__name__})
-            return task
-        # Rejected: a worker already claimed it (its message outran this commit) or it was cancelled; say so.
-        return out.task or task
-
     async def _queue_position(self, task: TaskRow, context: Context) -> int:
         return await submissions.queue_position(self._pool, task, within=self._budget(context))
+
+    async def RegenerateTask(
+        self, request: gateway_pb2.RegenerateTaskRequest, context: Context
+    ) -> gateway_pb2.RegenerateTaskResponse:
+        """A new task from a finished one's request (fresh key; HIGH when the tenant may use it), through SubmitTask."""
+        who = await self._principal(context)
+        source = await self._load(who.tenant_id, ids.require(request.task_id), context)
+        if not source.status.terminal:
+            raise errors.failed_precondition(
+                "TASK_NOT_FINISHED", f"the task is {source.status.value}; only a finished task can be regenerated",
+                status=source.status.value,
+            )
+        again = regenerate_request(
+            source,
+            seed=request.seed if request.HasField("seed") else None,
+            priority=who.max_priority,
+            idempotency_key=request.idempotency_key,
+        )
+        submitted = await self.SubmitTask(again, context)
+        return gateway_pb2.RegenerateTaskResponse(task=submitted.task, created=submitted.created, source_task_id=str(source.id))
 
     # Reads
 
@@ -208,7 +298,9 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         position = await self._queue_position(task, context)
         interval = Duration()
         interval.FromMilliseconds(int(poll_interval(task.created_at) * 1000))
-        return gateway_pb2.GetTaskResponse(task=task.to_proto(position), suggested_poll_interval=interval)
+        msg = task.to_proto(position)
+        add_link(self._results, msg.result)
+        return gateway_pb2.GetTaskResponse(task=msg, suggested_poll_interval=interval)
 
     async def ListTasks(self, request: gateway_pb2.ListTasksRequest, context: Context) -> gateway_pb2.ListTasksResponse:
         who = await self._principal(context)
@@ -273,7 +365,9 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                 return gateway_pb2.CancelTaskResponse(task=current.to_proto())
             raise _already_finished(current)
         if out.from_status is Status.PROCESSING:
-            await cancel.send(self._bus, current.id, hard=request.hard, reason="canceled by client")
+            await cancel.send(
+                self._bus, current.id, hard=request.hard, reason="canceled by client", trace_context=current.trace_context
+            )
         self._cache.put(current)
         return gateway_pb2.CancelTaskResponse(task=current.to_proto())
 
@@ -287,6 +381,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                 "TASK_NOT_SUCCEEDED", f"the task is {task.status.value}; only SUCCEEDED tasks have a result",
                 status=task.status.value,
             )
+        if task.result_expired_at is not None:
+            raise errors.not_found("result")  # deleted by retention
         info = task_pb2.TaskResult(
             uri=task.result_uri,
             content_type=task.result_content_type or "",
@@ -332,6 +428,7 @@ class SubmitHandle:
             await mark_not_serving(self.health)
             await self.server.stop(self.settings.submit_shutdown_grace_seconds if grace is None else grace)
         finally:
+            await self.gateway.ids.close()
             if self.owns_backends:
                 await self.backends.close()
 
@@ -348,8 +445,10 @@ async def start(settings: Settings, backends: Backends | None = None) -> SubmitH
         return [SERVICE_NAME]
 
     try:
+        await gateway.ids.start()
         server, port, health_servicer = await start_server(settings, settings.submit_port, register)
     except BaseException:
+        await gateway.ids.close()
         if owns:
             await backends.close()
         raise

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from taskgate import errors, netguard
+from taskgate import errors, netguard, text
 from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.states import Priority
-from taskgate.v1 import gateway_pb2
+from taskgate.v1 import gateway_pb2, task_pb2
 
 DEFAULT_TASK_TYPE = "text-to-video"
 CALLBACK_EVENTS = frozenset({"CANCELED", "PROGRESS"})
@@ -55,6 +55,43 @@ class Submission:
         )
 
 
+def check_priority(priority: int, allowed: int) -> None:
+    """PERMISSION_DENIED (reason PRIORITY_NOT_ALLOWED) when the tenant may not submit at `priority`."""
+    if priority > allowed:
+        names = Priority.NAMES
+        raise errors.permission_denied(
+            f"this tenant may submit at {names[allowed].upper()} at most, not {names[priority].upper()}",
+            "PRIORITY_NOT_ALLOWED",
+            requested=names[priority].upper(),
+            allowed=names[allowed].upper(),
+        )
+
+
+def regenerate_request(
+    source: TaskRow, *, seed: int | None, priority: int, idempotency_key: str
+) -> gateway_pb2.SubmitTaskRequest:
+    """A finished task's request again, with a new seed (random unless given), a fresh key unless given, at `priority`."""
+    p = source.request_payload
+    params = task_pb2.VideoParams(
+        num_frames=p["num_frames"], width=p["width"], height=p["height"], num_inference_steps=p["num_inference_steps"],
+        guidance_scale=p["guidance_scale"], fps=p["fps"], negative_prompt=p["negative_prompt"],
+    )
+    if seed is not None:
+        params.seed = seed
+    return gateway_pb2.SubmitTaskRequest(
+        task_type=source.task_type,
+        model_id=source.model_id,
+        prompt=source.prompt,
+        params=params,
+        priority=priority,  # type: ignore[arg-type]
+        idempotency_key=idempotency_key or f"regenerate-{source.id}-{secrets.token_hex(8)}",
+        callback_url=source.callback_url or "",
+        callback_events=source.callback_events,
+        metadata=source.metadata,
+        max_retries=source.max_retries,
+    )
+
+
 def request_hash(tenant: str, task_type: str, model_id: str, prompt: str, params: dict[str, Any]) -> str:
     """sha256 of what determines the output; `params` carries the seed the client gave (None if it gave none)."""
     canonical = json.dumps([tenant, task_type, model_id, prompt, params], sort_keys=True, separators=(",", ":"))
@@ -65,6 +102,8 @@ async def check_callback_url(url: str, settings: Settings) -> str | None:
     """Why a callback URL is refused, or None when a webhook may be sent to it."""
     if len(url) > settings.max_callback_url_chars:
         return f"longer than {settings.max_callback_url_chars} characters"
+    if (why := text.unstorable(url)) is not None:
+        return why
     if _CONTROL.search(url) or any(c.isspace() for c in url):
         return "contains whitespace or control characters"
     try:
@@ -119,10 +158,14 @@ def _check_params(
         bad.append(("params.fps", f"must be 1..{settings.max_fps}"))
     if p.HasField("seed") and not 0 <= p.seed <= MAX_SEED:
         bad.append(("params.seed", "must not be negative"))
-    if len(p.negative_prompt) > settings.max_prompt_chars:
+    if p.negative_prompt and not spec.negative_prompt:
+        bad.append(("params.negative_prompt", f"model {req.model_id or settings.default_model} does not use a negative prompt"))
+    elif len(p.negative_prompt) > settings.max_prompt_chars:
         bad.append(("params.negative_prompt", f"longer than {settings.max_prompt_chars} characters"))
     elif _CONTROL.search(p.negative_prompt):
         bad.append(("params.negative_prompt", "contains control characters"))
+    else:
+        text.check("params.negative_prompt", [p.negative_prompt], bad)
     return {
         "num_frames": frames,
         "width": width,
@@ -146,6 +189,8 @@ async def validate(tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: Se
         bad.append(("prompt", f"longer than {settings.max_prompt_chars} characters"))
     elif _CONTROL.search(prompt):
         bad.append(("prompt", "contains control characters"))
+    else:
+        text.check("prompt", [prompt], bad)
 
     model_id = req.model_id or settings.default_model
     task_type = req.task_type or DEFAULT_TASK_TYPE
@@ -163,7 +208,9 @@ async def validate(tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: Se
         bad.append(("priority", "must be LOW, NORMAL or HIGH"))
 
     metadata = dict(sorted(req.metadata.items()))
-    if len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode()) > settings.max_metadata_bytes:
+    text.check("metadata", [*metadata, *metadata.values()], bad)
+    as_json = json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode(errors="surrogatepass")
+    if len(as_json) > settings.max_metadata_bytes:
         bad.append(("metadata", f"larger than {settings.max_metadata_bytes} bytes as JSON"))
 
     key = req.idempotency_key

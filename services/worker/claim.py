@@ -70,6 +70,7 @@ class Claimer:
                         lease_seconds=self.settings.lease_seconds,
                         actor=ACTOR,
                         reason="claimed",
+                        max_worker_losses=self.settings.max_worker_losses,
                     )
         except Exception:
             log.warning("claim failed; message redelivered later", extra={"task_id": str(task_id)}, exc_info=True)

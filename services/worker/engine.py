@@ -7,6 +7,7 @@ finish.py makes the final write, settle.py decides what happens next from the ro
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -16,17 +17,19 @@ from datetime import datetime
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import SpanKind
 
 from services.worker import runner as runmod
 from services.worker.claim import Claimed, Claimer, Declined
 from services.worker.consumer import Level
+from services.worker.devices import Devices
 from services.worker.fetch import Fetcher, SlotHold
 from services.worker.finish import Finisher, act
 from services.worker.lease import Heartbeat
 from services.worker.retry import PermanentError, RetryableError
 from services.worker.run import Attempts, Halt, Run
 from services.worker.settle import Fate, Step
-from taskgate import results, runtime, telemetry
+from taskgate import results, runtime, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.model import timestamp
 from taskgate.runtime import Backends
@@ -63,33 +66,34 @@ class Worker:
         settings: Settings,
         backends: Backends,
         runners: dict[tuple[str, str], runmod.ModelRunner],
-        devices: list[str],
+        plan: runmod.DevicePlan,
         worker_id: str,
         models: list[str],
-        use_cuda: bool = False,
     ) -> None:
         self.settings = settings
         self.pool = backends.pool
         self.bus = backends.bus
         self.worker_id = worker_id
         self.models = models
-        self.device = ",".join(sorted(set(devices)))
+        self.device = ",".join(sorted(set(plan.devices)))
+        self.devices = Devices(plan.devices)
+        self._encoders = concurrent.futures.ThreadPoolExecutor(plan.slots, thread_name_prefix="encode")
         self.runs: dict[int, Run] = {}
         self.reports: list[RunReport] = []
         self.drain_requested = asyncio.Event()
         self.fetcher = Fetcher(
-            bus=self.bus, settings=settings, worker_id=worker_id, models=models, devices=devices, start=self._handle,
+            bus=self.bus, settings=settings, worker_id=worker_id, models=models, slots=plan.slots, start=self._handle,
             spawn=self._spawn, changed=self._gauges,
         )
         self.claimer = Claimer(pool=self.pool, settings=settings, worker_id=worker_id)
-        self.attempts = Attempts(pool=self.pool, settings=settings, runners=runners, free=self.fetcher.release)
+        self.attempts = Attempts(pool=self.pool, settings=settings, runners=runners, devices=self.devices, encoders=self._encoders)
         self.finisher = Finisher(
             pool=self.pool, bus=self.bus, outputs=results.result_store(settings, self.bus), settings=settings,
             report=self._report_run,
         )
         self.heartbeat = Heartbeat(
             pool=self.pool, bus=self.bus, settings=settings, worker_id=worker_id, levels=self.fetcher.levels, runs=self.runs,
-            registration=self._registration, check=self.attempts.check, gauges=self._gauges, use_cuda=use_cuda,
+            registration=self._registration, check=self.attempts.check, gauges=self._gauges, use_cuda=plan.use_cuda,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -145,6 +149,7 @@ class Worker:
         await self.begin_drain()
         await runtime.stop_tasks([*self._loops, *self.heartbeat.background()])
         await self.fetcher.close()
+        self._close_threads()
         await self._unsubscribe()
         await self.claimer.close()
         with contextlib.suppress(Exception):
@@ -160,7 +165,12 @@ class Worker:
         await runtime.stop_tasks([*self._loops, *self._tasks, *self.heartbeat.background()])
         await self.claimer.abandon()
         await self.fetcher.close()
+        self._close_threads()
         await self._unsubscribe()
+
+    def _close_threads(self) -> None:
+        self.devices.close()
+        self._encoders.shutdown(wait=False, cancel_futures=True)
 
     async def _unsubscribe(self) -> None:
         if self._cancel_sub is not None:
@@ -177,11 +187,22 @@ class Worker:
 
     async def _handle(self, hold: SlotHold, level: Level, msg: Msg) -> None:
         try:
-            got = await self.claimer.claim(level, msg)
-            if isinstance(got, Claimed):
-                await self._run(hold, msg, got)
-            else:
-                await self._decline(level, msg, got)
+            # a child of the dispatch that sent the message: a redelivery (after a retry, a release) is one more child
+            with tracing.span(
+                "worker dispatch",
+                parent=msg.headers,
+                kind=SpanKind.CONSUMER,
+                attributes={"messaging.system": "nats", "messaging.destination.name": msg.subject, "taskgate.worker": self.worker_id},
+            ):
+                with tracing.span("claim"):
+                    got = await self.claimer.claim(level, msg)
+                task_id = got.task.id if isinstance(got, Claimed) else got.task_id
+                if task_id is not None:
+                    tracing.annotate({tracing.TASK_ID: str(task_id)})
+                if isinstance(got, Claimed):
+                    await self._run(hold, msg, got)
+                else:
+                    await self._decline(level, msg, got)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -208,13 +229,14 @@ class Worker:
         if wait is not None:
             telemetry.QUEUE_WAIT.labels(task.model_id).observe(max(0.0, wait))
         try:
-            if self.draining:
-                run.stop(Halt.DRAIN)
-                await self.finisher.stopped(run)
-            elif claimed.reusable is not None:
-                await self.finisher.reused(run, claimed.reusable)
-            else:
-                await self._perform(run)
+            with tracing.span("attempt", attributes={tracing.TASK_ID: str(task.id), "taskgate.attempt": task.attempt}):
+                if self.draining:
+                    run.stop(Halt.DRAIN)
+                    await self.finisher.stopped(run)
+                elif claimed.reusable is not None:
+                    await self.finisher.reused(run, claimed.reusable)
+                else:
+                    await self._perform(run)
         finally:
             if run.writer is not None and not run.writer.done():
                 run.writer.cancel()
@@ -258,6 +280,7 @@ class Worker:
         )
 
     def _report(self, report: RunReport) -> None:
+        tracing.annotate({"taskgate.outcome": report.outcome.value}, error=report.error_code)
         self.reports.append(report)
         del self.reports[:-1000]
         log.info(

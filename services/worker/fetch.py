@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import time
@@ -26,11 +25,9 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], object]
 
 @dataclass(eq=False)
 class Slot:
-    """One concurrent run's place: a device and the single thread that runs generations on it."""
+    """One concurrent task's place, from its claim to its final write (its device phase takes a device, devices.py)."""
 
     index: int
-    device: str
-    executor: concurrent.futures.ThreadPoolExecutor
     busy: bool = False
 
 
@@ -52,7 +49,7 @@ class Fetcher:
         settings: Settings,
         worker_id: str,
         models: list[str],
-        devices: list[str],
+        slots: int,
         start: Start,
         spawn: Spawn,
         changed: Callable[[], None],
@@ -61,9 +58,7 @@ class Fetcher:
         self.settings = settings
         self.worker_id = worker_id
         self.models = models
-        self.slots = [
-            Slot(i, device, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"slot-{i}")) for i, device in enumerate(devices)
-        ]
+        self.slots = [Slot(i) for i in range(slots)]
         self.levels = make_levels(models, settings.priority_weights)
         self.puller = Puller(bus.nc, self.levels, self._on_delivery, settings.worker_fetch_linger_seconds)
         self.draining = False
@@ -88,17 +83,15 @@ class Fetcher:
         self._wake.set()
 
     async def close(self) -> None:
-        """Closes the pull inboxes and the slots' threads."""
+        """Closes the pull inboxes."""
         await self.puller.close()
-        for slot in self.slots:
-            slot.executor.shutdown(wait=False, cancel_futures=True)
 
     def free_slots(self) -> list[Slot]:
         """The slots no message holds."""
         return [slot for slot in self.slots if not slot.busy]
 
     def release(self, hold: SlotHold) -> None:
-        """Frees a held slot; the slot is freed early (when generation ends) and again on the way out, only the first counts."""
+        """Frees a held slot; only the first release of a hold counts."""
         if not hold.released:
             hold.released = True
             hold.slot.busy = False

@@ -15,7 +15,7 @@ from services.worker.retry import PermanentError, RetryableError, persist
 from services.worker.run import ACTOR, Halt, Run
 from services.worker.settle import Action, Fate, Produced, Released, Step, decide
 from taskgate import bus as busmod
-from taskgate import results, store
+from taskgate import results, store, tracing
 from taskgate.config import Settings
 from taskgate.store import ResultRef, workers
 from taskgate.wire import dead_letter
@@ -61,7 +61,8 @@ class Finisher:
         await run.end_progress()
         task = run.task
         name = f"{task.id}-a{task.attempt}.{output.extension}"
-        stored = await self._persist("result", run, lambda: self.outputs.put(name, output.data, output.content_type))
+        with tracing.span("store", attributes={"taskgate.result_bytes": len(output.data)}):
+            stored = await self._persist("result", run, lambda: self.outputs.put(name, output.data, output.content_type))
         await self._succeed(run, ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256))
 
     async def reused(self, run: Run, result: ResultRef) -> None:
@@ -129,6 +130,7 @@ class Finisher:
                 "reusable", run, lambda: workers.keep_reusable(self.pool, task.id, attempt=task.attempt, result=result)
             )
             if kept:
+                await self._let_go(run)
                 await run.msg.ack()
                 self._report(run, step)
                 return
@@ -143,8 +145,17 @@ class Finisher:
         await self._settle(run, step)
 
     async def _settle(self, run: Run, step: Step) -> None:
+        if step.fate is Fate.CANCELED:
+            await self._let_go(run)
         await act(run.msg, step)
         self._report(run, step)
+
+    async def _let_go(self, run: Run) -> None:
+        """A cancelled attempt no longer runs here: its lease ends, and with it the tenant's pending slot it held."""
+        try:
+            await self._persist("let go", run, lambda: store.let_go(self.pool, run.task.id, attempt=run.attempt))
+        except Exception:  # the lease lapses by itself; the scheduler then lets go for this worker
+            log.warning("let go failed", extra={"task_id": str(run.task.id), "attempt": run.attempt}, exc_info=True)
 
     async def _persist(self, what: str, run: Run, action: Callable[[], Awaitable[T]]) -> T:
         return await persist(self.settings.lease_seconds, what, run.task.id, action)

@@ -19,6 +19,9 @@ import av
 import numpy as np
 import torch
 
+from taskgate import tracing
+from taskgate.config import ModelSpec
+
 CONTENT_TYPE_MP4 = "video/mp4"
 
 # x264 writes its settings (thread count included) into the stream, so a fixed count keeps bytes host-independent.
@@ -73,6 +76,15 @@ class GenerationRequest:
         del fields["seed"]
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
         return int.from_bytes(digest[:8], "big") >> 1
+
+
+@dataclass(frozen=True)
+class RenderedVideo:
+    """One request's decoded frames (FxHxWx3 uint8, in host memory), not yet encoded."""
+
+    frames: np.ndarray
+    fps: int
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -274,34 +286,179 @@ def _restore_fp32_tensors(module: torch.nn.Module, subfolder: Path, keep: list[s
                     pinned[key].data = weights.get_tensor(key).to(device=pinned[key].device, dtype=torch.float32)
 
 
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """A ModelSpec dtype on a device: 'auto' is pick_device's choice on CUDA and float32 elsewhere."""
+    if name != "auto":
+        return _DTYPES[name]
+    return pick_device()[1] if torch.device(device).type == "cuda" else torch.float32
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a pipeline sits on its device (ModelSpec's runtime options); the defaults change nothing."""
+
+    pipeline: str | None = None  # the class the registry expects the folder to hold
+    offload: str = "none"  # "model" or "sequential": diffusers' CPU offload, CUDA only
+    vae_tiling: bool = False
+    vae_slicing: bool = False
+    attention_backend: str | None = None
+    torch_compile: str = "off"  # "transformer" or "blocks" (the transformer's repeated blocks)
+    compile_mode: str | None = None
+    compile_backend: str = "inductor"
+    call_options: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> LoadOptions:
+        """The options of a registry entry."""
+        return cls(
+            pipeline=spec.pipeline,
+            offload=spec.offload,
+            vae_tiling=spec.vae_tiling,
+            vae_slicing=spec.vae_slicing,
+            attention_backend=spec.attention_backend,
+            torch_compile=spec.torch_compile,
+            compile_mode=spec.compile_mode,
+            compile_backend=spec.compile_backend,
+            call_options=tuple(sorted(spec.pipeline_options.items())),
+        )
+
+
+@dataclass(frozen=True)
+class PipelineNeeds:
+    """What the loaded networks require of a request: sizes and num_frames - 1 multiples of these (0 = unknown)."""
+
+    size_multiple: int
+    frame_step: int
+
+    def violations(self, spec: ModelSpec) -> list[str]:
+        """The registry rules that would let through requests these networks cannot produce exactly."""
+        found = []
+        if self.size_multiple and spec.size_multiple % self.size_multiple:
+            found.append(f"size_multiple {spec.size_multiple} is not a multiple of {self.size_multiple}")
+        if self.frame_step and spec.frame_step % self.frame_step:
+            found.append(f"frame_step {spec.frame_step} is not a multiple of {self.frame_step}")
+        return found
+
+
+def _first_int(*values: Any) -> int:
+    """The first value that is a positive int, else 0."""
+    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), 0)
+
+
+def pipeline_needs(pipe: Any) -> PipelineNeeds:
+    """The VAE's spatial factor times the transformer's patch, and the VAE's temporal factor, read from the pipeline."""
+    config = getattr(getattr(pipe, "transformer", None), "config", None)
+    patch = getattr(config, "patch_size", None)
+    spatial_patch = patch[-1] if isinstance(patch, list | tuple) else patch
+    spatial = _first_int(getattr(pipe, "vae_scale_factor_spatial", None), getattr(pipe, "vae_spatial_compression_ratio", None))
+    temporal = _first_int(getattr(pipe, "vae_scale_factor_temporal", None), getattr(pipe, "vae_temporal_compression_ratio", None))
+    patch_size = _first_int(getattr(pipe, "transformer_spatial_patch_size", None), spatial_patch) or 1
+    return PipelineNeeds(size_multiple=spatial * patch_size, frame_step=temporal)
+
+
+def _place(pipe: Any, device: torch.device, options: LoadOptions) -> Any:
+    """Apply the runtime options and put the pipeline on its device; raises ValueError for options it cannot take."""
+    name = type(pipe).__name__
+    if options.pipeline is not None and name != options.pipeline:
+        raise ValueError(f"the folder holds a {name}, the registry says {options.pipeline}")
+    call_params = inspect.signature(pipe.__call__).parameters
+    unknown = [k for k, _ in options.call_options if k not in call_params]
+    if unknown:
+        raise ValueError(f"{name} takes no {', '.join(unknown)} (pipeline_options)")
+    transformer: Any = getattr(pipe, "transformer", None)
+    if options.attention_backend is not None:
+        if not hasattr(transformer, "set_attention_backend"):
+            raise ValueError(f"{name} has no transformer with attention backends")
+        transformer.set_attention_backend(options.attention_backend)
+    vae = getattr(pipe, "vae", None)
+    for wanted, method in ((options.vae_tiling, "enable_tiling"), (options.vae_slicing, "enable_slicing")):
+        if wanted:
+            if not callable(getattr(vae, method, None)):
+                raise ValueError(f"the VAE of {name} has no {method}")
+            getattr(vae, method)()
+    if options.offload != "none" and device.type == "cuda":
+        # Offload keeps weights on the CPU and moves them in per use; diffusers picks the device from gpu_id.
+        offload = pipe.enable_model_cpu_offload if options.offload == "model" else pipe.enable_sequential_cpu_offload
+        offload(device=device)
+    else:
+        pipe = pipe.to(device)
+    if options.torch_compile != "off":
+        if transformer is None:
+            raise ValueError(f"{name} has no transformer to compile")
+        compile_args: dict[str, Any] = {"backend": options.compile_backend}
+        if options.compile_mode is not None:
+            compile_args["mode"] = options.compile_mode
+        if options.torch_compile == "blocks":
+            transformer.compile_repeated_blocks(**compile_args)
+        else:
+            transformer.compile(**compile_args)
+    return pipe
+
+
 class VideoPipeline:
     """A loaded text-to-video pipeline that turns GenerationRequests into MP4 videos, one run at a time."""
 
-    def __init__(self, model_id: str, pipe: Any, device: str | torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model_id: str, pipe: Any, device: str | torch.device, dtype: torch.dtype, call_options: dict[str, Any] | None = None
+    ) -> None:
         self.model_id = model_id
         self.pipe = pipe
+        self.call_options = dict(call_options or {})
+        self.warmup_seconds: float | None = None  # set by warmup(): the worker reports ready only after it
+        self.needs = pipeline_needs(pipe)
         self.device = torch.device(device)
         self.dtype = dtype
         self._lock = threading.Lock()
         self._call_params = inspect.signature(pipe.__call__).parameters
         self._accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in self._call_params.values())
+        self._marks: dict[str, int] = {}  # when the current run's denoising loop began and ended (time.time_ns())
+        bar = getattr(pipe, "progress_bar", None)
+        if callable(bar):
+            pipe.progress_bar = self._timed(bar)
 
     @classmethod
-    def load(cls, model_id: str, folder: Path, device: str | torch.device, dtype: torch.dtype) -> VideoPipeline:
-        """Load a saved diffusers pipeline from a local folder onto a device, quietly."""
+    def load(
+        cls, model_id: str, folder: Path, device: str | torch.device, dtype: torch.dtype, options: LoadOptions | None = None
+    ) -> VideoPipeline:
+        """Load a saved diffusers pipeline from a local folder onto a device with its runtime options, quietly."""
         _quiet_libraries()
-        pipe = _load_diffusion_pipeline(Path(folder), dtype)
-        pipe = pipe.to(device)
+        options = options or LoadOptions()
+        pipe = _place(_load_diffusion_pipeline(Path(folder), dtype), torch.device(device), options)
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
-        return cls(model_id, pipe, device, dtype)
+        return cls(model_id, pipe, device, dtype, call_options=dict(options.call_options))
 
     def warmup(self, request: GenerationRequest | None = None) -> float:
         """Run one small generation end to end (kernels, encoder) and return its seconds."""
-        req = request or GenerationRequest(prompt="warmup", num_frames=5, width=32, height=32, num_inference_steps=1, seed=0)
+        multiple = self.needs.size_multiple or 16
+        size = multiple * -(-32 // multiple)  # the smallest multiple of at least 32 px
+        frames = 1 + max(self.needs.frame_step, 4)
+        req = request or GenerationRequest(prompt="warmup", num_frames=frames, width=size, height=size, num_inference_steps=1, seed=0)
         started = time.perf_counter()
         self.generate(req, on_step=lambda _step, _total: None, should_abort=lambda: False)
-        return time.perf_counter() - started
+        self.warmup_seconds = time.perf_counter() - started
+        return self.warmup_seconds
+
+    def _timed(self, bar: Callable[..., Any]) -> Callable[..., Any]:
+        """The pipeline's progress bar, also noting when its denoising loop begins and ends (the one hook every
+        diffusers video pipeline has around that loop alone: the text encoder runs before it, the VAE after)."""
+        marks = self._marks
+
+        @contextlib.contextmanager
+        def timed_bar(iterable: Any = None, total: int | None = None) -> Iterator[Any]:
+            marks["denoise"] = time.time_ns()
+            with bar(iterable=iterable, total=total) as inner:
+                yield inner
+            marks["decode"] = time.time_ns()
+
+        def progress_bar(iterable: Any = None, total: int | None = None) -> Any:
+            # a pipeline that iterates the bar directly, not as a context manager, gets it untouched
+            return bar(iterable=iterable) if iterable is not None else timed_bar(total=total)
+
+        return progress_bar
 
     def _accepts(self, name: str) -> bool:
         """Whether the pipeline's __call__ takes this keyword."""
@@ -313,13 +470,29 @@ class VideoPipeline:
         on_step: Callable[[int, int], None],
         should_abort: Callable[[], bool],
     ) -> GeneratedVideo:
-        """Run one request; on_step(done, total) after each step; raises InferenceAborted when should_abort()."""
+        """Run one request to an MP4 (render, then encode); on_step(done, total) after each step; raises
+        InferenceAborted when should_abort()."""
+        return self.encode(self.render(req, on_step, should_abort))
+
+    def render(
+        self,
+        req: GenerationRequest,
+        on_step: Callable[[int, int], None],
+        should_abort: Callable[[], bool],
+    ) -> RenderedVideo:
+        """The device phase of one request (prompt encoding, denoising, VAE decode) to frames in host memory."""
         if req.width < 2 or req.height < 2 or req.width % 2 or req.height % 2:
             raise ValueError(f"width and height must be even and >= 2, got {req.width}x{req.height}")
         if req.num_frames < 1 or req.num_inference_steps < 1 or req.fps < 1:
             raise ValueError("num_frames, num_inference_steps and fps must be >= 1")
+        multiple, step = self.needs.size_multiple, self.needs.frame_step
+        if multiple and (req.width % multiple or req.height % multiple):
+            raise ValueError(f"width and height must be multiples of {multiple}, got {req.width}x{req.height}")
+        if step and (req.num_frames - 1) % step:
+            raise ValueError(f"num_frames - 1 must be a multiple of {step}, got {req.num_frames}")
         if should_abort():
             raise InferenceAborted("aborted before the first step")
+        began = time.time_ns()
 
         seed = req.resolved_seed()
         steps = req.num_inference_steps
@@ -348,10 +521,11 @@ class VideoPipeline:
             "width": req.width,
             "num_inference_steps": steps,
             "guidance_scale": req.guidance_scale,
+            "frame_rate": req.fps,  # LTX-Video conditions on it
             "generator": torch.Generator("cpu").manual_seed(seed),
             "output_type": "np",
         }
-        kwargs = {k: v for k, v in wanted.items() if self._accepts(k)}
+        kwargs = {k: v for k, v in wanted.items() if self._accepts(k)} | self.call_options
         if self._accepts("callback_on_step_end"):
             kwargs["callback_on_step_end"] = after_step
         elif self._accepts("callback"):
@@ -360,16 +534,41 @@ class VideoPipeline:
                 kwargs["callback_steps"] = 1
 
         with self._lock:
-            output = self.pipe(**kwargs)
-        frames = _to_uint8_frames(output)
-        data = encode_mp4(frames, req.fps)
-        count, height, width, _ = frames.shape
+            self._marks.clear()
+            try:
+                output = self.pipe(**kwargs)
+            finally:
+                returned = time.time_ns()
+                _phases(began, dict(self._marks), returned, steps)
+        return RenderedVideo(_to_uint8_frames(output), req.fps, seed)
+
+    def encode(self, video: RenderedVideo) -> GeneratedVideo:
+        """The CPU phase: rendered frames as an MP4 (needs no device: it overlaps the next request's render)."""
+        began = time.time_ns()
+        data = encode_mp4(video.frames, video.fps)
+        tracing.phase("encode", start_ns=began, end_ns=time.time_ns(), attributes={"taskgate.bytes": len(data)})
+        count, height, width, _ = video.frames.shape
         return GeneratedVideo(
             data=data,
             sha256=hashlib.sha256(data).hexdigest(),
             num_frames=count,
             width=width,
             height=height,
-            fps=req.fps,
-            seed=seed,
+            fps=video.fps,
+            seed=video.seed,
         )
+
+
+def _phases(began: int, marks: dict[str, int], returned: int, steps: int) -> None:
+    """One span per phase of a pipeline call, children of the current (the attempt's): load (the pipeline taken, the
+    prompt encoded, the latents prepared), denoise (the loop), decode (the VAE); one denoise span when the pipeline
+    gave no marks. A run stopped part way gets the phases it began."""
+    attributes = {"taskgate.steps": steps}
+    start, end = marks.get("denoise"), marks.get("decode")
+    if start is None:
+        tracing.phase("denoise", start_ns=began, end_ns=returned, attributes=attributes)
+        return
+    tracing.phase("load", start_ns=began, end_ns=start)
+    tracing.phase("denoise", start_ns=start, end_ns=end or returned, attributes=attributes)
+    if end is not None:
+        tracing.phase("decode", start_ns=end, end_ns=returned)

@@ -84,7 +84,7 @@ class Heartbeat:
 
     async def renew(self, run: Run) -> None:
         """Extends the run's lease (fenced by its attempt) and its message's ack wait, while they are still its own."""
-        renewing = run.stopped_by is None and not run.soft_canceled
+        renewing = run.stopped_by is None  # a soft-cancelled run too: its lease holds the tenant's slot until it ends
         if renewing and not await store.renew_lease(self.pool, run.task.id, attempt=run.attempt, lease_seconds=self.settings.lease_seconds):
             await self._check(run, "lease renewal refused")
         if run.owns_message:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -16,6 +17,7 @@ from nats.aio.msg import Msg
 
 from services.worker import retry, settle
 from services.worker import runner as runmod
+from services.worker.devices import Devices
 from services.worker.fetch import SlotHold
 from services.worker.settle import Action, Step
 from taskgate import store, telemetry
@@ -86,7 +88,8 @@ class Run:
 
 
 class Attempts:
-    """Runs claimed attempts on their slots, writes their progress, and stops one whose row says it should."""
+    """Runs claimed attempts (the device phase on a device, then the CPU phase), writes their progress, and stops one
+    whose row says it should."""
 
     def __init__(
         self,
@@ -94,25 +97,32 @@ class Attempts:
         pool: asyncpg.Pool,
         settings: Settings,
         runners: dict[tuple[str, str], runmod.ModelRunner],
-        free: Callable[[SlotHold], None],
+        devices: Devices,
+        encoders: concurrent.futures.Executor,
     ) -> None:
         self.pool = pool
         self.settings = settings
         self.runners = runners
-        self._free = free
+        self.devices = devices
+        self.encoders = encoders
 
     async def perform(self, run: Run) -> runmod.RunOutput:
         """The run's output; raises RunAborted once it was stopped, RunError (classified) when it failed."""
         task = run.task
-        model_runner = self.runners[(task.model_id, run.hold.slot.device)]
         inp = runmod.RunInput(task.id, task.attempt, task.prompt, dict(task.request_payload))
         loop = asyncio.get_running_loop()
 
         def on_step(step: int, total: int) -> None:
             loop.call_soon_threadsafe(self._on_step, run, step, total)
 
+        # the threads run in a copy of this context: the phase spans they open are children of the attempt's
         try:
-            output = await loop.run_in_executor(run.hold.slot.executor, model_runner.generate, inp, on_step, run.abort.is_set)
+            async with self.devices.use({d for m, d in self.runners if m == task.model_id}) as lane:
+                model_runner = self.runners[(task.model_id, lane.device)]
+                rendered = await loop.run_in_executor(
+                    lane.executor, contextvars.copy_context().run, model_runner.render, inp, on_step, run.abort.is_set
+                )
+            output = await loop.run_in_executor(self.encoders, contextvars.copy_context().run, model_runner.encode, rendered)
         except runmod.RunAborted:
             raise
         except Exception as exc:
@@ -130,8 +140,6 @@ class Attempts:
                 exc_info=not isinstance(exc, runmod.InjectedFailure),
             )
             raise failure from exc
-        finally:
-            self._free(run.hold)
         telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
         return output
 

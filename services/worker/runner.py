@@ -5,13 +5,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from taskgate import tracing
 from taskgate.config import ModelSpec
 
 log = logging.getLogger("taskgate.worker.runner")
@@ -53,13 +58,27 @@ class RunOutput:
     sha256: str
 
 
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """A task's device phase done (a pipeline's decoded frames), its CPU phase (encoding) still to run."""
+
+    inp: RunInput
+    payload: object
+
+
 class ModelRunner(Protocol):
-    """Runs one task at a time on the calling thread; calls on_step after each step; raises RunAborted when told."""
+    """Runs a task in two phases on the calling thread: the device phase (denoising, VAE decode; calls on_step after
+    each step, raises RunAborted when told), exclusive on its device, then the CPU phase (encoding), which overlaps
+    the next task's device phase."""
 
     model_id: str
 
-    def generate(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> RunOutput:
-        """Runs one task to an encoded output."""
+    def render(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> Rendered:
+        """The device phase of one task."""
+        ...
+
+    def encode(self, rendered: Rendered) -> RunOutput:
+        """The CPU phase: the rendered task as an encoded output."""
         ...
 
 
@@ -84,34 +103,49 @@ def _param(params: dict[str, Any], name: str, default: Any) -> Any:
 
 
 class SleepRunner:
-    """Holds a slot for `sleep_seconds`, one 'step' at a time, and returns a small deterministic JSON payload."""
+    """Holds its device for `sleep_seconds`, one 'step' at a time, then (off the device) `encode_seconds`, and returns
+    a small deterministic JSON payload."""
 
     def __init__(self, model_id: str, spec: ModelSpec) -> None:
         self.model_id = model_id
         self.spec = spec
         self._idle = threading.Event()  # never set: its wait() is an interruptible sleep
 
-    def generate(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> RunOutput:
-        """Sleeps step by step, checking the abort flag between steps; fails on purpose when configured."""
+    def render(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> Rendered:
+        """Sleeps step by step, checking the abort flag between steps; fails or kills its process on purpose when configured."""
         steps = max(1, int(_param(inp.params, "num_inference_steps", self.spec.default_steps)))
         per_step = self.spec.sleep_seconds / steps
+        began = time.time_ns()
         for step in range(1, steps + 1):
             if should_abort():
                 raise RunAborted(f"aborted before step {step}")
             if per_step > 0:
                 self._idle.wait(per_step)
             on_step(step, steps)
+            if self.spec.kill_on_prompt and self.spec.kill_on_prompt in inp.prompt:
+                log.warning("killing this worker process: a poison prompt", extra={"task_id": str(inp.task_id)})
+                os.kill(os.getpid(), signal.SIGKILL)  # like an OOM kill or a segfault: nothing is released
+        tracing.phase("denoise", start_ns=began, end_ns=time.time_ns(), attributes={"taskgate.steps": steps})
         if should_abort():
             raise RunAborted("aborted after the last step")
         if inp.attempt <= self.spec.fail_times:
             raise InjectedFailure(self.spec.fail_code, self.spec.fail_retryable, inp.attempt)
+        return Rendered(inp, steps)
+
+    def encode(self, rendered: Rendered) -> RunOutput:
+        """Sleeps `encode_seconds` (a stand-in for MP4 encoding), then writes the JSON payload."""
+        inp = rendered.inp
+        encoding = time.time_ns()
+        if self.spec.encode_seconds > 0:
+            self._idle.wait(self.spec.encode_seconds)
         body = {
             "model": self.model_id,
             "prompt_sha256": hashlib.sha256(inp.prompt.encode()).hexdigest(),
             "params": inp.params,
-            "steps": steps,
+            "steps": rendered.payload,
         }
         data = json.dumps(body, sort_keys=True).encode()
+        tracing.phase("encode", start_ns=encoding, end_ns=time.time_ns())
         return RunOutput(data, "application/json", "json", hashlib.sha256(data).hexdigest())
 
 
@@ -130,18 +164,26 @@ class DiffusersRunner:
 
         if spec.path is None:
             raise ValueError(f"model {model_id!r} has no path")
-        _, dtype = inference.pick_device()
-        if device == "cpu":
-            import torch
-
-            dtype = torch.float32
-        pipeline = inference.VideoPipeline.load(model_id, Path(spec.path), device, dtype)
-        seconds = pipeline.warmup()
-        log.info("model loaded", extra={"model": model_id, "device": device, "warmup_seconds": round(seconds, 3)})
+        dtype = inference.resolve_dtype(spec.dtype, device)
+        pipeline = inference.VideoPipeline.load(model_id, Path(spec.path), device, dtype, inference.LoadOptions.of(spec))
+        wrong = pipeline.needs.violations(spec)
+        if wrong:
+            raise ValueError(f"model {model_id!r}: its registry rules let through sizes the pipeline cannot make: {'; '.join(wrong)}")
+        # At the default request's shape, so a compiled transformer is compiled for the usual request before readiness.
+        seconds = pipeline.warmup(
+            inference.GenerationRequest(
+                prompt="warmup", num_frames=spec.default_frames, width=spec.default_width, height=spec.default_height,
+                num_inference_steps=1, guidance_scale=spec.default_guidance, fps=spec.default_fps, seed=0,
+            )
+        )
+        log.info(
+            "model loaded",
+            extra={"model": model_id, "device": device, "dtype": str(dtype).removeprefix("torch."), "warmup_seconds": round(seconds, 3)},
+        )
         return cls(model_id, spec, pipeline)
 
-    def generate(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> RunOutput:
-        """Runs the pipeline with the task's parameters and returns the MP4."""
+    def render(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> Rendered:
+        """Runs the pipeline with the task's parameters to decoded frames."""
         from services.worker import inference
 
         p, s = inp.params, self.spec
@@ -158,30 +200,55 @@ class DiffusersRunner:
             seed=None if seed is None else int(seed),
         )
         try:
-            video = self.pipeline.generate(request, on_step, should_abort)
+            return Rendered(inp, self.pipeline.render(request, on_step, should_abort))
         except inference.InferenceAborted as exc:
             raise RunAborted(str(exc)) from exc
+
+    def encode(self, rendered: Rendered) -> RunOutput:
+        """The rendered frames as an MP4."""
+        video = self.pipeline.encode(rendered.payload)
         return RunOutput(video.data, video.content_type, "mp4", video.sha256)
 
 
-def device_plan(kinds: set[str], slots_setting: int) -> tuple[list[str], bool]:
-    """The device of each slot and whether CUDA is used; imports torch only when a diffusers model is served."""
+@dataclass(frozen=True, slots=True)
+class DevicePlan:
+    """A worker's devices (each runs one task's device phase at a time), how many tasks it runs at once, and whether
+    it uses CUDA."""
+
+    devices: list[str]
+    slots: int
+    use_cuda: bool
+
+
+def device_plan(kinds: set[str], slots_setting: int, slots_per_device: float) -> DevicePlan:
+    """The worker's devices and slots: ceil(devices x slots_per_device) tasks unless `slots_setting` says; imports
+    torch only when a diffusers model is served. A 'sleep'-only worker needs no device: each slot gets a lane of
+    its own."""
     if "diffusers" not in kinds:
-        return ["cpu"] * (slots_setting or 1), False
+        slots = slots_setting or 1
+        return DevicePlan(["cpu"] * slots, slots, False)
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        return ["cpu"] * (slots_setting or 1), False
-    slots = slots_setting or count
-    return [f"cuda:{i % count}" for i in range(slots)], True
+    devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
+    return DevicePlan(devices, slots_setting or math.ceil(len(devices) * slots_per_device), count > 0)
+
+
+def model_devices(model_id: str, spec: ModelSpec, devices: list[str]) -> list[str]:
+    """The worker's devices this model may run on: its `gpus` among the CUDA ones (a CPU runs everything)."""
+    allowed = [
+        d for d in sorted(set(devices)) if spec.gpus is None or not d.startswith("cuda") or int(d.partition(":")[2] or 0) in spec.gpus
+    ]
+    if not allowed:
+        raise ValueError(f"model {model_id!r} may use GPUs {spec.gpus}, and this worker has {', '.join(sorted(set(devices)))}")
+    return allowed
 
 
 def load_runners(models: dict[str, ModelSpec], devices: list[str]) -> dict[tuple[str, str], ModelRunner]:
-    """One runner per (model, device) in use (blocking; call in a thread)."""
+    """One runner per (model, device) the model may use (blocking; call in a thread)."""
     runners: dict[tuple[str, str], ModelRunner] = {}
     for model_id, spec in models.items():
-        for device in sorted(set(devices)):
+        for device in model_devices(model_id, spec, devices):
             if spec.kind == "sleep":
                 runners[(model_id, device)] = SleepRunner(model_id, spec)
             else:

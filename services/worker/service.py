@@ -90,13 +90,15 @@ async def start(settings: Settings, backends: Backends | None = None) -> WorkerH
     """Loads the models, then starts consuming and serves WorkerControl on settings.worker_port (0 = ephemeral)."""
     models = served_models(settings)
     specs = {m: settings.models[m] for m in models}
-    devices, use_cuda = await asyncio.to_thread(runmod.device_plan, {s.kind for s in specs.values()}, settings.worker_slots)
-    runners = await asyncio.to_thread(runmod.load_runners, specs, devices)
+    plan = await asyncio.to_thread(
+        runmod.device_plan, {s.kind for s in specs.values()}, settings.worker_slots, settings.worker_slots_per_device
+    )
+    runners = await asyncio.to_thread(runmod.load_runners, specs, plan.devices)
     owns = backends is None
     if backends is None:
         backends = await connect(settings, "worker")
     try:
-        worker = Worker(settings, backends, runners, devices, settings.worker_id or default_worker_id(), models, use_cuda)
+        worker = Worker(settings, backends, runners, plan, settings.worker_id or default_worker_id(), models)
         await worker.start()
         servicer = WorkerControlServicer(worker)
 

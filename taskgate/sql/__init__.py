@@ -11,6 +11,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 _BLOCK = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+_LEADING_COMMENTS = re.compile(r"\A(?:[ \t]*--[^\n]*\n)+")  # a block's description lines
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,12 @@ def queries() -> dict[str, str]:
         marks = list(_BLOCK.finditer(text))
         for i, mark in enumerate(marks):
             end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
-            body = text[mark.end() : end].strip()
+            body = _LEADING_COMMENTS.sub("", text[mark.end() : end].strip()).strip()
             name = mark.group(1)
             if name in found:
                 raise ValueError(f"query {name!r} is defined twice")
-            found[name] = body
+            # sent as `/* name */ SELECT ...`: trace spans (named by the verb) and pg_stat_statements show which block ran
+            found[name] = f"/* {name} */ {body}"
     return found
 
 

@@ -142,6 +142,40 @@ async def lock_tasks(db: Conn, task_ids: Sequence[int]) -> dict[int, LeasedTask]
     return await _leased(db, "admin_lock_tasks", task_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A webhook delivery as operators list it: where it goes, how far it got and why it failed last."""
+
+    id: int
+    task_id: int
+    user_id: str
+    webhook_id: str
+    event_type: str
+    url: str
+    status: CallbackStatus
+    attempts: int
+    last_status_code: int | None
+    last_error: str | None
+    created_at: datetime
+    next_attempt_at: datetime
+    last_attempt_at: datetime | None
+
+
+async def deliveries(db: Conn, *, status: CallbackStatus | None, before: Cursor | None, limit: int) -> list[Delivery]:
+    """Webhook deliveries in `status` (None: all), newest first; keyset-paged on (created_at, id) by `before`."""
+    rows = await db.fetch(
+        sql.query("admin_deliveries"), status.value if status else None, before.at if before else None,
+        before.task_id if before else None, limit,
+    )
+    return [
+        Delivery(
+            r["id"], r["task_id"], r["user_id"], r["webhook_id"], r["event_type"], r["url"], CallbackStatus(r["status"]),
+            r["attempts"], r["last_status_code"], r["last_error"], r["created_at"], r["next_attempt_at"], r["last_attempt_at"],
+        )
+        for r in rows
+    ]
+
+
 async def dead_letters(db: Conn, *, before: Cursor | None, limit: int) -> list[DeadLetter]:
     """Dead letters with their tasks, newest first.
 

@@ -52,6 +52,7 @@ class NewDelivery:
     event_type: str
     url: str
     payload: dict[str, Any]
+    trace_context: dict[str, str] | None = None  # the relay span's: the webhook's span continues it
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class Delivery:
     attempts: int  # made so far, over every round
     round_start: int  # `attempts` when the current round (the first, or a redelivery) began
     created_at: datetime
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +98,10 @@ async def insert_deliveries(db: Conn, deliveries: Sequence[NewDelivery], *, firs
     """Adds deliveries (idempotent per event and url), the first attempt due after `first_delay` seconds."""
     await db.executemany(
         sql.query("outbox_insert_delivery"),
-        [(d.task_id, d.event_id, d.user_id, d.webhook_id, d.event_type, d.url, d.payload, first_delay) for d in deliveries],
+        [
+            (d.task_id, d.event_id, d.user_id, d.webhook_id, d.event_type, d.url, d.payload, first_delay, d.trace_context)
+            for d in deliveries
+        ],
     )
 
 
@@ -115,6 +120,7 @@ async def claim_due(db: Conn, *, limit: int, owner: str, lease_seconds: float) -
             attempts=r["attempts"],
             round_start=r["round_start"],
             created_at=r["created_at"],
+            trace_context=r["trace_context"],
         )
         for r in rows
     ]

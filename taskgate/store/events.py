@@ -84,6 +84,7 @@ class RelayEvent:
     queued_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
+    trace_context: dict[str, str] | None = None  # the task's: the relay's span continues its trace
 
 
 async def lock_relay(conn: asyncpg.Connection) -> datetime | None:
@@ -107,6 +108,7 @@ async def take_unpublished(conn: asyncpg.Connection, *, limit: int) -> list[Rela
             queued_at=r["task_queued_at"],
             started_at=r["task_started_at"],
             finished_at=r["task_finished_at"],
+            trace_context=r["task_trace_context"],
         )
         for r in rows
     ]

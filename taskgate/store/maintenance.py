@@ -81,6 +81,11 @@ async def add_missing_dead_letters(
     return len(rows)
 
 
+async def lapsed_holds(db: Conn, *, now: datetime | None = None, limit: int) -> int:
+    """Ends the lapsed leases of soft-cancelled attempts (their worker is gone); returns how many."""
+    return len(await db.fetch(sql.query("sched_lapsed_holds"), now, limit))
+
+
 async def forget_workers(db: Conn, *, now: datetime | None = None, silent_seconds: float, limit: int) -> list[str]:
     """Deletes registry rows of workers silent for `silent_seconds`; returns their ids."""
     return [r["id"] for r in await db.fetch(sql.query("sched_forget_workers"), now, silent_seconds, limit)]
@@ -97,3 +102,67 @@ async def queue_gauges(db: Conn) -> list[ModelLoad]:
 async def workers_alive(db: Conn, *, lease_seconds: float) -> int:
     """Workers whose last heartbeat is within `lease_seconds`."""
     return int(await db.fetchval(sql.query("sched_workers_alive"), lease_seconds))
+
+
+@dataclass(frozen=True, slots=True)
+class Purged:
+    """What one retention batch removed: rows, and the outputs nothing refers to any more (the caller deletes them
+    from the result store before it commits, so a failed delete leaves the rows for the next pass)."""
+
+    rows: int
+    orphans: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionCounts:
+    """What a purge at one cut-off would delete."""
+
+    tasks: int
+    results: int
+    reusable_results: int
+
+
+async def unreferenced(db: Conn, outputs: list[tuple[str, str, str]]) -> list[str]:
+    """Of (user id, request hash, uri) outputs, the uris no kept task output and no reusable output still refers to."""
+    if not outputs:
+        return []
+    users, hashes, uris = (list(column) for column in zip(*outputs, strict=True))
+    return [r["uri"] for r in await db.fetch(sql.query("retention_unreferenced"), users, hashes, uris)]
+
+
+async def purge_tasks(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> Purged:
+    """Deletes finished tasks older than the cut-off (their history, deliveries, attempt logs and dead letters
+    cascade), oldest first, locked; run inside the caller's transaction."""
+    recs = await db.fetch(sql.query("retention_expired_tasks"), now, older_than_seconds, limit)
+    if not recs:
+        return Purged(0, [])
+    await db.execute(sql.query("retention_delete_tasks"), [r["id"] for r in recs])
+    kept = [(r["user_id"], r["request_hash"], r["result_uri"]) for r in recs if r["result_uri"] and r["result_expired_at"] is None]
+    return Purged(len(recs), await unreferenced(db, kept))
+
+
+async def purge_results(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> Purged:
+    """Marks the outputs of tasks finished before the cut-off as deleted (result_expired_at), oldest first, locked;
+    run inside the caller's transaction."""
+    recs = await db.fetch(sql.query("retention_expire_results"), now, older_than_seconds, limit)
+    outputs = [(r["user_id"], r["request_hash"], r["result_uri"]) for r in recs]
+    return Purged(len(recs), await unreferenced(db, outputs))
+
+
+async def purge_reusable(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> Purged:
+    """Deletes reusable outputs kept since before the cut-off, oldest first, locked; run inside the caller's transaction."""
+    recs = await db.fetch(sql.query("retention_delete_reusable"), now, older_than_seconds, limit)
+    outputs = [(r["user_id"], r["request_hash"], r["result_uri"]) for r in recs]
+    return Purged(len(recs), await unreferenced(db, outputs))
+
+
+async def purge_events(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> int:
+    """Deletes relayed history rows older than the cut-off of tasks finished before it (their webhook deliveries and
+    attempt logs cascade), oldest first, skipping locked rows; returns how many."""
+    return len(await db.fetch(sql.query("retention_delete_events"), now, older_than_seconds, limit))
+
+
+async def retention_counts(db: Conn, *, now: datetime | None = None, older_than_seconds: float) -> RetentionCounts:
+    """What purging at this cut-off would delete (a dry run)."""
+    rec = await db.fetchrow(sql.query("retention_counts"), now, older_than_seconds)
+    return RetentionCounts(rec["tasks"], rec["results"], rec["reusable_results"])

@@ -10,9 +10,18 @@ import asyncpg
 Conn: TypeAlias = "asyncpg.Connection[Any] | asyncpg.Pool[Any]"
 
 
+def _jsonb_encode(value: Any) -> bytes:
+    return b"\x01" + json.dumps(value).encode()  # jsonb's binary format: version 1, then the text
+
+
+def _jsonb_decode(data: bytes) -> Any:
+    return json.loads(data[1:])
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
-    for typ in ("jsonb", "json"):
-        await conn.set_type_codec(typ, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+    # jsonb in binary format: a composite with a jsonb field (a task_submission) can only be sent in binary
+    await conn.set_type_codec("jsonb", encoder=_jsonb_encode, decoder=_jsonb_decode, schema="pg_catalog", format="binary")
+    await conn.set_type_codec("json", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:

@@ -1,14 +1,16 @@
-"""Admission of new tasks (rate slot, tenant lock, idempotent lookup, pending limit, insert) and the tenant's reads.
+"""Admission of new tasks, a batch at a time (rate slots, tenant locks, idempotent lookups, pending limits, one
+insert), their move to QUEUED with queue positions, and the tenant's reads.
 
-The task INSERT has one author, the `insert_task` SQL function (sql/functions/submit_fast_path.sql): `admit` runs it
-inside `submit_fast_path`, `create` runs it alone for rows that skip the limits (tests, tools). `within`: the seconds
+The task INSERT has one author, the `insert_tasks` SQL function (sql/functions/submit_fast_path.sql): `admit` runs it
+inside `submit_tasks`, `create` runs it alone for rows that skip the limits (tests, tools). `within`: the seconds
 a statement may run before asyncpg cancels it on the server (TimeoutError).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+import logging
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -18,6 +20,8 @@ from taskgate.model import TaskRow
 from taskgate.paging import Cursor
 from taskgate.states import Status
 from taskgate.store.pool import Conn
+
+log = logging.getLogger("taskgate.transition")
 
 
 class Verdict(enum.StrEnum):
@@ -48,14 +52,24 @@ class NewTask:
     max_retries: int
     callback_url: str | None
     callback_events: list[str]
+    trace_context: dict[str, str] | None = None  # W3C headers of the submitting call's span (tracing on)
 
-    def params(self) -> tuple[object, ...]:
-        """The fifteen leading parameters of submit_fast_path and insert_task."""
+    def row(self, per_minute: int | None = None) -> tuple[object, ...]:
+        """The task_submission composite; `per_minute` None when no rate slot is to be taken for it."""
         return (
             self.id, self.user_id, self.idempotency_key, self.key_derived, self.request_hash, self.task_type,
             self.model_id, self.prompt, self.payload, self.metadata, self.priority,
             bus.task_subject(self.model_id, self.priority), self.max_retries, self.callback_url, self.callback_events,
+            per_minute, self.trace_context,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One submission to admit: the task, and the tenant's per-minute limit (None: its rate slot is already taken)."""
+
+    new: NewTask
+    per_minute: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,33 +83,82 @@ class Admission:
 
 
 async def admit(
-    db: Conn, new: NewTask, *, per_minute: int | None, default_max_pending: int, within: float | None = None
-) -> Admission:
-    """Admits one submission in one round trip; `per_minute` None when its rate slot was already taken."""
-    rec = await db.fetchrow(sql.query("submit_fast_path"), *new.params(), per_minute, default_max_pending, timeout=within)
-    assert rec is not None
-    verdict = Verdict(rec["outcome"])
-    task = TaskRow.from_record(rec) if verdict in (Verdict.CREATED, Verdict.EXISTING) else None
-    retry_after = rec["retry_after"]
-    pending_limit = rec["pending_limit"]
-    return Admission(
-        verdict=verdict,
-        task=task,
-        retry_after=float(retry_after) if retry_after is not None else None,
-        pending_limit=int(pending_limit) if pending_limit is not None else None,
+    db: Conn, batch: Sequence[Candidate], *, default_max_pending: int, within: float | None = None
+) -> list[Admission]:
+    """Admits a batch in one statement; one Admission per candidate, in order, as if admitted one by one."""
+    rows = await db.fetch(
+        sql.query("submit_tasks"), [c.new.row(c.per_minute) for c in batch], default_max_pending, timeout=within
     )
+    out = []
+    for rec in rows:
+        verdict = Verdict(rec["outcome"])
+        retry_after = rec["retry_after"]
+        pending_limit = rec["pending_limit"]
+        out.append(Admission(
+            verdict=verdict,
+            task=TaskRow.from_record(rec) if verdict in (Verdict.CREATED, Verdict.EXISTING) else None,
+            retry_after=float(retry_after) if retry_after is not None else None,
+            pending_limit=int(pending_limit) if pending_limit is not None else None,
+        ))
+    assert len(out) == len(batch)
+    return out
 
 
 async def create(db: Conn, new: NewTask) -> TaskRow | None:
     """Inserts a task in CREATED without any limit; None when its idempotency key is taken."""
-    rec = await db.fetchrow(sql.query("submit_insert_task"), *new.params())
-    return TaskRow.from_record(rec) if rec is not None and rec["id"] is not None else None
+    rec = await db.fetchrow(sql.query("submit_insert_tasks"), [new.row()])
+    return TaskRow.from_record(rec) if rec is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A task after the batched CREATED -> QUEUED move: moved (with its queue position) or as it now is."""
+
+    task: TaskRow
+    position: int
+
+
+async def queue_many(
+    db: Conn, tasks: Sequence[TaskRow], *, actor: str, reason: str | None = None, within: float | None = None
+) -> list[Queued]:
+    """CREATED -> QUEUED for tasks whose dispatch is on JetStream, in one statement that returns queue positions.
+
+    Committed asynchronously: a lost QUEUED mark leaves the task CREATED, which the scheduler re-publishes. A task no
+    longer CREATED (a worker's claim outran this, or a cancel) is returned as it now is, position 0.
+    """
+    ids = [t.id for t in tasks]
+    rows = await db.fetch(sql.query("submit_queue_many"), ids, actor, reason, timeout=within)
+    moved = {rec["id"]: rec for rec in rows}
+    current: dict[int, TaskRow] = {}
+    if len(moved) < len(ids):
+        others = await db.fetch(sql.query("submit_get_tasks"), [i for i in ids if i not in moved], timeout=within)
+        current = {rec["id"]: TaskRow.from_record(rec) for rec in others}
+    out = []
+    for task in tasks:
+        rec = moved.get(task.id)
+        if rec is None:
+            out.append(Queued(current.get(task.id, task), 0))
+            continue
+        row = TaskRow.from_record(rec)
+        log.info("transition", extra={"task_id": str(row.id), "from": Status.CREATED.value, "to": row.status.value,
+                                      "state": row.status.value, "version": row.version, "attempt": row.attempt,
+                                      "worker": row.worker_id, "actor": actor, "reason": reason})
+        out.append(Queued(row, int(rec["queue_position"])))
+    return out
 
 
 async def take_rate_slot(db: Conn, tenant: str, *, per_minute: int, within: float | None = None) -> float | None:
     """Counts one submission in the tenant's minute window: None when counted, else seconds until the window ends."""
     retry_after = await db.fetchval(sql.query("submit_take_rate_slot"), tenant, per_minute, timeout=within)
     return float(retry_after) if retry_after is not None else None
+
+
+async def take_rate_slots(
+    db: Conn, tenant: str, *, per_minute: int, count: int, within: float | None = None
+) -> list[float | None]:
+    """`take_rate_slot` for `count` submissions in one round trip: each None when counted, else seconds to wait."""
+    rows = await db.fetch(sql.query("submit_take_rate_slots"), tenant, per_minute, count, timeout=within)
+    return [float(r["retry_after"]) if r["retry_after"] is not None else None for r in rows]
 
 
 async def queue_position(db: Conn, task: TaskRow, *, within: float | None = None) -> int:

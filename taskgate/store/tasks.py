@@ -115,14 +115,19 @@ class Republish:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """-> PROCESSING as a new attempt held by `worker_id` under a lease."""
+    """-> PROCESSING as a new attempt held by `worker_id` under a lease.
+
+    Taking over a lost attempt (PROCESSING, lease expired) counts a worker loss; one that would make
+    `max_worker_losses` (None: no limit) is refused.
+    """
 
     worker_id: str
     lease_seconds: float
+    max_worker_losses: int | None = None
     move: ClassVar[Move] = Move.CLAIM
 
     def params(self) -> tuple[object, ...]:
-        return (self.worker_id, self.lease_seconds)
+        return (self.worker_id, self.lease_seconds, self.max_worker_losses)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,13 +156,14 @@ class Succeed:
 
 @dataclass(frozen=True, slots=True)
 class Fail:
-    """PROCESSING -> FAILED."""
+    """PROCESSING -> FAILED; `worker_lost` counts the attempt as a lost worker's."""
 
     error: TaskError
+    worker_lost: bool = False
     move: ClassVar[Move] = Move.FAIL
 
     def params(self) -> tuple[object, ...]:
-        return (self.error.code, self.error.message)
+        return (self.error.code, self.error.message, self.worker_lost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,12 +180,16 @@ class Retry:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """PROCESSING -> QUEUED without spending a retry (a lost or drained worker, an operator's requeue)."""
+    """PROCESSING -> QUEUED without spending a retry (a lost or drained worker, an operator's requeue).
 
+    `worker_lost` counts the attempt toward max_worker_losses.
+    """
+
+    worker_lost: bool = False
     move: ClassVar[Move] = Move.RELEASE
 
     def params(self) -> tuple[object, ...]:
-        return ()
+        return (self.worker_lost,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,9 +292,19 @@ async def republish(db: Conn, task_id: int, *, actor: str, reason: str | None = 
     return await apply(db, task_id, Republish(), actor=actor, reason=reason, expected_version=expected_version)
 
 
-async def claim(db: Conn, task_id: int, *, worker_id: str, lease_seconds: float, actor: str, reason: str | None = None) -> Outcome:
-    """A new attempt for `worker_id`: from CREATED, QUEUED, or PROCESSING whose lease ran out."""
-    return await apply(db, task_id, Claim(worker_id, lease_seconds), actor=actor, reason=reason)
+async def claim(
+    db: Conn,
+    task_id: int,
+    *,
+    worker_id: str,
+    lease_seconds: float,
+    actor: str,
+    reason: str | None = None,
+    max_worker_losses: int | None = None,
+) -> Outcome:
+    """A new attempt for `worker_id`: from CREATED, QUEUED, or PROCESSING whose lease ran out (a worker loss, counted;
+    refused when it would make `max_worker_losses`)."""
+    return await apply(db, task_id, Claim(worker_id, lease_seconds, max_worker_losses), actor=actor, reason=reason)
 
 
 async def progress(
@@ -314,10 +334,12 @@ async def release(
     reason: str | None = None,
     expected_version: int | None = None,
     expected_attempt: int | None = None,
+    worker_lost: bool = False,
 ) -> Outcome:
-    """PROCESSING -> QUEUED without spending a retry."""
+    """PROCESSING -> QUEUED without spending a retry; `worker_lost` counts a lost worker's attempt."""
     return await apply(
-        db, task_id, Release(), actor=actor, reason=reason, expected_version=expected_version, expected_attempt=expected_attempt
+        db, task_id, Release(worker_lost), actor=actor, reason=reason, expected_version=expected_version,
+        expected_attempt=expected_attempt,
     )
 
 
@@ -336,10 +358,16 @@ async def fail(
     actor: str,
     reason: str,
     attempt: int | None = None,
+    expected_version: int | None = None,
     dead_letter: bool = False,
+    worker_lost: bool = False,
 ) -> Outcome:
-    """PROCESSING -> FAILED; with `dead_letter`, a dead_letter row in the same transaction."""
-    return await _end(db, task_id, Fail(error), actor=actor, reason=reason, attempt=attempt, version=None, dead_letter=dead_letter)
+    """PROCESSING -> FAILED; with `dead_letter`, a dead_letter row in the same transaction; `worker_lost` counts a lost
+    worker's attempt."""
+    return await _end(
+        db, task_id, Fail(error, worker_lost), actor=actor, reason=reason, attempt=attempt, version=expected_version,
+        dead_letter=dead_letter,
+    )
 
 
 async def time_out(
@@ -383,6 +411,12 @@ async def get_task(db: Conn, task_id: int) -> TaskRow | None:
 
 
 async def renew_lease(db: Conn, task_id: int, *, attempt: int, lease_seconds: float) -> bool:
-    """Extends a running attempt's lease; False when the attempt no longer holds the task."""
+    """Extends a running (or soft-cancelled, still running) attempt's lease; False when it no longer holds the task."""
     return await db.fetchval(sql.query("renew_lease"), task_id, attempt, lease_seconds) is not None
+
+
+async def let_go(db: Conn, task_id: int, *, attempt: int) -> bool:
+    """Ends a soft-cancelled attempt's lease once its worker stopped running it (the tenant's pending slot frees);
+    False when it held none."""
+    return await db.fetchval(sql.query("let_go_task"), task_id, attempt) is not None
 

@@ -17,6 +17,17 @@ class Principal:
     is_admin: bool
     max_pending: int | None
     submits_per_minute: int | None
+    max_priority: int = 5  # NORMAL: HIGH is an entitlement
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A tenant's limits (None: the global setting)."""
+
+    id: str
+    max_pending: int | None
+    submits_per_minute: int | None
+    max_priority: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,13 +60,15 @@ async def create_api_key(
     max_pending: int | None,
     submits_per_minute: int | None,
     first_secret: str,
+    max_priority: int | None = None,
 ) -> bool:
     """Creates the tenant if new (with `first_secret`; given limits update an existing one) and a key for it.
 
     True when the tenant was new, so `first_secret` was stored.
     """
     row = await db.fetchrow(
-        sql.query("create_api_key"), tenant_id, key_hash, prefix, admin, max_pending, submits_per_minute, first_secret
+        sql.query("create_api_key"), tenant_id, key_hash, prefix, admin, max_pending, submits_per_minute, first_secret,
+        max_priority,
     )
     assert row is not None
     return bool(row["secret_created"])
@@ -66,7 +79,7 @@ async def lookup_api_key(db: Conn, key_hash: str) -> Principal | None:
     row = await db.fetchrow(sql.query("lookup_api_key"), key_hash)
     if row is None:
         return None
-    return Principal(row["tenant_id"], row["is_admin"], row["max_pending"], row["submits_per_minute"])
+    return Principal(row["tenant_id"], row["is_admin"], row["max_pending"], row["submits_per_minute"], row["max_priority"])
 
 
 async def revoke_api_keys(db: Conn, prefix: str) -> list[RevokedKey]:
@@ -75,9 +88,9 @@ async def revoke_api_keys(db: Conn, prefix: str) -> list[RevokedKey]:
     return [RevokedKey(r["id"], r["tenant_id"]) for r in rows]
 
 
-async def list_api_keys(db: Conn) -> list[ApiKey]:
-    """Every key, newest first."""
-    rows = await db.fetch(sql.query("list_api_keys"))
+async def list_api_keys(db: Conn, tenant_id: str | None = None) -> list[ApiKey]:
+    """Every key (of `tenant_id` when given), newest first."""
+    rows = await db.fetch(sql.query("list_api_keys"), tenant_id)
     return [ApiKey(r["id"], r["tenant_id"], r["prefix"], r["is_admin"], r["created_at"], r["revoked_at"]) for r in rows]
 
 
@@ -90,3 +103,18 @@ async def webhook_secrets(db: Conn, tenant_id: str) -> list[str]:
     """The tenant's valid secrets, newest first (two during a rotation)."""
     rows = await db.fetch(sql.query("webhook_secrets"), tenant_id)
     return [r["secret"] for r in rows]
+
+
+async def update_tenant(
+    db: Conn, tenant_id: str, *, max_pending: int | None, submits_per_minute: int | None, max_priority: int | None
+) -> Tenant | None:
+    """Changes the limits given (None leaves one as it is); the tenant after, or None when there is no such tenant."""
+    row = await db.fetchrow(sql.query("update_tenant"), tenant_id, max_pending, submits_per_minute, max_priority)
+    if row is None:
+        return None
+    return Tenant(row["id"], row["max_pending"], row["submits_per_minute"], row["max_priority"])
+
+
+async def tenant_exists(db: Conn, tenant_id: str) -> bool:
+    """Whether the tenant exists."""
+    return bool(await db.fetchval(sql.query("tenant_exists"), tenant_id))

@@ -77,25 +77,32 @@ async def claim_within_cap(
     lease_seconds: float,
     actor: str,
     reason: str | None = None,
+    max_worker_losses: int | None = None,
 ) -> Outcome | None:
-    """The guarded claim; None when `cap` (if above 0) tasks of the model already run under a live lease.
+    """The guarded claim (store.claim); None when `cap` (if above 0) tasks of the model already run under a live lease.
 
     The count and the claim share one transaction under a per-model lock, so two workers never both take the last place.
     """
     if cap <= 0:
-        return await claim(db, task_id, worker_id=worker_id, lease_seconds=lease_seconds, actor=actor, reason=reason)
+        return await claim(
+            db, task_id, worker_id=worker_id, lease_seconds=lease_seconds, actor=actor, reason=reason,
+            max_worker_losses=max_worker_losses,
+        )
     if isinstance(db, asyncpg.Pool):
         async with db.acquire() as conn:
             return await claim_within_cap(
                 conn, task_id, model_id=model_id, cap=cap, worker_id=worker_id, lease_seconds=lease_seconds, actor=actor,
-                reason=reason,
+                reason=reason, max_worker_losses=max_worker_losses,
             )
     async with db.transaction():
         await db.execute(sql.query("worker_lock_model"), model_id)
         running = await db.fetchval(sql.query("worker_count_running"), model_id, task_id)
         if running >= cap:
             return None
-        return await claim(db, task_id, worker_id=worker_id, lease_seconds=lease_seconds, actor=actor, reason=reason)
+        return await claim(
+            db, task_id, worker_id=worker_id, lease_seconds=lease_seconds, actor=actor, reason=reason,
+            max_worker_losses=max_worker_losses,
+        )
 
 
 async def keep_reusable(db: Conn, task_id: int, *, attempt: int, result: ResultRef) -> bool:

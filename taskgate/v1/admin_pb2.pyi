@@ -526,3 +526,336 @@ class RedeliverCallbackResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RedeliverCallbackResponse: _TypeAlias = RedeliverCallbackResponse  # noqa: Y015
+
+@_typing.final
+class PurgeTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OLDER_THAN_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    dry_run: _builtins.bool
+    """count only, delete nothing"""
+    @_builtins.property
+    def older_than(self) -> _duration_pb2.Duration:
+        """by finished_at (reusable outputs: by created_at); required"""
+
+    def __init__(
+        self,
+        *,
+        older_than: _duration_pb2.Duration | None = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["older_than", b"older_than"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "older_than", b"older_than"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PurgeTasksRequest: _TypeAlias = PurgeTasksRequest  # noqa: Y015
+
+@_typing.final
+class PurgeTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
+    REUSABLE_RESULTS_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    tasks: _builtins.int
+    """finished tasks deleted, with their events, webhook deliveries and attempt logs"""
+    results: _builtins.int
+    """stored outputs deleted"""
+    reusable_results: _builtins.int
+    """reusable outputs deleted"""
+    dry_run: _builtins.bool
+    def __init__(
+        self,
+        *,
+        tasks: _builtins.int = ...,
+        results: _builtins.int = ...,
+        reusable_results: _builtins.int = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "results", b"results", "reusable_results", b"reusable_results", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PurgeTasksResponse: _TypeAlias = PurgeTasksResponse  # noqa: Y015
+
+@_typing.final
+class ListCallbackDeliveriesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    status: _task_pb2.CallbackStatus.ValueType
+    """unspecified: every state"""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        status: _task_pb2.CallbackStatus.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCallbackDeliveriesRequest: _TypeAlias = ListCallbackDeliveriesRequest  # noqa: Y015
+
+@_typing.final
+class DeliveryRecord(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELIVERY_ID_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    WEBHOOK_ID_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    LAST_STATUS_CODE_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    NEXT_ATTEMPT_AT_FIELD_NUMBER: _builtins.int
+    LAST_ATTEMPT_AT_FIELD_NUMBER: _builtins.int
+    delivery_id: _builtins.int
+    task_id: _builtins.str
+    tenant: _builtins.str
+    webhook_id: _builtins.str
+    event: _builtins.str
+    url: _builtins.str
+    status: _task_pb2.CallbackStatus.ValueType
+    attempts: _builtins.int
+    last_status_code: _builtins.int
+    """0: no HTTP answer"""
+    last_error: _builtins.str
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def next_attempt_at(self) -> _timestamp_pb2.Timestamp:
+        """PENDING only"""
+
+    @_builtins.property
+    def last_attempt_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        delivery_id: _builtins.int = ...,
+        task_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        webhook_id: _builtins.str = ...,
+        event: _builtins.str = ...,
+        url: _builtins.str = ...,
+        status: _task_pb2.CallbackStatus.ValueType = ...,
+        attempts: _builtins.int = ...,
+        last_status_code: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        next_attempt_at: _timestamp_pb2.Timestamp | None = ...,
+        last_attempt_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "last_attempt_at", b"last_attempt_at", "next_attempt_at", b"next_attempt_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "created_at", b"created_at", "delivery_id", b"delivery_id", "event", b"event", "last_attempt_at", b"last_attempt_at", "last_error", b"last_error", "last_status_code", b"last_status_code", "next_attempt_at", b"next_attempt_at", "status", b"status", "task_id", b"task_id", "tenant", b"tenant", "url", b"url", "webhook_id", b"webhook_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeliveryRecord: _TypeAlias = DeliveryRecord  # noqa: Y015
+
+@_typing.final
+class ListCallbackDeliveriesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELIVERIES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def deliveries(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeliveryRecord]: ...
+    def __init__(
+        self,
+        *,
+        deliveries: _abc.Iterable[Global___DeliveryRecord] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deliveries", b"deliveries", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCallbackDeliveriesResponse: _TypeAlias = ListCallbackDeliveriesResponse  # noqa: Y015
+
+@_typing.final
+class RotateWebhookSecretRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    OVERLAP_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    @_builtins.property
+    def overlap(self) -> _duration_pb2.Duration:
+        """how long the current secrets stay valid; default 24 h, 0 retires them now"""
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        overlap: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["overlap", b"overlap"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["overlap", b"overlap", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateWebhookSecretRequest: _TypeAlias = RotateWebhookSecretRequest  # noqa: Y015
+
+@_typing.final
+class RotateWebhookSecretResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEBHOOK_SECRET_FIELD_NUMBER: _builtins.int
+    PREVIOUS_VALID_UNTIL_FIELD_NUMBER: _builtins.int
+    VALID_SECRETS_FIELD_NUMBER: _builtins.int
+    webhook_secret: _builtins.str
+    """shown once"""
+    valid_secrets: _builtins.int
+    """how many sign each webhook now"""
+    @_builtins.property
+    def previous_valid_until(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        webhook_secret: _builtins.str = ...,
+        previous_valid_until: _timestamp_pb2.Timestamp | None = ...,
+        valid_secrets: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["previous_valid_until", b"previous_valid_until"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["previous_valid_until", b"previous_valid_until", "valid_secrets", b"valid_secrets", "webhook_secret", b"webhook_secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateWebhookSecretResponse: _TypeAlias = RotateWebhookSecretResponse  # noqa: Y015
+
+@_typing.final
+class ApiKeyInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFIX_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    ADMIN_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    REVOKED_AT_FIELD_NUMBER: _builtins.int
+    prefix: _builtins.str
+    tenant: _builtins.str
+    admin: _builtins.bool
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def revoked_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        prefix: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        admin: _builtins.bool = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        revoked_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "revoked_at", b"revoked_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin", b"admin", "created_at", b"created_at", "prefix", b"prefix", "revoked_at", b"revoked_at", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApiKeyInfo: _TypeAlias = ApiKeyInfo  # noqa: Y015
+
+@_typing.final
+class ListApiKeysRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """empty: every tenant"""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListApiKeysRequest: _TypeAlias = ListApiKeysRequest  # noqa: Y015
+
+@_typing.final
+class ListApiKeysResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___ApiKeyInfo]:
+        """newest first; never the keys themselves"""
+
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[Global___ApiKeyInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListApiKeysResponse: _TypeAlias = ListApiKeysResponse  # noqa: Y015
+
+@_typing.final
+class RevokeApiKeysRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFIX_FIELD_NUMBER: _builtins.int
+    prefix: _builtins.str
+    def __init__(
+        self,
+        *,
+        prefix: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefix", b"prefix"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeApiKeysRequest: _TypeAlias = RevokeApiKeysRequest  # noqa: Y015
+
+@_typing.final
+class RevokeApiKeysResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVOKED_FIELD_NUMBER: _builtins.int
+    revoked: _builtins.int
+    def __init__(
+        self,
+        *,
+        revoked: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revoked", b"revoked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeApiKeysResponse: _TypeAlias = RevokeApiKeysResponse  # noqa: Y015

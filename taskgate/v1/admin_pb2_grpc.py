@@ -65,6 +65,31 @@ class TaskAdminStub:
                 request_serializer=taskgate_dot_v1_dot_admin__pb2.RedeliverCallbackRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_admin__pb2.RedeliverCallbackResponse.FromString,
                 _registered_method=True)
+        self.ListCallbackDeliveries = channel.unary_unary(
+                '/taskgate.v1.TaskAdmin/ListCallbackDeliveries',
+                request_serializer=taskgate_dot_v1_dot_admin__pb2.ListCallbackDeliveriesRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_admin__pb2.ListCallbackDeliveriesResponse.FromString,
+                _registered_method=True)
+        self.RotateWebhookSecret = channel.unary_unary(
+                '/taskgate.v1.TaskAdmin/RotateWebhookSecret',
+                request_serializer=taskgate_dot_v1_dot_admin__pb2.RotateWebhookSecretRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_admin__pb2.RotateWebhookSecretResponse.FromString,
+                _registered_method=True)
+        self.ListApiKeys = channel.unary_unary(
+                '/taskgate.v1.TaskAdmin/ListApiKeys',
+                request_serializer=taskgate_dot_v1_dot_admin__pb2.ListApiKeysRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_admin__pb2.ListApiKeysResponse.FromString,
+                _registered_method=True)
+        self.RevokeApiKeys = channel.unary_unary(
+                '/taskgate.v1.TaskAdmin/RevokeApiKeys',
+                request_serializer=taskgate_dot_v1_dot_admin__pb2.RevokeApiKeysRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_admin__pb2.RevokeApiKeysResponse.FromString,
+                _registered_method=True)
+        self.PurgeTasks = channel.unary_unary(
+                '/taskgate.v1.TaskAdmin/PurgeTasks',
+                request_serializer=taskgate_dot_v1_dot_admin__pb2.PurgeTasksRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_admin__pb2.PurgeTasksResponse.FromString,
+                _registered_method=True)
 
 
 class TaskAdminServicer:
@@ -109,6 +134,40 @@ class TaskAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCallbackDeliveries(self, request, context):
+        """Webhook deliveries by state (e.g. FAILED), newest first, with their attempt count and last error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateWebhookSecret(self, request, context):
+        """A new webhook secret for a tenant; its current ones keep signing (both verify) until the overlap ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListApiKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeApiKeys(self, request, context):
+        """Revokes the live keys with a prefix (as listed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PurgeTasks(self, request, context):
+        """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TaskAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +200,31 @@ def add_TaskAdminServicer_to_server(servicer, server):
                     servicer.RedeliverCallback,
                     request_deserializer=taskgate_dot_v1_dot_admin__pb2.RedeliverCallbackRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_admin__pb2.RedeliverCallbackResponse.SerializeToString,
+            ),
+            'ListCallbackDeliveries': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCallbackDeliveries,
+                    request_deserializer=taskgate_dot_v1_dot_admin__pb2.ListCallbackDeliveriesRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_admin__pb2.ListCallbackDeliveriesResponse.SerializeToString,
+            ),
+            'RotateWebhookSecret': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateWebhookSecret,
+                    request_deserializer=taskgate_dot_v1_dot_admin__pb2.RotateWebhookSecretRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_admin__pb2.RotateWebhookSecretResponse.SerializeToString,
+            ),
+            'ListApiKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListApiKeys,
+                    request_deserializer=taskgate_dot_v1_dot_admin__pb2.ListApiKeysRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_admin__pb2.ListApiKeysResponse.SerializeToString,
+            ),
+            'RevokeApiKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeApiKeys,
+                    request_deserializer=taskgate_dot_v1_dot_admin__pb2.RevokeApiKeysRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_admin__pb2.RevokeApiKeysResponse.SerializeToString,
+            ),
+            'PurgeTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PurgeTasks,
+                    request_deserializer=taskgate_dot_v1_dot_admin__pb2.PurgeTasksRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_admin__pb2.PurgeTasksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +390,141 @@ class TaskAdmin:
             '/taskgate.v1.TaskAdmin/RedeliverCallback',
             taskgate_dot_v1_dot_admin__pb2.RedeliverCallbackRequest.SerializeToString,
             taskgate_dot_v1_dot_admin__pb2.RedeliverCallbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCallbackDeliveries(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskAdmin/ListCallbackDeliveries',
+            taskgate_dot_v1_dot_admin__pb2.ListCallbackDeliveriesRequest.SerializeToString,
+            taskgate_dot_v1_dot_admin__pb2.ListCallbackDeliveriesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateWebhookSecret(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskAdmin/RotateWebhookSecret',
+            taskgate_dot_v1_dot_admin__pb2.RotateWebhookSecretRequest.SerializeToString,
+            taskgate_dot_v1_dot_admin__pb2.RotateWebhookSecretResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListApiKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskAdmin/ListApiKeys',
+            taskgate_dot_v1_dot_admin__pb2.ListApiKeysRequest.SerializeToString,
+            taskgate_dot_v1_dot_admin__pb2.ListApiKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeApiKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskAdmin/RevokeApiKeys',
+            taskgate_dot_v1_dot_admin__pb2.RevokeApiKeysRequest.SerializeToString,
+            taskgate_dot_v1_dot_admin__pb2.RevokeApiKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PurgeTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskAdmin/PurgeTasks',
+            taskgate_dot_v1_dot_admin__pb2.PurgeTasksRequest.SerializeToString,
+            taskgate_dot_v1_dot_admin__pb2.PurgeTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

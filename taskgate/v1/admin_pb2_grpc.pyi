@@ -41,6 +41,15 @@ class TaskAdminStub:
     """Requeues in batches; one response per batch."""
     ListDeadLetters: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListDeadLettersRequest, _admin_pb2.ListDeadLettersResponse]
     RedeliverCallback: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RedeliverCallbackRequest, _admin_pb2.RedeliverCallbackResponse]
+    ListCallbackDeliveries: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListCallbackDeliveriesRequest, _admin_pb2.ListCallbackDeliveriesResponse]
+    """Webhook deliveries by state (e.g. FAILED), newest first, with their attempt count and last error."""
+    RotateWebhookSecret: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RotateWebhookSecretRequest, _admin_pb2.RotateWebhookSecretResponse]
+    """A new webhook secret for a tenant; its current ones keep signing (both verify) until the overlap ends."""
+    ListApiKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]
+    RevokeApiKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeysRequest, _admin_pb2.RevokeApiKeysResponse]
+    """Revokes the live keys with a prefix (as listed)."""
+    PurgeTasks: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PurgeTasksRequest, _admin_pb2.PurgeTasksResponse]
+    """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches."""
 
 @_typing.type_check_only
 class TaskAdminAsyncStub(TaskAdminStub):
@@ -55,6 +64,15 @@ class TaskAdminAsyncStub(TaskAdminStub):
     """Requeues in batches; one response per batch."""
     ListDeadLetters: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListDeadLettersRequest, _admin_pb2.ListDeadLettersResponse]  # type: ignore[assignment]
     RedeliverCallback: _aio.UnaryUnaryMultiCallable[_admin_pb2.RedeliverCallbackRequest, _admin_pb2.RedeliverCallbackResponse]  # type: ignore[assignment]
+    ListCallbackDeliveries: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListCallbackDeliveriesRequest, _admin_pb2.ListCallbackDeliveriesResponse]  # type: ignore[assignment]
+    """Webhook deliveries by state (e.g. FAILED), newest first, with their attempt count and last error."""
+    RotateWebhookSecret: _aio.UnaryUnaryMultiCallable[_admin_pb2.RotateWebhookSecretRequest, _admin_pb2.RotateWebhookSecretResponse]  # type: ignore[assignment]
+    """A new webhook secret for a tenant; its current ones keep signing (both verify) until the overlap ends."""
+    ListApiKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]  # type: ignore[assignment]
+    RevokeApiKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeysRequest, _admin_pb2.RevokeApiKeysResponse]  # type: ignore[assignment]
+    """Revokes the live keys with a prefix (as listed)."""
+    PurgeTasks: _aio.UnaryUnaryMultiCallable[_admin_pb2.PurgeTasksRequest, _admin_pb2.PurgeTasksResponse]  # type: ignore[assignment]
+    """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches."""
 
 class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
     """Operators' API (scheduler). Requires an admin key."""
@@ -102,5 +120,44 @@ class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.RedeliverCallbackRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.RedeliverCallbackResponse, _abc.Awaitable[_admin_pb2.RedeliverCallbackResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListCallbackDeliveries(
+        self,
+        request: _admin_pb2.ListCallbackDeliveriesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListCallbackDeliveriesResponse, _abc.Awaitable[_admin_pb2.ListCallbackDeliveriesResponse]]:
+        """Webhook deliveries by state (e.g. FAILED), newest first, with their attempt count and last error."""
+
+    @_abc_1.abstractmethod
+    def RotateWebhookSecret(
+        self,
+        request: _admin_pb2.RotateWebhookSecretRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.RotateWebhookSecretResponse, _abc.Awaitable[_admin_pb2.RotateWebhookSecretResponse]]:
+        """A new webhook secret for a tenant; its current ones keep signing (both verify) until the overlap ends."""
+
+    @_abc_1.abstractmethod
+    def ListApiKeys(
+        self,
+        request: _admin_pb2.ListApiKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListApiKeysResponse, _abc.Awaitable[_admin_pb2.ListApiKeysResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RevokeApiKeys(
+        self,
+        request: _admin_pb2.RevokeApiKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.RevokeApiKeysResponse, _abc.Awaitable[_admin_pb2.RevokeApiKeysResponse]]:
+        """Revokes the live keys with a prefix (as listed)."""
+
+    @_abc_1.abstractmethod
+    def PurgeTasks(
+        self,
+        request: _admin_pb2.PurgeTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.PurgeTasksResponse, _abc.Awaitable[_admin_pb2.PurgeTasksResponse]]:
+        """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches."""
 
 def add_TaskAdminServicer_to_server(servicer: TaskAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

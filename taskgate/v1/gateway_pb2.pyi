@@ -9,6 +9,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.rpc import status_pb2 as _status_pb2
 from taskgate.v1 import task_pb2 as _task_pb2
 import builtins as _builtins
 import sys
@@ -120,6 +121,80 @@ class SubmitTaskResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubmitTaskResponse: _TypeAlias = SubmitTaskResponse  # noqa: Y015
+
+@_typing.final
+class SubmitTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubmitTaskRequest]:
+        """1 to 1,000"""
+
+    def __init__(
+        self,
+        *,
+        requests: _abc.Iterable[Global___SubmitTaskRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitTasksRequest: _TypeAlias = SubmitTasksRequest  # noqa: Y015
+
+@_typing.final
+class SubmitTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubmitTaskResult]:
+        """one per request, in the same order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___SubmitTaskResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitTasksResponse: _TypeAlias = SubmitTasksResponse  # noqa: Y015
+
+@_typing.final
+class SubmitTaskResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def response(self) -> Global___SubmitTaskResponse:
+        """admitted: the task, created or found by its idempotency key"""
+
+    @_builtins.property
+    def error(self) -> _status_pb2.Status:
+        """refused: code, message and details exactly as SubmitTask would send them"""
+
+    def __init__(
+        self,
+        *,
+        response: Global___SubmitTaskResponse | None = ...,
+        error: _status_pb2.Status | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "response", b"response", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "response", b"response", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["response", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___SubmitTaskResult: _TypeAlias = SubmitTaskResult  # noqa: Y015
 
 @_typing.final
 class GetTaskRequest(_message.Message):
@@ -314,3 +389,60 @@ class ResultChunk(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResultChunk: _TypeAlias = ResultChunk  # noqa: Y015
+
+@_typing.final
+class RegenerateTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    """a finished task of the caller's"""
+    seed: _builtins.int
+    """absent: a new random seed"""
+    idempotency_key: _builtins.str
+    """Makes retries of this call safe (same key: the same new task); absent, the gateway makes a fresh one."""
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        seed: _builtins.int | None = ...,
+        idempotency_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "idempotency_key", b"idempotency_key", "seed", b"seed", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+
+Global___RegenerateTaskRequest: _TypeAlias = RegenerateTaskRequest  # noqa: Y015
+
+@_typing.final
+class RegenerateTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    SOURCE_TASK_ID_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """false when the idempotency key already named the new task"""
+    source_task_id: _builtins.str
+    @_builtins.property
+    def task(self) -> _task_pb2.Task: ...
+    def __init__(
+        self,
+        *,
+        task: _task_pb2.Task | None = ...,
+        created: _builtins.bool = ...,
+        source_task_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "source_task_id", b"source_task_id", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegenerateTaskResponse: _TypeAlias = RegenerateTaskResponse  # noqa: Y015

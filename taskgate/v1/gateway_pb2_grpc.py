@@ -41,6 +41,11 @@ class TaskGatewayStub:
                 request_serializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTaskRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTaskResponse.FromString,
                 _registered_method=True)
+        self.SubmitTasks = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/SubmitTasks',
+                request_serializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTasksRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTasksResponse.FromString,
+                _registered_method=True)
         self.GetTask = channel.unary_unary(
                 '/taskgate.v1.TaskGateway/GetTask',
                 request_serializer=taskgate_dot_v1_dot_gateway__pb2.GetTaskRequest.SerializeToString,
@@ -61,6 +66,11 @@ class TaskGatewayStub:
                 request_serializer=taskgate_dot_v1_dot_gateway__pb2.GetTaskResultRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_gateway__pb2.ResultChunk.FromString,
                 _registered_method=True)
+        self.RegenerateTask = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/RegenerateTask',
+                request_serializer=taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskResponse.FromString,
+                _registered_method=True)
 
 
 class TaskGatewayServicer:
@@ -70,6 +80,14 @@ class TaskGatewayServicer:
 
     def SubmitTask(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitTasks(self, request, context):
+        """Up to 1,000 submissions in one call, each admitted on its own rules: one result per request, in order, holding
+        its task or the error status SubmitTask would have answered it with (AIP-233 partial failure).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -99,6 +117,13 @@ class TaskGatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegenerateTask(self, request, context):
+        """A new task from a finished one's request (a new seed, a fresh idempotency key), at HIGH when the tenant may use it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TaskGatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +131,11 @@ def add_TaskGatewayServicer_to_server(servicer, server):
                     servicer.SubmitTask,
                     request_deserializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTaskRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTaskResponse.SerializeToString,
+            ),
+            'SubmitTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitTasks,
+                    request_deserializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTasksRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTasksResponse.SerializeToString,
             ),
             'GetTask': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTask,
@@ -126,6 +156,11 @@ def add_TaskGatewayServicer_to_server(servicer, server):
                     servicer.GetTaskResult,
                     request_deserializer=taskgate_dot_v1_dot_gateway__pb2.GetTaskResultRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_gateway__pb2.ResultChunk.SerializeToString,
+            ),
+            'RegenerateTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegenerateTask,
+                    request_deserializer=taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -157,6 +192,33 @@ class TaskGateway:
             '/taskgate.v1.TaskGateway/SubmitTask',
             taskgate_dot_v1_dot_gateway__pb2.SubmitTaskRequest.SerializeToString,
             taskgate_dot_v1_dot_gateway__pb2.SubmitTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/SubmitTasks',
+            taskgate_dot_v1_dot_gateway__pb2.SubmitTasksRequest.SerializeToString,
+            taskgate_dot_v1_dot_gateway__pb2.SubmitTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -265,6 +327,33 @@ class TaskGateway:
             '/taskgate.v1.TaskGateway/GetTaskResult',
             taskgate_dot_v1_dot_gateway__pb2.GetTaskResultRequest.SerializeToString,
             taskgate_dot_v1_dot_gateway__pb2.ResultChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegenerateTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/RegenerateTask',
+            taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskRequest.SerializeToString,
+            taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,11 +36,17 @@ class TaskGatewayStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> TaskGatewayAsyncStub: ...
     SubmitTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SubmitTaskRequest, _gateway_pb2.SubmitTaskResponse]
+    SubmitTasks: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SubmitTasksRequest, _gateway_pb2.SubmitTasksResponse]
+    """Up to 1,000 submissions in one call, each admitted on its own rules: one result per request, in order, holding
+    its task or the error status SubmitTask would have answered it with (AIP-233 partial failure).
+    """
     GetTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetTaskRequest, _gateway_pb2.GetTaskResponse]
     ListTasks: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListTasksRequest, _gateway_pb2.ListTasksResponse]
     CancelTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CancelTaskRequest, _gateway_pb2.CancelTaskResponse]
     GetTaskResult: _grpc.UnaryStreamMultiCallable[_gateway_pb2.GetTaskResultRequest, _gateway_pb2.ResultChunk]
     """Streams a SUCCEEDED task's output; the first chunk carries `info`."""
+    RegenerateTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RegenerateTaskRequest, _gateway_pb2.RegenerateTaskResponse]
+    """A new task from a finished one's request (a new seed, a fresh idempotency key), at HIGH when the tenant may use it."""
 
 @_typing.type_check_only
 class TaskGatewayAsyncStub(TaskGatewayStub):
@@ -50,11 +56,17 @@ class TaskGatewayAsyncStub(TaskGatewayStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     SubmitTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SubmitTaskRequest, _gateway_pb2.SubmitTaskResponse]  # type: ignore[assignment]
+    SubmitTasks: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SubmitTasksRequest, _gateway_pb2.SubmitTasksResponse]  # type: ignore[assignment]
+    """Up to 1,000 submissions in one call, each admitted on its own rules: one result per request, in order, holding
+    its task or the error status SubmitTask would have answered it with (AIP-233 partial failure).
+    """
     GetTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetTaskRequest, _gateway_pb2.GetTaskResponse]  # type: ignore[assignment]
     ListTasks: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListTasksRequest, _gateway_pb2.ListTasksResponse]  # type: ignore[assignment]
     CancelTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CancelTaskRequest, _gateway_pb2.CancelTaskResponse]  # type: ignore[assignment]
     GetTaskResult: _aio.UnaryStreamMultiCallable[_gateway_pb2.GetTaskResultRequest, _gateway_pb2.ResultChunk]  # type: ignore[assignment]
     """Streams a SUCCEEDED task's output; the first chunk carries `info`."""
+    RegenerateTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RegenerateTaskRequest, _gateway_pb2.RegenerateTaskResponse]  # type: ignore[assignment]
+    """A new task from a finished one's request (a new seed, a fresh idempotency key), at HIGH when the tenant may use it."""
 
 class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
     """The front door: internal backends submit and follow tasks here.
@@ -67,6 +79,16 @@ class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.SubmitTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.SubmitTaskResponse, _abc.Awaitable[_gateway_pb2.SubmitTaskResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SubmitTasks(
+        self,
+        request: _gateway_pb2.SubmitTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.SubmitTasksResponse, _abc.Awaitable[_gateway_pb2.SubmitTasksResponse]]:
+        """Up to 1,000 submissions in one call, each admitted on its own rules: one result per request, in order, holding
+        its task or the error status SubmitTask would have answered it with (AIP-233 partial failure).
+        """
 
     @_abc_1.abstractmethod
     def GetTask(
@@ -96,5 +118,13 @@ class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_gateway_pb2.ResultChunk], _abc.AsyncIterator[_gateway_pb2.ResultChunk]]:
         """Streams a SUCCEEDED task's output; the first chunk carries `info`."""
+
+    @_abc_1.abstractmethod
+    def RegenerateTask(
+        self,
+        request: _gateway_pb2.RegenerateTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RegenerateTaskResponse, _abc.Awaitable[_gateway_pb2.RegenerateTaskResponse]]:
+        """A new task from a finished one's request (a new seed, a fresh idempotency key), at HIGH when the tenant may use it."""
 
 def add_TaskGatewayServicer_to_server(servicer: TaskGatewayServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

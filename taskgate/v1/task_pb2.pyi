@@ -156,10 +156,21 @@ class TaskResult(_message.Message):
     CONTENT_TYPE_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    URL_EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    DELETED_AT_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     content_type: _builtins.str
     size_bytes: _builtins.int
     sha256: _builtins.str
+    url: _builtins.str
+    """A presigned GET URL of the output (S3 result store only; empty otherwise), valid until url_expires_at."""
+    @_builtins.property
+    def url_expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def deleted_at(self) -> _timestamp_pb2.Timestamp:
+        """Set when retention deleted the stored output; the fields above still say what it was."""
+
     def __init__(
         self,
         *,
@@ -167,10 +178,13 @@ class TaskResult(_message.Message):
         content_type: _builtins.str = ...,
         size_bytes: _builtins.int = ...,
         sha256: _builtins.str = ...,
+        url: _builtins.str = ...,
+        url_expires_at: _timestamp_pb2.Timestamp | None = ...,
+        deleted_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deleted_at", b"deleted_at", "url_expires_at", b"url_expires_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "sha256", b"sha256", "size_bytes", b"size_bytes", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "deleted_at", b"deleted_at", "sha256", b"sha256", "size_bytes", b"size_bytes", "uri", b"uri", "url", b"url", "url_expires_at", b"url_expires_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -6,12 +6,14 @@ A lost signal costs only time: the worker's next lease renewal or progress write
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from nats.errors import Error as NatsError
+from opentelemetry.trace import SpanKind
 
 from taskgate import bus as busmod
-from taskgate import ids
+from taskgate import ids, tracing
 from taskgate.v1 import task_pb2
 
 log = logging.getLogger("taskgate.cancel")
@@ -43,10 +45,13 @@ def decode(data: bytes) -> Signal | None:
     return Signal(task_id, msg.hard, msg.reason) if task_id is not None else None
 
 
-async def send(bus: busmod.Bus, task_id: int, *, hard: bool, reason: str) -> bool:
-    """Publishes the signal; False (logged) when NATS refused it."""
+async def send(
+    bus: busmod.Bus, task_id: int, *, hard: bool, reason: str, trace_context: Mapping[str, str] | None = None
+) -> bool:
+    """Publishes the signal, in the task's trace (`trace_context`: the row's); False (logged) when NATS refused it."""
     try:
-        await bus.nc.publish(SUBJECT, encode(task_id, hard=hard, reason=reason))
+        with tracing.span("cancel signal", parent=trace_context, kind=SpanKind.PRODUCER, attributes={tracing.TASK_ID: str(task_id)}):
+            await bus.nc.publish(SUBJECT, encode(task_id, hard=hard, reason=reason), headers=tracing.headers({}) or None)
     except (NatsError, OSError) as exc:
         log.warning("cancel signal not sent", extra={"task_id": str(task_id), "error": type(exc).__name__})
         return False

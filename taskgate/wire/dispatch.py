@@ -12,8 +12,10 @@ import enum
 import logging
 import time
 
+from opentelemetry.trace import SpanKind
+
 from taskgate import bus as busmod
-from taskgate import ids
+from taskgate import ids, tracing
 from taskgate.model import TaskRow
 from taskgate.v1 import task_pb2
 
@@ -62,18 +64,27 @@ def task_id_of(data: bytes) -> int | None:
 
 
 async def publish(bus: busmod.Bus, task: TaskRow, reason: Reason, *, ack_timeout: float | None = None) -> None:
-    """Publishes one dispatch and waits for JetStream's ack (raises on failure)."""
-    await bus.js.publish(
-        busmod.task_subject(task.model_id, task.priority),
-        encode(task),
-        timeout=ack_timeout,
-        headers={"Nats-Msg-Id": msg_id(task, reason)},
+    """Publishes one dispatch and waits for JetStream's ack (raises on failure); a span of the task's trace, whose
+    context the message's headers carry to the worker that claims it."""
+    subject = busmod.task_subject(task.model_id, task.priority)
+    with tracing.span(
+        f"dispatch {reason.value}",
+        parent=task.trace_context,
+        kind=SpanKind.PRODUCER,
+        attributes={tracing.TASK_ID: str(task.id), "messaging.system": "nats", "messaging.destination.name": subject},
+    ):
+        await bus.js.publish(
+            subject, encode(task), timeout=ack_timeout, headers=tracing.headers({"Nats-Msg-Id": msg_id(task, reason)})
+        )
+
+
+async def publish_many(
+    bus: busmod.Bus, items: list[tuple[TaskRow, Reason]], *, ack_timeout: float | None = None
+) -> list[tuple[TaskRow, Reason]]:
+    """Publishes with every ack awaited at once (pipelined); returns the items acknowledged (failures are logged)."""
+    results = await asyncio.gather(
+        *(publish(bus, task, reason, ack_timeout=ack_timeout) for task, reason in items), return_exceptions=True
     )
-
-
-async def publish_many(bus: busmod.Bus, items: list[tuple[TaskRow, Reason]]) -> list[tuple[TaskRow, Reason]]:
-    """Publishes concurrently; returns the items whose publish was acknowledged (failures are logged)."""
-    results = await asyncio.gather(*(publish(bus, task, reason) for task, reason in items), return_exceptions=True)
     done = []
     for (task, reason), result in zip(items, results, strict=True):
         if isinstance(result, asyncio.CancelledError):

@@ -7,6 +7,7 @@ of the same version; the streams send the same message from the table when the l
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 from taskgate import bus as busmod
@@ -54,14 +55,20 @@ def msg_id(event: Event) -> str:
     return f"{event.task_id}.v{event.version}"
 
 
-async def publish_async(bus: busmod.Bus, event: Event, *, wait_stall: float) -> asyncio.Future[Any] | None:
-    """Publishes without waiting for the ack (the future resolves with it); None when the event has no valid subject."""
+async def publish_async(
+    bus: busmod.Bus, event: Event, *, wait_stall: float, trace_context: Mapping[str, str] | None = None
+) -> asyncio.Future[Any] | None:
+    """Publishes without waiting for the ack (the future resolves with it); None when the event has no valid subject.
+    `trace_context` (the relay span's) rides in the headers."""
     try:
         subject = busmod.event_subject(event.user_id, event.task_id)
     except ValueError:
         return None
     return await bus.js.publish_async(
-        subject, message(event).SerializeToString(), wait_stall=wait_stall, headers={"Nats-Msg-Id": msg_id(event)}
+        subject,
+        message(event).SerializeToString(),
+        wait_stall=wait_stall,
+        headers={"Nats-Msg-Id": msg_id(event), **(trace_context or {})},
     )
 
 

@@ -1,10 +1,13 @@
--- Submit's fast path: rate slot, tenant lock, idempotent lookup, pending count and insert in one call, so the tenant
--- row lock is held for a single round trip instead of four. Semantics are those of the separate statements it
--- replaced: the rate slot is counted before the task table is touched (a rate-limited call inserts nothing), the
--- tenant row lock serialises one tenant's submissions on every replica (the pending count cannot race), a replay of
--- the key answers with the existing task even at the limit, and each statement below takes a fresh snapshot
--- (VOLATILE, READ COMMITTED), so the lookup and the count after the lock see every insert committed before it.
--- take_rate_slot and insert_task are its two steps that also run alone (a slot taken before validation; test rows).
+-- Submit's admission, per batch: one call of submit_tasks admits every submission of a batch (the SubmitTask calls
+-- that arrived together, or one SubmitTasks call) in one statement: rate slots, tenant locks, idempotent lookups,
+-- pending limits and one multi-row insert (whose history the statement-level trigger writes in one INSERT). Each
+-- item's answer is what admitting the items one by one, in array order, would have given: the rate slot is counted
+-- before the task table is touched (a rate-limited item inserts nothing), the tenant row lock serialises one
+-- tenant's submissions on every replica (the pending count cannot race), a replay of a key answers with the existing
+-- task even at the limit, and a later copy of a key in the same batch answers with the first copy's task. Each
+-- statement below takes a fresh snapshot (VOLATILE, READ COMMITTED), so the lookups after the locks see every insert
+-- committed before them. take_rate_slot also runs alone (a slot taken before validation); insert_tasks is the one
+-- author of task rows (test rows call it directly).
 
 -- Counts one submission in the tenant's current one-minute window unless it is full; drops the tenant's old windows.
 -- Returns NULL when counted, else the seconds until the full window ends.
@@ -23,79 +26,117 @@ BEGIN
 END;
 $$;
 
--- A new task in CREATED (the history trigger records version 1), or a NULL row when its idempotency key is taken.
-CREATE OR REPLACE FUNCTION insert_task(
-    p_id bigint, p_user text, p_key text, p_derived boolean, p_hash text, p_type text, p_model text, p_prompt text,
-    p_payload jsonb, p_metadata jsonb, p_priority smallint, p_queue text, p_max_retries integer, p_callback_url text,
-    p_callback_events text[])
-RETURNS task LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    t task;
-BEGIN
+-- New tasks in CREATED (the history trigger records version 1 of each); an item whose idempotency key is taken is
+-- skipped. Returns the rows inserted.
+CREATE OR REPLACE FUNCTION insert_tasks(p_items task_submission[]) RETURNS SETOF task
+LANGUAGE sql VOLATILE AS $$
     INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
                       request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
-                      callback_status, last_actor)
-    VALUES (p_id, p_user, p_key, p_derived, p_hash, p_type, p_model, p_prompt, p_payload, p_metadata, p_priority,
-            p_queue, p_max_retries, p_callback_url, p_callback_events,
-            CASE WHEN p_callback_url IS NULL THEN 'NONE' ELSE 'PENDING' END, 'submit')
+                      callback_status, last_actor, trace_context)
+    SELECT i.id, i.user_id, i.idempotency_key, i.idempotency_derived, i.request_hash, i.task_type, i.model_id, i.prompt,
+           i.request_payload, i.metadata, i.priority, i.queue_name, i.max_retries, i.callback_url, i.callback_events,
+           CASE WHEN i.callback_url IS NULL THEN 'NONE' ELSE 'PENDING' END, 'submit', i.trace_context
+    FROM unnest(p_items) i
     ON CONFLICT (user_id, idempotency_key) DO NOTHING
-    RETURNING * INTO t;
-    RETURN t;
-END;
+    RETURNING *;
 $$;
 
--- Returns one row: outcome ('rate_limited' | 'no_tenant' | 'too_many_pending' | 'existing' | 'created'),
--- retry_after (seconds, rate_limited only), pending_limit (the limit that applied), task_row (the task, or NULL).
-CREATE OR REPLACE FUNCTION submit_fast_path(
-    p_id bigint, p_user text, p_key text, p_derived boolean, p_hash text, p_type text, p_model text, p_prompt text,
-    p_payload jsonb, p_metadata jsonb, p_priority smallint, p_queue text, p_max_retries integer, p_callback_url text,
-    p_callback_events text[], p_per_minute integer, p_default_max_pending integer)
-RETURNS TABLE (outcome text, retry_after float8, pending_limit integer, task_row task)
+-- One row per item, in array order: ord (1-based), outcome ('rate_limited' | 'no_tenant' | 'too_many_pending' |
+-- 'existing' | 'created'), retry_after (seconds, rate_limited only), pending_limit (the limit that applied),
+-- task_row (the task created or found, else NULL).
+CREATE OR REPLACE FUNCTION submit_tasks(p_items task_submission[], p_default_max_pending integer)
+RETURNS TABLE (ord integer, outcome text, retry_after float8, pending_limit integer, task_row task)
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
 DECLARE
-    wait float8;
-    lim integer;
-    pending bigint;
-    t task;
+    w timestamptz := date_trunc('minute', now());
+    wait float8 := extract(epoch FROM date_trunc('minute', now()) + interval '1 minute' - now())::float8;
+    r record;
+    used integer;
+    got integer;
+    slot_tenants text[] := '{}';
+    slot_counts integer[] := '{}';
+    tenants text[];
+    limits integer[];
+    pendings bigint[];
+    v_ids bigint[];
+    v_outcomes text[];
+    v_refs bigint[];
+    inserted bigint[];
 BEGIN
-    IF p_per_minute IS NOT NULL THEN  -- NULL: the caller already took this submission's rate slot
-        wait := take_rate_slot(p_user, p_per_minute);
-        IF wait IS NOT NULL THEN
-            RETURN QUERY SELECT 'rate_limited'::text, wait, NULL::integer, NULL::task;
-            RETURN;
+    -- 1. rate slots: each tenant's items in array order take what is left of its minute window
+    FOR r IN
+        SELECT i.user_id AS tenant, count(*)::integer AS n, min(i.per_minute) AS per_minute
+        FROM unnest(p_items) i WHERE i.per_minute IS NOT NULL GROUP BY i.user_id ORDER BY i.user_id
+    LOOP
+        DELETE FROM rate_window WHERE tenant_id = r.tenant AND window_start < w - interval '10 minutes';
+        INSERT INTO rate_window (tenant_id, window_start, count) VALUES (r.tenant, w, 0) ON CONFLICT DO NOTHING;
+        SELECT rw.count INTO used FROM rate_window rw WHERE rw.tenant_id = r.tenant AND rw.window_start = w FOR UPDATE;
+        got := greatest(least(r.n, r.per_minute - used), 0);
+        IF got > 0 THEN
+            UPDATE rate_window rw SET count = rw.count + got WHERE rw.tenant_id = r.tenant AND rw.window_start = w;
         END IF;
-    END IF;
+        slot_tenants := slot_tenants || r.tenant;
+        slot_counts := slot_counts || got;
+    END LOOP;
 
-    SELECT tn.max_pending INTO lim FROM tenant tn WHERE tn.id = p_user FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT 'no_tenant'::text, NULL::float8, NULL::integer, NULL::task;
-        RETURN;
-    END IF;
-    lim := coalesce(lim, p_default_max_pending);
+    -- 2. tenant locks, in one order on every replica; the limit that applies and the tenant's unfinished tasks
+    SELECT array_agg(l.id), array_agg(l.lim), array_agg(coalesce(p.pending, 0))
+    INTO tenants, limits, pendings
+    FROM (SELECT tn.id, coalesce(tn.max_pending, p_default_max_pending) AS lim FROM tenant tn
+          WHERE tn.id IN (SELECT DISTINCT i.user_id FROM unnest(p_items) i) ORDER BY tn.id FOR UPDATE) l
+    LEFT JOIN tenant_pending p ON p.tenant_id = l.id;
 
-    SELECT * INTO t FROM task WHERE user_id = p_user AND idempotency_key = p_key;
-    IF FOUND THEN
-        RETURN QUERY SELECT 'existing'::text, NULL::float8, lim, t;
-        RETURN;
-    END IF;
+    -- 3. each item's verdict: rate slot, tenant, key already used, then the pending limit over the batch's new keys
+    WITH item AS (
+        SELECT i.id, i.user_id, i.idempotency_key AS key, i.ordinality AS ord,
+               i.per_minute IS NULL OR row_number() OVER (PARTITION BY i.user_id, i.per_minute IS NULL ORDER BY i.ordinality)
+                                       <= coalesce(s.n, 0) AS slotted
+        FROM unnest(p_items) WITH ORDINALITY i
+        LEFT JOIN unnest(slot_tenants, slot_counts) s(tenant, n) ON s.tenant = i.user_id
+    ), known AS (
+        SELECT item.*, l.lim, l.pending, e.id AS existing_id
+        FROM item
+        LEFT JOIN unnest(tenants, limits, pendings) l(tenant, lim, pending) ON l.tenant = item.user_id
+        LEFT JOIN task e ON e.user_id = item.user_id AND e.idempotency_key = item.key
+    ), owner AS (  -- the first copy of each new key, ranked among its tenant's new keys
+        SELECT c.user_id, c.key, c.id, row_number() OVER (PARTITION BY c.user_id ORDER BY c.ord) AS rank
+        FROM (SELECT k.*, row_number() OVER (PARTITION BY k.user_id, k.key ORDER BY k.ord) AS nth
+              FROM known k WHERE k.slotted AND k.lim IS NOT NULL AND k.existing_id IS NULL) c
+        WHERE c.nth = 1
+    )
+    SELECT array_agg(k.id),
+           array_agg(CASE WHEN NOT k.slotted THEN 'rate_limited'
+                          WHEN k.lim IS NULL THEN 'no_tenant'
+                          WHEN k.existing_id IS NOT NULL THEN 'existing'
+                          WHEN o.rank > k.lim - k.pending THEN 'too_many_pending'
+                          WHEN o.id = k.id THEN 'admit'
+                          ELSE 'copy' END),
+           array_agg(coalesce(k.existing_id, o.id))
+    INTO v_ids, v_outcomes, v_refs
+    FROM known k LEFT JOIN owner o ON o.user_id = k.user_id AND o.key = k.key;
 
-    -- counting stops at the limit: only "at least lim" matters
-    SELECT count(*) INTO pending FROM (
-        SELECT 1 FROM task WHERE user_id = p_user AND status IN ('CREATED', 'QUEUED', 'PROCESSING') LIMIT lim) p;
-    IF pending >= lim THEN
-        RETURN QUERY SELECT 'too_many_pending'::text, NULL::float8, lim, NULL::task;
-        RETURN;
-    END IF;
+    -- 4. one insert for every admitted item
+    SELECT coalesce(array_agg(t.id), '{}') INTO inserted
+    FROM insert_tasks(ARRAY(
+        SELECT i FROM unnest(p_items) i JOIN unnest(v_ids, v_outcomes) v(id, outcome) ON v.id = i.id
+        WHERE v.outcome = 'admit')) t;
 
-    t := insert_task(p_id, p_user, p_key, p_derived, p_hash, p_type, p_model, p_prompt, p_payload, p_metadata,
-                     p_priority, p_queue, p_max_retries, p_callback_url, p_callback_events);
-    IF t.id IS NOT NULL THEN
-        RETURN QUERY SELECT 'created'::text, NULL::float8, lim, t;
-        RETURN;
-    END IF;
-    -- a writer that does not take the tenant lock holds the key
-    SELECT * INTO t FROM task WHERE user_id = p_user AND idempotency_key = p_key;
-    RETURN QUERY SELECT 'existing'::text, NULL::float8, lim, t;
+    -- 5. the answers; an admitted key that a writer without the tenant lock took first answers with that task
+    RETURN QUERY
+    SELECT i.ordinality::integer,
+           CASE WHEN v.outcome = 'admit' AND v.ref = ANY(inserted) THEN 'created'
+                WHEN v.outcome IN ('admit', 'copy') THEN 'existing'
+                ELSE v.outcome END,
+           CASE WHEN v.outcome = 'rate_limited' THEN wait END,
+           CASE WHEN v.outcome NOT IN ('rate_limited', 'no_tenant') THEN l.lim END,
+           CASE WHEN v.outcome IN ('admit', 'copy', 'existing') THEN
+               coalesce((SELECT t FROM task t WHERE t.id = v.ref),
+                        (SELECT t FROM task t WHERE t.user_id = i.user_id AND t.idempotency_key = i.idempotency_key))
+           END
+    FROM unnest(p_items) WITH ORDINALITY i
+    JOIN unnest(v_ids, v_outcomes, v_refs) v(id, outcome, ref) ON v.id = i.id
+    LEFT JOIN unnest(tenants, limits) l(tenant, lim) ON l.tenant = i.user_id
+    ORDER BY i.ordinality;
 END;
 $$;

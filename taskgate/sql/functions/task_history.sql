@@ -1,30 +1,88 @@
--- History: the database writes one task_event row per version of a task (and NOTIFYs the event relay), and refuses
--- a version that does not grow by one or a move that task_transition does not list.
+-- History: the database writes one task_event row per version of a task and NOTIFYs the event relay once per
+-- statement, refuses a version that does not grow by one or a move that task_transition does not list, and keeps
+-- each tenant's count of unfinished tasks (tenant_pending; what counts: pending.sql). Statement-level triggers with
+-- transition tables: a statement that moves a batch of tasks writes their history in one INSERT, however many rows
+-- it touched.
 
 CREATE OR REPLACE FUNCTION task_record_event() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    bad record;
+    written bigint;
 BEGIN
     IF TG_OP = 'UPDATE' THEN
-        IF NEW.version = OLD.version THEN
-            RETURN NEW;
+        SELECT n.id, o.version AS old_version, n.version AS new_version INTO bad
+        FROM old_rows o JOIN new_rows n ON n.id = o.id
+        WHERE n.version <> o.version AND n.version <> o.version + 1 LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'task % version must grow by one (% -> %)', bad.id, bad.old_version, bad.new_version;
         END IF;
-        IF NEW.version <> OLD.version + 1 THEN
-            RAISE EXCEPTION 'task % version must grow by one (% -> %)', NEW.id, OLD.version, NEW.version;
-        END IF;
-        IF NOT EXISTS (SELECT 1 FROM task_transition WHERE from_status = OLD.status AND to_status = NEW.status) THEN
-            RAISE EXCEPTION 'illegal transition % -> % for task %', OLD.status, NEW.status, NEW.id
+        SELECT n.id, o.status AS old_status, n.status AS new_status INTO bad
+        FROM old_rows o JOIN new_rows n ON n.id = o.id
+        WHERE n.version = o.version + 1
+          AND NOT EXISTS (SELECT 1 FROM task_transition WHERE from_status = o.status AND to_status = n.status)
+        LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'illegal transition % -> % for task %', bad.old_status, bad.new_status, bad.id
                 USING ERRCODE = 'check_violation';
         END IF;
+        INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason, progress,
+                                attempt, worker_id, error_code, error_msg, result_uri, result_size, result_sha256,
+                                result_content_type)
+        SELECT n.id, n.user_id, n.model_id, n.version, o.status, n.status, n.last_actor, n.last_reason, n.progress,
+               n.attempt, n.worker_id, n.error_code, n.error_msg, n.result_uri, n.result_size, n.result_sha256,
+               n.result_content_type
+        FROM old_rows o JOIN new_rows n ON n.id = o.id
+        WHERE n.version <> o.version
+        ORDER BY n.id;
+        GET DIAGNOSTICS written = ROW_COUNT;
+        -- a move out of the unfinished states, or a soft-cancelled run's worker letting go (pending.sql)
+        INSERT INTO tenant_pending AS p (tenant_id, pending)
+        SELECT n.user_id, sum(task_holds_pending(n.status, n.lease_expires_at)::int
+                              - task_holds_pending(o.status, o.lease_expires_at)::int)
+        FROM old_rows o JOIN new_rows n ON n.id = o.id
+        WHERE task_holds_pending(o.status, o.lease_expires_at) <> task_holds_pending(n.status, n.lease_expires_at)
+        GROUP BY n.user_id ORDER BY n.user_id  -- counters locked in one order by every statement: no deadlock
+        ON CONFLICT (tenant_id) DO UPDATE SET pending = p.pending + EXCLUDED.pending;
+    ELSIF TG_OP = 'INSERT' THEN
+        INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason, progress,
+                                attempt, worker_id, error_code, error_msg, result_uri, result_size, result_sha256,
+                                result_content_type)
+        SELECT n.id, n.user_id, n.model_id, n.version, NULL, n.status, n.last_actor, n.last_reason, n.progress,
+               n.attempt, n.worker_id, n.error_code, n.error_msg, n.result_uri, n.result_size, n.result_sha256,
+               n.result_content_type
+        FROM new_rows n
+        ORDER BY n.id;
+        GET DIAGNOSTICS written = ROW_COUNT;
+        INSERT INTO tenant_pending AS p (tenant_id, pending)
+        SELECT n.user_id, count(*) FROM new_rows n WHERE task_holds_pending(n.status, n.lease_expires_at)
+        GROUP BY n.user_id ORDER BY n.user_id
+        ON CONFLICT (tenant_id) DO UPDATE SET pending = p.pending + EXCLUDED.pending;
+    ELSE  -- DELETE: history goes with the task (ON DELETE CASCADE); only the counts change
+        INSERT INTO tenant_pending AS p (tenant_id, pending)
+        SELECT o.user_id, -count(*) FROM old_rows o WHERE task_holds_pending(o.status, o.lease_expires_at)
+        GROUP BY o.user_id ORDER BY o.user_id
+        ON CONFLICT (tenant_id) DO UPDATE SET pending = p.pending + EXCLUDED.pending;
+        RETURN NULL;
     END IF;
-    INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason, progress,
-                            attempt, worker_id, error_code, error_msg, result_uri, result_size, result_sha256,
-                            result_content_type)
-    VALUES (NEW.id, NEW.user_id, NEW.model_id, NEW.version,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.status END, NEW.status, NEW.last_actor, NEW.last_reason,
-            NEW.progress, NEW.attempt, NEW.worker_id, NEW.error_code, NEW.error_msg, NEW.result_uri,
-            NEW.result_size, NEW.result_sha256, NEW.result_content_type);
-    PERFORM pg_notify('taskgate_event', NEW.id::text);
-    RETURN NEW;
+    IF written > 0 THEN
+        PERFORM pg_notify('taskgate_event', written::text);
+    END IF;
+    RETURN NULL;
 END $$;
 
-CREATE OR REPLACE TRIGGER task_event_on_insert AFTER INSERT ON task FOR EACH ROW EXECUTE FUNCTION task_record_event();
-CREATE OR REPLACE TRIGGER task_event_on_update AFTER UPDATE ON task FOR EACH ROW EXECUTE FUNCTION task_record_event();
+CREATE OR REPLACE TRIGGER task_event_on_insert AFTER INSERT ON task
+    REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION task_record_event();
+CREATE OR REPLACE TRIGGER task_event_on_update AFTER UPDATE ON task
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION task_record_event();
+CREATE OR REPLACE TRIGGER task_pending_on_delete AFTER DELETE ON task
+    REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION task_record_event();
+
+-- The counts, recounted whenever the triggers that keep them are (re)installed, with task writes blocked meanwhile:
+-- they cannot drift across an upgrade or a trigger that was dropped and put back.
+LOCK TABLE task IN SHARE ROW EXCLUSIVE MODE;
+INSERT INTO tenant_pending AS p (tenant_id, pending)
+SELECT coalesce(c.user_id, p0.tenant_id), coalesce(c.n, 0)
+FROM (SELECT user_id, count(*) AS n FROM task WHERE task_holds_pending(status, lease_expires_at) GROUP BY user_id) c
+FULL JOIN tenant_pending p0 ON p0.tenant_id = c.user_id
+ORDER BY 1
+ON CONFLICT (tenant_id) DO UPDATE SET pending = EXCLUDED.pending;

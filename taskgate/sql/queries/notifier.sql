@@ -5,10 +5,11 @@
 SELECT pg_try_advisory_xact_lock($1) AS locked, clock_timestamp() AS at;
 
 -- name: relay_take_events
--- The oldest events not yet on JetStream, locked for this pass, with what the outbox needs of their task. $1 limit.
+-- The oldest events not yet on JetStream, locked for this pass, with what the outbox needs of their task (and its
+-- trace context). $1 limit.
 SELECT e.*, t.callback_url, t.callback_events, t.created_at AS task_created_at, t.queued_at AS task_queued_at,
        t.started_at AS task_started_at, t.finished_at AS task_finished_at, t.metadata AS task_metadata,
-       t.result_reused AS task_result_reused
+       t.result_reused AS task_result_reused, t.trace_context AS task_trace_context
 FROM task_event e JOIN task t ON t.id = e.task_id
 WHERE e.published_at IS NULL
 ORDER BY e.id
@@ -25,9 +26,10 @@ SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(at)), 0)::float8 FROM
 
 -- name: outbox_insert_delivery
 -- A webhook to send for one event (idempotent per event and url). $1 task, $2 event, $3 user, $4 webhook id,
--- $5 event type, $6 url, $7 payload, $8 seconds before the first attempt.
-INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, next_attempt_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, now() + make_interval(secs => $8))
+-- $5 event type, $6 url, $7 payload, $8 seconds before the first attempt, $9 trace context (NULL: tracing off).
+INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, next_attempt_at,
+                               trace_context)
+VALUES ($1, $2, $3, $4, $5, $6, $7, now() + make_interval(secs => $8), $9)
 ON CONFLICT DO NOTHING;
 
 -- name: callback_move_status

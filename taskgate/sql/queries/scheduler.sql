@@ -34,14 +34,15 @@ LIMIT $2
 FOR UPDATE SKIP LOCKED;
 
 -- name: sched_processing_overdue
--- PROCESSING tasks with a live lease running past their model's processing timeout (plus the grace once it was
--- granted). $1 now, $2 model ids, $3 their timeouts, $4 default timeout, $5 grace seconds, $6 limit.
+-- PROCESSING tasks with a live lease whose processing time, earlier attempts included, ran past their model's
+-- processing timeout (plus the grace once it was granted). $1 now, $2 model ids, $3 their timeouts, $4 default
+-- timeout, $5 grace seconds, $6 limit.
 SELECT t.* FROM task t
 WHERE t.status = 'PROCESSING'
   AND t.lease_expires_at >= COALESCE($1::timestamptz, now())
   AND t.started_at + make_interval(secs => COALESCE(
         (SELECT m.secs FROM unnest($2::text[], $3::float8[]) AS m(model_id, secs) WHERE m.model_id = t.model_id), $4)
-        + CASE WHEN t.timeout_extended THEN $5 ELSE 0 END) < COALESCE($1::timestamptz, now())
+        + CASE WHEN t.timeout_extended THEN $5 ELSE 0 END - t.processed_seconds) < COALESCE($1::timestamptz, now())
 ORDER BY t.started_at
 LIMIT $6
 FOR UPDATE OF t SKIP LOCKED;
@@ -65,6 +66,17 @@ ORDER BY t.updated_at
 LIMIT $4
 ON CONFLICT (task_id) DO NOTHING
 RETURNING task_id;
+
+-- name: sched_lapsed_holds
+-- Soft-cancelled attempts whose lease ran out (their worker died or stalled before letting go): the lease ends, and
+-- with it the tenant's pending slot. Not a transition: no new version. $1 now, $2 limit.
+UPDATE task SET lease_expires_at = NULL
+WHERE id IN (SELECT id FROM task
+             WHERE status = 'CANCELED' AND lease_expires_at < COALESCE($1::timestamptz, now())
+             ORDER BY lease_expires_at
+             LIMIT $2
+             FOR UPDATE SKIP LOCKED)
+RETURNING id;
 
 -- name: sched_forget_workers
 -- Deletes registry rows of workers silent for longer than the given time. $1 now, $2 seconds, $3 limit.
@@ -160,3 +172,84 @@ FROM dead_letter d JOIN task t ON t.id = d.task_id
 WHERE $1::timestamptz IS NULL OR (d.created_at, d.task_id) < ($1, $2::bigint)
 ORDER BY d.created_at DESC, d.task_id DESC
 LIMIT $3;
+
+-- name: retention_expired_tasks
+-- Finished tasks past their retention, oldest first, locked; the caller deletes them (their events, webhook
+-- deliveries, attempt logs and dead letters go with them). $1 now, $2 seconds, $3 limit.
+SELECT id, user_id, request_hash, result_uri, result_expired_at FROM task
+WHERE finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+ORDER BY finished_at
+LIMIT $3
+FOR UPDATE SKIP LOCKED;
+
+-- name: retention_delete_tasks
+-- Deletes tasks by id (history, deliveries, attempt logs and dead letters cascade). $1 ids.
+DELETE FROM task WHERE id = ANY($1::bigint[]) RETURNING id;
+
+-- name: retention_expire_results
+-- Marks the outputs of tasks finished before the retention as deleted, oldest first, skipping locked rows; returns
+-- what each output was, for the caller to delete from the store. $1 now, $2 seconds, $3 limit.
+UPDATE task t SET result_expired_at = COALESCE($1::timestamptz, now())
+WHERE t.id IN (SELECT id FROM task
+               WHERE finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+                 AND result_uri IS NOT NULL AND result_expired_at IS NULL
+               ORDER BY finished_at
+               LIMIT $3
+               FOR UPDATE SKIP LOCKED)
+RETURNING t.user_id, t.request_hash, t.result_uri;
+
+-- name: retention_delete_events
+-- Deletes relayed history rows older than the retention of tasks finished before it (their webhook deliveries and
+-- attempt logs cascade), oldest first, skipping locked rows. $1 now, $2 seconds, $3 limit.
+DELETE FROM task_event e
+WHERE e.id IN (SELECT x.id FROM task_event x JOIN task t ON t.id = x.task_id
+               WHERE x.at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+                 AND x.published_at IS NOT NULL
+                 AND t.finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+               ORDER BY x.at
+               LIMIT $3
+               FOR UPDATE OF x SKIP LOCKED)
+RETURNING e.id;
+
+-- name: retention_delete_reusable
+-- Deletes reusable outputs kept longer than the retention, oldest first, skipping locked rows; returns what each
+-- was. $1 now, $2 seconds, $3 limit.
+DELETE FROM reusable_result r
+WHERE (r.user_id, r.request_hash) IN (SELECT user_id, request_hash FROM reusable_result
+                                      WHERE created_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+                                      ORDER BY created_at
+                                      LIMIT $3
+                                      FOR UPDATE SKIP LOCKED)
+RETURNING r.user_id, r.request_hash, r.result_uri;
+
+-- name: retention_unreferenced
+-- Of the given outputs, those that no task (with its output still kept) and no reusable output refers to any more:
+-- an output can be shared by the tasks of one tenant's identical requests. $1 user ids, $2 request hashes, $3 uris.
+SELECT DISTINCT u.uri FROM unnest($1::text[], $2::text[], $3::text[]) AS u(user_id, request_hash, uri)
+WHERE NOT EXISTS (SELECT 1 FROM task t
+                  WHERE t.user_id = u.user_id AND t.request_hash = u.request_hash AND t.result_sha256 IS NOT NULL
+                    AND t.result_uri = u.uri AND t.result_expired_at IS NULL)
+  AND NOT EXISTS (SELECT 1 FROM reusable_result r
+                  WHERE r.user_id = u.user_id AND r.request_hash = u.request_hash AND r.result_uri = u.uri);
+
+-- name: retention_counts
+-- What a purge at this cut-off would delete: finished tasks, their kept outputs, reusable outputs. $1 now, $2 seconds.
+SELECT (SELECT count(*) FROM task
+        WHERE finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)) AS tasks,
+       (SELECT count(DISTINCT result_uri) FROM task
+        WHERE finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+          AND result_uri IS NOT NULL AND result_expired_at IS NULL) AS results,
+       (SELECT count(*) FROM reusable_result
+        WHERE created_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)) AS reusable_results;
+
+-- name: admin_deliveries
+-- Webhook deliveries in a state ($1 NULL: every state), newest first, keyset-paged: $2/$3 the last row's created_at
+-- and id, $4 limit. last_attempt_at from the attempt log.
+SELECT d.id, d.task_id, d.user_id, d.webhook_id, d.event_type, d.url, d.status, d.attempts, d.last_status_code,
+       d.last_error, d.created_at, d.next_attempt_at,
+       (SELECT max(a.at) FROM callback_attempt a WHERE a.delivery_id = d.id) AS last_attempt_at
+FROM callback_delivery d
+WHERE ($1::text IS NULL OR d.status = $1)
+  AND ($2::timestamptz IS NULL OR (d.created_at, d.id) < ($2, $3::bigint))
+ORDER BY d.created_at DESC, d.id DESC
+LIMIT $4;

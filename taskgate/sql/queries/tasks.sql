@@ -22,13 +22,18 @@ WHERE t.id = o.id AND t.status = ANY($2::task_status[])
 RETURNING t.*, o.old_status;
 
 -- name: claim_task
--- CREATED/QUEUED (or PROCESSING with an expired lease) -> PROCESSING as a new attempt. $7 worker, $8 lease seconds.
+-- CREATED/QUEUED (or PROCESSING with an expired lease: a lost attempt, counted) -> PROCESSING as a new attempt.
+-- $7 worker, $8 lease seconds, $9 most lost attempts (NULL = no limit): a lost attempt that reaches it is not
+-- taken over (the scheduler's lease scan fails the task). The processing timeout's one grace is per task.
 UPDATE task t SET status = 'PROCESSING', version = t.version + 1, attempt = t.attempt + 1, worker_id = $7,
        lease_expires_at = now() + make_interval(secs => $8), started_at = now(), progress = 0,
-       timeout_extended = false, updated_at = now(), last_actor = $5, last_reason = $6
+       worker_losses = t.worker_losses + (t.status = 'PROCESSING')::int,
+       processed_seconds = t.processed_seconds + CASE WHEN t.status = 'PROCESSING' THEN
+           GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8 ELSE 0 END,
+       updated_at = now(), last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
 WHERE t.id = o.id AND t.status = ANY($2::task_status[])
-  AND (t.status <> 'PROCESSING' OR t.lease_expires_at < now())
+  AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now() AND ($9::int IS NULL OR t.worker_losses + 1 < $9)))
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 
@@ -53,8 +58,9 @@ WHERE t.id = o.id AND t.status = ANY($2::task_status[])
 RETURNING t.*, o.old_status;
 
 -- name: fail_task
--- PROCESSING -> FAILED. $7 error code, $8 error message.
+-- PROCESSING -> FAILED. $7 error code, $8 error message, $9 whether the attempt's worker was lost (counted).
 UPDATE task t SET status = 'FAILED', version = t.version + 1, error_code = $7, error_msg = $8,
+       worker_losses = t.worker_losses + $9::boolean::int,
        lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
@@ -65,6 +71,8 @@ RETURNING t.*, o.old_status;
 -- name: retry_task
 -- PROCESSING -> QUEUED after a retryable failure. $7 error code, $8 error message, $9 backoff seconds.
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, retry_count = t.retry_count + 1,
+       processed_seconds = t.processed_seconds
+           + GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8,
        error_code = $7, error_msg = $8, worker_id = NULL, lease_expires_at = NULL, progress = 0,
        queued_at = now(), publish_count = 0, not_before = now() + make_interval(secs => $9),
        updated_at = now(), last_actor = $5, last_reason = $6
@@ -75,7 +83,11 @@ RETURNING t.*, o.old_status;
 
 -- name: release_task
 -- PROCESSING -> QUEUED without spending a retry: a lost worker, a drained worker, an operator's requeue.
+-- $7 whether the attempt's worker was lost (counted toward max_worker_losses).
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, worker_id = NULL, lease_expires_at = NULL,
+       worker_losses = t.worker_losses + $7::boolean::int,
+       processed_seconds = t.processed_seconds
+           + GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8,
        progress = 0, queued_at = now(), publish_count = 0, not_before = NULL, updated_at = now(),
        last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
@@ -85,8 +97,11 @@ RETURNING t.*, o.old_status;
 
 -- name: cancel_task
 -- CREATED/QUEUED/PROCESSING -> CANCELED. $7 mode ('soft' or 'hard'). A derived idempotency key is released so an
--- identical later request makes a new task (which may reuse a soft-cancelled run's output).
-UPDATE task t SET status = 'CANCELED', version = t.version + 1, cancel_mode = $7, lease_expires_at = NULL,
+-- identical later request makes a new task (which may reuse a soft-cancelled run's output). A soft cancel of a live
+-- attempt keeps its lease: the worker still runs it (and holds a pending slot, functions/pending.sql) until it lets go.
+UPDATE task t SET status = 'CANCELED', version = t.version + 1, cancel_mode = $7,
+       lease_expires_at = CASE WHEN $7 = 'soft' AND t.status = 'PROCESSING' AND t.lease_expires_at >= now()
+                               THEN t.lease_expires_at END,
        idempotency_key = CASE WHEN t.idempotency_derived THEN t.idempotency_key || '#canceled-' || t.id
                               ELSE t.idempotency_key END,
        finished_at = now(), updated_at = now(),
@@ -111,10 +126,18 @@ RETURNING t.*, o.old_status;
 SELECT * FROM task WHERE id = $1;
 
 -- name: renew_lease
--- Heartbeat of a running attempt: extends its lease without a new version. $1 id, $2 attempt, $3 lease seconds.
+-- Heartbeat of a running attempt (or a soft-cancelled one its worker still runs): extends its lease without a new
+-- version. $1 id, $2 attempt, $3 lease seconds.
 UPDATE task SET lease_expires_at = now() + make_interval(secs => $3)
-WHERE id = $1 AND status = 'PROCESSING' AND attempt = $2
+WHERE id = $1 AND attempt = $2 AND (status = 'PROCESSING' OR (status = 'CANCELED' AND lease_expires_at IS NOT NULL))
 RETURNING lease_expires_at;
+
+-- name: let_go_task
+-- The worker stopped running a soft-cancelled attempt: its lease (and pending slot) ends. No new version.
+-- $1 id, $2 attempt.
+UPDATE task SET lease_expires_at = NULL
+WHERE id = $1 AND attempt = $2 AND status = 'CANCELED' AND lease_expires_at IS NOT NULL
+RETURNING id;
 
 -- name: insert_dead_letter
 -- Records why a task was failed for good. $1 task id, $2 reason, $3 error code, $4 error message.

@@ -16,9 +16,10 @@ DELETE FROM worker WHERE id = $1;
 SELECT pg_advisory_xact_lock(hashtextextended('taskgate.model:' || $1::text, 0));
 
 -- name: worker_count_running
--- Tasks of a model running under a live lease, besides the one being claimed. $1 model id, $2 task id.
+-- Tasks of a model running under a live lease (soft-cancelled ones still running included), besides the one being
+-- claimed. $1 model id, $2 task id.
 SELECT count(*) FROM task
-WHERE model_id = $1 AND status = 'PROCESSING' AND lease_expires_at > now() AND id <> $2;
+WHERE model_id = $1 AND status IN ('PROCESSING', 'CANCELED') AND lease_expires_at > now() AND id <> $2;
 
 -- name: worker_preview
 -- What a worker checks before claiming: the task's model and state, and a reusable output for the same request
