@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ./clients/python -e '.[worker,local,dev]'
+	# the `taskgate` command moved to the client distribution: a venv from before that lost it when the old one went
+	$(PY) -m pip install -q --no-deps --force-reinstall -e ./clients/python
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 venv: $(STAMP)
@@ -41,7 +43,7 @@ proto: $(STAMP)
 tiny-model: $(STAMP)
 	$(PY) -m taskgate_local.tinymodel
 
-## Runs the tiny pipeline on CUDA and prints seconds per step.
+## Runs every family's tiny pipeline on CUDA: seconds per step, peak GPU memory, device-busy fraction (skips without a GPU).
 gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py
 

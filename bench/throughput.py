@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from bench import cpu
+from bench import cpu, profile
 from bench.load import LoadResult, LoadSpec, run_load
 from bench.stack import BenchStack
 from bench.stats import Report, ms
+
+BULK_RAW_KEY = "bulk_enqueue"  # the JSON report's key for every system's bulk enqueue figures
 
 
 @dataclass
@@ -21,6 +24,14 @@ class Options:
     warmup: float = 1.0
     channels: int = 8
     levels: tuple[int, ...] = (1, 16, 64, 256)
+    bulk_batch: int = 100  # tasks per call in the bulk enqueue phases (SubmitTasks, Celery group, procrastinate batch defer)
+    bulk_inflight: int = 8  # calls in flight there
+    profile_dir: Path | None = None  # py-spy profiles of the load phases go here (--profile)
+
+    @property
+    def bulk_figure(self) -> str:
+        """The row every system's bulk enqueue figure shares."""
+        return f"bulk enqueue, {self.bulk_batch} per call ({self.bulk_inflight} calls in flight)"
 
 
 async def load(executor: ProcessPoolExecutor, spec: LoadSpec) -> LoadResult:
@@ -43,7 +54,8 @@ async def submit_levels(
         spec = LoadSpec(stack.submit_address, stack.api_key, "submit", level, opts.seconds, opts.warmup, opts.channels,
                         tag=f"{raw_key}-c{level}")
         before = cpu.snapshot(stack)
-        result = await load(executor, spec)
+        async with profile.record(stack, opts.profile_dir if level == 64 else None, f"{raw_key}-c{level}"):
+            result = await load(executor, spec)
         costs = cpu.per_task(before, cpu.snapshot(stack), result.total, result.cpu)
         results[level] = result
         report.raw.setdefault(raw_key, {})[str(level)] = summary(result) | {"cpu_ms_per_task": costs}

@@ -238,6 +238,10 @@ class Settings(BaseSettings):
     worker_slots: int = Field(
         default=0, ge=0, description="Concurrent tasks; 0 = ceil(devices x worker_slots_per_device) (CPU: one device; sleep-only: 1)."
     )
+    cluster_cap: bool = Field(
+        default=True,
+        description="A claim waits while running tasks fill the live workers' slots (the cluster-wide cap); the rest stays QUEUED.",
+    )
     worker_slots_per_device: float = Field(
         default=1.5,
         ge=1,
@@ -273,6 +277,14 @@ class Settings(BaseSettings):
         default=0.5, gt=0, description="Redelivery delay of a message refused by its model's concurrency cap."
     )
     retry_jitter: float = Field(default=0.2, ge=0, lt=1, description="Retry delays are scaled by a random factor in [1-j, 1+j].")
+
+    # ETA (GetTask, WatchTask, progress webhooks)
+    eta_history_seconds: float = Field(
+        default=86400.0, gt=0, description="How far back an ETA looks for its model's successful runs of the task's size class."
+    )
+    eta_history_runs: int = Field(
+        default=20, ge=1, le=1000, description="Latest successful runs whose median run time an ETA uses."
+    )
 
     # Notifier
     webhook_schedule_seconds: list[float] = Field(

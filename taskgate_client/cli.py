@@ -174,6 +174,8 @@ def print_task(out: Output, task: Task) -> None:
             ("status", task.status),
             ("progress", f"{task.progress}%"),
             ("queue position", task.queue_position or ""),
+            ("estimated start", task.estimated_start or ""),
+            ("estimated finish", task.estimated_finish or ""),
             ("model", task.model_id),
             ("prompt", _short(task.prompt, 80)),
             ("priority", task.priority),
@@ -460,6 +462,7 @@ async def cmd_admin_stats(client: AsyncTaskgateClient, args: argparse.Namespace,
     out.table(["MODEL", "STATUS", "COUNT"], [[c.model_id, _status_name(c.status), c.count] for c in stats.counts] or [["-", "-", 0]])
     if stats.HasField("oldest_queued_age"):
         out.line(f"\noldest queued task: {_seconds(stats.oldest_queued_age):.1f}s")
+    out.line(f"running: {stats.running} of {stats.capacity} slots (the live workers'; beyond them tasks wait QUEUED)")
     if stats.workers:
         out.line()
         out.table(

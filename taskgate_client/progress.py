@@ -1,16 +1,31 @@
-"""A live progress line for one task: queue position while QUEUED, denoising progress while PROCESSING."""
+"""A live progress line for one task: queue position while QUEUED, denoising progress while PROCESSING, and the ETA
+the server gives (when it has recent history to give one)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from datetime import datetime
 from typing import TextIO
 
+from taskgate_client._compat import UTC
 from taskgate_client.aio import AsyncTaskgateClient
 from taskgate_client.types import Status, Task, TaskEvent
 
 WAITING = frozenset({Status.CREATED, Status.QUEUED})
+ETA_SHOWN = frozenset({Status.QUEUED, Status.PROCESSING})
+
+
+def _eta(when: datetime) -> str:
+    """'in ~40s', 'in ~3m', 'in ~1h05m' (coarse, so a line that is not redrawn changes only when the estimate does)."""
+    seconds = max((when - datetime.now(UTC)).total_seconds(), 0.0)
+    if seconds < 60:
+        return f"in ~{max(round(seconds / 5) * 5, 5)}s"
+    if seconds < 3600:
+        return f"in ~{round(seconds / 60)}m"
+    hours, minutes = divmod(round(seconds / 60), 60)
+    return f"in ~{hours}h{minutes:02d}m"
 
 
 class ProgressBar:
@@ -24,6 +39,8 @@ class ProgressBar:
         self.version = 0
         self.progress = 0
         self.queue_position = 0
+        self.estimated_start: datetime | None = None
+        self.estimated_finish: datetime | None = None
         self._started = time.monotonic()
         self._last_line = ""
 
@@ -31,12 +48,16 @@ class ProgressBar:
         """Takes a watched event (or a polled snapshot) if it is newer than what is shown."""
         if event.version < self.version:
             return
-        position = event.queue_position if event.snapshot else (self.queue_position if event.status == self.status else 0)
+        same = event.status == self.status
+        position = event.queue_position if event.snapshot else (self.queue_position if same else 0)
+        if event.snapshot or event.estimated_finish is not None or not same:  # an event without an ETA keeps the last one
+            self.estimated_start, self.estimated_finish = event.estimated_start, event.estimated_finish
         self.update(event.status, event.progress, position, event.version)
 
     def queue(self, task: Task) -> None:
-        """Refreshes the queue position from a polled task of the same version."""
+        """Refreshes the queue position and the ETA from a polled task of the same version."""
         if task.version == self.version and task.status in WAITING:
+            self.estimated_start, self.estimated_finish = task.estimated_start, task.estimated_finish
             self.update(task.status, task.progress, task.queue_position, task.version)
 
     def update(self, status: Status, progress: int, queue_position: int, version: int) -> None:
@@ -56,8 +77,12 @@ class ProgressBar:
         bar = "█" * filled + "░" * (self.width - filled)
         if self.status in WAITING:
             detail = f"queue position {self.queue_position}" if self.queue_position else "waiting for a worker"
+            if self.estimated_start is not None:
+                detail += f", starts {_eta(self.estimated_start)}"
         else:
             detail = f"{self.progress:3d}%"
+        if self.estimated_finish is not None and self.status in ETA_SHOWN:
+            detail += f", done {_eta(self.estimated_finish)}"
         return f"{status:<10} [{bar}] {detail}"
 
     def _draw(self, *, final: bool) -> None:

@@ -167,6 +167,10 @@ class Task:
     proto: task_pb2.Task = field(repr=False, compare=False)
     created: bool | None = None
     """From submit only: False when an existing task was returned for the idempotency key."""
+    estimated_start: datetime | None = None
+    """When a QUEUED task should start (GetTask, watch); None without recent history of its model and size."""
+    estimated_finish: datetime | None = None
+    """When a QUEUED or PROCESSING task should finish (GetTask, watch); None without recent history."""
 
     @property
     def terminal(self) -> bool:
@@ -216,6 +220,8 @@ class Task:
             updated_at=_time(msg, "updated_at"),
             proto=msg,
             created=created,
+            estimated_start=_time(msg, "estimated_start"),
+            estimated_finish=_time(msg, "estimated_finish"),
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -240,6 +246,8 @@ class TaskEvent:
     error_message: str = ""
     reason: str = ""
     result: TaskResult | None = None
+    estimated_start: datetime | None = None
+    estimated_finish: datetime | None = None
 
     @property
     def terminal(self) -> bool:
@@ -262,6 +270,8 @@ class TaskEvent:
             error_code=task.error_code,
             error_message=task.error_message,
             result=task.result,
+            estimated_start=task.estimated_start,
+            estimated_finish=task.estimated_finish,
         )
 
     @classmethod
@@ -278,6 +288,8 @@ class TaskEvent:
             error_message=msg.error_message,
             reason=msg.reason,
             result=TaskResult.from_proto(msg.result) if msg.HasField("result") and msg.result.uri else None,
+            estimated_start=_time(msg, "estimated_start"),
+            estimated_finish=_time(msg, "estimated_finish"),
         )
 
     def to_dict(self) -> dict[str, object]:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -329,3 +332,26 @@ def test_a_run_records_its_phases_as_children_of_the_current_span(
     times = [t or 0 for s in phases for t in (s.start_time, s.end_time)]
     assert 0 not in times and times == sorted(times), "the phases follow each other"
     assert phases[1].attributes is not None and phases[1].attributes["taskgate.steps"] == 2
+
+
+def _gpu_check() -> Any:
+    """scripts/gpu_check.py as a module (the scripts folder is not a package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_skips_without_a_gpu_and_measures_on_the_cpu_when_told(capsys: pytest.CaptureFixture[str]) -> None:
+    gpu_check = _gpu_check()
+    if not torch.cuda.is_available():
+        assert gpu_check.main([]) == 0
+        assert "SKIP: no CUDA device" in capsys.readouterr().out
+    small = ["--frames", "9", "--size", "32", "--steps", "2", "--runs", "2", "--busy-tasks", "2"]
+    assert gpu_check.main(["--allow-cpu", "--models", "ltx-tiny", *small]) == 0
+    summary = json.loads(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("SUMMARY "))[8:])
+    (ltx,) = summary["families"]
+    assert ltx["pipeline"] == "LTXPipeline" and ltx["deterministic"] and 0 < ltx["device_busy"] <= 1
+    assert len(ltx["seconds_per_step"]) == 2 and summary["failed"] == []

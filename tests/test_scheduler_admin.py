@@ -110,6 +110,7 @@ async def test_get_stats(admin: Admin) -> None:
     assert 90 <= stats.oldest_queued_age.ToTimedelta().total_seconds() < 120
     workers = {w.worker_id: (w.running, w.slots, w.alive) for w in stats.workers}
     assert workers == {"w-live": (2, 4, True), "w-dead": (1, 1, False), "w-idle": (0, 2, True)}
+    assert (stats.capacity, stats.running) == (6, 3)  # the live workers' slots; every task under a live lease
     callbacks = {c.status: c.count for c in stats.callbacks}
     assert callbacks == {task_pb2.CALLBACK_STATUS_DELIVERED: 1, task_pb2.CALLBACK_STATUS_FAILED: 1}
 

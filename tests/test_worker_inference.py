@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.worker import runner as runmod
 from services.worker import service as worker_service
 from services.worker.inference import decode_mp4_info
 from services.worker.service import WorkerHandle
@@ -127,3 +128,14 @@ async def test_a_model_its_pipeline_contradicts_stops_the_start(
     spec = ModelSpec.model_validate({"path": folder, "pipeline": "WanPipeline", "default_width": 32, "default_height": 32, **changes})
     with pytest.raises(ValueError, match=why):
         await worker_service.start(worker_settings(settings, "wan-wrong", spec))
+
+
+def test_a_model_runs_only_on_the_gpus_it_may_use() -> None:
+    gpus = ["cuda:0", "cuda:1", "cuda:2", "cuda:1"]
+    pinned = ModelSpec(kind="sleep", gpus=[1, 2])
+    runners = runmod.load_runners({"pinned": pinned, "anywhere": ModelSpec(kind="sleep")}, gpus)
+    assert sorted(runners) == [("anywhere", "cuda:0"), ("anywhere", "cuda:1"), ("anywhere", "cuda:2"),
+                               ("pinned", "cuda:1"), ("pinned", "cuda:2")]
+    assert runmod.model_devices("pinned", pinned, ["cpu"]) == ["cpu"]  # a CPU-only worker runs everything on its CPU
+    with pytest.raises(ValueError, match=r"may use GPUs \[7\]"):
+        runmod.model_devices("elsewhere", ModelSpec(kind="sleep", gpus=[7]), gpus)

@@ -16,9 +16,10 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from taskgate import bus as busmod
-from taskgate import errors, ids, results, store
+from taskgate import errors, eta, ids, results, store
 from taskgate.auth import Authenticator
 from taskgate.config import Settings
+from taskgate.states import Status
 from taskgate.store import events as event_store
 from taskgate.store import submissions
 from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
@@ -30,6 +31,7 @@ log = logging.getLogger("taskgate.notifier.streams")
 SERVICE_NAME = "taskgate.v1.TaskEvents"
 REPLAY_PAGE = 500
 TRACKED_TASKS = 100_000  # per WatchTasks stream: tasks whose last version is remembered for de-duplication
+ESTIMATED = frozenset({Status.QUEUED, Status.PROCESSING})  # WatchTask's snapshots and events in these carry an ETA
 
 
 class Overflow(Exception):
@@ -168,6 +170,19 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         """A terminal event with a result gets a fresh download URL (a replayed one would carry a stale URL)."""
         return results.linked_event(self._outputs, event) if self._outputs is not None else event
 
+    async def _estimated(self, event: task_pb2.TaskEvent) -> task_pb2.TaskEvent:
+        """An event into QUEUED or PROCESSING with the task's ETA as of now, while the task is still in that state."""
+        status = Status.from_proto(event.to_status)
+        if status not in ESTIMATED:
+            return event
+        estimate = await eta.estimate_task(self._pool, int(event.task_id), self._settings)
+        if estimate is None or estimate.status is not status:
+            return event
+        out = task_pb2.TaskEvent()
+        out.CopyFrom(event)  # a live event is shared by every stream of the task: stamp a copy
+        estimate.stamp(out)
+        return out
+
     async def WatchTask(
         self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
@@ -185,16 +200,23 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             if last > task.version:
                 raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
             if last == 0:
-                position = await submissions.queue_position(self._pool, task)
-                snapshot = task.to_proto(position)
+                estimate = await eta.estimate_task(self._pool, task_id, self._settings) if task.status in ESTIMATED else None
+                if estimate is not None and estimate.status is task.status:
+                    snapshot = task.to_proto(estimate.queue_position)
+                    estimate.stamp(snapshot)
+                else:
+                    snapshot = task.to_proto(await submissions.queue_position(self._pool, task))
                 if self._outputs is not None:
                     results.add_link(self._outputs, snapshot.result)
                 yield events_pb2.WatchTaskResponse(snapshot=snapshot)
                 last = task.version
             if task.status.terminal and last >= task.version:
                 return
-            for row in await event_store.task_events(self._pool, task_id, after_version=last):
+            history = await event_store.task_events(self._pool, task_id, after_version=last)
+            for i, row in enumerate(history):
                 event = event_wire.message(row)
+                if i == len(history) - 1:  # the ETA is as of now: only the latest replayed version gets one
+                    event = await self._estimated(event)
                 yield events_pb2.WatchTaskResponse(event=self._linked(event))
                 last = event.version
                 if event_wire.is_terminal(event):
@@ -219,7 +241,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     )
                     for row in missed:
                         yield events_pb2.WatchTaskResponse(event=self._linked(event_wire.message(row)))
-                yield events_pb2.WatchTaskResponse(event=self._linked(live))
+                yield events_pb2.WatchTaskResponse(event=self._linked(await self._estimated(live)))
                 last = live.version
                 if event_wire.is_terminal(live):
                     return

@@ -8,15 +8,15 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 import httpx
 
-from taskgate import netguard, results, telemetry, tracing
+from taskgate import eta, netguard, results, telemetry, tracing
 from taskgate.config import Settings
-from taskgate.states import CallbackStatus
+from taskgate.states import CallbackStatus, Status
 from taskgate.store import callbacks as outbox_store
 from taskgate.store import tenants
 from taskgate.waiting import cancelling, woken
@@ -110,7 +110,8 @@ class WebhookSender:
     async def _deliver(self, delivery: outbox_store.Delivery) -> None:
         attempt_no = delivery.attempts + 1
         round_no = delivery.attempts - delivery.round_start + 1
-        body = json.dumps(self._with_link(delivery.payload), separators=(",", ":"), sort_keys=True).encode()
+        payload = await self._with_eta(self._with_link(delivery.payload), delivery)
+        body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
         secrets = await tenants.webhook_secrets(self._pool, delivery.user_id)
         if secrets:
             with tracing.span(
@@ -171,6 +172,17 @@ class WebhookSender:
             telemetry.CALLBACK_ATTEMPTS_PER_DELIVERY.observe(round_no)
             if status is CallbackStatus.DELIVERED:
                 telemetry.CALLBACK_LATENCY.observe(max(time.time() - delivery.created_at.timestamp(), 0.0))
+
+    async def _with_eta(self, payload: dict[str, Any], delivery: outbox_store.Delivery) -> dict[str, Any]:
+        """The payload with data.estimated_start and estimated_finish (null unless known): a progress webhook's ETA as
+        of this attempt, while the task still runs."""
+        start = finish = None
+        if delivery.event_type == outbox_store.PROGRESS_TYPE:
+            estimate = await eta.estimate_task(self._pool, delivery.task_id, self._settings)
+            if estimate is not None and estimate.status is Status.PROCESSING:
+                start, finish = estimate.start, estimate.finish
+        data = payload.get("data") or {}
+        return {**payload, "data": {**data, "estimated_start": _iso(start), "estimated_finish": _iso(finish)}}
 
     def _with_link(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The payload with data.result_url: minted per attempt, so a retry an hour later still carries a live URL."""
@@ -251,3 +263,7 @@ class WebhookSender:
         for task in list(self._inflight):
             task.cancel()
         await self._client.aclose()
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z") if value is not None else None

@@ -22,6 +22,7 @@ from taskgate.states import UNFINISHED, CallbackStatus, Status
 from taskgate.store import admin as admin_store
 from taskgate.store import callbacks as callback_store
 from taskgate.store import maintenance, tenants
+from taskgate.store import workers as worker_store
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, task_pb2
 
 log = logging.getLogger("taskgate.admin")
@@ -84,16 +85,19 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         return _statuses(f.statuses, "filter.statuses"), f.model_id or None, older
 
     async def GetStats(self, request: admin_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.GetStatsResponse:
-        """Counts per state and model, the oldest QUEUED age, tasks per worker, webhook outcomes."""
+        """Counts per state and model, the oldest QUEUED age, tasks per worker, webhook outcomes, the cluster's load."""
         await self.auth.principal(context, admin=True)
         async with self.pool.acquire() as conn:
             counts = await admin_store.state_counts(conn)
             oldest = await admin_store.oldest_queued_age(conn)
             workers = await admin_store.worker_stats(conn, lease_seconds=self.settings.lease_seconds)
             deliveries = await admin_store.callback_counts(conn)
+            load = await worker_store.cluster_load(conn, lease_seconds=self.settings.lease_seconds)
         response = admin_pb2.GetStatsResponse(
             counts=_state_counts(counts),
             callbacks=[admin_pb2.CallbackCount(status=c.status.to_proto(), count=c.count) for c in deliveries],
+            capacity=load.capacity,
+            running=load.running,
         )
         if oldest is not None:
             response.oldest_queued_age.CopyFrom(_duration(oldest))

@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health
 
-from taskgate import errors, ids, paging, store, telemetry, tracing
+from taskgate import errors, eta, ids, paging, store, telemetry, tracing
 from taskgate.auth import Authenticator, Principal
 from taskgate.config import Settings
 from taskgate.model import TaskRow
@@ -259,6 +259,13 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     async def _queue_position(self, task: TaskRow, context: Context) -> int:
         return await submissions.queue_position(self._pool, task, within=self._budget(context))
 
+    async def _estimate(self, task: TaskRow, context: Context) -> eta.Estimate | None:
+        """A QUEUED or PROCESSING task's position and ETA, None when it has neither or moved on since it was read."""
+        if task.status not in (Status.QUEUED, Status.PROCESSING):
+            return None
+        estimate = await eta.estimate_task(self._pool, task.id, self._settings, within=self._budget(context))
+        return estimate if estimate is not None and estimate.status is task.status else None
+
     async def RegenerateTask(
         self, request: gateway_pb2.RegenerateTaskRequest, context: Context
     ) -> gateway_pb2.RegenerateTaskResponse:
@@ -295,10 +302,13 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     async def GetTask(self, request: gateway_pb2.GetTaskRequest, context: Context) -> gateway_pb2.GetTaskResponse:
         who = await self._principal(context)
         task = await self._load(who.tenant_id, ids.require(request.task_id), context)
-        position = await self._queue_position(task, context)
+        estimate = await self._estimate(task, context)
+        position = estimate.queue_position if estimate is not None else await self._queue_position(task, context)
         interval = Duration()
         interval.FromMilliseconds(int(poll_interval(task.created_at) * 1000))
         msg = task.to_proto(position)
+        if estimate is not None:
+            estimate.stamp(msg)
         add_link(self._results, msg.result)
         return gateway_pb2.GetTaskResponse(task=msg, suggested_poll_interval=interval)
 

@@ -1,4 +1,4 @@
-"""Claiming the task a dispatch message names: a preview, then the guarded claim under the model's cap."""
+"""Claiming the task a dispatch message names: one statement checks, caps, claims and leases it."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from services.worker.settle import Action, Fate, Step
 from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.store import ResultRef, workers
+from taskgate.store.workers import Verdict
 from taskgate.wire import dispatch
 
 log = logging.getLogger("taskgate.worker")
@@ -58,42 +59,42 @@ class Claimer:
         retry_in = self.settings.worker_cap_retry_seconds
         try:
             async with self._connection() as conn:
-                seen = await workers.preview(conn, task_id)
-                out = None
-                if seen is not None and seen.model_id == level.model_id and not seen.status.terminal:
-                    out = await workers.claim_within_cap(
-                        conn,
-                        task_id,
-                        model_id=level.model_id,
-                        cap=self.settings.models[level.model_id].max_concurrency,
-                        worker_id=self.worker_id,
-                        lease_seconds=self.settings.lease_seconds,
-                        actor=ACTOR,
-                        reason="claimed",
-                        max_worker_losses=self.settings.max_worker_losses,
-                    )
+                got = await workers.claim_for(
+                    conn,
+                    task_id,
+                    model_id=level.model_id,
+                    cap=self.settings.models[level.model_id].max_concurrency,
+                    worker_id=self.worker_id,
+                    lease_seconds=self.settings.lease_seconds,
+                    actor=ACTOR,
+                    reason="claimed",
+                    max_worker_losses=self.settings.max_worker_losses,
+                    cluster_cap=self.settings.cluster_cap,
+                )
         except Exception:
             log.warning("claim failed; message redelivered later", extra={"task_id": str(task_id)}, exc_info=True)
             return Declined(task_id, Step(Action.NAK, None, delay=retry_in))
-        if seen is None:
-            return _drop(task_id, "no such task")
-        if seen.model_id != level.model_id:
-            return _drop(task_id, "task of another model", model=seen.model_id, consumer=level.consumer)
-        if out is None and seen.status.terminal:
-            return _drop(task_id, "task already finished", state=seen.status.value)
-        if out is None:
-            return Declined(task_id, Step(Action.NAK, Fate.CAPPED, delay=retry_in))
-        if not out.applied:
-            current = out.task
-            return _drop(
-                task_id,
-                "claim refused",
-                rejection=out.rejection.value if out.rejection else None,
-                state=current.status.value if current else None,
-                holder=current.worker_id if current else None,
-            )
-        assert out.task is not None
-        return Claimed(out.task, seen.reusable)
+        current = got.task
+        match got.verdict:
+            case Verdict.CLAIMED:
+                assert current is not None
+                return Claimed(current, got.reusable)
+            case Verdict.CAPPED:
+                return Declined(task_id, Step(Action.NAK, Fate.CAPPED, delay=retry_in))
+            case Verdict.NOT_FOUND:
+                return _drop(task_id, "no such task")
+            case Verdict.OTHER_MODEL:
+                model = current.model_id if current else None
+                return _drop(task_id, "task of another model", model=model, consumer=level.consumer)
+            case Verdict.FINISHED:
+                return _drop(task_id, "task already finished", state=current.status.value if current else None)
+            case Verdict.REFUSED:
+                return _drop(
+                    task_id,
+                    "claim refused",
+                    state=current.status.value if current else None,
+                    holder=current.worker_id if current else None,
+                )
 
     async def close(self) -> None:
         """Hands the kept connection back to the pool."""

@@ -22,6 +22,11 @@ async def close_open(db: Conn) -> int:
     return int(done.split()[-1])
 
 
+async def count_by_status(db: Conn, ids: list[int]) -> dict[str, int]:
+    """How many of the tasks `ids` are in each status (a task without a row counts nowhere)."""
+    return {row["status"]: int(row["n"]) for row in await db.fetch(sql.query("bench_count_status"), ids)}
+
+
 async def events_unrelayed(db: Conn) -> bool:
     """Whether any event is still waiting for the relay."""
     return bool(await db.fetchval("SELECT EXISTS (SELECT 1 FROM task_event WHERE published_at IS NULL)"))

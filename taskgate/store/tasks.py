@@ -245,22 +245,7 @@ async def apply(
     if rec is not None:
         task = TaskRow.from_record(rec)
         old = Status(rec["old_status"])
-        log.info(
-            "transition",
-            extra={
-                "task_id": str(task.id),
-                "from": old.value,
-                "to": task.status.value,
-                "state": task.status.value,
-                "version": task.version,
-                "attempt": task.attempt,
-                "worker": task.worker_id,
-                "actor": actor,
-                "reason": reason,
-            },
-        )
-        if task.status.terminal:
-            _count_finished(task)
+        applied(task, old, actor=actor, reason=reason)
         return Outcome(task=task, from_status=old)
     current = await get_task(db, task_id)
     if current is None:
@@ -270,6 +255,26 @@ async def apply(
     if move is Move.CLAIM and current.status is Status.PROCESSING and expected_attempt is None:
         return Outcome(task=current, rejection=Rejection.ILLEGAL)  # lease still live
     return Outcome(task=current, rejection=Rejection.STALE)
+
+
+def applied(task: TaskRow, old: Status, *, actor: str, reason: str | None) -> None:
+    """The one log line (and, for a terminal move, the counters) of a move that applied, whichever statement made it."""
+    log.info(
+        "transition",
+        extra={
+            "task_id": str(task.id),
+            "from": old.value,
+            "to": task.status.value,
+            "state": task.status.value,
+            "version": task.version,
+            "attempt": task.attempt,
+            "worker": task.worker_id,
+            "actor": actor,
+            "reason": reason,
+        },
+    )
+    if task.status.terminal:
+        _count_finished(task)
 
 
 def _count_finished(task: TaskRow) -> None:

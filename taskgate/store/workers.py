@@ -1,18 +1,18 @@
-"""The worker's own rows: its registry entry, the per-model concurrency cap, and outputs kept for reuse.
+"""The worker's own rows: its registry entry, its claim under the caps, and outputs kept for reuse.
 
-The SQL is the `worker_*` blocks of sql/queries/worker.sql; the claim itself is the typed move in tasks.py.
+The SQL is the `worker_*` blocks of sql/queries/worker.sql; the claim is one statement (functions/worker_claim.sql).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-import asyncpg
-
 from taskgate import sql
+from taskgate.model import TaskRow
 from taskgate.states import Status
 from taskgate.store.pool import Conn
-from taskgate.store.tasks import Outcome, ResultRef, claim
+from taskgate.store.tasks import Outcome, Rejection, ResultRef, applied
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,12 +28,40 @@ class Registration:
 
 
 @dataclass(frozen=True, slots=True)
-class Preview:
-    """What a worker reads before claiming: the task's model and state, and a reusable output for its request."""
+class ClusterLoad:
+    """The live workers' slots (the cluster-wide cap on running tasks) and the tasks running under a live lease."""
 
-    model_id: str
-    status: Status
-    reusable: ResultRef | None
+    capacity: int
+    running: int
+
+
+class Verdict(enum.Enum):
+    """What a worker's claim did: claimed the task, or why not."""
+
+    CLAIMED = "claimed"
+    NOT_FOUND = "not_found"  # no such task
+    OTHER_MODEL = "other_model"  # the task is another model's
+    FINISHED = "finished"  # the task is in a final state
+    CAPPED = "capped"  # the model's cap or the cluster's slots are full
+    REFUSED = "refused"  # a live lease, or a takeover that would reach max_worker_losses
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerClaim:
+    """A worker's claim: the verdict, the new attempt (CLAIMED) or the current row, and a reusable output."""
+
+    verdict: Verdict
+    task: TaskRow | None  # None: no such task
+    from_status: Status | None  # the state a claimed task left
+    reusable: ResultRef | None  # a soft-cancelled run's output for the same request
+
+    def outcome(self) -> Outcome | None:
+        """As the typed move's outcome (store.claim); None when capped."""
+        if self.verdict is Verdict.CAPPED:
+            return None
+        if self.verdict is Verdict.CLAIMED:
+            return Outcome(task=self.task, from_status=self.from_status)
+        return Outcome(task=self.task, rejection=Rejection.NOT_FOUND if self.task is None else Rejection.ILLEGAL)
 
 
 async def register(db: Conn, worker: Registration) -> None:
@@ -54,17 +82,47 @@ async def unregister(db: Conn, worker_id: str) -> None:
     await db.execute(sql.query("worker_delete"), worker_id)
 
 
-async def preview(db: Conn, task_id: int) -> Preview | None:
-    """The task's model and state and a soft-cancelled run's output for the same request, or None: no such task."""
-    rec = await db.fetchrow(sql.query("worker_preview"), task_id)
-    if rec is None:
-        return None
+async def cluster_load(db: Conn, *, lease_seconds: float, besides: int | None = None) -> ClusterLoad:
+    """Capacity: the slots of workers heard from within `lease_seconds`; running: tasks under a live lease, soft-cancelled
+    ones still running included (`besides` left out)."""
+    rec = await db.fetchrow(sql.query("worker_cluster_load"), lease_seconds, besides)
+    return ClusterLoad(rec["capacity"], rec["running"])
+
+
+async def claim_for(
+    db: Conn,
+    task_id: int,
+    *,
+    model_id: str,
+    cap: int,
+    worker_id: str,
+    lease_seconds: float,
+    actor: str,
+    reason: str | None = None,
+    max_worker_losses: int | None = None,
+    cluster_cap: bool = False,
+) -> WorkerClaim:
+    """A worker's claim of a task of `model_id`, in one statement and its own asynchronously committed transaction.
+
+    CAPPED when `cap` (if above 0) tasks of the model already run under a live lease (exact: counted under a per-model
+    lock held to the commit), or (with `cluster_cap`) when the running tasks fill every live worker's slots (not
+    locked: workers claiming at the same moment may pass it together, each still within its own slots).
+    """
+    rec = await db.fetchrow(
+        sql.query("worker_claim"), task_id, model_id, cap, cluster_cap, worker_id, lease_seconds, max_worker_losses,
+        actor, reason,
+    )
+    verdict = Verdict(rec["verdict"])
+    task = TaskRow.from_record(rec) if rec["id"] is not None else None
+    old = Status(rec["old_status"]) if rec["old_status"] is not None else None
     reusable = None
-    if rec["result_uri"] is not None:
+    if rec["reusable_uri"] is not None:
         reusable = ResultRef(
-            rec["result_uri"], rec["result_content_type"], rec["result_size"], rec["result_sha256"], reused=True
+            rec["reusable_uri"], rec["reusable_content_type"], rec["reusable_size"], rec["reusable_sha256"], reused=True
         )
-    return Preview(rec["model_id"], Status(rec["status"]), reusable)
+    if verdict is Verdict.CLAIMED and task is not None and old is not None:
+        applied(task, old, actor=actor, reason=reason)
+    return WorkerClaim(verdict, task, old, reusable)
 
 
 async def claim_within_cap(
@@ -78,31 +136,14 @@ async def claim_within_cap(
     actor: str,
     reason: str | None = None,
     max_worker_losses: int | None = None,
+    cluster_cap: bool = False,
 ) -> Outcome | None:
-    """The guarded claim (store.claim); None when `cap` (if above 0) tasks of the model already run under a live lease.
-
-    The count and the claim share one transaction under a per-model lock, so two workers never both take the last place.
-    """
-    if cap <= 0:
-        return await claim(
-            db, task_id, worker_id=worker_id, lease_seconds=lease_seconds, actor=actor, reason=reason,
-            max_worker_losses=max_worker_losses,
-        )
-    if isinstance(db, asyncpg.Pool):
-        async with db.acquire() as conn:
-            return await claim_within_cap(
-                conn, task_id, model_id=model_id, cap=cap, worker_id=worker_id, lease_seconds=lease_seconds, actor=actor,
-                reason=reason, max_worker_losses=max_worker_losses,
-            )
-    async with db.transaction():
-        await db.execute(sql.query("worker_lock_model"), model_id)
-        running = await db.fetchval(sql.query("worker_count_running"), model_id, task_id)
-        if running >= cap:
-            return None
-        return await claim(
-            db, task_id, worker_id=worker_id, lease_seconds=lease_seconds, actor=actor, reason=reason,
-            max_worker_losses=max_worker_losses,
-        )
+    """`claim_for` as the typed move's outcome; None when capped."""
+    got = await claim_for(
+        db, task_id, model_id=model_id, cap=cap, worker_id=worker_id, lease_seconds=lease_seconds, actor=actor,
+        reason=reason, max_worker_losses=max_worker_losses, cluster_cap=cluster_cap,
+    )
+    return got.outcome()
 
 
 async def keep_reusable(db: Conn, task_id: int, *, attempt: int, result: ResultRef) -> bool:

@@ -123,6 +123,12 @@ class GetStatsResponse(_message.Message):
     OLDEST_QUEUED_AGE_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     CALLBACKS_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    capacity: _builtins.int
+    """slots of the live workers: the cluster-wide cap on running tasks (the rest waits QUEUED)"""
+    running: _builtins.int
+    """tasks running under a live lease, soft-cancelled ones still running included"""
     @_builtins.property
     def counts(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateCount]: ...
     @_builtins.property
@@ -138,10 +144,12 @@ class GetStatsResponse(_message.Message):
         oldest_queued_age: _duration_pb2.Duration | None = ...,
         workers: _abc.Iterable[Global___WorkerStats] | None = ...,
         callbacks: _abc.Iterable[Global___CallbackCount] | None = ...,
+        capacity: _builtins.int = ...,
+        running: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["oldest_queued_age", b"oldest_queued_age"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["callbacks", b"callbacks", "counts", b"counts", "oldest_queued_age", b"oldest_queued_age", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["callbacks", b"callbacks", "capacity", b"capacity", "counts", b"counts", "oldest_queued_age", b"oldest_queued_age", "running", b"running", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -243,6 +243,8 @@ class Task(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     CALLBACK_EVENTS_FIELD_NUMBER: _builtins.int
     RESULT_REUSED_FIELD_NUMBER: _builtins.int
+    ESTIMATED_START_FIELD_NUMBER: _builtins.int
+    ESTIMATED_FINISH_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """64-bit time-ordered id, decimal"""
     user_id: _builtins.str
@@ -285,6 +287,14 @@ class Task(_message.Message):
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def callback_events(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def estimated_start(self) -> _timestamp_pb2.Timestamp:
+        """ETA (GetTask and WatchTask): when a QUEUED task should start, and when a QUEUED or PROCESSING task should finish,
+        from its model's recent run time for its size class; unset without recent history or live workers.
+        """
+
+    @_builtins.property
+    def estimated_finish(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -317,10 +327,12 @@ class Task(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         callback_events: _abc.Iterable[_builtins.str] | None = ...,
         result_reused: _builtins.bool = ...,
+        estimated_start: _timestamp_pb2.Timestamp | None = ...,
+        estimated_finish: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "params", b"params", "queued_at", b"queued_at", "result", b"result", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "params", b"params", "queued_at", b"queued_at", "result", b"result", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_position", b"queue_position", "queued_at", b"queued_at", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_position", b"queue_position", "queued_at", b"queued_at", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -348,6 +360,8 @@ class TaskEvent(_message.Message):
     ACTOR_FIELD_NUMBER: _builtins.int
     EVENT_ID_FIELD_NUMBER: _builtins.int
     MODEL_ID_FIELD_NUMBER: _builtins.int
+    ESTIMATED_START_FIELD_NUMBER: _builtins.int
+    ESTIMATED_FINISH_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     user_id: _builtins.str
     version: _builtins.int
@@ -367,6 +381,12 @@ class TaskEvent(_message.Message):
     def at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def result(self) -> Global___TaskResult: ...
+    @_builtins.property
+    def estimated_start(self) -> _timestamp_pb2.Timestamp:
+        """WatchTask only, on an event into QUEUED or PROCESSING while the task is still in it: as Task's."""
+
+    @_builtins.property
+    def estimated_finish(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -386,10 +406,12 @@ class TaskEvent(_message.Message):
         actor: _builtins.str = ...,
         event_id: _builtins.int = ...,
         model_id: _builtins.str = ...,
+        estimated_start: _timestamp_pb2.Timestamp | None = ...,
+        estimated_finish: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "at", b"at", "attempt", b"attempt", "error_code", b"error_code", "error_message", b"error_message", "event_id", b"event_id", "from_status", b"from_status", "model_id", b"model_id", "progress", b"progress", "reason", b"reason", "result", b"result", "task_id", b"task_id", "to_status", b"to_status", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "at", b"at", "attempt", b"attempt", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "event_id", b"event_id", "from_status", b"from_status", "model_id", b"model_id", "progress", b"progress", "reason", b"reason", "result", b"result", "task_id", b"task_id", "to_status", b"to_status", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

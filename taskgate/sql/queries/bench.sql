@@ -18,6 +18,10 @@ UPDATE task SET status = 'CANCELED', version = version + 1, cancel_mode = 'soft'
        lease_expires_at = NULL, last_actor = 'bench', last_reason = 'bench phase over'
 WHERE status IN ('CREATED', 'QUEUED', 'PROCESSING');
 
+-- name: bench_count_status
+-- How many of the tasks $1 (ids) are in each status: a bulk phase checks that every admitted task has its durable row.
+SELECT status::text AS status, count(*) AS n FROM task WHERE id = ANY($1::bigint[]) GROUP BY status;
+
 -- name: bench_triggers_off
 -- Bulk history rows skip the per-row history trigger and NOTIFY (superuser; this session only).
 SET session_replication_role = replica;

@@ -1,4 +1,4 @@
--- The worker's own queries: its registry row, the per-model concurrency cap, reusable outputs.
+-- The worker's own queries: its registry row, its claim, reusable outputs.
 
 -- name: worker_upsert
 -- Registers a worker or records its heartbeat. $1 id, $2 models, $3 slots, $4 running, $5 device, $6 draining.
@@ -11,22 +11,24 @@ ON CONFLICT (id) DO UPDATE SET models = EXCLUDED.models, slots = EXCLUDED.slots,
 -- Removes a worker's registry row on a clean exit. $1 id.
 DELETE FROM worker WHERE id = $1;
 
--- name: worker_lock_model
--- Serialises claims of one model across all workers until the transaction ends. $1 model id.
-SELECT pg_advisory_xact_lock(hashtextextended('taskgate.model:' || $1::text, 0));
+-- name: worker_cluster_load
+-- The cluster's capacity (slots of the workers whose heartbeat is within the lease) and what runs on it (tasks under
+-- a live lease, soft-cancelled ones still running included), besides one task being claimed. $1 lease seconds,
+-- $2 task id (NULL = none).
+SELECT (SELECT coalesce(sum(slots), 0) FROM worker WHERE last_heartbeat > now() - make_interval(secs => $1))::int
+           AS capacity,
+       ((SELECT count(*) FROM task WHERE status = 'PROCESSING' AND lease_expires_at > now() AND id IS DISTINCT FROM $2)
+        + (SELECT count(*) FROM task WHERE status = 'CANCELED' AND lease_expires_at > now() AND id IS DISTINCT FROM $2)
+       )::int AS running;
 
--- name: worker_count_running
--- Tasks of a model running under a live lease (soft-cancelled ones still running included), besides the one being
--- claimed. $1 model id, $2 task id.
-SELECT count(*) FROM task
-WHERE model_id = $1 AND status IN ('PROCESSING', 'CANCELED') AND lease_expires_at > now() AND id <> $2;
-
--- name: worker_preview
--- What a worker checks before claiming: the task's model and state, and a reusable output for the same request
--- (a soft-cancelled run's) if any. $1 task id.
-SELECT t.model_id, t.status, r.result_uri, r.result_content_type, r.result_size, r.result_sha256
-FROM task t LEFT JOIN reusable_result r ON r.user_id = t.user_id AND r.request_hash = t.request_hash
-WHERE t.id = $1;
+-- name: worker_claim
+-- A worker's claim in one statement (functions/worker_claim.sql): why not, or the new attempt; a reusable output.
+-- $1 task id, $2 model id, $3 the model's cap (0 = none), $4 the cluster cap, $5 worker, $6 lease seconds,
+-- $7 most lost attempts (NULL = no limit), $8 actor, $9 reason.
+SELECT c.verdict, c.old_status, (c.claimed).*, (c.reusable).result_uri AS reusable_uri,
+       (c.reusable).result_content_type AS reusable_content_type, (c.reusable).result_size AS reusable_size,
+       (c.reusable).result_sha256 AS reusable_sha256
+FROM worker_claim($1, $2, $3, $4, $5, $6, $7, $8, $9) c;
 
 -- name: worker_keep_reusable
 -- Keeps a finished run's output when its attempt was soft-cancelled; no row when the guard or the key says no.

@@ -1,0 +1,120 @@
+"""Device-busy fraction: a saturated queue on one device, one task at a time against ceil(1 x 1.5) = 2 slots.
+
+`python -m bench.device_busy`. Two workloads: the 'sleep' stand-in whose CPU phase (its 'encoding') is a quarter of
+its run, and the tiny Wan pipeline on CPU (whose MP4 encoding is only a few percent of its run). The fraction is the
+time a task held the device (worker.devices, the taskgate_worker_device_busy_seconds_total counter) over the wall
+time from the worker's start to the last task's SUCCEEDED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.worker import runner as runmod
+from services.worker.engine import Worker
+from taskgate import bus as busmod
+from taskgate import store
+from taskgate.config import ModelSpec, Settings
+from taskgate.runtime import Backends, connect
+from taskgate.states import Status
+from taskgate.wire import dispatch
+from taskgate_local import tinymodel
+from taskgate_local.embedded import EmbeddedStack
+from tests.factories import insert_task
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured queue."""
+
+    workload: str
+    slots: int
+    tasks: int
+    wall_s: float
+    busy_s: float
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_s / self.wall_s
+
+
+async def drain_queue(backends: Backends, settings: Settings, model: str, slots: int, tasks: int, params: dict[str, Any]) -> Figure:
+    """Queues `tasks` tasks, then runs one worker with `slots` slots on one device until every one SUCCEEDED."""
+    rows = []
+    for n in range(tasks):
+        task = await insert_task(backends.pool, model_id=model, prompt=f"busy {slots} {n}", params={**params, "seed": n})
+        out = await store.queue(backends.pool, task.id, actor="bench")
+        assert out.task is not None
+        await backends.bus.js.publish(
+            busmod.task_subject(model, task.priority), dispatch.encode(out.task), headers={"Nats-Msg-Id": f"{task.id}.q0"}
+        )
+        rows.append(task.id)
+    specs = {model: settings.models[model]}
+    runners = await asyncio.to_thread(runmod.load_runners, specs, ["cpu"])
+    worker = Worker(settings, backends, runners, runmod.DevicePlan(["cpu"], slots, False), f"busy-{model}-{slots}", [model])
+    started = time.monotonic()
+    await worker.start()
+    try:
+        while True:
+            done = await backends.pool.fetchval(
+                "SELECT count(*) FROM task WHERE id = ANY($1::bigint[]) AND status = $2", rows, Status.SUCCEEDED.value
+            )
+            if done == tasks:
+                break
+            await asyncio.sleep(0.01)
+        wall = time.monotonic() - started
+    finally:
+        await worker.close()
+    return Figure(model, slots, tasks, wall, worker.devices.busy_seconds)
+
+
+async def measure(state_dir: Path, tasks: int) -> list[Figure]:
+    stack = EmbeddedStack(state_dir / "servers").start()
+    try:
+        model_dir = await asyncio.to_thread(tinymodel.build_tiny_pipeline, state_dir / "models" / "wan-tiny")
+        assert stack.postgres is not None and stack.nats is not None
+        settings = Settings(
+            database_url=stack.postgres.url,
+            nats_url=stack.nats.url,
+            state_dir=state_dir,
+            models={
+                "wan-tiny": ModelSpec(path=model_dir),
+                "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.3, encode_seconds=0.1, default_steps=3),
+            },
+            result_store="fs",
+            worker_metrics_port=0,
+            progress_interval_seconds=1.0,
+        )
+        backends = await connect(settings, "bench")
+        figures = []
+        try:
+            wan = {"num_frames": 33, "width": 32, "height": 32, "num_inference_steps": 1, "guidance_scale": 5.0, "fps": 8}
+            for slots in (1, 2):
+                figures.append(await drain_queue(backends, settings, "sleepy", slots, tasks, {"num_inference_steps": 3}))
+                figures.append(await drain_queue(backends, settings, "wan-tiny", slots, max(4, tasks // 2), wan))
+        finally:
+            await backends.close()
+        return figures
+    finally:
+        stack.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.device_busy", description=__doc__)
+    parser.add_argument("--tasks", type=int, default=20, help="tasks per 'sleep' queue (half as many for the tiny model)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="taskgate-busy-") as tmp:
+        figures = asyncio.run(measure(Path(tmp), args.tasks))
+    print(f"{'workload':10} {'slots':>5} {'tasks':>5} {'wall s':>8} {'busy s':>8} {'busy':>6}")
+    for f in figures:
+        print(f"{f.workload:10} {f.slots:>5} {f.tasks:>5} {f.wall_s:>8.2f} {f.busy_s:>8.2f} {f.busy_fraction:>6.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+-- A worker's claim of the task a dispatch message names, in one statement: the checks, the caps and the guarded
+-- claim (the claim_task block of queries/tasks.sql, same SET and guard: change both together). Run as its own
+-- transaction. verdict: 'claimed' (claimed is the new attempt, old_status what it left), 'not_found',
+-- 'other_model', 'finished', 'capped', or 'refused' (a live lease, or a takeover that would reach p_max_losses);
+-- claimed is otherwise the current row, reusable a soft-cancelled run's output for the same request.
+-- plpgsql: each statement takes a fresh snapshot, so the model's count after its lock sees every committed claim.
+CREATE OR REPLACE FUNCTION worker_claim(
+    p_task_id bigint, p_model_id text, p_cap integer, p_cluster_cap boolean, p_worker_id text, p_lease_seconds float8,
+    p_max_losses integer, p_actor text, p_reason text,
+    OUT verdict text, OUT old_status task_status, OUT claimed task, OUT reusable reusable_result)
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- a claim lost in a crash is fenced by its attempt number: no need to wait for the WAL flush
+    PERFORM set_config('synchronous_commit', 'off', true);
+    SELECT t.* INTO claimed FROM task t WHERE t.id = p_task_id;
+    IF NOT FOUND THEN
+        verdict := 'not_found';
+        RETURN;
+    END IF;
+    SELECT r.* INTO reusable FROM reusable_result r
+    WHERE r.user_id = claimed.user_id AND r.request_hash = claimed.request_hash;
+    IF claimed.model_id <> p_model_id THEN
+        verdict := 'other_model';
+        RETURN;
+    END IF;
+    IF claimed.status NOT IN ('CREATED', 'QUEUED', 'PROCESSING') THEN
+        verdict := 'finished';
+        RETURN;
+    END IF;
+    -- the cluster's cap (the live workers' slots) is not locked: workers claiming together may pass it together
+    IF p_cluster_cap AND (
+        SELECT count(*) FROM task WHERE status IN ('PROCESSING', 'CANCELED') AND lease_expires_at > now() AND id <> p_task_id
+    ) >= (SELECT coalesce(sum(slots), 0) FROM worker WHERE last_heartbeat > now() - make_interval(secs => p_lease_seconds))
+    THEN
+        verdict := 'capped';
+        RETURN;
+    END IF;
+    -- the model's cap is exact: claims of one model queue on this lock until the claiming transaction commits
+    IF p_cap > 0 THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended('taskgate.model:' || p_model_id, 0));
+        IF (SELECT count(*) FROM task
+            WHERE model_id = p_model_id AND status IN ('PROCESSING', 'CANCELED') AND lease_expires_at > now()
+              AND id <> p_task_id) >= p_cap THEN
+            verdict := 'capped';
+            RETURN;
+        END IF;
+    END IF;
+    UPDATE task t SET status = 'PROCESSING', version = t.version + 1, attempt = t.attempt + 1, worker_id = p_worker_id,
+           lease_expires_at = now() + make_interval(secs => p_lease_seconds), started_at = now(), progress = 0,
+           worker_losses = t.worker_losses + (t.status = 'PROCESSING')::int,
+           processed_seconds = t.processed_seconds + CASE WHEN t.status = 'PROCESSING' THEN
+               GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8 ELSE 0 END,
+           updated_at = now(), last_actor = p_actor, last_reason = p_reason
+    FROM (SELECT id, status AS old_status FROM task WHERE id = p_task_id FOR UPDATE) o
+    WHERE t.id = o.id AND t.status IN ('CREATED', 'QUEUED', 'PROCESSING')
+      AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now() AND (p_max_losses IS NULL OR t.worker_losses + 1 < p_max_losses)))
+    RETURNING o.old_status INTO old_status;
+    verdict := CASE WHEN FOUND THEN 'claimed' ELSE 'refused' END;
+    SELECT t.* INTO claimed FROM task t WHERE t.id = p_task_id;
+END
+$$;

@@ -1,0 +1,194 @@
+"""A worker runs ceil(devices x 1.5) tasks: one at a time in a device's phase, the others encoding meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from services.worker import runner as runmod
+from services.worker.devices import Devices
+from services.worker.engine import Worker
+from taskgate import bus as busmod
+from taskgate import store
+from taskgate.config import ModelSpec, Settings
+from taskgate.runtime import Backends
+from taskgate.states import Status
+from taskgate.store import CancelMode
+from taskgate.store import workers as registry
+from taskgate.wire import dispatch
+from tests.factories import insert_task
+from tests.harness import wait_for
+
+SLEEPY = "sleepy"
+
+
+async def test_a_device_serves_one_caller_at_a_time_in_arrival_order() -> None:
+    devices = Devices(["cuda:0", "cuda:1"])
+    order: list[str] = []
+    release = {name: asyncio.Event() for name in "abcd"}
+
+    async def use(name: str, allowed: set[str]) -> None:
+        async with devices.use(allowed) as lane:
+            order.append(f"{name}@{lane.device}")
+            await release[name].wait()
+
+    tasks = [asyncio.create_task(use("a", {"cuda:0", "cuda:1"})), asyncio.create_task(use("b", {"cuda:0", "cuda:1"}))]
+    await wait_for(lambda: len(order) == 2)
+    tasks += [asyncio.create_task(use("c", {"cuda:1"})), asyncio.create_task(use("d", {"cuda:0", "cuda:1"}))]
+    await asyncio.sleep(0)  # c and d wait: both devices are held
+    assert order == ["a@cuda:0", "b@cuda:1"]
+    release["a"].set()  # cuda:0 frees: c cannot use it, d (behind c) can
+    await wait_for(lambda: len(order) == 3)
+    assert order[2] == "d@cuda:0"
+    release["b"].set()
+    await wait_for(lambda: len(order) == 4)
+    assert order[3] == "c@cuda:1"
+    release["c"].set()
+    release["d"].set()
+    await asyncio.gather(*tasks)
+    assert all(lane.busy_since is None for lane in devices.lanes) and devices.busy_seconds > 0
+    devices.close()
+
+
+async def test_a_cancelled_waiter_passes_the_device_on() -> None:
+    devices = Devices(["cpu"])
+    held = asyncio.Event()
+    done = asyncio.Event()
+
+    async def hold() -> None:
+        async with devices.use({"cpu"}):
+            held.set()
+            await done.wait()
+
+    holder = asyncio.create_task(hold())
+    await held.wait()
+    waiter = asyncio.create_task(asyncio.wait_for(devices.use({"cpu"}).__aenter__(), 10))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    done.set()
+    await holder
+    async with devices.use({"cpu"}) as lane:  # free again: the cancelled waiter did not keep it
+        assert lane.device == "cpu"
+    devices.close()
+
+
+def test_device_plan_gives_one_and_a_half_tasks_per_device() -> None:
+    sleepy = runmod.device_plan({"sleep"}, 0, 1.5)
+    assert (sleepy.devices, sleepy.slots) == (["cpu"], 1)  # a 'sleep'-only worker: one lane per slot
+    assert runmod.device_plan({"sleep"}, 3, 1.5).devices == ["cpu"] * 3
+    plan = runmod.device_plan({"diffusers"}, 0, 1.5)
+    gpus = len([d for d in plan.devices if d.startswith("cuda")])
+    assert plan.devices == ([f"cuda:{i}" for i in range(gpus)] or ["cpu"])
+    assert plan.slots == -(-len(plan.devices) * 3 // 2) and plan.use_cuda == (gpus > 0)
+
+
+class RecordingRunner:
+    """A two-phase runner that records its phases; a task's encode waits (bounded) until the next task's render began."""
+
+    def __init__(self) -> None:
+        self.model_id = SLEEPY
+        self.events: list[tuple[str, int]] = []
+        self.rendering: dict[int, threading.Event] = {}
+        self.started: set[int] = set()
+        self._lock = threading.Lock()
+
+    def _note(self, what: str, task_id: int) -> None:
+        with self._lock:
+            self.events.append((what, task_id))
+
+    def render(self, inp: runmod.RunInput, on_step: runmod.OnStep, should_abort: runmod.ShouldAbort) -> runmod.Rendered:
+        self._note("render", inp.task_id)
+        self.started.add(inp.task_id)
+        with self._lock:
+            began = self.rendering.setdefault(inp.task_id, threading.Event())
+        began.set()
+        on_step(1, 1)
+        self._note("rendered", inp.task_id)
+        return runmod.Rendered(inp, None)
+
+    def encode(self, rendered: runmod.Rendered) -> runmod.RunOutput:
+        self._note("encode", rendered.inp.task_id)
+        following = int(rendered.inp.params["next"])
+        if following:  # overlap: the next task's device phase runs while this one encodes
+            with self._lock:
+                began = self.rendering.setdefault(following, threading.Event())
+            assert began.wait(20), "the next render never started"
+        self._note("encoded", rendered.inp.task_id)
+        return runmod.RunOutput(b"{}", "application/json", "json", "00" * 32)
+
+
+def rendering(runner: RecordingRunner, task_id: int) -> Callable[[], bool]:
+    return lambda: task_id in runner.started
+
+
+@pytest.fixture
+async def one_device_worker(settings: Settings, backends: Backends) -> AsyncIterator[tuple[Worker, RecordingRunner]]:
+    s = settings.model_copy(
+        update={"models": {**settings.models, SLEEPY: ModelSpec(kind="sleep")}, "worker_models": [SLEEPY], "progress_interval_seconds": 0.0}
+    )
+    runner = RecordingRunner()
+    worker = Worker(s, backends, {(SLEEPY, "cpu"): runner}, runmod.DevicePlan(["cpu"], 2, False), "w-devices", [SLEEPY])
+    await worker.start()
+    try:
+        yield worker, runner
+    finally:
+        await worker.close()
+
+
+async def test_the_next_tasks_device_phase_overlaps_this_ones_encoding(
+    backends: Backends, one_device_worker: tuple[Worker, RecordingRunner]
+) -> None:
+    worker, runner = one_device_worker
+    assert worker.status().slots == 2
+    ids = [await insert_task(backends.pool, model_id=SLEEPY, prompt=f"p{n}") for n in range(4)]
+    # each task knows the one after it (task ids grow with time); the last waits for nobody
+    for n, task in enumerate(ids):
+        follower = ids[n + 1].id if n + 1 < len(ids) else 0
+        await backends.pool.execute(
+            "UPDATE task SET request_payload = request_payload || jsonb_build_object('next', $2::text) WHERE id = $1",
+            task.id, str(follower),
+        )
+    for task in ids:  # one at a time, so they are claimed in this order
+        queued = await store.queue(backends.pool, task.id, actor="submit")
+        row = queued.task
+        assert queued.applied and row is not None
+        await backends.bus.js.publish(
+            busmod.task_subject(SLEEPY, row.priority), dispatch.encode(row), headers={"Nats-Msg-Id": f"{row.id}.q0"}
+        )
+        await wait_for(rendering(runner, row.id), within=20)
+
+    async def all_done() -> bool:
+        rows = [await store.get_task(backends.pool, t.id) for t in ids]
+        return all(r is not None and r.status is Status.SUCCEEDED for r in rows)
+
+    await wait_for(all_done, within=30)
+    renders = [(what, t) for what, t in runner.events if what in ("render", "rendered")]
+    # the device phases never overlap: each render ends before the next begins
+    assert renders == [(what, t.id) for t in ids for what in ("render", "rendered")]
+    for first, second in itertools.pairwise(ids):
+        assert runner.events.index(("render", second.id)) < runner.events.index(("encoded", first.id))
+    assert worker.devices.busy_seconds > 0
+
+
+async def test_claims_stop_at_the_live_workers_slots_and_the_rest_stays_queued(backends: Backends) -> None:
+    pool = backends.pool
+    await registry.register(pool, registry.Registration("w1", (SLEEPY,), 2, 0, "cpu", False))
+    first, second, third = [await insert_task(pool, model_id=SLEEPY, prompt=f"p{n}") for n in range(3)]
+
+    async def claim(task_id: int) -> store.Outcome | None:
+        return await registry.claim_within_cap(
+            pool, task_id, model_id=SLEEPY, cap=0, worker_id="w1", lease_seconds=10.0, actor="w1", cluster_cap=True
+        )
+
+    assert (out := await claim(first.id)) is not None and out.applied
+    assert (out := await claim(second.id)) is not None and out.applied
+    assert await claim(third.id) is None  # two slots, two running: the third waits
+    assert await registry.cluster_load(pool, lease_seconds=10.0) == registry.ClusterLoad(capacity=2, running=2)
+    assert (await store.cancel(pool, first.id, mode=CancelMode.SOFT, actor="test")).applied
+    assert await claim(third.id) is None  # the soft-cancelled run still holds its slot
+    assert await store.let_go(pool, first.id, attempt=1)
+    assert (out := await claim(third.id)) is not None and out.applied
