@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv run test test-faults lint proto tiny-model gpu-check bench constraints clean
+.PHONY: venv run test test-faults test-cluster lint proto tiny-model gpu-check bench constraints clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ test: $(STAMP)
 test-faults: $(STAMP)
 	$(PYTEST) -q -m faults -p no:randomly
 
+## One machine as a cluster: three NATS nodes (streams at three replicas), every service replicated, rolled and killed.
+test-cluster: $(STAMP)
+	$(PYTEST) -q -m cluster -p no:randomly
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy taskgate taskgate_client taskgate_local services tests bench
@@ -47,8 +51,15 @@ tiny-model: $(STAMP)
 gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py
 
-bench: $(STAMP)
-	$(PY) -m bench
+## taskgate beside Celery + Redis and procrastinate, all installed here (bench/requirements.txt); PROFILE=1 adds py-spy profiles.
+BENCH_STAMP := $(VENV)/.bench-$(shell cat bench/requirements.txt constraints.txt | cksum | cut -d' ' -f1)
+
+$(BENCH_STAMP): $(STAMP) bench/requirements.txt constraints.txt
+	$(PY) -m pip install -q -c constraints.txt -r bench/requirements.txt
+	rm -f $(VENV)/.bench-* && touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) -m bench $(if $(PROFILE),--profile)
 
 ## Re-pins constraints.txt to what the virtual environment holds (after changing a range in a pyproject.toml).
 constraints: $(STAMP)

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench import history, latency, peers, recovery, throughput
+from bench import bulk, history, latency, peers, profile, recovery, throughput
 from bench.load import LoadResult
 from bench.stack import BenchStack, bench_settings
 from bench.stats import Report
@@ -30,10 +30,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--history", type=int, default=1_000_000, help="historical tasks for the large-table phase (0: skip)")
     parser.add_argument("--latency-tasks", type=int, default=300, help="tasks sent one by one for the latency figures")
     parser.add_argument("--no-recovery", action="store_true", help="skip the dead-worker recovery phases")
-    parser.add_argument("--no-peers", action="store_true", help="skip Celery and procrastinate even when installed")
+    parser.add_argument("--no-peers", action="store_true", help="skip Celery and procrastinate")
     parser.add_argument("--peers-only", action="store_true", help="measure only Celery and procrastinate")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON report goes")
     parser.add_argument("--keep", action="store_true", help="keep the stack's folder (logs) after the run")
+    parser.add_argument("--bulk-inflight", type=int, default=8, help="calls in flight in the bulk enqueue phases (100 tasks each)")
+    parser.add_argument("--profile", action="store_true",
+                        help="py-spy profiles of every service process at 64 in flight and in bulk (.taskgate/bench/)")
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds = min(args.seconds, 2.0)
@@ -46,7 +49,8 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
     report = Report()
     report.context = {"cpus": os.cpu_count(), "submit_processes": args.submit_procs, "seconds_per_level": args.seconds,
                       "load_average_at_start": os.getloadavg()}
-    opts = throughput.Options(seconds=args.seconds, warmup=min(1.0, args.seconds / 2))
+    opts = throughput.Options(seconds=args.seconds, warmup=min(1.0, args.seconds / 2), bulk_inflight=args.bulk_inflight,
+                              profile_dir=profile.new_folder() if args.profile else None)
     stack = BenchStack(state_dir, args.submit_procs, 2, bench_settings(state_dir))
     executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     section = f"submit ({args.submit_procs} submit processes, workers stopped)"
@@ -92,6 +96,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
             await phase("p99 at about half the maximum throughput",
                         lambda: throughput.half_max_latency(stack, executor, opts, report, section, best))
             await phase("raw ceiling", lambda: throughput.ceiling(stack, executor, opts, report, "raw ceiling", submit))
+        await phase(f"SubmitTasks, {opts.bulk_batch} per call", lambda: bulk.submit_tasks(stack, executor, opts, report, section))
         await phase("GetTask", get_phase)
         await phase("latencies with idle workers", latency_phase)
         if not args.no_recovery:
@@ -106,7 +111,11 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
         await stack.stop()
     if not args.no_peers:
         await peers.run_all(report, state_dir, opts)
+        bulk.compare(report)
     report.context["load_average_at_end"] = os.getloadavg()
+    if opts.profile_dir is not None:
+        report.context["profiles"] = str(opts.profile_dir)
+        say(f"py-spy profiles in {opts.profile_dir} (summary.txt in each phase's folder)")
     return report
 
 

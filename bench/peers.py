@@ -141,7 +141,7 @@ def _threaded(call: Callable[[], int], concurrency: int, seconds: float, warmup:
             tasks = call()
             ended = time.perf_counter()
             total += tasks
-            if began >= measure_from and ended <= stop_at:
+            if measure_from <= ended <= stop_at:  # by when it ended, as for SubmitTasks
                 latencies.append(ended - began)
                 ok += tasks
 
@@ -168,7 +168,7 @@ async def _gathered(call: Callable[[], Awaitable[int]], concurrency: int, second
             tasks = await call()
             ended = time.perf_counter()
             result.total += tasks
-            if began >= measure_from and ended <= stop_at:
+            if measure_from <= ended <= stop_at:  # by when it ended, as for SubmitTasks
                 result.latencies.append(ended - began)
                 result.ok += tasks
 

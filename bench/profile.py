@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import sys
 import time
@@ -24,6 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PY_SPY = Path(sys.executable).parent / "py-spy"  # installed into the venv by `make bench` (bench/requirements.txt)
 RATE = 100  # samples per second
 TOP = 15  # functions per process in the summary
+_STDLIB = re.compile(r"^.*/lib/python3\.\d+/(?!site-packages/)")
+OWN = ("taskgate/", "services/")  # the files of the code under test, as _name shows them
 
 
 def new_folder() -> Path:
@@ -63,7 +66,7 @@ async def record(stack: BenchStack, folder: Path | None, phase: str) -> AsyncIte
 
 
 def summary(folder: Path, failures: list[str]) -> str:
-    """Each profiled process's top functions by self and by total (on-stack) share of its samples, all threads together."""
+    """Each profiled process's top functions by self share of its samples, and taskgate's own by total (on-stack) share."""
     lines = [f"py-spy at {RATE} Hz; share of each process's busy samples (idle threads are not sampled)", *failures]
     for path in sorted(folder.glob("*.speedscope.json")):
         self_time, total_time, samples = _tally(json.loads(path.read_text()))
@@ -73,8 +76,9 @@ def summary(folder: Path, failures: list[str]) -> str:
         lines.append("  self    total   function")
         for name, weight in self_time.most_common(TOP):
             lines.append(f"  {weight / samples:5.1%}  {total_time[name] / samples:6.1%}   {name}")
-        lines.append("  -- by total:")
-        for name, weight in total_time.most_common(TOP):
+        lines.append("  -- taskgate's own functions, by total:")
+        own = Counter({name: weight for name, weight in total_time.items() if name.startswith(OWN)})
+        for name, weight in own.most_common(TOP):
             lines.append(f"  {self_time[name] / samples:5.1%}  {weight / samples:6.1%}   {name}")
     return "\n".join(lines) + "\n"
 
@@ -83,7 +87,7 @@ def _tally(profile: dict[str, object]) -> tuple[Counter[str], Counter[str], int]
     """Self and total sample counts by function over every thread of one speedscope file, and the sample count."""
     shared = profile["shared"]
     assert isinstance(shared, dict)
-    names = [f"{f['name']} ({_short(f['file'])})" for f in shared["frames"]]  # a function's lines together
+    names = [_name(f) for f in shared["frames"]]  # a function's lines together
     self_time: Counter[str] = Counter()
     total_time: Counter[str] = Counter()
     count = 0
@@ -100,9 +104,11 @@ def _tally(profile: dict[str, object]) -> tuple[Counter[str], Counter[str], int]
     return self_time, total_time, count
 
 
-def _short(file: str) -> str:
-    """A frame's file relative to site-packages or the repository, whichever it is under."""
+def _name(frame: dict[str, str]) -> str:
+    """`function (file)`, the file relative to site-packages, the repository or the standard library."""
+    file = _STDLIB.sub("", frame["file"])
     for marker in ("site-packages/", f"{ROOT}/"):
         if marker in file:
-            return file.split(marker, 1)[1]
-    return file
+            file = file.split(marker, 1)[1]
+            break
+    return f"{file}: {frame['name']}"

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from dataclasses import dataclass
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -20,7 +23,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from taskgate.config import Settings
 from taskgate.states import Priority
@@ -104,9 +107,12 @@ def _retrieve(task: asyncio.Task[None]) -> None:
 
 
 async def connect(url: str, name: str) -> Bus:
-    """Connects with endless reconnects (NATS down is a state to live through, not an exit)."""
+    """Connects with endless reconnects (NATS down is a state to live through, not an exit).
+
+    `url` may list several servers of one cluster, comma-separated; the client fails over between them.
+    """
     nc = await nats.connect(
-        url,
+        [one.strip() for one in url.split(",") if one.strip()],
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
@@ -123,8 +129,30 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         await js.update_stream(config)
 
 
-async def declare(bus: Bus, settings: Settings) -> None:
-    """Creates (or updates) every stream, durable consumer and bucket; safe to run from every replica."""
+DECLARE_SECONDS = 60.0
+
+
+async def declare(bus: Bus, settings: Settings, within: float = DECLARE_SECONDS) -> None:
+    """Creates (or updates) every stream, durable consumer and bucket; safe to run from every replica.
+
+    A JetStream API that times out or has no leader yet (a cluster electing one, or busy with every replica declaring
+    at once) is retried with backoff for `within` seconds rather than failing the service's start.
+    """
+    deadline = time.monotonic() + within
+    delay = 0.5
+    while True:
+        try:
+            await _declare_once(bus, settings)
+            return
+        except (NatsTimeoutError, NoRespondersError, ServiceUnavailableError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("JetStream declare did not answer; retrying", extra={"error": type(exc).__name__, "retry_in": delay})
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def _declare_once(bus: Bus, settings: Settings) -> None:
     js = bus.js
     replicas = settings.stream_replicas
     await _ensure_stream(

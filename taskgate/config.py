@@ -129,7 +129,9 @@ class Settings(BaseSettings):
 
     # Where things are
     database_url: str | None = Field(default=None, description="PostgreSQL URL; unset = embedded server under state_dir.")
-    nats_url: str | None = Field(default=None, description="NATS URL; unset = embedded nats-server under state_dir.")
+    nats_url: str | None = Field(
+        default=None, description="NATS URL, or a cluster's server URLs comma-separated; unset = embedded nats-server under state_dir."
+    )
     state_dir: Path = Field(default=Path(".taskgate"), description="Local state folder (embedded servers, models, results).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level of the JSON logs.")
     db_pool_size: int = Field(default=10, ge=1, le=200, description="asyncpg pool size per process.")

@@ -53,6 +53,7 @@ class EmbeddedNats:
     store_dir: Path
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    args: tuple[str, ...] = ()  # more nats-server flags (a cluster node's name and routes)
 
     @property
     def url(self) -> str:
@@ -64,7 +65,7 @@ class EmbeddedNats:
             self.port = free_port()
         log_file = open(self.store_dir / "nats.log", "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
-            [_nats_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir)],
+            [_nats_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir), *self.args],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,

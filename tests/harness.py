@@ -162,15 +162,33 @@ class ServiceProcess:
         return "\n".join(text.splitlines()[-lines:])
 
 
-class Cluster:
-    """An embedded PostgreSQL + NATS of its own (so tests may kill them) and service processes over them."""
+def nats_cluster(base: Path, nodes: int) -> list[EmbeddedNats]:
+    """`nodes` nats-servers routed to each other on loopback, JetStream on each in its own store folder; started."""
+    routes = [free_port() for _ in range(nodes)]
+    servers = []
+    for i, route in enumerate(routes):
+        others = ",".join(f"nats://127.0.0.1:{port}" for j, port in enumerate(routes) if j != i)
+        args = ("-n", f"node-{i + 1}", "--cluster_name", "taskgate", "--cluster", f"nats://127.0.0.1:{route}", "--routes", others)
+        servers.append(EmbeddedNats(base / f"nats-{i + 1}", args=args))
+    for server in servers:
+        server.start()
+    return servers
 
-    def __init__(self, state_dir: Path, settings: Settings) -> None:
+
+class Cluster:
+    """An embedded PostgreSQL + NATS of its own (so tests may kill them) and service processes over them.
+
+    With `nats_nodes` > 1 NATS is a cluster of that many nodes, and the settings' nats_url lists them all.
+    """
+
+    def __init__(self, state_dir: Path, settings: Settings, nats_nodes: int = 1) -> None:
         self.state_dir = state_dir
         self.base_settings = settings
         self.stack: EmbeddedStack | None = None
         self.services: dict[str, ServiceProcess] = {}
         self.settings = settings
+        self.nats_node_count = nats_nodes
+        self.nats_nodes: list[EmbeddedNats] = []
 
     @property
     def postgres(self) -> EmbeddedPostgres:
@@ -186,9 +204,16 @@ class Cluster:
         """Starts PostgreSQL and NATS; returns the settings pointing at them (also kept as `self.settings`)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir.chmod(0o755)
-        self.stack = EmbeddedStack(self.state_dir / "servers").start()
+        servers = self.state_dir / "servers"
+        if self.nats_node_count == 1:
+            self.stack = EmbeddedStack(servers).start()
+            nats_url = self.nats.url
+        else:
+            self.stack = EmbeddedStack(servers, postgres=EmbeddedPostgres(servers / "pg").start())
+            self.nats_nodes = nats_cluster(servers, self.nats_node_count)
+            nats_url = ",".join(node.url for node in self.nats_nodes)
         self.settings = self.base_settings.model_copy(
-            update={"database_url": self.postgres.url, "nats_url": self.nats.url, "state_dir": self.state_dir}
+            update={"database_url": self.postgres.url, "nats_url": nats_url, "state_dir": self.state_dir}
         )
         return self.settings
 
@@ -256,6 +281,8 @@ class Cluster:
             service.signal(signal.SIGTERM)
         for service in self.services.values():
             service.stop(10.0)
+        for node in self.nats_nodes:
+            node.stop()
         if self.stack is not None:
             self.stack.stop()
             self.stack = None

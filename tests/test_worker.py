@@ -34,6 +34,7 @@ from taskgate.store import workers as registry
 from taskgate.v1 import worker_pb2, worker_pb2_grpc
 from taskgate.wire import cancel, dispatch
 from tests.factories import insert_task
+from tests.harness import wait_for
 
 SLEEPY = "sleepy"
 Factory = Callable[..., Awaitable[WorkerHandle]]
@@ -532,3 +533,47 @@ async def test_reusable_result_query_is_guarded_by_attempt(settings: Settings, b
     assert await registry.keep_reusable(backends.pool, task.id, attempt=1, result=output)
     kept = await backends.pool.fetchrow("SELECT * FROM reusable_result WHERE source_task_id = $1", task.id)
     assert kept is not None and (kept["result_uri"], kept["result_size"]) == (output.uri, output.size)
+
+
+async def test_a_level_just_taken_from_pulls_again_at_once(settings: Settings, backends: Backends, workers: Factory) -> None:
+    # pulls linger 30 s and tasks run 12: a message left waiting for another level's pull to expire, or for a slot to
+    # free, would miss the 5 s bound below
+    await workers(with_(sleepy_settings(settings, sleep=12.0), worker_slots=2, worker_fetch_linger_seconds=30.0))
+
+    async def lingering() -> bool:
+        infos = [
+            await backends.bus.js.consumer_info(busmod.TASKS_STREAM, busmod.consumer_name(SLEEPY, p))
+            for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW)
+        ]
+        return all(info.num_waiting for info in infos)
+
+    await wait_for(lingering, within=10)  # the idle worker has a pull outstanding on every priority
+    first = await submit(backends, priority=Priority.HIGH, params=params(steps=1, seed=1))
+    await wait_task(backends, first.id, is_status(Status.PROCESSING))  # taken from the HIGH pull's delivery
+    second = await submit(backends, priority=Priority.HIGH, params=params(steps=1, seed=2))
+    await wait_task(backends, second.id, is_status(Status.PROCESSING), within=5)
+
+
+async def test_a_workers_claim_says_why_not_and_commits_asynchronously(backends: Backends) -> None:
+    pool = backends.pool
+    task, other = [await insert_task(pool, model_id=SLEEPY, prompt=f"p{n}") for n in range(2)]
+
+    async def claim(task_id: int, *, model: str = SLEEPY, cap: int = 0, worker: str = "w1") -> registry.WorkerClaim:
+        return await registry.claim_for(pool, task_id, model_id=model, cap=cap, worker_id=worker, lease_seconds=10.0, actor=worker)
+
+    assert (await claim(-1)).verdict is registry.Verdict.NOT_FOUND
+    assert (await claim(task.id, model="another")).verdict is registry.Verdict.OTHER_MODEL
+    got = await claim(task.id)
+    assert got.verdict is registry.Verdict.CLAIMED and got.task is not None
+    assert (got.task.status, got.task.attempt, got.task.worker_id, got.from_status) == (Status.PROCESSING, 1, "w1", task.status)
+    refused = await claim(task.id, worker="w2")  # the lease is live
+    assert refused.verdict is registry.Verdict.REFUSED and refused.task is not None and refused.task.worker_id == "w1"
+    assert (await claim(other.id, cap=1)).verdict is registry.Verdict.CAPPED
+    assert (await store.cancel(pool, task.id, mode=CancelMode.HARD, actor="test")).applied
+    assert (await claim(task.id)).verdict is registry.Verdict.FINISHED
+    async with pool.acquire() as conn:
+        async with conn.transaction():
+            assert (await registry.claim_for(conn, other.id, model_id=SLEEPY, cap=1, worker_id="w1", lease_seconds=10.0,
+                                             actor="w1")).verdict is registry.Verdict.CLAIMED
+            assert await conn.fetchval("SHOW synchronous_commit") == "off"  # the claim's own transaction only
+        assert await conn.fetchval("SHOW synchronous_commit") == "on"

@@ -1,7 +1,8 @@
 """Pulling dispatch messages from the durable consumers: one pull inbox per (model, priority), weighted choice.
 
-An idle worker keeps one lingering pull request open on every level, so a new message is delivered the moment it is
-stored (no polling round trip). When a slot frees, it probes every level at once with no-wait pulls and picks among
+A worker with a free slot keeps one lingering pull request open on every level (a level whose pull just delivered
+opens its next at once), so a new message is delivered the moment it is stored, never after another level's pull
+expires. When a slot frees, it probes every level at once with no-wait pulls and picks among
 the levels that answered with a message by smooth weighted round robin, so HIGH goes first but LOW never starves.
 """
 

@@ -126,9 +126,9 @@ class Fetcher:
                 return
             if not self._ready:
                 self._take([(level, msg)])  # an idle worker's only message: no choice to make, start it now
-                return
-            self._ready.append((level, msg))
-        self._wake.set()
+            else:
+                self._ready.append((level, msg))
+        self._wake.set()  # this level's pull is spent: the loop opens the next one at once, not when another expires
 
     async def _once(self) -> None:
         ready, self._ready = self._ready, []

@@ -25,6 +25,7 @@ RETURNING t.*, o.old_status;
 -- CREATED/QUEUED (or PROCESSING with an expired lease: a lost attempt, counted) -> PROCESSING as a new attempt.
 -- $7 worker, $8 lease seconds, $9 most lost attempts (NULL = no limit): a lost attempt that reaches it is not
 -- taken over (the scheduler's lease scan fails the task). The processing timeout's one grace is per task.
+-- A worker's claim runs the same UPDATE inside functions/worker_claim.sql: change both together.
 UPDATE task t SET status = 'PROCESSING', version = t.version + 1, attempt = t.attempt + 1, worker_id = $7,
        lease_expires_at = now() + make_interval(secs => $8), started_at = now(), progress = 0,
        worker_losses = t.worker_losses + (t.status = 'PROCESSING')::int,
