@@ -395,3 +395,11 @@ class WebhookReceiver:
             return
         writer.write(reply.body)
         await writer.drain()
+
+
+def plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every node of an EXPLAIN (FORMAT JSON) plan, depth first."""
+    out = [plan]
+    for child in plan.get("Plans", []):
+        out += plan_nodes(child)
+    return out

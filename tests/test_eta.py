@@ -27,7 +27,7 @@ from taskgate_client import connect_async
 from taskgate_client.progress import ProgressBar
 from taskgate_client.types import TaskEvent
 from tests.factories import insert_task
-from tests.harness import WebhookReceiver, wait_for
+from tests.harness import WebhookReceiver, plan_nodes, wait_for
 
 TENANT = "tenant-a"
 RESULT = store.ResultRef(uri="nats-os://taskgate-results/x.mp4", content_type="video/mp4", size=1234, sha256="ab" * 32)
@@ -235,13 +235,6 @@ FROM (
 """
 
 
-def _nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    out = [plan]
-    for child in plan.get("Plans", []):
-        out += _nodes(child)
-    return out
-
-
 async def test_the_eta_query_reads_the_history_index_on_a_big_table(backends: Backends) -> None:
     async with backends.pool.acquire() as conn:
         await conn.execute("ALTER TABLE task DISABLE TRIGGER task_event_on_insert")  # no history for fixture rows
@@ -262,7 +255,7 @@ async def test_the_eta_query_reads_the_history_index_on_a_big_table(backends: Ba
         ran = await asyncio.wait_for(logged.get(), 5)
         assert logged.empty()  # one statement: the one explained
         [explained] = await conn.fetchval(f"EXPLAIN (FORMAT JSON) {ran.query}", *ran.args)
-    nodes = _nodes(explained["Plan"])
+    nodes = plan_nodes(explained["Plan"])
     on_task = [(n["Node Type"], n.get("Index Name")) for n in nodes
                if n.get("Relation Name") == "task" or n.get("Index Name", "").startswith("task_")]
     assert on_task and not any(kind == "Seq Scan" for kind, _ in on_task), on_task

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import asyncpg
 import pytest
@@ -15,6 +14,7 @@ from services.scheduler.service import Scheduler
 from taskgate.runtime import Backends
 from taskgate.store import admin as admin_store
 from taskgate.store import maintenance
+from tests.harness import plan_nodes
 
 # 100k tasks, mostly finished, as a long-running installation holds them; states get consistent columns.
 BULK = """
@@ -46,13 +46,6 @@ FROM (
     FROM generate_series(1, 100000) AS i
 ) g
 """
-
-
-def _nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    out = [plan]
-    for child in plan.get("Plans", []):
-        out += _nodes(child)
-    return out
 
 
 @pytest.fixture
@@ -106,7 +99,7 @@ async def test_every_scan_query_uses_an_index_on_task(big: Backends) -> None:
             ran = await asyncio.wait_for(logged.get(), 5)
             [explained] = await conn.fetchval(f"EXPLAIN (FORMAT JSON) {ran.query}", *ran.args)
             assert logged.empty(), name  # one statement per scan query: the one explained
-            on_task = [n["Node Type"] for n in _nodes(explained["Plan"]) if n.get("Relation Name") == "task" or
+            on_task = [n["Node Type"] for n in plan_nodes(explained["Plan"]) if n.get("Relation Name") == "task" or
                        n.get("Index Name", "").startswith("task_")]
             assert on_task, (name, explained)
             assert "Seq Scan" not in on_task, (name, on_task)
