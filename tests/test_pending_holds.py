@@ -110,9 +110,9 @@ async def test_a_dead_workers_hold_lapses_and_the_scheduler_frees_the_slot(backe
     assert await pending_of(backends, "tenant-a") == 2  # the hard cancel freed its slot at once; the soft one runs on
 
     # the model's concurrency cap counts the soft-cancelled run too
-    capped = await registry.claim_within_cap(
+    capped = (await registry.claim_for(
         pool, queued.id, model_id=SLEEPY, cap=1, worker_id="w2", lease_seconds=10.0, actor="w2"
-    )
+    )).outcome()
     assert capped is None
 
     lease_end = (await row(backends, held.id)).lease_expires_at
@@ -123,7 +123,7 @@ async def test_a_dead_workers_hold_lapses_and_the_scheduler_frees_the_slot(backe
     assert (after.status, after.lease_expires_at, after.version) == (Status.CANCELED, None, held.version + 2)  # letting go is no move
     assert await pending_of(backends, "tenant-a") == 1
     assert not await store.let_go(pool, held.id, attempt=1)  # a late worker finds nothing left to let go
-    claimed = await registry.claim_within_cap(
+    claimed = (await registry.claim_for(
         pool, queued.id, model_id=SLEEPY, cap=1, worker_id="w2", lease_seconds=10.0, actor="w2"
-    )
+    )).outcome()
     assert claimed is not None and claimed.applied

@@ -180,9 +180,9 @@ async def test_claims_stop_at_the_live_workers_slots_and_the_rest_stays_queued(b
     first, second, third = [await insert_task(pool, model_id=SLEEPY, prompt=f"p{n}") for n in range(3)]
 
     async def claim(task_id: int) -> store.Outcome | None:
-        return await registry.claim_within_cap(
+        return (await registry.claim_for(
             pool, task_id, model_id=SLEEPY, cap=0, worker_id="w1", lease_seconds=10.0, actor="w1", cluster_cap=True
-        )
+        )).outcome()
 
     assert (out := await claim(first.id)) is not None and out.applied
     assert (out := await claim(second.id)) is not None and out.applied

@@ -9,7 +9,6 @@ a statement may run before asyncpg cancels it on the server (TimeoutError).
 from __future__ import annotations
 
 import enum
-import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,8 +19,7 @@ from taskgate.model import TaskRow
 from taskgate.paging import Cursor
 from taskgate.states import Status
 from taskgate.store.pool import Conn
-
-log = logging.getLogger("taskgate.transition")
+from taskgate.store.tasks import applied
 
 
 class Verdict(enum.StrEnum):
@@ -140,23 +138,16 @@ async def queue_many(
             out.append(Queued(current.get(task.id, task), 0))
             continue
         row = TaskRow.from_record(rec)
-        log.info("transition", extra={"task_id": str(row.id), "from": Status.CREATED.value, "to": row.status.value,
-                                      "state": row.status.value, "version": row.version, "attempt": row.attempt,
-                                      "worker": row.worker_id, "actor": actor, "reason": reason})
+        applied(row, Status.CREATED, actor=actor, reason=reason)
         out.append(Queued(row, int(rec["queue_position"])))
     return out
-
-
-async def take_rate_slot(db: Conn, tenant: str, *, per_minute: int, within: float | None = None) -> float | None:
-    """Counts one submission in the tenant's minute window: None when counted, else seconds until the window ends."""
-    retry_after = await db.fetchval(sql.query("submit_take_rate_slot"), tenant, per_minute, timeout=within)
-    return float(retry_after) if retry_after is not None else None
 
 
 async def take_rate_slots(
     db: Conn, tenant: str, *, per_minute: int, count: int, within: float | None = None
 ) -> list[float | None]:
-    """`take_rate_slot` for `count` submissions in one round trip: each None when counted, else seconds to wait."""
+    """Counts `count` submissions in the tenant's minute window, in one round trip: each None when counted, else the
+    seconds until the window ends."""
     rows = await db.fetch(sql.query("submit_take_rate_slots"), tenant, per_minute, count, timeout=within)
     return [float(r["retry_after"]) if r["retry_after"] is not None else None for r in rows]
 

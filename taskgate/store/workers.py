@@ -125,27 +125,6 @@ async def claim_for(
     return WorkerClaim(verdict, task, old, reusable)
 
 
-async def claim_within_cap(
-    db: Conn,
-    task_id: int,
-    *,
-    model_id: str,
-    cap: int,
-    worker_id: str,
-    lease_seconds: float,
-    actor: str,
-    reason: str | None = None,
-    max_worker_losses: int | None = None,
-    cluster_cap: bool = False,
-) -> Outcome | None:
-    """`claim_for` as the typed move's outcome; None when capped."""
-    got = await claim_for(
-        db, task_id, model_id=model_id, cap=cap, worker_id=worker_id, lease_seconds=lease_seconds, actor=actor,
-        reason=reason, max_worker_losses=max_worker_losses, cluster_cap=cluster_cap,
-    )
-    return got.outcome()
-
-
 async def keep_reusable(db: Conn, task_id: int, *, attempt: int, result: ResultRef) -> bool:
     """Keeps a soft-cancelled attempt's output for an identical request; False when the guard or the key says no."""
     kept = await db.fetchval(

@@ -1,10 +1,5 @@
 -- The submit service's queries: rate limits, idempotent inserts, queue positions and listings.
 
--- name: submit_take_rate_slot
--- Counts one submission in the tenant's minute window (functions/submit_fast_path.sql). $1 tenant, $2 submissions
--- allowed per minute. Returns retry_after: NULL when counted, else the seconds until the full window ends.
-SELECT take_rate_slot($1, $2) AS retry_after;
-
 -- name: submit_take_rate_slots
 -- Counts `$3` submissions in the tenant's minute window, one at a time, as far as it has room. $1 tenant, $2 allowed
 -- per minute, $3 how many. One row per submission: retry_after NULL when counted.
