@@ -35,6 +35,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON report goes")
     parser.add_argument("--keep", action="store_true", help="keep the stack's folder (logs) after the run")
     parser.add_argument("--bulk-inflight", type=int, default=8, help="calls in flight in the bulk enqueue phases (100 tasks each)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated phases to run (submit, bulk, get, latency, recovery, history); default all")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy profiles of every service process at 64 in flight and in bulk (.taskgate/bench/)")
     args = parser.parse_args(argv)
@@ -88,28 +90,36 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
         await peers.run_all(report, state_dir, opts)
         report.context["load_average_at_end"] = os.getloadavg()
         return report
+    only = {name.strip() for name in args.only.split(",") if name.strip()}
+
+    def wanted(name: str) -> bool:
+        return not only or name in only
+
     try:
         await phase(f"starting the stack under {state_dir}", stack.start)
-        if await phase("SubmitTask at 1, 16, 64, 256 in flight", submit_phase):
+        if wanted("submit") and await phase("SubmitTask at 1, 16, 64, 256 in flight", submit_phase):
             best = max(r.rate for r in submit.values())
             await phase("64 in flight over 16 tenants", lambda: throughput.many_tenants(stack, executor, opts, report, section))
             await phase("p99 at about half the maximum throughput",
                         lambda: throughput.half_max_latency(stack, executor, opts, report, section, best))
             await phase("raw ceiling", lambda: throughput.ceiling(stack, executor, opts, report, "raw ceiling", submit))
-        await phase(f"SubmitTasks, {opts.bulk_batch} per call", lambda: bulk.submit_tasks(stack, executor, opts, report, section))
-        await phase("GetTask", get_phase)
-        await phase("latencies with idle workers", latency_phase)
-        if not args.no_recovery:
+        if wanted("bulk"):
+            await phase(f"SubmitTasks, {opts.bulk_batch} per call", lambda: bulk.submit_tasks(stack, executor, opts, report, section))
+        if wanted("get"):
+            await phase("GetTask", get_phase)
+        if wanted("latency"):
+            await phase("latencies with idle workers", latency_phase)
+        if not args.no_recovery and wanted("recovery"):
             await phase("dead-worker recovery, shipped defaults", lambda: recovery.dead_worker(
                 stack, report, "dead-worker recovery", "shipped defaults (lease 10 s)", 15.0))
-        if args.history and submit and get:
+        if args.history and submit and get and wanted("history"):
             await phase(f"{args.history:,} historical tasks", history_phase)
-        if not args.no_recovery:
+        if not args.no_recovery and wanted("recovery"):
             await phase("dead-worker recovery, lease 5 s", lambda: recovery.with_lease(stack, report, "dead-worker recovery", 5.0))
     finally:
         executor.shutdown(cancel_futures=True)
         await stack.stop()
-    if not args.no_peers:
+    if not args.no_peers and not only:
         await peers.run_all(report, state_dir, opts)
         bulk.compare(report)
     report.context["load_average_at_end"] = os.getloadavg()

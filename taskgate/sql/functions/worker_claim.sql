@@ -9,6 +9,9 @@ CREATE OR REPLACE FUNCTION worker_claim(
     p_max_losses integer, p_actor text, p_reason text,
     OUT verdict text, OUT old_status task_status, OUT claimed task, OUT reusable reusable_result)
 LANGUAGE plpgsql AS $$
+DECLARE
+    v_running bigint;
+    v_model_running bigint;
 BEGIN
     -- a claim lost in a crash is fenced by its attempt number: no need to wait for the WAL flush
     PERFORM set_config('synchronous_commit', 'off', true);
@@ -27,20 +30,19 @@ BEGIN
         verdict := 'finished';
         RETURN;
     END IF;
-    -- the cluster's cap (the live workers' slots) is not locked: workers claiming together may pass it together
-    IF p_cluster_cap AND (
-        SELECT count(*) FROM task WHERE status IN ('PROCESSING', 'CANCELED') AND lease_expires_at > now() AND id <> p_task_id
-    ) >= (SELECT coalesce(sum(slots), 0) FROM worker WHERE last_heartbeat > now() - make_interval(secs => p_lease_seconds))
-    THEN
-        verdict := 'capped';
-        RETURN;
-    END IF;
     -- the model's cap is exact: claims of one model queue on this lock until the claiming transaction commits
     IF p_cap > 0 THEN
         PERFORM pg_advisory_xact_lock(hashtextextended('taskgate.model:' || p_model_id, 0));
-        IF (SELECT count(*) FROM task
-            WHERE model_id = p_model_id AND status IN ('PROCESSING', 'CANCELED') AND lease_expires_at > now()
-              AND id <> p_task_id) >= p_cap THEN
+    END IF;
+    -- the cluster's cap (the live workers' slots) is not locked: workers claiming together may pass it together.
+    -- Both caps count live leases from task_live_lease_idx (migration 0017), in one pass after the lock.
+    IF p_cluster_cap OR p_cap > 0 THEN
+        SELECT count(*), count(*) FILTER (WHERE l.model_id = p_model_id) INTO v_running, v_model_running
+        FROM task l
+        WHERE task_holds_lease(l.status, l.lease_expires_at) AND l.lease_expires_at > now() AND l.id <> p_task_id;
+        IF (p_cap > 0 AND v_model_running >= p_cap) OR (p_cluster_cap AND v_running >= (
+            SELECT coalesce(sum(slots), 0) FROM worker WHERE last_heartbeat > now() - make_interval(secs => p_lease_seconds)
+        )) THEN
             verdict := 'capped';
             RETURN;
         END IF;
@@ -52,7 +54,7 @@ BEGIN
                GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8 ELSE 0 END,
            updated_at = now(), last_actor = p_actor, last_reason = p_reason
     FROM (SELECT id, status AS old_status FROM task WHERE id = p_task_id FOR UPDATE) o
-    WHERE t.id = o.id AND t.status IN ('CREATED', 'QUEUED', 'PROCESSING')
+    WHERE t.id = p_task_id AND t.id = o.id AND t.status IN ('CREATED', 'QUEUED', 'PROCESSING')
       AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now() AND (p_max_losses IS NULL OR t.worker_losses + 1 < p_max_losses)))
     RETURNING o.old_status INTO old_status;
     verdict := CASE WHEN FOUND THEN 'claimed' ELSE 'refused' END;

@@ -2,13 +2,15 @@
 --   $1 task id, $2 allowed source states, $3 expected version (NULL = any), $4 expected attempt (NULL = any),
 --   $5 actor, $6 reason
 -- and returns the new row plus old_status, or no row when the guard did not match.
+-- `t.id = $1` beside `t.id = o.id`: the locking subquery is not flattened, so without it a planner whose statistics
+-- still see a small table may merge-join o with a walk of the whole primary key (a claim read 700 pages that way).
 
 -- name: queue_task
 -- CREATED -> QUEUED once the dispatch message is on JetStream.
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, queued_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 
@@ -17,7 +19,7 @@ RETURNING t.*, o.old_status;
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, publish_count = t.publish_count + 1,
        updated_at = now(), last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 
@@ -33,7 +35,7 @@ UPDATE task t SET status = 'PROCESSING', version = t.version + 1, attempt = t.at
            GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8 ELSE 0 END,
        updated_at = now(), last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now() AND ($9::int IS NULL OR t.worker_losses + 1 < $9)))
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
@@ -43,7 +45,7 @@ RETURNING t.*, o.old_status;
 UPDATE task t SET version = t.version + 1, progress = $7, lease_expires_at = now() + make_interval(secs => $8),
        updated_at = now(), last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 
@@ -54,7 +56,7 @@ UPDATE task t SET status = 'SUCCEEDED', version = t.version + 1, progress = 100,
        error_code = NULL, error_msg = NULL, lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 
@@ -65,7 +67,7 @@ UPDATE task t SET status = 'FAILED', version = t.version + 1, error_code = $7, e
        lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 
@@ -78,7 +80,7 @@ UPDATE task t SET status = 'QUEUED', version = t.version + 1, retry_count = t.re
        queued_at = now(), publish_count = 0, not_before = now() + make_interval(secs => $9),
        updated_at = now(), last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 
@@ -92,7 +94,7 @@ UPDATE task t SET status = 'QUEUED', version = t.version + 1, worker_id = NULL, 
        progress = 0, queued_at = now(), publish_count = 0, not_before = NULL, updated_at = now(),
        last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 
@@ -108,7 +110,7 @@ UPDATE task t SET status = 'CANCELED', version = t.version + 1, cancel_mode = $7
        finished_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 
@@ -118,7 +120,7 @@ UPDATE task t SET status = 'TIMEOUT', version = t.version + 1, error_code = $7, 
        lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = o.id AND t.status = ANY($2::task_status[])
+WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 

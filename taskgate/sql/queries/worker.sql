@@ -14,11 +14,11 @@ DELETE FROM worker WHERE id = $1;
 -- name: worker_cluster_load
 -- The cluster's capacity (slots of the workers whose heartbeat is within the lease) and what runs on it (tasks under
 -- a live lease, soft-cancelled ones still running included), besides one task being claimed. $1 lease seconds,
--- $2 task id (NULL = none).
+-- $2 task id (NULL = none). Counted as the claim counts (task_live_lease_idx).
 SELECT (SELECT coalesce(sum(slots), 0) FROM worker WHERE last_heartbeat > now() - make_interval(secs => $1))::int
            AS capacity,
-       ((SELECT count(*) FROM task WHERE status = 'PROCESSING' AND lease_expires_at > now() AND id IS DISTINCT FROM $2)
-        + (SELECT count(*) FROM task WHERE status = 'CANCELED' AND lease_expires_at > now() AND id IS DISTINCT FROM $2)
+       (SELECT count(*) FROM task
+        WHERE task_holds_lease(status, lease_expires_at) AND lease_expires_at > now() AND id IS DISTINCT FROM $2
        )::int AS running;
 
 -- name: worker_claim
