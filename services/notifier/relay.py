@@ -107,13 +107,16 @@ class EventRelay:
         futures: list[asyncio.Future[Any]] = []
         done: list[int] = []
         try:
-            for i, event in enumerate(events):
-                trace = traces[i] if traces else None
-                fut = await event_wire.publish_async(self._bus, event, wait_stall=timeout, trace_context=trace)
-                if fut is None:
-                    log.error("event has no valid subject; recorded without publishing", extra={"event_id": event.id})
-                    fut = _resolved()
-                futures.append(fut)
+            async with asyncio.timeout(timeout):  # waiting for room (too many acks outstanding): the pass's bound
+                for i, event in enumerate(events):
+                    trace = traces[i] if traces else None
+                    fut = await event_wire.publish_async(self._bus, event, trace_context=trace)
+                    if fut is None:
+                        log.error("event has no valid subject; recorded without publishing", extra={"event_id": event.id})
+                        fut = _resolved()
+                    futures.append(fut)
+        except TimeoutError:
+            log.warning("relay publish stalled", extra={"published": len(futures), "of": len(events)})
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             if cancelling():  # publish_async turns a cancellation into TooManyStalledMsgsError
                 raise asyncio.CancelledError from exc
