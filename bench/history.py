@@ -13,10 +13,14 @@ from taskgate.store import bench as bench_store
 
 
 async def fill(stack: BenchStack, rows: int) -> float:
-    """Inserts `rows` finished tasks (a tenth of them the bench tenant's) and their terminal events, vacuums; returns seconds."""
+    """Inserts `rows` finished tasks (a tenth of them the bench tenant's) and their terminal events as the retentions leave
+    them, vacuums; returns seconds."""
     start = time.monotonic()
     async with stack.db.acquire() as conn:
-        await bench_store.fill_history(conn, rows=rows, tenant=TENANT)
+        await bench_store.fill_history(
+            conn, rows=rows, tenant=TENANT, events_seconds=stack.settings.retain_events_seconds,
+            results_seconds=stack.settings.retain_results_seconds,
+        )
     return time.monotonic() - start
 
 

@@ -32,12 +32,13 @@ async def events_unrelayed(db: Conn) -> bool:
     return bool(await db.fetchval("SELECT EXISTS (SELECT 1 FROM task_event WHERE published_at IS NULL)"))
 
 
-async def fill_history(db: Conn, *, rows: int, tenant: str) -> None:
-    """`rows` finished tasks (a tenth of them `tenant`'s) and their terminal events, then a vacuum (superuser)."""
+async def fill_history(db: Conn, *, rows: int, tenant: str, events_seconds: float, results_seconds: float) -> None:
+    """`rows` finished tasks (a tenth of them `tenant`'s) and their terminal events, then a vacuum (superuser): as the
+    retentions (`events_seconds`, `results_seconds`) leave them, so the scheduler has no backlog to purge meanwhile."""
     await db.execute(sql.query("bench_triggers_off"))
     try:
-        await db.execute(sql.query("bench_insert_history"), rows, tenant, timeout=1800)
-        await db.execute(sql.query("bench_insert_history_events"), rows, timeout=1800)
+        await db.execute(sql.query("bench_insert_history"), rows, tenant, results_seconds, timeout=1800)
+        await db.execute(sql.query("bench_insert_history_events"), rows, events_seconds, timeout=1800)
     finally:
         await db.execute(sql.query("bench_triggers_on"))
     # A table that has held a million rows for a while has been vacuumed: do it now, so autovacuum does not

@@ -31,12 +31,13 @@ SET session_replication_role = replica;
 SET session_replication_role = DEFAULT;
 
 -- name: bench_insert_history
--- $1 finished tasks with ids 1..$1 (far below time-ordered ids), spread over the last 30 days; every tenth
--- belongs to $2, the rest to 97 other tenants.
+-- $1 finished tasks with ids 1..$1 (far below time-ordered ids), spread over the last 29 days; every tenth
+-- belongs to $2, the rest to 97 other tenants. As the scheduler's retention leaves a long-running table: outputs
+-- older than $3 seconds (the results retention) already expired, so the measurement is not also a retention backlog.
 INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
                   request_payload, metadata, priority, queue_name, status, progress, version, attempt, worker_id,
                   result_uri, result_content_type, result_size, result_sha256, last_actor, last_reason,
-                  created_at, updated_at, queued_at, started_at, finished_at)
+                  created_at, updated_at, queued_at, started_at, finished_at, result_expired_at)
 SELECT g,
        CASE WHEN g % 10 = 0 THEN $2 ELSE 'hist-' || (g % 97) END,
        'hist-' || g, true, md5(g::text) || md5(g::text), 'text-to-video', 'sleepy', 'historical task ' || g,
@@ -45,14 +46,16 @@ SELECT g,
        '{}', 5, 'taskgate.tasks.sleepy.normal', 'SUCCEEDED', 100, 5, 1, 'hist-worker',
        'nats-os://taskgate-results/' || g || '-a1.json', 'application/json', 100, md5(g::text) || md5(g::text),
        'worker', 'finished',
-       t, t + interval '3 s', t + interval '10 ms', t + interval '20 ms', t + interval '3 s'
+       t, t + interval '3 s', t + interval '10 ms', t + interval '20 ms', t + interval '3 s',
+       CASE WHEN t + interval '3 s' < now() - make_interval(secs => $3) THEN t + make_interval(secs => $3) END
 FROM generate_series(1, $1::bigint) AS g,
-     LATERAL (SELECT now() - interval '30 days' + (g::float8 / $1 * interval '30 days') AS t) AS times;
+     LATERAL (SELECT now() - interval '29 days' + (g::float8 / $1 * interval '29 days') AS t) AS times;
 
 -- name: bench_insert_history_events
--- The terminal event of each historical task, already relayed. $1 the count given to bench_insert_history.
+-- The terminal event of each historical task, already relayed, for the tasks the events retention still keeps
+-- them for. $1 the count given to bench_insert_history, $2 the events retention in seconds.
 INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, at, actor, reason, progress,
                         attempt, worker_id, result_uri, result_size, result_sha256, result_content_type, published_at)
 SELECT id, user_id, model_id, 5, 'PROCESSING', 'SUCCEEDED', finished_at, 'worker', 'finished', 100, 1, worker_id,
        result_uri, result_size, result_sha256, result_content_type, finished_at
-FROM task WHERE id <= $1::bigint;
+FROM task WHERE id <= $1::bigint AND finished_at >= now() - make_interval(secs => $2);
