@@ -7,42 +7,58 @@
 CREATE OR REPLACE FUNCTION task_record_event() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     bad record;
+    bad_version bigint;
+    bad_move bigint;
     written bigint;
 BEGIN
     IF TG_OP = 'UPDATE' THEN
-        SELECT n.id, o.version AS old_version, n.version AS new_version INTO bad
-        FROM old_rows o JOIN new_rows n ON n.id = o.id
-        WHERE n.version <> o.version AND n.version <> o.version + 1 LIMIT 1;
-        IF FOUND THEN
+        -- One join of the statement's old and new rows feeds the history, the pending counts and both checks (it
+        -- was one join each: four passes over two tuplestores of whole task rows, most of a batched move's cost).
+        -- A check that fails raises below, which undoes this statement's writes with the rest of it.
+        WITH pairs AS MATERIALIZED (
+            SELECT n.id, n.user_id, n.model_id, n.version, o.version AS old_version, o.status AS old_status, n.status,
+                   n.last_actor, n.last_reason, n.progress, n.attempt, n.worker_id, n.error_code, n.error_msg,
+                   n.result_uri, n.result_size, n.result_sha256, n.result_content_type,
+                   task_holds_pending(n.status, n.lease_expires_at)::int
+                       - task_holds_pending(o.status, o.lease_expires_at)::int AS pending_delta
+            FROM old_rows o JOIN new_rows n ON n.id = o.id
+        ), events AS (
+            INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason,
+                                    progress, attempt, worker_id, error_code, error_msg, result_uri, result_size,
+                                    result_sha256, result_content_type)
+            SELECT p.id, p.user_id, p.model_id, p.version, p.old_status, p.status, p.last_actor, p.last_reason,
+                   p.progress, p.attempt, p.worker_id, p.error_code, p.error_msg, p.result_uri, p.result_size,
+                   p.result_sha256, p.result_content_type
+            FROM pairs p
+            WHERE p.version <> p.old_version
+            ORDER BY p.id
+            RETURNING 1
+        ), counts AS (
+            -- a move out of the unfinished states, or a soft-cancelled run's worker letting go (pending.sql)
+            INSERT INTO tenant_pending AS t (tenant_id, pending)
+            SELECT p.user_id, sum(p.pending_delta) FROM pairs p WHERE p.pending_delta <> 0
+            GROUP BY p.user_id ORDER BY p.user_id  -- counters locked in one order by every statement: no deadlock
+            ON CONFLICT (tenant_id) DO UPDATE SET pending = t.pending + EXCLUDED.pending
+            RETURNING 1
+        )
+        SELECT (SELECT count(*) FROM events),
+               (SELECT p.id FROM pairs p WHERE p.version <> p.old_version AND p.version <> p.old_version + 1 LIMIT 1),
+               (SELECT p.id FROM pairs p
+                WHERE p.version = p.old_version + 1
+                  AND NOT EXISTS (SELECT 1 FROM task_transition tt WHERE tt.from_status = p.old_status AND tt.to_status = p.status)
+                LIMIT 1)
+        INTO written, bad_version, bad_move;
+        IF bad_version IS NOT NULL THEN
+            SELECT n.id, o.version AS old_version, n.version AS new_version INTO bad
+            FROM old_rows o JOIN new_rows n ON n.id = o.id WHERE n.id = bad_version;
             RAISE EXCEPTION 'task % version must grow by one (% -> %)', bad.id, bad.old_version, bad.new_version;
         END IF;
-        SELECT n.id, o.status AS old_status, n.status AS new_status INTO bad
-        FROM old_rows o JOIN new_rows n ON n.id = o.id
-        WHERE n.version = o.version + 1
-          AND NOT EXISTS (SELECT 1 FROM task_transition WHERE from_status = o.status AND to_status = n.status)
-        LIMIT 1;
-        IF FOUND THEN
+        IF bad_move IS NOT NULL THEN
+            SELECT n.id, o.status AS old_status, n.status AS new_status INTO bad
+            FROM old_rows o JOIN new_rows n ON n.id = o.id WHERE n.id = bad_move;
             RAISE EXCEPTION 'illegal transition % -> % for task %', bad.old_status, bad.new_status, bad.id
                 USING ERRCODE = 'check_violation';
         END IF;
-        INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason, progress,
-                                attempt, worker_id, error_code, error_msg, result_uri, result_size, result_sha256,
-                                result_content_type)
-        SELECT n.id, n.user_id, n.model_id, n.version, o.status, n.status, n.last_actor, n.last_reason, n.progress,
-               n.attempt, n.worker_id, n.error_code, n.error_msg, n.result_uri, n.result_size, n.result_sha256,
-               n.result_content_type
-        FROM old_rows o JOIN new_rows n ON n.id = o.id
-        WHERE n.version <> o.version
-        ORDER BY n.id;
-        GET DIAGNOSTICS written = ROW_COUNT;
-        -- a move out of the unfinished states, or a soft-cancelled run's worker letting go (pending.sql)
-        INSERT INTO tenant_pending AS p (tenant_id, pending)
-        SELECT n.user_id, sum(task_holds_pending(n.status, n.lease_expires_at)::int
-                              - task_holds_pending(o.status, o.lease_expires_at)::int)
-        FROM old_rows o JOIN new_rows n ON n.id = o.id
-        WHERE task_holds_pending(o.status, o.lease_expires_at) <> task_holds_pending(n.status, n.lease_expires_at)
-        GROUP BY n.user_id ORDER BY n.user_id  -- counters locked in one order by every statement: no deadlock
-        ON CONFLICT (tenant_id) DO UPDATE SET pending = p.pending + EXCLUDED.pending;
     ELSIF TG_OP = 'INSERT' THEN
         INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason, progress,
                                 attempt, worker_id, error_code, error_msg, result_uri, result_size, result_sha256,

@@ -29,7 +29,7 @@ WITH moved AS (
            last_actor = $2, last_reason = $3
     WHERE t.id = ANY($1::bigint[]) AND t.status = 'CREATED'
     RETURNING t.*
-), ahead AS (
+), ahead AS MATERIALIZED (  -- counted once per model and priority: inlined, the counts ran once per moved row
     SELECT g.model_id, g.priority,
            (SELECT count(*) FROM task q WHERE q.status = 'QUEUED' AND q.model_id = g.model_id AND q.priority > g.priority)
          + (SELECT count(*) FROM task q WHERE q.status = 'QUEUED' AND q.model_id = g.model_id AND q.priority = g.priority
