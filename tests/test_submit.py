@@ -222,11 +222,13 @@ class _ClaimAfterPublish:
         self._js = js
         self._backends = backends
 
-    async def publish(self, subject: str, payload: bytes, **kwargs: Any) -> Any:
-        ack = await self._js.publish(subject, payload, **kwargs)
+    async def publish_async(self, subject: str, payload: bytes, **kwargs: Any) -> Any:
+        ack = await (await self._js.publish_async(subject, payload, **kwargs))
         task_id = int(task_pb2.TaskDispatch.FromString(payload).task_id)
         await drive(self._backends, task_id, CLAIM)
-        return ack
+        acked: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        acked.set_result(ack)
+        return acked
 
 
 async def test_message_outrunning_the_commit_returns_true_status(settings: Settings, backends: Backends) -> None:

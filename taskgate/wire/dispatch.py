@@ -11,13 +11,17 @@ import asyncio
 import enum
 import logging
 import time
+from typing import Any
 
-from opentelemetry.trace import SpanKind
+import nats.errors
+import nats.js.errors
+from opentelemetry.trace import Span, SpanKind
 
 from taskgate import bus as busmod
 from taskgate import ids, tracing
 from taskgate.model import TaskRow
 from taskgate.v1 import task_pb2
+from taskgate.waiting import cancelling
 
 log = logging.getLogger("taskgate.dispatch")
 
@@ -81,16 +85,53 @@ async def publish(bus: busmod.Bus, task: TaskRow, reason: Reason, *, ack_timeout
 async def publish_many(
     bus: busmod.Bus, items: list[tuple[TaskRow, Reason]], *, ack_timeout: float | None = None
 ) -> list[tuple[TaskRow, Reason]]:
-    """Publishes with every ack awaited at once (pipelined); returns the items acknowledged (failures are logged)."""
-    results = await asyncio.gather(
-        *(publish(bus, task, reason, ack_timeout=ack_timeout) for task, reason in items), return_exceptions=True
-    )
+    """Publishes with every ack awaited at once (pipelined); returns the items acknowledged (failures are logged).
+
+    The messages leave in one write and their acks are futures, not a task and a timer per message (publish_async
+    without its per-message stall wait, as the relay does); `ack_timeout` bounds the whole batch. Each message is a
+    span of its task's trace, as with `publish`.
+    """
+    spans = [_span(task, reason) for task, reason in items] if tracing.enabled() else []
+    futures: list[asyncio.Future[Any]] = []
+    try:
+        async with asyncio.timeout(ack_timeout):
+            for i, (task, reason) in enumerate(items):
+                headers = {"Nats-Msg-Id": msg_id(task, reason), **((tracing.carrier_of(spans[i]) or {}) if spans else {})}
+                futures.append(await bus.js.publish_async(
+                    busmod.task_subject(task.model_id, task.priority), encode(task), wait_stall=None, headers=headers
+                ))
+            if futures:
+                await asyncio.wait(futures)
+    except TimeoutError:
+        pass  # what was acknowledged in time counts; the rest is reported below
+    except (nats.errors.Error, nats.js.errors.Error) as exc:
+        if cancelling():  # nats-py turns a cancellation into an error of its own
+            raise asyncio.CancelledError from exc
+        log.warning("dispatch publish failed", extra={"tasks": len(items) - len(futures), "error": type(exc).__name__})
     done = []
-    for (task, reason), result in zip(items, results, strict=True):
-        if isinstance(result, asyncio.CancelledError):
-            raise result
-        if isinstance(result, BaseException):
-            log.warning("dispatch publish failed", extra={"task_id": str(task.id), "error": type(result).__name__})
-        else:
+    for i, (task, reason) in enumerate(items):
+        fut = futures[i] if i < len(futures) else None
+        error = None
+        if fut is None or not fut.done():
+            error = "TimeoutError" if fut is not None else "not published"
+        elif fut.exception() is not None:
+            error = type(fut.exception()).__name__
+        if spans:
+            tracing.end(spans[i], error=error)
+        if error is None:
             done.append((task, reason))
+        elif fut is not None:
+            log.warning("dispatch publish failed", extra={"task_id": str(task.id), "error": error})
+    for fut in futures:
+        fut.cancel()  # an ack still outstanding is no longer awaited (JetStream keeps the message if it lands)
     return done
+
+
+def _span(task: TaskRow, reason: Reason) -> Span | None:
+    subject = busmod.task_subject(task.model_id, task.priority)
+    return tracing.start(
+        f"dispatch {reason.value}",
+        parent=task.trace_context,
+        kind=SpanKind.PRODUCER,
+        attributes={tracing.TASK_ID: str(task.id), "messaging.system": "nats", "messaging.destination.name": subject},
+    )
