@@ -15,7 +15,7 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import SpanKind
 
 from taskgate import bus as busmod
 from taskgate import ids, tracing
@@ -70,15 +70,10 @@ def task_id_of(data: bytes) -> int | None:
 async def publish(bus: busmod.Bus, task: TaskRow, reason: Reason, *, ack_timeout: float | None = None) -> None:
     """Publishes one dispatch and waits for JetStream's ack (raises on failure); a span of the task's trace, whose
     context the message's headers carry to the worker that claims it."""
-    subject = busmod.task_subject(task.model_id, task.priority)
-    with tracing.span(
-        f"dispatch {reason.value}",
-        parent=task.trace_context,
-        kind=SpanKind.PRODUCER,
-        attributes={tracing.TASK_ID: str(task.id), "messaging.system": "nats", "messaging.destination.name": subject},
-    ):
+    with tracing.span(**_span_of(task, reason)):
         await bus.js.publish(
-            subject, encode(task), timeout=ack_timeout, headers=tracing.headers({"Nats-Msg-Id": msg_id(task, reason)})
+            busmod.task_subject(task.model_id, task.priority), encode(task), timeout=ack_timeout,
+            headers=tracing.headers({"Nats-Msg-Id": msg_id(task, reason)}),
         )
 
 
@@ -91,7 +86,7 @@ async def publish_many(
     without its per-message stall wait, as the relay does); `ack_timeout` bounds the whole batch. Each message is a
     span of its task's trace, as with `publish`.
     """
-    spans = [_span(task, reason) for task, reason in items] if tracing.enabled() else []
+    spans = [tracing.start(**_span_of(task, reason)) for task, reason in items] if tracing.enabled() else []
     futures: list[asyncio.Future[Any]] = []
     try:
         async with asyncio.timeout(ack_timeout):
@@ -127,11 +122,12 @@ async def publish_many(
     return done
 
 
-def _span(task: TaskRow, reason: Reason) -> Span | None:
+def _span_of(task: TaskRow, reason: Reason) -> dict[str, Any]:
+    """The dispatch span of one message, a child of its task's trace (tracing.span / tracing.start arguments)."""
     subject = busmod.task_subject(task.model_id, task.priority)
-    return tracing.start(
-        f"dispatch {reason.value}",
-        parent=task.trace_context,
-        kind=SpanKind.PRODUCER,
-        attributes={tracing.TASK_ID: str(task.id), "messaging.system": "nats", "messaging.destination.name": subject},
-    )
+    return {
+        "name": f"dispatch {reason.value}",
+        "parent": task.trace_context,
+        "kind": SpanKind.PRODUCER,
+        "attributes": {tracing.TASK_ID: str(task.id), "messaging.system": "nats", "messaging.destination.name": subject},
+    }
