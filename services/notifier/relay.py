@@ -81,8 +81,10 @@ class EventRelay:
             traces = [tracing.carrier_of(s) for s in spans]
             done: list[int] = []
             try:
-                created = await outbox.write(conn, rows, first_delay=self._settings.webhook_schedule_seconds[0], traces=traces)
+                # publish first: the streams see the events while the deliveries are written (a pass that fails after
+                # publishing is published again, deduplicated by Nats-Msg-Id)
                 done = await self._publish([r.event for r in rows], traces)
+                created = await outbox.write(conn, rows, first_delay=self._settings.webhook_schedule_seconds[0], traces=traces)
                 if self.before_commit is not None:
                     await self.before_commit(done)
                 if done:
