@@ -30,7 +30,7 @@ BEGIN
                    p.progress, p.attempt, p.worker_id, p.error_code, p.error_msg, p.result_uri, p.result_size,
                    p.result_sha256, p.result_content_type
             FROM pairs p
-            WHERE p.version <> p.old_version
+            WHERE p.version = p.old_version + 1  -- every changed version, once the checks below have passed
             ORDER BY p.id
             RETURNING 1
         ), counts AS (
