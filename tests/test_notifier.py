@@ -516,6 +516,23 @@ async def test_relay_stops_when_cancelled_inside_a_publish_that_hides_the_cancel
     assert await backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL") == 1
 
 
+async def test_a_relay_pass_stalled_on_publishing_gives_up_after_its_timeout_and_records_nothing(
+    backends: Backends, settings: Settings
+) -> None:
+    """No per-message stall wait any more: one timeout bounds the whole pass, and a pass it ends marks nothing."""
+    js = _StalledJetStream()
+    relay = EventRelay(
+        fast(settings, relay_publish_timeout_seconds=0.3), backends.pool, busmod.Bus(nc=backends.bus.nc, js=js),  # type: ignore[arg-type]
+    )
+    await insert_task(backends.pool)
+    began = time.monotonic()
+    relayed = await asyncio.wait_for(relay.relay_once(), 10)
+    assert relayed == 0 and js.entered.is_set()
+    assert 0.3 <= time.monotonic() - began < 5  # the pass's own bound, not the test's
+    assert await backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL") == 1
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]  # the timeout's cancel was taken back
+
+
 async def test_a_wait_honours_a_cancellation_that_was_swallowed_before_it() -> None:
     passes = 0
     stop = False
