@@ -101,14 +101,20 @@ async def publish_many(
         pass  # what was acknowledged in time counts; the rest is reported below
     except (nats.errors.Error, nats.js.errors.Error) as exc:
         if cancelling():  # nats-py turns a cancellation into an error of its own
+            _abandon(futures, spans)
             raise asyncio.CancelledError from exc
         log.warning("dispatch publish failed", extra={"tasks": len(items) - len(futures), "error": type(exc).__name__})
+    except asyncio.CancelledError:
+        _abandon(futures, spans)
+        raise
     done = []
     for i, (task, reason) in enumerate(items):
         fut = futures[i] if i < len(futures) else None
         error = None
         if fut is None or not fut.done():
             error = "TimeoutError" if fut is not None else "not published"
+        elif fut.cancelled():  # the client gave up on it (a closed connection)
+            error = "CancelledError"
         elif fut.exception() is not None:
             error = type(fut.exception()).__name__
         if spans:
@@ -117,9 +123,16 @@ async def publish_many(
             done.append((task, reason))
         elif fut is not None:
             log.warning("dispatch publish failed", extra={"task_id": str(task.id), "error": error})
-    for fut in futures:
-        fut.cancel()  # an ack still outstanding is no longer awaited (JetStream keeps the message if it lands)
+    _abandon(futures, [])
     return done
+
+
+def _abandon(futures: list[asyncio.Future[Any]], spans: list[Any]) -> None:
+    """Stops awaiting acks still outstanding (JetStream keeps a message that lands anyway); ends unended spans."""
+    for fut in futures:
+        fut.cancel()
+    for started in spans:
+        tracing.end(started, error="cancelled")
 
 
 def _span_of(task: TaskRow, reason: Reason) -> dict[str, Any]:
