@@ -36,7 +36,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the stack's folder (logs) after the run")
     parser.add_argument("--bulk-inflight", type=int, default=8, help="calls in flight in the bulk enqueue phases (100 tasks each)")
     parser.add_argument("--only", default="",
-                        help="comma-separated phases to run (submit, bulk, get, latency, recovery, history); default all")
+                        help="comma-separated phases to run (submit, bulk, get, latency, recovery, history: needs submit and get);"
+                        " default all")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy profiles of every service process at 64 in flight and in bulk (.taskgate/bench/)")
     args = parser.parse_args(argv)
@@ -95,6 +96,8 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
     def wanted(name: str) -> bool:
         return not only or name in only
 
+    recovery_wanted = not args.no_recovery and wanted("recovery")
+
     try:
         await phase(f"starting the stack under {state_dir}", stack.start)
         if wanted("submit") and await phase("SubmitTask at 1, 16, 64, 256 in flight", submit_phase):
@@ -109,12 +112,12 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
             await phase("GetTask", get_phase)
         if wanted("latency"):
             await phase("latencies with idle workers", latency_phase)
-        if not args.no_recovery and wanted("recovery"):
+        if recovery_wanted:
             await phase("dead-worker recovery, shipped defaults", lambda: recovery.dead_worker(
                 stack, report, "dead-worker recovery", "shipped defaults (lease 10 s)", 15.0))
         if args.history and submit and get and wanted("history"):
             await phase(f"{args.history:,} historical tasks", history_phase)
-        if not args.no_recovery and wanted("recovery"):
+        if recovery_wanted:
             await phase("dead-worker recovery, lease 5 s", lambda: recovery.with_lease(stack, report, "dead-worker recovery", 5.0))
     finally:
         executor.shutdown(cancel_futures=True)

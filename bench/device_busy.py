@@ -18,11 +18,11 @@ from typing import Any
 
 from services.worker import runner as runmod
 from services.worker.engine import Worker
-from taskgate import bus as busmod
 from taskgate import store
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends, connect
 from taskgate.states import Status
+from taskgate.store import bench as bench_store
 from taskgate.wire import dispatch
 from taskgate_local import tinymodel
 from taskgate_local.embedded import EmbeddedStack
@@ -51,9 +51,7 @@ async def drain_queue(backends: Backends, settings: Settings, model: str, slots:
         task = await insert_task(backends.pool, model_id=model, prompt=f"busy {slots} {n}", params={**params, "seed": n})
         out = await store.queue(backends.pool, task.id, actor="bench")
         assert out.task is not None
-        await backends.bus.js.publish(
-            busmod.task_subject(model, task.priority), dispatch.encode(out.task), headers={"Nats-Msg-Id": f"{task.id}.q0"}
-        )
+        await dispatch.publish(backends.bus, out.task, dispatch.Reason.SUBMITTED)
         rows.append(task.id)
     specs = {model: settings.models[model]}
     runners = await asyncio.to_thread(runmod.load_runners, specs, ["cpu"])
@@ -62,10 +60,7 @@ async def drain_queue(backends: Backends, settings: Settings, model: str, slots:
     await worker.start()
     try:
         while True:
-            done = await backends.pool.fetchval(
-                "SELECT count(*) FROM task WHERE id = ANY($1::bigint[]) AND status = $2", rows, Status.SUCCEEDED.value
-            )
-            if done == tasks:
+            if (await bench_store.count_by_status(backends.pool, rows)).get(Status.SUCCEEDED.value, 0) == tasks:
                 break
             await asyncio.sleep(0.01)
         wall = time.monotonic() - started

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+import nats
+from nats.js import JetStreamContext
 
 from taskgate import auth
+from taskgate import bus as busmod
 from taskgate.config import ModelSpec, Settings
 from taskgate.migrate import migrate
 from taskgate.store import bench as bench_store
@@ -133,24 +138,21 @@ class BenchStack:
 
     async def purge_tasks_stream(self) -> None:
         """Drops dispatch messages of cancelled tasks, so workers started later do not chew through them."""
-        import nats
-
-        assert self.settings.nats_url is not None
-        nc = await nats.connect(self.settings.nats_url)
-        try:
-            await nc.jetstream().purge_stream("TASKS")
-        finally:
-            await nc.close()
+        async with self._jetstream() as js:
+            await js.purge_stream(busmod.TASKS_STREAM)
 
     async def tasks_stream_messages(self) -> int:
         """How many dispatch messages the TASKS stream holds."""
-        import nats
+        async with self._jetstream() as js:
+            return int((await js.stream_info(busmod.TASKS_STREAM)).state.messages)
 
+    @contextlib.asynccontextmanager
+    async def _jetstream(self) -> AsyncIterator[JetStreamContext]:
+        """A JetStream context on a connection of its own, closed after use."""
         assert self.settings.nats_url is not None
         nc = await nats.connect(self.settings.nats_url)
         try:
-            info = await nc.jetstream().stream_info("TASKS")
-            return int(info.state.messages)
+            yield nc.jetstream()
         finally:
             await nc.close()
 

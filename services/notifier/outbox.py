@@ -36,7 +36,8 @@ def event_type(to_status: Status, callback_events: Sequence[str] | None) -> str 
     return None
 
 
-def _iso(value: datetime | None) -> str | None:
+def iso(value: datetime | None) -> str | None:
+    """A timestamp as webhook payloads write it: UTC, ISO 8601, `Z`."""
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z") if value is not None else None
 
 
@@ -62,7 +63,7 @@ def payload(row: RelayEvent, kind: str) -> dict[str, Any]:
     terminal = status.terminal
     return {
         "type": kind,
-        "timestamp": _iso(event.at),
+        "timestamp": iso(event.at),
         "data": {
             "task_id": str(event.task_id),
             "status": status.value,
@@ -73,11 +74,11 @@ def payload(row: RelayEvent, kind: str) -> dict[str, Any]:
             "result": result,
             "error": error if status in (Status.FAILED, Status.TIMEOUT) else None,
             "metadata": row.metadata,
-            "created_at": _iso(row.created_at),
-            "queued_at": _iso(row.queued_at),
-            "started_at": _iso(row.started_at),
-            "finished_at": _iso(row.finished_at) if terminal else None,
-            "event_at": _iso(event.at),
+            "created_at": iso(row.created_at),
+            "queued_at": iso(row.queued_at),
+            "started_at": iso(row.started_at),
+            "finished_at": iso(row.finished_at) if terminal else None,
+            "event_at": iso(event.at),
         },
     }
 

@@ -8,12 +8,12 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 import httpx
 
+from services.notifier.outbox import iso
 from taskgate import eta, netguard, results, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.states import CallbackStatus, Status
@@ -182,7 +182,7 @@ class WebhookSender:
             if estimate is not None and estimate.status is Status.PROCESSING:
                 start, finish = estimate.start, estimate.finish
         data = payload.get("data") or {}
-        return {**payload, "data": {**data, "estimated_start": _iso(start), "estimated_finish": _iso(finish)}}
+        return {**payload, "data": {**data, "estimated_start": iso(start), "estimated_finish": iso(finish)}}
 
     def _with_link(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The payload with data.result_url: minted per attempt, so a retry an hour later still carries a live URL."""
@@ -191,8 +191,7 @@ class WebhookSender:
         link = self._outputs.link(result["uri"]) if self._outputs is not None and result.get("uri") else None
         if link is None:
             return payload
-        expires = link.expires_at.astimezone(UTC).isoformat().replace("+00:00", "Z")
-        return {**payload, "data": {**data, "result_url": link.url, "result_url_expires_at": expires}}
+        return {**payload, "data": {**data, "result_url": link.url, "result_url_expires_at": iso(link.expires_at)}}
 
     async def _checked_address(self, url: httpx.URL) -> str:
         """The one address to connect to: never the name again, which closes the DNS-rebinding gap."""
@@ -263,7 +262,3 @@ class WebhookSender:
         for task in list(self._inflight):
             task.cancel()
         await self._client.aclose()
-
-
-def _iso(value: datetime | None) -> str | None:
-    return value.astimezone(UTC).isoformat().replace("+00:00", "Z") if value is not None else None

@@ -12,7 +12,7 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 
 from services.scheduler.requeue import Item, Requeuer
-from services.scheduler.scans import Action, Retention, RetentionScan, ScanContext, TaskScan, count
+from services.scheduler.scans import Action, Retention, RetentionScan, TaskScan, count
 from taskgate import auth, errors, ids, paging, store, text
 from taskgate import bus as busmod
 from taskgate.auth import Authenticator
@@ -61,13 +61,15 @@ def _state_counts(counts: list[admin_store.StateCount]) -> list[admin_pb2.StateC
 class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     """The TaskAdmin servicer; every call needs an admin key."""
 
-    def __init__(self, settings: Settings, pool: asyncpg.Pool, bus: busmod.Bus, task_scans: Sequence[TaskScan]) -> None:
+    def __init__(
+        self, settings: Settings, pool: asyncpg.Pool, bus: busmod.Bus, task_scans: Sequence[TaskScan], retention: RetentionScan
+    ) -> None:
         self.settings = settings
         self.pool = pool
         self.auth = Authenticator(pool, settings.api_key_pepper)
         self.task_scans = list(task_scans)
         self.requeuer = Requeuer(pool, bus)
-        self.retention = RetentionScan(ScanContext(settings, pool, bus))
+        self.retention = retention  # the scheduler's own: one result store (one S3 client) per process
 
     def _page_size(self, requested: int, field: str = "page_size") -> int:
         if requested < 0:

@@ -193,24 +193,23 @@ class LeaseScan:
             tasks = await self.due(conn, now, self.ctx.settings.scan_batch_size)
             result.examined = len(tasks)
             again = [(t, Reason.RELEASED) for t in tasks if t.worker_losses + 1 < limit]
+            lost = [t for t in tasks if t.worker_losses + 1 >= limit]
             for task, _ in await dispatch.publish_many(self.ctx.bus, again):
                 out = await store.release(
                     conn, task.id, actor=ACTOR, reason="lease expired: worker lost", expected_version=task.version,
                     worker_lost=True,
                 )
                 result.actions[Action.RELEASE] += out.applied
-            for task in tasks:
-                if task.worker_losses + 1 >= limit:
-                    error = store.TaskError(WORKER_LOST, f"the worker running it was lost {task.worker_losses + 1} times")
-                    out = await store.fail(
-                        conn, task.id, error=error, actor=ACTOR, reason="worker lost", expected_version=task.version,
-                        dead_letter=True, worker_lost=True,
-                    )
-                    if out.applied and out.task is not None:
-                        failed.append((out.task, error))
+            for task in lost:
+                error = store.TaskError(WORKER_LOST, f"the worker running it was lost {task.worker_losses + 1} times")
+                out = await store.fail(
+                    conn, task.id, error=error, actor=ACTOR, reason="worker lost", expected_version=task.version,
+                    dead_letter=True, worker_lost=True,
+                )
+                if out.applied and out.task is not None:
+                    failed.append((out.task, error))
         result.actions[Action.WORKER_LOST] = len(failed)
-        for task, error in failed:  # after the commit: a notice never announces a rolled-back row
-            await dead_letter.publish(self.ctx.bus, task, reason="worker lost", error_code=error.code, error_message=error.message)
+        await _announce_dead(self.ctx.bus, failed, reason="worker lost")
         return result
 
 

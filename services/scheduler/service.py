@@ -150,7 +150,7 @@ async def start(settings: Settings, backends: runtime.Backends | None = None, *,
     owns = backends is None
     b = backends if backends is not None else await runtime.connect(settings, "scheduler")
     scheduler = Scheduler(settings, b.pool, b.bus)
-    admin = TaskAdminService(settings, b.pool, b.bus, scheduler.task_scans)
+    admin = TaskAdminService(settings, b.pool, b.bus, scheduler.task_scans, scheduler.retention)
 
     def register(srv: grpc.aio.Server) -> Iterable[str]:
         admin_pb2_grpc.add_TaskAdminServicer_to_server(admin, srv)
