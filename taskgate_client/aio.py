@@ -131,6 +131,17 @@ def submit_request(
     return request
 
 
+async def _pause_before_resume(
+    error: TaskgateError | None, failures: int, limit: int, max_delay: float, ended: str
+) -> None:
+    """Before resuming a stream after its `failures`-th drop in a row: past `limit`, raises the last error (UNAVAILABLE
+    with `ended` when the server just ended it); else waits the server's retry hint or the backoff, the longer."""
+    if failures > limit:
+        raise error or Unavailable(grpc.StatusCode.UNAVAILABLE, ended)
+    hint = error.retry_delay if error is not None and error.retry_delay else 0.0
+    await asyncio.sleep(max(hint, min(0.1 * 2 ** (failures - 1), max_delay)))
+
+
 class AsyncEventStream:
     """WatchTasks as an async iterator of TaskEvent that resumes a dropped stream from its last cursor.
 
@@ -186,10 +197,7 @@ class AsyncEventStream:
             finally:
                 call.cancel()
             failures += 1
-            if failures > self._resume_attempts:
-                raise error or Unavailable(grpc.StatusCode.UNAVAILABLE, "event stream keeps ending")
-            hint = error.retry_delay if error is not None and error.retry_delay else 0.0
-            await asyncio.sleep(max(hint, min(0.1 * 2 ** (failures - 1), self._max_delay)))
+            await _pause_before_resume(error, failures, self._resume_attempts, self._max_delay, "event stream keeps ending")
 
 
 class AsyncTaskgateClient:
@@ -445,10 +453,7 @@ class AsyncTaskgateClient:
                         yield TaskEvent.from_snapshot(task.proto)
                     return
             failures += 1
-            if failures > limit:
-                raise error or Unavailable(grpc.StatusCode.UNAVAILABLE, "event stream keeps ending early")
-            hint = error.retry_delay if error is not None and error.retry_delay else 0.0
-            await asyncio.sleep(max(hint, min(0.1 * 2 ** (failures - 1), self.config.retry_max_delay)))
+            await _pause_before_resume(error, failures, limit, self.config.retry_max_delay, "event stream keeps ending early")
 
     def watch_all(
         self, status: StatusFilter = None, *, cursor: str | None = None, resume_attempts: int | None = None
