@@ -76,3 +76,17 @@ async def estimates(
 async def estimate_task(db: Conn, task_id: int, settings: Settings, *, within: float | None = None) -> Estimate | None:
     """One task's estimate; None when it does not exist."""
     return (await estimates(db, [task_id], settings, within=within)).get(task_id)
+
+
+ESTIMATED = frozenset({Status.QUEUED, Status.PROCESSING})  # the states whose tasks carry a position and an ETA
+
+
+async def current(
+    db: Conn, task_id: int, status: Status, settings: Settings, *, within: float | None = None
+) -> Estimate | None:
+    """The estimate of a task seen in `status`, while it is still there: None for a state without one (not QUEUED or
+    PROCESSING) and for a task that has moved on since it was seen."""
+    if status not in ESTIMATED:
+        return None
+    found = await estimate_task(db, task_id, settings, within=within)
+    return found if found is not None and found.status is status else None

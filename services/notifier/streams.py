@@ -31,7 +31,6 @@ log = logging.getLogger("taskgate.notifier.streams")
 SERVICE_NAME = "taskgate.v1.TaskEvents"
 REPLAY_PAGE = 500
 TRACKED_TASKS = 100_000  # per WatchTasks stream: tasks whose last version is remembered for de-duplication
-ESTIMATED = frozenset({Status.QUEUED, Status.PROCESSING})  # WatchTask's snapshots and events in these carry an ETA
 
 
 class Overflow(Exception):
@@ -172,11 +171,8 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
 
     async def _estimated(self, event: task_pb2.TaskEvent) -> task_pb2.TaskEvent:
         """An event into QUEUED or PROCESSING with the task's ETA as of now, while the task is still in that state."""
-        status = Status.from_proto(event.to_status)
-        if status not in ESTIMATED:
-            return event
-        estimate = await eta.estimate_task(self._pool, int(event.task_id), self._settings)
-        if estimate is None or estimate.status is not status:
+        estimate = await eta.current(self._pool, int(event.task_id), Status.from_proto(event.to_status), self._settings)
+        if estimate is None:
             return event
         out = task_pb2.TaskEvent()
         out.CopyFrom(event)  # a live event is shared by every stream of the task: stamp a copy
@@ -200,8 +196,8 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             if last > task.version:
                 raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
             if last == 0:
-                estimate = await eta.estimate_task(self._pool, task_id, self._settings) if task.status in ESTIMATED else None
-                if estimate is not None and estimate.status is task.status:
+                estimate = await eta.current(self._pool, task_id, task.status, self._settings)
+                if estimate is not None:
                     snapshot = task.to_proto(estimate.queue_position)
                     estimate.stamp(snapshot)
                 else:

@@ -178,8 +178,8 @@ class WebhookSender:
         of this attempt, while the task still runs."""
         start = finish = None
         if delivery.event_type == outbox_store.PROGRESS_TYPE:
-            estimate = await eta.estimate_task(self._pool, delivery.task_id, self._settings)
-            if estimate is not None and estimate.status is Status.PROCESSING:
+            estimate = await eta.current(self._pool, delivery.task_id, Status.PROCESSING, self._settings)
+            if estimate is not None:
                 start, finish = estimate.start, estimate.finish
         data = payload.get("data") or {}
         return {**payload, "data": {**data, "estimated_start": iso(start), "estimated_finish": iso(finish)}}

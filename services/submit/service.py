@@ -262,10 +262,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
     async def _estimate(self, task: TaskRow, context: Context) -> eta.Estimate | None:
         """A QUEUED or PROCESSING task's position and ETA, None when it has neither or moved on since it was read."""
-        if task.status not in (Status.QUEUED, Status.PROCESSING):
-            return None
-        estimate = await eta.estimate_task(self._pool, task.id, self._settings, within=self._budget(context))
-        return estimate if estimate is not None and estimate.status is task.status else None
+        return await eta.current(self._pool, task.id, task.status, self._settings, within=self._budget(context))
 
     async def RegenerateTask(
         self, request: gateway_pb2.RegenerateTaskRequest, context: Context
