@@ -180,9 +180,15 @@ class Settings(BaseSettings):
     max_callback_url_chars: int = Field(default=2048, ge=16, description="Longest callback URL.")
     callback_resolve_timeout_seconds: float = Field(default=2.0, gt=0, description="DNS lookup of a callback host (SSRF guard).")
     submit_publish_timeout_seconds: float = Field(
-        default=1.0, gt=0, description="Wait for JetStream's ack of a dispatch; on timeout the task stays CREATED."
+        default=1.0, gt=0, description="Wait for JetStream's acks of one dispatcher pass; on timeout its tasks stay CREATED."
     )
-    submit_db_timeout_seconds: float = Field(default=5.0, gt=0, description="Cap on each database call of the submit service.")
+    submit_db_timeout_seconds: float = Field(
+        default=5.0, gt=0, description="Cap on each database call of the submit service (a batch's own, whatever its callers' deadlines)."
+    )
+    submit_min_time_left_seconds: float = Field(
+        default=0.005, ge=0,
+        description="A submit call arriving with less time than this before its deadline gets DEADLINE_EXCEEDED at once.",
+    )
     list_default_page_size: int = Field(default=50, ge=1, description="ListTasks page size when the caller gives none.")
     list_max_page_size: int = Field(default=500, ge=1, description="Largest ListTasks page.")
     submit_shutdown_grace_seconds: float = Field(default=10.0, ge=0, description="SIGTERM: time in-flight calls get to finish.")
@@ -198,7 +204,11 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(default=2.0, gt=0, description="How often a worker renews its lease.")
     scan_interval_seconds: float = Field(default=2.0, gt=0, description="Scheduler scan period.")
     scan_batch_size: int = Field(default=100, ge=1, description="Rows one scheduler scan moves per pass.")
-    created_timeout_seconds: float = Field(default=30.0, gt=0, description="CREATED longer than this is re-published.")
+    created_timeout_seconds: float = Field(
+        default=10.0, gt=0,
+        description="CREATED longer than this was never dispatched (its submit process died, or the publish failed): "
+        "the scheduler dispatches it.",
+    )
     queue_timeout_seconds: float = Field(default=180.0, gt=0, description="QUEUED longer than this is re-published, then TIMEOUT.")
     max_republish: int = Field(default=2, ge=0, description="Re-publishes of a QUEUED task before QUEUE_TIMEOUT.")
     processing_timeout_seconds: float = Field(

@@ -83,8 +83,9 @@ TASKS_FINISHED = Counter(
     ["model", "task_type", "status"],
 )
 SUBMIT_REJECTIONS = Counter("taskgate_submit_rejections_total", "Submissions refused, by reason.", ["reason"])
-SUBMIT_PUBLISH_FAILURES = Counter(
-    "taskgate_submit_publish_failures_total", "Dispatch publishes that failed in SubmitTask (the task stays CREATED)."
+DISPATCH_PUBLISH_FAILURES = Counter(
+    "taskgate_dispatch_publish_failures_total",
+    "Dispatch publishes that failed in a dispatcher pass (the task stays CREATED until the scheduler's scan).",
 )
 QUEUE_WAIT = Histogram("taskgate_task_queue_wait_seconds", "Time from QUEUED to claimed.", ["model"], buckets=JOB_BUCKETS)
 RUN_TIME = Histogram("taskgate_task_run_seconds", "Time from claimed to finished.", ["model"], buckets=JOB_BUCKETS)

@@ -90,10 +90,11 @@ async def test_lost_publish_is_repaired(backends: Backends, scheduler: Scheduler
     task = await put_in(backends.pool, Status.CREATED)  # the submit service crashed before its publish
     now = await db_now(backends.pool)
 
-    early = await scheduler.run_once(now + timedelta(seconds=29))
+    timeout = scheduler.settings.created_timeout_seconds
+    early = await scheduler.run_once(now + timedelta(seconds=timeout - 1))
     assert early[Action.QUEUE] == 0 and (await row(backends.pool, task.id)).status is Status.CREATED
 
-    report = await scheduler.run_once(now + timedelta(seconds=31))
+    report = await scheduler.run_once(now + timedelta(seconds=timeout + 1))
     assert report[Action.QUEUE] == 1 and not report.failed
     after = await row(backends.pool, task.id)
     assert (after.status, after.version, after.last_actor) == (Status.QUEUED, task.version + 1, "scheduler")

@@ -36,6 +36,7 @@ from taskgate.store import get_task
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_local.embedded import EmbeddedNats, free_port
 from tests.factories import Metadata, insert_task, key_for
+from tests.harness import wait_for
 
 
 async def failure(call: Awaitable[object]) -> tuple[grpc.StatusCode, str, list[Any]]:
@@ -59,6 +60,18 @@ async def submit(stub: Any, md: Metadata, request: gateway_pb2.SubmitTaskRequest
     return resp
 
 
+async def dispatched(backends: Backends, task_id: int | str, status: Status = Status.QUEUED) -> TaskRow:
+    """The task once its dispatcher pass (after the submit's answer) has moved it to `status`."""
+    async def moved() -> bool:
+        row = await get_task(backends.pool, int(task_id))
+        return row is not None and row.status is status
+
+    await wait_for(moved)
+    row = await get_task(backends.pool, int(task_id))
+    assert row is not None
+    return row
+
+
 async def drive(backends: Backends, task_id: int, *changes: store.Change) -> TaskRow:
     row: TaskRow | None = None
     for change in changes:
@@ -80,8 +93,8 @@ async def test_submit_stores_canonical_task_publishes_once_and_queues(
 ) -> None:
     md = await key_for(backends)
     resp = await submit(stub, md)
-    task = resp.task
-    assert resp.created and task.status == task_pb2.TASK_STATUS_QUEUED and task.queue_position == 1
+    task = resp.task  # the answer follows the admission commit: CREATED, dispatched after it
+    assert resp.created and task.status == task_pb2.TASK_STATUS_CREATED and task.queue_position == 0
     assert (task.model_id, task.task_type, task.priority) == ("wan-tiny", "text-to-video", task_pb2.PRIORITY_NORMAL)
     spec = settings.models["wan-tiny"]
     p = task.params
@@ -89,8 +102,8 @@ async def test_submit_stores_canonical_task_publishes_once_and_queues(
         spec.default_frames, spec.default_width, spec.default_height, spec.default_steps, spec.default_fps)
     assert p.guidance_scale == pytest.approx(spec.default_guidance) and p.HasField("seed")
 
-    row = await get_task(backends.pool, int(task.id))
-    assert row is not None and row.status is Status.QUEUED and row.user_id == "tenant-a"
+    row = await dispatched(backends, task.id)
+    assert row.user_id == "tenant-a"
     assert row.request_payload["seed"] == p.seed and row.idempotency_derived and row.max_retries == settings.max_retries
     history = await backends.pool.fetch(
         "SELECT from_status::text, to_status::text, actor FROM task_event WHERE task_id = $1 ORDER BY version", row.id)
@@ -237,19 +250,41 @@ async def test_message_outrunning_the_commit_returns_true_status(settings: Setti
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             resp = await submit(gateway_pb2_grpc.TaskGatewayStub(channel), await key_for(backends))
+        assert resp.created and resp.task.status == task_pb2.TASK_STATUS_CREATED
+        # the worker claimed it from CREATED before the pass's QUEUED move, which then leaves the claim alone
+        row = await dispatched(backends, resp.task.id, Status.PROCESSING)
     finally:
-        await handle.stop(0)
-    assert resp.created and resp.task.status == task_pb2.TASK_STATUS_PROCESSING and resp.task.worker_id == "w1"
+        await handle.stop(5)  # the pass's QUEUED move runs before the dispatcher closes
+    history = await backends.pool.fetch("SELECT to_status::text FROM task_event WHERE task_id = $1 ORDER BY version", row.id)
+    assert row.worker_id == "w1" and [h[0] for h in history] == ["CREATED", "PROCESSING"]
 
 
-async def test_unresponsive_database_gives_unavailable_within_the_deadline(stub: Any, backends: Backends) -> None:
+async def test_unresponsive_database_gives_deadline_exceeded_within_the_deadline(stub: Any, backends: Backends) -> None:
     md = await key_for(backends)
     async with backends.pool.acquire() as conn, conn.transaction():
         await conn.execute("SELECT 1 FROM tenant WHERE id = 'tenant-a' FOR UPDATE")  # submit waits on this lock
         began = time.monotonic()
-        code, _, details = await failure(stub.SubmitTask(req(), metadata=md, timeout=2.0))
+        code, _, _ = await failure(stub.SubmitTask(req(idempotency_key="k"), metadata=md, timeout=2.0))
         elapsed = time.monotonic() - began
-    assert code == grpc.StatusCode.UNAVAILABLE and elapsed < 2.0
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and elapsed < 2.0
+    # the caller left, its statement did not: once the lock is gone the retry with the same key finds one task
+    again = await submit(stub, md, req(idempotency_key="k"))
+    assert await backends.pool.fetchval("SELECT count(*) FROM task") == 1
+    assert again.task.id == str(await backends.pool.fetchval("SELECT id FROM task"))
+
+
+async def test_a_database_timeout_gives_unavailable_with_retry_info(settings: Settings, backends: Backends) -> None:
+    handle = await start(settings.model_copy(update={"submit_db_timeout_seconds": 0.3}), backends)
+    md = await key_for(backends)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            stub = gateway_pb2_grpc.TaskGatewayStub(channel)
+            async with backends.pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT 1 FROM tenant WHERE id = 'tenant-a' FOR UPDATE")
+                code, _, details = await failure(stub.SubmitTask(req(), metadata=md, timeout=5.0))
+    finally:
+        await handle.stop(0)
+    assert code == grpc.StatusCode.UNAVAILABLE
     assert any(isinstance(d, error_details_pb2.RetryInfo) for d in details)
     assert await backends.pool.fetchval("SELECT count(*) FROM task") == 0
 
@@ -264,7 +299,8 @@ async def test_get_task_reports_queue_position_by_priority_then_age(stub: Any, b
     second = await submit(stub, md, req("n2"))
     high = await submit(stub, md, req("h", priority=task_pb2.PRIORITY_HIGH))
     other_model = await submit(stub, md, req("s", model_id="sleepy"))
-    assert high.task.queue_position == 1
+    for t in (low, first, second, high, other_model):
+        await dispatched(backends, t.task.id)
 
     async def position(task_id: str) -> int:
         resp = await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=md, timeout=5)
@@ -554,7 +590,8 @@ async def test_service_process_serves_logs_safely_and_stops_on_sigterm(settings:
             assert check.status == health_pb2.HealthCheckResponse.SERVING
             stub = gateway_pb2_grpc.TaskGatewayStub(channel)
             resp = await submit(stub, await key_for(backends), req(secret_prompt))
-            assert resp.task.status == task_pb2.TASK_STATUS_QUEUED
+            assert resp.task.status == task_pb2.TASK_STATUS_CREATED
+            await dispatched(backends, resp.task.id)
         proc.send_signal(signal.SIGTERM)
         _, stderr = await asyncio.wait_for(proc.communicate(), 30)
     finally:

@@ -12,7 +12,7 @@ import pytest
 
 from services.submit.batching import Batcher
 from services.submit.service import start
-from taskgate import auth, ids, store
+from taskgate import auth, errors, ids, store
 from taskgate import bus as busmod
 from taskgate.config import Settings
 from taskgate.migrate import migrate
@@ -21,6 +21,7 @@ from taskgate.store import submissions
 from taskgate.store.submissions import Admission, Candidate, NewTask, Verdict
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.factories import insert_task, key_for
+from tests.harness import wait_for
 from tests.test_submit_limits import info_of, outcome
 
 
@@ -82,6 +83,10 @@ async def test_a_batch_is_admitted_as_one_by_one_would_be(backends: Backends) ->
     assert len(events) == 3
 
 
+async def _eq(value: Any, expected: object) -> bool:
+    return bool(await value == expected)
+
+
 async def test_concurrent_burst_keeps_every_limit_on_two_replicas(settings: Settings, backends: Backends) -> None:
     pending_md = await key_for(backends, "pending", max_pending=7, submits_per_minute=1000)
     rate_md = await key_for(backends, "rate", max_pending=100, submits_per_minute=5)
@@ -99,6 +104,7 @@ async def test_concurrent_burst_keeps_every_limit_on_two_replicas(settings: Sett
         burst += [call(1, pending_md, idempotency_key="dup"), call(2, pending_md, idempotency_key="dup")]
         burst += [call(3, rate_md, idempotency_key="same") for _ in range(3)]
         results = await asyncio.gather(*burst)
+        await wait_for(lambda: _eq(backends.pool.fetchval("SELECT count(*) FROM task WHERE status = 'CREATED'"), 0))
     finally:
         for channel in channels:
             await channel.close()
@@ -164,12 +170,13 @@ async def test_the_batcher_runs_everything_queued_behind_a_batch_in_flight() -> 
         return [ValueError(i) if i == 3 else i * 10 for i in items]
 
     batcher: Batcher[int, int] = Batcher(flush, max_size=4)
-    lone = await batcher.run([7])  # a lone call goes at once
+    far = asyncio.get_running_loop().time() + 60
+    lone = await batcher.run([7], far)  # a lone call goes at once
     assert lone == [70] and sizes == [1]
     sizes.clear()
-    first = asyncio.create_task(batcher.run([0]))
+    first = asyncio.create_task(batcher.run([0], far))
     await in_flight.wait()
-    rest = [asyncio.create_task(batcher.run([i])) for i in range(1, 6)]
+    rest = [asyncio.create_task(batcher.run([i], far)) for i in range(1, 6)]
     await asyncio.sleep(0)  # one turn of the loop: the five calls queue
     release.set()
     assert await first == [0]
@@ -190,10 +197,11 @@ async def test_a_caller_that_gave_up_is_left_out_of_the_next_batch() -> None:
         return list(items)
 
     batcher: Batcher[int, int] = Batcher(flush, max_size=10)
-    first = asyncio.create_task(batcher.run([1]))
+    far = asyncio.get_running_loop().time() + 60
+    first = asyncio.create_task(batcher.run([1], far))
     await in_flight.wait()
-    gone = asyncio.create_task(batcher.run([2]))
-    kept = asyncio.create_task(batcher.run([3]))
+    gone = asyncio.create_task(batcher.run([2], far))
+    kept = asyncio.create_task(batcher.run([3], far))
     await asyncio.sleep(0)  # one turn of the loop: both calls queue
     gone.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -201,6 +209,35 @@ async def test_a_caller_that_gave_up_is_left_out_of_the_next_batch() -> None:
     release.set()
     assert await first == [1] and await kept == [3]
     assert seen == [[1], [3]]
+
+
+async def test_deadlines_are_each_callers_own() -> None:
+    seen: list[list[int]] = []
+    in_flight, release = asyncio.Event(), asyncio.Event()
+
+    async def flush(items: list[int]) -> list[int | BaseException]:
+        seen.append(items)
+        if len(seen) == 1:
+            in_flight.set()
+            await release.wait()
+        return list(items)
+
+    batcher: Batcher[int, int] = Batcher(flush, max_size=10)
+    loop = asyncio.get_running_loop()
+    far = loop.time() + 60
+    slow = asyncio.create_task(batcher.run([1], far))
+    hasty = asyncio.create_task(batcher.run([2], loop.time() + 0.05))  # leaves while the batch ahead of it runs
+    await in_flight.wait()
+    late = asyncio.create_task(batcher.run([3], loop.time() + 0.05))  # its deadline passes before its batch begins
+    kept = asyncio.create_task(batcher.run([4], far))
+    with pytest.raises(errors.ApiError) as left:
+        await hasty
+    assert left.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and not slow.done()  # the batch ran on without it
+    with pytest.raises(errors.ApiError):
+        await late
+    release.set()
+    assert await slow == [1] and await kept == [4]
+    assert seen == [[1, 2], [4]]  # the late caller never joined a batch; the hasty one's batch was not cut short
 
 
 async def test_pending_counts_follow_every_move(backends: Backends) -> None:
@@ -215,7 +252,7 @@ async def test_pending_counts_follow_every_move(backends: Backends) -> None:
     tasks = {t: [await insert_task(pool, user_id=t) for _ in range(6)] for t in ("ta", "tb")}
     assert await counts_match() == {"ta": 6, "tb": 6}
     a, b = tasks["ta"], tasks["tb"]
-    await submissions.queue_many(pool, a[:4] + b[:2], actor="test")
+    await submissions.queue_created(pool, a[:4] + b[:2], actor="test")
     claim = store.Claim("w", 30.0)
     for task in (a[0], a[1], a[2], b[0]):
         assert (await store.apply(pool, task.id, claim, actor="test")).applied

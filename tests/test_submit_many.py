@@ -28,6 +28,7 @@ from taskgate_client import (
     connect_async,
 )
 from tests.factories import key_for
+from tests.harness import wait_for
 
 SMALL: SubmitItem = {"frames": 9, "width": 32, "height": 32, "steps": 2}
 
@@ -46,11 +47,16 @@ async def test_each_item_gets_its_own_result_in_order(gateway: SubmitHandle, bac
         {"prompt": "five", **SMALL},                                # the tenant's fifth: over max_pending
     ]
     progress: list[tuple[int, int]] = []
+    async def all_queued() -> bool:
+        return [r[0] for r in await backends.pool.fetch("SELECT DISTINCT status::text FROM task")] == ["QUEUED"]
+
     async with connect_async(f"127.0.0.1:{gateway.port}", key) as client:
         results = await client.submit_many(items, chunk_size=3, on_progress=lambda d, t: progress.append((d, t)))
+        await wait_for(all_queued)  # each answer followed its admission commit; the dispatcher queued them after
+        high_position = (await client.get_with_interval(results[4].task_id))[0].queue_position  # type: ignore[union-attr]
     assert progress == [(3, 8), (6, 8), (8, 8)]
     kinds = [type(r).__name__ if isinstance(r, TaskgateError) else r.status.value for r in results]
-    assert kinds == ["QUEUED", "InvalidArgument", "QUEUED", "AlreadyExists", "QUEUED", "QUEUED", "QUEUED",
+    assert kinds == ["CREATED", "InvalidArgument", "CREATED", "AlreadyExists", "CREATED", "CREATED", "CREATED",
                      "ResourceExhausted"]
     first, bad, again, reused, high, _, _, over = results
     assert isinstance(bad, InvalidArgument) and [v.field for v in bad.field_violations] == ["prompt"]
@@ -58,11 +64,9 @@ async def test_each_item_gets_its_own_result_in_order(gateway: SubmitHandle, bac
     assert first.created and not again.created and again.task_id == first.task_id
     assert isinstance(reused, AlreadyExists) and reused.metadata["task_id"] == first.task_id
     assert isinstance(over, ResourceExhausted) and over.reason == "TOO_MANY_PENDING_TASKS"
-    assert not isinstance(high, TaskgateError) and high.queue_position == 1
+    assert not isinstance(high, TaskgateError) and high_position == 1
     assert await backends.pool.fetchval("SELECT count(*) FROM task") == 4
     assert (await backends.bus.js.stream_info(busmod.TASKS_STREAM)).state.messages == 4
-    statuses = await backends.pool.fetch("SELECT DISTINCT status::text FROM task")
-    assert [r[0] for r in statuses] == ["QUEUED"]
 
 
 async def test_the_call_itself_takes_1_to_1000_items(gateway: SubmitHandle, backends: Backends) -> None:
@@ -120,7 +124,7 @@ async def test_cli_submits_a_jsonl_file(gateway: SubmitHandle, backends: Backend
     code, out, err = await cli("submit", "--file", str(tasks), "--json")
     results = [json.loads(line) for line in out.splitlines()]
     assert code == 1 and [r["index"] for r in results] == list(range(6))
-    assert all(r["task"]["status"] == "QUEUED" and r["task"]["created"] for r in results[:5])
+    assert all(r["task"]["status"] == "CREATED" and r["task"]["created"] for r in results[:5])
     assert results[5]["error"]["code"] == "INVALID_ARGUMENT"
     assert err == ""  # --json with stderr not a terminal: no progress bar
     code, out, err = await cli("submit", "--file", str(tasks))  # lines without a key get fresh ones: five new tasks

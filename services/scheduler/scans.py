@@ -21,6 +21,7 @@ from nats.errors import Error as NatsError
 from taskgate import bus as busmod
 from taskgate import results, store, telemetry
 from taskgate.config import Settings
+from taskgate.dispatcher import dispatch_pass
 from taskgate.model import TaskRow
 from taskgate.store import maintenance
 from taskgate.wire import cancel, dead_letter, dispatch
@@ -37,7 +38,7 @@ WORKER_LOST = "WORKER_LOST"
 class Action(enum.StrEnum):
     """What a scan did to a task; the label of SCHEDULER_ACTIONS."""
 
-    QUEUE = "queue"  # CREATED -> QUEUED after re-publishing a lost dispatch
+    QUEUE = "queue"  # CREATED -> QUEUED after dispatching a task nobody dispatched
     REPUBLISH = "republish"  # QUEUED -> QUEUED with a new dispatch
     QUEUE_TIMEOUT = "queue_timeout"  # QUEUED -> TIMEOUT after max_republish re-publishes
     RELEASE = "release"  # PROCESSING with an expired lease -> QUEUED
@@ -98,7 +99,7 @@ async def _announce_dead(bus: busmod.Bus, dead: list[tuple[TaskRow, store.TaskEr
 
 
 class CreatedScan:
-    """CREATED longer than created_timeout_seconds: publish the dispatch (it may have been lost), then QUEUED."""
+    """CREATED longer than created_timeout_seconds, so nobody dispatched it: the dispatcher's own pass, repeated."""
 
     name: ClassVar[str] = "created"
     stuck_reason: ClassVar[str] = "CREATED_TOO_LONG"
@@ -113,15 +114,14 @@ class CreatedScan:
         )
 
     async def run(self, now: datetime | None = None) -> ScanResult:
-        moved = 0
+        s = self.ctx.settings
         async with self.ctx.pool.acquire() as conn, conn.transaction():
-            tasks = await self.due(conn, now, self.ctx.settings.scan_batch_size)
-            for task, _ in await dispatch.publish_many(self.ctx.bus, [(t, Reason.SUBMITTED) for t in tasks]):
-                out = await store.queue(
-                    conn, task.id, actor=ACTOR, reason="created too long: dispatch re-published", expected_version=task.version
-                )
-                moved += out.applied
-        return ScanResult(Counter({Action.QUEUE: moved}), len(tasks))
+            tasks = await self.due(conn, now, s.scan_batch_size)
+            moved = await dispatch_pass(
+                conn, self.ctx.bus, tasks, actor=ACTOR, reason="created too long: dispatched by the scheduler",
+                ack_timeout=s.submit_publish_timeout_seconds, within=s.submit_db_timeout_seconds,
+            ) if tasks else []
+        return ScanResult(Counter({Action.QUEUE: len(moved)}), len(tasks))
 
 
 class QueuedScan:

@@ -1,27 +1,22 @@
 """Natural batching without a timer: calls queue while a batch is in flight, and the next batch is all that queued.
 
 A lone call runs at once; under load each round trip carries every call that arrived during the previous one. The
-submit service admits, publishes and queues its tasks this way: one statement per batch, not per task.
+submit service admits its tasks this way: one statement per batch, not per task.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from taskgate import telemetry
-from taskgate.bus import Bus
-from taskgate.model import TaskRow
-from taskgate.server import BACKEND_ERRORS
-from taskgate.store import Conn, submissions
-from taskgate.store.submissions import Admission, Candidate, Queued
-from taskgate.wire import dispatch
+import grpc
 
-log = logging.getLogger("taskgate.submit")
+from taskgate import errors
+from taskgate.dispatcher import Dispatcher
+from taskgate.store import Conn, submissions
+from taskgate.store.submissions import Admission, Candidate, Verdict
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -32,39 +27,54 @@ MAX_BATCH = 1000  # items per statement: one SubmitTasks call at most, or that m
 class Batcher(Generic[In, Out]):
     """Runs `flush` over every item queued while the previous flush ran (at most `max_size` at a time).
 
-    `flush` returns one result or exception per item, in order. A caller that gave up (cancelled) before its batch
-    began is left out of it.
+    `flush` returns one result or exception per item, in order. Deadlines are each caller's own: a caller whose
+    deadline has passed when its batch begins is left out of it (DEADLINE_EXCEEDED), a caller that gives up while its
+    batch runs leaves the others' results alone, and no caller's deadline bounds the batch itself.
     """
 
     def __init__(self, flush: Callable[[list[In]], Awaitable[Sequence[Out | BaseException]]], *, max_size: int) -> None:
         self._flush = flush
         self._max_size = max_size
-        self._queue: deque[tuple[In, asyncio.Future[Out]]] = deque()
+        self._queue: deque[tuple[In, asyncio.Future[Out], float | None]] = deque()
         self._runner: asyncio.Task[None] | None = None
 
-    async def run(self, items: Sequence[In]) -> list[Out | BaseException]:
-        """Each item's result or exception, once the batches carrying them have run."""
+    async def run(self, items: Sequence[In], deadline: float | None) -> list[Out | BaseException]:
+        """Each item's result or exception once the batches carrying them have run; DEADLINE_EXCEEDED (raised) when
+        the loop time `deadline` (None: no deadline) passes first."""
         if not items:
             return []
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Out]] = []
         for item in items:
             future: asyncio.Future[Out] = loop.create_future()
-            self._queue.append((item, future))
+            self._queue.append((item, future, deadline))
             futures.append(future)
         if self._runner is None:
             self._runner = asyncio.create_task(self._drain())
-        results = await asyncio.gather(*futures, return_exceptions=True)
+        try:
+            async with asyncio.timeout_at(deadline):
+                results = await asyncio.gather(*futures, return_exceptions=True)
+        except TimeoutError:
+            raise deadline_exceeded() from None
         for result in results:
             if isinstance(result, asyncio.CancelledError):  # the batcher itself was stopped
                 raise result
         return results
 
     async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while self._queue:
                 taken = [self._queue.popleft() for _ in range(min(self._max_size, len(self._queue)))]
-                live = [(item, future) for item, future in taken if not future.done()]
+                now = loop.time()
+                live = []
+                for item, future, deadline in taken:
+                    if future.done():
+                        continue
+                    if deadline is not None and deadline <= now:  # its caller is out of time: it does not join
+                        future.set_exception(deadline_exceeded())
+                        continue
+                    live.append((item, future))
                 if not live:
                     continue
                 try:
@@ -84,82 +94,35 @@ class Batcher(Generic[In, Out]):
                         future.set_result(result)
         finally:
             self._runner = None
-            for _, future in self._queue:  # left only when the runner itself was cancelled
+            for _, future, _ in self._queue:  # left only when the runner itself was cancelled
                 future.cancel()
             self._queue.clear()
 
 
-@dataclass(frozen=True, slots=True)
-class ToAdmit:
-    """A submission to admit and the loop time by which its statement must be done."""
-
-    candidate: Candidate
-    deadline: float
-
-
-@dataclass(frozen=True, slots=True)
-class ToDispatch:
-    """A created task to publish and queue, with the loop times by which its publish and its move must be done."""
-
-    task: TaskRow
-    publish_deadline: float
-    deadline: float
-
-
-def _within(deadlines: Sequence[float]) -> float:
-    """Seconds a batch's statement may take: until the earliest deadline among its callers."""
-    return max(min(deadlines) - asyncio.get_running_loop().time(), 0.001)
+def deadline_exceeded() -> errors.ApiError:
+    """DEADLINE_EXCEEDED for a call whose deadline passes before its submission was admitted."""
+    return errors.ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before its submission was admitted")
 
 
 class Submitter:
-    """Admits submissions and dispatches the created tasks a batch at a time: one admission statement, pipelined
-    JetStream publishes, and one QUEUED move per batch."""
+    """Admits submissions a batch at a time (one statement per batch) and hands each batch's created tasks to the
+    dispatcher as soon as that statement has committed; the callers hear their answers without waiting for it."""
 
-    def __init__(self, pool: Conn, bus: Bus, *, default_max_pending: int, actor: str) -> None:
+    def __init__(self, pool: Conn, dispatcher: Dispatcher, *, default_max_pending: int, db_timeout: float) -> None:
         self._pool = pool
-        self._bus = bus
+        self._dispatcher = dispatcher
         self._default_max_pending = default_max_pending
-        self._actor = actor
-        self._admissions: Batcher[ToAdmit, Admission] = Batcher(self._admit, max_size=MAX_BATCH)
-        self._dispatches: Batcher[ToDispatch, Queued] = Batcher(self._dispatch, max_size=MAX_BATCH)
+        self._db_timeout = db_timeout
+        self._admissions: Batcher[Candidate, Admission] = Batcher(self._admit, max_size=MAX_BATCH)
 
-    async def admit(self, items: Sequence[ToAdmit]) -> list[Admission | BaseException]:
-        """Each submission's admission (or the backend error that stopped its batch), in order."""
-        return await self._admissions.run(items)
+    async def admit(self, candidates: Sequence[Candidate], deadline: float | None) -> list[Admission | BaseException]:
+        """Each submission's admission (or the backend error that stopped its batch), in order; raises
+        DEADLINE_EXCEEDED when the loop time `deadline` (None: the call has none) passes first."""
+        return await self._admissions.run(candidates, deadline)
 
-    async def dispatch(self, items: Sequence[ToDispatch]) -> list[Queued | BaseException]:
-        """Each task after publishing and queueing: QUEUED with its position, or as it truly is when either failed."""
-        return await self._dispatches.run(items)
-
-    async def _admit(self, items: list[ToAdmit]) -> list[Admission]:
-        return await submissions.admit(
-            self._pool,
-            [i.candidate for i in items],
-            default_max_pending=self._default_max_pending,
-            within=_within([i.deadline for i in items]),
+    async def _admit(self, items: list[Candidate]) -> list[Admission]:
+        admissions = await submissions.admit(
+            self._pool, items, default_max_pending=self._default_max_pending, within=self._db_timeout
         )
-
-    async def _dispatch(self, items: list[ToDispatch]) -> list[Queued]:
-        """Publish all (acks pipelined), then one QUEUED move for those acknowledged; a task whose publish or move
-        failed stays CREATED, safe: the scheduler re-publishes it with the same message id."""
-        published = await dispatch.publish_many(
-            self._bus,
-            [(i.task, dispatch.Reason.SUBMITTED) for i in items],
-            ack_timeout=_within([i.publish_deadline for i in items]),
-        )
-        failed = len(items) - len(published)
-        if failed:
-            telemetry.SUBMIT_PUBLISH_FAILURES.inc(failed)
-        acked = {task.id for task, _ in published}
-        to_queue = [i.task for i in items if i.task.id in acked]
-        queued: dict[int, Queued] = {}
-        if to_queue:
-            try:
-                moved = await submissions.queue_many(
-                    self._pool, to_queue, actor=self._actor, reason="dispatched",
-                    within=_within([i.deadline for i in items if i.task.id in acked]),
-                )
-                queued = {q.task.id: q for q in moved}
-            except BACKEND_ERRORS as exc:
-                log.warning("queue move failed; tasks stay CREATED", extra={"tasks": len(to_queue), "error": type(exc).__name__})
-        return [queued.get(i.task.id, Queued(i.task, 0)) for i in items]
+        self._dispatcher.hand(a.task for a in admissions if a.verdict is Verdict.CREATED and a.task is not None)
+        return admissions

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 from taskgate import errors, telemetry
-from taskgate.store import Conn, submissions
 
 RATE_LIMITED = "RATE_LIMITED"
 TOO_MANY_PENDING = "TOO_MANY_PENDING_TASKS"
-
-
-async def take_submit_slot(db: Conn, tenant: str, per_minute: int, budget: float) -> None:
-    """Counts one submission in the tenant's minute window, or raises RESOURCE_EXHAUSTED with RetryInfo."""
-    [retry_after] = await submissions.take_rate_slots(db, tenant, per_minute=per_minute, count=1, within=budget)
-    if retry_after is not None:
-        raise rate_limited(per_minute, retry_after)
 
 
 def rate_limited(per_minute: int, retry_after: float) -> errors.ApiError:

@@ -17,19 +17,20 @@ from grpc_health.v1 import health
 from taskgate import errors, eta, ids, paging, store, telemetry, tracing
 from taskgate.auth import Authenticator, Principal
 from taskgate.config import Settings
+from taskgate.dispatcher import Dispatcher
 from taskgate.model import TaskRow
 from taskgate.results import ResultNotFound, add_link, result_store
 from taskgate.runtime import Backends, connect, stop_signal
 from taskgate.server import mark_not_serving, start_server
 from taskgate.states import Status
 from taskgate.store import submissions
-from taskgate.store.submissions import Admission, Candidate, NewTask, Queued, Verdict
+from taskgate.store.submissions import Admission, Candidate, NewTask, Verdict
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate.wire import cancel
 
-from .batching import MAX_BATCH, Submitter, ToAdmit, ToDispatch
+from .batching import MAX_BATCH, Submitter, deadline_exceeded
 from .cache import TerminalCache
-from .ratelimit import rate_limited, take_submit_slot, too_many_pending
+from .ratelimit import rate_limited, too_many_pending
 from .validation import Submission, check_priority, regenerate_request, validate
 
 log = logging.getLogger("taskgate.submit")
@@ -50,6 +51,11 @@ def poll_interval(created_at: datetime, now: datetime | None = None) -> float:
     return 10.0
 
 
+def _margin(remaining: float) -> float:
+    """What to keep of a caller's remaining time (a fifth, 50-500 ms) to roll back and answer before it gives up."""
+    return min(max(remaining * 0.2, 0.05), 0.5)
+
+
 def _prompt_fingerprint(prompt: str) -> dict[str, object]:
     """What a log line may say about a prompt: its length and a hash prefix, never the text."""
     return {"prompt_chars": len(prompt), "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()[:12]}
@@ -66,8 +72,13 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         self._cache = TerminalCache(settings.result_cache_size)
         self._results = result_store(settings, backends.bus)
         self.ids = ids.LeasedIds(backends.pool, lease_seconds=settings.id_node_lease_seconds, fixed_node=settings.id_node)
+        self.dispatcher = Dispatcher(
+            backends.pool, backends.bus, actor=ACTOR, ack_timeout=settings.submit_publish_timeout_seconds,
+            db_timeout=settings.submit_db_timeout_seconds, max_batch=MAX_BATCH,
+        )
         self._submitter = Submitter(
-            backends.pool, backends.bus, default_max_pending=settings.max_pending_per_tenant, actor=ACTOR
+            backends.pool, self.dispatcher, default_max_pending=settings.max_pending_per_tenant,
+            db_timeout=settings.submit_db_timeout_seconds,
         )
 
     def _budget(self, context: Context, cap: float | None = None) -> float:
@@ -76,51 +87,43 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         remaining = context.time_remaining()
         if remaining is None:
             return cap
-        # keep a fifth of what is left (50-500 ms) to roll back and send UNAVAILABLE before the client gives up
-        margin = min(max(remaining * 0.2, 0.05), 0.5)
-        return max(min(cap, remaining - margin), 0.001)
+        return max(min(cap, remaining - _margin(remaining)), 0.001)
 
     async def _principal(self, context: Context) -> Principal:
         async with asyncio.timeout(self._budget(context)):  # no task per call, as wait_for would make
             return await self._auth.principal(context)
 
-    # SubmitTask
+    # SubmitTask and SubmitTasks: one path, SubmitTask is SubmitTasks of one
 
     async def SubmitTask(self, request: gateway_pb2.SubmitTaskRequest, context: Context) -> gateway_pb2.SubmitTaskResponse:
-        who = await self._principal(context)
-        per_minute = who.submits_per_minute or self._settings.submits_per_minute
-        slot_taken = False
-        if request.callback_url:
-            # checking a callback URL resolves its host: a rate-limited caller must not get to make us do that
-            await take_submit_slot(self._pool, who.tenant_id, per_minute, self._budget(context))
-            slot_taken = True
-        try:
-            sub = await validate(who.tenant_id, request, self._settings)
-        except errors.ApiError:
-            if not slot_taken:  # an invalid request counts too, and a rate-limited caller hears that first
-                await take_submit_slot(self._pool, who.tenant_id, per_minute, self._budget(context))
-            telemetry.SUBMIT_REJECTIONS.labels("INVALID_ARGUMENT").inc()
-            raise
-        try:
-            check_priority(sub.priority, who.max_priority)
-        except errors.ApiError:
-            telemetry.SUBMIT_REJECTIONS.labels("PRIORITY_NOT_ALLOWED").inc()
-            raise
-        candidate = Candidate(self._new_task(who.tenant_id, sub), None if slot_taken else per_minute)
-        [admission] = await self._submitter.admit([ToAdmit(candidate, self._deadline(context))])
-        task, created = self._settle(candidate, sub, admission)
-        if not created:
-            return gateway_pb2.SubmitTaskResponse(task=task.to_proto(await self._queue_position(task, context)))
-        [queued] = await self._submitter.dispatch([self._to_dispatch(task, context)])
-        if isinstance(queued, BaseException):
-            raise queued
-        return gateway_pb2.SubmitTaskResponse(task=queued.task.to_proto(queued.position), created=True)
+        [answer] = await self._submit(await self._principal(context), [request], context)
+        if isinstance(answer, errors.ApiError):
+            raise answer
+        return answer
 
     async def SubmitTasks(self, request: gateway_pb2.SubmitTasksRequest, context: Context) -> gateway_pb2.SubmitTasksResponse:
         who = await self._principal(context)
         items = list(request.requests)
         if not 1 <= len(items) <= MAX_BATCH:
             raise errors.invalid_argument([("requests", f"must hold 1 to {MAX_BATCH:,} submissions")])
+        answers = await self._submit(who, items, context)
+        return gateway_pb2.SubmitTasksResponse(results=[
+            gateway_pb2.SubmitTaskResult(error=a.status_proto) if isinstance(a, errors.ApiError)
+            else gateway_pb2.SubmitTaskResult(response=a)
+            for a in answers
+        ])
+
+    async def _submit(
+        self, who: Principal, items: list[gateway_pb2.SubmitTaskRequest], context: Context
+    ) -> list[gateway_pb2.SubmitTaskResponse | errors.ApiError]:
+        """Each request's answer, in order: its task as the admission statement left it, or the error naming why not.
+
+        The answer follows the one durable commit of the admission statement; the dispatcher publishes and queues the
+        created tasks after it, off this path.
+        """
+        left = context.time_remaining()
+        if left is not None and left < self._settings.submit_min_time_left_seconds:
+            raise deadline_exceeded()  # too little time to be admitted: it does not join a batch
         per_minute = who.submits_per_minute or self._settings.submits_per_minute
         answers: list[gateway_pb2.SubmitTaskResponse | errors.ApiError | None] = [None] * len(items)
 
@@ -134,7 +137,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                     answers[i] = rate_limited(per_minute, wait)
             return [i for i, wait in zip(indices, waits, strict=True) if wait is None]
 
-        # as in SubmitTask: a callback URL is resolved only with a rate slot in hand, and an invalid item counts too
+        # checking a callback URL resolves its host: a rate-limited caller must not get to make us do that, so those
+        # items take their slot first; an invalid item counts too, and a rate-limited caller hears that first
         with_callback = [i for i, r in enumerate(items) if r.callback_url]
         slotted = set(await take_slots(with_callback)) if with_callback else set()
         to_check = [i for i, r in enumerate(items) if not r.callback_url or i in slotted]
@@ -153,7 +157,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                 subs[i] = sub
         unslotted_invalid = [i for i in invalid if i not in slotted]
         if unslotted_invalid:
-            await take_slots(unslotted_invalid)  # a rate-limited caller hears that first
+            await take_slots(unslotted_invalid)
         telemetry.SUBMIT_REJECTIONS.labels("INVALID_ARGUMENT").inc(len(invalid))
         for i, sub in list(subs.items()):
             try:
@@ -165,43 +169,27 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
         order = list(subs)
         candidates = [Candidate(self._new_task(who.tenant_id, subs[i]), None if i in slotted else per_minute) for i in order]
-        deadline = self._deadline(context)
-        admissions = await self._submitter.admit([ToAdmit(c, deadline) for c in candidates])
-        created: list[tuple[int, TaskRow]] = []
-        found: list[tuple[int, TaskRow]] = []
+        admissions = await self._submitter.admit(candidates, self._caller_deadline(context)) if candidates else []
         for i, candidate, admission in zip(order, candidates, admissions, strict=True):
             try:
                 task, new = self._settle(candidate, subs[i], admission)
             except errors.ApiError as exc:
                 answers[i] = exc
                 continue
-            (created if new else found).append((i, task))
-        queued = await self._submitter.dispatch([self._to_dispatch(task, context) for _, task in created])
-        dispatched: dict[int, Queued] = {}
-        for (i, _), result in zip(created, queued, strict=True):
-            if isinstance(result, BaseException):
-                raise result
-            dispatched[result.task.id] = result
-            answers[i] = gateway_pb2.SubmitTaskResponse(task=result.task.to_proto(result.position), created=True)
-        for i, task in found:  # a later copy of a key this call created answers with that task as it now is
-            now = dispatched.get(task.id) or Queued(task, await self._queue_position(task, context))
-            answers[i] = gateway_pb2.SubmitTaskResponse(task=now.task.to_proto(now.position))
+            if new:
+                answers[i] = gateway_pb2.SubmitTaskResponse(task=task.to_proto(), created=True)
+            else:  # a replay (or a later copy of a key in this call) answers with that task as it now is
+                answers[i] = gateway_pb2.SubmitTaskResponse(task=task.to_proto(await self._queue_position(task, context)))
+        assert all(a is not None for a in answers)
+        return [a for a in answers if a is not None]
 
-        results = []
-        for answer in answers:
-            if isinstance(answer, errors.ApiError):
-                results.append(gateway_pb2.SubmitTaskResult(error=answer.status_proto))
-            else:
-                assert answer is not None
-                results.append(gateway_pb2.SubmitTaskResult(response=answer))
-        return gateway_pb2.SubmitTasksResponse(results=results)
-
-    def _deadline(self, context: Context, cap: float | None = None) -> float:
-        """The loop time by which a backend call for this request must be done (see _budget)."""
-        return asyncio.get_running_loop().time() + self._budget(context, cap)
-
-    def _to_dispatch(self, task: TaskRow, context: Context) -> ToDispatch:
-        return ToDispatch(task, self._deadline(context, self._settings.submit_publish_timeout_seconds), self._deadline(context))
+    def _caller_deadline(self, context: Context) -> float | None:
+        """The loop time by which this caller must hear back (None: it set no deadline), keeping the same margin as
+        _budget; a batch the caller joins has its own statement timeout, never this."""
+        remaining = context.time_remaining()
+        if remaining is None:
+            return None
+        return asyncio.get_running_loop().time() + remaining - _margin(remaining)
 
     def _new_task(self, tenant: str, sub: Submission) -> NewTask:
         return NewTask(
@@ -434,7 +422,9 @@ class SubmitHandle:
         """Readiness off, stop accepting, let in-flight calls finish within `grace`, then close the backends."""
         try:
             await mark_not_serving(self.health)
-            await self.server.stop(self.settings.submit_shutdown_grace_seconds if grace is None else grace)
+            grace = self.settings.submit_shutdown_grace_seconds if grace is None else grace
+            await self.server.stop(grace)
+            await self.gateway.dispatcher.close(grace)  # what it could not dispatch stays CREATED for the scan
         finally:
             await self.gateway.ids.close()
             if self.owns_backends:

@@ -1,5 +1,5 @@
 """Admission of new tasks, a batch at a time (rate slots, tenant locks, idempotent lookups, pending limits, one
-insert), their move to QUEUED with queue positions, and the tenant's reads.
+insert), their move to QUEUED once dispatched, and the tenant's reads.
 
 The task INSERT has one author, the `insert_tasks` SQL function (sql/functions/submit_fast_path.sql): `admit` runs it
 inside `submit_tasks`, `create` runs it alone for rows that skip the limits (tests, tools). `within`: the seconds
@@ -108,39 +108,21 @@ async def create(db: Conn, new: NewTask) -> TaskRow | None:
     return TaskRow.from_record(rec) if rec is not None else None
 
 
-@dataclass(frozen=True, slots=True)
-class Queued:
-    """A task after the batched CREATED -> QUEUED move: moved (with its queue position) or as it now is."""
-
-    task: TaskRow
-    position: int
-
-
-async def queue_many(
+async def queue_created(
     db: Conn, tasks: Sequence[TaskRow], *, actor: str, reason: str | None = None, within: float | None = None
-) -> list[Queued]:
-    """CREATED -> QUEUED for tasks whose dispatch is on JetStream, in one statement that returns queue positions.
+) -> list[TaskRow]:
+    """CREATED -> QUEUED for tasks whose dispatch is on JetStream, in one statement; returns the tasks it moved.
 
-    Committed asynchronously: a lost QUEUED mark leaves the task CREATED, which the scheduler re-publishes. A task no
-    longer CREATED (a worker's claim outran this, or a cancel) is returned as it now is, position 0.
+    Committed asynchronously: a lost QUEUED mark leaves the task CREATED, which the scheduler dispatches again. A task
+    no longer CREATED (a worker's claim outran this, or a cancel) is left as it is.
     """
-    ids = [t.id for t in tasks]
-    rows = await db.fetch(sql.query("submit_queue_many"), ids, actor, reason, timeout=within)
-    moved = {rec["id"]: rec for rec in rows}
-    current: dict[int, TaskRow] = {}
-    if len(moved) < len(ids):
-        others = await db.fetch(sql.query("submit_get_tasks"), [i for i in ids if i not in moved], timeout=within)
-        current = {rec["id"]: TaskRow.from_record(rec) for rec in others}
-    out = []
-    for task in tasks:
-        rec = moved.get(task.id)
-        if rec is None:
-            out.append(Queued(current.get(task.id, task), 0))
-            continue
+    rows = await db.fetch(sql.query("submit_queue_created"), [t.id for t in tasks], actor, reason, timeout=within)
+    moved = []
+    for rec in rows:
         row = TaskRow.from_record(rec)
         applied(row, Status.CREATED, actor=actor, reason=reason)
-        out.append(Queued(row, int(rec["queue_position"])))
-    return out
+        moved.append(row)
+    return moved
 
 
 async def take_rate_slots(

@@ -17,32 +17,16 @@ SELECT * FROM insert_tasks($1::task_submission[]);
 SELECT f.ord, f.outcome, f.retry_after, f.pending_limit, (f.task_row).*
 FROM submit_tasks($1::task_submission[], $2) f;
 
--- name: submit_queue_many
--- CREATED -> QUEUED for a batch whose dispatch messages are on JetStream (history: one trigger run for the batch),
--- each row with its queue position: the QUEUED tasks of its model ahead of it before the move (two index-only range
--- scans per model and priority, not per task), plus the batch's own tasks ahead of it. A task no longer CREATED is
--- left as it is and not returned. Committed asynchronously (set_config(..., true) lasts until this statement's
--- commit): a lost mark leaves the task CREATED, and the scheduler re-publishes CREATED tasks.
--- $1 task ids, $2 actor, $3 reason.
-WITH moved AS (
-    UPDATE task t SET status = 'QUEUED', version = t.version + 1, queued_at = now(), updated_at = now(),
-           last_actor = $2, last_reason = $3
-    WHERE t.id = ANY($1::bigint[]) AND t.status = 'CREATED'
-    RETURNING t.*
-), ahead AS MATERIALIZED (  -- counted once per model and priority: inlined, the counts ran once per moved row
-    SELECT g.model_id, g.priority,
-           (SELECT count(*) FROM task q WHERE q.status = 'QUEUED' AND q.model_id = g.model_id AND q.priority > g.priority)
-         + (SELECT count(*) FROM task q WHERE q.status = 'QUEUED' AND q.model_id = g.model_id AND q.priority = g.priority
-              AND q.queued_at <= now()) AS n
-    FROM (SELECT DISTINCT model_id, priority FROM moved) g
-)
-SELECT m.*, a.n + row_number() OVER (PARTITION BY m.model_id ORDER BY m.priority DESC, m.id) AS queue_position
-FROM moved m JOIN ahead a ON a.model_id = m.model_id AND a.priority = m.priority
-CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) async_commit;
-
--- name: submit_get_tasks
--- Tasks by id (those a batched move left as they were). $1 task ids.
-SELECT * FROM task WHERE id = ANY($1::bigint[]);
+-- name: submit_queue_created
+-- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (history: one trigger run for the pass).
+-- A task no longer CREATED (a worker's claim outran this, or a cancel) is left as it is and not returned. Committed
+-- asynchronously (set_config(..., true) lasts until this statement's commit): a lost mark leaves the task CREATED,
+-- which a worker may claim and the scheduler's scan dispatches again. $1 task ids, $2 actor, $3 reason.
+UPDATE task t SET status = 'QUEUED', version = t.version + 1, queued_at = now(), updated_at = now(),
+       last_actor = $2, last_reason = $3
+FROM (SELECT set_config('synchronous_commit', 'off', true)) async_commit
+WHERE t.id = ANY($1::bigint[]) AND t.status = 'CREATED'
+RETURNING t.*;
 
 -- name: submit_queue_position
 -- 1-based rank of a QUEUED task among its model's QUEUED tasks: higher priority first, then older. Two index-only
