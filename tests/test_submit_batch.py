@@ -5,6 +5,7 @@ tenant's pending count is kept by the moves themselves."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import grpc
@@ -12,7 +13,7 @@ import pytest
 
 from services.submit.batching import Batcher
 from services.submit.service import start
-from taskgate import auth, errors, ids, store
+from taskgate import auth, errors, ids, sql, store
 from taskgate import bus as busmod
 from taskgate.config import Settings
 from taskgate.migrate import migrate
@@ -277,3 +278,10 @@ async def test_pending_counts_follow_every_move(backends: Backends) -> None:
     async with pool.acquire() as conn:
         await migrate(conn)
     assert await counts_match() == {"ta": 1}
+
+
+def test_the_submit_columns_are_named_in_the_order_the_queries_number_them() -> None:
+    for name in ("submit_insert_tasks", "submit_tasks"):
+        named = re.findall(r"p_(\w+) => \$(\d+)", sql.query(name))
+        assert [column for column, _ in named][: len(submissions.COLUMNS)] == list(submissions.COLUMNS), name
+        assert [int(n) for _, n in named] == list(range(1, len(named) + 1)), name

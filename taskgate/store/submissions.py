@@ -9,7 +9,7 @@ a statement may run before asyncpg cancels it on the server (TimeoutError).
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -52,14 +52,33 @@ class NewTask:
     callback_events: list[str]
     trace_context: dict[str, str] | None = None  # W3C headers of the submitting call's span (tracing on)
 
-    def row(self, per_minute: int | None = None) -> tuple[object, ...]:
-        """The task_submission composite; `per_minute` None when no rate slot is to be taken for it."""
-        return (
-            self.id, self.user_id, self.idempotency_key, self.key_derived, self.request_hash, self.task_type,
-            self.model_id, self.prompt, self.payload, self.metadata, self.priority,
-            bus.task_subject(self.model_id, self.priority), self.max_retries, self.callback_url, self.callback_events,
-            per_minute, self.trace_context,
-        )
+
+
+# The insert's columns by name, in the order the submit queries number their parameters ($1..$16, `p_<name> => $n`
+# in sql/queries/submit.sql; test_submit_batch checks that the two agree): the one place a field meets its column.
+COLUMNS: dict[str, Callable[[NewTask], object]] = {
+    "id": lambda t: t.id,
+    "user_id": lambda t: t.user_id,
+    "idempotency_key": lambda t: t.idempotency_key,
+    "idempotency_derived": lambda t: t.key_derived,
+    "request_hash": lambda t: t.request_hash,
+    "task_type": lambda t: t.task_type,
+    "model_id": lambda t: t.model_id,
+    "prompt": lambda t: t.prompt,
+    "request_payload": lambda t: t.payload,
+    "metadata": lambda t: t.metadata,
+    "priority": lambda t: t.priority,
+    "queue_name": lambda t: bus.task_subject(t.model_id, t.priority),
+    "max_retries": lambda t: t.max_retries,
+    "callback_url": lambda t: t.callback_url,
+    "callback_events": lambda t: ",".join(t.callback_events),  # a text[] per item cannot be an array element
+    "trace_context": lambda t: t.trace_context,
+}
+
+
+def columns(tasks: Sequence[NewTask]) -> list[list[object]]:
+    """One array per column of COLUMNS, one element per task."""
+    return [[column(t) for t in tasks] for column in COLUMNS.values()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +104,8 @@ async def admit(
 ) -> list[Admission]:
     """Admits a batch in one statement; one Admission per candidate, in order, as if admitted one by one."""
     rows = await db.fetch(
-        sql.query("submit_tasks"), [c.new.row(c.per_minute) for c in batch], default_max_pending, timeout=within
+        sql.query("submit_tasks"), *columns([c.new for c in batch]), [c.per_minute for c in batch], default_max_pending,
+        timeout=within,
     )
     out = []
     for rec in rows:
@@ -104,7 +124,7 @@ async def admit(
 
 async def create(db: Conn, new: NewTask) -> TaskRow | None:
     """Inserts a task in CREATED without any limit; None when its idempotency key is taken."""
-    rec = await db.fetchrow(sql.query("submit_insert_tasks"), [new.row()])
+    rec = await db.fetchrow(sql.query("submit_insert_tasks"), *columns([new]))
     return TaskRow.from_record(rec) if rec is not None else None
 
 

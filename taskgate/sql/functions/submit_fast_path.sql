@@ -6,60 +6,88 @@
 -- tenant's submissions on every replica (the pending count cannot race), a replay of a key answers with the existing
 -- task even at the limit, and a later copy of a key in the same batch answers with the first copy's task. Each
 -- statement below takes a fresh snapshot (VOLATILE, READ COMMITTED), so the lookups after the locks see every insert
--- committed before them. take_rate_slot also runs alone (a slot taken before validation); insert_tasks is the one
--- author of task rows (test rows call it directly).
+-- committed before them.
+--
+-- Submissions arrive as named columnar arrays, one element per item (river's `unnest(@id::bigint[]) ...`): each step
+-- unnests only the columns it reads, and insert_tasks' column list is the one place that names them all. A text[]
+-- per item cannot be an array element, so callback_events travel comma-joined. take_rate_slots is the one rate rule
+-- (also called alone, for the slots taken before a callback URL is resolved); insert_tasks is the one author of task
+-- rows (test rows call it directly).
 
--- Counts one submission in the tenant's current one-minute window unless it is full; drops the tenant's old windows.
--- Returns NULL when counted, else the seconds until the full window ends.
-CREATE OR REPLACE FUNCTION take_rate_slot(p_tenant text, p_per_minute integer) RETURNS float8
+-- Counts up to p_count submissions in the tenant's current one-minute window, as far as it has room, and drops the
+-- tenant's old windows. Returns how many were counted.
+CREATE OR REPLACE FUNCTION take_rate_slots(p_tenant text, p_per_minute integer, p_count integer) RETURNS integer
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     w timestamptz := date_trunc('minute', now());
+    used integer;
+    got integer;
 BEGIN
     DELETE FROM rate_window WHERE tenant_id = p_tenant AND window_start < w - interval '10 minutes';
-    INSERT INTO rate_window AS r (tenant_id, window_start, count) VALUES (p_tenant, w, 1)
-    ON CONFLICT (tenant_id, window_start) DO UPDATE SET count = r.count + 1 WHERE r.count < p_per_minute;
-    IF FOUND THEN
-        RETURN NULL;
+    INSERT INTO rate_window (tenant_id, window_start, count) VALUES (p_tenant, w, 0) ON CONFLICT DO NOTHING;
+    SELECT rw.count INTO used FROM rate_window rw WHERE rw.tenant_id = p_tenant AND rw.window_start = w FOR UPDATE;
+    got := greatest(least(p_count, p_per_minute - used), 0);
+    IF got > 0 THEN
+        UPDATE rate_window rw SET count = rw.count + got WHERE rw.tenant_id = p_tenant AND rw.window_start = w;
     END IF;
-    RETURN extract(epoch FROM w + interval '1 minute' - now())::float8;
+    RETURN got;
 END;
 $$;
 
--- New tasks in CREATED (the history trigger records version 1 of each); an item whose idempotency key is taken is
--- skipped. Returns the rows inserted.
-CREATE OR REPLACE FUNCTION insert_tasks(p_items task_submission[]) RETURNS SETOF task
+-- Seconds until the current rate window ends (what a rate-limited submission waits).
+CREATE OR REPLACE FUNCTION rate_window_left() RETURNS float8
+LANGUAGE sql STABLE AS $$
+    SELECT extract(epoch FROM date_trunc('minute', now()) + interval '1 minute' - now())::float8;
+$$;
+
+-- New tasks in CREATED (the history trigger records version 1 of each), one per array element; an item whose
+-- idempotency key is taken is skipped, and so is an element whose p_admit is false. Returns the rows inserted.
+CREATE OR REPLACE FUNCTION insert_tasks(
+    p_id bigint[], p_user_id text[], p_idempotency_key text[], p_idempotency_derived boolean[], p_request_hash text[],
+    p_task_type text[], p_model_id text[], p_prompt text[], p_request_payload jsonb[], p_metadata jsonb[],
+    p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[],
+    p_trace_context jsonb[], p_admit boolean[] DEFAULT NULL
+) RETURNS SETOF task
 LANGUAGE sql VOLATILE AS $$
     INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
                       request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
                       callback_status, last_actor, trace_context)
     SELECT i.id, i.user_id, i.idempotency_key, i.idempotency_derived, i.request_hash, i.task_type, i.model_id, i.prompt,
-           i.request_payload, i.metadata, i.priority, i.queue_name, i.max_retries, i.callback_url, i.callback_events,
+           i.request_payload, i.metadata, i.priority, i.queue_name, i.max_retries, i.callback_url,
+           coalesce(string_to_array(nullif(i.callback_events, ''), ','), '{}'),
            CASE WHEN i.callback_url IS NULL THEN 'NONE' ELSE 'PENDING' END, 'submit', i.trace_context
-    FROM unnest(p_items) i
+    FROM unnest(p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type, p_model_id,
+                p_prompt, p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries, p_callback_url,
+                p_callback_events, p_trace_context,
+                coalesce(p_admit, array_fill(true, ARRAY[cardinality(p_id)])))
+         AS i(id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
+              request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
+              trace_context, admit)
+    WHERE i.admit
     ON CONFLICT (user_id, idempotency_key) DO NOTHING
     RETURNING *;
 $$;
 
 -- One row per item, in array order: ord (1-based), outcome ('rate_limited' | 'no_tenant' | 'too_many_pending' |
 -- 'existing' | 'created'), retry_after (seconds, rate_limited only), pending_limit (the limit that applied),
--- task_row (the task created or found, else NULL).
-CREATE OR REPLACE FUNCTION submit_tasks(p_items task_submission[], p_default_max_pending integer)
+-- task_row (the task created or found, else NULL). p_per_minute: the tenant's limit, NULL for an item whose rate slot
+-- is already taken.
+CREATE OR REPLACE FUNCTION submit_tasks(
+    p_id bigint[], p_user_id text[], p_idempotency_key text[], p_idempotency_derived boolean[], p_request_hash text[],
+    p_task_type text[], p_model_id text[], p_prompt text[], p_request_payload jsonb[], p_metadata jsonb[],
+    p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[],
+    p_trace_context jsonb[], p_per_minute integer[], p_default_max_pending integer
+)
 RETURNS TABLE (ord integer, outcome text, retry_after float8, pending_limit integer, task_row task)
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
 DECLARE
-    w timestamptz := date_trunc('minute', now());
-    wait float8 := extract(epoch FROM date_trunc('minute', now()) + interval '1 minute' - now())::float8;
     r record;
-    used integer;
-    got integer;
     slot_tenants text[] := '{}';
     slot_counts integer[] := '{}';
     tenants text[];
     limits integer[];
     pendings bigint[];
-    v_ids bigint[];
     v_outcomes text[];
     v_refs bigint[];
     inserted bigint[];
@@ -67,32 +95,26 @@ BEGIN
     -- 1. rate slots: each tenant's items in array order take what is left of its minute window
     FOR r IN
         SELECT i.user_id AS tenant, count(*)::integer AS n, min(i.per_minute) AS per_minute
-        FROM unnest(p_items) i WHERE i.per_minute IS NOT NULL GROUP BY i.user_id ORDER BY i.user_id
+        FROM unnest(p_user_id, p_per_minute) i(user_id, per_minute) WHERE i.per_minute IS NOT NULL
+        GROUP BY i.user_id ORDER BY i.user_id
     LOOP
-        DELETE FROM rate_window WHERE tenant_id = r.tenant AND window_start < w - interval '10 minutes';
-        INSERT INTO rate_window (tenant_id, window_start, count) VALUES (r.tenant, w, 0) ON CONFLICT DO NOTHING;
-        SELECT rw.count INTO used FROM rate_window rw WHERE rw.tenant_id = r.tenant AND rw.window_start = w FOR UPDATE;
-        got := greatest(least(r.n, r.per_minute - used), 0);
-        IF got > 0 THEN
-            UPDATE rate_window rw SET count = rw.count + got WHERE rw.tenant_id = r.tenant AND rw.window_start = w;
-        END IF;
         slot_tenants := slot_tenants || r.tenant;
-        slot_counts := slot_counts || got;
+        slot_counts := slot_counts || take_rate_slots(r.tenant, r.per_minute, r.n);
     END LOOP;
 
     -- 2. tenant locks, in one order on every replica; the limit that applies and the tenant's unfinished tasks
     SELECT array_agg(l.id), array_agg(l.lim), array_agg(coalesce(p.pending, 0))
     INTO tenants, limits, pendings
     FROM (SELECT tn.id, coalesce(tn.max_pending, p_default_max_pending) AS lim FROM tenant tn
-          WHERE tn.id IN (SELECT DISTINCT i.user_id FROM unnest(p_items) i) ORDER BY tn.id FOR UPDATE) l
+          WHERE tn.id = ANY(p_user_id) ORDER BY tn.id FOR UPDATE) l
     LEFT JOIN tenant_pending p ON p.tenant_id = l.id;
 
     -- 3. each item's verdict: rate slot, tenant, key already used, then the pending limit over the batch's new keys
     WITH item AS (
-        SELECT i.id, i.user_id, i.idempotency_key AS key, i.ordinality AS ord,
-               i.per_minute IS NULL OR row_number() OVER (PARTITION BY i.user_id, i.per_minute IS NULL ORDER BY i.ordinality)
+        SELECT i.id, i.user_id, i.key, i.ord,
+               i.per_minute IS NULL OR row_number() OVER (PARTITION BY i.user_id, i.per_minute IS NULL ORDER BY i.ord)
                                        <= coalesce(s.n, 0) AS slotted
-        FROM unnest(p_items) WITH ORDINALITY i
+        FROM unnest(p_id, p_user_id, p_idempotency_key, p_per_minute) WITH ORDINALITY i(id, user_id, key, per_minute, ord)
         LEFT JOIN unnest(slot_tenants, slot_counts) s(tenant, n) ON s.tenant = i.user_id
     ), known AS (
         SELECT item.*, l.lim, l.pending, e.id AS existing_id
@@ -105,38 +127,37 @@ BEGIN
               FROM known k WHERE k.slotted AND k.lim IS NOT NULL AND k.existing_id IS NULL) c
         WHERE c.nth = 1
     )
-    SELECT array_agg(k.id),
-           array_agg(CASE WHEN NOT k.slotted THEN 'rate_limited'
+    SELECT array_agg(CASE WHEN NOT k.slotted THEN 'rate_limited'
                           WHEN k.lim IS NULL THEN 'no_tenant'
                           WHEN k.existing_id IS NOT NULL THEN 'existing'
                           WHEN o.rank > k.lim - k.pending THEN 'too_many_pending'
                           WHEN o.id = k.id THEN 'admit'
-                          ELSE 'copy' END),
-           array_agg(coalesce(k.existing_id, o.id))
-    INTO v_ids, v_outcomes, v_refs
+                          ELSE 'copy' END ORDER BY k.ord),
+           array_agg(coalesce(k.existing_id, o.id) ORDER BY k.ord)
+    INTO v_outcomes, v_refs
     FROM known k LEFT JOIN owner o ON o.user_id = k.user_id AND o.key = k.key;
 
     -- 4. one insert for every admitted item
     SELECT coalesce(array_agg(t.id), '{}') INTO inserted
-    FROM insert_tasks(ARRAY(
-        SELECT i FROM unnest(p_items) i JOIN unnest(v_ids, v_outcomes) v(id, outcome) ON v.id = i.id
-        WHERE v.outcome = 'admit')) t;
+    FROM insert_tasks(p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type,
+                      p_model_id, p_prompt, p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries,
+                      p_callback_url, p_callback_events, p_trace_context,
+                      ARRAY(SELECT o = 'admit' FROM unnest(v_outcomes) WITH ORDINALITY v(o, n) ORDER BY n)) t;
 
     -- 5. the answers; an admitted key that a writer without the tenant lock took first answers with that task
     RETURN QUERY
-    SELECT i.ordinality::integer,
-           CASE WHEN v.outcome = 'admit' AND v.ref = ANY(inserted) THEN 'created'
-                WHEN v.outcome IN ('admit', 'copy') THEN 'existing'
-                ELSE v.outcome END,
-           CASE WHEN v.outcome = 'rate_limited' THEN wait END,
-           CASE WHEN v.outcome NOT IN ('rate_limited', 'no_tenant') THEN l.lim END,
-           CASE WHEN v.outcome IN ('admit', 'copy', 'existing') THEN
-               coalesce((SELECT t FROM task t WHERE t.id = v.ref),
-                        (SELECT t FROM task t WHERE t.user_id = i.user_id AND t.idempotency_key = i.idempotency_key))
+    SELECT i.ord::integer,
+           CASE WHEN i.outcome = 'admit' AND i.ref = ANY(inserted) THEN 'created'
+                WHEN i.outcome IN ('admit', 'copy') THEN 'existing'
+                ELSE i.outcome END,
+           CASE WHEN i.outcome = 'rate_limited' THEN rate_window_left() END,
+           CASE WHEN i.outcome NOT IN ('rate_limited', 'no_tenant') THEN l.lim END,
+           CASE WHEN i.outcome IN ('admit', 'copy', 'existing') THEN
+               coalesce((SELECT t FROM task t WHERE t.id = i.ref),
+                        (SELECT t FROM task t WHERE t.user_id = i.user_id AND t.idempotency_key = i.key))
            END
-    FROM unnest(p_items) WITH ORDINALITY i
-    JOIN unnest(v_ids, v_outcomes, v_refs) v(id, outcome, ref) ON v.id = i.id
+    FROM unnest(p_user_id, p_idempotency_key, v_outcomes, v_refs) WITH ORDINALITY i(user_id, key, outcome, ref, ord)
     LEFT JOIN unnest(tenants, limits) l(tenant, lim) ON l.tenant = i.user_id
-    ORDER BY i.ordinality;
+    ORDER BY i.ord;
 END;
 $$;

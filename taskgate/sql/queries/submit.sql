@@ -1,21 +1,31 @@
 -- The submit service's queries: rate limits, idempotent inserts, queue positions and listings.
 
 -- name: submit_take_rate_slots
--- Counts `$3` submissions in the tenant's minute window, one at a time, as far as it has room. $1 tenant, $2 allowed
--- per minute, $3 how many. One row per submission: retry_after NULL when counted.
-SELECT take_rate_slot($1, $2) AS retry_after FROM generate_series(1, $3);
+-- Counts `$3` submissions in the tenant's minute window, as far as it has room, in one statement. $1 tenant, $2
+-- allowed per minute, $3 how many. One row per submission, in order: retry_after NULL when counted.
+SELECT CASE WHEN n <= s.got THEN NULL ELSE rate_window_left() END AS retry_after
+FROM (SELECT take_rate_slots($1, $2, $3) AS got) s, generate_series(1, $3) n
+ORDER BY n;
 
 -- name: submit_insert_tasks
 -- New tasks in CREATED without the limits (functions/submit_fast_path.sql): test rows. No row for an item whose
--- idempotency key is taken. $1 task_submission[] (per_minute unused).
-SELECT * FROM insert_tasks($1::task_submission[]);
+-- idempotency key is taken. $1..$16 the columns, one array element per task (submissions.NewTask.COLUMNS).
+SELECT * FROM insert_tasks(
+    p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
+    p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
+    p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
+    p_trace_context => $16);
 
 -- name: submit_tasks
 -- A batch of submissions in one round trip (functions/submit_fast_path.sql): rate slots, tenant locks, idempotent
--- lookups, pending limits, one insert. $1 task_submission[] (per_minute NULL: the item's slot is already taken),
--- $2 default max pending. One row per item, in order.
+-- lookups, pending limits, one insert. $1..$16 the columns as for submit_insert_tasks, $17 each item's per-minute
+-- limit (NULL: its slot is already taken), $18 default max pending. One row per item, in order.
 SELECT f.ord, f.outcome, f.retry_after, f.pending_limit, (f.task_row).*
-FROM submit_tasks($1::task_submission[], $2) f;
+FROM submit_tasks(
+    p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
+    p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
+    p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
+    p_trace_context => $16, p_per_minute => $17, p_default_max_pending => $18) f;
 
 -- name: submit_queue_created
 -- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (history: one trigger run for the pass).
