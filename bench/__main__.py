@@ -30,8 +30,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--history", type=int, default=1_000_000, help="historical tasks for the large-table phase (0: skip)")
     parser.add_argument("--latency-tasks", type=int, default=300, help="tasks sent one by one for the latency figures")
     parser.add_argument("--no-recovery", action="store_true", help="skip the dead-worker recovery phases")
-    parser.add_argument("--no-peers", action="store_true", help="skip Celery and procrastinate")
-    parser.add_argument("--peers-only", action="store_true", help="measure only Celery and procrastinate")
+    parser.add_argument("--no-peers", action="store_true", help="skip the peers (Celery, procrastinate, PgQueuer)")
+    parser.add_argument("--peers-only", action="store_true", help="measure only the peers")
+    parser.add_argument("--peer", default=",".join(peers.PEERS),
+                        help=f"comma-separated peers to measure ({', '.join(peers.PEERS)}); default all")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON report goes")
     parser.add_argument("--keep", action="store_true", help="keep the stack's folder (logs) after the run")
     parser.add_argument("--bulk-inflight", type=int, default=8, help="calls in flight in the bulk enqueue phases (100 tasks each)")
@@ -41,6 +43,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="py-spy profiles of every service process at 64 in flight and in bulk (.taskgate/bench/)")
     args = parser.parse_args(argv)
+    args.peer = {name.strip() for name in args.peer.split(",") if name.strip()}
+    if args.peer - set(peers.PEERS):
+        parser.error(f"unknown peer(s) {', '.join(sorted(args.peer - set(peers.PEERS)))}; choose from {', '.join(peers.PEERS)}")
     if args.quick:
         args.seconds = min(args.seconds, 2.0)
         args.history = min(args.history, 100_000)
@@ -88,7 +93,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
         await history.compare(stack, executor, opts, report, args.history, submit, get)
 
     if args.peers_only:
-        await peers.run_all(report, state_dir, opts)
+        await peers.run_all(report, state_dir, opts, only=args.peer)
         report.context["load_average_at_end"] = os.getloadavg()
         return report
     only = {name.strip() for name in args.only.split(",") if name.strip()}
@@ -123,7 +128,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
         executor.shutdown(cancel_futures=True)
         await stack.stop()
     if not args.no_peers and not only:
-        await peers.run_all(report, state_dir, opts)
+        await peers.run_all(report, state_dir, opts, only=args.peer)
         bulk.compare(report)
     report.context["load_average_at_end"] = os.getloadavg()
     if opts.profile_dir is not None:

@@ -33,9 +33,40 @@ class LoadSpec:
     batch: int = 1
 
 
+@dataclass(frozen=True)
+class Window:
+    """The measured interval of a closed-loop load run, one rule for taskgate and every peer.
+
+    Callers start calls until the window closes (`open`), so the load is the same all through it; a call counts (its
+    tasks, its latency, its error) when it ended inside the window (`counts`), whenever it started: a completion rate
+    over the window, which neither loses the long calls that straddle its start (bulk) nor favours the short ones."""
+
+    start: float  # time.perf_counter() values
+    end: float
+
+    @classmethod
+    def after(cls, warmup: float, seconds: float) -> Window:
+        """The window that opens `warmup` seconds from now and lasts `seconds`."""
+        start = time.perf_counter() + warmup
+        return cls(start, start + seconds)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    def open(self, now: float) -> bool:
+        """Whether a caller may start another call at `now`."""
+        return now < self.end
+
+    def counts(self, ended: float) -> bool:
+        """Whether a call that ended at `ended` is measured."""
+        return self.start <= ended <= self.end
+
+
 @dataclass
 class LoadResult:
-    """Completed calls inside the measured window, their latencies (seconds), errors by code, created task ids.
+    """Calls that ended inside the measured window (Window.counts), their latencies (seconds), errors by code, created
+    task ids.
 
     For 'submit_many', `ok` and `total` count tasks (so `rate` is tasks/s), `latencies` calls, `errors` items."""
 
@@ -70,9 +101,7 @@ async def _run(spec: LoadSpec) -> LoadResult:
         await ch.channel_ready()
     result = LoadResult()
     cpu_start = time.process_time()
-    start = time.perf_counter()
-    measure_from = start + spec.warmup
-    stop_at = measure_from + spec.seconds
+    window = Window.after(spec.warmup, spec.seconds)
     counter = iter(range(10**9))
     pid = os.getpid()
     params = task_pb2.VideoParams(num_inference_steps=1)
@@ -81,7 +110,7 @@ async def _run(spec: LoadSpec) -> LoadResult:
         while True:
             n = next(counter)
             began = time.perf_counter()
-            if began >= stop_at:
+            if not window.open(began):
                 return
             tasks = 1
             try:
@@ -91,29 +120,29 @@ async def _run(spec: LoadSpec) -> LoadResult:
                         idempotency_key=f"{spec.tag}-{pid}-{n}",
                     )
                     resp = await stub.SubmitTask(request, metadata=md, timeout=30)
+                    ended = time.perf_counter()
                     result.created += resp.created
                     if len(result.ids) < spec.keep_ids:
                         result.ids.append(resp.task.id)
                 elif spec.method == "submit_many":
                     many = await stub.SubmitTasks(_batch(spec, pid, n, params), metadata=md, timeout=60)
-                    tasks = _settle_batch(spec, many, result, counted=began >= measure_from)
+                    ended = time.perf_counter()
+                    tasks = _settle_batch(spec, many, result, counted=window.counts(ended))
                 else:
                     task_id = spec.ids[n % len(spec.ids)]
                     await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=md, timeout=30)
+                    ended = time.perf_counter()
             except grpc.aio.AioRpcError as exc:
-                if began >= measure_from:
+                if window.counts(time.perf_counter()):
                     result.errors[exc.code().name] += 1
                 continue
-            ended = time.perf_counter()
             result.total += tasks
-            # a bulk call lasts long beside the window: count it by when it ended, or the window's edges would lose many
-            inside = measure_from <= ended <= stop_at if spec.method == "submit_many" else began >= measure_from and ended <= stop_at
-            if inside:
+            if window.counts(ended):
                 result.ok += tasks
                 result.latencies.append(ended - began)
 
     await asyncio.gather(*(one(stubs[i % len(stubs)], mds[i % len(mds)]) for i in range(spec.concurrency)))
-    result.elapsed = spec.seconds
+    result.elapsed = window.seconds
     result.cpu = time.process_time() - cpu_start
     for ch in channels:
         await ch.close()

