@@ -14,12 +14,13 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench import bulk, history, latency, peers, profile, recovery, throughput
+from bench import bulk, fleet, history, latency, peers, profile, recovery, streams, throughput
 from bench.load import LoadResult
 from bench.stack import BenchStack, bench_settings
 from bench.stats import Report
 
 DEFAULT_OUT = Path("bench-results/latest.json")
+PHASES = ("submit", "bulk", "get", "fleet", "streams", "latency", "recovery", "history")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -38,11 +39,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the stack's folder (logs) after the run")
     parser.add_argument("--bulk-inflight", type=int, default=8, help="calls in flight in the bulk enqueue phases (100 tasks each)")
     parser.add_argument("--only", default="",
-                        help="comma-separated phases to run (submit, bulk, get, latency, recovery, history: needs submit and get);"
-                        " default all")
+                        help=f"comma-separated phases to run ({', '.join(PHASES)}; history needs submit and get); default all")
+    fleet_opts = parser.add_argument_group("fleet phase (sleep-only workers, every slot busy)")
+    fleet_opts.add_argument("--fleet-workers", type=int, default=2, help="worker processes")
+    fleet_opts.add_argument("--fleet-slots", type=int, default=100, help="slots per worker")
+    fleet_opts.add_argument("--fleet-tasks", type=int, default=0, help="tasks (0: one per slot)")
+    fleet_opts.add_argument("--fleet-seconds", type=float, default=20.0, help="how long each task runs")
+    fleet_opts.add_argument("--fleet-steps", type=int, default=20, help="steps per task (a progress report each, at most 100)")
+    streams_opts = parser.add_argument_group("streams phase (WatchTask streams on one notifier)")
+    streams_opts.add_argument("--streams", type=int, default=10_000, help="WatchTask streams, one task each")
+    streams_opts.add_argument("--streams-channels", type=int, default=20, help="gRPC channels (HTTP/2 connections) they share")
+    streams_opts.add_argument("--streams-idle", type=float, default=0.0,
+                              help="seconds of idle CPU measurement (0: one keep-alive period)")
+    streams_opts.add_argument("--streams-burst", type=int, default=1_000, help="watched tasks cancelled at once at the end")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy profiles of every service process at 64 in flight and in bulk (.taskgate/bench/)")
     args = parser.parse_args(argv)
+    unknown = {name.strip() for name in args.only.split(",") if name.strip()} - set(PHASES)
+    if unknown:
+        parser.error(f"unknown phase(s) {', '.join(sorted(unknown))}; choose from {', '.join(PHASES)}")
     args.peer = {name.strip() for name in args.peer.split(",") if name.strip()}
     if args.peer - set(peers.PEERS):
         parser.error(f"unknown peer(s) {', '.join(sorted(args.peer - set(peers.PEERS)))}; choose from {', '.join(peers.PEERS)}")
@@ -59,7 +74,9 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
                       "load_average_at_start": os.getloadavg()}
     opts = throughput.Options(seconds=args.seconds, warmup=min(1.0, args.seconds / 2), bulk_inflight=args.bulk_inflight,
                               profile_dir=profile.new_folder() if args.profile else None)
-    stack = BenchStack(state_dir, args.submit_procs, 2, bench_settings(state_dir))
+    stack = BenchStack(state_dir, args.submit_procs, 2, bench_settings(state_dir, fleet_seconds=args.fleet_seconds))
+    fleet_size = fleet.FleetOptions(args.fleet_workers, args.fleet_slots, args.fleet_tasks, args.fleet_seconds, args.fleet_steps)
+    streams_size = streams.StreamsOptions(args.streams, args.streams_channels, idle=args.streams_idle, burst=args.streams_burst)
     executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     section = f"submit ({args.submit_procs} submit processes, workers stopped)"
     submit: dict[int, LoadResult] = {}
@@ -115,6 +132,15 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
             await phase(f"SubmitTasks, {opts.bulk_batch} per call", lambda: bulk.submit_tasks(stack, executor, opts, report, section))
         if wanted("get"):
             await phase("GetTask", get_phase)
+        if wanted("fleet"):
+            f = fleet_size
+            await phase(f"fleet: {f.workers} x {f.slots} slots, {f.count} tasks of {f.seconds:g} s", lambda: fleet.measure(
+                stack, report, f"fleet ({f.workers} sleep workers x {f.slots} slots, {f.count} tasks of {f.seconds:g} s,"
+                f" {f.steps} steps each)", f))
+        if wanted("streams"):
+            m = streams_size
+            await phase(f"{m.streams:,} WatchTask streams", lambda: streams.measure(
+                stack, report, f"streams ({m.streams:,} WatchTask streams on one notifier, {m.channels} channels)", m))
         if wanted("latency"):
             await phase("latencies with idle workers", latency_phase)
         if recovery_wanted:

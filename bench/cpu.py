@@ -1,4 +1,4 @@
-"""CPU seconds used by each part of the stack (from /proc), to say where a submitted task's cost goes."""
+"""CPU seconds (and resident memory) of each part of the stack, from /proc: where a submitted task's cost goes."""
 
 from __future__ import annotations
 
@@ -18,6 +18,31 @@ def _stat(pid: int) -> tuple[int, float] | None:
         return None
     fields = text[text.rindex(")") + 2 :].split()
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process so far."""
+    found = _stat(pid)
+    return None if found is None else found[1]
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident set size of a live process."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def service_pid(stack: BenchStack, name: str) -> int:
+    """The pid of one running service process of the stack."""
+    proc = stack.cluster[name].proc
+    if proc is None or proc.poll() is not None:
+        raise RuntimeError(f"{name} is not running")
+    return proc.pid
 
 
 def _postgres_pids(data_dir: Path) -> list[int]:
@@ -50,6 +75,13 @@ def snapshot(stack: BenchStack) -> dict[str, float]:
     if nats is not None and (found := _stat(nats.pid)) is not None:
         out["nats"] = found[1]
     return out
+
+
+def per_unit(before: dict[str, float], after: dict[str, float], units: float) -> dict[str, float]:
+    """Milliseconds of CPU per unit (a task, a running task-second) for each server-side part alive at both snapshots,
+    busiest first."""
+    parts = {k: (after[k] - before[k]) * 1000 / units for k in after if k in before and units}
+    return {k: round(v, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
 
 
 def per_task(before: dict[str, float], after: dict[str, float], tasks: int, client_cpu: float) -> dict[str, float]:

@@ -23,14 +23,16 @@ from tests.harness import Cluster, ServiceProcess
 
 TENANT = "bench"
 LONG_MODEL = "sleepy-long"
+FLEET_MODEL = "sleepy-fleet"  # the fleet phase's tasks: a 'sleep' of `fleet_seconds`, one step per request step
 
 
-def bench_settings(state_dir: Path, **overrides: Any) -> Settings:
-    """The shipped defaults, except: a no-op 'sleep' model (and a long one for recovery), loopback webhooks allowed,
-    metrics endpoints off (several processes would fight over their ports)."""
+def bench_settings(state_dir: Path, *, fleet_seconds: float = 20.0, **overrides: Any) -> Settings:
+    """The shipped defaults, except: a no-op 'sleep' model (a long one for recovery, one of `fleet_seconds` for the
+    fleet), loopback webhooks allowed, metrics endpoints off (several processes would fight over their ports)."""
     base: dict[str, Any] = {
         "state_dir": state_dir,
-        "models": {"sleepy": ModelSpec(kind="sleep", sleep_seconds=0.0), LONG_MODEL: ModelSpec(kind="sleep", sleep_seconds=600.0)},
+        "models": {"sleepy": ModelSpec(kind="sleep", sleep_seconds=0.0), LONG_MODEL: ModelSpec(kind="sleep", sleep_seconds=600.0),
+                   FLEET_MODEL: ModelSpec(kind="sleep", sleep_seconds=fleet_seconds)},
         "default_model": "sleepy",
         "callback_allow_hosts": ["127.0.0.1"],
         "submit_metrics_port": 0,
@@ -110,8 +112,8 @@ class BenchStack:
         c.add("notifier", "services.notifier", **overrides)
         for name in self.submits():
             c.add(name, "services.submit", submit_port=self.submit_port, **overrides)
-        for name in self.worker_names():
-            c.add(name, "services.worker", worker_slots=1, **overrides)
+        for name in self.worker_names():  # not the fleet's model: its consumers would be idle work for these workers
+            c.add(name, "services.worker", worker_slots=1, worker_models=["sleepy", LONG_MODEL], **overrides)
         for i in range(1, self.submit_procs + 1):
             ceiling = c.add(f"ceiling-{i}", "bench.ceiling", port_field="submit_port", submit_port=self.ceiling_port)
             ceiling.env["TASKGATE_DB_POOL_SIZE"] = str(self.settings.db_pool_size)

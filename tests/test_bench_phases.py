@@ -1,0 +1,50 @@
+"""The bench's counting rules, without a stack: one measured window for every system, running task-seconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.fleet import FleetOptions, running_seconds
+from bench.load import Window
+from bench.streams import Watch
+
+
+def test_a_call_counts_by_when_it_ended_inside_the_window() -> None:
+    window = Window(10.0, 20.0)
+    assert window.seconds == 10.0
+    assert window.counts(10.0) and window.counts(15.0) and window.counts(20.0)
+    assert not window.counts(9.99) and not window.counts(20.01)
+    # started in the warm-up, ended inside: counted (a long bulk call is not lost at the window's start)
+    assert window.counts(10.5)
+    # callers keep starting calls until the window closes, so the load is steady all through it
+    assert window.open(19.99) and not window.open(20.0)
+
+
+def test_window_after_opens_once_the_warm_up_is_over() -> None:
+    window = Window.after(1.0, 5.0)
+    assert window.seconds == pytest.approx(5.0)
+    assert not window.counts(window.start - 0.5)
+
+
+def test_running_seconds_counts_only_the_part_of_each_task_inside_the_window() -> None:
+    spans: list[tuple[float, float | None]] = [
+        (0.0, None),  # running all through
+        (5.0, 8.0),  # inside
+        (8.0, 30.0),  # finishes after the window
+        (25.0, None),  # starts after it
+        (0.0, 1.0),  # finished before it
+    ]
+    assert running_seconds(spans, 2.0, 12.0) == pytest.approx(10.0 + 3.0 + 4.0)
+
+
+def test_fleet_defaults_fill_every_slot() -> None:
+    assert FleetOptions().count == 200
+    assert FleetOptions(workers=2, slots=20, tasks=7).count == 7
+
+
+def test_a_stream_is_dropped_only_when_the_server_ended_it_without_a_terminal_event() -> None:
+    assert not Watch("1").dropped  # still open
+    assert not Watch("1", ended="client").dropped
+    assert not Watch("1", ended="terminal").dropped
+    assert Watch("1", ended="CANCELLED").dropped
+    assert Watch("1", ended="OK (no terminal event)").dropped
