@@ -501,8 +501,9 @@ class FakeTaskgate:
         self._tasks[task_id] = entry
         self._keys[key] = task_id
         self._move(entry, Status.CREATED, reason="submitted", actor="submit")
-        self._move(entry, Status.QUEUED, reason="dispatched", actor="submit")
-        return gateway_pb2.SubmitTaskResponse(task=self._copy(task, position=True), created=True)
+        answer = gateway_pb2.SubmitTaskResponse(task=self._copy(task, position=True), created=True)
+        self._move(entry, Status.QUEUED, reason="dispatched", actor="submit")  # as the real dispatcher, after the answer
+        return answer
 
     async def _get(self, request: gateway_pb2.GetTaskRequest, **_: Any) -> gateway_pb2.GetTaskResponse:
         self._injected("GetTask")

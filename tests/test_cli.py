@@ -123,7 +123,7 @@ async def test_submit_get_list_json(cli: Cli) -> None:
     submitted = await cli("submit", "a fox", "--model", "sleepy", "--steps", "2", "--seed", "3", "--metadata", "k=v", "--json")
     assert submitted.code == 0, submitted.err
     task = submitted.json()
-    assert task["status"] in ("QUEUED", "PROCESSING", "SUCCEEDED") and task["created"] is True
+    assert task["status"] in ("CREATED", "QUEUED", "PROCESSING", "SUCCEEDED") and task["created"] is True
     assert task["params"]["seed"] == 3 and task["metadata"] == {"k": "v"}
     got = await cli("get", task["task_id"], "--json")
     assert got.code == 0 and got.json()["task_id"] == task["task_id"]

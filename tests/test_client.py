@@ -129,12 +129,17 @@ async def run_task(backends: Backends, task_id: str, result: bytes | None = b"vi
 # -- submit, get, list, cancel -------------------------------------------------------------------------------------
 
 
+async def _queued(client: AsyncTaskgateClient, task_id: str) -> bool:
+    return (await client.get(task_id)).status is Status.QUEUED
+
+
 async def test_submit_get_and_list(client: AsyncTaskgateClient) -> None:
     task = await client.submit("a red fox in the snow", frames=9, width=32, height=32, steps=2, seed=7, metadata={"job": "1"})
     assert task.status in (Status.QUEUED, Status.CREATED)
     assert task.created is True
     assert str(uuid.UUID(task.idempotency_key)) == task.idempotency_key  # generated once per call
     assert task.params["num_frames"] == 9 and task.params["seed"] == 7
+    await wait_for(lambda: _queued(client, task.task_id))  # the dispatcher queues it after the answer
     fetched = await client.get(task.task_id)
     assert fetched.task_id == task.task_id and fetched.metadata == {"job": "1"} and fetched.prompt == "a red fox in the snow"
     assert fetched.status is Status.QUEUED and fetched.queue_position == 1

@@ -71,7 +71,7 @@ async def test_regenerate_makes_a_new_task_from_a_finished_ones_request(stub: An
     again = await stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=source.id), metadata=paying, timeout=10)
     new = again.task
     assert again.created and again.source_task_id == source.id and new.id != source.id
-    assert new.status == task_pb2.TASK_STATUS_QUEUED and new.priority == HIGH
+    assert new.status == task_pb2.TASK_STATUS_CREATED and new.priority == HIGH
     assert new.idempotency_key != source.idempotency_key
     assert (new.prompt, new.model_id, dict(new.metadata), new.max_retries) == ("again please", source.model_id, {"job": "7"}, 1)
     same = ("num_frames", "width", "height", "num_inference_steps", "fps", "negative_prompt", "guidance_scale")
