@@ -23,6 +23,7 @@ from taskgate.store import bench as bench_store
 from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 
 MARGIN = 0.5  # seconds the window closes before the first task could finish
+IDLE_SECONDS = 3.0  # the idle stack's CPU is measured this long before the tasks are submitted
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ async def measure(stack: BenchStack, report: Report, section: str, opts: FleetOp
             collector = asyncio.create_task(collect())
             try:
                 await asyncio.wait_for(live.wait(), 30)
-                figures = await _run(stack, gateway, md, opts, streamed)
+                idle = await _idle_cores(stack)
+                figures = await _run(stack, gateway, md, opts, streamed) | {"idle_cores": idle}
             finally:
                 watch.cancel()
                 with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
@@ -89,6 +91,13 @@ async def measure(stack: BenchStack, report: Report, section: str, opts: FleetOp
         await stack.stop_group(names)
         await stack.purge_tasks_stream()
     _report(report, section, opts, figures)
+
+
+async def _idle_cores(stack: BenchStack) -> dict[str, float]:
+    """Each part's CPU (cores) with the fleet started and nothing to run: the stack's fixed cost, for comparison."""
+    began, before = time.monotonic(), cpu.snapshot(stack)
+    await asyncio.sleep(IDLE_SECONDS)
+    return {k: v / 1000 for k, v in cpu.per_unit(before, cpu.snapshot(stack), time.monotonic() - began).items()}
 
 
 async def _submit(gateway: gateway_pb2_grpc.TaskGatewayStub, md: Any, opts: FleetOptions) -> list[int]:
@@ -153,10 +162,16 @@ def _report(report: Report, section: str, opts: FleetOptions, figures: dict[str,
         report.skip(section, "server-side CPU per running task-second",
                     f"window too short ({window:.1f} s): make the tasks longer (--fleet-seconds) or fewer")
         return
+    idle = figures["idle_cores"]
     report.add(section, "server-side CPU per running task-second", sum(costs.values()), "ms", at_most=0.5,
                note=", ".join(f"{k} {v:.3f}" for k, v in costs.items()))
     for part, value in costs.items():
-        report.add(section, f"CPU per running task-second: {part}", value, "ms")
+        report.add(section, f"CPU per running task-second: {part}", value, "ms",
+                   note=f"{idle.get(part, 0.0):.3f} cores with nothing running ({idle.get(part, 0.0) * 1000 / mean_running:.3f} ms"
+                        f" per running task-second of the {mean_running:.0f})" if mean_running else "")
+    above = sum(costs.values()) - sum(idle.values()) * 1000 / mean_running if mean_running else float("nan")
+    report.add(section, "server-side CPU per running task-second above the idle stack", above, "ms",
+               note=f"the idle stack: {sum(idle.values()):.3f} cores, measured {IDLE_SECONDS:g} s before the submit")
     latencies = figures["latencies"]
     p50, p99 = ms(latencies)
     rate = len(latencies) / window
@@ -167,6 +182,7 @@ def _report(report: Report, section: str, opts: FleetOptions, figures: dict[str,
         "workers": opts.workers, "slots": opts.slots, "tasks": opts.count, "task_seconds_each": opts.seconds,
         "steps": opts.steps, "ramp_s": round(figures["ramp_s"], 2), "window_s": round(window, 2),
         "running_task_seconds": round(task_seconds, 1), "cpu_ms_per_running_task_second": costs,
+        "idle_cores": {k: round(v, 4) for k, v in idle.items()},
         "events": len(latencies), "progress_events": figures["progress_events"],
         "event_latency_ms": {"p50": round(p50, 2), "p99": round(p99, 2)},
     }
