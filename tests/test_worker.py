@@ -286,7 +286,8 @@ async def test_retryable_failure_is_retried_with_growing_delays_then_dead_letter
     assert [r.attempt for r in retried] == [1, 2]
     assert retried[0].delay is not None and retried[1].delay is not None and retried[0].delay < retried[1].delay
     history = await events(backends, task.id)
-    claims = [e["at"] for e in history if e["to_status"] == "PROCESSING" and e["from_status"] == "QUEUED"]
+    # the first claim may come from CREATED: this helper publishes before it queues (DESIGN-NOTES race 1)
+    claims = [e["at"] for e in history if e["to_status"] == "PROCESSING" and e["from_status"] in ("CREATED", "QUEUED")]
     retries = [e["at"] for e in history if e["to_status"] == "QUEUED" and e["from_status"] == "PROCESSING"]
     gaps = [(c - r).total_seconds() for r, c in zip(retries, claims[1:], strict=True)]
     assert gaps[0] >= 0.15 * 0.9 - 0.01 and gaps[1] >= 0.3 * 0.9 - 0.01 and gaps[1] > gaps[0]

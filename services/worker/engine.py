@@ -86,7 +86,10 @@ class Worker:
             spawn=self._spawn, changed=self._gauges,
         )
         self.claimer = Claimer(pool=self.pool, settings=settings, worker_id=worker_id)
-        self.attempts = Attempts(pool=self.pool, settings=settings, runners=runners, devices=self.devices, encoders=self._encoders)
+        self.attempts = Attempts(
+            pool=self.pool, settings=settings, runners=runners, devices=self.devices, encoders=self._encoders,
+            progressed=lambda: self.heartbeat.progressed(),
+        )
         self.finisher = Finisher(
             pool=self.pool, bus=self.bus, outputs=results.result_store(settings, self.bus), settings=settings,
             report=self._report_run,
@@ -238,8 +241,6 @@ class Worker:
                 else:
                     await self._perform(run)
         finally:
-            if run.writer is not None and not run.writer.done():
-                run.writer.cancel()
             self.runs.pop(task.id, None)
             self._gauges()
             self._notify()

@@ -1,4 +1,4 @@
-"""Keeping what this worker holds: each running attempt's lease and ack wait, and the worker's registry row."""
+"""Keeping what this worker holds: its running attempts' leases, ack waits and progress, and its registry row."""
 
 from __future__ import annotations
 
@@ -7,24 +7,32 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import asyncpg
 
 from services.worker.consumer import Level
-from services.worker.run import Run
+from services.worker.run import ACTOR, Run
 from taskgate import bus as busmod
-from taskgate import store, telemetry
+from taskgate import telemetry
 from taskgate.config import Settings
+from taskgate.model import TaskRow
 from taskgate.store import workers
-from taskgate.waiting import cancelling
+from taskgate.waiting import cancelling, woken
 
 log = logging.getLogger("taskgate.worker")
 
-Check = Callable[[Run, str], Awaitable[None]]
+
+class Check(Protocol):
+    """A refused renewal or progress write: look at the row (read unless given), stop the run if it is not its own."""
+
+    def __call__(self, run: Run, why: str, row: TaskRow | None = None) -> Awaitable[None]: ...
 
 
 class Heartbeat:
-    """Every heartbeat_seconds: renews each running attempt's lease and ack wait, then the registry row and gauges."""
+    """One statement per beat for all of this worker: every heartbeat_seconds it renews each running attempt's lease,
+    writes the progress that is due and records the registry row; between beats, one statement writes the progress
+    that came due (each task's at most once per progress_interval_seconds, its newest value), renewing those leases."""
 
     def __init__(
         self,
@@ -47,17 +55,41 @@ class Heartbeat:
         self.levels = levels
         self.runs = runs
         self._registration = registration
-        self._check = check  # a refused renewal: look at the row, stop the run if the task is no longer its
+        self._check = check
         self._gauges = gauges
         self.use_cuda = use_cuda
         self._stats: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._armed = False  # the loop already waits to write progress: a new step need not wake it
+        self._next_write = 0.0  # monotonic: a progress write waits progress_interval_seconds after the last one
+
+    def progressed(self) -> None:
+        """A run has new progress to write: wakes the loop, unless it already waits to write some."""
+        if not self._armed:
+            self._wake.set()
 
     async def loop(self) -> None:
-        """Beats until cancelled; a failed beat is logged and the next one tried."""
+        """Beats until cancelled, writing due progress in between; a failed statement is logged and the next tried."""
+        beat_every = self.settings.heartbeat_seconds
+        next_beat = time.monotonic() + beat_every
         while True:
-            await asyncio.sleep(self.settings.heartbeat_seconds)
+            self._wake.clear()
+            due = [at for run in self.runs.values() if (at := run.progress_at(self.settings.progress_interval_seconds)) is not None]
+            self._armed = bool(due)
+            write_at = max(min(due), self._next_write) if due else None
+            beat_at = next_beat
+            if write_at is not None and abs(write_at - beat_at) <= beat_every / 4:
+                beat_at = write_at  # a beat and a progress write close together go as one statement
+            at = beat_at if write_at is None else min(beat_at, write_at)
+            now = time.monotonic()
+            if at > now:
+                await woken(self._wake, at - now)
+                continue
+            full = now >= beat_at
+            if full:
+                next_beat = now + beat_every
             try:
-                await self.beat()
+                await self.beat(full=full)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -65,13 +97,64 @@ class Heartbeat:
                     raise asyncio.CancelledError from exc
                 log.warning("heartbeat failed", extra={"worker": self.worker_id}, exc_info=True)
 
-    async def beat(self) -> None:
-        """One heartbeat."""
-        renewals = await asyncio.gather(*(self.renew(run) for run in list(self.runs.values())), return_exceptions=True)
-        for failure in renewals:
+    async def beat(self, *, full: bool = True) -> None:
+        """One statement: with `full`, every running attempt's renewal and the registry row, else only the attempts
+        whose progress is due; each due progress rides along (its write renews its lease too)."""
+        now = time.monotonic()
+        interval = self.settings.progress_interval_seconds
+        holds: list[workers.Hold] = []
+        named: list[tuple[Run, int | None, int]] = []  # each run named, the progress it carries, the one before
+        for run in list(self.runs.values()):
+            at = run.progress_at(interval)
+            percent = run.percent if at is not None and at <= now else None
+            # a soft-cancelled run renews too: its lease holds the tenant's slot until it ends
+            if percent is not None or (full and run.stopped_by is None):
+                holds.append(workers.Hold(run.task.id, run.attempt, percent))
+                named.append((run, percent, run.written))
+            elif full:
+                named.append((run, None, run.written))  # not renewed (stopping), its message's ack wait still is
+        written = asyncio.Event()
+        for run, percent, _ in named:
+            if percent is not None:
+                run.written, run.last_write, run.writing = percent, now, written
+        if any(percent is not None for _, percent, _ in named):
+            self._next_write = now + interval
+        try:
+            renewed = await workers.beat(
+                self.pool,
+                holds,
+                lease_seconds=self.settings.lease_seconds,
+                worker=self._registration() if full else None,
+                actor=ACTOR,
+            )
+        except BaseException:
+            for run, percent, before in named:
+                if percent is not None and run.written == percent:
+                    run.written = before  # not written: the next write carries it again
+            raise
+        finally:
+            written.set()
+        checks = []
+        for run, percent, _ in named:
+            got = renewed.get(run.task.id)
+            if run.stopped_by is not None and percent is None:
+                continue  # not renewed: nothing to check
+            if got is None:
+                checks.append(self._check(run, "lease renewal refused"))
+            elif percent is not None and not got.progressed:
+                checks.append(self._check(run, "progress write refused", got.task))
+        for failure in await asyncio.gather(*checks, return_exceptions=True):
             if isinstance(failure, Exception):
-                log.warning("lease renewal failed", extra={"worker": self.worker_id, "error": type(failure).__name__})
-        await self.register()
+                log.warning("lease check failed", extra={"worker": self.worker_id, "error": type(failure).__name__})
+        # A renewed lease outlives the message's ack wait unless that is restarted too.
+        waits = [run.msg.in_progress() for run, _, _ in named if run.owns_message]
+        for failure in await asyncio.gather(*waits, return_exceptions=True):
+            if isinstance(failure, Exception):
+                log.warning("ack wait renewal failed", extra={"worker": self.worker_id, "error": type(failure).__name__})
+        if full:
+            self._beaten()
+
+    def _beaten(self) -> None:
         telemetry.WORKER_HEARTBEAT.set(time.time())
         self._gauges()
         if self.use_cuda:
@@ -82,16 +165,8 @@ class Heartbeat:
         if self._stats is None or self._stats.done():  # off the heartbeat's path: a slow NATS must not delay renewals
             self._stats = asyncio.create_task(self._consumer_stats())
 
-    async def renew(self, run: Run) -> None:
-        """Extends the run's lease (fenced by its attempt) and its message's ack wait, while they are still its own."""
-        renewing = run.stopped_by is None  # a soft-cancelled run too: its lease holds the tenant's slot until it ends
-        if renewing and not await store.renew_lease(self.pool, run.task.id, attempt=run.attempt, lease_seconds=self.settings.lease_seconds):
-            await self._check(run, "lease renewal refused")
-        if run.owns_message:
-            await run.msg.in_progress()
-
     async def register(self) -> None:
-        """Writes the registry row: what this worker serves and runs now."""
+        """Writes the registry row alone: what this worker serves and runs now."""
         await workers.register(self.pool, self._registration())
 
     def background(self) -> list[asyncio.Task[None]]:

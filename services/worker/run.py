@@ -1,15 +1,15 @@
-"""One claimed attempt running here: the model in its slot's thread, its progress writes, and a look at its row."""
+"""One claimed attempt running here: the model in its slot's thread, its progress to write, and a look at its row."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import contextvars
 import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -27,7 +27,6 @@ from taskgate.model import TaskRow
 log = logging.getLogger("taskgate.worker")
 
 ACTOR = "worker"
-PROGRESS_STEP = 10  # percent: a larger jump is written at once, a smaller one after progress_interval_seconds
 
 
 class Halt(enum.Enum):
@@ -51,9 +50,9 @@ class Run:
     finishing: bool = False
     steps_done: int = 0
     total_steps: int = 0
-    written: int = 0
-    last_write: float = field(default_factory=time.monotonic)
-    writer: asyncio.Task[None] | None = None
+    written: int = 0  # the progress last sent (the claim wrote 0)
+    last_write: float = field(default_factory=time.monotonic)  # when it was sent (monotonic)
+    writing: asyncio.Event | None = None  # set once the beat statement carrying its latest progress has ended
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -79,17 +78,26 @@ class Run:
             self.steps_at_abort = self.steps_done
         self.abort.set()
 
+    def progress_pending(self) -> bool:
+        """Whether it has progress not yet written that a write may still carry (the final transition writes 100)."""
+        if self.finishing or self.soft_canceled or self.stopped_by is not None:
+            return False
+        return self.steps_done < self.total_steps and self.percent > self.written
+
+    def progress_at(self, interval: float) -> float | None:
+        """When its pending progress may be written (monotonic): `interval` after the last write; None: nothing to."""
+        return self.last_write + interval if self.progress_pending() else None
+
     async def end_progress(self) -> None:
         """Stops progress writes before a final transition, so none lands after it."""
         self.finishing = True
-        if self.writer is not None and not self.writer.done():
-            with contextlib.suppress(Exception):
-                await self.writer
+        if self.writing is not None:
+            await self.writing.wait()
 
 
 class Attempts:
-    """Runs claimed attempts (the device phase on a device, then the CPU phase), writes their progress, and stops one
-    whose row says it should."""
+    """Runs claimed attempts (the device phase on a device, then the CPU phase), tells `progressed` when one has new
+    progress to write, and stops one whose row says it should."""
 
     def __init__(
         self,
@@ -99,12 +107,14 @@ class Attempts:
         runners: dict[tuple[str, str], runmod.ModelRunner],
         devices: Devices,
         encoders: concurrent.futures.Executor,
+        progressed: Callable[[], None],
     ) -> None:
         self.pool = pool
         self.settings = settings
         self.runners = runners
         self.devices = devices
         self.encoders = encoders
+        self._progressed = progressed  # the heartbeat writes it, coalesced, batched with the other runs' (lease.py)
 
     async def perform(self, run: Run) -> runmod.RunOutput:
         """The run's output; raises RunAborted once it was stopped, RunError (classified) when it failed."""
@@ -159,33 +169,5 @@ class Attempts:
 
     def _on_step(self, run: Run, step: int, total: int) -> None:
         run.steps_done, run.total_steps = step, total
-        if (run.writer is None or run.writer.done()) and self._progress_due(run):
-            run.writer = asyncio.create_task(self._write_progress(run))
-
-    def _progress_due(self, run: Run) -> bool:
-        if run.finishing or run.soft_canceled or run.stopped_by is not None:
-            return False
-        if run.steps_done >= run.total_steps:
-            return False  # the final transition writes 100 a moment later
-        pct = run.percent
-        if pct <= run.written:
-            return False
-        return pct - run.written >= PROGRESS_STEP or time.monotonic() - run.last_write >= self.settings.progress_interval_seconds
-
-    async def _write_progress(self, run: Run) -> None:
-        """Writes the newest progress while it is due; only the latest value is ever sent."""
-        while self._progress_due(run):
-            pct = run.percent
-            run.written, run.last_write = pct, time.monotonic()
-            try:
-                out = await store.progress(
-                    self.pool, run.task.id, attempt=run.attempt, percent=pct, lease_seconds=self.settings.lease_seconds, actor=ACTOR
-                )
-            except Exception:
-                log.warning("progress write failed", extra={"task_id": str(run.task.id)}, exc_info=True)
-                return
-            if not out.applied:
-                await self.check(run, "progress write refused", out.task)
-                return
-            # The write extended the lease; the ack wait must not end before it.
-            await run.msg.in_progress()
+        if run.progress_pending():
+            self._progressed()

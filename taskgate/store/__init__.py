@@ -30,12 +30,12 @@ from taskgate.store.tasks import (
     progress,
     queue,
     release,
-    renew_lease,
     republish,
     retry,
     succeed,
     time_out,
 )
+from taskgate.store.workers import renew_lease
 
 __all__ = [
     "Cancel",

@@ -415,11 +415,6 @@ async def get_task(db: Conn, task_id: int) -> TaskRow | None:
     return TaskRow.from_record(rec) if rec is not None else None
 
 
-async def renew_lease(db: Conn, task_id: int, *, attempt: int, lease_seconds: float) -> bool:
-    """Extends a running (or soft-cancelled, still running) attempt's lease; False when it no longer holds the task."""
-    return await db.fetchval(sql.query("renew_lease"), task_id, attempt, lease_seconds) is not None
-
-
 async def let_go(db: Conn, task_id: int, *, attempt: int) -> bool:
     """Ends a soft-cancelled attempt's lease once its worker stopped running it (the tenant's pending slot frees);
     False when it held none."""

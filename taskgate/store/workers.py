@@ -1,11 +1,13 @@
-"""The worker's own rows: its registry entry, its claim under the caps, and outputs kept for reuse.
+"""The worker's own rows: its registry entry and its beat, its claim under the caps, and outputs kept for reuse.
 
-The SQL is the `worker_*` blocks of sql/queries/worker.sql; the claim is one statement (functions/worker_claim.sql).
+The SQL is the `worker_*` blocks of sql/queries/worker.sql; the claim is one statement (functions/worker_claim.sql),
+and so is a beat, however many attempts it renews.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from taskgate import sql
@@ -64,17 +66,63 @@ class WorkerClaim:
         return Outcome(task=self.task, rejection=Rejection.NOT_FOUND if self.task is None else Rejection.ILLEGAL)
 
 
-async def register(db: Conn, worker: Registration) -> None:
-    """Registers a worker or records its heartbeat."""
-    await db.execute(
-        sql.query("worker_upsert"),
-        worker.worker_id,
-        list(worker.models),
-        worker.slots,
-        worker.running,
-        worker.device,
-        worker.draining,
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """One attempt a worker runs, as its beat names it: the lease to renew, and new progress to write (None: none)."""
+
+    task_id: int
+    attempt: int
+    progress: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    """An attempt that still holds its task after a beat: the row as the beat left it, and whether its progress moved."""
+
+    task: TaskRow
+    progressed: bool
+
+
+async def beat(
+    db: Conn, holds: Sequence[Hold], *, lease_seconds: float, worker: Registration | None = None, actor: str = "worker"
+) -> dict[int, Renewal]:
+    """One statement: renews every lease in `holds` (fenced by its attempt), writes their new progress (each a guarded
+    PROCESSING -> PROCESSING move, logged once), and records `worker`'s registry heartbeat when given.
+
+    Returns the renewals by task id; a task absent from it is no longer its attempt's.
+    """
+    reg = worker or Registration("", (), 0, 0, "", False)
+    rows = await db.fetch(
+        sql.query("worker_beat"),
+        [h.task_id for h in holds],
+        [h.attempt for h in holds],
+        [h.progress for h in holds],
+        lease_seconds,
+        worker.worker_id if worker is not None else None,
+        list(reg.models),
+        reg.slots,
+        reg.running,
+        reg.device,
+        reg.draining,
+        actor,
     )
+    out = {}
+    for rec in rows:
+        task = TaskRow.from_record(rec)
+        if rec["progressed"]:
+            applied(task, Status.PROCESSING, actor=actor, reason="progress")
+        out[task.id] = Renewal(task, rec["progressed"])
+    return out
+
+
+async def register(db: Conn, worker: Registration) -> None:
+    """Registers a worker or records its heartbeat (a beat renewing nothing)."""
+    await beat(db, (), lease_seconds=0, worker=worker)
+
+
+async def renew_lease(db: Conn, task_id: int, *, attempt: int, lease_seconds: float) -> bool:
+    """Extends a running (or soft-cancelled, still running) attempt's lease; False when it no longer holds the task."""
+    return task_id in await beat(db, [Hold(task_id, attempt)], lease_seconds=lease_seconds)
 
 
 async def unregister(db: Conn, worker_id: str) -> None:

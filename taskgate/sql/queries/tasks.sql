@@ -42,6 +42,7 @@ RETURNING t.*, o.old_status;
 
 -- name: progress_task
 -- PROCESSING -> PROCESSING with new progress; renews the lease. $7 progress, $8 lease seconds.
+-- A worker writes the same move for all its running attempts at once in worker_beat (worker.sql): change both together.
 UPDATE task t SET version = t.version + 1, progress = $7, lease_expires_at = now() + make_interval(secs => $8),
        updated_at = now(), last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
@@ -127,13 +128,6 @@ RETURNING t.*, o.old_status;
 -- name: get_task
 -- One task by id.
 SELECT * FROM task WHERE id = $1;
-
--- name: renew_lease
--- Heartbeat of a running attempt (or a soft-cancelled one its worker still runs): extends its lease without a new
--- version. $1 id, $2 attempt, $3 lease seconds.
-UPDATE task SET lease_expires_at = now() + make_interval(secs => $3)
-WHERE id = $1 AND attempt = $2 AND (status = 'PROCESSING' OR (status = 'CANCELED' AND lease_expires_at IS NOT NULL))
-RETURNING lease_expires_at;
 
 -- name: let_go_task
 -- The worker stopped running a soft-cancelled attempt: its lease (and pending slot) ends. No new version.
