@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import multiprocessing
 import os
 import shutil
@@ -71,7 +72,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 async def run(args: argparse.Namespace, state_dir: Path) -> Report:
     report = Report()
     report.context = {"cpus": os.cpu_count(), "submit_processes": args.submit_procs, "seconds_per_level": args.seconds,
-                      "load_average_at_start": os.getloadavg()}
+                      "load_average_at_start": os.getloadavg(),
+                      # taskgate.runtime runs every service on uvloop when it is importable (pgqueuer's requirements bring it)
+                      "services_on_uvloop": importlib.util.find_spec("uvloop") is not None}
     opts = throughput.Options(seconds=args.seconds, warmup=min(1.0, args.seconds / 2), bulk_inflight=args.bulk_inflight,
                               profile_dir=profile.new_folder() if args.profile else None)
     stack = BenchStack(state_dir, args.submit_procs, 2, bench_settings(state_dir, fleet_seconds=args.fleet_seconds))
