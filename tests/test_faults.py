@@ -241,7 +241,7 @@ class Chaos:
         fault.recovery_s = time.monotonic() - t0
 
     async def _relayed_after(self, at: Any) -> bool:
-        return bool(await self.db.fetchval("SELECT max(published_at) > $1 FROM task_event", at))
+        return bool(await self.db.fetchval("SELECT max(at) > $1 FROM relay_pass", at))
 
     async def _worker(self, fault: Fault) -> None:
         name = fault.target
@@ -336,7 +336,7 @@ async def quiescent(db: asyncpg.Pool, expected: int) -> bool:
         " FROM task WHERE user_id = $1",
         TENANT,
     )
-    unrelayed = await db.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL")
+    unrelayed = await db.fetchval("SELECT count(*) FROM event_outbox")
     assert row is not None
     return bool(row["total"] >= expected and row["open"] == 0 and row["hooks"] == 0 and unrelayed == 0)
 

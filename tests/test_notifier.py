@@ -275,7 +275,7 @@ async def _eq(value: Awaitable[Any], expected: Any) -> bool:
 
 async def all_relayed(pool: Any) -> None:
     """Waits until the relay has put every event on JetStream."""
-    await wait_for(lambda: _eq(pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL"), 0))
+    await wait_for(lambda: _eq(pool.fetchval("SELECT count(*) FROM event_outbox"), 0))
 
 
 async def test_hanging_receiver_is_cut_at_the_timeout(
@@ -463,7 +463,7 @@ async def test_relay_killed_mid_batch_recovers_with_no_gap(
         await run_to(backends.pool, t.id, Status.PROCESSING, [])
     await asyncio.wait_for(published.wait(), 10)
     await asyncio.wait_for(first.kill(), 10)
-    assert await backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL") >= 1
+    assert await backends.pool.fetchval("SELECT count(*) FROM event_outbox") >= 1
     on_stream_before = len(await stream_events(backends))
     assert on_stream_before >= 1  # the killed pass did publish
 
@@ -513,7 +513,7 @@ async def test_relay_stops_when_cancelled_inside_a_publish_that_hides_the_cancel
         js.honest = True  # lets a relay that ignored the cancel end, so a failure here does not hang the run
         loop.cancel()
         await asyncio.wait({loop}, timeout=5)
-    assert await backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL") == 1
+    assert await backends.pool.fetchval("SELECT count(*) FROM event_outbox") == 1
 
 
 async def test_a_relay_pass_stalled_on_publishing_gives_up_after_its_timeout_and_records_nothing(
@@ -529,7 +529,7 @@ async def test_a_relay_pass_stalled_on_publishing_gives_up_after_its_timeout_and
     relayed = await asyncio.wait_for(relay.relay_once(), 10)
     assert relayed == 0 and js.entered.is_set()
     assert 0.3 <= time.monotonic() - began < 5  # the pass's own bound, not the test's
-    assert await backends.pool.fetchval("SELECT count(*) FROM task_event WHERE published_at IS NULL") == 1
+    assert await backends.pool.fetchval("SELECT count(*) FROM event_outbox") == 1
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]  # the timeout's cancel was taken back
 
 

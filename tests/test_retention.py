@@ -83,7 +83,7 @@ async def counts(backends: Backends, task_id: int) -> tuple[int, int, int]:
 async def with_webhook_log(backends: Backends, task: TaskRow) -> None:
     """A delivered webhook of the task's terminal event with one attempt logged (as the notifier writes them)."""
     async with backends.pool.acquire() as conn:
-        await conn.execute("UPDATE task_event SET published_at = now() WHERE task_id = $1", task.id)
+        await conn.execute("DELETE FROM event_outbox o USING task_event e WHERE e.id = o.event_id AND e.task_id = $1", task.id)
         delivery = await conn.fetchval(
             "INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, status, "
             "attempts, delivered_at) SELECT task_id, max(id), 'tenant-a', 'msg_' || task_id, 'task.succeeded', "

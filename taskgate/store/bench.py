@@ -29,7 +29,7 @@ async def count_by_status(db: Conn, ids: list[int]) -> dict[str, int]:
 
 async def events_unrelayed(db: Conn) -> bool:
     """Whether any event is still waiting for the relay."""
-    return bool(await db.fetchval("SELECT EXISTS (SELECT 1 FROM task_event WHERE published_at IS NULL)"))
+    return bool(await db.fetchval("SELECT EXISTS (SELECT 1 FROM event_outbox)"))
 
 
 async def fill_history(db: Conn, *, rows: int, tenant: str, events_seconds: float, results_seconds: float) -> None:

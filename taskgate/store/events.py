@@ -1,4 +1,5 @@
-"""task_event rows: what the event relay takes and marks published, and what the event streams replay."""
+"""task_event rows: what the event relay takes from its outbox and records as relayed, and what the event streams
+replay. The event rows themselves are append-only."""
 
 from __future__ import annotations
 
@@ -42,7 +43,6 @@ class Event:
     result_size: int | None
     result_sha256: str | None
     result_content_type: str | None
-    published_at: datetime | None
 
     @classmethod
     def from_record(cls, rec: Any) -> Event:
@@ -67,7 +67,6 @@ class Event:
             result_size=rec["result_size"],
             result_sha256=rec["result_sha256"],
             result_content_type=rec["result_content_type"],
-            published_at=rec["published_at"],
         )
 
 
@@ -115,7 +114,7 @@ async def take_unpublished(conn: asyncpg.Connection, *, limit: int) -> list[Rela
 
 
 async def mark_published(conn: asyncpg.Connection, event_ids: Sequence[int], *, at: datetime) -> None:
-    """Records that events are on JetStream, relayed by the pass of relay time `at`."""
+    """Records that events are on JetStream, relayed by the pass of relay time `at` (out of the outbox, one pass row)."""
     await conn.execute(sql.query("relay_mark_published"), list(event_ids), at)
 
 

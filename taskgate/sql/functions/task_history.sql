@@ -1,6 +1,6 @@
--- History: the database writes one task_event row per version of a task and NOTIFYs the event relay once per
--- statement, refuses a version that does not grow by one or a move that task_transition does not list, and keeps
--- each tenant's count of unfinished tasks (tenant_pending; what counts: pending.sql). Statement-level triggers with
+-- History: the database writes one task_event row per version of a task, its id into the relay's outbox
+-- (event_outbox), and NOTIFYs the event relay once per statement, refuses a version that does not grow by one or a
+-- move that task_transition does not list, and keeps each tenant's count of unfinished tasks (tenant_pending; what counts: pending.sql). Statement-level triggers with
 -- transition tables: a statement that moves a batch of tasks writes their history in one INSERT, however many rows
 -- it touched.
 
@@ -32,6 +32,9 @@ BEGIN
             FROM pairs p
             WHERE p.version = p.old_version + 1  -- every changed version, once the checks below have passed
             ORDER BY p.id
+            RETURNING id
+        ), relay AS (  -- the relay's outbox: it deletes what it published, the event rows stay as written
+            INSERT INTO event_outbox (event_id) SELECT id FROM events
             RETURNING 1
         ), counts AS (
             -- a move out of the unfinished states, or a soft-cancelled run's worker letting go (pending.sql)
@@ -41,7 +44,7 @@ BEGIN
             ON CONFLICT (tenant_id) DO UPDATE SET pending = t.pending + EXCLUDED.pending
             RETURNING 1
         )
-        SELECT (SELECT count(*) FROM events),
+        SELECT (SELECT count(*) FROM relay),
                (SELECT p.id FROM pairs p WHERE p.version <> p.old_version AND p.version <> p.old_version + 1 LIMIT 1),
                (SELECT p.id FROM pairs p
                 WHERE p.version = p.old_version + 1
@@ -60,14 +63,18 @@ BEGIN
                 USING ERRCODE = 'check_violation';
         END IF;
     ELSIF TG_OP = 'INSERT' THEN
-        INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason, progress,
-                                attempt, worker_id, error_code, error_msg, result_uri, result_size, result_sha256,
-                                result_content_type)
-        SELECT n.id, n.user_id, n.model_id, n.version, NULL, n.status, n.last_actor, n.last_reason, n.progress,
-               n.attempt, n.worker_id, n.error_code, n.error_msg, n.result_uri, n.result_size, n.result_sha256,
-               n.result_content_type
-        FROM new_rows n
-        ORDER BY n.id;
+        WITH events AS (
+            INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason, progress,
+                                    attempt, worker_id, error_code, error_msg, result_uri, result_size, result_sha256,
+                                    result_content_type)
+            SELECT n.id, n.user_id, n.model_id, n.version, NULL, n.status, n.last_actor, n.last_reason, n.progress,
+                   n.attempt, n.worker_id, n.error_code, n.error_msg, n.result_uri, n.result_size, n.result_sha256,
+                   n.result_content_type
+            FROM new_rows n
+            ORDER BY n.id
+            RETURNING id
+        )
+        INSERT INTO event_outbox (event_id) SELECT id FROM events;
         GET DIAGNOSTICS written = ROW_COUNT;
         INSERT INTO tenant_pending AS p (tenant_id, pending)
         SELECT n.user_id, count(*) FROM new_rows n WHERE task_holds_pending(n.status, n.lease_expires_at)

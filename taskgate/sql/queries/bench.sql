@@ -55,7 +55,7 @@ FROM generate_series(1, $1::bigint) AS g,
 -- The terminal event of each historical task, already relayed, for the tasks the events retention still keeps
 -- them for. $1 the count given to bench_insert_history, $2 the events retention in seconds.
 INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, at, actor, reason, progress,
-                        attempt, worker_id, result_uri, result_size, result_sha256, result_content_type, published_at)
+                        attempt, worker_id, result_uri, result_size, result_sha256, result_content_type)
 SELECT id, user_id, model_id, 5, 'PROCESSING', 'SUCCEEDED', finished_at, 'worker', 'finished', 100, 1, worker_id,
-       result_uri, result_size, result_sha256, result_content_type, finished_at
+       result_uri, result_size, result_sha256, result_content_type
 FROM task WHERE id <= $1::bigint AND finished_at >= now() - make_interval(secs => $2);

@@ -5,24 +5,29 @@
 SELECT pg_try_advisory_xact_lock($1) AS locked, clock_timestamp() AS at;
 
 -- name: relay_take_events
--- The oldest events not yet on JetStream, locked for this pass, with what the outbox needs of their task (and its
--- trace context). $1 limit.
+-- The oldest events not yet on JetStream (the relay's outbox), locked for this pass, with what the webhook outbox
+-- needs of their task (and its trace context). $1 limit.
 SELECT e.*, t.callback_url, t.callback_events, t.created_at AS task_created_at, t.queued_at AS task_queued_at,
        t.started_at AS task_started_at, t.finished_at AS task_finished_at, t.metadata AS task_metadata,
        t.result_reused AS task_result_reused, t.trace_context AS task_trace_context
-FROM task_event e JOIN task t ON t.id = e.task_id
-WHERE e.published_at IS NULL
-ORDER BY e.id
-LIMIT $1
-FOR UPDATE OF e SKIP LOCKED;
+FROM (SELECT o.event_id FROM event_outbox o ORDER BY o.event_id LIMIT $1 FOR UPDATE SKIP LOCKED) o
+JOIN task_event e ON e.id = o.event_id
+JOIN task t ON t.id = e.task_id
+ORDER BY e.id;
 
 -- name: relay_mark_published
--- Records that events are on JetStream. $1 event ids, $2 the pass's relay time.
-UPDATE task_event SET published_at = $2 WHERE id = ANY($1::bigint[]) AND published_at IS NULL;
+-- Records that events are on JetStream: out of the outbox, and one row for the pass (the event rows stay as they
+-- were written). $1 event ids, $2 the pass's relay time.
+WITH relayed AS (
+    DELETE FROM event_outbox WHERE event_id = ANY($1::bigint[]) RETURNING event_id
+)
+INSERT INTO relay_pass (at, first_event, last_event)
+SELECT $2, min(event_id), max(event_id) FROM relayed HAVING count(*) > 0;
 
 -- name: relay_lag
 -- Seconds since the oldest event not yet relayed was written (0 when none).
-SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(at)), 0)::float8 FROM task_event WHERE published_at IS NULL;
+SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - (
+    SELECT e.at FROM task_event e WHERE e.id = (SELECT min(event_id) FROM event_outbox))), 0)::float8;
 
 -- name: outbox_insert_delivery
 -- A webhook to send for one event (idempotent per event and url). $1 task, $2 event, $3 user, $4 webhook id,
@@ -99,15 +104,22 @@ SELECT * FROM task_event WHERE task_id = $1 AND version > $2 AND version <= $3 O
 SELECT * FROM task_event WHERE user_id = $1 AND id > $2 ORDER BY id LIMIT $3;
 
 -- name: stream_user_events_lookback
--- A tenant's events at or before the cursor id that were relayed in or after the cursor's pass, or not yet:
--- ids commit out of order, so these may not have reached the subscriber. $1 user, $2 cursor id, $3 its relay time.
-SELECT * FROM task_event
-WHERE user_id = $1 AND id <= $2 AND (published_at IS NULL OR published_at >= $3)
-ORDER BY id;
+-- A tenant's events at or before the cursor id that may not have reached the subscriber (ids commit out of order):
+-- those not yet relayed, and those relayed in or after the cursor's pass. Passes record only the id span they
+-- published, so this returns a superset (from the smallest id any later pass published), which the stream
+-- de-duplicates by version. $1 user, $2 cursor id, $3 the cursor's relay time (NULL: not relayed yet).
+SELECT * FROM task_event e
+WHERE e.user_id = $1 AND e.id <= $2
+  AND (e.id >= (SELECT min(p.first_event) FROM relay_pass p WHERE p.at >= $3)
+       OR EXISTS (SELECT 1 FROM event_outbox o WHERE o.event_id = e.id))
+ORDER BY e.id;
 
 -- name: stream_cursor_time
--- When the cursor's event was relayed (NULL: not yet). $1 event id, $2 user.
-SELECT published_at FROM task_event WHERE id = $1 AND user_id = $2;
+-- When the cursor's event was relayed: the earliest pass whose id span holds it (NULL: not relayed yet, or not the
+-- tenant's). $1 event id, $2 user.
+SELECT (SELECT min(p.at) FROM relay_pass p WHERE p.last_event >= e.id AND p.first_event <= e.id)
+FROM task_event e
+WHERE e.id = $1 AND e.user_id = $2 AND NOT EXISTS (SELECT 1 FROM event_outbox o WHERE o.event_id = e.id);
 
 -- name: stream_user_last_event
 -- The newest event id of a tenant (0 when none): the cursor of "from now". $1 user.

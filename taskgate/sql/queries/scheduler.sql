@@ -200,11 +200,15 @@ RETURNING t.user_id, t.request_hash, t.result_uri;
 
 -- name: retention_delete_events
 -- Deletes relayed history rows older than the retention of tasks finished before it (their webhook deliveries and
--- attempt logs cascade), oldest first, skipping locked rows. $1 now, $2 seconds, $3 limit.
+-- attempt logs cascade), oldest first, skipping locked rows, and the relay's pass records of the same age. $1 now,
+-- $2 seconds, $3 limit.
+WITH passes AS (
+    DELETE FROM relay_pass WHERE at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+)
 DELETE FROM task_event e
 WHERE e.id IN (SELECT x.id FROM task_event x JOIN task t ON t.id = x.task_id
                WHERE x.at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
-                 AND x.published_at IS NOT NULL
+                 AND NOT EXISTS (SELECT 1 FROM event_outbox o WHERE o.event_id = x.id)
                  AND t.finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
                ORDER BY x.at
                LIMIT $3
