@@ -51,11 +51,12 @@ tiny-model: $(STAMP)
 gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py
 
-## taskgate beside Celery + Redis and procrastinate, all installed here (bench/requirements.txt); PROFILE=1 adds py-spy profiles.
-BENCH_STAMP := $(VENV)/.bench-$(shell cat bench/requirements.txt constraints.txt | cksum | cut -d' ' -f1)
+## taskgate beside Celery + Redis, procrastinate and PgQueuer, all installed here (bench/requirements.txt); PROFILE=1 adds py-spy profiles.
+BENCH_STAMP := $(VENV)/.bench-$(shell cat bench/requirements.txt bench/requirements-nodeps.txt constraints.txt | cksum | cut -d' ' -f1)
 
-$(BENCH_STAMP): $(STAMP) bench/requirements.txt constraints.txt
+$(BENCH_STAMP): $(STAMP) bench/requirements.txt bench/requirements-nodeps.txt constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -r bench/requirements.txt
+	$(PY) -m pip install -q --no-deps -r bench/requirements-nodeps.txt
 	rm -f $(VENV)/.bench-* && touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)

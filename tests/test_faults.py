@@ -183,7 +183,9 @@ class Chaos:
     async def _db_now(self) -> Any:
         return await self.db.fetchval("SELECT now()")
 
-    async def _probe(self, wanted: Callable[[gateway_pb2.SubmitTaskResponse], bool], within: float = 60.0) -> float:
+    async def _probe(
+        self, wanted: Callable[[gateway_pb2.SubmitTaskResponse], Awaitable[bool]], within: float = 60.0
+    ) -> float:
         """Seconds until a fresh submit gets an OK response that satisfies `wanted` (probe tasks count as tasks)."""
         start = time.monotonic()
         while time.monotonic() - start < within:
@@ -195,16 +197,29 @@ class Chaos:
                 await asyncio.sleep(0.05)
                 continue
             self.probes.append(key)
-            if wanted(resp):
+            if await wanted(resp):
                 return time.monotonic() - start
             await asyncio.sleep(0.05)
         raise AssertionError(f"no useful submit within {within}s")
 
     async def _probe_ok(self) -> tuple[float, str]:
-        return await self._probe(lambda _r: True), "first OK submit"
+        async def ok(_resp: gateway_pb2.SubmitTaskResponse) -> bool:
+            return True
+
+        return await self._probe(ok), "first OK submit"
 
     async def _probe_queued(self) -> tuple[float, str]:
-        return await self._probe(lambda r: r.task.status != task_pb2.TASK_STATUS_CREATED), "first submit published to JetStream"
+        async def dispatched(resp: gateway_pb2.SubmitTaskResponse) -> bool:
+            """The answer follows the commit; the dispatcher's pass publishes after it: within a second, or not yet."""
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                status = await self.db.fetchval("SELECT status::text FROM task WHERE id = $1", int(resp.task.id))
+                if status != "CREATED":
+                    return True
+                await asyncio.sleep(0.02)
+            return False
+
+        return await self._probe(dispatched), "first submit published to JetStream"
 
     async def _server(
         self, fault: Fault, kill: Callable[[], None], start: Callable[[], None], probe: Callable[[], Awaitable[tuple[float, str]]]
@@ -228,8 +243,7 @@ class Chaos:
         fault.down_s = time.monotonic() - t0
         fault.restart_s = await self.c.restart(name) + fault.down_s
         if name == "submit":
-            await self._probe(lambda _r: True)
-            fault.measure = "first OK submit"
+            _, fault.measure = await self._probe_ok()
         elif name == "notifier":
             fault.measure = "first event relayed by the new notifier"
             try:
