@@ -8,7 +8,7 @@ a queued task, there is no estimate: the fields stay unset.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -86,7 +86,13 @@ async def current(
 ) -> Estimate | None:
     """The estimate of a task seen in `status`, while it is still there: None for a state without one (not QUEUED or
     PROCESSING) and for a task that has moved on since it was seen."""
-    if status not in ESTIMATED:
-        return None
-    found = await estimate_task(db, task_id, settings, within=within)
-    return found if found is not None and found.status is status else None
+    return (await current_many(db, [(task_id, status)], settings, within=within))[0]
+
+
+async def current_many(
+    db: Conn, seen: Sequence[tuple[int, Status]], settings: Settings, *, within: float | None = None
+) -> list[Estimate | None]:
+    """`current` of each (task id, status) seen, in order, in one statement (none when no state has an estimate)."""
+    wanted = {task_id for task_id, status in seen if status in ESTIMATED}
+    found = await estimates(db, wanted, settings, within=within) if wanted else {}
+    return [e if (e := found.get(task_id)) is not None and e.status is status else None for task_id, status in seen]

@@ -37,6 +37,9 @@ BACKEND_ERRORS: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,
 )
 
+# Calls gRPC core may hold before the application takes them (see start_server).
+PENDING_CALLS = 100_000
+
 # Races between concurrent writers (two processes' ids or keys meeting on a unique index, a deadlock, a serialization
 # failure): nothing is written, and the same request sent again succeeds, so the caller hears ABORTED + RetryInfo.
 CONFLICT_ERRORS: tuple[type[BaseException], ...] = (
@@ -216,6 +219,11 @@ async def start_server(
             # a connection ends after its age (gRPC adds ±10% jitter), so long-lived clients spread over new pods
             ("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age_seconds * 1000)),
             ("grpc.max_connection_age_grace_ms", int(settings.grpc_max_connection_age_grace_seconds * 1000)),
+            # calls that arrive faster than the event loop takes them wait in gRPC core, which above 1,000 waiting
+            # (its default) cancels some at random with a bare CANCELLED before any handler runs: no status, no
+            # reason (2,000 WatchTask streams opened at once lost ~10% that way); here they wait until it takes them
+            ("grpc.server.max_pending_requests", PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS),
         ],
     )
     names = list(register(server))

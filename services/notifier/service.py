@@ -46,12 +46,14 @@ class NotifierHandle:
     ended: bool = False
 
     async def stop(self) -> None:
-        """Graceful: readiness off, streams closed, loops stopped, attempts in flight finished, connections closed."""
+        """Graceful: readiness off, streams ended (UNAVAILABLE with where to resume), loops stopped, attempts in flight
+        finished, connections closed."""
         if self.ended:
             return
         self.ended = True
         try:
             await server.mark_not_serving(self.health)
+            self.hub.close_streams()  # each stream ends with a status saying so and where to resume, not a bare cancel
             await self.grpc_server.stop(STOP_GRACE_SECONDS)
             await self._cancel_loops()
             await self.sender.stop()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import asyncpg
 import grpc
+from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
@@ -23,7 +25,6 @@ from taskgate.states import Status
 from taskgate.store import events as event_store
 from taskgate.store import submissions
 from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
-from taskgate.waiting import woken
 from taskgate.wire import events as event_wire
 
 log = logging.getLogger("taskgate.notifier.streams")
@@ -31,19 +32,30 @@ log = logging.getLogger("taskgate.notifier.streams")
 SERVICE_NAME = "taskgate.v1.TaskEvents"
 REPLAY_PAGE = 500
 TRACKED_TASKS = 100_000  # per WatchTasks stream: tasks whose last version is remembered for de-duplication
+SHUTDOWN_RETRY_MS = 200  # what a stream ended by a shutdown tells its client to wait before resuming
 
 
 class Overflow(Exception):
     """The subscriber fell further behind than its buffer allows."""
 
 
+class Closing(Exception):
+    """This process is shutting down: its streams end, telling their clients where to resume."""
+
+
 class Subscriber:
-    """One stream's bounded buffer of live events; overflowing marks it instead of dropping events silently."""
+    """One stream's bounded buffer of live events; overflowing marks it instead of dropping events silently.
+
+    It has no timer of its own: the process's Keepalive tick wakes it when it has been quiet for a keep-alive period.
+    """
 
     def __init__(self, key: int | str, capacity: int) -> None:
         self.key = key
         self.capacity = capacity
         self.overflowed = False
+        self.closing = False
+        self.quiet_since = time.monotonic()  # when the stream last got something to send (an event or a keep-alive)
+        self._keepalive = False
         self._items: deque[task_pb2.TaskEvent] = deque()
         self._ready = asyncio.Event()
 
@@ -59,15 +71,131 @@ class Subscriber:
         self._ready.set()
         return not self.overflowed
 
-    async def next(self, wait_seconds: float) -> task_pb2.TaskEvent | None:
-        """The next live event, or None after `wait_seconds` without one; raises Overflow."""
-        while not self._items and not self.overflowed:
+    def keep_alive(self) -> None:
+        """The shared tick: the stream has been quiet for a period, a keep-alive is due."""
+        self._keepalive = True
+        self._ready.set()
+
+    def close(self) -> None:
+        """Ends the stream at its next read (Closing)."""
+        self.closing = True
+        self._ready.set()
+
+    async def next(self) -> task_pb2.TaskEvent | None:
+        """The next live event, or None when a keep-alive is due; raises Overflow or Closing."""
+        while not self._items and not self.overflowed and not self.closing and not self._keepalive:
             self._ready.clear()
-            if not await woken(self._ready, wait_seconds):
-                return None
+            await self._ready.wait()
+        self.quiet_since = time.monotonic()
+        if self.closing:
+            raise Closing
         if self.overflowed:
             raise Overflow
-        return self._items.popleft()
+        self._keepalive = False
+        return self._items.popleft() if self._items else None
+
+
+class Keepalive:
+    """One timer for every stream of the process: each tick (twice a period) wakes the streams quiet for a whole
+    period, so an idle stream costs no timer, and no wake-up but its keep-alive."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._subs: set[Subscriber] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, sub: Subscriber) -> None:
+        """Starts keeping a stream alive (and the tick, with the first one)."""
+        self._subs.add(sub)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.seconds / 2, self._tick)
+
+    def discard(self, sub: Subscriber) -> None:
+        """Stops keeping a stream alive (and the tick, with the last one)."""
+        self._subs.discard(sub)
+        if not self._subs and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @property
+    def streams(self) -> int:
+        """How many streams it keeps alive (tests and gauges)."""
+        return len(self._subs)
+
+    @property
+    def ticking(self) -> bool:
+        """Whether its one timer is set."""
+        return self._timer is not None
+
+    def _tick(self) -> None:
+        quiet = time.monotonic() - self.seconds
+        for sub in self._subs:
+            if sub.quiet_since <= quiet:
+                sub.keep_alive()
+        self._timer = asyncio.get_running_loop().call_later(self.seconds / 2, self._tick)
+
+
+class Estimates:
+    """The ETA that live events carry, read once per task version for every stream of this process: the versions asked
+    for while a statement runs go together in the next one, and each answer is kept KEEP_SECONDS for later readers."""
+
+    KEEP_SECONDS = 1.0
+    KEPT = 10_000  # answers kept at most
+
+    def __init__(self, pool: asyncpg.Pool, settings: Settings) -> None:
+        self._pool = pool
+        self._settings = settings
+        self._kept: OrderedDict[tuple[int, int], tuple[float, asyncio.Future[eta.Estimate | None]]] = OrderedDict()
+        self._asked: dict[tuple[int, int], tuple[Status, asyncio.Future[eta.Estimate | None]]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self.statements = 0  # statements run (tests and gauges)
+
+    async def estimate(self, task_id: int, version: int, status: Status) -> eta.Estimate | None:
+        """eta.current of the task seen at `version` in `status`, shared by every stream that asks for that version."""
+        if status not in eta.ESTIMATED:
+            return None
+        key = (task_id, version)
+        now = time.monotonic()
+        kept = self._kept.get(key)
+        if kept is None or kept[0] < now:
+            answer: asyncio.Future[eta.Estimate | None] = asyncio.get_running_loop().create_future()
+            self._kept[key] = (now + self.KEEP_SECONDS, answer)
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.KEPT:
+                self._kept.popitem(last=False)
+            self._asked[key] = (status, answer)
+            if self._reader is None or self._reader.done():
+                self._reader = asyncio.create_task(self._read(), name="notifier-eta")
+        else:
+            answer = kept[1]
+        return await asyncio.shield(answer)  # a stream that ends while waiting must not cancel the others' answer
+
+    async def stamped(self, event: task_pb2.TaskEvent) -> task_pb2.TaskEvent:
+        """The event into QUEUED or PROCESSING with the task's ETA, while the task is still in that state."""
+        found = await self.estimate(int(event.task_id), event.version, Status.from_proto(event.to_status))
+        if found is None:
+            return event
+        out = task_pb2.TaskEvent()
+        out.CopyFrom(event)  # a live event is shared by every stream of the task: stamp a copy
+        found.stamp(out)
+        return out
+
+    async def _read(self) -> None:
+        while self._asked:
+            asked, self._asked = self._asked, {}
+            keys = list(asked)
+            self.statements += 1
+            try:
+                found = await eta.current_many(self._pool, [(t, asked[(t, v)][0]) for t, v in keys], self._settings)
+            except Exception:
+                log.warning("ETA read failed; events go without one", exc_info=True)
+                found = [None] * len(keys)
+                for key in keys:
+                    self._kept.pop(key, None)  # not kept: the next reader asks again
+            for key, estimate in zip(keys, found, strict=True):
+                answer = asked[key][1]
+                if not answer.done():
+                    answer.set_result(estimate)
 
 
 class EventHub:
@@ -78,6 +206,7 @@ class EventHub:
         self._by_task: dict[int, set[Subscriber]] = defaultdict(set)
         self._by_user: dict[str, set[Subscriber]] = defaultdict(set)
         self._sub: Any = None
+        self.closing = False
 
     async def start(self) -> None:
         """Subscribes from the stream's end; ordered consumers recover from gaps by themselves."""
@@ -109,13 +238,24 @@ class EventHub:
         """Buffers one task's live events from now on."""
         sub = Subscriber(task_id, capacity)
         self._by_task[task_id].add(sub)
+        if self.closing:
+            sub.close()
         return sub
 
     def watch_user(self, user_id: str, capacity: int) -> Subscriber:
         """Buffers every live event of one tenant from now on."""
         sub = Subscriber(user_id, capacity)
         self._by_user[user_id].add(sub)
+        if self.closing:
+            sub.close()
         return sub
+
+    def close_streams(self) -> None:
+        """Shutting down: every stream (and any that opens from now on) ends with UNAVAILABLE and where to resume."""
+        self.closing = True
+        for subs in (*self._by_task.values(), *self._by_user.values()):
+            for sub in subs:
+                sub.close()
 
     def drop(self, sub: Subscriber) -> None:
         """Stops buffering for a subscriber."""
@@ -136,6 +276,22 @@ def too_slow(message: str, **metadata: str) -> errors.ApiError:
     """ABORTED with reason SUBSCRIBER_TOO_SLOW and where to resume: the client reconnects from there."""
     info = error_details_pb2.ErrorInfo(reason="SUBSCRIBER_TOO_SLOW", domain=errors.DOMAIN, metadata=metadata)
     return errors.ApiError(grpc.StatusCode.ABORTED, message, info)
+
+
+def shutting_down(message: str, **metadata: str) -> errors.ApiError:
+    """UNAVAILABLE with reason NOTIFIER_SHUTTING_DOWN, where to resume and a short retry delay: another replica (or
+    this one restarted) takes the stream over from there."""
+    info = error_details_pb2.ErrorInfo(reason="NOTIFIER_SHUTTING_DOWN", domain=errors.DOMAIN, metadata=metadata)
+    delay = duration_pb2.Duration()
+    delay.FromMilliseconds(SHUTDOWN_RETRY_MS)
+    return errors.ApiError(grpc.StatusCode.UNAVAILABLE, message, info, error_details_pb2.RetryInfo(retry_delay=delay))
+
+
+def ended(exc: Overflow | Closing, resume: str, **metadata: str) -> errors.ApiError:
+    """The status a stream ends with when the server ends it: why, and `resume` (the request field to resume with)."""
+    if isinstance(exc, Overflow):
+        return too_slow(f"subscriber too slow: resume with {resume}", **metadata)
+    return shutting_down(f"notifier shutting down: resume with {resume}", **metadata)
 
 
 def _statuses(values: Iterable[int]) -> set[int]:
@@ -164,20 +320,12 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self._hub = hub
         self._auth = authenticator
         self._outputs = outputs
+        self.keepalive = Keepalive(settings.stream_keepalive_seconds)
+        self.estimates = Estimates(pool, settings)
 
     def _linked(self, event: task_pb2.TaskEvent) -> task_pb2.TaskEvent:
         """A terminal event with a result gets a fresh download URL (a replayed one would carry a stale URL)."""
         return results.linked_event(self._outputs, event) if self._outputs is not None else event
-
-    async def _estimated(self, event: task_pb2.TaskEvent) -> task_pb2.TaskEvent:
-        """An event into QUEUED or PROCESSING with the task's ETA as of now, while the task is still in that state."""
-        estimate = await eta.current(self._pool, int(event.task_id), Status.from_proto(event.to_status), self._settings)
-        if estimate is None:
-            return event
-        out = task_pb2.TaskEvent()
-        out.CopyFrom(event)  # a live event is shared by every stream of the task: stamp a copy
-        estimate.stamp(out)
-        return out
 
     async def WatchTask(
         self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
@@ -188,6 +336,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             raise errors.invalid_argument([("after_version", "must not be negative")])
         # Subscribe before reading, so an event committed after the read is buffered: no gap at the seam.
         sub = self._hub.watch_task(task_id, self._settings.stream_buffer_size)
+        self.keepalive.add(sub)
         try:
             task = await store.get_task(self._pool, task_id)
             if task is None or task.user_id != principal.tenant_id:
@@ -196,7 +345,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             if last > task.version:
                 raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
             if last == 0:
-                estimate = await eta.current(self._pool, task_id, task.status, self._settings)
+                estimate = await self.estimates.estimate(task_id, task.version, task.status)
                 if estimate is not None:
                     snapshot = task.to_proto(estimate.queue_position)
                     estimate.stamp(snapshot)
@@ -212,7 +361,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             for i, row in enumerate(history):
                 event = event_wire.message(row)
                 if i == len(history) - 1:  # the ETA is as of now: only the latest replayed version gets one
-                    event = await self._estimated(event)
+                    event = await self.estimates.stamped(event)
                 yield events_pb2.WatchTaskResponse(event=self._linked(event))
                 last = event.version
                 if event_wire.is_terminal(event):
@@ -221,11 +370,9 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 return  # its history was deleted by retention: nothing more will come
             while True:
                 try:
-                    live = await sub.next(self._settings.stream_keepalive_seconds)
-                except Overflow:
-                    raise too_slow(
-                        f"subscriber too slow: resume with after_version={last}", last_version=str(last)
-                    ) from None
+                    live = await sub.next()
+                except (Overflow, Closing) as exc:
+                    raise ended(exc, f"after_version={last}", last_version=str(last)) from None
                 if live is None:
                     yield events_pb2.WatchTaskResponse(keepalive=events_pb2.KeepAlive())
                     continue
@@ -237,11 +384,12 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     )
                     for row in missed:
                         yield events_pb2.WatchTaskResponse(event=self._linked(event_wire.message(row)))
-                yield events_pb2.WatchTaskResponse(event=self._linked(await self._estimated(live)))
+                yield events_pb2.WatchTaskResponse(event=self._linked(await self.estimates.stamped(live)))
                 last = live.version
                 if event_wire.is_terminal(live):
                     return
         finally:
+            self.keepalive.discard(sub)
             self._hub.drop(sub)
 
     async def WatchTasks(
@@ -257,6 +405,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             except ValueError:
                 raise errors.invalid_argument([("cursor", "not a cursor from this API")]) from None
         sub = self._hub.watch_user(tenant, self._settings.stream_buffer_size)
+        self.keepalive.add(sub)
         try:
             versions: OrderedDict[str, int] = OrderedDict()
 
@@ -297,9 +446,9 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             yield events_pb2.WatchTasksResponse(keepalive=events_pb2.KeepAlive(), cursor=str(cursor))
             while True:
                 try:
-                    live = await sub.next(self._settings.stream_keepalive_seconds)
-                except Overflow:
-                    raise too_slow(f"subscriber too slow: resume with cursor={cursor}", cursor=str(cursor)) from None
+                    live = await sub.next()
+                except (Overflow, Closing) as exc:
+                    raise ended(exc, f"cursor={cursor}", cursor=str(cursor)) from None
                 if live is None:
                     yield events_pb2.WatchTasksResponse(keepalive=events_pb2.KeepAlive(), cursor=str(cursor))
                     continue
@@ -315,6 +464,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 if fresh(live) and (out := response(live)) is not None:
                     yield out
         finally:
+            self.keepalive.discard(sub)
             self._hub.drop(sub)
 
 
