@@ -184,18 +184,19 @@ class Estimates:
         while self._asked:
             asked, self._asked = self._asked, {}
             keys = list(asked)
+            found: list[eta.Estimate | None] = [None] * len(keys)
             self.statements += 1
             try:
                 found = await eta.current_many(self._pool, [(t, asked[(t, v)][0]) for t, v in keys], self._settings)
             except Exception:
                 log.warning("ETA read failed; events go without one", exc_info=True)
-                found = [None] * len(keys)
                 for key in keys:
                     self._kept.pop(key, None)  # not kept: the next reader asks again
-            for key, estimate in zip(keys, found, strict=True):
-                answer = asked[key][1]
-                if not answer.done():
-                    answer.set_result(estimate)
+            finally:  # answered even when cancelled: no stream waits on a read that will never end
+                for key, estimate in zip(keys, found, strict=True):
+                    answer = asked[key][1]
+                    if not answer.done():
+                        answer.set_result(estimate)
 
 
 class EventHub:
