@@ -82,7 +82,8 @@ async def cli(settings: Settings, backends: Backends, tmp_path: Path) -> AsyncIt
         "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.6, default_steps=3),
         "failing": ModelSpec(kind="sleep", fail_times=9, fail_retryable=False, fail_code="MODEL_CRASHED"),
     }
-    settings = settings.model_copy(update={"models": models, "worker_models": ["sleepy", "failing"]})
+    # progress at most once per interval, the claim counting as the first write: a short interval shows 0.2 s steps
+    settings = settings.model_copy(update={"models": models, "worker_models": ["sleepy", "failing"], "progress_interval_seconds": 0.05})
     submit = await submit_service.start(settings, backends)
     scheduler = await scheduler_service.start(settings, backends, scan_loop=False)
     notifier = await notifier_service.start(settings)
