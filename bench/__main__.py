@@ -103,6 +103,9 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
         get.update(await throughput.get_task(stack, executor, opts, report, section, "get"))
 
     async def latency_phase() -> None:
+        # what the phases before left open (their QUEUED tasks would be re-published after the queue timeout, during
+        # this phase, and run by its workers): cancelled, their messages purged
+        await stack.close_open_tasks()
         await stack.purge_tasks_stream()
         await stack.start_workers()
         await latency.measure(stack, report, "latency (2 idle workers, no-op tasks, one at a time)", args.latency_tasks)
