@@ -103,10 +103,10 @@ async def test_a_tenant_flooding_tiny_deadlines_neither_fails_nor_delays_another
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
         stub = gateway_pb2_grpc.TaskGatewayStub(channel)
 
-        async def call(md: Any, i: int, timeout: float) -> tuple[grpc.StatusCode, float]:
+        async def call(md: Any, i: int, deadline: float) -> tuple[grpc.StatusCode, float]:
             began = time.perf_counter()
             try:
-                await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt=f"p {i}"), metadata=md, timeout=timeout)
+                await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt=f"p {i}"), metadata=md, timeout=deadline)
             except grpc.aio.AioRpcError as exc:
                 return exc.code(), time.perf_counter() - began
             return grpc.StatusCode.OK, time.perf_counter() - began
