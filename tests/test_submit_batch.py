@@ -186,7 +186,9 @@ async def test_the_batcher_runs_everything_queued_behind_a_batch_in_flight() -> 
     assert results[:2] == [[10], [20]] and isinstance(results[2][0], ValueError) and results[3:] == [[40], [50]]
 
 
-async def test_a_caller_that_gave_up_is_left_out_of_the_next_batch() -> None:
+def _first_batch_held() -> tuple[list[list[int]], asyncio.Event, asyncio.Event, Batcher[int, int]]:
+    """A batcher echoing its items whose first batch waits for `release` (`in_flight` set meanwhile); `seen` holds
+    each batch's items."""
     seen: list[list[int]] = []
     in_flight, release = asyncio.Event(), asyncio.Event()
 
@@ -197,7 +199,11 @@ async def test_a_caller_that_gave_up_is_left_out_of_the_next_batch() -> None:
             await release.wait()
         return list(items)
 
-    batcher: Batcher[int, int] = Batcher(flush, max_size=10)
+    return seen, in_flight, release, Batcher(flush, max_size=10)
+
+
+async def test_a_caller_that_gave_up_is_left_out_of_the_next_batch() -> None:
+    seen, in_flight, release, batcher = _first_batch_held()
     far = asyncio.get_running_loop().time() + 60
     first = asyncio.create_task(batcher.run([1], far))
     await in_flight.wait()
@@ -213,17 +219,7 @@ async def test_a_caller_that_gave_up_is_left_out_of_the_next_batch() -> None:
 
 
 async def test_deadlines_are_each_callers_own() -> None:
-    seen: list[list[int]] = []
-    in_flight, release = asyncio.Event(), asyncio.Event()
-
-    async def flush(items: list[int]) -> list[int | BaseException]:
-        seen.append(items)
-        if len(seen) == 1:
-            in_flight.set()
-            await release.wait()
-        return list(items)
-
-    batcher: Batcher[int, int] = Batcher(flush, max_size=10)
+    seen, in_flight, release, batcher = _first_batch_held()
     loop = asyncio.get_running_loop()
     far = loop.time() + 60
     slow = asyncio.create_task(batcher.run([1], far))
