@@ -51,6 +51,12 @@ tiny-model: $(STAMP)
 gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py
 
+## Every family at its published size on CUDA (random weights): s/step, VAE decode, peak memory, torch_compile, an attention
+## backend, device-busy at 1.0/1.5 slots per GPU; JSON in .taskgate/gpu-proof.json; skips without a GPU. GPU_PROOF_ARGS adds options.
+.PHONY: gpu-proof
+gpu-proof: $(STAMP)
+	$(PY) scripts/gpu_proof.py $(GPU_PROOF_ARGS)
+
 ## taskgate beside Celery + Redis, procrastinate and PgQueuer, all installed here (bench/requirements.txt); PROFILE=1 adds py-spy profiles.
 BENCH_STAMP := $(VENV)/.bench-$(shell cat bench/requirements.txt bench/requirements-nodeps.txt constraints.txt | cksum | cut -d' ' -f1)
 
