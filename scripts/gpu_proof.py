@@ -688,7 +688,8 @@ def prove_busy(proof: Proof, args: argparse.Namespace, device: str, dtype: torch
     if eager and eager.get("seconds_per_step") is not None:
         per_task = sum(float(eager[k] or 0) for k in ("first_step_s", "decode_s", "encode_s"))
         per_task += (args.busy_steps - 1) * float(eager["seconds_per_step"])
-        need = 15 + 1.2 * sum(args.busy_tasks * per_task / (1 if s == 1 else 1.3) for s in slot_counts)
+        # build + one warm task, then each queue (two slots finish sooner by overlapping encoding with the device)
+        need = 15 + per_task + 1.2 * sum(args.busy_tasks * per_task / (1 if s == 1 else 1.3) for s in slot_counts)
     if not budget.allows(need):
         report.note(f"device-busy phase skipped (time budget: {budget.left():.0f}s left, ~{need:.0f}s needed)")
         return {"skipped": f"time budget: {budget.left():.0f}s left, ~{need:.0f}s needed"}
