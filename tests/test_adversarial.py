@@ -30,6 +30,7 @@ from taskgate.runtime import Backends
 from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from tests import factories
 from tests.factories import Metadata, insert_task
+from tests.harness import wait_for
 
 # TASKGATE_HYPOTHESIS_EXAMPLES raises the example count for a longer hunt (e.g. 2000).
 EXAMPLES = hsettings(
@@ -460,11 +461,16 @@ async def _succeeded_task(backends: Backends, settings: Settings, tenant: str) -
     return task.id
 
 
+async def _status_is(backends: Backends, task_id: str, status: str) -> bool:
+    return bool(await backends.pool.fetchval("SELECT status::text FROM task WHERE id = $1", int(task_id)) == status)
+
+
 async def test_other_tenants_tasks_are_not_found_on_every_rpc(
     stub: Any, backends: Backends, hostile_settings: Settings, notifier: NotifierHandle
 ) -> None:
     owner, prober = await key_for(backends, "tenant-a"), await key_for(backends, "tenant-b")
     queued = (await stub.SubmitTask(base_request(prompt="tenant a's secret"), metadata=owner, timeout=10)).task.id
+    await wait_for(lambda: _status_is(backends, queued, "QUEUED"))  # the dispatcher queues it after the answer
     done = str(await _succeeded_task(backends, hostile_settings, "tenant-a"))
     missing = str(int(done) + 12345)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{notifier.port}") as ch:

@@ -25,6 +25,7 @@ from taskgate_client import Status
 from taskgate_client.cli import EXIT_BY_STATUS, build_parser
 from taskgate_client.local import LocalStack
 from taskgate_local.embedded import free_port
+from tests.harness import wait_for
 
 
 @dataclass
@@ -267,8 +268,13 @@ async def test_keys_tenant_priority_and_unstorable_names(cli: Cli) -> None:
     assert not auth.valid_tenant_name("nul\x00name") and not auth.valid_tenant_name("ok\n")
 
 
+async def _queued(cli: Cli, task_id: str) -> bool:
+    return bool(await cli.backends.pool.fetchval("SELECT status = 'QUEUED' FROM task WHERE id = $1", int(task_id)))
+
+
 async def test_admin_commands(cli: Cli) -> None:
     task = (await cli("submit", "for the operators", "--json")).json()
+    await wait_for(lambda: _queued(cli, task["task_id"]))  # the dispatcher queues it after the answer
     stats = await cli("admin", "stats", "--json")
     assert stats.code == 0, stats.err
     counts = {(c["model_id"], c["status"]): int(c["count"]) for c in stats.json()["counts"]}

@@ -156,6 +156,8 @@ async def test_same_idempotency_key_returns_the_same_task(client: AsyncTaskgateC
 
 async def test_list_iterates_pages_and_filters(stack: Stack, client: AsyncTaskgateClient) -> None:
     ids = [(await client.submit(f"prompt {i}", **SMALL)).task_id for i in range(5)]  # type: ignore[arg-type]
+    for task_id in ids:
+        await wait_for(lambda: _queued(client, task_id))  # noqa: B023 - awaited at once; the dispatcher queues after the answer
     await client.cancel(ids[0])
     listed = [t.task_id async for t in client.list(page_size=2)]
     assert listed == list(reversed(ids))  # newest first, across three pages
@@ -248,6 +250,7 @@ async def watching(client: AsyncTaskgateClient, task_id: str) -> tuple[list[Task
 
 async def test_watch_yields_snapshot_then_every_version_until_terminal(stack: Stack, client: AsyncTaskgateClient) -> None:
     task = await client.submit("watch me", **SMALL)  # type: ignore[arg-type]
+    await wait_for(lambda: _queued(client, task.task_id))  # the snapshot below is QUEUED, not the answer's CREATED
     seen, watcher = await watching(client, task.task_id)
     await run_task(stack.backends, task.task_id, progress=(25, 75))
     await asyncio.wait_for(watcher, 10)
@@ -349,6 +352,7 @@ async def test_download_verifies_the_checksum(stack: Stack, client: AsyncTaskgat
 
 async def test_admin_calls(stack: Stack, client: AsyncTaskgateClient) -> None:
     task = await client.submit("for the operators", **SMALL)  # type: ignore[arg-type]
+    await wait_for(lambda: _queued(client, task.task_id))  # the dispatcher queues it after the answer
     stats = await client.stats()
     counts = {(c.model_id, c.status): c.count for c in stats.counts}
     assert counts[("wan-tiny", Status.QUEUED.to_proto())] == 1
