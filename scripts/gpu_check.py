@@ -47,15 +47,15 @@ def run_input(task_id: int, frames: int, size: int, steps: int, seed: int = 1234
     return runmod.RunInput(task_id, 1, "a red car drives on a road at night", params)
 
 
-async def busy_fraction(runner: runmod.DiffusersRunner, device: str, *, tasks: int, slots: int, inp: runmod.RunInput) -> float:
-    """The worker's split with a saturated queue: `slots` tasks at once, the device phase (denoise, VAE decode) one at a
-    time on the device's lane, MP4 encoding on other threads meanwhile; the share of wall time the device was busy."""
+async def saturate(runner: runmod.DiffusersRunner, device: str, inputs: list[runmod.RunInput], *, slots: int) -> tuple[float, float]:
+    """The worker's split with a saturated queue: `slots` of `inputs` at once, the device phase (denoise, VAE decode)
+    one at a time on the device's lane, MP4 encoding on other threads meanwhile; (device-busy seconds, wall seconds)."""
     devices = Devices([device])
     encoders = concurrent.futures.ThreadPoolExecutor(slots, thread_name_prefix="encode")
     loop = asyncio.get_running_loop()
     slot = asyncio.Semaphore(slots)
 
-    async def one() -> None:
+    async def one(inp: runmod.RunInput) -> None:
         async with slot:
             async with devices.use({device}) as lane:
                 rendered = await loop.run_in_executor(lane.executor, runner.render, inp, lambda _d, _t: sync(device), lambda: False)
@@ -63,11 +63,17 @@ async def busy_fraction(runner: runmod.DiffusersRunner, device: str, *, tasks: i
 
     started = time.monotonic()
     try:
-        await asyncio.gather(*(one() for _ in range(tasks)))
+        await asyncio.gather(*(one(inp) for inp in inputs))
     finally:
         devices.close()
         encoders.shutdown(wait=True)
-    return devices.busy_seconds / (time.monotonic() - started)
+    return devices.busy_seconds, time.monotonic() - started
+
+
+async def busy_fraction(runner: runmod.DiffusersRunner, device: str, *, tasks: int, slots: int, inp: runmod.RunInput) -> float:
+    """The share of wall time the device was busy with `tasks` copies of `inp` queued at once (saturate)."""
+    busy, wall = await saturate(runner, device, [inp] * tasks, slots=slots)
+    return busy / wall
 
 
 def check_family(name: str, pipeline: str, device: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import copy
 import faulthandler
 import gc
@@ -589,30 +588,13 @@ def tiny_checks(device: str, folder: Path, steps: int) -> dict[str, Any]:
 async def lanes_busy(runner: Any, device: str, *, tasks: int, slots: int, params: dict[str, Any]) -> dict[str, Any]:
     """The worker's split without its servers: `slots` tasks at once, each device phase on the device's one lane
     (services.worker.devices), MP4 encoding on other threads meanwhile."""
+    from scripts.gpu_check import saturate  # one saturated-queue loop for both GPU scripts
     from services.worker import runner as runmod
-    from services.worker.devices import Devices
 
-    devices = Devices([device])
-    encoders = concurrent.futures.ThreadPoolExecutor(slots, thread_name_prefix="encode")
-    loop = asyncio.get_running_loop()
-    slot = asyncio.Semaphore(slots)
-
-    async def one(n: int) -> None:
-        inp = runmod.RunInput(n + 1, 1, f"{PROMPT} {n}", {**params, "seed": n})
-        async with slot:
-            async with devices.use({device}) as lane:
-                rendered = await loop.run_in_executor(lane.executor, runner.render, inp, lambda _d, _t: sync(device), lambda: False)
-            await loop.run_in_executor(encoders, runner.encode, rendered)
-
-    started = time.monotonic()
-    try:
-        await asyncio.gather(*(one(n) for n in range(tasks)))
-    finally:
-        devices.close()
-        encoders.shutdown(wait=True)
-    wall = time.monotonic() - started
-    return {"tasks": tasks, "slots": slots, "wall_s": round(wall, 2), "busy_s": round(devices.busy_seconds, 2),
-            "busy_fraction": round(devices.busy_seconds / wall, 4), "tasks_per_minute": round(60 * tasks / wall, 2)}
+    inputs = [runmod.RunInput(n + 1, 1, f"{PROMPT} {n}", {**params, "seed": n}) for n in range(tasks)]
+    busy, wall = await saturate(runner, device, inputs, slots=slots)
+    return {"tasks": tasks, "slots": slots, "wall_s": round(wall, 2), "busy_s": round(busy, 2),
+            "busy_fraction": round(busy / wall, 4), "tasks_per_minute": round(60 * tasks / wall, 2)}
 
 
 async def worker_busy(runner: Any, spec: Any, device: str, state_dir: Path, *, tasks: int, slot_counts: list[int],
