@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from taskgate import errors
 from taskgate.config import Settings
 from taskgate_local.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedStack, free_port
 
@@ -60,6 +62,14 @@ async def wait_for(condition: Callable[[], Awaitable[bool] | bool], within: floa
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {within}s")
         await asyncio.sleep(every)
+
+
+def trailing_details(exc: grpc.aio.AioRpcError) -> list[object]:
+    """The google.rpc details a failed call carried in its trailing metadata (none: an empty list)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "grpc-status-details-bin" and isinstance(value, bytes):
+            return errors.details_of(status_pb2.Status.FromString(value))
+    return []
 
 
 async def serving(address: str, within: float = 1.0) -> bool:

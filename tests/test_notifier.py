@@ -17,12 +17,12 @@ from typing import Any
 import grpc
 import nats.js.errors
 import pytest
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2
 
 from services.notifier import outbox
 from services.notifier.relay import EventRelay
 from services.notifier.service import NotifierHandle, start
-from taskgate import auth, errors, store
+from taskgate import auth, store
 from taskgate import bus as busmod
 from taskgate.config import Settings
 from taskgate.runtime import Backends
@@ -32,7 +32,7 @@ from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
 from taskgate.waiting import woken
 from taskgate_client import webhook_signing
 from tests.factories import insert_task
-from tests.harness import wait_for
+from tests.harness import trailing_details, wait_for
 
 TENANT = "tenant-a"
 SHA = "ab" * 32
@@ -605,11 +605,9 @@ def versions_of(messages: Sequence[Any]) -> list[int]:
 
 
 def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
-    for key, value in exc.trailing_metadata() or ():
-        if key == "grpc-status-details-bin":
-            for detail in errors.details_of(status_pb2.Status.FromString(value)):
-                if isinstance(detail, error_details_pb2.ErrorInfo):
-                    return detail
+    for detail in trailing_details(exc):
+        if isinstance(detail, error_details_pb2.ErrorInfo):
+            return detail
     raise AssertionError("no ErrorInfo in the status")
 
 

@@ -10,15 +10,15 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2
 
-from taskgate import errors, eta
+from taskgate import eta
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.v1 import events_pb2, events_pb2_grpc
 from tests.factories import insert_task
-from tests.harness import wait_for
+from tests.harness import trailing_details, wait_for
 from tests.test_eta import finished_runs
 from tests.test_notifier import all_relayed, bearer, error_info, events_stub, fast, progress, run_to, succeed
 from tests.test_notifier import api_key as api_key  # the fixtures
@@ -116,11 +116,9 @@ async def test_idle_streams_share_one_keepalive_timer_and_each_still_gets_its_ke
 
 
 def retry_delay(exc: grpc.aio.AioRpcError) -> float | None:
-    for key, value in exc.trailing_metadata() or ():
-        if key == "grpc-status-details-bin":
-            for detail in errors.details_of(status_pb2.Status.FromString(value)):
-                if isinstance(detail, error_details_pb2.RetryInfo):
-                    return float(detail.retry_delay.ToMilliseconds()) / 1000
+    for detail in trailing_details(exc):
+        if isinstance(detail, error_details_pb2.RetryInfo):
+            return float(detail.retry_delay.ToMilliseconds()) / 1000
     return None
 
 
