@@ -95,6 +95,7 @@ async def test_idle_streams_share_one_keepalive_timer_and_each_still_gets_its_ke
 ) -> None:
     handle = await notifier_factory(fast(settings, stream_keepalive_seconds=0.4))
     tasks = [await insert_task(backends.pool) for _ in range(STREAMS)]
+    await all_relayed(backends.pool)  # their CREATED events relayed before the streams open: only keep-alives follow
     async with events_stub(handle) as stub:
         idle = timers().total()
         assert timers()["Keepalive._tick"] == 0
