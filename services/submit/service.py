@@ -169,7 +169,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
         order = list(subs)
         candidates = [Candidate(self._new_task(who.tenant_id, subs[i]), None if i in slotted else per_minute) for i in order]
-        admissions = await self._submitter.admit(candidates, self._caller_deadline(context)) if candidates else []
+        admissions = await self._submitter.admit(candidates, self._caller_deadline(context))
         for i, candidate, admission in zip(order, candidates, admissions, strict=True):
             try:
                 task, new = self._settle(candidate, subs[i], admission)
