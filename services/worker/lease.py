@@ -133,6 +133,14 @@ class Heartbeat:
                     run.written = before  # not written: the next write carries it again
             raise
         finally:
+            # the interval counts from when the statement ended: as the database stamps them, two writes of a task
+            # are never closer than the interval, however long this one waited for its connection or its locks
+            done = time.monotonic()
+            for run, percent, _ in named:
+                if percent is not None:
+                    run.last_write = done
+            if any(percent is not None for _, percent, _ in named):
+                self._next_write = done + interval
             written.set()
         checks = []
         for run, percent, _ in named:
