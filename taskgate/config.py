@@ -15,7 +15,7 @@ from taskgate import families
 # Keyword arguments taskgate itself passes to a pipeline call; pipeline_options may not override them.
 RESERVED_CALL_OPTIONS = frozenset({
     "prompt", "negative_prompt", "num_frames", "height", "width", "num_inference_steps", "guidance_scale", "frame_rate",
-    "generator", "output_type", "return_dict", "latents", "callback_on_step_end", "callback", "callback_steps",
+    "generator", "output_type", "return_dict", "latents", "callback_on_step_end", "callback", "callback_steps", "image",
 })
 
 
@@ -49,6 +49,14 @@ class ModelSpec(BaseModel):
     default_guidance: float = Field(default=5.0, description="Guidance scale when a request gives none.")
     default_fps: int = Field(default=8, description="Frames per second of the MP4 when a request gives none.")
     negative_prompt: bool = Field(default=True, description="Whether a request may carry a negative prompt.")
+    image_fit: Literal["crop", "resize", "pad"] = Field(
+        default="crop",
+        description="How an input image is fitted to the requested frame size: crop (cover, cut the centre), "
+        "resize (stretch) or pad (fit inside, black bars).",
+    )
+    max_image_width: int = Field(default=4096, ge=16, description="Widest input image of an image-to-video request, pixels.")
+    max_image_height: int = Field(default=4096, ge=16, description="Tallest input image of an image-to-video request, pixels.")
+    max_image_bytes: int = Field(default=10 * 1024 * 1024, ge=1, description="Largest input image file as sent, bytes.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="Weights' dtype; auto = bfloat16 on CUDA (float16 without bf16), float32 on CPU."
     )
@@ -116,6 +124,9 @@ class ModelSpec(BaseModel):
         return self
 
 
+InputFormat = Literal["PNG", "JPEG", "WEBP"]
+INPUT_FORMATS: tuple[InputFormat, ...] = ("PNG", "JPEG", "WEBP")  # Pillow's names: what an input image may arrive as
+
 # Request defaults of the tiny local models: a few frames at thumbnail size, quick on a CPU.
 TINY_DEFAULTS: dict[str, Any] = {
     "default_frames": 9, "default_width": 32, "default_height": 32, "default_steps": 4, "default_guidance": 5.0, "default_fps": 8,
@@ -179,6 +190,22 @@ class Settings(BaseSettings):
     max_idempotency_key_chars: int = Field(default=256, ge=1, description="Longest client idempotency key.")
     max_callback_url_chars: int = Field(default=2048, ge=16, description="Longest callback URL.")
     callback_resolve_timeout_seconds: float = Field(default=2.0, gt=0, description="DNS lookup of a callback host (SSRF guard).")
+    input_formats: list[InputFormat] = Field(
+        default_factory=lambda: list(INPUT_FORMATS), min_length=1, description="Image formats an input may arrive in."
+    )
+    input_max_bytes: int = Field(
+        default=20 * 1024 * 1024, ge=1, description="Largest input image UploadInput stores or the gateway fetches from a URL."
+    )
+    input_max_side: int = Field(default=8192, ge=16, description="Widest and tallest input image UploadInput stores, pixels.")
+    input_fetch_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="Whole fetch of an input image URL: resolving, connecting, reading."
+    )
+    input_fetch_allow_hosts: list[str] = Field(
+        default_factory=list, description="Hosts exempt from the SSRF guard when fetching input images, e.g. an internal bucket."
+    )
+    input_fetch_ca_file: Path | None = Field(
+        default=None, description="CA bundle (PEM) that input image URLs are verified against; default: the system's."
+    )
     submit_publish_timeout_seconds: float = Field(
         default=1.0, gt=0, description="Wait for JetStream's acks of one dispatcher pass; on timeout its tasks stay CREATED."
     )
@@ -243,6 +270,10 @@ class Settings(BaseSettings):
     )
     retain_reusable_seconds: float = Field(
         default=86400.0, ge=0, description="Outputs of soft-cancelled runs kept for identical requests this long."
+    )
+    retain_inputs_seconds: float = Field(
+        default=7 * 86400.0, ge=0,
+        description="Input images no kept task refers to are deleted this long after their last use (upload or submission).",
     )
 
     # Worker

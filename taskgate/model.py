@@ -117,6 +117,12 @@ class TaskRow:
             callback_events=self.callback_events,
             result_reused=self.result_reused,
         )
+        image = p.get("image")
+        if isinstance(image, dict):
+            msg.image.CopyFrom(task_pb2.InputImage(
+                sha256=str(image["sha256"]), width=int(image["width"]), height=int(image["height"]),
+                size_bytes=int(image.get("size_bytes", 0)), content_type="image/png",
+            ))
         if self.result_uri:
             msg.result.CopyFrom(
                 task_pb2.TaskResult(

@@ -10,6 +10,10 @@ import asyncio
 import ipaddress
 import socket
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -72,3 +76,27 @@ async def checked_address(host: str, port: int, *, within: float, allow_hosts: I
     if not allowed and any(forbidden_address(a) for a in addresses):
         raise Refused("resolves to a loopback, private, link-local or metadata address")
     return addresses[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    """A request target with its host replaced by the one address that was checked, and what keeps TLS and HTTP
+    naming the original host (the Host header, the TLS server name that SNI sends and the certificate is checked
+    against)."""
+
+    url: httpx.URL
+    headers: dict[str, str]
+    extensions: dict[str, Any]
+
+
+async def pin(url: httpx.URL, *, schemes: Iterable[str], within: float, allow_hosts: Iterable[str] = ()) -> Pinned:
+    """`url` pinned to its checked address: Refused names why a scheme, a host or an address may not be reached."""
+    if url.scheme not in set(schemes) or not url.host:
+        raise Refused(f"scheme {url.scheme!r} is not allowed")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        address = await checked_address(url.host, port, within=within, allow_hosts=allow_hosts)
+    except Refused as exc:
+        raise Refused(f"{url.host}: {exc}") from None
+    extensions: dict[str, Any] = {"sni_hostname": url.host} if url.scheme == "https" else {}
+    return Pinned(url.copy_with(host=str(address)), {"host": url.netloc.decode("ascii")}, extensions)

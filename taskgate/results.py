@@ -51,6 +51,8 @@ class ResultStore(Protocol):
 
     async def put(self, name: str, data: bytes, content_type: str) -> StoredResult: ...
 
+    def uri_of(self, name: str) -> str: ...
+
     def read(self, uri: str) -> AsyncIterator[bytes]: ...
 
     async def delete(self, uri: str) -> None: ...
@@ -79,10 +81,13 @@ class ObjectStoreResults:
             self._handle = await self._bus.js.object_store(self._bucket)
         return self._handle
 
+    def uri_of(self, name: str) -> str:
+        return f"nats-os://{self._bucket}/{name}"
+
     async def put(self, name: str, data: bytes, content_type: str) -> StoredResult:
         store = await self._store()
         await store.put(name, data)
-        return StoredResult(f"nats-os://{self._bucket}/{name}", content_type, len(data), hashlib.sha256(data).hexdigest())
+        return StoredResult(self.uri_of(name), content_type, len(data), hashlib.sha256(data).hexdigest())
 
     def _name(self, uri: str) -> str:
         prefix = f"nats-os://{self._bucket}/"
@@ -111,24 +116,29 @@ class ObjectStoreResults:
 
 
 class FolderResults:
-    """Outputs as files in a folder: uri file://<absolute path>."""
+    """Outputs as files in a folder (inputs in its subfolder): uri file://<absolute path>."""
 
     def __init__(self, folder: Path) -> None:
         self._folder = folder.resolve()
         self._folder.mkdir(parents=True, exist_ok=True)
 
+    def uri_of(self, name: str) -> str:
+        return f"file://{self._folder / name}"
+
     async def put(self, name: str, data: bytes, content_type: str) -> StoredResult:
-        path = self._folder / name
+        path = self._path(self.uri_of(name))
         tmp = path.with_suffix(path.suffix + ".tmp")
+        await asyncio.to_thread(path.parent.mkdir, exist_ok=True)
         await asyncio.to_thread(tmp.write_bytes, data)
         await asyncio.to_thread(tmp.replace, path)  # readers never see half a file
         return StoredResult(f"file://{path}", content_type, len(data), hashlib.sha256(data).hexdigest())
 
     def _path(self, uri: str) -> Path:
+        """The file of a URI: in the folder itself, or one level down (inputs/), never outside it."""
         if not uri.startswith("file://"):
             raise ResultNotFound(uri)
         path = Path(uri[len("file://") :]).resolve()
-        if path.parent != self._folder:
+        if path.parent != self._folder and path.parent.parent != self._folder:
             raise ResultNotFound(uri)
         return path
 
@@ -202,9 +212,12 @@ class S3Results:
         except BotoCoreError as exc:
             raise ResultStoreUnavailable(f"S3 {type(exc).__name__}") from exc
 
+    def uri_of(self, name: str) -> str:
+        return f"s3://{self._bucket}/{self._prefix}{name}"
+
     async def put(self, name: str, data: bytes, content_type: str) -> StoredResult:
         key = self._prefix + name
-        uri = f"s3://{self._bucket}/{key}"
+        uri = self.uri_of(name)
         sha256 = hashlib.sha256(data).hexdigest()
         await self._call(uri, lambda: self._client.put_object(
             Bucket=self._bucket, Key=key, Body=data, ContentType=content_type, Metadata={SHA256_KEY: sha256}

@@ -180,6 +180,35 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_unary is not None:
+            inner_su = handler.stream_unary
+
+            async def requests(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+                async for request in stream:
+                    if isinstance(request, _Undecodable):
+                        raise request.error()
+                    yield request
+
+            async def stream_unary(stream: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+                token = telemetry.request_id.set(rid)
+                start = time.perf_counter()
+                try:
+                    return await inner_su(requests(stream), context)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if not isinstance(exc, grpc.aio.AbortError):
+                        await _to_status(exc, context, method)
+                    raise
+                finally:
+                    finish(context, start)
+                    telemetry.request_id.reset(token)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary,
+                request_deserializer=_lenient(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -298,6 +301,42 @@ class Cluster:
             self.stack = None
 
 
+# ---------------------------------------------------------------- a test CA
+
+
+@dataclass(frozen=True)
+class LocalCA:
+    """A certificate authority made for one test run, and a server certificate it signed for localhost/127.0.0.1."""
+
+    ca_file: Path
+    cert_file: Path
+    key_file: Path
+
+    def server_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+
+def make_local_ca(folder: Path) -> LocalCA:
+    """A CA and a localhost server certificate made with the openssl command (skips the test without it)."""
+    if shutil.which("openssl") is None:
+        import pytest  # the harness also serves the benchmarks, which need no pytest
+
+        pytest.skip("openssl is needed to make a test CA")
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert = (folder / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem"))
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run = functools.partial(subprocess.run, check=True, capture_output=True)
+    run(["openssl", "req", "-x509", *ec, "-days", "2", "-subj", "/CN=taskgate test CA", "-keyout", ca_key, "-out", ca])
+    run(["openssl", "req", *ec, "-subj", "/CN=localhost", "-keyout", key, "-out", csr])
+    extensions = folder / "server.ext"
+    extensions.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    run(["openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2",
+         "-extfile", extensions, "-out", cert])
+    return LocalCA(ca, cert, key)
+
+
 # ---------------------------------------------------------------- a webhook receiver
 
 
@@ -334,20 +373,24 @@ class Reply:
 
 
 class WebhookReceiver:
-    """A tiny HTTP/1.1 server on 127.0.0.1; `reply(request)` decides each answer. Records every request."""
+    """A tiny HTTP/1.1 server on 127.0.0.1 (HTTPS as `localhost` with a `tls` context); `reply(request)` decides
+    each answer. Records every request."""
 
-    def __init__(self, reply: Callable[[Received], Reply] = lambda _r: Reply()) -> None:
+    def __init__(self, reply: Callable[[Received], Reply] = lambda _r: Reply(), tls: ssl.SSLContext | None = None) -> None:
         self.reply = reply
         self.requests: list[Received] = []
         self.port = 0
+        self._tls = tls
         self._server: asyncio.Server | None = None
         self._release = asyncio.Event()
 
     def url(self, path: str = "/hook") -> str:
+        if self._tls is not None:
+            return f"https://localhost:{self.port}{path}"
         return f"http://127.0.0.1:{self.port}{path}"
 
     async def __aenter__(self) -> WebhookReceiver:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self._tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 

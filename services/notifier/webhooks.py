@@ -28,10 +28,6 @@ USER_AGENT = "taskgate-webhooks/1"
 ERROR_EXCERPT = 300
 
 
-class Blocked(Exception):
-    """The callback URL is not one we may call (its scheme, or a host the callback-host policy refuses)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Attempt:
     """What one POST came to."""
@@ -193,19 +189,6 @@ class WebhookSender:
             return payload
         return {**payload, "data": {**data, "result_url": link.url, "result_url_expires_at": iso(link.expires_at)}}
 
-    async def _checked_address(self, url: httpx.URL) -> str:
-        """The one address to connect to: never the name again, which closes the DNS-rebinding gap."""
-        if url.scheme not in ("http", "https") or not url.host:
-            raise Blocked(f"scheme {url.scheme!r} is not allowed")
-        port = url.port or (443 if url.scheme == "https" else 80)
-        try:
-            address = await netguard.checked_address(
-                url.host, port, within=self._settings.webhook_timeout_seconds, allow_hosts=self._settings.callback_allow_hosts
-            )
-        except netguard.Refused as exc:
-            raise Blocked(f"{url.host}: {exc}") from None
-        return str(address)
-
     async def post(self, url: str, webhook_id: str, body: bytes, secrets: list[str]) -> Attempt:
         """One signed POST, cut at the timeout, never following redirects, reading at most a few KiB back."""
         start = time.perf_counter()
@@ -214,19 +197,21 @@ class WebhookSender:
             return (time.perf_counter() - start) * 1000
 
         try:
-            target = httpx.URL(url)
-            address = await self._checked_address(target)
-        except (Blocked, httpx.InvalidURL) as exc:
+            # the one address to connect to: never the name again, which closes the DNS-rebinding gap
+            pinned = await netguard.pin(
+                httpx.URL(url), schemes=("http", "https"), within=self._settings.webhook_timeout_seconds,
+                allow_hosts=self._settings.callback_allow_hosts,
+            )
+        except (netguard.Refused, httpx.InvalidURL) as exc:
             return Attempt(None, elapsed(), f"blocked: {exc}"[:ERROR_EXCERPT], "blocked")
         headers = tracing.headers(webhook_signing.headers(secrets, webhook_id, int(time.time()), body))  # + traceparent
         headers["content-type"] = "application/json"
-        headers["host"] = target.netloc.decode("ascii")
-        extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
+        headers.update(pinned.headers)
         cap = self._settings.webhook_max_response_bytes
         try:
             async with asyncio.timeout(self._settings.webhook_timeout_seconds):
                 async with self._client.stream(
-                    "POST", target.copy_with(host=address), content=body, headers=headers, extensions=extensions
+                    "POST", pinned.url, content=body, headers=headers, extensions=pinned.extensions
                 ) as response:
                     received = bytearray()
                     async for chunk in response.aiter_raw():

@@ -53,6 +53,7 @@ class Action(enum.StrEnum):
     PURGE_EVENT = "purge_event"  # an event (with its webhook deliveries and attempt logs) past its retention deleted
     PURGE_RESULT = "purge_result"  # a stored output deleted from the result store
     PURGE_REUSABLE = "purge_reusable"  # a reusable output past its retention forgotten
+    PURGE_INPUT = "purge_input"  # an input image no kept task runs from, unused past its retention, forgotten
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,7 @@ class Retention:
     events: float | None = None
     results: float | None = None
     reusable: float | None = None
+    inputs: float | None = None
 
     @classmethod
     def of(cls, settings: Settings) -> Retention:
@@ -330,12 +332,13 @@ class Retention:
         return cls(
             settings.retain_tasks_seconds or None, settings.retain_events_seconds or None,
             settings.retain_results_seconds or None, settings.retain_reusable_seconds or None,
+            settings.retain_inputs_seconds or None,
         )
 
 
 class RetentionScan:
     """Deletes what outlived its retention: finished tasks (with their history), events and webhook logs of finished
-    tasks, stored outputs, reusable outputs, each a bounded, skip-locked batch per pass in its own transaction.
+    tasks, stored outputs, reusable outputs, input images, each a bounded, skip-locked batch per pass in its own transaction.
 
     An output goes from the result store inside the transaction that forgets it, so a failed delete leaves the row
     for the next pass; an output shared by identical requests goes with the last row referring to it.
@@ -382,6 +385,12 @@ class RetentionScan:
                 result.actions[Action.PURGE_RESULT] += await self._delete_outputs(reusable.orphans)
             result.actions[Action.PURGE_REUSABLE] += reusable.rows
             batches.append(reusable.rows)
+        if keep.inputs is not None:
+            async with pool.acquire() as conn, conn.transaction():
+                inputs = await maintenance.purge_inputs(conn, now=now, older_than_seconds=keep.inputs, limit=limit)
+                result.actions[Action.PURGE_RESULT] += await self._delete_outputs(inputs.orphans)
+            result.actions[Action.PURGE_INPUT] += inputs.rows
+            batches.append(inputs.rows)
         if keep.events is not None:
             events = await maintenance.purge_events(pool, now=now, older_than_seconds=keep.events, limit=limit)
             result.actions[Action.PURGE_EVENT] += events

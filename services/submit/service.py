@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
+import asyncpg
 import grpc
+import nats.errors
 from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health
 
@@ -30,6 +32,7 @@ from taskgate.wire import cancel
 
 from .batching import MAX_BATCH, Submitter, deadline_exceeded
 from .cache import TerminalCache
+from .inputs import InputImages
 from .ratelimit import rate_limited, too_many_pending
 from .validation import Submission, check_priority, regenerate_request, validate
 
@@ -39,6 +42,8 @@ ACTOR = "submit"
 SERVICE_NAME = "taskgate.v1.TaskGateway"
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+# A result store or database that failed to keep an input image: the caller may retry.
+_STORE_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, nats.errors.Error)
 
 
 def poll_interval(created_at: datetime, now: datetime | None = None) -> float:
@@ -71,6 +76,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         self._auth = Authenticator(backends.pool, settings.api_key_pepper)
         self._cache = TerminalCache(settings.result_cache_size)
         self._results = result_store(settings, backends.bus)
+        self.inputs = InputImages(backends.pool, self._results, settings)
         self.ids = ids.LeasedIds(backends.pool, lease_seconds=settings.id_node_lease_seconds, fixed_node=settings.id_node)
         self.dispatcher = Dispatcher(
             backends.pool, backends.bus, actor=ACTOR, ack_timeout=settings.submit_publish_timeout_seconds,
@@ -137,13 +143,15 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                     answers[i] = rate_limited(per_minute, wait)
             return [i for i, wait in zip(indices, waits, strict=True) if wait is None]
 
-        # checking a callback URL resolves its host: a rate-limited caller must not get to make us do that, so those
-        # items take their slot first; an invalid item counts too, and a rate-limited caller hears that first
-        with_callback = [i for i, r in enumerate(items) if r.callback_url]
-        slotted = set(await take_slots(with_callback)) if with_callback else set()
-        to_check = [i for i, r in enumerate(items) if not r.callback_url or i in slotted]
+        # checking a callback URL resolves its host, an input image is fetched and decoded: a rate-limited caller
+        # must not get to make us do that, so those items take their slot first; an invalid item counts too, and a
+        # rate-limited caller hears that first
+        costly = [i for i, r in enumerate(items) if r.callback_url or r.HasField("image")]
+        slotted = set(await take_slots(costly)) if costly else set()
+        to_check = [i for i, r in enumerate(items) if i in slotted or not (r.callback_url or r.HasField("image"))]
         checked = await asyncio.gather(
-            *(validate(who.tenant_id, items[i], self._settings) for i in to_check), return_exceptions=True
+            *(validate(who.tenant_id, items[i], self._settings, self.inputs, within=self._budget(context)) for i in to_check),
+            return_exceptions=True,
         )
         subs: dict[int, Submission] = {}
         invalid: list[int] = []
@@ -167,6 +175,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                 answers[i] = exc
                 del subs[i]
 
+        await self._keep_images(who, subs, answers, context)
+
         order = list(subs)
         candidates = [Candidate(self._new_task(who.tenant_id, subs[i]), None if i in slotted else per_minute) for i in order]
         admissions = await self._submitter.admit(candidates, self._caller_deadline(context))
@@ -182,6 +192,38 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                 answers[i] = gateway_pb2.SubmitTaskResponse(task=task.to_proto(await self._queue_position(task, context)))
         assert all(a is not None for a in answers)
         return [a for a in answers if a is not None]
+
+    async def _keep_images(
+        self, who: Principal, subs: dict[int, Submission], answers: list[Any], context: Context
+    ) -> None:
+        """Records and stores the checked input images of valid submissions before their admission (an image stored
+        for a submission then refused is an unused input, which retention deletes); a store that fails answers that
+        item UNAVAILABLE."""
+        with_image = [i for i, sub in subs.items() if sub.image is not None]
+        if not with_image:
+            return
+        kept = await asyncio.gather(
+            *(self.inputs.keep(who.tenant_id, subs[i].image, within=self._budget(context)) for i in with_image),  # type: ignore[arg-type]
+            return_exceptions=True,
+        )
+        for i, stored in zip(with_image, kept, strict=True):
+            if isinstance(stored, _STORE_ERRORS):
+                log.warning("input image not stored", extra={"error": f"{type(stored).__name__}: {stored}"})
+                answers[i] = errors.unavailable("the input image could not be stored; retry")
+                del subs[i]
+            elif isinstance(stored, BaseException):
+                raise stored
+            else:
+                subs[i] = subs[i].with_image(stored)
+
+    async def UploadInput(
+        self, request_iterator: AsyncIterator[gateway_pb2.UploadInputRequest], context: Context
+    ) -> gateway_pb2.UploadInputResponse:
+        """Stores an input image sent in parts; its sha256 names it in a later submission of this tenant."""
+        who = await self._principal(context)
+        image = await self.inputs.upload(who.tenant_id, request_iterator, within=self._budget(context))
+        log.info("input uploaded", extra={"sha256": image.sha256, "bytes": image.size_bytes})
+        return gateway_pb2.UploadInputResponse(image=image)
 
     def _caller_deadline(self, context: Context) -> float | None:
         """The loop time by which this caller must hear back (None: it set no deadline), keeping the same margin as
@@ -426,6 +468,7 @@ class SubmitHandle:
             await self.server.stop(grace)
             await self.gateway.dispatcher.close(grace)  # what it could not dispatch stays CREATED for the scan
         finally:
+            await self.gateway.inputs.close()
             await self.gateway.ids.close()
             if self.owns_backends:
                 await self.backends.close()

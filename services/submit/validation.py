@@ -7,7 +7,7 @@ import json
 import math
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -15,9 +15,13 @@ from taskgate import errors, netguard, text
 from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.states import Priority
+from taskgate.store.inputs import StoredInput
 from taskgate.v1 import gateway_pb2, task_pb2
 
+from .inputs import Checked, InputImages
+
 DEFAULT_TASK_TYPE = "text-to-video"
+IMAGE_TASK_TYPES = frozenset({"image-to-video"})  # task types whose requests carry an input image
 CALLBACK_EVENTS = frozenset({"CANCELED", "PROGRESS"})
 MAX_SEED = 2**63 - 1
 _RANDOM_SEEDS = 2**32  # a seed every backend (torch, numpy) accepts
@@ -42,6 +46,11 @@ class Submission:
     callback_url: str | None
     callback_events: list[str]
     max_retries: int
+    image: Checked | None = None  # image-to-video: checked, not yet kept (the payload then holds its sha256 alone)
+
+    def with_image(self, stored: StoredInput) -> Submission:
+        """This submission once its image is kept: the payload names where the worker finds it."""
+        return replace(self, payload={**self.payload, "image": stored.payload()}, image=None)
 
     def same_request(self, existing: TaskRow) -> bool:
         """Whether an existing task holding this idempotency key was made by this very request."""
@@ -78,7 +87,9 @@ def regenerate_request(
     )
     if seed is not None:
         params.seed = seed
+    image = p.get("image")
     return gateway_pb2.SubmitTaskRequest(
+        image=gateway_pb2.ImageInput(upload_sha256=image["sha256"]) if isinstance(image, dict) else None,
         task_type=source.task_type,
         model_id=source.model_id,
         prompt=source.prompt,
@@ -179,8 +190,15 @@ def _check_params(
     }
 
 
-async def validate(tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: Settings) -> Submission:
-    """The canonical submission, or INVALID_ARGUMENT naming every bad field."""
+async def validate(
+    tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: Settings, inputs: InputImages | None = None,
+    *, within: float = 5.0,
+) -> Submission:
+    """The canonical submission, or INVALID_ARGUMENT naming every bad field.
+
+    An input image is checked last, and only when every other field is valid: fetching and decoding it is the
+    dearest check, not worth making for a request refused anyway.
+    """
     bad: list[tuple[str, str]] = []
     prompt = req.prompt
     if not prompt.strip():
@@ -234,6 +252,21 @@ async def validate(tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: Se
         if why is not None:
             bad.append(("callback_url", why))
 
+    wants_image = task_type in IMAGE_TASK_TYPES
+    if wants_image and not req.HasField("image"):
+        bad.append(("image", f"task_type {task_type} needs an input image"))
+    elif req.HasField("image") and not wants_image:
+        bad.append(("image", f"task_type {task_type} takes no image; use {', '.join(sorted(IMAGE_TASK_TYPES))}"))
+    image: Checked | None = None
+    if not bad and wants_image:
+        assert spec is not None
+        if inputs is None:
+            bad.append(("image", "this gateway takes no input images"))
+        else:
+            image = await inputs.check(tenant, req.image, spec, bad, within=within)
+            if image is not None:  # what the output depends on: the pixels, never where they came from
+                params["image"] = image.sha256
+
     if bad:
         raise errors.invalid_argument(bad)
 
@@ -253,4 +286,5 @@ async def validate(tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: Se
         callback_url=callback_url,
         callback_events=events,
         max_retries=max_retries,
+        image=image,
     )

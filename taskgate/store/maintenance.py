@@ -156,6 +156,17 @@ async def purge_reusable(db: Conn, *, now: datetime | None = None, older_than_se
     return Purged(len(recs), await unreferenced(db, outputs))
 
 
+async def purge_inputs(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> Purged:
+    """Deletes input images unused since before the cut-off that no kept task of their tenant runs from, oldest first,
+    locked; the orphans are the objects no tenant's row names any more. Run inside the caller's transaction: the
+    objects' locks last until it ends."""
+    recs = await db.fetch(sql.query("retention_delete_inputs"), now, older_than_seconds, limit)
+    if not recs:
+        return Purged(0, [])
+    orphans = await db.fetch(sql.query("retention_unreferenced_inputs"), [r["sha256"] for r in recs], [r["uri"] for r in recs])
+    return Purged(len(recs), [r["uri"] for r in orphans])
+
+
 async def purge_events(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> int:
     """Deletes relayed history rows older than the cut-off of tasks finished before it (their webhook deliveries and
     attempt logs cascade), oldest first, skipping locked rows; returns how many."""

@@ -23,6 +23,38 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ImageInput(_message.Message):
+    """The image of an image-to-video request: PNG, JPEG or WebP (a still image; animated ones are refused)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    UPLOAD_SHA256_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """the file itself, within the gateway's message limit"""
+    url: _builtins.str
+    """an https URL the gateway fetches once: public hosts only, size- and time-capped"""
+    upload_sha256: _builtins.str
+    """what UploadInput answered (the caller's own uploads only)"""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        url: _builtins.str = ...,
+        upload_sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "source", b"source", "upload_sha256", b"upload_sha256", "url", b"url"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "source", b"source", "upload_sha256", b"upload_sha256", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["data", "url", "upload_sha256"]  # noqa: Y015
+    _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
+
+Global___ImageInput: _TypeAlias = ImageInput  # noqa: Y015
+
+@_typing.final
 class SubmitTaskRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -56,6 +88,7 @@ class SubmitTaskRequest(_message.Message):
     CALLBACK_EVENTS_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     MAX_RETRIES_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
     task_type: _builtins.str
     """default "text-to-video" """
     model_id: _builtins.str
@@ -74,6 +107,10 @@ class SubmitTaskRequest(_message.Message):
 
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def image(self) -> Global___ImageInput:
+        """required by task_type "image-to-video", refused otherwise"""
+
     def __init__(
         self,
         *,
@@ -87,10 +124,11 @@ class SubmitTaskRequest(_message.Message):
         callback_events: _abc.Iterable[_builtins.str] | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         max_retries: _builtins.int | None = ...,
+        image: Global___ImageInput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "max_retries", b"max_retries", "params", b"params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "image", b"image", "max_retries", b"max_retries", "params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "callback_events", b"callback_events", "callback_url", b"callback_url", "idempotency_key", b"idempotency_key", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "prompt", b"prompt", "task_type", b"task_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "callback_events", b"callback_events", "callback_url", b"callback_url", "idempotency_key", b"idempotency_key", "image", b"image", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "prompt", b"prompt", "task_type", b"task_type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -389,6 +427,46 @@ class ResultChunk(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResultChunk: _TypeAlias = ResultChunk  # noqa: Y015
+
+@_typing.final
+class UploadInputRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """the next part of the file, in order"""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadInputRequest: _TypeAlias = UploadInputRequest  # noqa: Y015
+
+@_typing.final
+class UploadInputResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IMAGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def image(self) -> _task_pb2.InputImage: ...
+    def __init__(
+        self,
+        *,
+        image: _task_pb2.InputImage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["image", b"image"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadInputResponse: _TypeAlias = UploadInputResponse  # noqa: Y015
 
 @_typing.final
 class RegenerateTaskRequest(_message.Message):

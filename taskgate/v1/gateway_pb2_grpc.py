@@ -71,6 +71,11 @@ class TaskGatewayStub:
                 request_serializer=taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskResponse.FromString,
                 _registered_method=True)
+        self.UploadInput = channel.stream_unary(
+                '/taskgate.v1.TaskGateway/UploadInput',
+                request_serializer=taskgate_dot_v1_dot_gateway__pb2.UploadInputRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_gateway__pb2.UploadInputResponse.FromString,
+                _registered_method=True)
 
 
 class TaskGatewayServicer:
@@ -124,6 +129,14 @@ class TaskGatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadInput(self, request_iterator, context):
+        """Stores an input image sent in chunks (larger than one message may be), checked as a submission's image is, and
+        answers with its sha256: a later SubmitTask names it in `image.upload_sha256`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TaskGatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +174,11 @@ def add_TaskGatewayServicer_to_server(servicer, server):
                     servicer.RegenerateTask,
                     request_deserializer=taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskResponse.SerializeToString,
+            ),
+            'UploadInput': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadInput,
+                    request_deserializer=taskgate_dot_v1_dot_gateway__pb2.UploadInputRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_gateway__pb2.UploadInputResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +372,33 @@ class TaskGateway:
             '/taskgate.v1.TaskGateway/RegenerateTask',
             taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskRequest.SerializeToString,
             taskgate_dot_v1_dot_gateway__pb2.RegenerateTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadInput(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/taskgate.v1.TaskGateway/UploadInput',
+            taskgate_dot_v1_dot_gateway__pb2.UploadInputRequest.SerializeToString,
+            taskgate_dot_v1_dot_gateway__pb2.UploadInputResponse.FromString,
             options,
             channel_credentials,
             insecure,

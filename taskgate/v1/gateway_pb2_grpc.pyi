@@ -47,6 +47,10 @@ class TaskGatewayStub:
     """Streams a SUCCEEDED task's output; the first chunk carries `info`."""
     RegenerateTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RegenerateTaskRequest, _gateway_pb2.RegenerateTaskResponse]
     """A new task from a finished one's request (a new seed, a fresh idempotency key), at HIGH when the tenant may use it."""
+    UploadInput: _grpc.StreamUnaryMultiCallable[_gateway_pb2.UploadInputRequest, _gateway_pb2.UploadInputResponse]
+    """Stores an input image sent in chunks (larger than one message may be), checked as a submission's image is, and
+    answers with its sha256: a later SubmitTask names it in `image.upload_sha256`.
+    """
 
 @_typing.type_check_only
 class TaskGatewayAsyncStub(TaskGatewayStub):
@@ -67,6 +71,10 @@ class TaskGatewayAsyncStub(TaskGatewayStub):
     """Streams a SUCCEEDED task's output; the first chunk carries `info`."""
     RegenerateTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RegenerateTaskRequest, _gateway_pb2.RegenerateTaskResponse]  # type: ignore[assignment]
     """A new task from a finished one's request (a new seed, a fresh idempotency key), at HIGH when the tenant may use it."""
+    UploadInput: _aio.StreamUnaryMultiCallable[_gateway_pb2.UploadInputRequest, _gateway_pb2.UploadInputResponse]  # type: ignore[assignment]
+    """Stores an input image sent in chunks (larger than one message may be), checked as a submission's image is, and
+    answers with its sha256: a later SubmitTask names it in `image.upload_sha256`.
+    """
 
 class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
     """The front door: internal backends submit and follow tasks here.
@@ -126,5 +134,15 @@ class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.RegenerateTaskResponse, _abc.Awaitable[_gateway_pb2.RegenerateTaskResponse]]:
         """A new task from a finished one's request (a new seed, a fresh idempotency key), at HIGH when the tenant may use it."""
+
+    @_abc_1.abstractmethod
+    def UploadInput(
+        self,
+        request_iterator: _MaybeAsyncIterator[_gateway_pb2.UploadInputRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.UploadInputResponse, _abc.Awaitable[_gateway_pb2.UploadInputResponse]]:
+        """Stores an input image sent in chunks (larger than one message may be), checked as a submission's image is, and
+        answers with its sha256: a later SubmitTask names it in `image.upload_sha256`.
+        """
 
 def add_TaskGatewayServicer_to_server(servicer: TaskGatewayServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -191,6 +191,48 @@ class TaskResult(_message.Message):
 Global___TaskResult: _TypeAlias = TaskResult  # noqa: Y015
 
 @_typing.final
+class InputImage(_message.Message):
+    """An input image as the gateway stored it: a canonical RGB PNG (upright, metadata stripped) in the result store,
+    named by its sha256, which is also what makes two requests the same.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    CONTENT_TYPE_FIELD_NUMBER: _builtins.int
+    SOURCE_FORMAT_FIELD_NUMBER: _builtins.int
+    sha256: _builtins.str
+    """of the stored PNG"""
+    width: _builtins.int
+    height: _builtins.int
+    size_bytes: _builtins.int
+    """of the stored PNG"""
+    content_type: _builtins.str
+    """"image/png" """
+    source_format: _builtins.str
+    """what was sent: "PNG", "JPEG" or "WEBP" (UploadInput's answer only)"""
+    def __init__(
+        self,
+        *,
+        sha256: _builtins.str = ...,
+        width: _builtins.int = ...,
+        height: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+        content_type: _builtins.str = ...,
+        source_format: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "height", b"height", "sha256", b"sha256", "size_bytes", b"size_bytes", "source_format", b"source_format", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputImage: _TypeAlias = InputImage  # noqa: Y015
+
+@_typing.final
 class Task(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -245,6 +287,7 @@ class Task(_message.Message):
     RESULT_REUSED_FIELD_NUMBER: _builtins.int
     ESTIMATED_START_FIELD_NUMBER: _builtins.int
     ESTIMATED_FINISH_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """64-bit time-ordered id, decimal"""
     user_id: _builtins.str
@@ -295,6 +338,10 @@ class Task(_message.Message):
 
     @_builtins.property
     def estimated_finish(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def image(self) -> Global___InputImage:
+        """image-to-video: the input the task runs from"""
+
     def __init__(
         self,
         *,
@@ -329,10 +376,11 @@ class Task(_message.Message):
         result_reused: _builtins.bool = ...,
         estimated_start: _timestamp_pb2.Timestamp | None = ...,
         estimated_finish: _timestamp_pb2.Timestamp | None = ...,
+        image: Global___InputImage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "params", b"params", "queued_at", b"queued_at", "result", b"result", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "image", b"image", "params", b"params", "queued_at", b"queued_at", "result", b"result", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_position", b"queue_position", "queued_at", b"queued_at", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_position", b"queue_position", "queued_at", b"queued_at", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

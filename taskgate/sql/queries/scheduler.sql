@@ -226,6 +226,28 @@ WHERE (r.user_id, r.request_hash) IN (SELECT user_id, request_hash FROM reusable
                                       FOR UPDATE SKIP LOCKED)
 RETURNING r.user_id, r.request_hash, r.result_uri;
 
+-- name: retention_delete_inputs
+-- Deletes input images last used before the cut-off that no task of their tenant (kept, any status) refers to,
+-- oldest first, skipping locked rows; returns what each was. $1 now, $2 seconds, $3 limit.
+DELETE FROM task_input i
+WHERE (i.user_id, i.sha256) IN (SELECT c.user_id, c.sha256 FROM task_input c
+                                WHERE c.last_used_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+                                  AND NOT EXISTS (SELECT 1 FROM task t
+                                                  WHERE t.user_id = c.user_id AND t.request_payload ? 'image'
+                                                    AND t.request_payload -> 'image' ->> 'sha256' = c.sha256)
+                                ORDER BY c.last_used_at
+                                LIMIT $3
+                                FOR UPDATE SKIP LOCKED)
+RETURNING i.sha256, i.uri;
+
+-- name: retention_unreferenced_inputs
+-- Of the given input objects, those no tenant's row refers to any more, each taken under its input's advisory lock
+-- (submit_keep_input takes it too) until the caller's transaction ends, so the object is deleted before a new row
+-- for it can commit. $1 sha256s, $2 uris.
+SELECT u.uri FROM (SELECT DISTINCT * FROM unnest($1::text[], $2::text[]) AS u(sha256, uri) ORDER BY sha256) u,
+     LATERAL (SELECT pg_advisory_xact_lock(hashtextextended('taskgate.input:' || u.sha256, 0))) lock
+WHERE NOT EXISTS (SELECT 1 FROM task_input i WHERE i.sha256 = u.sha256);
+
 -- name: retention_unreferenced
 -- Of the given outputs, those that no task (with its output still kept) and no reusable output refers to any more:
 -- an output can be shared by the tasks of one tenant's identical requests. $1 user ids, $2 request hashes, $3 uris.

@@ -58,3 +58,19 @@ WHERE user_id = $1
   AND ($5::timestamptz IS NULL OR (created_at, id) < ($5::timestamptz, $6::bigint))
 ORDER BY created_at DESC, id DESC
 LIMIT $7;
+
+-- name: submit_keep_input
+-- Records a tenant's input image (or marks it used again), before its object is written: under the input's
+-- advisory lock, so a retention pass deleting the object of the last row for this sha256 either ran before (and the
+-- write that follows puts the object back) or sees this row and keeps it. $1 user, $2 sha256, $3 uri, $4 width,
+-- $5 height, $6 bytes.
+INSERT INTO task_input (user_id, sha256, uri, width, height, size_bytes)
+SELECT $1, $2, $3, $4, $5, $6 FROM (SELECT pg_advisory_xact_lock(hashtextextended('taskgate.input:' || $2, 0))) lock
+ON CONFLICT (user_id, sha256) DO UPDATE SET last_used_at = now(), uri = EXCLUDED.uri
+RETURNING *;
+
+-- name: submit_use_input
+-- A tenant's stored input named by its sha256, marked used now; no row when the tenant has none of that name.
+-- $1 user, $2 sha256.
+UPDATE task_input SET last_used_at = now() WHERE user_id = $1 AND sha256 = $2
+RETURNING *;

@@ -1,0 +1,196 @@
+"""Input images of image-to-video requests: taken inline, fetched from a URL or named by an upload; checked before
+anything is queued, then recorded and stored under their content hash.
+
+A request's image is resolved in two steps: `check` (decode, limits, ownership of an upload: every refusal names
+its field, nothing is written) and, once the whole request is valid, `keep` (the row, then the object, so a
+concurrent retention pass cannot delete the object of a row it did not see).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from taskgate import errors, images, netguard
+from taskgate.config import ModelSpec, Settings
+from taskgate.results import ResultStore
+from taskgate.store import inputs as input_store
+from taskgate.store.inputs import StoredInput
+from taskgate.store.pool import Conn
+from taskgate.v1 import gateway_pb2, task_pb2
+
+USER_AGENT = "taskgate-inputs/1"
+_SHA256_CHARS = frozenset("0123456789abcdef")
+
+
+class FetchRefused(Exception):
+    """An image URL that could not be used; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A request's image, valid for its model: new pixels to store, or an upload the tenant already holds."""
+
+    new: images.Canonical | None = None
+    stored: StoredInput | None = None
+
+    @property
+    def sha256(self) -> str:
+        """The image's identity: its canonical PNG's sha256."""
+        if self.stored is not None:
+            return self.stored.sha256
+        assert self.new is not None
+        return self.new.sha256
+
+
+def _limits(settings: Settings, spec: ModelSpec | None) -> images.Limits:
+    """A model's image limits, or the upload limits without a model."""
+    if spec is None:
+        side = settings.input_max_side
+        return images.Limits(tuple(settings.input_formats), side, side, settings.input_max_bytes)
+    return images.Limits(tuple(settings.input_formats), spec.max_image_width, spec.max_image_height, spec.max_image_bytes)
+
+
+class InputImages:
+    """Checks, fetches and keeps input images for one gateway: its pool, its result store, its settings."""
+
+    def __init__(self, pool: Conn, store: ResultStore, settings: Settings) -> None:
+        self._pool = pool
+        self._store = store
+        self._settings = settings
+        self._client: httpx.AsyncClient | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            verify: ssl.SSLContext | bool = True
+            if self._settings.input_fetch_ca_file is not None:
+                verify = ssl.create_default_context(cafile=str(self._settings.input_fetch_ca_file))
+            self._client = httpx.AsyncClient(
+                follow_redirects=False,
+                verify=verify,
+                timeout=httpx.Timeout(self._settings.input_fetch_timeout_seconds),
+                trust_env=False,  # never through an environment proxy: the checked address is pinned
+                headers={"user-agent": USER_AGENT, "accept": "image/png, image/jpeg, image/webp", "accept-encoding": "identity"},
+            )
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def check(
+        self, tenant: str, image: gateway_pb2.ImageInput, spec: ModelSpec, bad: list[tuple[str, str]], *, within: float
+    ) -> Checked | None:
+        """The request's image if it is usable by `spec`'s model; otherwise None, with the reason added to `bad`."""
+        limits = _limits(self._settings, spec)
+        source = image.WhichOneof("source")
+        if source is None:
+            bad.append(("image", "needs one of data, url or upload_sha256"))
+            return None
+        if source == "upload_sha256":
+            sha256 = image.upload_sha256
+            if len(sha256) != 64 or not set(sha256) <= _SHA256_CHARS:
+                bad.append(("image.upload_sha256", "must be the 64 lower-case hex digits UploadInput answered with"))
+                return None
+            stored = await input_store.use(self._pool, tenant, sha256, within=within)
+            if stored is None:
+                bad.append(("image.upload_sha256", "names no input image of this tenant (never uploaded, or expired)"))
+                return None
+            if stored.width > limits.max_width or stored.height > limits.max_height:
+                bad.append((
+                    "image.upload_sha256",
+                    f"the image is {stored.width}x{stored.height}; this model takes at most {limits.max_width}x{limits.max_height}",
+                ))
+                return None
+            return Checked(stored=stored)
+        field = f"image.{source}"
+        if source == "url":
+            try:
+                data = await self._fetch(image.url, limits.max_bytes)
+            except FetchRefused as exc:
+                bad.append((field, str(exc)))
+                return None
+        else:
+            data = image.data
+        try:
+            return Checked(new=await asyncio.to_thread(images.canonical, data, limits))
+        except images.ImageRefused as exc:
+            bad.append((field, str(exc)))
+            return None
+
+    async def keep(self, tenant: str, checked: Checked, *, within: float) -> StoredInput:
+        """The image recorded for the tenant and written to the result store (the row first: see submit_keep_input)."""
+        if checked.stored is not None:
+            return checked.stored
+        new = checked.new
+        assert new is not None
+        uri = self._store.uri_of(new.name)
+        row = await input_store.keep(
+            self._pool, tenant, StoredInput(new.sha256, uri, new.width, new.height, len(new.png)), within=within
+        )
+        await self._store.put(new.name, new.png, images.CONTENT_TYPE)
+        return row
+
+    async def upload(self, tenant: str, parts: AsyncIterator[gateway_pb2.UploadInputRequest], *, within: float) -> task_pb2.InputImage:
+        """An UploadInput stream's image, checked against the upload limits, recorded and stored."""
+        limits = _limits(self._settings, None)
+        received = bytearray()
+        async for part in parts:
+            received += part.data
+            if len(received) > limits.max_bytes:
+                raise errors.invalid_argument([("data", f"larger than {limits.max_bytes} bytes")])
+        try:
+            new = await asyncio.to_thread(images.canonical, bytes(received), limits)
+        except images.ImageRefused as exc:
+            raise errors.invalid_argument([("data", str(exc))]) from None
+        stored = await self.keep(tenant, Checked(new=new), within=within)
+        return task_pb2.InputImage(
+            sha256=stored.sha256, width=stored.width, height=stored.height, size_bytes=stored.size_bytes,
+            content_type=images.CONTENT_TYPE, source_format=new.source_format,
+        )
+
+    async def _fetch(self, url: str, cap: int) -> bytes:
+        """The body of an https image URL: public hosts only (the webhook's SSRF guard), no redirects, at most `cap`
+        bytes, an image content type, all within input_fetch_timeout_seconds."""
+        timeout = self._settings.input_fetch_timeout_seconds
+        if len(url) > self._settings.max_callback_url_chars:
+            raise FetchRefused(f"longer than {self._settings.max_callback_url_chars} characters")
+        try:
+            target = httpx.URL(url)
+        except httpx.InvalidURL:
+            raise FetchRefused("not a valid URL") from None
+        if target.userinfo:
+            raise FetchRefused("must not carry credentials")
+        try:
+            async with asyncio.timeout(timeout):
+                pinned = await netguard.pin(
+                    target, schemes=("https",), within=timeout, allow_hosts=self._settings.input_fetch_allow_hosts
+                )
+                async with self._http().stream("GET", pinned.url, headers=pinned.headers, extensions=pinned.extensions) as answer:
+                    if answer.is_redirect:
+                        raise FetchRefused(f"answered HTTP {answer.status_code}: redirects are not followed")
+                    if answer.status_code != 200:
+                        raise FetchRefused(f"answered HTTP {answer.status_code}")
+                    kind = answer.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+                    if not kind.startswith("image/"):
+                        raise FetchRefused(f"answered with content type {kind or 'none'}, not an image")
+                    declared = answer.headers.get("content-length", "")
+                    if declared.isdigit() and int(declared) > cap:
+                        raise FetchRefused(f"is {declared} bytes; at most {cap} are allowed")
+                    body = bytearray()
+                    async for chunk in answer.aiter_raw():
+                        body += chunk
+                        if len(body) > cap:
+                            raise FetchRefused(f"larger than {cap} bytes")
+                    return bytes(body)
+        except netguard.Refused as exc:
+            raise FetchRefused(f"may not be fetched: {exc}") from None
+        except TimeoutError:
+            raise FetchRefused(f"could not be fetched within {timeout:g} s") from None
+        except httpx.HTTPError as exc:
+            raise FetchRefused(f"could not be fetched ({type(exc).__name__})") from None

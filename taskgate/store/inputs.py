@@ -1,0 +1,43 @@
+"""Input images of image-to-video requests: which tenant holds which stored image (the object is in the result store)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from taskgate import sql
+from taskgate.store.pool import Conn
+
+
+@dataclass(frozen=True, slots=True)
+class StoredInput:
+    """A tenant's input image as recorded: its canonical PNG's sha256, where the object is, and its size."""
+
+    sha256: str
+    uri: str
+    width: int
+    height: int
+    size_bytes: int
+
+    def payload(self) -> dict[str, Any]:
+        """What a task's request payload holds of it (the worker reads `uri`; `sha256` enters the request hash)."""
+        return {"sha256": self.sha256, "width": self.width, "height": self.height, "size_bytes": self.size_bytes, "uri": self.uri}
+
+
+def _stored(rec: Any) -> StoredInput:
+    return StoredInput(rec["sha256"], rec["uri"], rec["width"], rec["height"], rec["size_bytes"])
+
+
+async def keep(db: Conn, tenant: str, image: StoredInput, *, within: float) -> StoredInput:
+    """Records the tenant's input (or marks it used again); call before writing the object (the query says why)."""
+    rec = await db.fetchrow(
+        sql.query("submit_keep_input"), tenant, image.sha256, image.uri, image.width, image.height, image.size_bytes,
+        timeout=within,
+    )
+    return _stored(rec)
+
+
+async def use(db: Conn, tenant: str, sha256: str, *, within: float) -> StoredInput | None:
+    """The tenant's stored input of this sha256, marked used now; None when it has none."""
+    rec = await db.fetchrow(sql.query("submit_use_input"), tenant, sha256, timeout=within)
+    return None if rec is None else _stored(rec)
