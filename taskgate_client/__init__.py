@@ -30,7 +30,7 @@ from taskgate_client.errors import (
 )
 from taskgate_client.handles import AsyncTaskHandle, TaskHandle
 from taskgate_client.sync import EventStream, TaskgateClient, connect
-from taskgate_client.types import Status, SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult
+from taskgate_client.types import ImageSource, InputImage, Status, SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult
 from taskgate_client.webhooks import WebhookVerificationError, verify_webhook
 
 __all__ = [
@@ -44,6 +44,8 @@ __all__ = [
     "EventStream",
     "FailedPrecondition",
     "FieldViolation",
+    "ImageSource",
+    "InputImage",
     "IntegrityError",
     "InvalidArgument",
     "NotFound",

@@ -33,7 +33,17 @@ from taskgate_client.errors import (
     retryable,
 )
 from taskgate_client.handles import AsyncTaskHandle
-from taskgate_client.types import Status, SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult, priority_value
+from taskgate_client.types import (
+    ImageSource,
+    InputImage,
+    Status,
+    SubmitItem,
+    SubmitOptions,
+    Task,
+    TaskEvent,
+    TaskResult,
+    priority_value,
+)
 
 if TYPE_CHECKING:  # 3.11 typing names, in annotations only: the client also runs on 3.10
     from typing import Self, Unpack
@@ -51,6 +61,8 @@ DOWNLOAD_CHUNK = 256 * 1024
 # watch_all() skips an event it already yielded (a resume may replay some); this many tasks are remembered.
 TRACKED_TASKS = 10_000
 MAX_SUBMIT_BATCH = 1000  # tasks per SubmitTasks call, the gateway's limit
+INLINE_IMAGE_BYTES = 2 * 1024 * 1024  # an image file up to this size travels in the request; a larger one is uploaded first
+UPLOAD_PART = 1024 * 1024
 
 StatusFilter = str | Status | Iterable[str | Status] | None
 
@@ -101,9 +113,11 @@ def submit_request(
     callback_events: Iterable[str] = (),
     metadata: Mapping[str, str] | None = None,
     max_retries: int | None = None,
-    task_type: str = "text-to-video",
+    task_type: str | None = None,
+    image: gateway_pb2.ImageInput | None = None,
 ) -> gateway_pb2.SubmitTaskRequest:
-    """The SubmitTaskRequest for submit()'s arguments; a fresh idempotency key unless one is given."""
+    """The SubmitTaskRequest for submit()'s arguments; a fresh idempotency key unless one is given. The task type
+    defaults to image-to-video with an image, text-to-video without."""
     params = task_pb2.VideoParams(
         num_frames=frames or 0,
         width=width or 0,
@@ -116,7 +130,7 @@ def submit_request(
     if seed is not None:
         params.seed = seed
     request = gateway_pb2.SubmitTaskRequest(
-        task_type=task_type,
+        task_type=task_type or ("image-to-video" if image is not None else "text-to-video"),
         model_id=model or "",
         prompt=prompt,
         params=params,
@@ -125,10 +139,20 @@ def submit_request(
         callback_url=callback_url or "",
         callback_events=list(callback_events),
         metadata=dict(metadata or {}),
+        image=image,
     )
     if max_retries is not None:
         request.max_retries = max_retries
     return request
+
+
+def _read_image(image: ImageSource) -> bytes | str:
+    """An image source as bytes to send, or as the https URL the gateway fetches."""
+    if isinstance(image, bytes):
+        return image
+    if isinstance(image, str) and image.startswith(("https://", "http://")):
+        return image
+    return Path(image).read_bytes()
 
 
 async def _pause_before_resume(
@@ -311,10 +335,13 @@ class AsyncTaskgateClient:
         callback_events: Iterable[str] = (),
         metadata: Mapping[str, str] | None = None,
         max_retries: int | None = None,
-        task_type: str = "text-to-video",
+        task_type: str | None = None,
+        image: ImageSource | None = None,
     ) -> AsyncTaskHandle:
-        """Submits a text-to-video task and returns its handle. Unset parameters take the model's defaults.
+        """Submits a task and returns its handle. Unset parameters take the model's defaults.
 
+        With `image` (a file's path, its bytes, or an https URL the gateway fetches) the task is image-to-video
+        unless `task_type` says otherwise; a file larger than INLINE_IMAGE_BYTES is uploaded first (UploadInput).
         Without `idempotency_key` a fresh one is generated once per call, so the built-in retries never create
         a second task; pass your own to make retries across processes safe as well.
         """
@@ -322,7 +349,7 @@ class AsyncTaskgateClient:
             prompt, model, frames=frames, width=width, height=height, steps=steps, guidance=guidance, fps=fps, seed=seed,
             negative_prompt=negative_prompt, priority=priority, idempotency_key=idempotency_key,
             callback_url=callback_url, callback_events=callback_events, metadata=metadata, max_retries=max_retries,
-            task_type=task_type,
+            task_type=task_type, image=await self._image_input(image),
         )
         response = await self._call(
             lambda: self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
@@ -344,7 +371,10 @@ class AsyncTaskgateClient:
         """
         if not 1 <= chunk_size <= MAX_SUBMIT_BATCH:
             raise ValueError(f"chunk_size must be 1 to {MAX_SUBMIT_BATCH}")
-        requests = [submit_request(**item) for item in items]
+        requests = [
+            submit_request(**cast("dict[str, Any]", {**item, "image": await self._image_input(item.get("image"))}))
+            for item in items
+        ]
         out: builtins.list[AsyncTaskHandle | TaskgateError] = []
         for start in range(0, len(requests), chunk_size):
             response = await self._submit_chunk(gateway_pb2.SubmitTasksRequest(requests=requests[start:start + chunk_size]))
@@ -356,6 +386,33 @@ class AsyncTaskgateClient:
             if on_progress is not None:
                 on_progress(len(out), len(requests))
         return out
+
+    async def upload_input(self, image: ImageSource) -> InputImage:
+        """Stores an input image (a file's path or its bytes) with UploadInput, in parts; a later submit can name it
+        by the returned sha256 as `image=` would (submit does this by itself for a large file)."""
+        data = await asyncio.to_thread(_read_image, image)
+        if isinstance(data, str):
+            raise ValueError("upload_input takes a file or its bytes, not a URL")
+
+        async def parts() -> AsyncIterator[gateway_pb2.UploadInputRequest]:
+            for offset in range(0, max(len(data), 1), UPLOAD_PART):
+                yield gateway_pb2.UploadInputRequest(data=data[offset : offset + UPLOAD_PART])
+
+        response = await self._call(
+            lambda: self._gateway.UploadInput(parts(), metadata=self.metadata, timeout=self.config.call_timeout)
+        )
+        return InputImage.from_proto(response.image)
+
+    async def _image_input(self, image: ImageSource | None) -> gateway_pb2.ImageInput | None:
+        """The wire form of a submit's image: the URL, the bytes inline, or a reference to their upload."""
+        if image is None:
+            return None
+        data = await asyncio.to_thread(_read_image, image)
+        if isinstance(data, str):
+            return gateway_pb2.ImageInput(url=data)
+        if len(data) <= INLINE_IMAGE_BYTES:
+            return gateway_pb2.ImageInput(data=data)
+        return gateway_pb2.ImageInput(upload_sha256=(await self.upload_input(data)).sha256)
 
     async def _submit_chunk(self, request: gateway_pb2.SubmitTasksRequest) -> gateway_pb2.SubmitTasksResponse:
         return await self._call(

@@ -346,6 +346,24 @@ async def cmd_submit_file(client: AsyncTaskgateClient, args: argparse.Namespace,
     return EXIT_ERROR if failed else EXIT_OK
 
 
+def _image_arg(value: str | None) -> str | None:
+    """An image argument as the SDK takes it: an https URL as it is, a file that must exist."""
+    if value is None or value.startswith(("https://", "http://")):
+        return value
+    if not os.path.isfile(value):
+        raise CliError(f"no such image file: {value}", EXIT_USAGE)
+    return value
+
+
+async def cmd_upload(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    image = await client.upload_input(_image_arg(args.file) or args.file)
+    if out.json:
+        out.document({**image.to_dict(), "source_format": image.source_format})
+    else:
+        out.line(f"{image.sha256}\t{image.width}x{image.height}\t{image.size_bytes} bytes (sent as {image.source_format})")
+    return EXIT_OK
+
+
 async def cmd_submit(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
     if args.file is not None:
         if args.prompt is not None:
@@ -353,6 +371,7 @@ async def cmd_submit(client: AsyncTaskgateClient, args: argparse.Namespace, out:
         return await cmd_submit_file(client, args, out)
     if args.prompt is None:
         raise CliError("give a prompt (or --file tasks.jsonl)", EXIT_USAGE)
+    image = _image_arg(args.image)
     task = await client.submit(
         args.prompt,
         args.model,
@@ -370,6 +389,8 @@ async def cmd_submit(client: AsyncTaskgateClient, args: argparse.Namespace, out:
         callback_events=args.callback_event,
         metadata=_metadata(args.metadata),
         max_retries=args.max_retries,
+        task_type=args.task_type,
+        image=image,
     )
     if not args.wait:
         print_task(out, task)
@@ -694,8 +715,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
         return p
 
-    p = add("submit", cmd_submit, "submit a text-to-video task, or many from a JSON-lines file")
+    p = add("submit", cmd_submit, "submit a text-to-video (or, with --image, image-to-video) task, or many from a JSON-lines file")
     p.add_argument("prompt", nargs="?")
+    p.add_argument("--image", metavar="FILE|URL", help="input image (PNG, JPEG, WebP): a file, or an https URL the gateway fetches")
+    p.add_argument("--task-type", help="default: image-to-video with --image, text-to-video without")
     p.add_argument("--file", metavar="TASKS.JSONL",
                    help="submit one task per line (JSON objects with prompt, model, frames, ..., as submit_many takes "
                         "them; '-' reads stdin); prints one result per line, in order")
@@ -716,6 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-retries", type=int)
     p.add_argument("--wait", action="store_true", help="show live progress until the task is finished")
     p.add_argument("--wait-timeout", type=float, metavar="SECONDS", help="give up waiting after this long (exit 11)")
+
+    p = add("upload", cmd_upload, "store an input image; prints its sha256 for later submissions")
+    p.add_argument("file", metavar="FILE")
 
     p = add("wait", cmd_wait, "show live progress of a task until it is finished")
     p.add_argument("task_id")

@@ -17,7 +17,7 @@ from taskgate_client.aio import MAX_SUBMIT_BATCH, AsyncEventStream, AsyncTaskgat
 from taskgate_client.config import ClientConfig, ConnectOptions, make_config
 from taskgate_client.errors import TaskgateError
 from taskgate_client.handles import TaskHandle
-from taskgate_client.types import SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult
+from taskgate_client.types import ImageSource, InputImage, SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult
 
 if TYPE_CHECKING:  # 3.11 typing names, in annotations only: the client also runs on 3.10
     from typing import Self, Unpack
@@ -119,6 +119,10 @@ class TaskgateClient:
     def submit(self, prompt: str, model: str | None = None, **options: Unpack[SubmitOptions]) -> TaskHandle:
         """Submits a task and returns its handle; see AsyncTaskgateClient.submit for the parameters."""
         return self._handle(self._runner.run(self._client.submit(prompt, model, **options)))
+
+    def upload_input(self, image: ImageSource) -> InputImage:
+        """Stores an input image for later submissions; see AsyncTaskgateClient.upload_input."""
+        return self._runner.run(self._client.upload_input(image))
 
     def submit_many(
         self,

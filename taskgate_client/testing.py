@@ -189,6 +189,9 @@ def _ts(at: datetime) -> Timestamp:
     return ts
 
 
+_IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")  # PNG, JPEG; WebP is RIFF....WEBP
+
+
 class FakeTaskgate:
     """The in-memory services behind the fake clients: tasks, their history, results, and the test's controls."""
 
@@ -200,9 +203,14 @@ class FakeTaskgate:
         default_model: str = "wan-tiny",
         limits: ModelLimits | None = None,
         max_pending: int | None = None,
+        image_models: Iterable[str] = (),
     ) -> None:
         self.outcome = outcome
-        self.models = tuple(models)
+        self.image_models = tuple(image_models)
+        """Models that serve image-to-video (the others serve text-to-video); the fake decodes no image: it checks
+        the file's signature and names an input by the sha256 of the bytes sent (of the URL, which it never fetches)."""
+        self.models = (*models, *self.image_models)
+        self._uploads: set[str] = set()
         self.default_model = default_model
         self.limits = limits or ModelLimits()
         self.max_pending = max_pending
@@ -216,6 +224,7 @@ class FakeTaskgate:
         self.gateway = _Stub(
             {
                 "SubmitTask": self._submit,
+                "UploadInput": self._upload,
                 "GetTask": self._get,
                 "ListTasks": self._list,
                 "CancelTask": self._cancel,
@@ -389,7 +398,7 @@ class FakeTaskgate:
     @staticmethod
     def _video(task: task_pb2.Task) -> bytes:
         """Deterministic stand-in bytes: the same request gives the same output."""
-        digest = hashlib.sha256(f"{task.model_id}\n{task.prompt}\n{task.params.seed}".encode()).digest()
+        digest = hashlib.sha256(f"{task.model_id}\n{task.prompt}\n{task.params.seed}\n{task.image.sha256}".encode()).digest()
         return b"FAKE-MP4\n" + digest * 8
 
     def _autorun(self, entry: _Entry) -> None:
@@ -408,8 +417,11 @@ class FakeTaskgate:
         model = req.model_id or self.default_model
         if model not in self.models:
             bad.append(("model_id", f"unknown model; known: {', '.join(sorted(self.models))}"))
-        if req.task_type and req.task_type != "text-to-video":
-            bad.append(("task_type", f"model {model} supports text-to-video"))
+        served = "image-to-video" if model in self.image_models else "text-to-video"
+        task_type = req.task_type or "text-to-video"
+        if task_type != served:
+            bad.append(("task_type", f"model {model} supports {served}"))
+        image = self._image(req, task_type, bad)
         lim, p = self.limits, req.params
         frames = p.num_frames or lim.default_frames
         if frames < 1 or frames > lim.max_frames or (frames - 1) % lim.frame_step:
@@ -445,7 +457,48 @@ class FakeTaskgate:
             "guidance_scale": round(guidance, 4), "fps": fps, "seed": p.seed if p.HasField("seed") else None,
             "negative_prompt": p.negative_prompt,
         }
+        if image is not None:
+            params["image"] = image
         return model, params
+
+    def _image(self, req: gateway_pb2.SubmitTaskRequest, task_type: str, bad: list[tuple[str, str]]) -> str | None:
+        """The sha256 naming the request's image, or None (with the reason in `bad` when one was due or wrong)."""
+        if task_type != "image-to-video":
+            if req.HasField("image"):
+                bad.append(("image", f"task_type {task_type} takes no image; use image-to-video"))
+            return None
+        if not req.HasField("image"):
+            bad.append(("image", f"task_type {task_type} needs an input image"))
+            return None
+        source = req.image.WhichOneof("source")
+        if source == "data":
+            if not req.image.data.startswith(_IMAGE_SIGNATURES) and req.image.data[8:12] != b"WEBP":
+                bad.append(("image.data", "is not an image in an allowed format (PNG, JPEG, WEBP)"))
+                return None
+            return hashlib.sha256(req.image.data).hexdigest()
+        if source == "url":
+            if not req.image.url.startswith("https://"):
+                bad.append(("image.url", "may not be fetched: only https URLs are"))
+                return None
+            return hashlib.sha256(req.image.url.encode()).hexdigest()
+        if source == "upload_sha256":
+            if req.image.upload_sha256 not in self._uploads:
+                bad.append(("image.upload_sha256", "names no input image of this tenant (never uploaded, or expired)"))
+                return None
+            return req.image.upload_sha256
+        bad.append(("image", "needs one of data, url or upload_sha256"))
+        return None
+
+    async def _upload(self, parts: AsyncIterator[gateway_pb2.UploadInputRequest], **_: Any) -> gateway_pb2.UploadInputResponse:
+        self._injected("UploadInput")
+        data = b"".join([part.data async for part in parts])
+        if not data.startswith(_IMAGE_SIGNATURES) and data[8:12] != b"WEBP":
+            raise _invalid([("data", "is not an image in an allowed format (PNG, JPEG, WEBP)")])
+        sha256 = hashlib.sha256(data).hexdigest()
+        self._uploads.add(sha256)
+        return gateway_pb2.UploadInputResponse(
+            image=task_pb2.InputImage(sha256=sha256, size_bytes=len(data), content_type="image/png")
+        )
 
     async def _submit(self, request: gateway_pb2.SubmitTaskRequest, **_: Any) -> gateway_pb2.SubmitTaskResponse:
         self._injected("SubmitTask")
@@ -496,6 +549,8 @@ class FakeTaskgate:
             callback_events=sorted(request.callback_events),
             metadata=dict(request.metadata),
         )
+        if "image" in params:
+            task.image.CopyFrom(task_pb2.InputImage(sha256=params["image"], content_type="image/png"))
         task.created_at.CopyFrom(_ts(START + timedelta(seconds=self._ticks + 1)))
         entry = _Entry(task, fingerprint)
         self._tasks[task_id] = entry

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -36,6 +37,10 @@ class Status(StrEnum):
         return cls(task_pb2.TaskStatus.Name(value).removeprefix("TASK_STATUS_"))  # type: ignore[arg-type]
 
 
+ImageSource = str | os.PathLike[str] | bytes
+"""An input image for submit(): a file's path, an https URL (the gateway fetches it), or the file's bytes."""
+
+
 class SubmitOptions(TypedDict, total=False):
     """The keyword options of submit(), so run() and the blocking client take them with the same types."""
 
@@ -53,7 +58,8 @@ class SubmitOptions(TypedDict, total=False):
     callback_events: Iterable[str]
     metadata: Mapping[str, str] | None
     max_retries: int | None
-    task_type: str
+    task_type: str | None
+    image: ImageSource | None
 
 
 class SubmitItem(SubmitOptions, total=False):
@@ -99,7 +105,7 @@ def _json_value(value: object) -> object:
         return value.isoformat()
     if isinstance(value, Status):
         return value.value
-    if isinstance(value, TaskResult):
+    if isinstance(value, TaskResult | InputImage):
         return value.to_dict()
     return value
 
@@ -131,6 +137,25 @@ class TaskResult:
         if self.url:
             out["url"] = self.url
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class InputImage:
+    """An input image as the gateway stored it: a canonical RGB PNG named by its sha256 (what makes two requests the
+    same); `source_format` is what was sent (UploadInput's answer only)."""
+
+    sha256: str
+    width: int
+    height: int
+    size_bytes: int
+    source_format: str = ""
+
+    @classmethod
+    def from_proto(cls, msg: task_pb2.InputImage) -> InputImage:
+        return cls(msg.sha256, msg.width, msg.height, msg.size_bytes, msg.source_format)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"sha256": self.sha256, "width": self.width, "height": self.height, "size_bytes": self.size_bytes}
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +196,8 @@ class Task:
     """When a QUEUED task should start (GetTask, watch); None without recent history of its model and size."""
     estimated_finish: datetime | None = None
     """When a QUEUED or PROCESSING task should finish (GetTask, watch); None without recent history."""
+    image: InputImage | None = None
+    """Image-to-video: the input image the task runs from."""
 
     @property
     def terminal(self) -> bool:
@@ -222,6 +249,7 @@ class Task:
             created=created,
             estimated_start=_time(msg, "estimated_start"),
             estimated_finish=_time(msg, "estimated_finish"),
+            image=InputImage.from_proto(msg.image) if msg.HasField("image") else None,
         )
 
     def to_dict(self) -> dict[str, object]:

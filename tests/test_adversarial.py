@@ -7,8 +7,11 @@ import contextlib
 import ipaddress
 import math
 import os
+import io
 import socket
+import struct
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +22,7 @@ from grpc_status import rpc_status
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
+from PIL import Image
 
 from services.notifier.service import NotifierHandle
 from services.notifier.service import start as start_notifier
@@ -40,6 +44,7 @@ EXAMPLES = hsettings(
 )
 
 SPEC = ModelSpec(kind="sleep")
+I2V_SPEC = ModelSpec(kind="sleep", task_types=["image-to-video"], max_image_width=256, max_image_height=256, max_image_bytes=200_000)
 MAX_PROMPT = Settings.model_fields["max_prompt_chars"].default
 MAX_METADATA = Settings.model_fields["max_metadata_bytes"].default
 MAX_KEY = Settings.model_fields["max_idempotency_key_chars"].default
@@ -58,7 +63,8 @@ CONTROL = [chr(c) for c in [*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F,
 def hostile_settings(settings: Settings) -> Settings:
     """No host is exempt from the SSRF guard; only the sleep model is registered."""
     return settings.model_copy(
-        update={"callback_allow_hosts": [], "models": {"sleepy": SPEC}, "default_model": "sleepy", "stream_keepalive_seconds": 0.2}
+        update={"callback_allow_hosts": [], "models": {"sleepy": SPEC, "sleepy-i2v": I2V_SPEC}, "default_model": "sleepy",
+                "result_store": "fs", "stream_keepalive_seconds": 0.2}
     )
 
 
@@ -289,6 +295,64 @@ async def test_arbitrary_requests_get_ok_or_invalid_argument_never_an_internal_e
     stored = await backends.pool.fetchrow("SELECT prompt, model_id FROM task WHERE id = $1", int(resp.task.id))
     assert stored is not None and (stored["prompt"], stored["model_id"]) == (prompt, "sleepy")
     assert await task_count(backends) == before + int(resp.created)
+
+
+def _image_file(fmt: str, width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (width % 256, height % 256, 7)).save(out, format=fmt)
+    return out.getvalue()
+
+
+def _header_claiming(width: int, height: int) -> bytes:
+    """A PNG signature and IHDR (valid CRC) claiming the sides, with no pixel data: tiny file, huge image."""
+    chunk = b"IHDR" + struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk))
+
+
+VALID_IMAGES = st.builds(_image_file, st.sampled_from(["PNG", "JPEG", "WEBP"]), st.integers(1, 300), st.integers(1, 300))
+IMAGE_DATA = st.one_of(
+    st.binary(max_size=2000),
+    VALID_IMAGES,
+    st.tuples(VALID_IMAGES, st.integers(0, 400)).map(lambda t: t[0][: t[1]]),  # truncated anywhere
+    st.tuples(VALID_IMAGES, st.integers(0, 64), st.integers(0, 255)).map(  # one byte of the header changed
+        lambda t: t[0][: t[1]] + bytes([t[2]]) + t[0][t[1] + 1 :]
+    ),
+    st.tuples(VALID_IMAGES, st.binary(min_size=1, max_size=300)).map(lambda t: t[0] + t[1]),  # a polyglot's tail
+    st.builds(_header_claiming, st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)),
+)
+IMAGE_INPUTS = st.one_of(
+    IMAGE_DATA.map(lambda d: gateway_pb2.ImageInput(data=d)),
+    st.one_of(ANY_TEXT, st.sampled_from(["https://localhost/x.png", "https://169.254.169.254/x", "ftp://x/y", "https://"])).map(
+        lambda u: gateway_pb2.ImageInput(url=u)
+    ),
+    st.one_of(ANY_TEXT, st.text("0123456789abcdef", min_size=64, max_size=64)).map(
+        lambda h: gateway_pb2.ImageInput(upload_sha256=h)
+    ),
+    st.just(gateway_pb2.ImageInput()),
+)
+
+
+@EXAMPLES
+@given(image=IMAGE_INPUTS)
+async def test_any_input_image_is_ok_or_invalid_argument_naming_it_and_a_refusal_stores_nothing(
+    stub: Any, backends: Backends, image: gateway_pb2.ImageInput
+) -> None:
+    md = await key_for(backends, "tenant-a")
+    request = base_request(model_id="sleepy-i2v", task_type="image-to-video", image=image)
+    inputs = await backends.pool.fetchval("SELECT count(*) FROM task_input")
+    before = await task_count(backends)
+    try:
+        resp = await stub.SubmitTask(request, metadata=md, timeout=10)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+        status = rpc_status.from_call(exc)
+        assert status is not None
+        assert violated(errors.details_of(status)) <= {"image", "image.data", "image.url", "image.upload_sha256"}, exc
+        assert await task_count(backends) == before
+        assert await backends.pool.fetchval("SELECT count(*) FROM task_input") == inputs
+        return
+    stored = Image.open(io.BytesIO(image.data))  # only inline data is accepted here: decodable and within limits
+    assert (resp.task.image.width, resp.task.image.height) == stored.size or stored.getexif().get(0x0112)
 
 
 # The string fields of SubmitTaskRequest, each as the wire bytes that carry a value in it (lone surrogates kept).

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
+from PIL import Image
 
 from taskgate import store
+from taskgate.config import ModelSpec, Settings
 from taskgate.results import result_store
 from taskgate.runtime import Backends
 from taskgate_client import (
@@ -32,6 +35,7 @@ from taskgate_client import (
     TaskFailed,
     TaskgateError,
 )
+from taskgate_client.aio import INLINE_IMAGE_BYTES
 from taskgate_client.testing import (
     Fail,
     FakeAsyncTaskgateClient,
@@ -45,6 +49,7 @@ from tests.harness import wait_for
 from tests.test_client import SMALL, Stack, stack  # noqa: F401 - `stack` is a fixture
 
 PAYLOAD = bytes(range(256)) * 700  # ~180 KB: several chunks
+I2V_MODEL = "sleepy-i2v"
 Play = Callable[[str, Succeed | Fail], Awaitable[None]]
 
 
@@ -74,6 +79,13 @@ async def play_real(backends: Backends, task_id: str, outcome: Succeed | Fail) -
         ref = store.ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256)
         out = await store.succeed(backends.pool, tid, attempt=attempt, result=ref, actor="worker")
     assert out.task is not None
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    """The test settings with an image-to-video model, as the fake serves one."""
+    i2v = ModelSpec(kind="sleep", task_types=["image-to-video"])
+    return settings.model_copy(update={"models": {**settings.models, I2V_MODEL: i2v}})
 
 
 # -- the scenarios -------------------------------------------------------------------------------------------------
@@ -208,12 +220,47 @@ async def run_in_one_call(b: Backend) -> None:
     assert (b.tmp / "run.mp4").read_bytes() == PAYLOAD
 
 
-SCENARIOS = [lifecycle, errors, idempotency, failure, run_in_one_call]
+def _png(width: int, height: int, **save: object) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (width % 256, height % 256, 90)).save(out, format="PNG", **save)
+    return out.getvalue()
+
+
+async def image_to_video(b: Backend) -> None:
+    """An image-to-video task from a file, its bytes or an upload (the SDK uploads a large file by itself): the image
+    names the request, a bad image names its field."""
+    c = b.client
+    small = _png(48, 32)
+    (b.tmp / "cat.png").write_bytes(small)
+    first = await c.submit("the cat turns its head", I2V_MODEL, image=b.tmp / "cat.png", **SMALL)  # type: ignore[arg-type]
+    assert first.task_type == "image-to-video" and first.image is not None and first.created
+    again = await c.submit(
+        "the cat turns its head", I2V_MODEL, image=small, idempotency_key=first.idempotency_key, **SMALL  # type: ignore[arg-type]
+    )
+    assert (again.task_id, again.created) == (first.task_id, False)
+    assert (await c.upload_input(small)).sha256 == first.image.sha256
+    big = _png(1000, 900, compress_level=0)  # over INLINE_IMAGE_BYTES: uploaded first, then named
+    assert len(big) > INLINE_IMAGE_BYTES
+    large = await c.submit("a wide shot", I2V_MODEL, image=big, **SMALL)  # type: ignore[arg-type]
+    assert large.image is not None and large.image.sha256 == (await c.upload_input(big)).sha256
+    with pytest.raises(InvalidArgument) as bad:
+        await c.submit("not a picture", I2V_MODEL, image=b"GIF89a-or-anything-else", **SMALL)  # type: ignore[arg-type]
+    assert [v.field for v in bad.value.field_violations] == ["image.data"]
+    with pytest.raises(InvalidArgument) as missing:
+        await c.submit("no picture", I2V_MODEL, task_type="image-to-video", **SMALL)  # type: ignore[arg-type]
+    assert [v.field for v in missing.value.field_violations] == ["image"]
+    with pytest.raises(InvalidArgument) as unknown:
+        await c.submit("named", I2V_MODEL, image=b.tmp / "cat.png", task_type="text-to-video", **SMALL)  # type: ignore[arg-type]
+    assert {v.field for v in unknown.value.field_violations} == {"task_type", "image"}
+
+
+SCENARIOS = [lifecycle, errors, idempotency, failure, run_in_one_call, image_to_video]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 async def test_scenario_against_the_fake(scenario: Callable[[Backend], Awaitable[None]], tmp_path: Path) -> None:
-    async with FakeAsyncTaskgateClient(outcome=Hold()) as client:  # the test plays the worker, as for the real services
+    # the test plays the worker, as for the real services
+    async with FakeAsyncTaskgateClient(FakeTaskgate(outcome=Hold(), image_models=[I2V_MODEL])) as client:
 
         async def play(task_id: str, outcome: Succeed | Fail) -> None:
             client.server.finish(task_id, outcome)
