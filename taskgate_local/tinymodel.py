@@ -1,4 +1,5 @@
-"""Builds tiny random-weight text-to-video pipelines (Wan, CogVideoX, LTX-Video, HunyuanVideo) offline, for tests and local runs."""
+"""Builds tiny random-weight video pipelines offline, for tests and local runs: text-to-video (Wan, CogVideoX, LTX-Video,
+HunyuanVideo) and image-to-video (LTX-Video)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from taskgate.config import TINY_DEFAULTS, ModelSpec
+from taskgate.families import FAMILIES
 
 MODEL_NAME = "wan-tiny"
 
@@ -22,6 +24,7 @@ TINY_MODELS: dict[str, str] = {
     "cogvideox-tiny": "CogVideoXPipeline",
     "ltx-tiny": "LTXPipeline",
     "hunyuan-tiny": "HunyuanVideoPipeline",
+    "ltx-i2v-tiny": "LTXImageToVideoPipeline",  # image-to-video: its requests carry an image
 }
 
 _WORDS_TEXT = (
@@ -122,9 +125,10 @@ def _cogvideox(seed: int) -> Any:
     )
 
 
-def _ltx(seed: int) -> Any:
+def _ltx_components(seed: int) -> dict[str, Any]:
+    """The tiny LTX-Video networks; the text and image pipeline classes take the same ones."""
     import torch
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
 
     tokenizer, text_encoder = _t5(seed, umt5=False)
     torch.manual_seed(seed)
@@ -141,9 +145,23 @@ def _ltx(seed: int) -> Any:
         in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4, attention_head_dim=8,
         cross_attention_dim=32, num_layers=2, caption_channels=32,
     )
-    return LTXPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler()
-    )
+    return {
+        "tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "transformer": transformer,
+        "scheduler": FlowMatchEulerDiscreteScheduler(),
+    }
+
+
+def _ltx(seed: int) -> Any:
+    from diffusers import LTXPipeline
+
+    return LTXPipeline(**_ltx_components(seed))
+
+
+def _ltx_i2v(seed: int) -> Any:
+    from diffusers import LTXImageToVideoPipeline
+
+    # The VAE's encoder turns the input image into the first latent frame; the transformer is the text model's.
+    return LTXImageToVideoPipeline(**_ltx_components(seed))
 
 
 def _hunyuan(seed: int) -> Any:
@@ -203,6 +221,7 @@ _BUILDERS: dict[str, Callable[[int], Any]] = {
     "CogVideoXPipeline": _cogvideox,
     "LTXPipeline": _ltx,
     "HunyuanVideoPipeline": _hunyuan,
+    "LTXImageToVideoPipeline": _ltx_i2v,
 }
 
 
@@ -233,6 +252,11 @@ def build_tiny_pipeline(folder: Path, seed: int = 0, pipeline: str = "WanPipelin
 def tiny_spec(pipeline: str, folder: Path, **changes: Any) -> ModelSpec:
     """The registry entry of a tiny model: its family's rules with thumbnail-sized defaults."""
     return ModelSpec(path=folder, pipeline=pipeline, **{**TINY_DEFAULTS, **changes})
+
+
+def tiny_models(task_type: str) -> dict[str, str]:
+    """The tiny models of one task type ("text-to-video", "image-to-video"): model name -> pipeline class."""
+    return {name: pipeline for name, pipeline in TINY_MODELS.items() if FAMILIES[pipeline].task_type == task_type}
 
 
 def is_pipeline_folder(folder: Path) -> bool:

@@ -1,4 +1,5 @@
-"""Tests for the inference layer against every family's tiny offline pipeline (Wan, CogVideoX, LTX-Video, HunyuanVideo)."""
+"""Tests for the inference layer against every text family's tiny offline pipeline (Wan, CogVideoX, LTX-Video,
+HunyuanVideo); the image-to-video one is tests/test_image_to_video.py's."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from services.worker.inference import (
     pick_device,
     resolve_dtype,
 )
-from taskgate.families import FAMILIES
+from taskgate.families import FAMILIES, TEXT_TO_VIDEO
 from taskgate_local import tinymodel
 
 
@@ -67,9 +68,9 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(scope="module", params=sorted(tinymodel.TINY_MODELS))
+@pytest.fixture(scope="module", params=sorted(tinymodel.tiny_models(TEXT_TO_VIDEO)))
 def model_name(request: pytest.FixtureRequest) -> str:
-    """Each tiny model in turn: every test using it runs once per family."""
+    """Each tiny text-to-video model in turn: every test using it runs once per family."""
     return str(request.param)
 
 

@@ -86,13 +86,13 @@ class Worker:
             spawn=self._spawn, changed=self._gauges,
         )
         self.claimer = Claimer(pool=self.pool, settings=settings, worker_id=worker_id)
+        store = results.result_store(settings, self.bus)  # outputs go there, and image-to-video inputs come from it
         self.attempts = Attempts(
             pool=self.pool, settings=settings, runners=runners, devices=self.devices, encoders=self._encoders,
-            progressed=lambda: self.heartbeat.progressed(),
+            progressed=lambda: self.heartbeat.progressed(), inputs=store,
         )
         self.finisher = Finisher(
-            pool=self.pool, bus=self.bus, outputs=results.result_store(settings, self.bus), settings=settings,
-            report=self._report_run,
+            pool=self.pool, bus=self.bus, outputs=store, settings=settings, report=self._report_run,
         )
         self.heartbeat = Heartbeat(
             pool=self.pool, bus=self.bus, settings=settings, worker_id=worker_id, levels=self.fetcher.levels, runs=self.runs,

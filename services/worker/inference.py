@@ -1,4 +1,4 @@
-"""Text-to-video inference: loads a diffusers pipeline, runs it with progress and abort hooks, encodes MP4."""
+"""Text- and image-to-video inference: loads a diffusers pipeline, runs it with progress and abort hooks, encodes MP4."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import av
 import numpy as np
 import torch
+from PIL import Image
 
 from taskgate import tracing
 from taskgate.config import ModelSpec
@@ -56,7 +57,8 @@ class InferenceAborted(Exception):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """What to generate: the inputs of one text-to-video run."""
+    """What to generate: the inputs of one run; `image` (RGB, already fitted to width x height) for an image-to-video
+    pipeline, which requires one, and None for a text-to-video one, which takes none."""
 
     prompt: str
     negative_prompt: str = ""
@@ -67,15 +69,26 @@ class GenerationRequest:
     guidance_scale: float = 5.0
     fps: int = 16
     seed: int | None = None
+    image: Image.Image | None = field(default=None, hash=False)  # PIL images are unhashable; equality still counts
 
     def resolved_seed(self) -> int:
-        """The given seed, or one derived from the other fields so equal requests give equal videos."""
+        """The given seed, or one derived from the other fields (the image by its pixels) so equal requests give equal
+        videos."""
         if self.seed is not None:
             return self.seed
-        fields = dataclasses.asdict(self)
-        del fields["seed"]
-        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
+        values: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del values["seed"], values["image"]
+        if self.image is not None:  # only then: a text request's derived seed stays what it always was
+            values["image"] = _image_digest(self.image)
+        digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).digest()
         return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _image_digest(image: Image.Image) -> str:
+    """The sha256 of an image's mode, size and pixels."""
+    digest = hashlib.sha256(f"{image.mode} {image.width}x{image.height}\n".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -399,7 +412,7 @@ def _place(pipe: Any, device: torch.device, options: LoadOptions) -> Any:
 
 
 class VideoPipeline:
-    """A loaded text-to-video pipeline that turns GenerationRequests into MP4 videos, one run at a time."""
+    """A loaded text- or image-to-video pipeline that turns GenerationRequests into MP4 videos, one run at a time."""
 
     def __init__(
         self, model_id: str, pipe: Any, device: str | torch.device, dtype: torch.dtype, call_options: dict[str, Any] | None = None
@@ -431,12 +444,20 @@ class VideoPipeline:
             pipe.set_progress_bar_config(disable=True)
         return cls(model_id, pipe, device, dtype, call_options=dict(options.call_options))
 
+    @property
+    def takes_image(self) -> bool:
+        """Whether the pipeline is an image-to-video one: its __call__ names `image` (and then needs one)."""
+        return "image" in self._call_params
+
     def warmup(self, request: GenerationRequest | None = None) -> float:
-        """Run one small generation end to end (kernels, encoder) and return its seconds."""
+        """Run one small generation end to end (kernels, encoder) and return its seconds; an image pipeline gets a
+        blank image of the warm-up size."""
         multiple = self.needs.size_multiple or 16
         size = multiple * -(-32 // multiple)  # the smallest multiple of at least 32 px
         frames = 1 + max(self.needs.frame_step, 4)
         req = request or GenerationRequest(prompt="warmup", num_frames=frames, width=size, height=size, num_inference_steps=1, seed=0)
+        if self.takes_image and req.image is None:
+            req = dataclasses.replace(req, image=Image.new("RGB", (req.width, req.height)))
         started = time.perf_counter()
         self.generate(req, on_step=lambda _step, _total: None, should_abort=lambda: False)
         self.warmup_seconds = time.perf_counter() - started
@@ -490,6 +511,7 @@ class VideoPipeline:
             raise ValueError(f"width and height must be multiples of {multiple}, got {req.width}x{req.height}")
         if step and (req.num_frames - 1) % step:
             raise ValueError(f"num_frames - 1 must be a multiple of {step}, got {req.num_frames}")
+        self._check_image(req)
         if should_abort():
             raise InferenceAborted("aborted before the first step")
         began = time.time_ns()
@@ -526,6 +548,8 @@ class VideoPipeline:
             "output_type": "np",
         }
         kwargs = {k: v for k, v in wanted.items() if self._accepts(k)} | self.call_options
+        if req.image is not None:  # only an image pipeline gets here with one (_check_image)
+            kwargs["image"] = req.image
         if self._accepts("callback_on_step_end"):
             kwargs["callback_on_step_end"] = after_step
         elif self._accepts("callback"):
@@ -541,6 +565,18 @@ class VideoPipeline:
                 returned = time.time_ns()
                 _phases(began, dict(self._marks), returned, steps)
         return RenderedVideo(_to_uint8_frames(output), req.fps, seed)
+
+    def _check_image(self, req: GenerationRequest) -> None:
+        """ValueError unless the request carries an image exactly when the pipeline takes one, of the request's size."""
+        name = type(self.pipe).__name__
+        if req.image is None:
+            if self.takes_image:
+                raise ValueError(f"{name} makes a video from an image, and the request has none")
+            return
+        if not self.takes_image:
+            raise ValueError(f"{name} makes a video from text alone: it takes no image")
+        if req.image.size != (req.width, req.height):
+            raise ValueError(f"the image is {req.image.width}x{req.image.height}; it must be fitted to {req.width}x{req.height}")
 
     def encode(self, video: RenderedVideo) -> GeneratedVideo:
         """The CPU phase: rendered frames as an MP4 (needs no device: it overlaps the next request's render)."""

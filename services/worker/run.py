@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import enum
+import hashlib
 import logging
 import threading
 import time
@@ -20,9 +21,10 @@ from services.worker import runner as runmod
 from services.worker.devices import Devices
 from services.worker.fetch import SlotHold
 from services.worker.settle import Action, Step
-from taskgate import store, telemetry
+from taskgate import results, store, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.model import TaskRow
+from taskgate.server import BACKEND_ERRORS
 
 log = logging.getLogger("taskgate.worker")
 
@@ -96,8 +98,8 @@ class Run:
 
 
 class Attempts:
-    """Runs claimed attempts (the device phase on a device, then the CPU phase), tells `progressed` when one has new
-    progress to write, and stops one whose row says it should."""
+    """Runs claimed attempts (the input image read, the device phase on a device, then the CPU phase), tells
+    `progressed` when one has new progress to write, and stops one whose row says it should."""
 
     def __init__(
         self,
@@ -108,9 +110,11 @@ class Attempts:
         devices: Devices,
         encoders: concurrent.futures.Executor,
         progressed: Callable[[], None],
+        inputs: results.ResultStore,
     ) -> None:
         self.pool = pool
         self.settings = settings
+        self.inputs = inputs  # the result store, where image-to-video inputs live beside the outputs
         self.runners = runners
         self.devices = devices
         self.encoders = encoders
@@ -119,7 +123,6 @@ class Attempts:
     async def perform(self, run: Run) -> runmod.RunOutput:
         """The run's output; raises RunAborted once it was stopped, RunError (classified) when it failed."""
         task = run.task
-        inp = runmod.RunInput(task.id, task.attempt, task.prompt, dict(task.request_payload))
         loop = asyncio.get_running_loop()
 
         def on_step(step: int, total: int) -> None:
@@ -127,6 +130,9 @@ class Attempts:
 
         # the threads run in a copy of this context: the phase spans they open are children of the attempt's
         try:
+            # read before a device is taken: a slow store holds this slot only, never a device
+            image = await self._input_image(task)
+            inp = runmod.RunInput(task.id, task.attempt, task.prompt, dict(task.request_payload), image)
             async with self.devices.use({d for m, d in self.runners if m == task.model_id}) as lane:
                 model_runner = self.runners[(task.model_id, lane.device)]
                 rendered = await loop.run_in_executor(
@@ -152,6 +158,31 @@ class Attempts:
             raise failure from exc
         telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
         return output
+
+    async def _input_image(self, task: TaskRow) -> bytes | None:
+        """The canonical PNG the task's params name under "image", read whole from the result store; None without one.
+        Riding out a store outage of up to a lease, it then raises ResultStoreUnavailable (retryable); a missing
+        object, or one whose bytes are not its sha256's, raises InputMissing (final)."""
+        ref = task.request_payload.get("image")
+        if ref is None:
+            return None
+        if not isinstance(ref, dict) or not isinstance(ref.get("uri"), str) or not isinstance(ref.get("sha256"), str):
+            raise ValueError("the request's image reference has no uri and sha256")
+        uri, sha256 = ref["uri"], ref["sha256"]
+
+        async def read() -> bytes:
+            return b"".join([chunk async for chunk in self.inputs.read(uri)])
+
+        with tracing.span("input", attributes={"taskgate.input_sha256": sha256}):
+            try:
+                data = await retry.persist(self.settings.lease_seconds, "input", task.id, read)
+            except results.ResultNotFound as exc:
+                raise runmod.InputMissing(f"input image {sha256} is no longer in the result store") from exc
+            except BACKEND_ERRORS as exc:  # a NATS error is no OSError: made one, so it classifies as retryable
+                raise results.ResultStoreUnavailable(f"input image {sha256}: {type(exc).__name__}: {exc}") from exc
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise runmod.InputMissing(f"the stored input image {sha256} holds other bytes ({len(data)})")
+        return data
 
     async def check(self, run: Run, why: str, row: TaskRow | None = None) -> None:
         """Reads the row (unless given) after a refused write or a cancel signal; stops the run if it is not ours to finish."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from taskgate import tracing
+from taskgate import images, tracing
 from taskgate.config import ModelSpec
 
 log = logging.getLogger("taskgate.worker.runner")
@@ -27,6 +27,10 @@ ShouldAbort = Callable[[], bool]
 
 class RunAborted(Exception):
     """The run stopped at a step boundary because its abort flag was set."""
+
+
+class InputMissing(Exception):
+    """A task's input image is not in the result store (or is not what its sha256 says): no retry brings it back."""
 
 
 class InjectedFailure(Exception):
@@ -40,12 +44,14 @@ class InjectedFailure(Exception):
 
 @dataclass(frozen=True, slots=True)
 class RunInput:
-    """One task's inputs as a runner sees them."""
+    """One task's inputs as a runner sees them: `image` is the canonical PNG its params' "image" names, read from the
+    result store before the run (None for a text-to-video task)."""
 
     task_id: int
     attempt: int
     prompt: str
     params: dict[str, Any]
+    image: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +92,8 @@ def classify(exc: BaseException) -> tuple[bool, str]:
     """(retryable, error_code) of a run's failure."""
     if isinstance(exc, InjectedFailure):
         return exc.retryable, exc.code
+    if isinstance(exc, InputMissing):
+        return False, "INPUT_MISSING"
     inference = sys.modules.get("services.worker.inference")
     if inference is not None:  # only loaded when a diffusers model is served
         retryable, code = inference.classify(exc)
@@ -144,13 +152,15 @@ class SleepRunner:
             "params": inp.params,
             "steps": rendered.payload,
         }
+        if inp.image is not None:  # the bytes the worker read: service tests see the image reached it
+            body["image_sha256"] = hashlib.sha256(inp.image).hexdigest()
         data = json.dumps(body, sort_keys=True).encode()
         tracing.phase("encode", start_ns=encoding, end_ns=time.time_ns())
         return RunOutput(data, "application/json", "json", hashlib.sha256(data).hexdigest())
 
 
 class DiffusersRunner:
-    """A loaded text-to-video pipeline (services.worker.inference.VideoPipeline) on one device."""
+    """A loaded text- or image-to-video pipeline (services.worker.inference.VideoPipeline) on one device."""
 
     def __init__(self, model_id: str, spec: ModelSpec, pipeline: Any) -> None:
         self.model_id = model_id
@@ -183,26 +193,37 @@ class DiffusersRunner:
         return cls(model_id, spec, pipeline)
 
     def render(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> Rendered:
-        """Runs the pipeline with the task's parameters to decoded frames."""
+        """Runs the pipeline with the task's parameters (and its input image, fitted to the frame size) to decoded frames."""
         from services.worker import inference
 
         p, s = inp.params, self.spec
         seed = p.get("seed")
+        width = int(_param(p, "width", s.default_width))
+        height = int(_param(p, "height", s.default_height))
         request = inference.GenerationRequest(
             prompt=inp.prompt,
             negative_prompt=str(_param(p, "negative_prompt", "")),
             num_frames=int(_param(p, "num_frames", s.default_frames)),
-            width=int(_param(p, "width", s.default_width)),
-            height=int(_param(p, "height", s.default_height)),
+            width=width,
+            height=height,
             num_inference_steps=int(_param(p, "num_inference_steps", s.default_steps)),
             guidance_scale=float(_param(p, "guidance_scale", s.default_guidance)),
             fps=int(_param(p, "fps", s.default_fps)),
             seed=None if seed is None else int(seed),
+            image=None if inp.image is None else self._fitted(inp.image, width, height),
         )
         try:
             return Rendered(inp, self.pipeline.render(request, on_step, should_abort))
         except inference.InferenceAborted as exc:
             raise RunAborted(str(exc)) from exc
+
+    def _fitted(self, png: bytes, width: int, height: int) -> Any:
+        """The stored canonical PNG as an RGB image of exactly width x height, fitted the model's way (image_fit)."""
+        try:
+            image = images.open_canonical(png)
+        except (OSError, ValueError, SyntaxError) as exc:  # PIL's decode errors are OSErrors: not worth a retry here
+            raise ValueError(f"the stored input image cannot be decoded ({type(exc).__name__}: {exc})") from exc
+        return images.fit(image, width, height, self.spec.image_fit)
 
     def encode(self, rendered: Rendered) -> RunOutput:
         """The rendered frames as an MP4."""
