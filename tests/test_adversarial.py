@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import ipaddress
 import math
 import os
-import io
 import socket
 import struct
 import uuid
