@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import io
 import json
 import math
 import os
@@ -20,11 +21,13 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from PIL import Image
 
 from services.worker import runner as runmod
 from services.worker.devices import Devices
 from services.worker.inference import decode_mp4_info, pick_device
-from taskgate.families import FAMILIES
+from taskgate import images
+from taskgate.families import FAMILIES, IMAGE_TO_VIDEO
 from taskgate_local import tinymodel
 
 
@@ -40,11 +43,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_input(task_id: int, frames: int, size: int, steps: int, seed: int = 1234) -> runmod.RunInput:
-    """One task's inputs as the worker hands them to a runner."""
-    params = {"num_frames": frames, "width": size, "height": size, "num_inference_steps": steps, "guidance_scale": 5.0,
-              "fps": 8, "seed": seed, "negative_prompt": ""}
-    return runmod.RunInput(task_id, 1, "a red car drives on a road at night", params)
+def input_image(size: int) -> bytes:
+    """An image-to-video model's input as the gateway stores it: a canonical PNG (a gradient, so frames differ)."""
+    gradient = Image.linear_gradient("L").resize((size, size)).convert("RGB")
+    out = io.BytesIO()
+    gradient.save(out, format="PNG")
+    return images.canonical(out.getvalue(), images.Limits()).png
+
+
+def run_input(task_id: int, frames: int, size: int, steps: int, seed: int = 1234, *, pipeline: str = "") -> runmod.RunInput:
+    """One task's inputs as the worker hands them to a runner (with an input image for an image-to-video class)."""
+    params: dict[str, Any] = {"num_frames": frames, "width": size, "height": size, "num_inference_steps": steps,
+                              "guidance_scale": 5.0, "fps": 8, "seed": seed, "negative_prompt": ""}
+    image = input_image(size) if pipeline and FAMILIES[pipeline].task_type == IMAGE_TO_VIDEO else None
+    return runmod.RunInput(task_id, 1, "a red car drives on a road at night", params, image=image)
 
 
 async def saturate(runner: runmod.DiffusersRunner, device: str, inputs: list[runmod.RunInput], *, slots: int) -> tuple[float, float]:
@@ -88,7 +100,7 @@ def check_family(name: str, pipeline: str, device: str, args: argparse.Namespace
     runner = runmod.DiffusersRunner.load(name, spec, device)  # the worker's own load: options, checks, warm-up
     print(f"{name}: built in {loaded - started:.2f}s, loaded and warmed in {time.perf_counter() - loaded:.2f}s "
           f"({runner.pipeline.dtype}), {frames} frames at {size}x{size}, {args.steps} steps", flush=True)
-    inp = run_input(1, frames, size, args.steps)
+    inp = run_input(1, frames, size, args.steps, pipeline=pipeline)
     per_step: list[float] = []
     digests: list[str] = []
     peak_mib = 0.0

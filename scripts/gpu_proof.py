@@ -523,7 +523,7 @@ def tiny_checks(device: str, folder: Path, steps: int) -> dict[str, Any]:
     """Every tiny model through the worker's own load and runner: same seed -> same MP4 bytes (also after an abort),
     progress 1..steps, an abort asked after step 2 stops right there."""
     from services.worker import runner as runmod
-    from taskgate.families import FAMILIES
+    from taskgate.families import FAMILIES, IMAGE_TO_VIDEO
     from taskgate_local import tinymodel
 
     results: dict[str, Any] = {}
@@ -536,7 +536,10 @@ def tiny_checks(device: str, folder: Path, steps: int) -> dict[str, Any]:
             runner = runmod.DiffusersRunner.load(name, spec, device)
             params = {"num_frames": frames, "width": size, "height": size, "num_inference_steps": steps, "guidance_scale": 5.0,
                       "fps": 8, "seed": SEED, "negative_prompt": ""}
-            inp = runmod.RunInput(1, 1, PROMPT, params)
+            from scripts.gpu_check import input_image  # an image-to-video class runs from a stored input image
+
+            image = input_image(size) if family.task_type == IMAGE_TO_VIDEO else None
+            inp = runmod.RunInput(1, 1, PROMPT, params, image=image)
             digests: list[str] = []
             ordered: list[bool] = []
             per_step: list[float] = []

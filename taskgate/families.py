@@ -33,11 +33,12 @@ class Family:
     attention_backends: bool  # whether its attention honours diffusers' set_attention_backend (diffusers 0.42.1)
     repeated_blocks: bool  # whether its transformer declares blocks for regional torch.compile
     task_type: TaskType = TEXT_TO_VIDEO  # what its __call__ makes: image-to-video takes an `image` and requires one
+    loads_from: tuple[str, ...] = ()  # other classes whose saved folders hold exactly this class's components
 
     def spec_defaults(self) -> dict[str, object]:
         """The ModelSpec fields this family fills when an entry leaves them out (task_types: the family's one type)."""
         values = asdict(self)
-        for name in ("label", "attention_backends", "repeated_blocks", "task_type"):
+        for name in ("label", "attention_backends", "repeated_blocks", "task_type", "loads_from"):
             del values[name]
         values["task_types"] = [self.task_type]
         return values
@@ -176,9 +177,9 @@ FAMILIES: dict[str, Family] = {
         repeated_blocks=False,
         task_type=IMAGE_TO_VIDEO,
     ),
-    # LTX-Video 0.9.x I2V: the text model's weights (diffusers loads Lightricks/LTX-Video as either class; the worker
-    # loads the class model_index.json names, so the folder must name this one); the image's latent is the first
-    # latent frame, so the frame rule stays the text model's.
+    # LTX-Video 0.9.x I2V: the text model's weights (diffusers loads Lightricks/LTX-Video as either class, and so does
+    # the worker: a folder saved as LTXPipeline serves an entry of this class); the image's latent is the first latent
+    # frame, so the frame rule stays the text model's.
     "LTXImageToVideoPipeline": Family(
         label="LTX-Video I2V",
         frame_step=8,
@@ -198,6 +199,7 @@ FAMILIES: dict[str, Family] = {
         attention_backends=True,
         repeated_blocks=True,
         task_type=IMAGE_TO_VIDEO,
+        loads_from=("LTXPipeline",),
     ),
     # HunyuanVideo-I2V (720p, 129 frames): as HunyuanVideoPipeline, guidance_scale is the embedded guidance (6.0 in
     # diffusers' example) and a negative prompt is ignored unless true_cfg_scale > 1. diffusers' example calls the

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 from services.notifier import service as notifier_service
 from services.scheduler import service as scheduler_service
@@ -82,9 +83,12 @@ async def cli(settings: Settings, backends: Backends, tmp_path: Path) -> AsyncIt
         **settings.models,
         "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.6, default_steps=3),
         "failing": ModelSpec(kind="sleep", fail_times=9, fail_retryable=False, fail_code="MODEL_CRASHED"),
+        "sleepy-i2v": ModelSpec(kind="sleep", task_types=["image-to-video"]),
     }
     # progress at most once per interval, the claim counting as the first write: a short interval shows 0.2 s steps
-    settings = settings.model_copy(update={"models": models, "worker_models": ["sleepy", "failing"], "progress_interval_seconds": 0.05})
+    settings = settings.model_copy(
+        update={"models": models, "worker_models": ["sleepy", "failing", "sleepy-i2v"], "progress_interval_seconds": 0.05}
+    )
     submit = await submit_service.start(settings, backends)
     scheduler = await scheduler_service.start(settings, backends, scan_loop=False)
     notifier = await notifier_service.start(settings)
@@ -317,6 +321,25 @@ async def test_defaults_come_from_the_saved_local_stack(cli: Cli, tmp_path: Path
     listed = await cli("list", "--json", env=bare, cwd=sub)  # found by walking up from the working directory
     assert listed.code == 0, listed.err
     assert (await cli("admin", "stats", env=bare, cwd=sub)).code == 0
+
+
+async def test_upload_and_submit_an_image_to_video_task(cli: Cli, tmp_path: Path) -> None:
+    picture = tmp_path / "cat.jpg"
+    Image.new("RGB", (40, 24), (120, 80, 40)).save(picture, format="JPEG")
+    uploaded = await cli("upload", str(picture), "--json")
+    assert uploaded.code == 0, uploaded.err
+    image = uploaded.json()
+    assert (image["width"], image["height"], image["source_format"]) == (40, 24, "JPEG")
+    done = await cli("submit", "the cat turns", "--model", "sleepy-i2v", "--image", str(picture), "--wait", "--json")
+    assert done.code == 0, done.err
+    task = done.lines()[-1]
+    assert task["status"] == "SUCCEEDED" and task["task_type"] == "image-to-video" and task["image"]["sha256"] == image["sha256"]
+    # the worker ran from the stored image (the sleep model's output names what it read)
+    fetched = await cli("result", task["task_id"], "-o", str(tmp_path / "out.json"))
+    assert fetched.code == 0, fetched.err
+    assert json.loads((tmp_path / "out.json").read_bytes())["image_sha256"] == image["sha256"]
+    missing = await cli("submit", "x", "--model", "sleepy-i2v", "--image", str(tmp_path / "nope.png"))
+    assert missing.code == 2 and "no such image file" in missing.err
 
 
 def test_every_command_accepts_json_before_or_after() -> None:

@@ -121,7 +121,9 @@ def test_the_cpu_dry_mode_checks_the_tiny_pipelines_and_serves_a_queue_through_t
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     doc = json.loads(out.read_text())
     tiny = doc["tiny"]
-    assert sorted(r["pipeline"] for r in tiny.values()) == ["CogVideoXPipeline", "HunyuanVideoPipeline", "LTXPipeline", "WanPipeline"]
+    assert sorted(r["pipeline"] for r in tiny.values()) == [
+        "CogVideoXPipeline", "HunyuanVideoPipeline", "LTXImageToVideoPipeline", "LTXPipeline", "WanPipeline"
+    ]  # the image-to-video one runs from a stored input image
     assert all(
         r["deterministic"] and r["same_after_abort"] and r["progress_monotonic"] and r["abort_within_one_step"] for r in tiny.values()
     ), tiny

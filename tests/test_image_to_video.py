@@ -20,6 +20,7 @@ from typing import Any, cast
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import diffusers
+import grpc
 import pytest
 import torch
 from nats.errors import NoRespondersError
@@ -37,12 +38,15 @@ from services.worker.inference import (
 )
 from services.worker.retry import PermanentError, RetryableError
 from services.worker.run import Attempts, Run
-from taskgate import images, results
+from taskgate import images, results, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.families import FAMILIES, IMAGE_TO_VIDEO, TEXT_TO_VIDEO
 from taskgate.model import TaskRow
+from taskgate.runtime import Backends
 from taskgate.states import Status
+from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_local import tinymodel
+from tests import factories, harness
 
 I2V = "LTXImageToVideoPipeline"
 IMAGE_PIPELINES = sorted(p for p, f in FAMILIES.items() if f.task_type == IMAGE_TO_VIDEO)
@@ -408,3 +412,81 @@ async def test_a_malformed_image_reference_is_invalid(attempts_for: Any) -> None
         await attempts_for().perform(_run(_task({"image": {"sha256": "ab"}})))
     assert caught.value.code == "INVALID_PARAMETERS"
 
+
+
+# ---- through the services: the gateway stores the image, the worker runs the tiny I2V pipeline from it ----
+
+
+def test_an_image_entry_loads_from_a_folder_saved_as_its_text_class(tmp_path: Path) -> None:
+    """LTX-Video's published folder names LTXPipeline; an LTXImageToVideoPipeline entry serves it (as diffusers loads
+    Lightricks/LTX-Video as either class); a folder of another family is still refused."""
+    text_folder = tinymodel.build_tiny_pipeline(tmp_path / "ltx-tiny", pipeline="LTXPipeline")
+    loaded = VideoPipeline.load("ltx-i2v", text_folder, "cpu", torch.float32, LoadOptions(pipeline=I2V))
+    assert type(loaded.pipe).__name__ == I2V and loaded.takes_image
+    wan = tinymodel.build_tiny_pipeline(tmp_path / "wan-tiny", pipeline="WanPipeline")
+    with pytest.raises(ValueError, match="the folder holds a WanPipeline, the registry says LTXImageToVideoPipeline"):
+        VideoPipeline.load("wrong", wan, "cpu", torch.float32, LoadOptions(pipeline=I2V))
+
+
+def _png_bytes(tint: int) -> bytes:
+    out = io.BytesIO()
+    _picture(48, 40, tint=tint).save(out, format="PNG")
+    return out.getvalue()
+
+
+async def test_an_image_to_video_task_runs_end_to_end_through_the_services(
+    settings: Settings, backends: Backends, model_dir: Path
+) -> None:
+    from services.submit import service as submit_service
+    from services.worker import service as worker_service
+
+    spec = tinymodel.tiny_spec(I2V, model_dir, image_fit="crop")
+    run_settings = settings.model_copy(update={
+        "models": {**settings.models, "ltx-i2v-tiny": spec}, "worker_models": ["ltx-i2v-tiny"], "worker_slots": 1,
+        "progress_interval_seconds": 0.0,
+    })
+    gateway = await submit_service.start(run_settings, backends)
+    worker = await worker_service.start(run_settings)
+    try:
+        md = await factories.key_for(backends, max_pending=10, submits_per_minute=100)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            stub = gateway_pb2_grpc.TaskGatewayStub(channel)
+
+            async def submit(tint: int, key: str) -> gateway_pb2.SubmitTaskResponse:
+                request = gateway_pb2.SubmitTaskRequest(
+                    task_type="image-to-video", model_id="ltx-i2v-tiny", prompt="the cat turns its head",
+                    params=task_pb2.VideoParams(num_inference_steps=4, seed=7), idempotency_key=key,
+                    image=gateway_pb2.ImageInput(data=_png_bytes(tint)),
+                )
+                answer: gateway_pb2.SubmitTaskResponse = await stub.SubmitTask(request, metadata=md, timeout=10)
+                return answer
+
+            # two runs of one image and seed (own keys: two tasks), one of another image
+            tasks = [await submit(0, "a"), await submit(0, "b"), await submit(1, "c")]
+            assert tasks[0].task.image.sha256 == tasks[1].task.image.sha256 != tasks[2].task.image.sha256
+            rows: list[TaskRow] = []
+            for t in tasks:
+                async def finished(task_id: int = int(t.task.id)) -> bool:
+                    row = await store.get_task(backends.pool, task_id)
+                    return row is not None and row.status.terminal
+
+                await harness.wait_for(finished, within=120)
+                row = await store.get_task(backends.pool, int(t.task.id))
+                assert row is not None
+                assert row.status is Status.SUCCEEDED, (row.status, row.error_code, row.error_msg)
+                rows.append(row)
+        outputs = results.result_store(run_settings, backends.bus)
+        for row in rows:
+            assert row.result_uri is not None and row.result_content_type == "video/mp4"
+            data = b"".join([chunk async for chunk in outputs.read(row.result_uri)])
+            assert decode_mp4_info(data) == (9, 32, 32)  # the tiny model's default frames and size
+        assert rows[0].result_sha256 == rows[1].result_sha256 != rows[2].result_sha256
+        progress = [
+            r["progress"] for r in await backends.pool.fetch(
+                "SELECT progress FROM task_event WHERE task_id = $1 AND to_status = 'PROCESSING' ORDER BY version", rows[0].id
+            )
+        ]
+        assert progress[0] == 0 and progress == sorted(progress) and progress[-1] > 0
+    finally:
+        await worker.stop(grace=0)
+        await gateway.stop(0)

@@ -336,7 +336,7 @@ async def test_an_image_host_with_an_unknown_certificate_is_refused(
     handle: SubmitHandle = await start(untrusting, backends)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
-            stub = gateway_pb2_grpc.TaskGatewayStub(channel)  # type: ignore[no-untyped-call]
+            stub = gateway_pb2_grpc.TaskGatewayStub(channel)
             violations = await refused(stub, await key_for(backends), i2v(gateway_pb2.ImageInput(url=image_host.url("/cat.png"))))
             assert "ConnectError" in violations["image.url"]
     finally:

@@ -20,12 +20,15 @@ from services.worker.service import WorkerHandle
 from taskgate import bus as busmod
 from taskgate import results, store
 from taskgate.config import ModelSpec, Settings
+from taskgate.families import TEXT_TO_VIDEO
 from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
 from taskgate.store import CancelMode
 from taskgate.wire import cancel
-from taskgate_local.tinymodel import TINY_MODELS, build_tiny_pipeline, tiny_spec
+from taskgate_local.tinymodel import build_tiny_pipeline, tiny_models, tiny_spec
 from tests.test_worker import events, is_status, params, read_result, report_for, submit, wait_consumer_empty, wait_task
+
+TINY_MODELS = tiny_models(TEXT_TO_VIDEO)  # image-to-video runs through the services in test_image_to_video
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_MODELS))

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from taskgate import tracing
+from taskgate import families, tracing
 from taskgate.config import ModelSpec
 
 CONTENT_TYPE_MP4 = "video/mp4"
@@ -252,20 +252,37 @@ def _fp32_pins_lifted(classes: list[type]) -> Iterator[None]:
                 cls._keep_in_fp32_modules = value  # type: ignore[attr-defined]
 
 
-def _load_diffusion_pipeline(folder: Path, dtype: torch.dtype) -> Any:
-    """DiffusionPipeline.from_pretrained from a local folder, working with or without `accelerate`."""
-    from diffusers import DiffusionPipeline
+def _pipeline_class(folder: Path, wanted: str | None) -> Any:
+    """The diffusers class to load `folder` with: the registry's when it names one the folder can be loaded as (the
+    class model_index.json names, or one its family loads from), else DiffusionPipeline (the folder's own class)."""
+    import diffusers
+
+    if wanted is None:
+        return diffusers.DiffusionPipeline
+    saved = json.loads((folder / "model_index.json").read_text()).get("_class_name")
+    family = families.family_of(wanted)
+    if saved != wanted and (family is None or saved not in family.loads_from):
+        raise ValueError(f"the folder holds a {saved}, the registry says {wanted}")
+    cls = getattr(diffusers, wanted, None)
+    if cls is None:
+        raise ValueError(f"diffusers {diffusers.__version__} has no {wanted}")
+    return cls
+
+
+def _load_diffusion_pipeline(folder: Path, dtype: torch.dtype, pipeline: str | None = None) -> Any:
+    """`pipeline`'s (or the folder's own class's) from_pretrained from a local folder, with or without `accelerate`."""
     from diffusers.utils.import_utils import is_accelerate_available
 
+    loader = _pipeline_class(folder, pipeline)
     if is_accelerate_available():
-        return DiffusionPipeline.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        return loader.from_pretrained(folder, dtype=dtype, local_files_only=True)
     # Without accelerate, diffusers 0.42 cannot load a model that pins modules to float32 (Wan's transformer
     # does): it refuses low_cpu_mem_usage=False for it and needs accelerate for True. Passing such a model in
     # pre-loaded does not help either: Wan lists its transformer as optional and loads it again regardless.
     # So load with the pins lifted, then put the pinned tensors back to float32 from the saved weights.
     pinned = _fp32_pinned_components(folder)
     with _fp32_pins_lifted([cls for cls, _ in pinned.values()]):
-        pipe = DiffusionPipeline.from_pretrained(folder, dtype=dtype, local_files_only=True, low_cpu_mem_usage=False)
+        pipe = loader.from_pretrained(folder, dtype=dtype, local_files_only=True, low_cpu_mem_usage=False)
     if dtype != torch.float32:
         for name, (_, keep) in pinned.items():
             module = getattr(pipe, name, None)
@@ -439,7 +456,7 @@ class VideoPipeline:
         """Load a saved diffusers pipeline from a local folder onto a device with its runtime options, quietly."""
         _quiet_libraries()
         options = options or LoadOptions()
-        pipe = _place(_load_diffusion_pipeline(Path(folder), dtype), torch.device(device), options)
+        pipe = _place(_load_diffusion_pipeline(Path(folder), dtype, options.pipeline), torch.device(device), options)
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
         return cls(model_id, pipe, device, dtype, call_options=dict(options.call_options))
