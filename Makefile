@@ -46,6 +46,7 @@ proto: $(STAMP)
 ## Builds the tiny random-weight text-to-video pipeline used by tests and the demo.
 tiny-model: $(STAMP)
 	$(PY) -m taskgate_local.tinymodel
+	$(PY) -m taskgate_local.tinymodel --model ltx-i2v-tiny
 
 ## Runs every family's tiny pipeline on CUDA: seconds per step, peak GPU memory, device-busy fraction (skips without a GPU).
 gpu-check: $(STAMP)

@@ -183,7 +183,9 @@ class Settings(BaseSettings):
     max_metadata_bytes: int = Field(default=4096, ge=0, description="Size of the metadata map as JSON.")
     callback_allow_hosts: list[str] = Field(default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1'].")
     default_model: str = Field(default="wan-tiny", description="Model used when a request names none.")
-    models: dict[str, ModelSpec] = Field(default_factory=dict, description="Model registry as JSON; default: wan-tiny under state_dir.")
+    models: dict[str, ModelSpec] = Field(
+        default_factory=dict, description="Model registry as JSON; default: wan-tiny and ltx-i2v-tiny under state_dir."
+    )
     result_cache_size: int = Field(default=10000, ge=0, description="Terminal tasks kept in the submit service's cache.")
     max_fps: int = Field(default=60, ge=1, description="Largest frames-per-second a request may ask for.")
     max_task_retries: int = Field(default=10, ge=0, description="Largest max_retries a request may ask for.")
@@ -365,7 +367,10 @@ class Settings(BaseSettings):
         if not self.webhook_schedule_seconds:
             raise ValueError("webhook_schedule_seconds needs at least one attempt")
         if not self.models:
-            self.models = {"wan-tiny": ModelSpec(path=self.state_dir / "models" / "wan-tiny", pipeline="WanPipeline", **TINY_DEFAULTS)}
+            self.models = {  # the tiny local models (taskgate_local.tinymodel builds them): text- and image-to-video
+                name: ModelSpec(path=self.state_dir / "models" / name, pipeline=pipeline, **TINY_DEFAULTS)
+                for name, pipeline in (("wan-tiny", "WanPipeline"), ("ltx-i2v-tiny", "LTXImageToVideoPipeline"))
+            }
         if self.default_model not in self.models:
             raise ValueError(f"default_model {self.default_model!r} is not in models")
         return self

@@ -177,6 +177,8 @@ def print_task(out: Output, task: Task) -> None:
             ("estimated start", task.estimated_start or ""),
             ("estimated finish", task.estimated_finish or ""),
             ("model", task.model_id),
+            ("task type", task.task_type if task.image is not None else ""),
+            ("image", f"{task.image.width}x{task.image.height}, sha256 {task.image.sha256[:16]}…" if task.image else ""),
             ("prompt", _short(task.prompt, 80)),
             ("priority", task.priority),
             ("attempt", task.attempt or ""),

@@ -193,26 +193,26 @@ class DevStack:
         self.nats_url = self.nats_url or running[1]
 
     async def build_model(self) -> None:
-        """Builds the tiny text-to-video model if the default model is a diffusers folder that is missing."""
-        spec = self.settings.models.get(self.settings.default_model)
-        if spec is None or spec.kind != "diffusers" or spec.path is None:
-            return
-        folder = spec.path if spec.path.is_absolute() else Path.cwd() / spec.path
-        if tinymodel.is_pipeline_folder(folder):
-            return
-        self.console.say(f"building the tiny {self.settings.default_model} model in {folder} (once) …")
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "taskgate_local.tinymodel", "--out", str(folder),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )
-        try:
-            output, _ = await proc.communicate()
-        except asyncio.CancelledError:
-            proc.kill()
-            await proc.wait()
-            raise
-        if proc.returncode != 0:
-            raise StartError(f"building the tiny model failed:\n{output.decode(errors='replace')}")
+        """Builds each tiny model of the registry (taskgate_local.tinymodel's names) whose folder is missing."""
+        for name, spec in self.settings.models.items():
+            if name not in tinymodel.TINY_MODELS or spec.kind != "diffusers" or spec.path is None:
+                continue
+            folder = spec.path if spec.path.is_absolute() else Path.cwd() / spec.path
+            if tinymodel.is_pipeline_folder(folder):
+                continue
+            self.console.say(f"building the tiny {name} model in {folder} (once) …")
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "taskgate_local.tinymodel", "--model", name, "--out", str(folder),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )
+            try:
+                output, _ = await proc.communicate()
+            except asyncio.CancelledError:
+                proc.kill()
+                await proc.wait()
+                raise
+            if proc.returncode != 0:
+                raise StartError(f"building the tiny {name} model failed:\n{output.decode(errors='replace')}")
 
     async def prepare_database(self) -> LocalStack:
         """Migrates, then reuses the saved demo and admin keys if they still work, else creates them."""

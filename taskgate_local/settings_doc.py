@@ -23,7 +23,7 @@ def _default(name: str) -> str:
     else:
         return "(required)"
     if name == "models":
-        return "wan-tiny under state_dir"
+        return "wan-tiny and ltx-i2v-tiny under state_dir"
     if isinstance(value, Path):
         return f"`{value}`"
     if isinstance(value, list | tuple | dict):

@@ -26,7 +26,8 @@ CROSS JOIN LATERAL (
           FROM task s
           WHERE t.status IN ('QUEUED', 'PROCESSING')
             AND s.status = 'SUCCEEDED' AND NOT s.result_reused AND s.started_at IS NOT NULL
-            AND s.model_id = t.model_id AND task_size_class(s.request_payload) = task_size_class(t.request_payload)
+            AND s.model_id = t.model_id AND s.task_type = t.task_type
+            AND task_size_class(s.request_payload) = task_size_class(t.request_payload)
             AND s.finished_at > now() - make_interval(secs => $2)
           ORDER BY s.finished_at DESC
           LIMIT $3) h
