@@ -119,95 +119,70 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         service, method = _split(handler_call_details.method)
         rid = _request_id(handler_call_details)
 
-        def finish(context: grpc.aio.ServicerContext, start: float) -> None:
-            code = context.code() or grpc.StatusCode.OK
-            name = code.name if isinstance(code, grpc.StatusCode) else str(code)
-            telemetry.GRPC_REQUESTS.labels(service, method, name).inc()
-            telemetry.GRPC_LATENCY.labels(service, method).observe(time.perf_counter() - start)
-            if name != "OK":
-                log.info("rpc failed", extra={"method": method, "code": name})
+        @contextlib.asynccontextmanager
+        async def scope(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+            """One call: its request id, its metrics and log line, and any exception as a status."""
+            token = telemetry.request_id.set(rid)
+            start = time.perf_counter()
+            try:
+                yield
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not isinstance(exc, grpc.aio.AbortError):
+                    await _to_status(exc, context, method)
+                raise
+            finally:
+                code = context.code() or grpc.StatusCode.OK
+                name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+                telemetry.GRPC_REQUESTS.labels(service, method, name).inc()
+                telemetry.GRPC_LATENCY.labels(service, method).observe(time.perf_counter() - start)
+                if name != "OK":
+                    log.info("rpc failed", extra={"method": method, "code": name})
+                # a stream the client closed early is finalised from another context, where the token is foreign
+                with contextlib.suppress(ValueError):
+                    telemetry.request_id.reset(token)
 
+        def decoded(request: Any) -> Any:
+            if isinstance(request, _Undecodable):
+                raise request.error()
+            return request
+
+        deserializer = _lenient(handler.request_deserializer)
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                token = telemetry.request_id.set(rid)
-                start = time.perf_counter()
-                try:
-                    if isinstance(request, _Undecodable):
-                        raise request.error()
-                    return await inner_uu(request, context)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    if not isinstance(exc, grpc.aio.AbortError):
-                        await _to_status(exc, context, method)
-                    raise
-                finally:
-                    finish(context, start)
-                    telemetry.request_id.reset(token)
+                async with scope(context):
+                    return await inner_uu(decoded(request), context)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary,
-                request_deserializer=_lenient(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
+                unary_unary, request_deserializer=deserializer, response_serializer=handler.response_serializer
             )
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                token = telemetry.request_id.set(rid)
-                start = time.perf_counter()
-                try:
-                    if isinstance(request, _Undecodable):
-                        raise request.error()
-                    async for item in inner_us(request, context):
+                async with scope(context):
+                    async for item in inner_us(decoded(request), context):
                         yield item
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    if not isinstance(exc, grpc.aio.AbortError):
-                        await _to_status(exc, context, method)
-                    raise
-                finally:
-                    finish(context, start)
-                    # a stream the client closed early is finalised from another context, where the token is foreign
-                    with contextlib.suppress(ValueError):
-                        telemetry.request_id.reset(token)
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=_lenient(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
+                unary_stream, request_deserializer=deserializer, response_serializer=handler.response_serializer
             )
         if handler.stream_unary is not None:
             inner_su = handler.stream_unary
 
             async def requests(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
                 async for request in stream:
-                    if isinstance(request, _Undecodable):
-                        raise request.error()
-                    yield request
+                    yield decoded(request)
 
             async def stream_unary(stream: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-                token = telemetry.request_id.set(rid)
-                start = time.perf_counter()
-                try:
+                async with scope(context):
                     return await inner_su(requests(stream), context)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    if not isinstance(exc, grpc.aio.AbortError):
-                        await _to_status(exc, context, method)
-                    raise
-                finally:
-                    finish(context, start)
-                    telemetry.request_id.reset(token)
 
             return grpc.stream_unary_rpc_method_handler(
-                stream_unary,
-                request_deserializer=_lenient(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
+                stream_unary, request_deserializer=deserializer, response_serializer=handler.response_serializer
             )
         return handler
 

@@ -130,9 +130,10 @@ def test_an_image_class_keeps_its_text_siblings_rules(pipeline: str) -> None:
     text = TEXT_SIBLING[pipeline]
     assert _transformer_class(pipeline) is _transformer_class(text)
     mine, theirs = dataclasses.asdict(FAMILIES[pipeline]), dataclasses.asdict(FAMILIES[text])
-    differ = {name for name in mine if mine[name] != theirs[name]} - {"label", "task_type"}
+    differ = {name for name in mine if mine[name] != theirs[name]} - {"label", "task_type", "loads_from"}
     # CogVideoX-5b-I2V's learned positional embeddings fix its size at 720x480 (the transformer refuses others)
     assert differ == ({"max_width", "max_height"} if pipeline == "CogVideoXImageToVideoPipeline" else set())
+    assert FAMILIES[pipeline].loads_from == (("LTXPipeline",) if pipeline == I2V else ())  # LTX's one folder serves both
 
 
 def test_cogvideox_1_0_i2v_is_held_to_its_one_size() -> None:

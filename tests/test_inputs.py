@@ -262,6 +262,18 @@ async def test_an_upload_over_the_limit_or_not_an_image_is_refused(
     assert await stored_inputs(backends) == [] and input_files(settings) == []
 
 
+async def test_an_upload_counts_against_the_tenants_submission_rate(
+    stub: gateway_pb2_grpc.TaskGatewayAsyncStub, backends: Backends
+) -> None:
+    md = await key_for(backends, "tenant-slow", submits_per_minute=2)
+    for tint in (1, 2):
+        await upload(stub, md, png(color=(tint, 0, 0)))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await upload(stub, md, png(color=(3, 0, 0)))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(await stored_inputs(backends)) == 2
+
+
 # ---------------------------------------------------------------- URLs
 
 

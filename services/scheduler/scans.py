@@ -379,18 +379,17 @@ class RetentionScan:
                 expired = await maintenance.purge_results(conn, now=now, older_than_seconds=keep.results, limit=limit)
                 result.actions[Action.PURGE_RESULT] += await self._delete_outputs(expired.orphans)
             batches.append(expired.rows)
-        if keep.reusable is not None:
+        for seconds, purge, action in (
+            (keep.reusable, maintenance.purge_reusable, Action.PURGE_REUSABLE),
+            (keep.inputs, maintenance.purge_inputs, Action.PURGE_INPUT),
+        ):
+            if seconds is None:
+                continue
             async with pool.acquire() as conn, conn.transaction():
-                reusable = await maintenance.purge_reusable(conn, now=now, older_than_seconds=keep.reusable, limit=limit)
-                result.actions[Action.PURGE_RESULT] += await self._delete_outputs(reusable.orphans)
-            result.actions[Action.PURGE_REUSABLE] += reusable.rows
-            batches.append(reusable.rows)
-        if keep.inputs is not None:
-            async with pool.acquire() as conn, conn.transaction():
-                inputs = await maintenance.purge_inputs(conn, now=now, older_than_seconds=keep.inputs, limit=limit)
-                result.actions[Action.PURGE_RESULT] += await self._delete_outputs(inputs.orphans)
-            result.actions[Action.PURGE_INPUT] += inputs.rows
-            batches.append(inputs.rows)
+                gone = await purge(conn, now=now, older_than_seconds=seconds, limit=limit)
+                result.actions[Action.PURGE_RESULT] += await self._delete_outputs(gone.orphans)
+            result.actions[action] += gone.rows
+            batches.append(gone.rows)
         if keep.events is not None:
             events = await maintenance.purge_events(pool, now=now, older_than_seconds=keep.events, limit=limit)
             result.actions[Action.PURGE_EVENT] += events

@@ -221,6 +221,12 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     ) -> gateway_pb2.UploadInputResponse:
         """Stores an input image sent in parts; its sha256 names it in a later submission of this tenant."""
         who = await self._principal(context)
+        per_minute = who.submits_per_minute or self._settings.submits_per_minute
+        [wait] = await submissions.take_rate_slots(
+            self._pool, who.tenant_id, per_minute=per_minute, count=1, within=self._budget(context)
+        )
+        if wait is not None:  # an upload counts as a submission: storing images is not free either
+            raise rate_limited(per_minute, wait)
         image = await self.inputs.upload(who.tenant_id, request_iterator, within=self._budget(context))
         log.info("input uploaded", extra={"sha256": image.sha256, "bytes": image.size_bytes})
         return gateway_pb2.UploadInputResponse(image=image)
