@@ -64,6 +64,7 @@ class TaskRow:
     started_at: datetime | None = None
     finished_at: datetime | None = None
     trace_context: dict[str, str] | None = None  # W3C headers of the submit's span: every later span continues its trace
+    replay_of: int | None = None  # the FAILED or TIMEOUT task an operator replayed as this one
 
     @classmethod
     def from_record(cls, rec: Any) -> TaskRow:
@@ -116,6 +117,7 @@ class TaskRow:
             metadata=self.metadata,
             callback_events=self.callback_events,
             result_reused=self.result_reused,
+            replay_of=str(self.replay_of) if self.replay_of is not None else "",
         )
         image = p.get("image")
         if isinstance(image, dict):

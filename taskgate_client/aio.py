@@ -659,9 +659,17 @@ class AsyncTaskgateClient:
         dry_run: bool = False,
         batch_size: int = 50,
         reason: str = "",
+        replay_finished: bool = False,
     ) -> AsyncIterator[admin_pb2.RequeueBatch]:
-        """Requeues the given tasks (or those matching the filter) in batches, yielding each batch's report."""
-        request = admin_pb2.RequeueTasksRequest(task_ids=list(task_ids), dry_run=dry_run, batch_size=batch_size, reason=reason)
+        """Requeues the given tasks (or those matching the filter) in batches, yielding each batch's report.
+
+        FAILED and TIMEOUT tasks stay terminal: with `replay_finished` each is replayed once as a new task with the same
+        request and seed (item action REPLAYED, detail "as task <id>"), created past its tenant's limits and dispatched
+        at once; without it they are SKIPPED, as SUCCEEDED and CANCELED tasks always are.
+        """
+        request = admin_pb2.RequeueTasksRequest(
+            task_ids=list(task_ids), dry_run=dry_run, batch_size=batch_size, reason=reason, replay_finished=replay_finished
+        )
         if status is not None or model or older_than is not None:
             request.filter.CopyFrom(admin_pb2.TaskFilter(statuses=_statuses(status), model_id=model or ""))
             if older_than is not None:

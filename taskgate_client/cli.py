@@ -49,6 +49,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 10
 EXIT_TIMEOUT = 11
+EXIT_SKIPPED = 13  # admin requeue: some task was neither requeued nor replayed (each item's detail says why)
 EXIT_INTERRUPTED = 130
 EXIT_BY_CODE: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.NOT_FOUND: 3,
@@ -187,6 +188,7 @@ def print_task(out: Output, task: Task) -> None:
             ("error", f"{task.error_code}: {task.error_message}" if task.error_code else ""),
             ("result", f"{result.size_bytes} bytes, sha256 {result.sha256[:16]}…" if result else ""),
             ("reused", "yes (identical earlier run)" if task.result_reused else ""),
+            ("replay of", task.replay_of or ""),
             ("callback", f"{task.callback_url} ({task.callback_status})" if task.callback_url else ""),
             ("new", "" if task.created is None else ("yes" if task.created else "no, existing task for this idempotency key")),
         ]
@@ -525,8 +527,10 @@ def _print_batch(out: Output, batch: admin_pb2.RequeueBatch) -> None:
 
 
 async def cmd_admin_requeue(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    """Prints each batch; exits EXIT_SKIPPED when any task was skipped, so a script sees what was left undone."""
     if not args.task_ids and not args.status and not args.model:
         raise CliError("give task ids, or a filter (--status/--model/--older-than)", EXIT_USAGE)
+    total = skipped = 0
     async for batch in client.requeue(
         args.task_ids,
         status=args.status or None,
@@ -535,9 +539,18 @@ async def cmd_admin_requeue(client: AsyncTaskgateClient, args: argparse.Namespac
         dry_run=args.dry_run,
         batch_size=args.batch_size,
         reason=args.reason,
+        replay_finished=args.replay_finished,
     ):
         _print_batch(out, batch)
-    return EXIT_OK
+        total += len(batch.items)
+        skipped += sum(1 for item in batch.items if item.action == "SKIPPED")
+    if not skipped:
+        return EXIT_OK
+    hint = "each item's detail says why"
+    if not args.replay_finished:
+        hint += "; --replay-finished replays FAILED and TIMEOUT tasks as new tasks"
+    out.err.write(f"error: SKIPPED: {skipped} of {total} task(s) neither requeued nor replayed — hint: {hint}\n")
+    return EXIT_SKIPPED
 
 
 async def cmd_admin_repair(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
@@ -570,8 +583,10 @@ async def cmd_admin_dead_letters(client: AsyncTaskgateClient, args: argparse.Nam
         "dead_letters",
         letters,
         "no dead letters",
-        ["TASK ID", "STATUS", "MODEL", "DEAD AT", "REASON"],
-        lambda d: [d.task.id, _status_name(d.task.status), d.task.model_id, _ts(d.dead_at), _short(d.reason, 60)],
+        ["TASK ID", "STATUS", "MODEL", "DEAD AT", "REASON", "REPLAYED AS"],
+        lambda d: [
+            d.task.id, _status_name(d.task.status), d.task.model_id, _ts(d.dead_at), _short(d.reason, 60), d.replayed_as,
+        ],
     )
 
 
@@ -779,7 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("stats", cmd_admin_stats, "counts per model and state, workers, callbacks", admin_sub)
     p = add("stuck", cmd_admin_stuck, "tasks the scheduler considers stuck, with why", admin_sub)
     p.add_argument("--limit", type=int, default=100)
-    p = add("requeue", cmd_admin_requeue, "requeue tasks by id or filter, in batches", admin_sub)
+    p = add("requeue", cmd_admin_requeue, "requeue tasks by id or filter, in batches; replay failed ones as new tasks", admin_sub)
     p.add_argument("task_ids", nargs="*")
     p.add_argument("--status", action="append", default=[], help="filter: states (repeatable)")
     p.add_argument("--model", help="filter: model id")
@@ -787,6 +802,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="report what would be requeued")
     p.add_argument("--batch-size", type=int, default=50)
     p.add_argument("--reason", default="cli requeue")
+    p.add_argument(
+        "--replay-finished", action="store_true",
+        help="replay FAILED and TIMEOUT tasks once each as new tasks (same request and seed, past the tenant's limits)",
+    )
     p = add("repair", cmd_admin_repair, "find and fix stuck or inconsistent tasks", admin_sub)
     p.add_argument("--dry-run", action="store_true", help="report only")
     p.add_argument("--batch-size", type=int, default=50)

@@ -207,11 +207,14 @@ class TaskgateClient:
         dry_run: bool = False,
         batch_size: int = 50,
         reason: str = "",
+        replay_finished: bool = False,
     ) -> Generator[admin_pb2.RequeueBatch, None, None]:
-        """Admin: requeues in batches, yielding each batch's report."""
+        """Admin: requeues in batches, yielding each batch's report; `replay_finished` replays FAILED and TIMEOUT tasks
+        as new tasks (see the asyncio client's `requeue`)."""
         return self._runner.iterate(
             self._client.requeue(
-                task_ids, status=status, model=model, older_than=older_than, dry_run=dry_run, batch_size=batch_size, reason=reason
+                task_ids, status=status, model=model, older_than=older_than, dry_run=dry_run, batch_size=batch_size,
+                reason=reason, replay_finished=replay_finished,
             )
         )
 

@@ -198,6 +198,8 @@ class Task:
     """When a QUEUED or PROCESSING task should finish (GetTask, watch); None without recent history."""
     image: InputImage | None = None
     """Image-to-video: the input image the task runs from."""
+    replay_of: str | None = None
+    """The FAILED or TIMEOUT task an operator replayed as this one."""
 
     @property
     def terminal(self) -> bool:
@@ -250,6 +252,7 @@ class Task:
             estimated_start=_time(msg, "estimated_start"),
             estimated_finish=_time(msg, "estimated_finish"),
             image=InputImage.from_proto(msg.image) if msg.HasField("image") else None,
+            replay_of=msg.replay_of or None,
         )
 
     def to_dict(self) -> dict[str, object]:

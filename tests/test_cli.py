@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -22,11 +23,14 @@ from services.worker import service as worker_service
 from taskgate import auth, keys
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
+from taskgate.states import Status as ServerStatus
 from taskgate_client import Status
-from taskgate_client.cli import EXIT_BY_STATUS, build_parser
+from taskgate_client.cli import EXIT_BY_STATUS, EXIT_SKIPPED, build_parser
 from taskgate_client.local import LocalStack
 from taskgate_local.embedded import free_port
 from tests.harness import wait_for
+from tests.test_scheduler import put_in
+from tests.test_scheduler_admin import dead
 
 
 @dataclass
@@ -352,3 +356,40 @@ def test_every_command_accepts_json_before_or_after() -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["keys", "list"])  # server-side now: `taskgate-keys`
     assert not hasattr(parser.parse_args(["get", "1"]), "json")  # filled in by main()
+
+
+async def _succeeded(cli: Cli, task_id: str) -> bool:
+    return bool(await cli.backends.pool.fetchval("SELECT status = 'SUCCEEDED' FROM task WHERE id = $1", int(task_id)))
+
+
+async def test_admin_requeue_replays_a_dead_letter_and_exits_13_when_it_skipped_any(cli: Cli) -> None:
+    pool = cli.backends.pool
+    source = await dead(pool, ServerStatus.FAILED, model_id="sleepy")
+    done = await put_in(pool, ServerStatus.SUCCEEDED, model_id="sleepy")
+    plain = await cli("admin", "requeue", str(source.id), "--json")
+    assert plain.code == EXIT_SKIPPED == 13
+    [item] = [i for batch in plain.lines() for i in batch["items"]]
+    assert item["action"] == "SKIPPED" and "--replay-finished" in item["detail"]
+    [line] = plain.err.splitlines()
+    assert line.startswith("error: SKIPPED: 1 of 1 task(s)") and "hint:" in line and "--replay-finished" in line
+    tasks = await pool.fetchval("SELECT count(*) FROM task")
+
+    dry = await cli("admin", "requeue", str(source.id), "--replay-finished", "--dry-run", "--json")
+
+    assert (dry.code, dry.err) == (0, "")
+    assert [i["action"] for batch in dry.lines() for i in batch["items"]] == ["WOULD_REPLAY"]
+    assert await pool.fetchval("SELECT count(*) FROM task") == tasks
+
+    replayed = await cli("admin", "requeue", str(source.id), str(done.id), "--replay-finished")
+
+    assert replayed.code == 13 and "1 of 2 task(s)" in replayed.err  # the SUCCEEDED one is never replayed
+    assert "never replayed" in replayed.out
+    [new_id] = re.findall(r"REPLAYED\s+as task (\d+)", replayed.out)
+    await wait_for(lambda: _succeeded(cli, new_id), within=30)
+    got = await cli("get", new_id, "--json")
+    assert got.json()["replay_of"] == str(source.id) and got.json()["params"]["seed"] == source.request_payload["seed"]
+    letters = (await cli("admin", "dead-letters", "--json")).json()["dead_letters"]
+    assert [(d["task"]["id"], d["replayed_as"]) for d in letters] == [(str(source.id), new_id)]
+    assert new_id in (await cli("admin", "dead-letters")).out
+    again = await cli("admin", "requeue", str(source.id), "--replay-finished", "--json")
+    assert again.code == 13 and f"already replayed as task {new_id}" in again.out

@@ -5,20 +5,28 @@ from __future__ import annotations
 import io
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
+import asyncpg
 import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from services.scheduler import service
-from taskgate import auth, store
+from services.scheduler.requeue import replay_of
+from services.worker import service as worker_service
+from taskgate import auth, ids, store
 from taskgate import bus as busmod
+from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Status
+from taskgate.store import admin as admin_store
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, task_pb2
 from taskgate_client.repair import repair
 from tests.factories import insert_task
+from tests.harness import wait_for
 from tests.test_scheduler import dispatches, put_in, row
+from tests.test_worker import sleepy_settings
 
 Metadata = tuple[tuple[str, str], ...]
 
@@ -342,3 +350,163 @@ async def test_requeue_of_a_row_a_scan_holds_is_skipped(admin: Admin) -> None:
     assert (await row(pool, task.id)).version == task.version
     out = await store.release(pool, task.id, actor="test")
     assert out.applied  # nothing else changed it
+
+
+# Replays: FAILED and TIMEOUT stay terminal; an operator's replay is a new task linked to its source.
+
+REPLAYED_COLUMNS = (
+    "user_id", "task_type", "model_id", "prompt", "request_payload", "request_hash", "priority", "metadata", "callback_url",
+    "callback_events", "max_retries",
+)
+
+
+async def dead(pool: asyncpg.Pool, status: Status, **task: Any) -> TaskRow:
+    """A task ended FAILED (retries exhausted, from PROCESSING) or TIMEOUT (from QUEUED), with its dead letter."""
+    source = await insert_task(pool, **task)
+    moves: list[store.Change] = [store.Queue()] if status is Status.TIMEOUT else [store.Queue(), store.Claim("w1", 10.0)]
+    for change in moves:
+        assert (await store.apply(pool, source.id, change, actor="test")).applied
+    error = store.TaskError("QUEUE_TIMEOUT" if status is Status.TIMEOUT else "MODEL_CRASHED", "it broke")
+    if status is Status.TIMEOUT:
+        out = await store.time_out(pool, source.id, error=error, actor="scheduler", reason="queued too long")
+    else:
+        out = await store.fail(pool, source.id, error=error, actor="w1", reason="retries exhausted", dead_letter=True)
+    assert out.applied and out.task is not None and out.task.status is status
+    return out.task
+
+
+def actions(batches: list[admin_pb2.RequeueBatch]) -> dict[int, tuple[str, str]]:
+    return {int(i.task_id): (i.action, i.detail) for b in batches for i in b.items}
+
+
+async def task_count(pool: asyncpg.Pool) -> int:
+    return int(await pool.fetchval("SELECT count(*) FROM task"))
+
+
+async def test_a_dead_letter_and_a_timeout_are_replayed_as_linked_new_tasks_that_run(admin: Admin) -> None:
+    pool, settings = admin.backends.pool, admin.backends.settings
+    image = {"sha256": "ab" * 32, "width": 32, "height": 32, "size_bytes": 1234}
+    failed = await dead(pool, Status.FAILED, model_id="sleepy", priority=10, callback_url="http://127.0.0.1:9/hook")
+    timed_out = await dead(pool, Status.TIMEOUT, params={
+        "num_frames": 9, "width": 32, "height": 32, "num_inference_steps": 2, "guidance_scale": 5.0, "fps": 8,
+        "seed": 77, "negative_prompt": "blur", "image": image,
+    })
+    await pool.execute("UPDATE task SET metadata = '{\"team\": \"vfx\"}', callback_events = '{PROGRESS}' WHERE id = $1", failed.id)
+    failed = await row(pool, failed.id)
+    # the tenant is at its pending limit: a replay is an operator's act and is admitted all the same
+    await pool.execute("UPDATE tenant SET max_pending = 1, submits_per_minute = 1 WHERE id = 'tenant-a'")
+    await put_in(pool, Status.QUEUED)
+
+    [batch] = await requeue(admin, task_ids=[str(failed.id), str(timed_out.id)], replay_finished=True)
+
+    done = actions([batch])
+    replays: dict[int, TaskRow] = {}
+    for source in (failed, timed_out):
+        action, detail = done[source.id]
+        assert action == "REPLAYED" and detail.startswith("as task "), detail
+        replays[source.id] = await row(pool, int(detail.removeprefix("as task ")))
+    for source in (failed, timed_out):
+        again = replays[source.id]
+        assert again.id != source.id and again.replay_of == source.id
+        assert [getattr(again, c) for c in REPLAYED_COLUMNS] == [getattr(source, c) for c in REPLAYED_COLUMNS]
+        assert again.idempotency_key.startswith(f"replay-{source.id}-") and not again.idempotency_derived
+        assert again.to_proto().replay_of == str(source.id)
+        after = await row(pool, source.id)  # the source stays as it ended
+        assert (after.status, after.version) == (source.status, source.version)
+        letter = await pool.fetchrow("SELECT replayed_as, replayed_at FROM dead_letter WHERE task_id = $1", source.id)
+        assert letter["replayed_as"] == again.id and letter["replayed_at"] is not None
+    assert replays[timed_out.id].request_payload["seed"] == 77 and replays[timed_out.id].request_payload["image"] == image
+    assert replays[failed.id].priority == 10 and replays[failed.id].callback_events == ["PROGRESS"]
+    # dispatched at once, under the dispatcher's own message ids
+    assert {t.status for t in [await row(pool, r.id) for r in replays.values()]} == {Status.QUEUED}
+    assert {msg_id for _, msg_id, _ in await dispatches(admin.backends.bus)} >= {f"{r.id}.q0" for r in replays.values()}
+    letters = await admin.stub.ListDeadLetters(admin_pb2.ListDeadLettersRequest(), metadata=admin.admin)
+    linked = {int(d.task.id): (d.replayed_as, d.HasField("replayed_at")) for d in letters.dead_letters}
+    assert linked == {s.id: (str(replays[s.id].id), True) for s in (failed, timed_out)}
+
+    worker = await worker_service.start(sleepy_settings(settings))  # the FAILED one was on the 'sleep' model
+    try:
+        await wait_for(lambda: _status_is(pool, replays[failed.id].id, Status.SUCCEEDED), within=20)
+    finally:
+        await worker.stop(grace=0)
+
+
+async def _status_is(pool: asyncpg.Pool, task_id: int, status: Status) -> bool:
+    return bool(await pool.fetchval("SELECT status::text = $2 FROM task WHERE id = $1", task_id, status.value))
+
+
+async def test_without_the_flag_finished_tasks_are_skipped_with_why_and_a_dry_run_creates_nothing(admin: Admin) -> None:
+    pool = admin.backends.pool
+    failed, timed_out = await dead(pool, Status.FAILED), await dead(pool, Status.TIMEOUT)
+    succeeded, canceled = await put_in(pool, Status.SUCCEEDED), await put_in(pool, Status.CANCELED)
+    queued = await put_in(pool, Status.QUEUED)
+    named = [str(t.id) for t in (failed, timed_out, succeeded, canceled)]
+    tasks, before = await task_count(pool), await versions(admin)
+
+    plain = actions(await requeue(admin, task_ids=[*named, str(queued.id)]))
+
+    for task in (failed, timed_out):
+        action, detail = plain[task.id]
+        assert action == "SKIPPED" and "terminal" in detail and "replay_finished" in detail and "--replay-finished" in detail
+    for task in (succeeded, canceled):
+        action, detail = plain[task.id]
+        assert action == "SKIPPED" and "never replayed" in detail, detail
+    assert plain[queued.id][0] == "REQUEUED"
+    assert await task_count(pool) == tasks
+
+    dry = await requeue(admin, task_ids=named, replay_finished=True, dry_run=True)
+
+    assert [b.dry_run for b in dry] == [True]
+    assert {i: a for i, (a, _) in actions(dry).items()} == {
+        failed.id: "WOULD_REPLAY", timed_out.id: "WOULD_REPLAY", succeeded.id: "SKIPPED", canceled.id: "SKIPPED",
+    }
+    assert await task_count(pool) == tasks
+    assert {k: v for k, v in (await versions(admin)).items() if k != queued.id} == {
+        k: v for k, v in before.items() if k != queued.id
+    }
+    assert await pool.fetchval("SELECT count(*) FROM dead_letter WHERE replayed_as IS NOT NULL") == 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # a filter naming a state that is never replayed
+        await requeue(admin, filter=admin_pb2.TaskFilter(statuses=[task_pb2.TASK_STATUS_SUCCEEDED]), replay_finished=True)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "never" in (err.value.details() or "")
+
+
+async def test_a_task_is_replayed_once_and_a_replay_that_failed_is_replayed_itself(admin: Admin) -> None:
+    pool = admin.backends.pool
+    first, other = await dead(pool, Status.FAILED), await dead(pool, Status.FAILED)
+    [(action, detail)] = actions(await requeue(admin, task_ids=[str(first.id)], replay_finished=True)).values()
+    replay = int(detail.removeprefix("as task "))
+    assert action == "REPLAYED"
+
+    again = actions(await requeue(admin, task_ids=[str(first.id)], replay_finished=True))
+
+    assert again == {first.id: ("SKIPPED", f"FAILED and already replayed as task {replay}; replay that task if it failed too")}
+    # a filter leaves out what was replayed: sent twice, it replays each task once
+    by_filter = admin_pb2.TaskFilter(statuses=[task_pb2.TASK_STATUS_FAILED])
+    [(other_id, (other_action, _))] = actions(await requeue(admin, filter=by_filter, replay_finished=True)).items()
+    assert (other_id, other_action) == (other.id, "REPLAYED")
+    assert await requeue(admin, filter=by_filter, replay_finished=True) == []
+    # the replay failed too: it is replayed in turn, and the chain is linked
+    assert (await store.apply(pool, replay, store.Claim("w1", 10.0), actor="test")).applied
+    assert (await store.fail(pool, replay, error=store.TaskError("E", "again"), actor="w1", reason="x", dead_letter=True)).applied
+    [(action, detail)] = actions(await requeue(admin, task_ids=[str(replay)], replay_finished=True)).values()
+    third = await row(pool, int(detail.removeprefix("as task ")))
+    assert action == "REPLAYED" and third.replay_of == replay and (await row(pool, replay)).replay_of == first.id
+    with pytest.raises(asyncpg.UniqueViolationError):  # the schema holds one replay per task, whatever the caller
+        await insert_replay(pool, first)
+
+
+async def insert_replay(pool: asyncpg.Pool, source: TaskRow) -> None:
+    await admin_store.replay_tasks(pool, [(replay_of(source, ids.new_id()), source.id)])
+
+
+async def test_a_replay_whose_dispatch_fails_stays_created_for_the_scan_and_needs_no_dead_letter(admin: Admin) -> None:
+    pool = admin.backends.pool
+    source = await put_in(pool, Status.FAILED)  # failed for good without a dead letter (a final error)
+    await admin.backends.bus.js.delete_stream(busmod.TASKS_STREAM)  # every dispatch publish now fails
+
+    [(action, detail)] = actions(await requeue(admin, task_ids=[str(source.id)], replay_finished=True)).values()
+
+    assert action == "REPLAYED" and "did not queue it" in detail, detail
+    replay = await row(pool, int(detail.split()[2]))
+    assert (replay.status, replay.replay_of) == (Status.CREATED, source.id)  # committed: the CreatedScan's to dispatch
+    assert await pool.fetchval("SELECT count(*) FROM dead_letter") == 0

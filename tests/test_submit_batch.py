@@ -277,7 +277,7 @@ async def test_pending_counts_follow_every_move(backends: Backends) -> None:
 
 
 def test_the_submit_columns_are_named_in_the_order_the_queries_number_them() -> None:
-    for name in ("submit_insert_tasks", "submit_tasks"):
+    for name in ("submit_insert_tasks", "submit_tasks", "admin_replay_tasks"):
         named = re.findall(r"p_(\w+) => \$(\d+)", sql.query(name))
         assert [column for column, _ in named][: len(submissions.COLUMNS)] == list(submissions.COLUMNS), name
         assert [int(n) for _, n in named] == list(range(1, len(named) + 1)), name

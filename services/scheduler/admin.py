@@ -11,7 +11,7 @@ import asyncpg
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
-from services.scheduler.requeue import Item, Requeuer
+from services.scheduler.requeue import REPLAYABLE, Item, Requeuer
 from services.scheduler.scans import Action, Retention, RetentionScan, TaskScan, count
 from taskgate import auth, errors, ids, paging, store, text
 from taskgate import bus as busmod
@@ -68,7 +68,9 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self.pool = pool
         self.auth = Authenticator(pool, settings.api_key_pepper)
         self.task_scans = list(task_scans)
-        self.requeuer = Requeuer(pool, bus)
+        self.requeuer = Requeuer(
+            pool, bus, ack_timeout=settings.submit_publish_timeout_seconds, db_timeout=settings.submit_db_timeout_seconds
+        )
         self.retention = retention  # the scheduler's own: one result store (one S3 client) per process
 
     def _page_size(self, requested: int, field: str = "page_size") -> int:
@@ -146,7 +148,9 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     async def RequeueTasks(
         self, request: admin_pb2.RequeueTasksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admin_pb2.RequeueBatch]:
-        """Requeues by ids or filter in batches, one response per batch with a state summary; stops on an error."""
+        """Requeues by ids or filter in batches, one response per batch with a state summary; stops on an error. With
+        replay_finished, FAILED and TIMEOUT tasks are replayed as new tasks, with ids from a node number leased for
+        this call only (replays are rare; a scheduler holds none otherwise)."""
         principal = await self.auth.principal(context, admin=True)
         if request.task_ids and request.HasField("filter"):
             raise errors.invalid_argument([("filter", "give task_ids or a filter, not both")])
@@ -160,17 +164,35 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         text.check("reason", [reason], bad)  # stored as the transition's reason
         if bad:
             raise errors.invalid_argument(bad)
-        number = 0
-        async for batch in self._batches(request, batch_size):
-            number += 1
-            if request.dry_run:
-                items = await self.requeuer.plan(batch)
-            else:
-                items = await self.requeuer.apply(batch, actor=f"admin:{principal.tenant_id}", reason=reason)
-            summary = await admin_store.live_counts(self.pool)
-            yield admin_pb2.RequeueBatch(
-                batch=number, items=[_requeue_item(i) for i in items], summary=_state_counts(summary), dry_run=request.dry_run
-            )
+        replay_ids = await self._replay_ids() if request.replay_finished and not request.dry_run else None
+        try:
+            number = 0
+            async for batch in self._batches(request, batch_size):
+                number += 1
+                if request.dry_run:
+                    items = await self.requeuer.plan(batch, replay_finished=request.replay_finished)
+                else:
+                    items = await self.requeuer.apply(
+                        batch, actor=f"admin:{principal.tenant_id}", reason=reason,
+                        new_id=replay_ids.next if replay_ids is not None else None,
+                    )
+                summary = await admin_store.live_counts(self.pool)
+                yield admin_pb2.RequeueBatch(
+                    batch=number, items=[_requeue_item(i) for i in items], summary=_state_counts(summary),
+                    dry_run=request.dry_run,
+                )
+        finally:
+            if replay_ids is not None:
+                await replay_ids.close()
+
+    async def _replay_ids(self) -> ids.LeasedIds:
+        """Task ids for this call's replays, from a leased node number (never the fixed one of a submit replica)."""
+        leased = ids.LeasedIds(self.pool, lease_seconds=self.settings.id_node_lease_seconds)
+        try:
+            await leased.start()
+        except ids.NoFreeNode as exc:
+            raise errors.unavailable(f"cannot make task ids for the replays: {exc}") from None
+        return leased
 
     async def _batches(self, request: admin_pb2.RequeueTasksRequest, batch_size: int) -> AsyncIterator[list[int]]:
         if request.task_ids:
@@ -179,9 +201,13 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
                 yield task_ids[i : i + batch_size]
             return
         statuses, model_id, older = self._filter(request.filter)
-        if any(s.terminal for s in statuses):
-            raise errors.invalid_argument([("filter.statuses", "terminal tasks cannot be requeued")])
-        wanted = statuses or sorted(UNFINISHED)
+        if any(s.terminal and s not in REPLAYABLE for s in statuses):
+            raise errors.invalid_argument([("filter.statuses", "SUCCEEDED and CANCELED tasks are never requeued or replayed")])
+        if any(s in REPLAYABLE for s in statuses) and not request.replay_finished:
+            raise errors.invalid_argument(
+                [("filter.statuses", "FAILED and TIMEOUT are terminal: pass replay_finished to replay them as new tasks")]
+            )
+        wanted = statuses or sorted(UNFINISHED | (REPLAYABLE if request.replay_finished else frozenset()))
         after = 0
         while True:
             page = await admin_store.requeue_page(
@@ -195,14 +221,17 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     async def ListDeadLetters(
         self, request: admin_pb2.ListDeadLettersRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListDeadLettersResponse:
-        """Dead letters with their tasks (last error included), newest first, a page at a time."""
+        """Dead letters with their tasks (last error included) and their replays, newest first, a page at a time."""
         await self.auth.principal(context, admin=True)
         limit = self._page_size(request.page_size)
         before = _cursor(request.page_token, _DEAD_LETTERS)
         rows = await admin_store.dead_letters(self.pool, before=before, limit=limit + 1)
         response = admin_pb2.ListDeadLettersResponse()
         for d in rows[:limit]:
-            response.dead_letters.add(task=d.task.to_proto(), reason=d.reason, dead_at=timestamp(d.dead_at))
+            letter = response.dead_letters.add(task=d.task.to_proto(), reason=d.reason, dead_at=timestamp(d.dead_at))
+            if d.replayed_as is not None and d.replayed_at is not None:
+                letter.replayed_as = str(d.replayed_as)
+                letter.replayed_at.CopyFrom(timestamp(d.replayed_at))
         if len(rows) > limit:
             last = rows[limit - 1]
             response.next_page_token = paging.encode(paging.Cursor(last.dead_at, last.task.id), _DEAD_LETTERS)

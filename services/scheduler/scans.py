@@ -49,6 +49,7 @@ class Action(enum.StrEnum):
     FORGET_WORKER = "forget_worker"  # a silent worker's registry row deleted
     LET_GO = "let_go"  # a soft-cancelled attempt's lapsed lease ended (its pending slot freed)
     REQUEUE = "requeue"  # an operator's RequeueTasks moved a task
+    REPLAY = "replay"  # an operator's RequeueTasks replayed a FAILED or TIMEOUT task as a new task
     PURGE_TASK = "purge_task"  # a finished task past its retention deleted, with its history
     PURGE_EVENT = "purge_event"  # an event (with its webhook deliveries and attempt logs) past its retention deleted
     PURGE_RESULT = "purge_result"  # a stored output deleted from the result store

@@ -1,4 +1,4 @@
-"""TaskAdmin's queries: stats, keyset-paged listings, the rows a requeue reads or locks, dead letters."""
+"""TaskAdmin's queries: stats, keyset-paged listings, the rows a requeue reads or locks, replays, dead letters."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from taskgate.model import TaskRow
 from taskgate.paging import Cursor
 from taskgate.states import CallbackStatus, Status
 from taskgate.store.pool import Conn
+from taskgate.store.submissions import NewTask, columns
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,19 +44,22 @@ class CallbackCount:
 
 @dataclass(frozen=True, slots=True)
 class LeasedTask:
-    """A task and whether it holds a live lease (PROCESSING with an unexpired lease)."""
+    """A task, whether it holds a live lease (PROCESSING with an unexpired lease), and the task replaying it."""
 
     task: TaskRow
     lease_live: bool
+    replayed_as: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
-    """A dead letter with its task."""
+    """A dead letter with its task, and the task an operator replayed it as (None: not replayed)."""
 
     task: TaskRow
     reason: str
     dead_at: datetime
+    replayed_as: int | None = None
+    replayed_at: datetime | None = None
 
 
 async def _state_counts(db: Conn, query: str) -> list[StateCount]:
@@ -126,7 +130,10 @@ async def requeue_page(
 
 
 async def _leased(db: Conn, query: str, task_ids: Sequence[int]) -> dict[int, LeasedTask]:
-    return {r["id"]: LeasedTask(TaskRow.from_record(r), r["lease_live"]) for r in await db.fetch(sql.query(query), list(task_ids))}
+    return {
+        r["id"]: LeasedTask(TaskRow.from_record(r), r["lease_live"], r["replayed_as"])
+        for r in await db.fetch(sql.query(query), list(task_ids))
+    }
 
 
 async def peek_tasks(db: Conn, task_ids: Sequence[int]) -> dict[int, LeasedTask]:
@@ -140,6 +147,16 @@ async def lock_tasks(db: Conn, task_ids: Sequence[int]) -> dict[int, LeasedTask]
     Run it inside the caller's transaction: the locks last until it ends.
     """
     return await _leased(db, "admin_lock_tasks", task_ids)
+
+
+async def replay_tasks(db: Conn, replays: Sequence[tuple[NewTask, int]]) -> list[TaskRow]:
+    """Inserts each new task (CREATED, no limits) as the replay of its source id and links the source's dead letter
+    to it; returns the tasks inserted, by id (an item whose idempotency key is taken inserts nothing).
+
+    One replay per source (a unique index): run it in the transaction that locked the sources and found none.
+    """
+    rows = await db.fetch(sql.query("admin_replay_tasks"), *columns([new for new, _ in replays]), [s for _, s in replays])
+    return [TaskRow.from_record(r) for r in rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,4 +201,6 @@ async def dead_letters(db: Conn, *, before: Cursor | None, limit: int) -> list[D
     rows = await db.fetch(
         sql.query("admin_dead_letters"), before.at if before else None, before.task_id if before else None, limit
     )
-    return [DeadLetter(TaskRow.from_record(r), r["dead_reason"], r["dead_at"]) for r in rows]
+    return [
+        DeadLetter(TaskRow.from_record(r), r["dead_reason"], r["dead_at"], r["replayed_as"], r["replayed_at"]) for r in rows
+    ]

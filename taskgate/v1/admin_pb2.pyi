@@ -305,16 +305,27 @@ class RequeueTasksRequest(_message.Message):
     DRY_RUN_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    REPLAY_FINISHED_FIELD_NUMBER: _builtins.int
     dry_run: _builtins.bool
     batch_size: _builtins.int
     """default 50"""
     reason: _builtins.str
+    replay_finished: _builtins.bool
+    """FAILED and TIMEOUT stay terminal: with this, each such task is replayed as a new task instead (action REPLAYED,
+    detail "as task <id>"): same tenant and request as stored (prompt, params with their seed, input image, priority,
+    metadata, callback, max_retries), a fresh idempotency key, created without the tenant's rate and pending limits
+    and dispatched at once; Task.replay_of and the dead letter's replayed_as link the two. A task is replayed once: a
+    filter leaves out tasks already replayed, an id names one as SKIPPED (replay its replay if that failed too).
+    SUCCEEDED and CANCELED tasks are never replayed. Without it, a FAILED or TIMEOUT task is SKIPPED.
+    """
     @_builtins.property
     def task_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """either ids or a filter"""
 
     @_builtins.property
-    def filter(self) -> Global___TaskFilter: ...
+    def filter(self) -> Global___TaskFilter:
+        """FAILED/TIMEOUT need replay_finished; no statuses: the unfinished ones (and, with it, those)"""
+
     def __init__(
         self,
         *,
@@ -323,10 +334,11 @@ class RequeueTasksRequest(_message.Message):
         dry_run: _builtins.bool = ...,
         batch_size: _builtins.int = ...,
         reason: _builtins.str = ...,
+        replay_finished: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "dry_run", b"dry_run", "filter", b"filter", "reason", b"reason", "task_ids", b"task_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "dry_run", b"dry_run", "filter", b"filter", "reason", b"reason", "replay_finished", b"replay_finished", "task_ids", b"task_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -343,8 +355,9 @@ class RequeueItem(_message.Message):
     task_id: _builtins.str
     from_status: _task_pb2.TaskStatus.ValueType
     action: _builtins.str
-    """REQUEUED, WOULD_REQUEUE, SKIPPED"""
+    """REQUEUED, WOULD_REQUEUE, REPLAYED, WOULD_REPLAY, SKIPPED"""
     detail: _builtins.str
+    """why, or what: "as task <id>" for REPLAYED"""
     def __init__(
         self,
         *,
@@ -422,21 +435,29 @@ class DeadLetter(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     DEAD_AT_FIELD_NUMBER: _builtins.int
+    REPLAYED_AS_FIELD_NUMBER: _builtins.int
+    REPLAYED_AT_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
+    replayed_as: _builtins.str
+    """the task an operator replayed this one as (RequeueTasks replay_finished); empty: none"""
     @_builtins.property
     def task(self) -> _task_pb2.Task: ...
     @_builtins.property
     def dead_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def replayed_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
         task: _task_pb2.Task | None = ...,
         reason: _builtins.str = ...,
         dead_at: _timestamp_pb2.Timestamp | None = ...,
+        replayed_as: _builtins.str = ...,
+        replayed_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["dead_at", b"dead_at", "task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dead_at", b"dead_at", "replayed_at", b"replayed_at", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_at", b"dead_at", "reason", b"reason", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_at", b"dead_at", "reason", b"reason", "replayed_as", b"replayed_as", "replayed_at", b"replayed_at", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

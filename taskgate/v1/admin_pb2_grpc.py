@@ -116,7 +116,7 @@ class TaskAdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RequeueTasks(self, request, context):
-        """Requeues in batches; one response per batch.
+        """Requeues unfinished tasks in batches (and, with replay_finished, replays FAILED/TIMEOUT ones); one response per batch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,7 +38,7 @@ class TaskAdminStub:
     ListStuckTasks: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListStuckTasksRequest, _admin_pb2.ListStuckTasksResponse]
     """Tasks the scheduler considers stuck, with why."""
     RequeueTasks: _grpc.UnaryStreamMultiCallable[_admin_pb2.RequeueTasksRequest, _admin_pb2.RequeueBatch]
-    """Requeues in batches; one response per batch."""
+    """Requeues unfinished tasks in batches (and, with replay_finished, replays FAILED/TIMEOUT ones); one response per batch."""
     ListDeadLetters: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListDeadLettersRequest, _admin_pb2.ListDeadLettersResponse]
     RedeliverCallback: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RedeliverCallbackRequest, _admin_pb2.RedeliverCallbackResponse]
     ListCallbackDeliveries: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListCallbackDeliveriesRequest, _admin_pb2.ListCallbackDeliveriesResponse]
@@ -61,7 +61,7 @@ class TaskAdminAsyncStub(TaskAdminStub):
     ListStuckTasks: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListStuckTasksRequest, _admin_pb2.ListStuckTasksResponse]  # type: ignore[assignment]
     """Tasks the scheduler considers stuck, with why."""
     RequeueTasks: _aio.UnaryStreamMultiCallable[_admin_pb2.RequeueTasksRequest, _admin_pb2.RequeueBatch]  # type: ignore[assignment]
-    """Requeues in batches; one response per batch."""
+    """Requeues unfinished tasks in batches (and, with replay_finished, replays FAILED/TIMEOUT ones); one response per batch."""
     ListDeadLetters: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListDeadLettersRequest, _admin_pb2.ListDeadLettersResponse]  # type: ignore[assignment]
     RedeliverCallback: _aio.UnaryUnaryMultiCallable[_admin_pb2.RedeliverCallbackRequest, _admin_pb2.RedeliverCallbackResponse]  # type: ignore[assignment]
     ListCallbackDeliveries: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListCallbackDeliveriesRequest, _admin_pb2.ListCallbackDeliveriesResponse]  # type: ignore[assignment]
@@ -105,7 +105,7 @@ class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.RequeueTasksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_admin_pb2.RequeueBatch], _abc.AsyncIterator[_admin_pb2.RequeueBatch]]:
-        """Requeues in batches; one response per batch."""
+        """Requeues unfinished tasks in batches (and, with replay_finished, replays FAILED/TIMEOUT ones); one response per batch."""
 
     @_abc_1.abstractmethod
     def ListDeadLetters(

@@ -288,6 +288,7 @@ class Task(_message.Message):
     ESTIMATED_START_FIELD_NUMBER: _builtins.int
     ESTIMATED_FINISH_FIELD_NUMBER: _builtins.int
     IMAGE_FIELD_NUMBER: _builtins.int
+    REPLAY_OF_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """64-bit time-ordered id, decimal"""
     user_id: _builtins.str
@@ -312,6 +313,8 @@ class Task(_message.Message):
     idempotency_key: _builtins.str
     result_reused: _builtins.bool
     """output reused from an identical earlier run"""
+    replay_of: _builtins.str
+    """the FAILED or TIMEOUT task an operator replayed as this one (RequeueTasks replay_finished)"""
     @_builtins.property
     def params(self) -> Global___VideoParams: ...
     @_builtins.property
@@ -377,10 +380,11 @@ class Task(_message.Message):
         estimated_start: _timestamp_pb2.Timestamp | None = ...,
         estimated_finish: _timestamp_pb2.Timestamp | None = ...,
         image: Global___InputImage | None = ...,
+        replay_of: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "image", b"image", "params", b"params", "queued_at", b"queued_at", "result", b"result", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_position", b"queue_position", "queued_at", b"queued_at", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_position", b"queue_position", "queued_at", b"queued_at", "replay_of", b"replay_of", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -12,7 +12,7 @@
 -- unnests only the columns it reads, and insert_tasks' column list is the one place that names them all. A text[]
 -- per item cannot be an array element, so callback_events travel comma-joined. take_rate_slots is the one rate rule
 -- (also called alone, for the slots taken before a callback URL is resolved); insert_tasks is the one author of task
--- rows (test rows call it directly).
+-- rows (test rows and an operator's replays call it directly, without the limits).
 
 -- Counts up to p_count submissions in the tenant's current one-minute window, as far as it has room, and drops the
 -- tenant's old windows. Returns how many were counted.
@@ -41,28 +41,30 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- New tasks in CREATED (the history trigger records version 1 of each), one per array element; an item whose
--- idempotency key is taken is skipped, and so is an element whose p_admit is false. Returns the rows inserted.
+-- idempotency key is taken is skipped, and so is an element whose p_admit is false. p_replay_of: the task each one
+-- replays (an operator's replay of a FAILED or TIMEOUT task; NULL for a submission). Returns the rows inserted.
 CREATE OR REPLACE FUNCTION insert_tasks(
     p_id bigint[], p_user_id text[], p_idempotency_key text[], p_idempotency_derived boolean[], p_request_hash text[],
     p_task_type text[], p_model_id text[], p_prompt text[], p_request_payload jsonb[], p_metadata jsonb[],
     p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[],
-    p_trace_context jsonb[], p_admit boolean[] DEFAULT NULL
+    p_trace_context jsonb[], p_admit boolean[] DEFAULT NULL, p_replay_of bigint[] DEFAULT NULL
 ) RETURNS SETOF task
 LANGUAGE sql VOLATILE AS $$
     INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
                       request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
-                      callback_status, last_actor, trace_context)
+                      callback_status, last_actor, trace_context, replay_of)
     SELECT i.id, i.user_id, i.idempotency_key, i.idempotency_derived, i.request_hash, i.task_type, i.model_id, i.prompt,
            i.request_payload, i.metadata, i.priority, i.queue_name, i.max_retries, i.callback_url,
            coalesce(string_to_array(nullif(i.callback_events, ''), ','), '{}'),
-           CASE WHEN i.callback_url IS NULL THEN 'NONE' ELSE 'PENDING' END, 'submit', i.trace_context
+           CASE WHEN i.callback_url IS NULL THEN 'NONE' ELSE 'PENDING' END, 'submit', i.trace_context, i.replay_of
     FROM unnest(p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type, p_model_id,
                 p_prompt, p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries, p_callback_url,
                 p_callback_events, p_trace_context,
-                coalesce(p_admit, array_fill(true, ARRAY[cardinality(p_id)])))
+                coalesce(p_admit, array_fill(true, ARRAY[cardinality(p_id)])),
+                coalesce(p_replay_of, array_fill(NULL::bigint, ARRAY[cardinality(p_id)])))
          AS i(id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
               request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
-              trace_context, admit)
+              trace_context, admit, replay_of)
     WHERE i.admit
     ON CONFLICT (user_id, idempotency_key) DO NOTHING
     RETURNING *;

@@ -142,32 +142,58 @@ ORDER BY updated_at, id
 LIMIT $6;
 
 -- name: admin_requeue_page
--- Ids of unfinished tasks matching a requeue filter, by id (stable while they are requeued).
+-- Ids of tasks matching a requeue filter, by id (stable while they are requeued), leaving out tasks already replayed
+-- (only a FAILED or TIMEOUT one can be): a replay by filter sent again replays only what is left.
 -- $1 states, $2 model (NULL = all), $3 minimum seconds since updated_at (NULL = any), $4 after id, $5 limit.
-SELECT id FROM task
-WHERE status = ANY($1::task_status[])
-  AND ($2::text IS NULL OR model_id = $2)
-  AND ($3::float8 IS NULL OR updated_at < now() - make_interval(secs => $3))
-  AND id > $4
-ORDER BY id
+SELECT t.id FROM task t
+WHERE t.status = ANY($1::task_status[])
+  AND ($2::text IS NULL OR t.model_id = $2)
+  AND ($3::float8 IS NULL OR t.updated_at < now() - make_interval(secs => $3))
+  AND t.id > $4
+  AND NOT EXISTS (SELECT 1 FROM task r WHERE r.replay_of = t.id)
+ORDER BY t.id
 LIMIT $5;
 
 -- name: admin_peek_tasks
--- Tasks by id, without locking, and whether each holds a live lease. $1 ids.
-SELECT *, (status = 'PROCESSING' AND lease_expires_at >= now()) AS lease_live FROM task WHERE id = ANY($1::bigint[]);
+-- Tasks by id, without locking, whether each holds a live lease, and the task replaying each (NULL: none). $1 ids.
+SELECT t.*, (t.status = 'PROCESSING' AND t.lease_expires_at >= now()) AS lease_live,
+       (SELECT r.id FROM task r WHERE r.replay_of = t.id) AS replayed_as
+FROM task t WHERE t.id = ANY($1::bigint[]);
 
 -- name: admin_lock_tasks
--- Tasks by id, locked for a requeue (rows a scan or worker holds are skipped), and whether each holds a live
--- lease. $1 ids.
-SELECT *, (status = 'PROCESSING' AND lease_expires_at >= now()) AS lease_live FROM task
-WHERE id = ANY($1::bigint[])
-ORDER BY id
-FOR UPDATE SKIP LOCKED;
+-- Tasks by id, locked for a requeue or a replay (rows a scan or worker holds are skipped), whether each holds a live
+-- lease, and the task replaying each (NULL: none; read after the lock, so a replay committed meanwhile is seen).
+-- $1 ids.
+SELECT t.*, (t.status = 'PROCESSING' AND t.lease_expires_at >= now()) AS lease_live,
+       (SELECT r.id FROM task r WHERE r.replay_of = t.id) AS replayed_as
+FROM task t
+WHERE t.id = ANY($1::bigint[])
+ORDER BY t.id
+FOR UPDATE OF t SKIP LOCKED;
+
+-- name: admin_replay_tasks
+-- Replays of FAILED or TIMEOUT tasks: new tasks in CREATED, each naming its source, inserted by the one author of
+-- task rows (functions/submit_fast_path.sql) without the tenants' rate and pending limits (an operator's act), and
+-- each source's dead letter (if it has one) given its replay, in one statement. $1..$16 the columns as for
+-- submit_insert_tasks, $17 the source task ids. No row for an item whose idempotency key is taken.
+WITH made AS MATERIALIZED (
+    SELECT * FROM insert_tasks(
+        p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
+        p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
+        p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
+        p_trace_context => $16, p_replay_of => $17)
+), linked AS (
+    UPDATE dead_letter d SET replayed_as = m.id, replayed_at = now()
+    FROM made m WHERE d.task_id = m.replay_of
+    RETURNING d.task_id
+)
+SELECT m.* FROM made m  -- linked runs to completion unread, as every data-modifying WITH does
+ORDER BY m.id;
 
 -- name: admin_dead_letters
--- Dead letters with their tasks, newest first, keyset-paged on (dead_at, task_id). $1 before dead_at,
+-- Dead letters with their tasks and their replays (NULL: not replayed), newest first, keyset-paged on (dead_at, task_id). $1 before dead_at,
 -- $2 before task id (NULL = first page), $3 limit.
-SELECT t.*, d.reason AS dead_reason, d.created_at AS dead_at
+SELECT t.*, d.reason AS dead_reason, d.created_at AS dead_at, d.replayed_as, d.replayed_at
 FROM dead_letter d JOIN task t ON t.id = d.task_id
 WHERE $1::timestamptz IS NULL OR (d.created_at, d.task_id) < ($1, $2::bigint)
 ORDER BY d.created_at DESC, d.task_id DESC
