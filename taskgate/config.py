@@ -159,6 +159,22 @@ class Settings(BaseSettings):
     notifier_metrics_port: int = Field(default=9102, ge=0, le=65535, description="/metrics port of the notifier; 0 disables.")
     scheduler_metrics_port: int = Field(default=9103, ge=0, le=65535, description="/metrics port of the scheduler; 0 disables.")
     worker_metrics_port: int = Field(default=9104, ge=0, le=65535, description="/metrics port of a worker; 0 disables.")
+    http_port: int = Field(
+        default=8000, ge=0, le=65535, description="Port of the HTTP/JSON API and dashboard (services.http); 0 = ephemeral."
+    )
+    http_host: str = Field(default="127.0.0.1", description="Address the HTTP service binds ('0.0.0.0' in a cluster).")
+    http_metrics_port: int = Field(default=9105, ge=0, le=65535, description="/metrics port of the HTTP service; 0 disables.")
+    http_gateway_target: str | None = Field(
+        default=None, description="gRPC target of TaskGateway for the HTTP service; default: grpc_host:submit_port."
+    )
+    http_events_target: str | None = Field(
+        default=None, description="gRPC target of TaskEvents for the HTTP service; default: grpc_host:notifier_port."
+    )
+    http_admin_target: str | None = Field(
+        default=None, description="gRPC target of TaskAdmin for the HTTP service (dashboard); default: grpc_host:scheduler_port."
+    )
+    http_call_timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of each gRPC call the HTTP service makes.")
+    http_shutdown_grace_seconds: float = Field(default=5.0, ge=0, description="SIGTERM: time open HTTP requests get to finish.")
     tls_cert_file: Path | None = Field(default=None, description="Server certificate (PEM); enables TLS.")
     tls_key_file: Path | None = Field(default=None, description="Server private key (PEM).")
     tls_client_ca_file: Path | None = Field(default=None, description="CA for client certificates; enables mutual TLS.")

@@ -127,3 +127,8 @@ GRPC_REQUESTS = Counter("taskgate_grpc_requests_total", "gRPC calls served.", ["
 GRPC_LATENCY = Histogram(
     "taskgate_grpc_request_duration_seconds", "gRPC call duration.", ["service", "method"], buckets=FAST_BUCKETS
 )
+HTTP_REQUESTS = Counter("taskgate_http_requests_total", "HTTP requests served (services.http).", ["method", "route", "code"])
+HTTP_LATENCY = Histogram(
+    "taskgate_http_request_duration_seconds", "HTTP request duration, to the end of the body (streams included).",
+    ["method", "route"], buckets=FAST_BUCKETS,
+)

@@ -456,3 +456,64 @@ def plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
     for child in plan.get("Plans", []):
         out += plan_nodes(child)
     return out
+
+
+# ---------------------------------------------------------------- the whole stack in this process, with its HTTP face
+
+
+@dataclass
+class HttpStack:
+    """The four gRPC services and the HTTP service of one test, in this process, with a tenant key and an admin key."""
+
+    settings: Settings
+    submit: Any
+    notifier: Any
+    scheduler: Any
+    worker: Any | None
+    http: Any
+    api_key: str
+    admin_key: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http.port}"
+
+    def headers(self, key: str | None = None) -> dict[str, str]:
+        return {"authorization": f"Bearer {key or self.api_key}"}
+
+
+@contextlib.asynccontextmanager
+async def http_stack(settings: Settings, backends: Any, *, worker_models: list[str] | None = None) -> Any:
+    """Starts submit, notifier, scheduler (and a worker serving `worker_models`, when given) and the HTTP service
+    over ephemeral ports; yields an HttpStack and stops everything after."""
+    from services.http import service as http_service
+    from services.notifier import service as notifier_service
+    from services.scheduler import service as scheduler_service
+    from services.submit import service as submit_service
+    from services.worker import service as worker_service
+    from taskgate import auth
+
+    submit = await submit_service.start(settings, backends)
+    notifier_settings = settings.model_copy(update={"notifier_port": free_port()})
+    notifier = await notifier_service.start(notifier_settings)
+    scheduler = await scheduler_service.start(settings, backends, scan_loop=False)
+    worker = None
+    if worker_models is not None:
+        worker = await worker_service.start(settings.model_copy(update={"worker_models": worker_models}))
+    http_settings = settings.model_copy(update={
+        "http_port": 0, "http_gateway_target": f"127.0.0.1:{submit.port}", "http_events_target": f"127.0.0.1:{notifier.port}",
+        "http_admin_target": f"127.0.0.1:{scheduler.port}",
+    })
+    http = await http_service.start(http_settings)
+    api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "tenant-a", max_pending=100, submits_per_minute=10_000)
+    admin_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "ops", admin=True)
+    stack = HttpStack(http_settings, submit, notifier, scheduler, worker, http, api_key, admin_key)
+    try:
+        yield stack
+    finally:
+        await http.stop(0)
+        if worker is not None:
+            await worker.stop(grace=0)
+        await notifier.stop()
+        await scheduler.stop(0)
+        await submit.stop(0)

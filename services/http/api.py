@@ -1,0 +1,438 @@
+"""The TaskGateway and TaskEvents API as JSON over HTTP, with Server-Sent Events for the streams.
+
+Each route is the gRPC call the SDK would make: the same keys (`Authorization: Bearer`), the same rules and limits
+(the gRPC services apply them), the answers in the proto3 JSON mapping with the .proto's field names. Streams are
+`text/event-stream`, one event per version (`id:` the version, or the WatchTasks cursor), resumable with
+`Last-Event-ID`, kept alive with comments; a dropped upstream stream (a notifier restart) is resumed from the last id
+sent, so the client sees no gap and no repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from taskgate.config import Settings
+from taskgate.v1 import events_pb2, gateway_pb2, task_pb2
+
+from .upstream import Upstream, credentials, error_response, invalid, rpc_error_response, status_code_of, to_json
+
+log = logging.getLogger("taskgate.http")
+
+POLL_HEADER = "x-suggested-poll-interval"  # seconds until the next GET is worth making
+RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL})
+UPLOAD_PART = 1024 * 1024
+MAX_RESUMES = 20  # upstream drops in a row an SSE stream rides out (about 30 s of backoff) before it ends with an error
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+class BodyTooLarge(Exception):
+    """A request body over its cap."""
+
+
+async def _body(request: Request, cap: int) -> bytes:
+    """The request body, refused once past `cap` bytes (nothing larger is held in memory)."""
+    received = bytearray()
+    async for chunk in request.stream():
+        received += chunk
+        if len(received) > cap:
+            raise BodyTooLarge
+    return bytes(received)
+
+
+def _status_value(name: str) -> int | None:
+    """A TaskStatus by name, with or without its TASK_STATUS_ prefix, any case."""
+    key = name.strip().upper()
+    key = key if key.startswith("TASK_STATUS_") else f"TASK_STATUS_{key}"
+    known = set(task_pb2.TaskStatus.keys()) - {"TASK_STATUS_UNSPECIFIED"}
+    return task_pb2.TaskStatus.Value(key) if key in known else None
+
+
+def _when(value: str) -> datetime | None:
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment if moment.tzinfo is not None else None
+
+
+class Api:
+    """The routes of /v1 over one set of upstream channels."""
+
+    def __init__(self, upstream: Upstream, settings: Settings, closing: asyncio.Event) -> None:
+        self.upstream = upstream
+        self.settings = settings
+        self.closing = closing
+        self.body_cap = 2 * settings.grpc_max_message_bytes  # JSON with a base64 image is 4/3 of the message
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/v1/tasks:batch", self.submit_batch, methods=["POST"]),
+            Route("/v1/tasks", self.submit, methods=["POST"]),
+            Route("/v1/tasks", self.list_tasks, methods=["GET"]),
+            Route("/v1/tasks/{task_id}:cancel", self.cancel, methods=["POST"]),
+            Route("/v1/tasks/{task_id}:regenerate", self.regenerate, methods=["POST"]),
+            Route("/v1/tasks/{task_id}/result", self.result, methods=["GET"]),
+            Route("/v1/tasks/{task_id}/events", self.task_events, methods=["GET"]),
+            Route("/v1/tasks/{task_id}", self.get_task, methods=["GET"]),
+            Route("/v1/events", self.all_events, methods=["GET"]),
+            Route("/v1/inputs", self.upload, methods=["PUT", "POST"]),
+        ]
+
+    # -- plumbing ------------------------------------------------------------------------------------------------
+
+    async def _call(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        """One unary call; a gRPC error becomes its HTTP answer (raised as _Answer)."""
+        try:
+            return await make()
+        except grpc.aio.AioRpcError as exc:
+            raise _Answer(rpc_error_response(exc)) from None
+
+    async def _json(self, request: Request, message: Message, *, optional: bool = False) -> Message:
+        """The body parsed into `message` (proto3 JSON); 400 naming the body when it is not that, 413 past the cap."""
+        try:
+            raw = await _body(request, self.body_cap)
+        except BodyTooLarge:
+            raise _Answer(error_response(grpc.StatusCode.INVALID_ARGUMENT, f"body larger than {self.body_cap} bytes")) from None
+        except ClientDisconnect:
+            raise _Answer(Response(status_code=499)) from None
+        if not raw.strip() and optional:
+            return message
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict):
+                raise ValueError("must be a JSON object")
+            json_format.ParseDict(data, message)
+        except (ValueError, json_format.ParseError) as exc:
+            raise _Answer(invalid([("body", str(exc) or "not valid JSON")])) from None
+        return message
+
+    def _idempotency(self, request: Request, body_key: str) -> str:
+        header = request.headers.get("idempotency-key")
+        if header is None:
+            return body_key
+        if body_key and body_key != header:
+            raise _Answer(invalid([("Idempotency-Key", "differs from the body's idempotency_key: send one")]))
+        return header
+
+    @property
+    def _timeout(self) -> float:
+        return self.upstream.timeout
+
+    # -- TaskGateway ---------------------------------------------------------------------------------------------
+
+    async def submit(self, request: Request) -> Response:
+        return await _answered(self._submit(request))
+
+    async def _submit(self, request: Request) -> Response:
+        req = await self._json(request, gateway_pb2.SubmitTaskRequest())
+        assert isinstance(req, gateway_pb2.SubmitTaskRequest)
+        req.idempotency_key = self._idempotency(request, req.idempotency_key)
+        resp = await self._call(lambda: self.upstream.gateway.SubmitTask(req, metadata=credentials(request), timeout=self._timeout))
+        headers = {"location": f"/v1/tasks/{resp.task.id}"}
+        return JSONResponse(to_json(resp) | {"created": resp.created}, status_code=201 if resp.created else 200, headers=headers)
+
+    async def submit_batch(self, request: Request) -> Response:
+        return await _answered(self._submit_batch(request))
+
+    async def _submit_batch(self, request: Request) -> Response:
+        req = await self._json(request, gateway_pb2.SubmitTasksRequest())
+        assert isinstance(req, gateway_pb2.SubmitTasksRequest)
+        resp = await self._call(lambda: self.upstream.gateway.SubmitTasks(req, metadata=credentials(request), timeout=self._timeout))
+        results: list[dict[str, Any]] = []
+        for item in resp.results:
+            if item.HasField("error"):
+                code = status_code_of(item.error.code)
+                answer = json.loads(bytes(error_response(code, item.error.message, item.error).body))
+                results.append(answer)
+            else:
+                results.append({"response": to_json(item.response) | {"created": item.response.created}})
+        return JSONResponse({"results": results})
+
+    async def get_task(self, request: Request) -> Response:
+        return await _answered(self._get_task(request))
+
+    async def _get_task(self, request: Request) -> Response:
+        req = gateway_pb2.GetTaskRequest(task_id=request.path_params["task_id"])
+        resp = await self._call(lambda: self.upstream.gateway.GetTask(req, metadata=credentials(request), timeout=self._timeout))
+        seconds = resp.suggested_poll_interval.ToTimedelta().total_seconds()
+        headers = {POLL_HEADER: f"{seconds:g}", "cache-control": "no-store"}
+        return JSONResponse(to_json(resp), headers=headers)
+
+    async def list_tasks(self, request: Request) -> Response:
+        return await _answered(self._list_tasks(request))
+
+    async def _list_tasks(self, request: Request) -> Response:
+        query = request.query_params
+        req = gateway_pb2.ListTasksRequest(page_token=query.get("page_token", ""))
+        bad: list[tuple[str, str]] = []
+        for name in query.getlist("status"):
+            for part in name.split(","):
+                value = _status_value(part)
+                if value is None:
+                    bad.append(("status", f"{part!r} is not a task status"))
+                else:
+                    req.statuses.append(value)  # type: ignore[arg-type]
+        if "page_size" in query:
+            try:
+                req.page_size = int(query["page_size"])
+            except ValueError:
+                bad.append(("page_size", "must be an integer"))
+        for name in ("created_after", "created_before"):
+            if name in query:
+                moment = _when(query[name])
+                if moment is None:
+                    bad.append((name, "must be an RFC 3339 time with its offset, e.g. 2026-12-01T10:00:00Z"))
+                else:
+                    try:
+                        getattr(req, name).FromDatetime(moment)
+                    except (ValueError, OverflowError):
+                        bad.append((name, "out of range"))
+        if bad:
+            return invalid(bad)
+        resp = await self._call(lambda: self.upstream.gateway.ListTasks(req, metadata=credentials(request), timeout=self._timeout))
+        return JSONResponse({"tasks": [to_json(t) for t in resp.tasks], "next_page_token": resp.next_page_token})
+
+    async def cancel(self, request: Request) -> Response:
+        return await _answered(self._cancel(request))
+
+    async def _cancel(self, request: Request) -> Response:
+        req = await self._json(request, gateway_pb2.CancelTaskRequest(), optional=True)
+        assert isinstance(req, gateway_pb2.CancelTaskRequest)
+        req.task_id = request.path_params["task_id"]
+        resp = await self._call(lambda: self.upstream.gateway.CancelTask(req, metadata=credentials(request), timeout=self._timeout))
+        return JSONResponse(to_json(resp))
+
+    async def regenerate(self, request: Request) -> Response:
+        return await _answered(self._regenerate(request))
+
+    async def _regenerate(self, request: Request) -> Response:
+        req = await self._json(request, gateway_pb2.RegenerateTaskRequest(), optional=True)
+        assert isinstance(req, gateway_pb2.RegenerateTaskRequest)
+        req.task_id = request.path_params["task_id"]
+        req.idempotency_key = self._idempotency(request, req.idempotency_key)
+        resp = await self._call(
+            lambda: self.upstream.gateway.RegenerateTask(req, metadata=credentials(request), timeout=self._timeout)
+        )
+        return JSONResponse(to_json(resp) | {"created": resp.created}, status_code=201 if resp.created else 200)
+
+    async def result(self, request: Request) -> Response:
+        return await _answered(self._result(request))
+
+    async def _result(self, request: Request) -> Response:
+        """The output: a redirect to its download URL when the store gives one, else its bytes (Range honoured)."""
+        task_id = request.path_params["task_id"]
+        md = credentials(request)
+        got = await self._call(
+            lambda: self.upstream.gateway.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=md, timeout=self._timeout)
+        )
+        if got.task.result.url:
+            return RedirectResponse(got.task.result.url, status_code=307)
+        call = self.upstream.gateway.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=md, timeout=self._timeout)
+        stream = aiter(call)
+        try:
+            first: gateway_pb2.ResultChunk = await anext(stream)
+        except grpc.aio.AioRpcError as exc:
+            return rpc_error_response(exc)
+        info = first.info
+        size = info.size_bytes
+        start, end = 0, size - 1
+        status = 200
+        headers = {
+            "content-type": info.content_type or "application/octet-stream",
+            "accept-ranges": "bytes",
+            "etag": f'"{info.sha256}"',
+            "cache-control": "private, max-age=3600",
+        }
+        if info.sha256:
+            digest = base64.b64encode(bytes.fromhex(info.sha256)).decode()
+            headers["digest"] = f"sha-256={digest}"  # RFC 3230, what curl and most clients know
+            headers["repr-digest"] = f"sha-256=:{digest}:"  # RFC 9530
+        wanted = request.headers.get("range")
+        if wanted:
+            match = _RANGE.match(wanted.strip())
+            first_byte, last_byte = (match.group(1), match.group(2)) if match else ("", "")
+            if match is None or (not first_byte and not last_byte):
+                call.cancel()
+                return Response(status_code=416, headers={"content-range": f"bytes */{size}"})
+            if first_byte:
+                start, end = int(first_byte), min(int(last_byte), size - 1) if last_byte else size - 1
+            else:  # the last N bytes
+                start, end = max(size - int(last_byte), 0), size - 1
+            if start > end or start >= size:
+                call.cancel()
+                return Response(status_code=416, headers={"content-range": f"bytes */{size}"})
+            status = 206
+            headers["content-range"] = f"bytes {start}-{end}/{size}"
+        headers["content-length"] = str(end - start + 1 if size else 0)
+
+        async def body() -> AsyncIterator[bytes]:
+            offset = 0
+            chunk: gateway_pb2.ResultChunk | None = first
+            try:
+                while chunk is not None:
+                    data = chunk.data
+                    lo, hi = max(start - offset, 0), min(end + 1 - offset, len(data))
+                    if lo < hi:
+                        yield data[lo:hi]
+                    offset += len(data)
+                    if offset > end:
+                        break
+                    chunk = await anext(stream, None)
+            finally:
+                call.cancel()
+
+        return StreamingResponse(body(), status_code=status, headers=headers)
+
+    async def upload(self, request: Request) -> Response:
+        return await _answered(self._upload(request))
+
+    async def _upload(self, request: Request) -> Response:
+        """An input image as the request body, streamed to UploadInput in parts."""
+        cap = self.settings.input_max_bytes
+
+        async def parts() -> AsyncIterator[gateway_pb2.UploadInputRequest]:
+            sent = 0
+            pending = bytearray()
+            async for chunk in request.stream():
+                pending += chunk
+                sent += len(chunk)
+                if sent > cap + 1:  # the gateway refuses it by its size; it need not receive all of it
+                    break
+                while len(pending) >= UPLOAD_PART:
+                    yield gateway_pb2.UploadInputRequest(data=bytes(pending[:UPLOAD_PART]))
+                    del pending[:UPLOAD_PART]
+            yield gateway_pb2.UploadInputRequest(data=bytes(pending))
+
+        resp = await self._call(
+            lambda: self.upstream.gateway.UploadInput(parts(), metadata=credentials(request), timeout=self._timeout)
+        )
+        return JSONResponse(to_json(resp), status_code=201)
+
+    # -- TaskEvents ----------------------------------------------------------------------------------------------
+
+    async def task_events(self, request: Request) -> Response:
+        """WatchTask as SSE: the snapshot (event `snapshot`), then each transition (event `transition`), id = version."""
+        task_id = request.path_params["task_id"]
+        after = request.headers.get("last-event-id") or request.query_params.get("after_version") or "0"
+        if not after.isdigit() or int(after) >= 2**63:
+            return invalid([("Last-Event-ID", "must be a version this stream sent (a non-negative integer)")])
+        md = credentials(request)
+        last = int(after)
+
+        def open_stream(since: int) -> Any:
+            return self.upstream.events.WatchTask(events_pb2.WatchTaskRequest(task_id=task_id, after_version=since), metadata=md)
+
+        def event_of(message: events_pb2.WatchTaskResponse) -> tuple[ServerSentEvent | None, int | None]:
+            kind = message.WhichOneof("kind")
+            if kind == "snapshot":
+                version = message.snapshot.version
+                return ServerSentEvent(json.dumps({"task": to_json(message.snapshot)}), event="snapshot", id=str(version)), version
+            if kind == "event":
+                version = message.event.version
+                return ServerSentEvent(json.dumps(to_json(message.event)), event="transition", id=str(version)), version
+            return ServerSentEvent(comment="keep-alive"), None
+
+        return await self._sse(open_stream, event_of, last, request)
+
+    async def all_events(self, request: Request) -> Response:
+        """WatchTasks as SSE: every event of the caller's tasks (event `transition`), id = the cursor after it."""
+        query = request.query_params
+        cursor = request.headers.get("last-event-id") or query.get("cursor", "")
+        statuses: list[int] = []
+        for name in query.getlist("status"):
+            for part in name.split(","):
+                value = _status_value(part)
+                if value is None:
+                    return invalid([("status", f"{part!r} is not a task status")])
+                statuses.append(value)
+        md = credentials(request)
+
+        def open_stream(since: str) -> Any:
+            return self.upstream.events.WatchTasks(events_pb2.WatchTasksRequest(statuses=statuses, cursor=since), metadata=md)  # type: ignore[arg-type]
+
+        def event_of(message: events_pb2.WatchTasksResponse) -> tuple[ServerSentEvent | None, str | None]:
+            if message.WhichOneof("kind") == "event":
+                return ServerSentEvent(json.dumps(to_json(message.event)), event="transition", id=message.cursor), message.cursor
+            # a keep-alive moves the cursor too (past events of other states): resume from there
+            return ServerSentEvent(comment="keep-alive"), message.cursor or None
+
+        return await self._sse(open_stream, event_of, cursor, request)
+
+    async def _sse(
+        self, open_stream: Callable[[Any], Any], event_of: Callable[[Any], tuple[Any, Any]], resume: Any, request: Request
+    ) -> Response:
+        """An SSE response over a gRPC stream that is opened first (so a refusal is an HTTP error, not an empty stream)
+        and resumed from the last id after a drop."""
+        call = open_stream(resume)
+        stream = aiter(call)
+        try:
+            first = await anext(stream, None)
+        except grpc.aio.AioRpcError as exc:
+            return rpc_error_response(exc)
+        state = {"resume": resume}
+
+        async def events() -> AsyncIterator[ServerSentEvent]:
+            nonlocal call, stream
+            message = first
+            drops = 0
+            try:
+                while not self.closing.is_set():
+                    if message is None:
+                        return  # the upstream stream ended: the task is terminal
+                    event, position = event_of(message)
+                    if position is not None:
+                        state["resume"] = position
+                    if event is not None:
+                        yield event
+                    while True:
+                        try:
+                            message = await anext(stream, None)
+                            drops = 0
+                            break
+                        except grpc.aio.AioRpcError as exc:
+                            if exc.code() not in RESUMABLE or drops >= MAX_RESUMES:
+                                # the stream ends with the reason as its last event
+                                yield ServerSentEvent(bytes(rpc_error_response(exc).body).decode(), event="error")
+                                return
+                            drops += 1
+                            log.info("event stream resumed", extra={"code": exc.code().name, "drops": drops})
+                            await asyncio.sleep(min(0.1 * 2**drops, 2.0))
+                            call.cancel()
+                            call = open_stream(state["resume"])
+                            stream = aiter(call)
+            finally:
+                call.cancel()
+
+        return EventSourceResponse(
+            events(), ping=self.settings.stream_keepalive_seconds, headers={"cache-control": "no-store", "x-accel-buffering": "no"}
+        )
+
+
+class _Answer(Exception):
+    """A finished HTTP answer raised from deep inside a handler (an upstream error, a bad body)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+async def _answered(work: Awaitable[Response]) -> Response:
+    try:
+        return await work
+    except _Answer as answer:
+        return answer.response

@@ -1,0 +1,263 @@
+"""The OpenAPI 3.1 document of the HTTP API (served at /openapi.json).
+
+The schemas are made from the .proto messages themselves (their descriptors, in the proto3 JSON mapping with the
+.proto field names), so they cannot drift from what the routes send; the paths are written out here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
+
+from taskgate.v1 import gateway_pb2, task_pb2
+
+_SCALARS: dict[int, dict[str, Any]] = {
+    FieldDescriptor.TYPE_DOUBLE: {"type": "number"},
+    FieldDescriptor.TYPE_FLOAT: {"type": "number"},
+    FieldDescriptor.TYPE_INT32: {"type": "integer", "format": "int32"},
+    FieldDescriptor.TYPE_SINT32: {"type": "integer", "format": "int32"},
+    FieldDescriptor.TYPE_UINT32: {"type": "integer", "format": "int32"},
+    FieldDescriptor.TYPE_FIXED32: {"type": "integer"},
+    FieldDescriptor.TYPE_SFIXED32: {"type": "integer"},
+    # proto3 JSON writes 64-bit integers as strings (and accepts numbers)
+    FieldDescriptor.TYPE_INT64: {"type": ["string", "integer"], "pattern": "^-?[0-9]+$", "format": "int64"},
+    FieldDescriptor.TYPE_SINT64: {"type": ["string", "integer"], "pattern": "^-?[0-9]+$", "format": "int64"},
+    FieldDescriptor.TYPE_UINT64: {"type": ["string", "integer"], "pattern": "^[0-9]+$", "format": "uint64"},
+    FieldDescriptor.TYPE_FIXED64: {"type": ["string", "integer"], "pattern": "^[0-9]+$"},
+    FieldDescriptor.TYPE_SFIXED64: {"type": ["string", "integer"], "pattern": "^-?[0-9]+$"},
+    FieldDescriptor.TYPE_BOOL: {"type": "boolean"},
+    FieldDescriptor.TYPE_STRING: {"type": "string"},
+    FieldDescriptor.TYPE_BYTES: {"type": "string", "contentEncoding": "base64"},
+}
+_WELL_KNOWN: dict[str, dict[str, Any]] = {
+    "google.protobuf.Timestamp": {"type": "string", "format": "date-time"},
+    "google.protobuf.Duration": {"type": "string", "pattern": "^-?[0-9]+(\\.[0-9]+)?s$"},
+    "google.protobuf.Any": {"type": "object", "properties": {"@type": {"type": "string"}}, "required": ["@type"]},
+}
+
+
+def _name(full_name: str) -> str:
+    return full_name.removeprefix("taskgate.v1.").replace(".", "_")
+
+
+def _enum(enum: EnumDescriptor) -> dict[str, Any]:
+    return {"type": "string", "enum": [v.name for v in enum.values]}
+
+
+def _field(field: FieldDescriptor, found: dict[str, Descriptor]) -> dict[str, Any]:
+    message = field.message_type
+    if message is not None:
+        if message.GetOptions().map_entry:
+            return {"type": "object", "additionalProperties": _field(message.fields_by_name["value"], found)}
+        if message.full_name in _WELL_KNOWN:
+            schema = dict(_WELL_KNOWN[message.full_name])
+        else:
+            found[message.full_name] = message
+            schema = {"$ref": f"#/components/schemas/{_name(message.full_name)}"}
+    elif field.enum_type is not None:
+        schema = _enum(field.enum_type)
+    else:
+        schema = dict(_SCALARS[field.type])
+    if field.is_repeated:  # (a map returned above)
+        return {"type": "array", "items": schema}
+    return schema
+
+
+def _message(message: Descriptor, found: dict[str, Descriptor]) -> dict[str, Any]:
+    properties = {f.name: _field(f, found) for f in message.fields}
+    return {"type": "object", "properties": properties, "additionalProperties": False}
+
+
+def schemas(roots: list[Descriptor]) -> dict[str, Any]:
+    """JSON Schemas of `roots` and every message they reach, by component name."""
+    found: dict[str, Descriptor] = {d.full_name: d for d in roots}
+    out: dict[str, Any] = {}
+    while len(out) < len(found):
+        for full_name, descriptor in list(found.items()):
+            if _name(full_name) not in out:
+                out[_name(full_name)] = _message(descriptor, found)
+    return out
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "status", "message", "details"],
+            "properties": {
+                "code": {"type": "integer", "description": "the HTTP status"},
+                "status": {"type": "string", "description": "the gRPC status name, e.g. INVALID_ARGUMENT"},
+                "message": {"type": "string"},
+                "details": {"type": "array", "items": _WELL_KNOWN["google.protobuf.Any"],
+                            "description": "google.rpc details: BadRequest field_violations, ErrorInfo reason, RetryInfo"},
+            },
+        }
+    },
+}
+_ERRORS = {
+    "default": _json(_ref("Error"), "an error: the gRPC status in HTTP terms (Retry-After on 429 and 503)"),
+}
+_TASK_ID = {"name": "task_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[0-9]+$"}}
+_AUTH: list[dict[str, list[str]]] = [{"bearer": []}]
+_SSE = {"description": "a text/event-stream", "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+
+
+def _with_created(name: str) -> dict[str, Any]:
+    return {"allOf": [_ref(name)], "properties": {"created": {"type": "boolean"}}}
+
+
+@functools.cache
+def document() -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document."""
+    components = schemas([
+        gateway_pb2.SubmitTaskRequest.DESCRIPTOR, gateway_pb2.SubmitTaskResponse.DESCRIPTOR,
+        gateway_pb2.SubmitTasksRequest.DESCRIPTOR, gateway_pb2.GetTaskResponse.DESCRIPTOR,
+        gateway_pb2.CancelTaskRequest.DESCRIPTOR, gateway_pb2.CancelTaskResponse.DESCRIPTOR,
+        gateway_pb2.RegenerateTaskRequest.DESCRIPTOR, gateway_pb2.RegenerateTaskResponse.DESCRIPTOR,
+        gateway_pb2.UploadInputResponse.DESCRIPTOR, task_pb2.TaskEvent.DESCRIPTOR,
+    ])
+    # answers with `created` beside the message's own fields
+    for name in ("SubmitTaskResponse", "RegenerateTaskResponse"):
+        components[name]["properties"]["created"] = {"type": "boolean"}
+    components["Error"] = ERROR
+    components["ListTasksResponse"] = {
+        "type": "object", "additionalProperties": False,
+        "properties": {"tasks": {"type": "array", "items": _ref("Task")}, "next_page_token": {"type": "string"}},
+    }
+    components["SubmitTasksResponse"] = {
+        "type": "object", "additionalProperties": False,
+        "properties": {"results": {"type": "array", "items": {
+            "oneOf": [
+                {"type": "object", "required": ["response"], "properties": {"response": _ref("SubmitTaskResponse")},
+                 "additionalProperties": False},
+                _ref("Error"),
+            ],
+        }}},
+    }
+    components["Snapshot"] = {"type": "object", "required": ["task"], "properties": {"task": _ref("Task")}}
+    idempotency = {"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"},
+                   "description": "the submission's idempotency key (wins over none in the body; must equal one there)"}
+    statuses = {"name": "status", "in": "query", "required": False, "explode": True,
+                "schema": {"type": "array", "items": {"type": "string"}},
+                "description": "task statuses (SUCCEEDED or TASK_STATUS_SUCCEEDED; repeat or comma-separate)"}
+    paths: dict[str, Any] = {
+        "/v1/tasks": {
+            "post": {
+                "operationId": "SubmitTask", "summary": "submit a task", "security": _AUTH, "parameters": [idempotency],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("SubmitTaskRequest")}}},
+                "responses": {"201": _json(_ref("SubmitTaskResponse"), "created"),
+                              "200": _json(_ref("SubmitTaskResponse"), "an existing task for the idempotency key"),
+                              **_ERRORS},
+            },
+            "get": {
+                "operationId": "ListTasks", "summary": "the caller's tasks, newest first", "security": _AUTH,
+                "parameters": [
+                    statuses,
+                    {"name": "page_size", "in": "query", "schema": {"type": "integer"}},
+                    {"name": "page_token", "in": "query", "schema": {"type": "string"}},
+                    {"name": "created_after", "in": "query", "schema": {"type": "string", "format": "date-time"}},
+                    {"name": "created_before", "in": "query", "schema": {"type": "string", "format": "date-time"}},
+                ],
+                "responses": {"200": _json(_ref("ListTasksResponse"), "a page"), **_ERRORS},
+            },
+        },
+        "/v1/tasks:batch": {
+            "post": {
+                "operationId": "SubmitTasks", "summary": "up to 1,000 submissions, each with its own answer", "security": _AUTH,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("SubmitTasksRequest")}}},
+                "responses": {"200": _json(_ref("SubmitTasksResponse"), "one result per request, in order"), **_ERRORS},
+            }
+        },
+        "/v1/tasks/{task_id}": {
+            "get": {
+                "operationId": "GetTask", "summary": "a task, its queue position and ETA", "security": _AUTH,
+                "parameters": [_TASK_ID],
+                "responses": {"200": {**_json(_ref("GetTaskResponse"), "the task"), "headers": {
+                    "X-Suggested-Poll-Interval": {"schema": {"type": "string"}, "description": "seconds"}}}, **_ERRORS},
+            }
+        },
+        "/v1/tasks/{task_id}:cancel": {
+            "post": {
+                "operationId": "CancelTask", "summary": "soft cancel, or {\"hard\": true}", "security": _AUTH,
+                "parameters": [_TASK_ID],
+                "requestBody": {"required": False, "content": {"application/json": {"schema": _ref("CancelTaskRequest")}}},
+                "responses": {"200": _json(_ref("CancelTaskResponse"), "the task"), **_ERRORS},
+            }
+        },
+        "/v1/tasks/{task_id}:regenerate": {
+            "post": {
+                "operationId": "RegenerateTask", "summary": "a new task from a finished one's request", "security": _AUTH,
+                "parameters": [_TASK_ID, idempotency],
+                "requestBody": {"required": False, "content": {"application/json": {"schema": _ref("RegenerateTaskRequest")}}},
+                "responses": {"201": _json(_ref("RegenerateTaskResponse"), "the new task"),
+                              "200": _json(_ref("RegenerateTaskResponse"), "the task the key already named"), **_ERRORS},
+            }
+        },
+        "/v1/tasks/{task_id}/result": {
+            "get": {
+                "operationId": "GetTaskResult", "summary": "the output (Range requests honoured)", "security": _AUTH,
+                "parameters": [_TASK_ID, {"name": "Range", "in": "header", "schema": {"type": "string"}}],
+                "responses": {
+                    "200": {"description": "the bytes, with Content-Type, Content-Length, Digest and ETag (sha256)",
+                            "content": {"*/*": {"schema": {"type": "string", "contentEncoding": "binary"}}}},
+                    "206": {"description": "the requested range", "content": {"*/*": {"schema": {"type": "string"}}}},
+                    "307": {"description": "a redirect to the output's presigned download URL (S3 result store)"},
+                    "416": {"description": "a range outside the output"},
+                    **_ERRORS,
+                },
+            }
+        },
+        "/v1/tasks/{task_id}/events": {
+            "get": {
+                "operationId": "WatchTask",
+                "summary": "SSE: event `snapshot` (data: Snapshot), then `transition` (data: TaskEvent), id = version; "
+                           "ends after the terminal one; resume with Last-Event-ID",
+                "security": _AUTH,
+                "parameters": [_TASK_ID, {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
+                               {"name": "after_version", "in": "query", "schema": {"type": "integer"}}],
+                "responses": {"200": _SSE, **_ERRORS},
+            }
+        },
+        "/v1/events": {
+            "get": {
+                "operationId": "WatchTasks",
+                "summary": "SSE: every event of the caller's tasks (`transition`, data: TaskEvent), id = cursor; "
+                           "resume with Last-Event-ID",
+                "security": _AUTH,
+                "parameters": [statuses, {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
+                               {"name": "cursor", "in": "query", "schema": {"type": "string"}}],
+                "responses": {"200": _SSE, **_ERRORS},
+            }
+        },
+        "/v1/inputs": {
+            "put": {
+                "operationId": "UploadInput", "summary": "store an input image (the body: PNG, JPEG or WebP)",
+                "security": _AUTH,
+                "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string"}},
+                                                              "image/*": {"schema": {"type": "string"}}}},
+                "responses": {"201": _json(_ref("UploadInputResponse"), "the stored image: name it by sha256"), **_ERRORS},
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "taskgate", "version": "v1",
+                 "description": "The TaskGateway and TaskEvents API as JSON over HTTP (proto3 JSON, .proto field names)."},
+        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        "components": {"schemas": components,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "an API key"}}},
+        "security": _AUTH,
+        "paths": paths,
+    }

@@ -1,0 +1,142 @@
+"""The HTTP service: the JSON API, its OpenAPI document, health, and the operator dashboard, on uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import socket
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from taskgate import telemetry
+from taskgate.config import Settings
+from taskgate.runtime import stop_signal
+
+from . import dashboard, openapi
+from .api import Api
+from .upstream import Upstream
+
+log = logging.getLogger("taskgate.http")
+
+
+class Metrics:
+    """Counts and times every request by its route's path template (bounded labels) and status code."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", "unmatched")
+            telemetry.HTTP_REQUESTS.labels(scope["method"], template, str(status["code"])).inc()
+            telemetry.HTTP_LATENCY.labels(scope["method"], template).observe(time.perf_counter() - started)
+
+
+def build_app(settings: Settings, upstream: Upstream, closing: asyncio.Event) -> Starlette:
+    """The ASGI application over `upstream`: the API, its document, health, and the dashboard."""
+    api = Api(upstream, settings, closing)
+
+    async def healthz(_request: Request) -> Response:
+        return JSONResponse({"status": "SERVING"})
+
+    async def spec(_request: Request) -> Response:
+        return JSONResponse(openapi.document())
+
+    routes: list[BaseRoute] = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/openapi.json", spec, methods=["GET"]),
+        *api.routes(),
+        *dashboard.routes(upstream, settings),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(Metrics)])
+
+
+@dataclass
+class HttpHandle:
+    """A running HTTP service: its port, and how to stop it."""
+
+    port: int
+    app: Starlette
+    server: uvicorn.Server
+    serving: asyncio.Task[None]
+    sockets: list[socket.socket]
+    upstream: Upstream
+    closing: asyncio.Event
+    settings: Settings
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Ends the event streams, lets requests in flight finish within `grace`, then closes the channels."""
+        self.closing.set()
+        seconds = self.settings.http_shutdown_grace_seconds if grace is None else grace
+        self.server.config.timeout_graceful_shutdown = math.ceil(seconds)
+        self.server.should_exit = True
+        try:
+            await self.serving
+            await self.server.shutdown(sockets=self.sockets)
+        finally:
+            await self.upstream.close()
+
+
+async def start(settings: Settings) -> HttpHandle:
+    """Starts the HTTP service on settings.http_port (0 = ephemeral) in this event loop."""
+    upstream = Upstream.connect(settings)
+    closing = asyncio.Event()
+    app = build_app(settings, upstream, closing)
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.http_host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.http_host, settings.http_port))
+    except OSError:
+        sock.close()
+        await upstream.close()
+        raise
+    config = uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="off", proxy_headers=False, server_header=False,
+        timeout_graceful_shutdown=math.ceil(settings.http_shutdown_grace_seconds),
+    )
+    config.load()
+    server = uvicorn.Server(config)
+    # Server.serve() would also take over SIGINT/SIGTERM, which the service's own stop_signal() handles: its steps
+    # are run here instead (lifespan off: the app has no startup or shutdown of its own)
+    server.lifespan = config.lifespan_class(config)
+    await server.startup(sockets=[sock])
+    serving = asyncio.create_task(server.main_loop(), name="http-main-loop")
+    port = int(sock.getsockname()[1])
+    log.info("serving", extra={"port": port})
+    return HttpHandle(port, app, server, serving, [sock], upstream, closing, settings)
+
+
+async def main(settings: Settings) -> None:
+    """Runs the HTTP service until SIGTERM or SIGINT."""
+    async with stop_signal() as stop:
+        handle = await start(settings)
+        await stop.wait()
+    log.info("stopping", extra={"grace_seconds": settings.http_shutdown_grace_seconds})
+    await handle.stop()
