@@ -22,6 +22,7 @@ class LocalStack:
     admin_key: str
     tenant: str
     webhook_secret: str | None = None
+    http_address: str = ""  # the HTTP/JSON API and dashboard, e.g. http://127.0.0.1:8000
 
     def save(self, state_dir: Path) -> Path:
         """Writes client.json readable by its owner only (it holds keys)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 import grpc
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from taskgate import auth, runtime
@@ -28,7 +29,7 @@ from taskgate_client.local import LocalStack
 from taskgate_client.progress import follow
 from taskgate_local import embedded, tinymodel
 
-SERVICES = ("submit", "notifier", "scheduler", "worker")
+SERVICES = ("submit", "notifier", "scheduler", "worker", "http")
 DEMO_TENANT = "demo"
 ADMIN_TENANT = "ops"
 DEMO_PROMPT = "a red fox running through fresh snow at sunrise, cinematic"
@@ -104,6 +105,7 @@ def _ports(settings: Settings) -> dict[str, int]:
         "notifier": settings.notifier_port,
         "scheduler": settings.scheduler_port,
         "worker": settings.worker_port,
+        "http": settings.http_port,
     }
     return {name: port or embedded.free_port() for name, port in wanted.items()}
 
@@ -121,7 +123,7 @@ def busy_ports(settings: Settings, ports: dict[str, int]) -> list[str]:
             wanted[f"TASKGATE_{name.upper()}_METRICS_PORT"] = metrics
     busy = []
     for variable, port in wanted.items():
-        host = settings.metrics_host if "METRICS" in variable else settings.grpc_host
+        host = settings.metrics_host if "METRICS" in variable else settings.http_host if "HTTP" in variable else settings.grpc_host
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             # a connection of the previous run left in TIME_WAIT is no listener (the servers bind over it too)
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -143,7 +145,14 @@ async def _pump(console: Console, child_name: str, stream: asyncio.StreamReader,
         console.log(child_name, line)
 
 
-async def _serving(address: str) -> bool:
+async def _serving(address: str, http: bool = False) -> bool:
+    """Whether a service answers its health check: gRPC Health, or the HTTP service's GET /healthz."""
+    if http:
+        async with httpx.AsyncClient(timeout=1.0, trust_env=False) as client:
+            try:
+                return (await client.get(f"http://{address}/healthz")).status_code == 200
+            except httpx.HTTPError:
+                return False
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
@@ -242,6 +251,7 @@ class DevStack:
             events_address=self.address("notifier"),
             admin_address=self.address("scheduler"),
             worker_address=self.address("worker"),
+            http_address=f"http://{self.address('http')}",
             api_key=api_key,
             admin_key=admin_key,
             tenant=DEMO_TENANT,
@@ -260,6 +270,7 @@ class DevStack:
                 "TASKGATE_NOTIFIER_PORT": str(self.ports["notifier"]),
                 "TASKGATE_SCHEDULER_PORT": str(self.ports["scheduler"]),
                 "TASKGATE_WORKER_PORT": str(self.ports["worker"]),
+                "TASKGATE_HTTP_PORT": str(self.ports["http"]),
                 "PYTHONUNBUFFERED": "1",
                 "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                 "HF_HUB_OFFLINE": "1",
@@ -332,7 +343,7 @@ class DevStack:
             for name, child in list(pending.items()):
                 if child.proc.returncode is not None:
                     raise StartError(f"{name} exited with code {child.proc.returncode} while starting (its log is above)")
-                if await _serving(self.address(name)):
+                if await _serving(self.address(name), http=name == "http"):
                     self.console.say(f"{name} is serving on {self.address(name)}")
                     del pending[name]
             if pending and time.monotonic() > deadline:
@@ -411,6 +422,7 @@ def next_steps(console: Console, details: LocalStack, state_dir: Path) -> None:
     console.say()
     console.out.write(
         f"  gateway {details.address}   events {details.events_address}   admin {details.admin_address}\n"
+        f"  HTTP API {details.http_address}/v1   dashboard {details.http_address}/dashboard   OpenAPI {details.http_address}/openapi.json\n"
         f"  demo API key and admin key: {state_dir / 'client.json'}\n"
     )
     console.say("Ctrl-C stops everything.")

@@ -473,8 +473,16 @@ def test_containers_match_the_settings_they_read(overlay: str) -> None:
         if name == "migrate":
             assert settings.database_url and callable(migrate.main)
             continue
-        assert settings.grpc_host == "0.0.0.0" and settings.metrics_host == "0.0.0.0", f"{where}: probes and Prometheus need 0.0.0.0"
+        assert settings.metrics_host == "0.0.0.0", f"{where}: Prometheus needs 0.0.0.0"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        if name == "http":  # the HTTP face: plain HTTP probes, no database or NATS of its own
+            assert settings.http_host == "0.0.0.0", where
+            assert ports == {"http": settings.http_port, "metrics": settings.http_metrics_port}, where
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, f"{where}: {probe}"
+            assert not {v["name"] for v in container.get("env", [])} & {"TASKGATE_DATABASE_URL", "TASKGATE_API_KEY_PEPPER"}, where
+            continue
+        assert settings.grpc_host == "0.0.0.0", f"{where}: probes need 0.0.0.0"
         assert ports == {"grpc": getattr(settings, f"{name}_port"), "metrics": getattr(settings, f"{name}_metrics_port")}, where
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == ports["grpc"], f"{where}: {probe} misses the gRPC port"
@@ -647,7 +655,7 @@ def test_grpc_services_are_headless_and_the_sdk_defaults_reach_them(overlay: str
     objs = rendered(overlay)
     services = {s["metadata"]["name"]: s for s in of_kind(objs, "Service")}
     for workload, container, name in taskgate_containers(objs):
-        if name == "migrate":
+        if name in ("migrate", "http"):  # the HTTP face is balanced per connection (a ClusterIP Service)
             continue
         service = services[f"taskgate-{name}"]
         assert service["spec"].get("clusterIP") == "None", f"{overlay} {service['metadata']['name']} is not headless"

@@ -114,6 +114,7 @@ class Upstream:
                 ("grpc.max_receive_message_length", settings.grpc_max_message_bytes),
                 ("grpc.max_send_message_length", settings.grpc_max_message_bytes),
                 ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.lb_policy_name", "round_robin"),  # a headless Service's name: every ready pod
             ]
             return grpc.aio.insecure_channel(target or f"{host}:{port}", options=options)
 
