@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import av
+import httpx
 import psutil
 import pytest
 
@@ -107,7 +108,8 @@ def test_make_run_demo_then_a_second_run_reuses_the_state_and_stops_on_ctrl_c(tm
     assert first.returncode == 0, out
     assert len(tree.seen) >= 6, tree.seen  # four services, PostgreSQL, NATS (and their helpers) were watched
     assert "building the tiny wan-tiny model" in out
-    for name in ("submit", "notifier", "scheduler", "worker"):
+    assert "building the tiny ltx-i2v-tiny model" in out  # image-to-video beside text-to-video
+    for name in ("submit", "notifier", "scheduler", "worker", "http"):
         assert f"{name} is serving on 127.0.0.1:" in out
         assert any(line.lstrip().startswith(f"{name} |") for line in out.splitlines()), f"no {name} log lines"
     assert "PROCESSING [" in out and "SUCCEEDED  [" in out  # the live progress
@@ -141,6 +143,15 @@ def test_make_run_demo_then_a_second_run_reuses_the_state_and_stops_on_ctrl_c(tm
         assert listed.returncode == 0, listed.stderr
         tasks = json.loads(listed.stdout)["tasks"]
         assert [t["status"] for t in tasks] == ["SUCCEEDED", "SUCCEEDED"]  # both runs' demo tasks, one database
+        # the HTTP face of the same stack, at the address client.json names: submit, then follow it over SSE
+        assert again.http_address.startswith("http://127.0.0.1:")
+        auth = {"authorization": f"Bearer {again.api_key}"}
+        made = httpx.post(f"{again.http_address}/v1/tasks", headers=auth, json={"prompt": "over http"}, timeout=30)
+        assert made.status_code == 201, made.text
+        with httpx.stream("GET", f"{again.http_address}/v1/tasks/{made.json()['task']['id']}/events", headers=auth, timeout=120) as sse:
+            data = [json.loads(line[5:]) for line in sse.iter_lines() if line.startswith("data:")]
+        last = data[-1].get("to_status") or data[-1]["task"]["status"]  # a snapshot alone if it finished first
+        assert last == "TASK_STATUS_SUCCEEDED", data
         second.send_signal(signal.SIGINT)
         second.wait(120)
     finally:
