@@ -11,12 +11,14 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import grpc
 import httpx
 import jsonschema
 import pytest
 from PIL import Image
 
 from services.http import openapi
+from services.http import upstream as http_upstream
 from services.notifier import service as notifier_service
 from taskgate import store
 from taskgate.config import ModelSpec, Settings
@@ -322,3 +324,22 @@ async def test_the_openapi_document_is_served_and_names_every_route(client: http
     routes = {getattr(r, "path", "") for r in stack.http.app.routes}
     documented = set(DOC["paths"])
     assert {r for r in routes if r.startswith("/v1/")} == documented
+
+
+# ---------------------------------------------------------------- the mapping
+
+
+@pytest.mark.parametrize(("code", "status"), sorted((c.name, s) for c, s in http_upstream.HTTP_STATUS.items() if c.name != "OK"))
+def test_every_grpc_status_has_its_http_status_and_a_conforming_body(code: str, status: int) -> None:
+    response = http_upstream.error_response(grpc.StatusCode[code], "why")
+    body = json.loads(bytes(response.body))
+    conforms(body, "Error")
+    assert response.status_code == status and body["error"] == {"code": status, "status": code, "message": "why", "details": []}
+    assert ("retry-after" in response.headers) == (status == 503)  # 429 carries it when the server's RetryInfo says
+
+
+async def test_a_gateway_that_is_down_is_503_with_retry_after(client: httpx.AsyncClient, stack: HttpStack) -> None:
+    await stack.submit.stop(0)
+    answer = await client.get("/v1/tasks/123")
+    error_of(answer, 503, "UNAVAILABLE")
+    assert int(answer.headers["retry-after"]) >= 1
