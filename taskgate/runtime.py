@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import asyncpg
 
@@ -97,6 +97,21 @@ async def stop_signal() -> AsyncIterator[asyncio.Event]:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+
+class Stoppable(Protocol):
+    """A started service: what `serve_until_signal` stops."""
+
+    async def stop(self) -> None: ...
+
+
+async def serve_until_signal(start: Callable[[], Awaitable[Stoppable]], *, grace_seconds: float) -> None:
+    """Starts a service, runs it until SIGTERM or SIGINT, then stops it (in-flight work gets `grace_seconds`)."""
+    async with stop_signal() as stop:
+        handle = await start()
+        await stop.wait()
+    log.info("stopping", extra={"grace_seconds": grace_seconds})
+    await handle.stop()
 
 
 def run_service(name: str, main: Callable[[Settings], Coroutine[None, None, None]], metrics_port: Callable[[Settings], int]) -> None:

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from taskgate import telemetry
 from taskgate.config import Settings
-from taskgate.runtime import stop_signal
+from taskgate.runtime import serve_until_signal
 
 from . import dashboard, openapi
 from .api import Api
@@ -135,8 +135,4 @@ async def start(settings: Settings) -> HttpHandle:
 
 async def main(settings: Settings) -> None:
     """Runs the HTTP service until SIGTERM or SIGINT."""
-    async with stop_signal() as stop:
-        handle = await start(settings)
-        await stop.wait()
-    log.info("stopping", extra={"grace_seconds": settings.http_shutdown_grace_seconds})
-    await handle.stop()
+    await serve_until_signal(lambda: start(settings), grace_seconds=settings.http_shutdown_grace_seconds)

@@ -22,7 +22,7 @@ from taskgate.config import Settings
 from taskgate.dispatcher import Dispatcher
 from taskgate.model import TaskRow
 from taskgate.results import ResultNotFound, add_link, result_store
-from taskgate.runtime import Backends, connect, stop_signal
+from taskgate.runtime import Backends, connect, serve_until_signal
 from taskgate.server import mark_not_serving, start_server
 from taskgate.states import Status
 from taskgate.store import submissions
@@ -504,8 +504,4 @@ async def start(settings: Settings, backends: Backends | None = None) -> SubmitH
 
 async def main(settings: Settings) -> None:
     """Runs the gateway until SIGTERM or SIGINT, then shuts down in stages."""
-    async with stop_signal() as stop:
-        handle = await start(settings)
-        await stop.wait()
-    log.info("stopping", extra={"grace_seconds": settings.submit_shutdown_grace_seconds})
-    await handle.stop()
+    await serve_until_signal(lambda: start(settings), grace_seconds=settings.submit_shutdown_grace_seconds)
