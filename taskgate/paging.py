@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+MAX_ID = 2**63 - 1  # ids are PostgreSQL bigints
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,8 @@ def decode(token: str, filter_fp: str) -> Cursor:
         same_filter = data["f"] == filter_fp
     except (binascii.Error, ValueError, TypeError, KeyError, OverflowError) as exc:
         raise BadToken("malformed page token") from exc
+    if not 0 <= cursor.task_id <= MAX_ID:
+        raise BadToken("malformed page token")
     if not same_filter:
         raise BadToken("page token belongs to another filter")
     return cursor

@@ -37,6 +37,11 @@ BACKEND_ERRORS: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,
 )
 
+# Values PostgreSQL (or its driver) cannot take: too large for their column, malformed for their type. They are the
+# caller's input, never a reason to retry — ahead of BACKEND_ERRORS, where the driver's DataError (an InterfaceError)
+# would otherwise land. Requests are range-checked field by field first; this is the net under those checks.
+DATA_ERRORS: tuple[type[BaseException], ...] = (asyncpg.exceptions._base.DataError, asyncpg.DataError, OverflowError)
+
 # Calls gRPC core may hold before the application takes them (see start_server).
 PENDING_CALLS = 100_000
 
@@ -66,6 +71,9 @@ async def _to_status(exc: BaseException, context: grpc.aio.ServicerContext, meth
     """Maps an exception to the status the caller sees; never leaks a stack trace or SQL."""
     if isinstance(exc, errors.ApiError):
         await context.abort_with_status(exc.to_status())
+    if isinstance(exc, DATA_ERRORS):
+        log.warning("value out of range", extra={"method": method, "error": type(exc).__name__})
+        await context.abort_with_status(errors.invalid_argument([("request", "a value is out of range")]).to_status())
     if isinstance(exc, BACKEND_ERRORS):
         log.warning("backend unavailable", extra={"method": method, "error": type(exc).__name__})
         await context.abort_with_status(errors.unavailable("a backend is unavailable; retry").to_status())

@@ -6,6 +6,8 @@ import hashlib
 import json
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 from hypothesis import strategies as st
 
 from taskgate import auth, ids
@@ -87,3 +89,86 @@ async def key_for(backends: Backends, tenant: str = "tenant-a", **limits: Any) -
     """Call metadata carrying a fresh API key of `tenant` (limits as taskgate.auth.create_key takes them)."""
     key, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, tenant, **limits)
     return (("authorization", f"Bearer {key}"),)
+
+
+# ---------------------------------------------------------------- any protobuf message, from its descriptor
+
+
+_INT_RANGES = {
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1), FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1), FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
+}
+# strings that reach deeper than random text: ids at and past the int64 edge, cursors, times, statuses
+_PROBES = ["", "0", "1", "-1", "9223372036854775807", "9223372036854775808", "99999999999999999999", "1e3", " 1", "wan-tiny",
+           "sleepy", "text-to-video", "image-to-video", "SUCCEEDED", "https://example.com/x.png", "eyJjIjowfQ"]
+
+
+def _int_edges(low: int, high: int) -> st.SearchStrategy[int]:
+    return st.one_of(st.integers(low, high), st.sampled_from(sorted({low, high, 0, 1, -1 if low < 0 else 0, low + 1, high - 1})))
+
+
+def _value(field: Any, depth: int) -> st.SearchStrategy[Any]:
+    """Any value of one field (a FieldDescriptor, from the pure-Python or the upb implementation)."""
+    if field.message_type is not None:
+        return proto_messages(field.message_type._concrete_class, depth + 1)
+    if field.enum_type is not None:
+        return st.one_of(st.sampled_from([v.number for v in field.enum_type.values]), st.integers(-(2**31), 2**31 - 1))
+    if field.type in _INT_RANGES:
+        return _int_edges(*_INT_RANGES[field.type])
+    if field.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
+        return st.floats(width=32 if field.type == FieldDescriptor.TYPE_FLOAT else 64)
+    if field.type == FieldDescriptor.TYPE_BOOL:
+        return st.booleans()
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return st.binary(max_size=64)
+    return st.one_of(st.sampled_from(_PROBES), any_text(40, surrogates=False))
+
+
+def proto_messages(cls: type[Message], depth: int = 0) -> st.SearchStrategy[Message]:
+    """Any message of `cls`: each field unset or set to any value its type can carry (ints to their edges, enums past
+    their names, timestamps in any year, strings that look like ids and cursors), nested messages to a few levels."""
+    descriptor = cls.DESCRIPTOR
+    if descriptor.full_name == "google.protobuf.Timestamp":
+        return st.builds(
+            lambda s, n: cls(seconds=s, nanos=n), _int_edges(-(2**40), 2**40), _int_edges(-(2**31), 2**31 - 1)
+        )
+    if descriptor.full_name == "google.protobuf.Duration":
+        return st.builds(lambda s, n: cls(seconds=s, nanos=n), _int_edges(-(2**40), 2**40), st.integers(-999_999_999, 999_999_999))
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    for field in descriptor.fields:
+        if depth >= 3 and field.message_type is not None:
+            continue
+        value = _value(field, depth)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            key, item = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+            fields[field.name] = st.dictionaries(_value(key, depth), _value(item, depth), max_size=3)
+        elif field.is_repeated:
+            fields[field.name] = st.lists(value, max_size=3)
+        else:
+            fields[field.name] = value
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Message:
+        message = cls()
+        for name in draw(st.lists(st.sampled_from(sorted(fields)), unique=True)) if fields else []:
+            field = descriptor.fields_by_name[name]
+            value = draw(fields[name])
+            if field.message_type is not None and field.message_type.GetOptions().map_entry:
+                target = getattr(message, name)
+                for k, v in value.items():
+                    if isinstance(v, Message):
+                        target[k].CopyFrom(v)
+                    else:
+                        target[k] = v
+            elif field.is_repeated:
+                getattr(message, name).extend(value)
+            elif field.message_type is not None:
+                getattr(message, name).CopyFrom(value)
+            else:
+                setattr(message, name, value)
+        return message
+
+    return build()

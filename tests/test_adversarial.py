@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import io
 import ipaddress
+import json
 import math
 import os
 import socket
@@ -26,12 +28,13 @@ from PIL import Image
 
 from services.notifier.service import NotifierHandle
 from services.notifier.service import start as start_notifier
+from services.scheduler.service import start as start_scheduler
 from services.submit.service import SubmitHandle
 from services.submit.service import start as start_submit
-from taskgate import errors, results, store
+from taskgate import auth, errors, results, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
-from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from tests import factories
 from tests.factories import Metadata, insert_task
 from tests.harness import wait_for
@@ -587,3 +590,112 @@ async def test_watch_tasks_never_shows_another_tenants_events(
         await asyncio.wait_for(reader, 20)
         call.cancel()
     assert seen and all(e.user_id == "tenant-b" and e.task_id == mine.task.id for e in seen)
+
+
+# ---------------------------------------------------------------- every RPC, every field: OK or a named refusal
+
+
+@pytest.fixture
+async def admin_channel(hostile_settings: Settings, backends: Backends) -> AsyncIterator[grpc.aio.Channel]:
+    handle = await start_scheduler(hostile_settings, backends, scan_loop=False)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            yield ch
+    finally:
+        await handle.stop(0)
+
+
+# (service, method, request class, how it is called): each read in full (unary) or to its first message (streams)
+RPCS: list[tuple[str, str, type[Any], str]] = [
+    ("gateway", "SubmitTask", gateway_pb2.SubmitTaskRequest, "unary"),
+    ("gateway", "SubmitTasks", gateway_pb2.SubmitTasksRequest, "unary"),
+    ("gateway", "GetTask", gateway_pb2.GetTaskRequest, "unary"),
+    ("gateway", "ListTasks", gateway_pb2.ListTasksRequest, "unary"),
+    ("gateway", "CancelTask", gateway_pb2.CancelTaskRequest, "unary"),
+    ("gateway", "RegenerateTask", gateway_pb2.RegenerateTaskRequest, "unary"),
+    ("gateway", "GetTaskResult", gateway_pb2.GetTaskResultRequest, "stream"),
+    ("gateway", "UploadInput", gateway_pb2.UploadInputRequest, "client-stream"),
+    ("events", "WatchTask", events_pb2.WatchTaskRequest, "stream"),
+    ("events", "WatchTasks", events_pb2.WatchTasksRequest, "stream"),
+    ("admin", "GetStats", admin_pb2.GetStatsRequest, "unary"),
+    ("admin", "ListTasks", admin_pb2.AdminListTasksRequest, "unary"),
+    ("admin", "ListStuckTasks", admin_pb2.ListStuckTasksRequest, "unary"),
+    ("admin", "RequeueTasks", admin_pb2.RequeueTasksRequest, "stream"),
+    ("admin", "ListDeadLetters", admin_pb2.ListDeadLettersRequest, "unary"),
+    ("admin", "RedeliverCallback", admin_pb2.RedeliverCallbackRequest, "unary"),
+    ("admin", "ListCallbackDeliveries", admin_pb2.ListCallbackDeliveriesRequest, "unary"),
+    ("admin", "ListApiKeys", admin_pb2.ListApiKeysRequest, "unary"),
+    ("admin", "PurgeTasks", admin_pb2.PurgeTasksRequest, "unary"),
+]
+# what a client may hear for input it made up: a named refusal or a plain answer, never a server fault
+FINE = {
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+@pytest.mark.parametrize(("service", "method", "request_type", "kind"), RPCS, ids=[f"{s}.{m}" for s, m, _, _ in RPCS])
+@EXAMPLES
+@given(data=st.data())
+async def test_any_request_to_any_rpc_is_answered_or_refused_by_name_never_internal_or_unavailable(
+    service: str, method: str, request_type: type[Any], kind: str, data: st.DataObject,
+    channel: grpc.aio.Channel, notifier: NotifierHandle, admin_channel: grpc.aio.Channel, backends: Backends,
+) -> None:
+    request = data.draw(factories.proto_messages(request_type), label="request")
+    if service == "admin":
+        key, _ = await auth.create_key(backends.pool, "taskgate-dev-pepper", "ops", admin=True)
+        md: Metadata = (("authorization", f"Bearer {key}"),)
+        stub: Any = admin_pb2_grpc.TaskAdminStub(admin_channel)
+    else:
+        md = await key_for(backends, "tenant-a")
+        if service == "events":
+            events_channel = grpc.aio.insecure_channel(f"127.0.0.1:{notifier.port}")
+            stub = events_pb2_grpc.TaskEventsStub(events_channel)
+        else:
+            stub = gateway_pb2_grpc.TaskGatewayStub(channel)
+    call = getattr(stub, method)
+    try:
+        if kind == "unary":
+            await call(request, metadata=md, timeout=10)
+        elif kind == "client-stream":
+            parts = data.draw(st.lists(factories.proto_messages(request_type), max_size=3), label="parts")
+
+            async def stream() -> AsyncIterator[Any]:
+                for part in [request, *parts]:
+                    yield part
+
+            await call(stream(), metadata=md, timeout=10)
+        else:
+            responses = call(request, metadata=md, timeout=10)
+            async for _ in responses:
+                break
+            responses.cancel()
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() in FINE, (method, request, exc.code(), exc.details())
+        if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
+            status = rpc_status.from_call(exc)
+            assert status is not None and violated(errors.details_of(status)), (method, exc.details())  # names a field
+    finally:
+        if service == "events":
+            await events_channel.close()
+
+
+async def test_the_reported_out_of_range_inputs_are_invalid_argument_naming_their_field(
+    stub: Any, notifier: NotifierHandle, backends: Backends
+) -> None:
+    """The inputs a security review found answered INTERNAL (or UNAVAILABLE, which the SDK retries)."""
+    md = await key_for(backends, "tenant-a")
+    past_int64 = base64.urlsafe_b64encode(json.dumps({"c": 0, "i": str(2**64), "f": "x"}).encode()).decode().rstrip("=")
+    code, details = await failure(stub.ListTasks(gateway_pb2.ListTasksRequest(page_token=past_int64), metadata=md, timeout=10))
+    assert (code, violated(details)) == (grpc.StatusCode.INVALID_ARGUMENT, {"page_token"})
+    year_10000 = gateway_pb2.ListTasksRequest()
+    year_10000.created_after.seconds = 253_402_300_800  # 10000-01-01
+    code, details = await failure(stub.ListTasks(year_10000, metadata=md, timeout=10))
+    assert (code, violated(details)) == (grpc.StatusCode.INVALID_ARGUMENT, {"created_after"})
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{notifier.port}") as ch:
+        events = events_pb2_grpc.TaskEventsStub(ch)
+        for cursor in ("99999999999999999999", "-5"):
+            call = events.WatchTasks(events_pb2.WatchTasksRequest(cursor=cursor), metadata=md, timeout=10)
+            code, details = await failure(_drain(call))
+            assert (code, violated(details)) == (grpc.StatusCode.INVALID_ARGUMENT, {"cursor"}), cursor

@@ -31,6 +31,7 @@ log = logging.getLogger("taskgate.notifier.streams")
 
 SERVICE_NAME = "taskgate.v1.TaskEvents"
 REPLAY_PAGE = 500
+MAX_CURSOR = 2**63 - 1  # cursors are event ids
 TRACKED_TASKS = 100_000  # per WatchTasks stream: tasks whose last version is remembered for de-duplication
 SHUTDOWN_RETRY_MS = 200  # what a stream ended by a shutdown tells its client to wait before resuming
 
@@ -404,7 +405,9 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             try:
                 cursor = int(request.cursor)
             except ValueError:
-                raise errors.invalid_argument([("cursor", "not a cursor from this API")]) from None
+                cursor = -1
+            if not 0 <= cursor <= MAX_CURSOR:  # an event id: a PostgreSQL bigint
+                raise errors.invalid_argument([("cursor", "not a cursor from this API")])
         sub = self._hub.watch_user(tenant, self._settings.stream_buffer_size)
         self.keepalive.add(sub)
         try:
