@@ -343,3 +343,9 @@ async def test_a_gateway_that_is_down_is_503_with_retry_after(client: httpx.Asyn
     answer = await client.get("/v1/tasks/123")
     error_of(answer, 503, "UNAVAILABLE")
     assert int(answer.headers["retry-after"]) >= 1
+
+
+async def test_a_body_past_its_cap_is_refused_naming_the_body(client: httpx.AsyncClient, stack: HttpStack) -> None:
+    cap = 2 * stack.settings.grpc_max_message_bytes
+    answer = await client.post("/v1/tasks", content=b"{" + b" " * cap + b"}")
+    assert violations(error_of(answer, 400, "INVALID_ARGUMENT")) == {"body"}

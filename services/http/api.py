@@ -103,11 +103,11 @@ class Api:
             raise _Answer(rpc_error_response(exc)) from None
 
     async def _json(self, request: Request, message: Message, *, optional: bool = False) -> Message:
-        """The body parsed into `message` (proto3 JSON); 400 naming the body when it is not that, 413 past the cap."""
+        """The body parsed into `message` (proto3 JSON); 400 naming the body when it is not that or is past the cap."""
         try:
             raw = await _body(request, self.body_cap)
         except BodyTooLarge:
-            raise _Answer(error_response(grpc.StatusCode.INVALID_ARGUMENT, f"body larger than {self.body_cap} bytes")) from None
+            raise _Answer(invalid([("body", f"larger than {self.body_cap} bytes")])) from None
         except ClientDisconnect:
             raise _Answer(Response(status_code=499)) from None
         if not raw.strip() and optional:
