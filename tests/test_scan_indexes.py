@@ -12,6 +12,7 @@ from asyncpg.connection import LoggedQuery
 from services.scheduler.scans import Action
 from services.scheduler.service import Scheduler
 from taskgate.runtime import Backends
+from taskgate.states import Status
 from taskgate.store import admin as admin_store
 from taskgate.store import maintenance
 from tests.harness import plan_nodes
@@ -87,6 +88,11 @@ async def test_every_scan_query_uses_an_index_on_task(big: Backends) -> None:
         "retention_counts": lambda c: maintenance.retention_counts(c, older_than_seconds=s.retain_tasks_seconds),
         "queue_gauges": maintenance.queue_gauges,
         "live_counts": admin_store.live_counts,
+        "live_priority_counts": admin_store.live_priority_counts,
+        "latest_failures": lambda c: admin_store.list_tasks(  # the dashboard's, once a second
+            c, statuses=[Status.FAILED, Status.TIMEOUT], model_id=None, older_than_seconds=None, after=None, limit=10,
+            newest_first=True,
+        ),
         "oldest_queued_age": admin_store.oldest_queued_age,
     }
     assert await big.pool.fetchval("SELECT count(*) FROM task") == 100_000

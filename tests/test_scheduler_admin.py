@@ -159,6 +159,54 @@ async def test_list_tasks_filters_and_pages(admin: Admin) -> None:
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_newest_first_pages_and_the_live_counts_by_priority(admin: Admin) -> None:
+    """The dashboard's two reads: the latest failures first, and the unfinished tasks per model and priority."""
+    pool = admin.backends.pool
+    failed = [await put_in(pool, Status.FAILED) for _ in range(3)]
+    done = await put_in(pool, Status.SUCCEEDED)
+    await pool.execute("UPDATE task SET updated_at = now() - interval '1 hour' WHERE id = $1", failed[1].id)
+    high = await insert_task(pool, model_id="sleepy", priority=10)
+    await store.apply(pool, high.id, store.Queue(), actor="test")
+    await insert_task(pool, model_id="sleepy", priority=1)
+    await put_in(pool, Status.QUEUED, model_id="sleepy")
+    await pool.execute(
+        "INSERT INTO worker (id, models, slots, device, draining, last_heartbeat) VALUES ('w-gpu', '{sleepy}', 3, 'cuda:0', true, now())"
+    )
+
+    seen: list[str] = []
+    token = ""
+    while True:
+        page = await admin.stub.ListTasks(
+            admin_pb2.AdminListTasksRequest(
+                filter=admin_pb2.TaskFilter(statuses=[task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_SUCCEEDED]),
+                page_size=2, page_token=token, newest_first=True,
+            ),
+            metadata=admin.admin,
+        )
+        seen += [t.id for t in page.tasks]
+        if not (token := page.next_page_token):
+            break
+    assert seen == [str(t.id) for t in (done, failed[2], failed[0], failed[1])]  # most recently updated first
+    everything = await admin.stub.ListTasks(admin_pb2.AdminListTasksRequest(newest_first=True), metadata=admin.admin)
+    assert len(everything.tasks) == 7 and everything.tasks[-1].id == str(failed[1].id)
+    first = await admin.stub.ListTasks(admin_pb2.AdminListTasksRequest(page_size=1), metadata=admin.admin)
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # a token of one order is no position in the other
+        await admin.stub.ListTasks(
+            admin_pb2.AdminListTasksRequest(page_size=1, page_token=first.next_page_token, newest_first=True), metadata=admin.admin
+        )
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    stats = await admin.stub.GetStats(admin_pb2.GetStatsRequest(), metadata=admin.admin)
+    live = {(c.model_id, c.priority, Status.from_proto(c.status)): c.count for c in stats.live}
+    assert live == {
+        ("sleepy", task_pb2.PRIORITY_HIGH, Status.QUEUED): 1, ("sleepy", task_pb2.PRIORITY_NORMAL, Status.QUEUED): 1,
+        ("sleepy", task_pb2.PRIORITY_LOW, Status.CREATED): 1,
+    }
+    assert all(c.priority == task_pb2.PRIORITY_UNSPECIFIED for c in stats.counts)  # as before: every priority together
+    [worker] = stats.workers
+    assert (worker.worker_id, worker.device, worker.draining, worker.slots) == ("w-gpu", "cuda:0", True, 3)
+
+
 async def test_list_stuck_tasks_says_why_and_changes_nothing(admin: Admin) -> None:
     pool = admin.backends.pool
     created = await put_in(pool, Status.CREATED)

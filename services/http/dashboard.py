@@ -1,14 +1,573 @@
-"""The operator dashboard at /dashboard (being written: see the HTTP issue)."""
+"""The operator dashboard at /dashboard: live queue depth, workers and running tasks, failures, dead letters and
+failing webhooks, with replay and redeliver behind a confirmation.
+
+It is TaskAdmin seen from a browser: every figure is a TaskAdmin call made with the operator's own admin key (the
+scheduler checks it on each call, so a revoked key ends the session at the next refresh), and every action is the
+RPC `taskgate admin` would send. The key lives only in this process's memory, behind an opaque session cookie
+(HttpOnly, SameSite=Strict, Secure over https); actions also need the session's CSRF token, a JSON body and a
+same-origin Origin. Pages are rendered on the server (services/http/dashboard_page.py); the page's small script
+polls /dashboard/state.json once a second and swaps in the sections that changed.
+
+Sessions are per process: behind several HTTP replicas, route /dashboard to one (or sign in again after a switch).
+"""
 
 from __future__ import annotations
 
-from starlette.routing import BaseRoute
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Route
 
 from taskgate.config import Settings
+from taskgate.v1 import admin_pb2, task_pb2
 
+from . import dashboard_page
 from .upstream import Upstream
+
+log = logging.getLogger("taskgate.http.dashboard")
+
+COOKIE = "taskgate_dashboard"
+SESSION_SECONDS = 8 * 3600  # a session ends this long after sign-in, however busy
+IDLE_SECONDS = 3600  # ... or after this long without a request (an open page refreshes every second)
+MAX_SESSIONS = 1000  # the oldest go first past it (only admin keys make sessions)
+FORM_CAP = 8 * 1024  # bytes of a sign-in or sign-out form, or an action's JSON body
+KEY_CHARS = 512
+
+# rows per section: enough for a laptop screen, bounded reads for the scheduler
+RUNNING_ROWS = 50
+WAITING_ROWS = 15
+RECENT_ROWS = 10
+FAILURE_ROWS = 10
+DEAD_ROWS = 20
+WEBHOOK_ROWS = 20
+
+_TERMINAL = [task_pb2.TASK_STATUS_SUCCEEDED, task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_TIMEOUT, task_pb2.TASK_STATUS_CANCELED]
+_SIGNED_OUT = {
+    grpc.StatusCode.UNAUTHENTICATED: "The admin key is no longer valid (revoked or unknown); sign in again.",
+    grpc.StatusCode.PERMISSION_DENIED: "That key is not an admin key: the dashboard needs one.",
+}
+
+
+# ---------------------------------------------------------------- sessions
+
+
+@dataclass
+class Session:
+    """A signed-in operator: the admin key every call of theirs carries, and the token their actions must echo."""
+
+    key: str
+    csrf: str
+    started: float
+    seen: float
+
+
+class Sessions:
+    """The signed-in operators of this process, by an unguessable cookie value; nothing is written anywhere."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._by_id: dict[str, Session] = {}
+        self._clock = clock
+
+    def open(self, key: str) -> tuple[str, Session]:
+        now = self._clock()
+        self._prune(now)
+        while len(self._by_id) >= MAX_SESSIONS:
+            del self._by_id[min(self._by_id, key=lambda sid: self._by_id[sid].seen)]
+        sid = secrets.token_urlsafe(32)
+        session = Session(key=key, csrf=secrets.token_urlsafe(32), started=now, seen=now)
+        self._by_id[sid] = session
+        return sid, session
+
+    def get(self, sid: str | None) -> Session | None:
+        """The live session of a cookie value (its idle clock restarted), or None."""
+        session = self._by_id.get(sid) if sid else None
+        if session is None or sid is None:
+            return None
+        now = self._clock()
+        if now - session.started > SESSION_SECONDS or now - session.seen > IDLE_SECONDS:
+            del self._by_id[sid]
+            return None
+        session.seen = now
+        return session
+
+    def close(self, sid: str | None) -> None:
+        if sid:
+            self._by_id.pop(sid, None)
+
+    def _prune(self, now: float) -> None:
+        for sid in [s for s, v in self._by_id.items() if now - v.started > SESSION_SECONDS or now - v.seen > IDLE_SECONDS]:
+            del self._by_id[sid]
+
+
+# ---------------------------------------------------------------- what the page shows
+
+
+def _when(ts: Timestamp, present: bool) -> datetime | None:
+    return ts.ToDatetime(tzinfo=UTC) if present else None
+
+
+def _status(value: int) -> str:
+    known = value in task_pb2.TaskStatus.values()
+    return task_pb2.TaskStatus.Name(value).removeprefix("TASK_STATUS_") if known else "UNKNOWN"  # type: ignore[arg-type]
+
+
+def _priority(value: int) -> str:
+    known = value in task_pb2.Priority.values() and value != task_pb2.PRIORITY_UNSPECIFIED
+    return task_pb2.Priority.Name(value).removeprefix("PRIORITY_") if known else "NORMAL"  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskLine:
+    """One task as a table row shows it."""
+
+    id: str
+    tenant: str
+    model: str
+    status: str
+    priority: str
+    prompt: str
+    progress: int
+    attempt: int
+    worker: str
+    error_code: str
+    error_message: str
+    replay_of: str
+    updated: datetime | None
+    started: datetime | None
+    finished: datetime | None
+
+    @classmethod
+    def of(cls, t: task_pb2.Task) -> TaskLine:
+        return cls(
+            id=t.id, tenant=t.user_id, model=t.model_id, status=_status(t.status), priority=_priority(t.priority), prompt=t.prompt,
+            progress=t.progress, attempt=t.attempt, worker=t.worker_id, error_code=t.error_code, error_message=t.error_message,
+            replay_of=t.replay_of, updated=_when(t.updated_at, t.HasField("updated_at")),
+            started=_when(t.started_at, t.HasField("started_at")), finished=_when(t.finished_at, t.HasField("finished_at")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLine:
+    """Unfinished tasks of one model at one priority."""
+
+    model: str
+    priority: str
+    created: int = 0
+    queued: int = 0
+    running: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLine:
+    id: str
+    states: tuple[str, ...]  # alive or lost, and draining
+    device: str
+    running: int
+    slots: int
+    last_heartbeat: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLine:
+    task: TaskLine
+    reason: str
+    dead_at: datetime | None
+    replayed_as: str
+    replayed_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryLine:
+    id: int
+    task_id: str
+    status: str
+    tenant: str
+    event: str
+    url: str
+    attempts: int
+    last_status_code: int
+    last_error: str
+    last_attempt: datetime | None
+
+
+def _queue(live: list[admin_pb2.StateCount]) -> list[QueueLine]:
+    """GetStats' live counts as one row per model and priority (highest priority first)."""
+    rows: dict[tuple[str, int], dict[str, int]] = {}
+    for c in live:
+        row = rows.setdefault((c.model_id, c.priority or task_pb2.PRIORITY_NORMAL), {})
+        column = {task_pb2.TASK_STATUS_CREATED: "created", task_pb2.TASK_STATUS_QUEUED: "queued"}.get(c.status, "running")
+        row[column] = row.get(column, 0) + c.count
+    return [QueueLine(model, _priority(p), **row) for (model, p), row in sorted(rows.items(), key=lambda kv: (kv[0][0], -kv[0][1]))]
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+@dataclass(frozen=True)
+class View:
+    """Everything one rendering of the dashboard shows, read in one round of TaskAdmin calls."""
+
+    at: datetime
+    running: int
+    capacity: int
+    oldest_queued: str
+    callbacks: list[tuple[str, int]]
+    queue: list[QueueLine]
+    workers: list[WorkerLine]
+    running_tasks: list[TaskLine]
+    running_more: bool
+    waiting: list[TaskLine]
+    waiting_more: bool
+    recent: list[TaskLine]
+    failures: list[TaskLine]
+    dead: list[DeadLine]
+    webhooks: list[DeliveryLine]
+    replays: dict[str, str] = field(default_factory=dict)  # task id -> the task it was replayed as, where known
+
+    @property
+    def waiting_total(self) -> int:
+        return sum(q.created + q.queued for q in self.queue)
+
+    @property
+    def live_workers(self) -> int:
+        return sum(1 for w in self.workers if "alive" in w.states)
+
+    @property
+    def dead_open(self) -> str:
+        open_ = sum(1 for d in self.dead if not d.replayed_as)
+        return f"{open_}+" if len(self.dead) >= DEAD_ROWS and open_ else str(open_)
+
+
+async def read_view(admin: Any, metadata: list[tuple[str, str]], call_seconds: float) -> View:
+    """One round of TaskAdmin calls, all at once, each with its own deadline; the first failed one raises."""
+
+    def tasks(statuses: list[task_pb2.TaskStatus.ValueType], rows: int, *, newest: bool = False) -> Awaitable[Any]:
+        request = admin_pb2.AdminListTasksRequest(
+            filter=admin_pb2.TaskFilter(statuses=statuses), page_size=rows, newest_first=newest
+        )
+        return admin.ListTasks(request, metadata=metadata, timeout=call_seconds)
+
+    def deliveries(status: task_pb2.CallbackStatus.ValueType) -> Awaitable[Any]:
+        request = admin_pb2.ListCallbackDeliveriesRequest(status=status, page_size=WEBHOOK_ROWS)
+        return admin.ListCallbackDeliveries(request, metadata=metadata, timeout=call_seconds)
+
+    stats, running, waiting, recent, failures, dead, gave_up, retrying = await asyncio.gather(
+        admin.GetStats(admin_pb2.GetStatsRequest(), metadata=metadata, timeout=call_seconds),
+        tasks([task_pb2.TASK_STATUS_PROCESSING], RUNNING_ROWS),
+        tasks([task_pb2.TASK_STATUS_CREATED, task_pb2.TASK_STATUS_QUEUED], WAITING_ROWS),
+        tasks(_TERMINAL, RECENT_ROWS, newest=True),
+        tasks([task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_TIMEOUT], FAILURE_ROWS, newest=True),
+        admin.ListDeadLetters(admin_pb2.ListDeadLettersRequest(page_size=DEAD_ROWS), metadata=metadata, timeout=call_seconds),
+        deliveries(task_pb2.CALLBACK_STATUS_FAILED),
+        deliveries(task_pb2.CALLBACK_STATUS_PENDING),
+    )
+    return _view(stats, running, waiting, recent, failures, dead, [*gave_up.deliveries, *retrying.deliveries])
+
+
+def _view(
+    stats: admin_pb2.GetStatsResponse,
+    running: admin_pb2.AdminListTasksResponse,
+    waiting: admin_pb2.AdminListTasksResponse,
+    recent: admin_pb2.AdminListTasksResponse,
+    failures: admin_pb2.AdminListTasksResponse,
+    dead: admin_pb2.ListDeadLettersResponse,
+    deliveries: list[admin_pb2.DeliveryRecord],
+) -> View:
+    running_tasks = sorted((TaskLine.of(t) for t in running.tasks), key=lambda t: (t.worker, t.started or datetime.min.replace(tzinfo=UTC)))
+    letters = [
+        DeadLine(TaskLine.of(d.task), d.reason, _when(d.dead_at, d.HasField("dead_at")), d.replayed_as,
+                 _when(d.replayed_at, d.HasField("replayed_at")))
+        for d in dead.dead_letters
+    ]
+    shown = [*running_tasks, *map(TaskLine.of, waiting.tasks), *map(TaskLine.of, recent.tasks)]
+    replays = {t.replay_of: t.id for t in shown if t.replay_of} | {d.task.id: d.replayed_as for d in letters if d.replayed_as}
+    failing = [d for d in deliveries if d.status == task_pb2.CALLBACK_STATUS_FAILED or d.attempts > 0]
+    failing.sort(key=lambda d: d.last_attempt_at.ToDatetime() if d.HasField("last_attempt_at") else datetime.min, reverse=True)
+    return View(
+        at=datetime.now(UTC),
+        running=stats.running,
+        capacity=stats.capacity,
+        oldest_queued=_age(stats.oldest_queued_age.ToTimedelta().total_seconds()) if stats.HasField("oldest_queued_age") else "—",
+        callbacks=[
+            (task_pb2.CallbackStatus.Name(c.status).removeprefix("CALLBACK_STATUS_"), c.count)
+            for c in stats.callbacks if c.status in (task_pb2.CALLBACK_STATUS_PENDING, task_pb2.CALLBACK_STATUS_FAILED)
+        ],
+        queue=_queue(list(stats.live)),
+        workers=[
+            WorkerLine(
+                w.worker_id, ("alive" if w.alive else "lost",) + (("draining",) if w.draining else ()), w.device, w.running,
+                w.slots, _when(w.last_heartbeat, w.HasField("last_heartbeat")),
+            )
+            for w in stats.workers
+        ],
+        running_tasks=running_tasks,
+        running_more=bool(running.next_page_token),
+        waiting=[TaskLine.of(t) for t in waiting.tasks],
+        waiting_more=bool(waiting.next_page_token),
+        recent=[TaskLine.of(t) for t in recent.tasks],
+        failures=[TaskLine.of(t) for t in failures.tasks],
+        dead=letters,
+        webhooks=[
+            DeliveryLine(
+                d.delivery_id, d.task_id, task_pb2.CallbackStatus.Name(d.status).removeprefix("CALLBACK_STATUS_"), d.tenant, d.event,
+                d.url, d.attempts, d.last_status_code, d.last_error, _when(d.last_attempt_at, d.HasField("last_attempt_at")),
+            )
+            for d in failing[:WEBHOOK_ROWS]
+        ],
+        replays=replays,
+    )
+
+
+# ---------------------------------------------------------------- the routes
+
+
+class Refused(Exception):
+    """A request the dashboard answers with `response` instead of going on."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _is_key(value: str) -> bool:
+    """Could be an API key: what gRPC metadata can carry (printable ASCII), of a sane length."""
+    return 0 < len(value) <= KEY_CHARS and value.isascii() and value.isprintable()
+
+
+async def _body(request: Request) -> bytes:
+    received = bytearray()
+    async for chunk in request.stream():
+        received += chunk
+        if len(received) > FORM_CAP:
+            raise Refused(JSONResponse({"ok": False, "message": "request body too large"}, status_code=413))
+    return bytes(received)
+
+
+def _form(raw: bytes) -> dict[str, str]:
+    """An application/x-www-form-urlencoded body, first value of each field (no multipart: nothing here uploads)."""
+    return {k: v[0] for k, v in parse_qs(raw.decode("utf-8", "replace"), keep_blank_values=True).items()}
+
+
+class Dashboard:
+    """The dashboard's routes over the upstream TaskAdmin channel."""
+
+    def __init__(self, upstream: Upstream, settings: Settings) -> None:
+        self.upstream = upstream
+        self.settings = settings
+        self.sessions = Sessions()
+        self.env = dashboard_page.environment()
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/dashboard", self.page, methods=["GET"]),
+            Route("/dashboard/login", self.login, methods=["POST"]),
+            Route("/dashboard/login", self.to_page, methods=["GET"]),
+            Route("/dashboard/logout", self.logout, methods=["POST"]),
+            Route("/dashboard/state.json", self.state, methods=["GET"]),
+            Route("/dashboard/actions/{action}", self.action, methods=["POST"]),
+        ]
+
+    # -- plumbing ------------------------------------------------------------------------------------------------
+
+    def _metadata(self, key: str) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {key}")]
+
+    def _html(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
+        """A rendered page with the headers every dashboard page has: a CSP with this response's nonce, no caching,
+        no framing, no referrer sent to other sites."""
+        nonce = secrets.token_urlsafe(16)
+        body = self.env.get_template(template).render(nonce=nonce, **context)
+        response = HTMLResponse(body, status_code=status)
+        response.headers.update({
+            "content-security-policy": (
+                f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; connect-src 'self'; "
+                "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+            ),
+            "cache-control": "no-store",
+            "x-content-type-options": "nosniff",
+            "x-frame-options": "DENY",
+            "referrer-policy": "same-origin",  # no-referrer would make the browser send Origin: null
+        })
+        return response
+
+    def _login_form(self, reason: str = "", status: int = 200) -> HTMLResponse:
+        return self._html("login.html", status, reason=reason, hours=SESSION_SECONDS // 3600)
+
+    def _json(self, body: dict[str, Any], status: int = 200) -> JSONResponse:
+        return JSONResponse(body, status_code=status, headers={"cache-control": "no-store", "x-content-type-options": "nosniff"})
+
+    @staticmethod
+    def _same_origin(request: Request) -> bool:
+        """No Origin (an older client), or the Origin of this very host: a cross-site POST never passes."""
+        origin = request.headers.get("origin")
+        if origin is None:
+            return True
+        parts = urlsplit(origin)
+        return bool(parts.netloc) and parts.netloc == request.headers.get("host", "")
+
+    def _session(self, request: Request) -> tuple[str | None, Session | None]:
+        sid = request.cookies.get(COOKIE)
+        return sid, self.sessions.get(sid)
+
+    def _secure(self, request: Request) -> bool:
+        # a proxy's claim of https can only add the Secure flag, never take it away: trusting it costs nothing
+        return request.url.scheme == "https" or request.headers.get("x-forwarded-proto", "").lower() == "https"
+
+    async def _read(self, session: Session) -> View:
+        return await read_view(self.upstream.admin, self._metadata(session.key), self.upstream.timeout)
+
+    # -- pages ---------------------------------------------------------------------------------------------------
+
+    async def to_page(self, _request: Request) -> Response:
+        return RedirectResponse("/dashboard", status_code=303)
+
+    async def page(self, request: Request) -> Response:
+        """The dashboard, rendered whole (it works without the script, a reload at a time); the sign-in form without a
+        live session."""
+        sid, session = self._session(request)
+        if session is None:
+            return self._login_form()
+        try:
+            view = await self._read(session)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _SIGNED_OUT:
+                self.sessions.close(sid)
+                return self._login_form(_SIGNED_OUT[exc.code()], status=401)
+            return self._login_form(f"The scheduler did not answer ({exc.code().name}): {exc.details() or ''}", status=503)
+        return self._html("page.html", view=view, csrf=session.csrf, problem="")
+
+    async def login(self, request: Request) -> Response:
+        """Checks the key with a GetStats call (TaskAdmin's own check: an admin key, not revoked) and opens a session."""
+        if not self._same_origin(request):
+            return self._login_form("Sign in from the dashboard's own page.", status=403)
+        try:
+            key = _form(await _body(request)).get("key", "").strip()
+        except Refused:
+            return self._login_form("That is not an API key.", status=400)
+        if not _is_key(key):
+            return self._login_form("That is not an API key.", status=400)
+        try:
+            await self.upstream.admin.GetStats(admin_pb2.GetStatsRequest(), metadata=self._metadata(key), timeout=self.upstream.timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                return self._login_form("That key is not valid (unknown or revoked).", status=401)
+            if exc.code() is grpc.StatusCode.PERMISSION_DENIED:
+                return self._login_form(_SIGNED_OUT[exc.code()], status=403)
+            return self._login_form(f"The scheduler did not answer ({exc.code().name}); try again.", status=503)
+        self.sessions.close(request.cookies.get(COOKIE))  # a fresh session id at each sign-in (no fixation)
+        sid, _session = self.sessions.open(key)
+        log.info("dashboard sign-in", extra={"key_prefix": key[:10]})  # the prefix `taskgate admin keys` lists
+        response = RedirectResponse("/dashboard", status_code=303)
+        response.set_cookie(
+            COOKIE, sid, max_age=SESSION_SECONDS, path="/dashboard", httponly=True, samesite="strict", secure=self._secure(request)
+        )
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        sid, session = self._session(request)
+        if session is not None:
+            try:
+                token = _form(await _body(request)).get("csrf", "")
+            except Refused as refused:
+                return refused.response
+            if not self._same_origin(request) or not hmac.compare_digest(token, session.csrf):
+                return self._login_form("Sign out from the dashboard's own page.", status=403)
+            self.sessions.close(sid)
+        response = RedirectResponse("/dashboard", status_code=303)
+        response.delete_cookie(COOKIE, path="/dashboard", httponly=True, samesite="strict", secure=self._secure(request))
+        return response
+
+    async def state(self, request: Request) -> Response:
+        """Every live section's HTML, for the page's script; 401 once the session is gone (the script reloads)."""
+        sid, session = self._session(request)
+        if session is None:
+            return self._json({"error": "not signed in"}, 401)
+        try:
+            view = await self._read(session)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _SIGNED_OUT:
+                self.sessions.close(sid)
+                return self._json({"error": _SIGNED_OUT[exc.code()]}, 401)
+            return self._json({"error": f"The scheduler did not answer ({exc.code().name}): {exc.details() or ''}"}, 503)
+        sections = {name: self.env.get_template(f"{name}.html").render(view=view) for name in dashboard_page.SECTIONS}
+        return self._json({"sections": sections, "updated": dashboard_page.clock(view.at), "updated_at": dashboard_page.iso(view.at)})
+
+    # -- actions -------------------------------------------------------------------------------------------------
+
+    async def action(self, request: Request) -> Response:
+        """replay (a FAILED or TIMEOUT task as a new task) or redeliver (a task's webhooks); JSON {"task_id"} in,
+        {"ok", "message"} out. Needs the session, its CSRF token, a JSON body and a same-origin request."""
+        sid, session = self._session(request)
+        if session is None:
+            return self._json({"ok": False, "message": "not signed in"}, 401)
+        token = request.headers.get("x-csrf-token", "")
+        if not self._same_origin(request) or not hmac.compare_digest(token.encode(), session.csrf.encode()):
+            return self._json({"ok": False, "message": "missing or wrong CSRF token: reload the dashboard"}, 403)
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            return self._json({"ok": False, "message": "send JSON"}, 415)
+        handler = {"replay": self._replay, "redeliver": self._redeliver}.get(request.path_params["action"])
+        if handler is None:
+            return self._json({"ok": False, "message": "no such action"}, 404)
+        try:
+            body = json.loads(await _body(request))
+        except Refused as refused:
+            return refused.response
+        except ValueError:
+            body = None
+        task_id = body.get("task_id") if isinstance(body, dict) else None
+        if not isinstance(task_id, str) or not task_id.isdecimal() or len(task_id) > 20:
+            return self._json({"ok": False, "message": "task_id: a task id (decimal digits) is required"}, 400)
+        try:
+            ok, message = await handler(session, task_id)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _SIGNED_OUT:
+                self.sessions.close(sid)
+                return self._json({"ok": False, "message": _SIGNED_OUT[exc.code()]}, 401)
+            return self._json({"ok": False, "message": f"{exc.code().name}: {exc.details() or ''}"}, 502)
+        log.info("dashboard action", extra={"action": request.path_params["action"], "task_id": task_id, "ok": ok})
+        return self._json({"ok": ok, "message": message})
+
+    async def _replay(self, session: Session, task_id: str) -> tuple[bool, str]:
+        """RequeueTasks of one id with replay_finished: REPLAYED names the new task; SKIPPED says why not."""
+        request = admin_pb2.RequeueTasksRequest(task_ids=[task_id], replay_finished=True, reason="replayed from the dashboard")
+        items: list[admin_pb2.RequeueItem] = []
+        async for batch in self.upstream.admin.RequeueTasks(request, metadata=self._metadata(session.key), timeout=self.upstream.timeout):
+            items.extend(batch.items)
+        if not items:
+            return False, f"Task {task_id} was not found."
+        item = items[0]
+        if item.action == "REPLAYED":
+            return True, f"Task {task_id} replayed {item.detail}."
+        return False, f"Task {task_id}: {item.action.lower()}, {item.detail}." if item.detail else f"Task {task_id}: {item.action.lower()}."
+
+    async def _redeliver(self, session: Session, task_id: str) -> tuple[bool, str]:
+        answer = await self.upstream.admin.RedeliverCallback(
+            admin_pb2.RedeliverCallbackRequest(task_id=task_id), metadata=self._metadata(session.key), timeout=self.upstream.timeout
+        )
+        if not answer.deliveries:
+            return False, f"Task {task_id} has no webhook to redeliver."
+        hooks = ", ".join(f"{d.event} ({d.webhook_id})" for d in answer.deliveries)
+        return True, f"Task {task_id}: redelivering {hooks}."
 
 
 def routes(upstream: Upstream, settings: Settings) -> list[BaseRoute]:
     """The dashboard's routes over the upstream channels."""
-    return []
+    return Dashboard(upstream, settings).routes()

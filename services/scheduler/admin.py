@@ -55,7 +55,13 @@ def _statuses(values: Sequence[int], field: str) -> list[Status]:
 
 
 def _state_counts(counts: list[admin_store.StateCount]) -> list[admin_pb2.StateCount]:
-    return [admin_pb2.StateCount(model_id=c.model_id, status=c.status.to_proto(), count=c.count) for c in counts]
+    return [
+        admin_pb2.StateCount(
+            model_id=c.model_id, status=c.status.to_proto(), count=c.count,
+            priority=c.priority if c.priority is not None else task_pb2.PRIORITY_UNSPECIFIED,  # type: ignore[arg-type]
+        )
+        for c in counts
+    ]
 
 
 class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
@@ -89,16 +95,19 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         return _statuses(f.statuses, "filter.statuses"), f.model_id or None, older
 
     async def GetStats(self, request: admin_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.GetStatsResponse:
-        """Counts per state and model, the oldest QUEUED age, tasks per worker, webhook outcomes, the cluster's load."""
+        """Counts per state and model (and the unfinished ones per priority too), the oldest QUEUED age, tasks per
+        worker, webhook outcomes, the cluster's load."""
         await self.auth.principal(context, admin=True)
         async with self.pool.acquire() as conn:
             counts = await admin_store.state_counts(conn)
+            live = await admin_store.live_priority_counts(conn)
             oldest = await admin_store.oldest_queued_age(conn)
             workers = await admin_store.worker_stats(conn, lease_seconds=self.settings.lease_seconds)
             deliveries = await admin_store.callback_counts(conn)
             load = await worker_store.cluster_load(conn, lease_seconds=self.settings.lease_seconds)
         response = admin_pb2.GetStatsResponse(
             counts=_state_counts(counts),
+            live=_state_counts(live),
             callbacks=[admin_pb2.CallbackCount(status=c.status.to_proto(), count=c.count) for c in deliveries],
             capacity=load.capacity,
             running=load.running,
@@ -106,7 +115,9 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         if oldest is not None:
             response.oldest_queued_age.CopyFrom(_duration(oldest))
         for w in workers:
-            stats = response.workers.add(worker_id=w.worker_id, running=w.running, slots=w.slots, alive=w.alive)
+            stats = response.workers.add(
+                worker_id=w.worker_id, running=w.running, slots=w.slots, alive=w.alive, device=w.device, draining=w.draining
+            )
             if w.last_heartbeat is not None:
                 stats.last_heartbeat.CopyFrom(timestamp(w.last_heartbeat))
         return response
@@ -114,14 +125,17 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     async def ListTasks(
         self, request: admin_pb2.AdminListTasksRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.AdminListTasksResponse:
-        """Tasks by state, model and age (least recently updated first), a page at a time."""
+        """Tasks by state, model and age (least recently updated first, or most recently), a page at a time."""
         await self.auth.principal(context, admin=True)
         statuses, model_id, older = self._filter(request.filter)
         limit = self._page_size(request.page_size)
-        fingerprint = paging.filter_key("admin.tasks", sorted({s.value for s in statuses}), model_id, older)
+        # a token of one order is no position in the other (the oldest-first fingerprint is as it always was)
+        order = ("newest",) if request.newest_first else ()
+        fingerprint = paging.filter_key("admin.tasks", sorted({s.value for s in statuses}), model_id, older, *order)
         after = _cursor(request.page_token, fingerprint)
         rows = await admin_store.list_tasks(
-            self.pool, statuses=statuses, model_id=model_id, older_than_seconds=older, after=after, limit=limit + 1
+            self.pool, statuses=statuses, model_id=model_id, older_than_seconds=older, after=after, limit=limit + 1,
+            newest_first=request.newest_first,
         )
         tasks = rows[:limit]
         token = paging.encode(paging.Cursor(tasks[-1].updated_at, tasks[-1].id), fingerprint) if len(rows) > limit else ""

@@ -16,11 +16,12 @@ from taskgate.store.submissions import NewTask, columns
 
 @dataclass(frozen=True, slots=True)
 class StateCount:
-    """How many tasks of one model are in one state."""
+    """How many tasks of one model (and, in live_priority_counts, one priority) are in one state."""
 
     model_id: str
     status: Status
     count: int
+    priority: int | None = None  # None: every priority counted together
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class WorkerStat:
     slots: int
     last_heartbeat: datetime | None
     alive: bool
+    device: str = ""  # empty: a worker only its PROCESSING tasks name (no registry row)
+    draining: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,14 @@ async def live_counts(db: Conn) -> list[StateCount]:
     return await _state_counts(db, "admin_live_counts")
 
 
+async def live_priority_counts(db: Conn) -> list[StateCount]:
+    """Unfinished tasks per model, priority and state: the queue depth by priority."""
+    return [
+        StateCount(r["model_id"], Status(r["status"]), r["n"], r["priority"])
+        for r in await db.fetch(sql.query("admin_live_priority_counts"))
+    ]
+
+
 async def oldest_queued_age(db: Conn) -> float | None:
     """Seconds since the oldest QUEUED task was queued; None when none is."""
     return await db.fetchval(sql.query("admin_oldest_queued_age"))
@@ -84,7 +95,7 @@ async def oldest_queued_age(db: Conn) -> float | None:
 async def worker_stats(db: Conn, *, lease_seconds: float) -> list[WorkerStat]:
     """Each registered worker and each worker holding PROCESSING tasks, by id; alive = heartbeat within the lease."""
     return [
-        WorkerStat(r["worker_id"], r["running"], r["slots"], r["last_heartbeat"], r["alive"])
+        WorkerStat(r["worker_id"], r["running"], r["slots"], r["last_heartbeat"], r["alive"], r["device"], r["draining"])
         for r in await db.fetch(sql.query("admin_worker_stats"), lease_seconds)
     ]
 
@@ -102,14 +113,21 @@ async def list_tasks(
     older_than_seconds: float | None,
     after: Cursor | None,
     limit: int,
+    newest_first: bool = False,
 ) -> list[TaskRow]:
-    """Tasks by state (none: all), model and time since their last update, least recently updated first.
+    """Tasks by state (none: all), model and time since their last update, least recently updated first (or, with
+    `newest_first`, most recently: the latest failures without walking every older one).
 
     Keyset-paged on (updated_at, id): `after` holds the last row's updated_at and id.
     """
+    if newest_first:  # its query descends the (status, updated_at) index once per state, so it names each one
+        wanted = list(dict.fromkeys(statuses)) or list(Status)
+        query, states = "admin_list_tasks_newest", [s.value for s in wanted]
+    else:
+        query, states = "admin_list_tasks", [s.value for s in statuses]
     rows = await db.fetch(
-        sql.query("admin_list_tasks"),
-        [s.value for s in statuses],
+        sql.query(query),
+        states,
         model_id,
         older_than_seconds,
         after.at if after else None,

@@ -43,19 +43,23 @@ class StateCount(_message.Message):
     MODEL_ID_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     status: _task_pb2.TaskStatus.ValueType
     count: _builtins.int
+    priority: _task_pb2.Priority.ValueType
+    """GetStatsResponse.live only; unspecified elsewhere (every priority counted together)"""
     def __init__(
         self,
         *,
         model_id: _builtins.str = ...,
         status: _task_pb2.TaskStatus.ValueType = ...,
         count: _builtins.int = ...,
+        priority: _task_pb2.Priority.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "model_id", b"model_id", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "model_id", b"model_id", "priority", b"priority", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -70,10 +74,15 @@ class WorkerStats(_message.Message):
     SLOTS_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_FIELD_NUMBER: _builtins.int
     ALIVE_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     running: _builtins.int
     slots: _builtins.int
     alive: _builtins.bool
+    device: _builtins.str
+    """as the worker registered it ("cuda:0", "cpu"); empty for a worker only its tasks name"""
+    draining: _builtins.bool
     @_builtins.property
     def last_heartbeat(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -84,10 +93,12 @@ class WorkerStats(_message.Message):
         slots: _builtins.int = ...,
         last_heartbeat: _timestamp_pb2.Timestamp | None = ...,
         alive: _builtins.bool = ...,
+        device: _builtins.str = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "last_heartbeat", b"last_heartbeat", "running", b"running", "slots", b"slots", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "device", b"device", "draining", b"draining", "last_heartbeat", b"last_heartbeat", "running", b"running", "slots", b"slots", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -125,6 +136,7 @@ class GetStatsResponse(_message.Message):
     CALLBACKS_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
     RUNNING_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
     capacity: _builtins.int
     """slots of the live workers: the cluster-wide cap on running tasks (the rest waits QUEUED)"""
     running: _builtins.int
@@ -137,6 +149,10 @@ class GetStatsResponse(_message.Message):
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStats]: ...
     @_builtins.property
     def callbacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CallbackCount]: ...
+    @_builtins.property
+    def live(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateCount]:
+        """unfinished tasks (CREATED, QUEUED, PROCESSING) per model, priority and state"""
+
     def __init__(
         self,
         *,
@@ -146,10 +162,11 @@ class GetStatsResponse(_message.Message):
         callbacks: _abc.Iterable[Global___CallbackCount] | None = ...,
         capacity: _builtins.int = ...,
         running: _builtins.int = ...,
+        live: _abc.Iterable[Global___StateCount] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["oldest_queued_age", b"oldest_queued_age"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["callbacks", b"callbacks", "capacity", b"capacity", "counts", b"counts", "oldest_queued_age", b"oldest_queued_age", "running", b"running", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["callbacks", b"callbacks", "capacity", b"capacity", "counts", b"counts", "live", b"live", "oldest_queued_age", b"oldest_queued_age", "running", b"running", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,8 +208,11 @@ class AdminListTasksRequest(_message.Message):
     FILTER_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    NEWEST_FIRST_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     page_token: _builtins.str
+    newest_first: _builtins.bool
+    """most recently updated first (e.g. the latest failures); default: least recently updated first"""
     @_builtins.property
     def filter(self) -> Global___TaskFilter: ...
     def __init__(
@@ -201,10 +221,11 @@ class AdminListTasksRequest(_message.Message):
         filter: Global___TaskFilter | None = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        newest_first: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "newest_first", b"newest_first", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

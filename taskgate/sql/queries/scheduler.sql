@@ -111,15 +111,22 @@ SELECT model_id, status::text AS status, count(*) AS n FROM task
 WHERE status IN ('CREATED', 'QUEUED', 'PROCESSING')
 GROUP BY model_id, status ORDER BY model_id, status;
 
+-- name: admin_live_priority_counts
+-- Unfinished tasks per model, priority and state: the queue depth by priority (GetStats' live counts).
+SELECT model_id, priority, status::text AS status, count(*) AS n FROM task
+WHERE status IN ('CREATED', 'QUEUED', 'PROCESSING')
+GROUP BY model_id, priority, status ORDER BY model_id, priority DESC, status;
+
 -- name: admin_oldest_queued_age
 -- Seconds since the oldest QUEUED task was queued; NULL when none is.
 SELECT EXTRACT(EPOCH FROM now() - min(queued_at))::float8 FROM task WHERE status = 'QUEUED';
 
 -- name: admin_worker_stats
--- Each registered worker and each worker holding PROCESSING tasks: running tasks, slots, heartbeat, alive.
--- $1 lease seconds.
+-- Each registered worker and each worker holding PROCESSING tasks: running tasks, slots, heartbeat, alive, device,
+-- draining. $1 lease seconds.
 SELECT COALESCE(w.id, p.worker_id) AS worker_id, COALESCE(p.n, 0) AS running, COALESCE(w.slots, 0) AS slots,
-       w.last_heartbeat, COALESCE(w.last_heartbeat > now() - make_interval(secs => $1), false) AS alive
+       w.last_heartbeat, COALESCE(w.last_heartbeat > now() - make_interval(secs => $1), false) AS alive,
+       COALESCE(w.device, '') AS device, COALESCE(w.draining, false) AS draining
 FROM worker w
 FULL JOIN (SELECT worker_id, count(*) AS n FROM task WHERE status = 'PROCESSING' GROUP BY worker_id) p
        ON p.worker_id = w.id
@@ -139,6 +146,24 @@ WHERE (cardinality($1::task_status[]) = 0 OR status = ANY($1::task_status[]))
   AND ($3::float8 IS NULL OR updated_at < now() - make_interval(secs => $3))
   AND ($4::timestamptz IS NULL OR (updated_at, id) > ($4, $5::bigint))
 ORDER BY updated_at, id
+LIMIT $6;
+
+-- name: admin_list_tasks_newest
+-- As admin_list_tasks, most recently updated first, keyset-paged on (updated_at, id) descending: one backward
+-- descent of task_status_updated_idx per state, so the newest page reads a few index pages however many finished
+-- tasks the table keeps. $1 states (distinct, never empty: the store names every state for none), $2 model (NULL =
+-- all), $3 minimum seconds since updated_at (NULL = any), $4 before updated_at, $5 before id (NULL = first page), $6 limit.
+SELECT t.* FROM unnest($1::task_status[]) AS s(status)
+CROSS JOIN LATERAL (
+    SELECT * FROM task
+    WHERE status = s.status
+      AND ($2::text IS NULL OR model_id = $2)
+      AND ($3::float8 IS NULL OR updated_at < now() - make_interval(secs => $3))
+      AND ($4::timestamptz IS NULL OR (updated_at <= $4 AND (updated_at, id) < ($4, $5::bigint)))
+    ORDER BY updated_at DESC, id DESC
+    LIMIT $6
+) t
+ORDER BY t.updated_at DESC, t.id DESC
 LIMIT $6;
 
 -- name: admin_requeue_page
