@@ -296,6 +296,10 @@ class Settings(BaseSettings):
 
     # Worker
     worker_id: str | None = Field(default=None, description="Default: hostname-pid.")
+    worker_advertise_host: str | None = Field(
+        default=None,
+        description="Host the dashboard reaches this worker's WorkerControl at (a pod's IP); default: grpc_host or the host name.",
+    )
     worker_slots: int = Field(
         default=0, ge=0, description="Concurrent tasks; 0 = ceil(devices x worker_slots_per_device) (CPU: one device; sleep-only: 1)."
     )

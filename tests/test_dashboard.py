@@ -379,3 +379,33 @@ async def test_a_revoked_key_ends_its_session(stack: HttpStack, backends: Backen
         await harness.wait_for(signed_out, within=15, every=0.5)  # the scheduler's key cache holds a key up to 5 s
         page = await web.get("/dashboard")
         assert 'action="/dashboard/login"' in page.text
+
+
+async def test_drain_reaches_the_worker_at_the_address_it_registered(stack: HttpStack, settings: Settings) -> None:
+    async with (
+        worker(stack.settings.model_copy(update={"heartbeat_seconds": 0.2}), "w-drain", ["later"]) as handle,
+        httpx.AsyncClient(base_url=stack.url, timeout=20) as web,
+    ):
+        assert handle.worker.control_address == f"127.0.0.1:{handle.port}"
+        assert (await web.post("/dashboard/login", data={"key": stack.admin_key})).status_code == 303
+        page = await web.get("/dashboard")
+        match = re.search(r'<meta name="csrf-token" content="([^"]+)">', page.text)
+        assert match is not None
+        csrf = {"x-csrf-token": match.group(1)}
+
+        async def offered() -> bool:  # the address is registered with the worker's next beat after its server is up
+            return 'id="drain-w-drain"' in (await web.get("/dashboard/state.json")).json()["sections"]["workers"]
+
+        await harness.wait_for(offered)
+        missing = await web.post("/dashboard/actions/drain", json={"worker_id": "w-nobody"}, headers=csrf)
+        assert missing.json() == {"ok": False, "message": "Worker w-nobody is not registered as alive."}
+        assert (await web.post("/dashboard/actions/drain", json={"task_id": "1"}, headers=csrf)).status_code == 400
+        drained = await web.post("/dashboard/actions/drain", json={"worker_id": "w-drain"}, headers=csrf)
+        assert drained.json() == {"ok": True, "message": "Worker w-drain is draining (0 running)."}, drained.text
+        assert handle.worker.draining
+
+        async def shown_draining() -> bool:
+            workers = (await web.get("/dashboard/state.json")).json()["sections"]["workers"]
+            return "draining" in workers and 'id="drain-w-drain"' not in workers
+
+        await harness.wait_for(shown_draining)

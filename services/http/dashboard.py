@@ -32,7 +32,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import BaseRoute, Route
 
 from taskgate.config import Settings
-from taskgate.v1 import admin_pb2, task_pb2
+from taskgate.v1 import admin_pb2, task_pb2, worker_pb2, worker_pb2_grpc
 
 from . import dashboard_page
 from .upstream import Upstream
@@ -178,6 +178,11 @@ class WorkerLine:
     running: int
     slots: int
     last_heartbeat: datetime | None
+    address: str = ""  # its WorkerControl host:port, empty until it serves
+
+    @property
+    def can_drain(self) -> bool:
+        return bool(self.address) and "alive" in self.states and "draining" not in self.states
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +319,7 @@ def _view(
         workers=[
             WorkerLine(
                 w.worker_id, ("alive" if w.alive else "lost",) + (("draining",) if w.draining else ()), w.device, w.running,
-                w.slots, _when(w.last_heartbeat, w.HasField("last_heartbeat")),
+                w.slots, _when(w.last_heartbeat, w.HasField("last_heartbeat")), w.address,
             )
             for w in stats.workers
         ],
@@ -523,26 +528,32 @@ class Dashboard:
             return self._json({"ok": False, "message": "missing or wrong CSRF token: reload the dashboard"}, 403)
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             return self._json({"ok": False, "message": "send JSON"}, 415)
-        handler = {"replay": self._replay, "redeliver": self._redeliver}.get(request.path_params["action"])
-        if handler is None:
+        actions: dict[str, tuple[Callable[[Session, str], Awaitable[tuple[bool, str]]], str]] = {
+            "replay": (self._replay, "task_id"), "redeliver": (self._redeliver, "task_id"), "drain": (self._drain, "worker_id"),
+        }
+        if request.path_params["action"] not in actions:
             return self._json({"ok": False, "message": "no such action"}, 404)
+        handler, field_name = actions[request.path_params["action"]]
         try:
             body = json.loads(await _body(request))
         except Refused as refused:
             return refused.response
         except ValueError:
             body = None
-        task_id = body.get("task_id") if isinstance(body, dict) else None
-        if not isinstance(task_id, str) or not task_id.isdecimal() or len(task_id) > 20:
+        target = body.get(field_name) if isinstance(body, dict) else None
+        if field_name == "task_id" and (not isinstance(target, str) or not target.isdecimal() or len(target) > 20):
             return self._json({"ok": False, "message": "task_id: a task id (decimal digits) is required"}, 400)
+        if field_name == "worker_id" and (not isinstance(target, str) or not 0 < len(target) <= 256 or not target.isprintable()):
+            return self._json({"ok": False, "message": "worker_id: a worker id is required"}, 400)
+        assert isinstance(target, str)
         try:
-            ok, message = await handler(session, task_id)
+            ok, message = await handler(session, target)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _SIGNED_OUT:
                 self.sessions.close(sid)
                 return self._json({"ok": False, "message": _SIGNED_OUT[exc.code()]}, 401)
             return self._json({"ok": False, "message": f"{exc.code().name}: {exc.details() or ''}"}, 502)
-        log.info("dashboard action", extra={"action": request.path_params["action"], "task_id": task_id, "ok": ok})
+        log.info("dashboard action", extra={"action": request.path_params["action"], field_name: target, "ok": ok})
         return self._json({"ok": ok, "message": message})
 
     async def _replay(self, session: Session, task_id: str) -> tuple[bool, str]:
@@ -566,6 +577,22 @@ class Dashboard:
             return False, f"Task {task_id} has no webhook to redeliver."
         hooks = ", ".join(f"{d.event} ({d.webhook_id})" for d in answer.deliveries)
         return True, f"Task {task_id}: redelivering {hooks}."
+
+
+    async def _drain(self, session: Session, worker_id: str) -> tuple[bool, str]:
+        """WorkerControl.Drain at the address the worker registered (looked up here, never taken from the page)."""
+        stats = await self.upstream.admin.GetStats(
+            admin_pb2.GetStatsRequest(), metadata=self._metadata(session.key), timeout=self.upstream.timeout
+        )
+        worker = next((w for w in stats.workers if w.worker_id == worker_id), None)
+        if worker is None or not worker.alive:
+            return False, f"Worker {worker_id} is not registered as alive."
+        if not worker.address:
+            return False, f"Worker {worker_id} has registered no control address (an older worker?)."
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            control = worker_pb2_grpc.WorkerControlStub(channel)
+            answer = await control.Drain(worker_pb2.DrainRequest(), metadata=self._metadata(session.key), timeout=self.upstream.timeout)
+        return True, f"Worker {worker_id} is draining ({answer.running} running)."
 
 
 def routes(upstream: Upstream, settings: Settings) -> list[BaseRoute]:

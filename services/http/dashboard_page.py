@@ -135,7 +135,8 @@ SCRIPT = """
   document.addEventListener("click", (event) => {
     const button = event.target.closest("button[data-action]");
     if (!button) return;
-    pending = {action: button.dataset.action, task: button.dataset.task, opener: button.id};
+    pending = {action: button.dataset.action, task: button.dataset.task, field: button.dataset.field || "task_id",
+               opener: button.id};
     document.getElementById("confirm-title").textContent = button.dataset.title;
     document.getElementById("confirm-text").textContent = button.dataset.confirm;
     document.getElementById("confirm-ok").textContent = button.dataset.verb;
@@ -152,7 +153,7 @@ SCRIPT = """
     try {
       const answer = await fetch("/dashboard/actions/" + chosen.action, {
         method: "POST", headers: {"Content-Type": "application/json", "X-CSRF-Token": csrf},
-        body: JSON.stringify({task_id: chosen.task}),
+        body: JSON.stringify({[chosen.field]: chosen.task}),
       });
       if (answer.status === 401) { window.location.assign("/dashboard"); return; }
       const body = await answer.json().catch(() => ({message: "HTTP " + answer.status}));
@@ -278,7 +279,7 @@ _SECTION_TEMPLATES = {
     "workers.html": """<div class="scroll"><table>
 <caption>Registered workers; busy = slots running a task</caption>
 <thead><tr><th scope="col">Worker</th><th scope="col">State</th><th scope="col">Device</th>
-<th scope="col">Busy slots</th><th scope="col">Last heartbeat</th></tr></thead>
+<th scope="col">Busy slots</th><th scope="col">Last heartbeat</th><th scope="col">Action</th></tr></thead>
 <tbody>
 {% for w in view.workers %}<tr data-worker="{{ w.id }}">
 <th scope="row"><code>{{ w.id }}</code></th>
@@ -286,8 +287,13 @@ _SECTION_TEMPLATES = {
 <td>{{ w.device or "—" }}</td>
 <td><meter min="0" max="{{ [w.slots, 1]|max }}" value="{{ w.running }}" aria-label="Busy slots of {{ w.id }}"></meter>
 {{ w.running }} of {{ w.slots }}</td>
-<td>{{ when(w.last_heartbeat) }}</td></tr>
-{% else %}<tr><td colspan="5" class="empty">No worker has registered.</td></tr>{% endfor %}
+<td>{{ when(w.last_heartbeat) }}</td>
+<td>{% if w.can_drain %}<button type="button" id="drain-{{ w.id }}" data-action="drain" data-field="worker_id"
+  data-task="{{ w.id }}" data-title="Drain a worker" data-verb="Drain"
+  data-confirm="Drain worker {{ w.id }}? It takes no new task, lets what it runs finish (up to its drain grace),
+ then stops; the queue waits for the other workers."
+  aria-label="Drain worker {{ w.id }}">Drain</button>{% else %}—{% endif %}</td></tr>
+{% else %}<tr><td colspan="6" class="empty">No worker has registered.</td></tr>{% endfor %}
 </tbody></table></div>
 <p class="note">The device-busy fraction of each GPU is the worker's
 <code>taskgate_worker_device_busy_seconds_total</code> metric; the registry holds slots, not device time.</p>""",

@@ -116,7 +116,8 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             response.oldest_queued_age.CopyFrom(_duration(oldest))
         for w in workers:
             stats = response.workers.add(
-                worker_id=w.worker_id, running=w.running, slots=w.slots, alive=w.alive, device=w.device, draining=w.draining
+                worker_id=w.worker_id, running=w.running, slots=w.slots, alive=w.alive, device=w.device, draining=w.draining,
+                address=w.control_address,
             )
             if w.last_heartbeat is not None:
                 stats.last_heartbeat.CopyFrom(timestamp(w.last_heartbeat))

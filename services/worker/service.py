@@ -86,6 +86,16 @@ def served_models(settings: Settings) -> list[str]:
     return wanted
 
 
+def advertised_host(settings: Settings) -> str:
+    """The host other services reach this worker's WorkerControl at: worker_advertise_host (a pod's IP), else the bind
+    address, else (bound to every address) the host name."""
+    if settings.worker_advertise_host:
+        return settings.worker_advertise_host
+    if settings.grpc_host not in ("0.0.0.0", "::", ""):
+        return settings.grpc_host
+    return socket.gethostname()
+
+
 async def start(settings: Settings, backends: Backends | None = None) -> WorkerHandle:
     """Loads the models, then starts consuming and serves WorkerControl on settings.worker_port (0 = ephemeral)."""
     models = served_models(settings)
@@ -107,6 +117,7 @@ async def start(settings: Settings, backends: Backends | None = None) -> WorkerH
             return [SERVICE_NAME]
 
         server, port, health_servicer = await start_server(settings, settings.worker_port, register)
+        worker.control_address = f"{advertised_host(settings)}:{port}"
     except BaseException:
         if owns:
             await backends.close()

@@ -35,6 +35,7 @@ class WorkerStat:
     alive: bool
     device: str = ""  # empty: a worker only its PROCESSING tasks name (no registry row)
     draining: bool = False
+    control_address: str = ""  # host:port of its WorkerControl; empty until it serves (or without a registry row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +96,10 @@ async def oldest_queued_age(db: Conn) -> float | None:
 async def worker_stats(db: Conn, *, lease_seconds: float) -> list[WorkerStat]:
     """Each registered worker and each worker holding PROCESSING tasks, by id; alive = heartbeat within the lease."""
     return [
-        WorkerStat(r["worker_id"], r["running"], r["slots"], r["last_heartbeat"], r["alive"], r["device"], r["draining"])
+        WorkerStat(
+            r["worker_id"], r["running"], r["slots"], r["last_heartbeat"], r["alive"], r["device"], r["draining"],
+            r["control_address"],
+        )
         for r in await db.fetch(sql.query("admin_worker_stats"), lease_seconds)
     ]
 

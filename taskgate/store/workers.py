@@ -27,6 +27,7 @@ class Registration:
     running: int
     device: str
     draining: bool
+    control_address: str | None = None  # host:port of its WorkerControl server, once it serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ async def beat(
         reg.device,
         reg.draining,
         actor,
+        reg.control_address,
     )
     out = {}
     for rec in rows:

@@ -76,6 +76,7 @@ class WorkerStats(_message.Message):
     ALIVE_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     running: _builtins.int
     slots: _builtins.int
@@ -83,6 +84,8 @@ class WorkerStats(_message.Message):
     device: _builtins.str
     """as the worker registered it ("cuda:0", "cpu"); empty for a worker only its tasks name"""
     draining: _builtins.bool
+    address: _builtins.str
+    """host:port of its WorkerControl (Drain, GetStatus); empty until it serves"""
     @_builtins.property
     def last_heartbeat(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -95,10 +98,11 @@ class WorkerStats(_message.Message):
         alive: _builtins.bool = ...,
         device: _builtins.str = ...,
         draining: _builtins.bool = ...,
+        address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "device", b"device", "draining", b"draining", "last_heartbeat", b"last_heartbeat", "running", b"running", "slots", b"slots", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "device", b"device", "draining", b"draining", "last_heartbeat", b"last_heartbeat", "running", b"running", "slots", b"slots", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -123,10 +123,11 @@ SELECT EXTRACT(EPOCH FROM now() - min(queued_at))::float8 FROM task WHERE status
 
 -- name: admin_worker_stats
 -- Each registered worker and each worker holding PROCESSING tasks: running tasks, slots, heartbeat, alive, device,
--- draining. $1 lease seconds.
+-- draining, WorkerControl address. $1 lease seconds.
 SELECT COALESCE(w.id, p.worker_id) AS worker_id, COALESCE(p.n, 0) AS running, COALESCE(w.slots, 0) AS slots,
        w.last_heartbeat, COALESCE(w.last_heartbeat > now() - make_interval(secs => $1), false) AS alive,
-       COALESCE(w.device, '') AS device, COALESCE(w.draining, false) AS draining
+       COALESCE(w.device, '') AS device, COALESCE(w.draining, false) AS draining,
+       COALESCE(w.control_address, '') AS control_address
 FROM worker w
 FULL JOIN (SELECT worker_id, count(*) AS n FROM task WHERE status = 'PROCESSING' GROUP BY worker_id) p
        ON p.worker_id = w.id

@@ -7,12 +7,14 @@
 -- trigger), and registers the worker or records its heartbeat when $5 is set. Returns each renewed row and whether
 -- its progress was written; an attempt absent from the answer no longer holds its task.
 -- $1 task ids, $2 their attempts, $3 their new progress (NULL = renew only), $4 lease seconds, $5 worker id (NULL =
--- no registry write), $6 models, $7 slots, $8 running, $9 device, $10 draining, $11 actor.
+-- no registry write), $6 models, $7 slots, $8 running, $9 device, $10 draining, $11 actor, $12 its WorkerControl
+-- address (NULL: not known yet, the one recorded stays).
 WITH registered AS (
-    INSERT INTO worker (id, models, slots, running, device, draining, started_at, last_heartbeat)
-    SELECT $5::text, $6::text[], $7::int, $8::int, $9::text, $10::boolean, now(), now() WHERE $5::text IS NOT NULL
+    INSERT INTO worker (id, models, slots, running, device, draining, started_at, last_heartbeat, control_address)
+    SELECT $5::text, $6::text[], $7::int, $8::int, $9::text, $10::boolean, now(), now(), $12::text WHERE $5::text IS NOT NULL
     ON CONFLICT (id) DO UPDATE SET models = EXCLUDED.models, slots = EXCLUDED.slots, running = EXCLUDED.running,
-                                   device = EXCLUDED.device, draining = EXCLUDED.draining, last_heartbeat = now()
+                                   device = EXCLUDED.device, draining = EXCLUDED.draining, last_heartbeat = now(),
+                                   control_address = COALESCE(EXCLUDED.control_address, worker.control_address)
 ), held AS MATERIALIZED (
     -- locked in id order: two beats naming the same tasks (one of them taken over meanwhile) never deadlock
     SELECT h.id, b.attempt, b.progress, (b.progress IS NOT NULL AND h.status = 'PROCESSING') AS moves
