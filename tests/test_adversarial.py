@@ -699,3 +699,22 @@ async def test_the_reported_out_of_range_inputs_are_invalid_argument_naming_thei
             call = events.WatchTasks(events_pb2.WatchTasksRequest(cursor=cursor), metadata=md, timeout=10)
             code, details = await failure(_drain(call))
             assert (code, violated(details)) == (grpc.StatusCode.INVALID_ARGUMENT, {"cursor"}), cursor
+
+
+async def test_page_tokens_are_signed_and_bound_to_their_filter(stub: Any, backends: Backends) -> None:
+    md = await key_for(backends, "tenant-a")
+    for _ in range(3):
+        await stub.SubmitTask(base_request(prompt=f"page {uuid.uuid4()}"), metadata=md, timeout=10)
+    first = await stub.ListTasks(gateway_pb2.ListTasksRequest(page_size=1), metadata=md, timeout=10)
+    token = first.next_page_token
+    assert token
+    second = await stub.ListTasks(gateway_pb2.ListTasksRequest(page_size=1, page_token=token), metadata=md, timeout=10)
+    assert second.tasks[0].id != first.tasks[0].id
+    data = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+    for forged in ({**data, "i": str(int(data["i"]) + 1)}, {**data, "c": 0}, {k: v for k, v in data.items() if k != "s"}):
+        raw = base64.urlsafe_b64encode(json.dumps(forged).encode()).decode().rstrip("=")
+        code, details = await failure(stub.ListTasks(gateway_pb2.ListTasksRequest(page_size=1, page_token=raw), metadata=md, timeout=10))
+        assert (code, violated(details)) == (grpc.StatusCode.INVALID_ARGUMENT, {"page_token"}), forged
+    other_filter = gateway_pb2.ListTasksRequest(page_size=1, page_token=token, statuses=[task_pb2.TASK_STATUS_QUEUED])
+    code, details = await failure(stub.ListTasks(other_filter, metadata=md, timeout=10))
+    assert (code, violated(details)) == (grpc.StatusCode.INVALID_ARGUMENT, {"page_token"})

@@ -31,16 +31,6 @@ DEFAULT_SECRET_OVERLAP = 24 * 3600.0  # seconds the previous webhook secrets kee
 _DEAD_LETTERS = paging.filter_key("admin.dead_letters")  # no filter, but its tokens fit no other listing
 
 
-def _cursor(token: str, fingerprint: str) -> paging.Cursor | None:
-    """The keyset position of a page token (None: the first page); INVALID_ARGUMENT when it is not one of ours."""
-    if not token:
-        return None
-    try:
-        return paging.decode(token, fingerprint)
-    except paging.BadToken as exc:
-        raise errors.invalid_argument([("page_token", str(exc))]) from None
-
-
 def _duration(seconds: float) -> Duration:
     d = Duration()
     d.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
@@ -73,11 +63,21 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self.settings = settings
         self.pool = pool
         self.auth = Authenticator(pool, settings.api_key_pepper)
+        self.pages = paging.Pager(settings.api_key_pepper)
         self.task_scans = list(task_scans)
         self.requeuer = Requeuer(
             pool, bus, ack_timeout=settings.submit_publish_timeout_seconds, db_timeout=settings.submit_db_timeout_seconds
         )
         self.retention = retention  # the scheduler's own: one result store (one S3 client) per process
+
+    def _cursor(self, token: str, fingerprint: str) -> paging.Cursor | None:
+        """The keyset position of a page token (None: the first page); INVALID_ARGUMENT when it is not one of ours."""
+        if not token:
+            return None
+        try:
+            return self.pages.decode(token, fingerprint)
+        except paging.BadToken as exc:
+            raise errors.invalid_argument([("page_token", str(exc))]) from None
 
     def _page_size(self, requested: int, field: str = "page_size") -> int:
         if requested < 0:
@@ -133,13 +133,13 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         # a token of one order is no position in the other (the oldest-first fingerprint is as it always was)
         order = ("newest",) if request.newest_first else ()
         fingerprint = paging.filter_key("admin.tasks", sorted({s.value for s in statuses}), model_id, older, *order)
-        after = _cursor(request.page_token, fingerprint)
+        after = self._cursor(request.page_token, fingerprint)
         rows = await admin_store.list_tasks(
             self.pool, statuses=statuses, model_id=model_id, older_than_seconds=older, after=after, limit=limit + 1,
             newest_first=request.newest_first,
         )
         tasks = rows[:limit]
-        token = paging.encode(paging.Cursor(tasks[-1].updated_at, tasks[-1].id), fingerprint) if len(rows) > limit else ""
+        token = self.pages.encode(paging.Cursor(tasks[-1].updated_at, tasks[-1].id), fingerprint) if len(rows) > limit else ""
         return admin_pb2.AdminListTasksResponse(tasks=[t.to_proto() for t in tasks], next_page_token=token)
 
     async def ListStuckTasks(
@@ -239,7 +239,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         """Dead letters with their tasks (last error included) and their replays, newest first, a page at a time."""
         await self.auth.principal(context, admin=True)
         limit = self._page_size(request.page_size)
-        before = _cursor(request.page_token, _DEAD_LETTERS)
+        before = self._cursor(request.page_token, _DEAD_LETTERS)
         rows = await admin_store.dead_letters(self.pool, before=before, limit=limit + 1)
         response = admin_pb2.ListDeadLettersResponse()
         for d in rows[:limit]:
@@ -249,7 +249,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
                 letter.replayed_at.CopyFrom(timestamp(d.replayed_at))
         if len(rows) > limit:
             last = rows[limit - 1]
-            response.next_page_token = paging.encode(paging.Cursor(last.dead_at, last.task.id), _DEAD_LETTERS)
+            response.next_page_token = self.pages.encode(paging.Cursor(last.dead_at, last.task.id), _DEAD_LETTERS)
         return response
 
     async def RedeliverCallback(
@@ -285,7 +285,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         limit = self._page_size(request.page_size)
         fingerprint = paging.filter_key("admin.deliveries", status.value if status else None)
         rows = await admin_store.deliveries(
-            self.pool, status=status, before=_cursor(request.page_token, fingerprint), limit=limit + 1
+            self.pool, status=status, before=self._cursor(request.page_token, fingerprint), limit=limit + 1
         )
         response = admin_pb2.ListCallbackDeliveriesResponse()
         for d in rows[:limit]:
@@ -300,7 +300,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
                 record.last_attempt_at.CopyFrom(timestamp(d.last_attempt_at))
         if len(rows) > limit:
             last = rows[limit - 1]
-            response.next_page_token = paging.encode(paging.Cursor(last.created_at, last.id), fingerprint)
+            response.next_page_token = self.pages.encode(paging.Cursor(last.created_at, last.id), fingerprint)
         return response
 
     async def _existing_tenant(self, tenant: str) -> str:

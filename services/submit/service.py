@@ -74,6 +74,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         self._pool = backends.pool
         self._bus = backends.bus
         self._auth = Authenticator(backends.pool, settings.api_key_pepper)
+        self._pages = paging.Pager(settings.api_key_pepper)
         self._cache = TerminalCache(settings.result_cache_size)
         self._results = result_store(settings, backends.bus)
         self.inputs = InputImages(backends.pool, self._results, settings)
@@ -365,7 +366,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         cursor = None
         if request.page_token:
             try:
-                cursor = paging.decode(request.page_token, fingerprint)
+                cursor = self._pages.decode(request.page_token, fingerprint)
             except paging.BadToken as exc:
                 bad.append(("page_token", str(exc)))
         if bad:
@@ -384,7 +385,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         token = ""
         if len(rows) > size:
             last = tasks[-1]
-            token = paging.encode(paging.Cursor(last.created_at, last.id), fingerprint)
+            token = self._pages.encode(paging.Cursor(last.created_at, last.id), fingerprint)
         return gateway_pb2.ListTasksResponse(tasks=[t.to_proto() for t in tasks], next_page_token=token)
 
     # Cancel and results
