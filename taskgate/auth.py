@@ -73,13 +73,18 @@ async def rotate_webhook_secret(db: Conn, tenant_id: str, overlap_seconds: float
 
 
 class Authenticator:
-    """Resolves `authorization: Bearer <key>` to a Principal, caching hits for a few seconds."""
+    """Resolves `authorization: Bearer <key>` to a Principal, caching hits for a few seconds — and misses too, so a
+    caller repeating an unknown key does not reach the database on every call (a key is random: none is created
+    that a caller tried before)."""
+
+    CACHE_ENTRIES = 10_000  # per kind; a full cache is emptied (bounded memory whatever callers send)
 
     def __init__(self, pool: Conn, pepper: str, cache_seconds: float = 5.0) -> None:
         self._pool = pool
         self._pepper = pepper
         self._ttl = cache_seconds
         self._cache: dict[str, tuple[float, Principal]] = {}
+        self._unknown: dict[str, float] = {}  # digest -> until when it is known to be unknown
 
     async def principal(self, context: grpc.aio.ServicerContext, *, admin: bool = False) -> Principal:
         key = None
@@ -94,11 +99,16 @@ class Authenticator:
         if hit is not None and hit[0] > now:
             found = hit[1]
         else:
+            if self._unknown.get(digest, 0.0) > now:
+                raise errors.unauthenticated()
             looked_up = await tenants.lookup_api_key(self._pool, digest)
             if looked_up is None:
+                if len(self._unknown) > self.CACHE_ENTRIES:
+                    self._unknown.clear()
+                self._unknown[digest] = now + self._ttl
                 raise errors.unauthenticated()
             found = looked_up
-            if len(self._cache) > 10_000:
+            if len(self._cache) > self.CACHE_ENTRIES:
                 self._cache.clear()
             self._cache[digest] = (now + self._ttl, found)
         if admin and not found.is_admin:

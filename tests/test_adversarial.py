@@ -718,3 +718,27 @@ async def test_page_tokens_are_signed_and_bound_to_their_filter(stub: Any, backe
     other_filter = gateway_pb2.ListTasksRequest(page_size=1, page_token=token, statuses=[task_pb2.TASK_STATUS_QUEUED])
     code, details = await failure(stub.ListTasks(other_filter, metadata=md, timeout=10))
     assert (code, violated(details)) == (grpc.StatusCode.INVALID_ARGUMENT, {"page_token"})
+
+
+async def test_an_unknown_key_repeated_reaches_the_database_once(
+    stub: Any, backends: Backends, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller hammering with a wrong key costs one lookup per cache period, not one per call."""
+    from taskgate.store import tenants
+
+    lookups: list[str] = []
+    real = tenants.lookup_api_key
+
+    async def counted(db: Any, digest: str) -> Any:
+        lookups.append(digest)
+        return await real(db, digest)
+
+    monkeypatch.setattr(tenants, "lookup_api_key", counted)
+    wrong = (("authorization", "Bearer tg_" + uuid.uuid4().hex),)
+    for _ in range(50):
+        code, _details = await failure(stub.GetTask(gateway_pb2.GetTaskRequest(task_id="1"), metadata=wrong, timeout=10))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert len(lookups) == 1
+    good = await key_for(backends, "tenant-a")  # a real key is still looked up (and then cached) as before
+    await stub.ListTasks(gateway_pb2.ListTasksRequest(), metadata=good, timeout=10)
+    assert len(lookups) == 2
