@@ -629,3 +629,53 @@ async def test_tls_port(settings: Settings, backends: Backends, tmp_path: Path) 
             assert code == grpc.StatusCode.UNAVAILABLE
     finally:
         await handle.stop(0)
+
+
+async def test_regenerate_never_reuses_the_source_output(stub: Any, backends: Backends) -> None:
+    """A regenerate is never the source's request (it always names a seed), so a soft-cancelled run's kept output
+    (kept for an identical request) is never what it returns."""
+    md = await key_for(backends)
+    first = await submit(stub, md, req("the same prompt, no seed"))
+    await stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=first.task.id), metadata=md, timeout=10)
+    again = await stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=first.task.id), metadata=md, timeout=10)
+    source, regenerated = await get_task(backends.pool, int(first.task.id)), await get_task(backends.pool, int(again.task.id))
+    assert source is not None and regenerated is not None
+    assert regenerated.request_hash != source.request_hash
+    assert regenerated.request_payload["seed"] == again.task.params.seed != first.task.params.seed
+
+
+async def test_an_accepted_request_retried_after_its_priority_was_withdrawn_gets_its_task(
+    settings: Settings, backends: Backends
+) -> None:
+    """The idempotent lookup comes before the priority rule: the tenant lost HIGH after its request was accepted."""
+    md = await key_for(backends, "tenant-high", max_priority=Priority.HIGH)
+    request = req("urgent", priority=task_pb2.PRIORITY_HIGH, idempotency_key="order-7")
+    first = await stub_call(settings, backends, md, request)
+    assert first.created
+    await backends.pool.execute("UPDATE tenant SET max_priority = 5 WHERE id = 'tenant-high'")
+    retried = await stub_call(settings, backends, md, request)  # a fresh gateway: no cached entitlement
+    assert (retried.created, retried.task.id) == (False, first.task.id)
+    code, _, details = await failure_on(settings, backends, md, req("new and urgent", priority=task_pb2.PRIORITY_HIGH))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and reason_of(details) == "PRIORITY_NOT_ALLOWED"
+
+
+async def stub_call(
+    settings: Settings, backends: Backends, md: Metadata, request: gateway_pb2.SubmitTaskRequest
+) -> gateway_pb2.SubmitTaskResponse:
+    handle = await start(settings, backends)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            return await submit(gateway_pb2_grpc.TaskGatewayStub(channel), md, request)
+    finally:
+        await handle.stop(0)
+
+
+async def failure_on(
+    settings: Settings, backends: Backends, md: Metadata, request: gateway_pb2.SubmitTaskRequest
+) -> tuple[grpc.StatusCode, str, list[Any]]:
+    handle = await start(settings, backends)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            return await failure(gateway_pb2_grpc.TaskGatewayStub(channel).SubmitTask(request, metadata=md, timeout=10))
+    finally:
+        await handle.stop(0)

@@ -172,9 +172,18 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             try:
                 check_priority(sub.priority, who.max_priority)
             except errors.ApiError as exc:
+                # an accepted request retried after the tenant's entitlement changed still gets its task: the
+                # idempotent answer comes before any refusal
+                existing = await submissions.task_by_key(
+                    self._pool, who.tenant_id, sub.idempotency_key, within=self._budget(context)
+                )
+                del subs[i]
+                if existing is not None and sub.same_request(existing):
+                    position = await self._queue_position(existing, context)
+                    answers[i] = gateway_pb2.SubmitTaskResponse(task=existing.to_proto(position))
+                    continue
                 telemetry.SUBMIT_REJECTIONS.labels("PRIORITY_NOT_ALLOWED").inc()
                 answers[i] = exc
-                del subs[i]
 
         await self._keep_images(who, subs, answers, context)
 

@@ -85,8 +85,9 @@ def regenerate_request(
         num_frames=p["num_frames"], width=p["width"], height=p["height"], num_inference_steps=p["num_inference_steps"],
         guidance_scale=p["guidance_scale"], fps=p["fps"], negative_prompt=p["negative_prompt"],
     )
-    if seed is not None:
-        params.seed = seed
+    # always an explicit seed: a request without one would hash like the source's (when it had none either) and reuse
+    # its kept output — a regenerate must render anew
+    params.seed = seed if seed is not None else secrets.randbelow(_RANDOM_SEEDS)
     image = p.get("image")
     return gateway_pb2.SubmitTaskRequest(
         image=gateway_pb2.ImageInput(upload_sha256=image["sha256"]) if isinstance(image, dict) else None,

@@ -154,6 +154,12 @@ async def take_rate_slots(
     return [float(r["retry_after"]) if r["retry_after"] is not None else None for r in rows]
 
 
+async def task_by_key(db: Conn, tenant: str, key: str, *, within: float | None = None) -> TaskRow | None:
+    """The tenant's task holding idempotency key `key`, or None."""
+    rec = await db.fetchrow(sql.query("submit_task_by_key"), tenant, key, timeout=within)
+    return None if rec is None else TaskRow.from_record(rec)
+
+
 async def queue_position(db: Conn, task: TaskRow, *, within: float | None = None) -> int:
     """1-based rank of a QUEUED task among its model's QUEUED tasks (priority, then queue time); 0 for any other."""
     if task.status is not Status.QUEUED or task.queued_at is None:

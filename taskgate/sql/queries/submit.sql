@@ -74,3 +74,7 @@ RETURNING *;
 -- $1 user, $2 sha256.
 UPDATE task_input SET last_used_at = now() WHERE user_id = $1 AND sha256 = $2
 RETURNING *;
+
+-- name: submit_task_by_key
+-- The tenant's task holding an idempotency key, if any (the request a refusal must not hide). $1 user, $2 key.
+SELECT * FROM task WHERE user_id = $1 AND idempotency_key = $2;
