@@ -11,7 +11,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -650,32 +650,23 @@ async def test_an_accepted_request_retried_after_its_priority_was_withdrawn_gets
     """The idempotent lookup comes before the priority rule: the tenant lost HIGH after its request was accepted."""
     md = await key_for(backends, "tenant-high", max_priority=Priority.HIGH)
     request = req("urgent", priority=task_pb2.PRIORITY_HIGH, idempotency_key="order-7")
-    first = await stub_call(settings, backends, md, request)
+    async with fresh_gateway(settings, backends) as stub:
+        first = await submit(stub, md, request)
     assert first.created
     await backends.pool.execute("UPDATE tenant SET max_priority = 5 WHERE id = 'tenant-high'")
-    retried = await stub_call(settings, backends, md, request)  # a fresh gateway: no cached entitlement
-    assert (retried.created, retried.task.id) == (False, first.task.id)
-    code, _, details = await failure_on(settings, backends, md, req("new and urgent", priority=task_pb2.PRIORITY_HIGH))
+    async with fresh_gateway(settings, backends) as stub:  # a fresh gateway: no cached entitlement
+        retried = await submit(stub, md, request)
+        assert (retried.created, retried.task.id) == (False, first.task.id)
+        code, _, details = await failure(stub.SubmitTask(req("new and urgent", priority=task_pb2.PRIORITY_HIGH), metadata=md, timeout=10))
     assert code == grpc.StatusCode.PERMISSION_DENIED and reason_of(details) == "PRIORITY_NOT_ALLOWED"
 
 
-async def stub_call(
-    settings: Settings, backends: Backends, md: Metadata, request: gateway_pb2.SubmitTaskRequest
-) -> gateway_pb2.SubmitTaskResponse:
+@contextlib.asynccontextmanager
+async def fresh_gateway(settings: Settings, backends: Backends) -> AsyncIterator[Any]:
+    """A TaskGateway stub on a gateway of its own (an empty key cache)."""
     handle = await start(settings, backends)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
-            return await submit(gateway_pb2_grpc.TaskGatewayStub(channel), md, request)
-    finally:
-        await handle.stop(0)
-
-
-async def failure_on(
-    settings: Settings, backends: Backends, md: Metadata, request: gateway_pb2.SubmitTaskRequest
-) -> tuple[grpc.StatusCode, str, list[Any]]:
-    handle = await start(settings, backends)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
-            return await failure(gateway_pb2_grpc.TaskGatewayStub(channel).SubmitTask(request, metadata=md, timeout=10))
+            yield gateway_pb2_grpc.TaskGatewayStub(channel)
     finally:
         await handle.stop(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import logging
 import re
@@ -68,6 +69,27 @@ def _when(value: str) -> datetime | None:
     except ValueError:
         return None
     return moment if moment.tzinfo is not None else None
+
+
+class _Answer(Exception):
+    """A finished HTTP answer raised from deep inside a handler (an upstream error, a bad body)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _answering(handler: Callable[[Any, Request], Awaitable[Response]]) -> Callable[[Any, Request], Awaitable[Response]]:
+    """A route whose handler may raise _Answer (an upstream error, a bad body) from anywhere inside it."""
+
+    @functools.wraps(handler)
+    async def route(api: Any, request: Request) -> Response:
+        try:
+            return await handler(api, request)
+        except _Answer as answer:
+            return answer.response
+
+    return route
 
 
 class Api:
@@ -135,10 +157,8 @@ class Api:
 
     # -- TaskGateway ---------------------------------------------------------------------------------------------
 
+    @_answering
     async def submit(self, request: Request) -> Response:
-        return await _answered(self._submit(request))
-
-    async def _submit(self, request: Request) -> Response:
         req = await self._json(request, gateway_pb2.SubmitTaskRequest())
         assert isinstance(req, gateway_pb2.SubmitTaskRequest)
         req.idempotency_key = self._idempotency(request, req.idempotency_key)
@@ -146,10 +166,8 @@ class Api:
         headers = {"location": f"/v1/tasks/{resp.task.id}"}
         return JSONResponse(to_json(resp) | {"created": resp.created}, status_code=201 if resp.created else 200, headers=headers)
 
+    @_answering
     async def submit_batch(self, request: Request) -> Response:
-        return await _answered(self._submit_batch(request))
-
-    async def _submit_batch(self, request: Request) -> Response:
         req = await self._json(request, gateway_pb2.SubmitTasksRequest())
         assert isinstance(req, gateway_pb2.SubmitTasksRequest)
         resp = await self._call(lambda: self.upstream.gateway.SubmitTasks(req, metadata=credentials(request), timeout=self._timeout))
@@ -163,20 +181,16 @@ class Api:
                 results.append({"response": to_json(item.response) | {"created": item.response.created}})
         return JSONResponse({"results": results})
 
+    @_answering
     async def get_task(self, request: Request) -> Response:
-        return await _answered(self._get_task(request))
-
-    async def _get_task(self, request: Request) -> Response:
         req = gateway_pb2.GetTaskRequest(task_id=request.path_params["task_id"])
         resp = await self._call(lambda: self.upstream.gateway.GetTask(req, metadata=credentials(request), timeout=self._timeout))
         seconds = resp.suggested_poll_interval.ToTimedelta().total_seconds()
         headers = {POLL_HEADER: f"{seconds:g}", "cache-control": "no-store"}
         return JSONResponse(to_json(resp), headers=headers)
 
+    @_answering
     async def list_tasks(self, request: Request) -> Response:
-        return await _answered(self._list_tasks(request))
-
-    async def _list_tasks(self, request: Request) -> Response:
         query = request.query_params
         req = gateway_pb2.ListTasksRequest(page_token=query.get("page_token", ""))
         bad: list[tuple[str, str]] = []
@@ -207,20 +221,16 @@ class Api:
         resp = await self._call(lambda: self.upstream.gateway.ListTasks(req, metadata=credentials(request), timeout=self._timeout))
         return JSONResponse({"tasks": [to_json(t) for t in resp.tasks], "next_page_token": resp.next_page_token})
 
+    @_answering
     async def cancel(self, request: Request) -> Response:
-        return await _answered(self._cancel(request))
-
-    async def _cancel(self, request: Request) -> Response:
         req = await self._json(request, gateway_pb2.CancelTaskRequest(), optional=True)
         assert isinstance(req, gateway_pb2.CancelTaskRequest)
         req.task_id = request.path_params["task_id"]
         resp = await self._call(lambda: self.upstream.gateway.CancelTask(req, metadata=credentials(request), timeout=self._timeout))
         return JSONResponse(to_json(resp))
 
+    @_answering
     async def regenerate(self, request: Request) -> Response:
-        return await _answered(self._regenerate(request))
-
-    async def _regenerate(self, request: Request) -> Response:
         req = await self._json(request, gateway_pb2.RegenerateTaskRequest(), optional=True)
         assert isinstance(req, gateway_pb2.RegenerateTaskRequest)
         req.task_id = request.path_params["task_id"]
@@ -230,10 +240,8 @@ class Api:
         )
         return JSONResponse(to_json(resp) | {"created": resp.created}, status_code=201 if resp.created else 200)
 
+    @_answering
     async def result(self, request: Request) -> Response:
-        return await _answered(self._result(request))
-
-    async def _result(self, request: Request) -> Response:
         """The output: a redirect to its download URL when the store gives one, else its bytes (Range honoured)."""
         task_id = request.path_params["task_id"]
         md = credentials(request)
@@ -298,10 +306,8 @@ class Api:
 
         return StreamingResponse(body(), status_code=status, headers=headers)
 
+    @_answering
     async def upload(self, request: Request) -> Response:
-        return await _answered(self._upload(request))
-
-    async def _upload(self, request: Request) -> Response:
         """An input image as the request body, streamed to UploadInput in parts."""
         cap = self.settings.input_max_bytes
 
@@ -421,18 +427,3 @@ class Api:
         return EventSourceResponse(
             events(), ping=self.settings.stream_keepalive_seconds, headers={"cache-control": "no-store", "x-accel-buffering": "no"}
         )
-
-
-class _Answer(Exception):
-    """A finished HTTP answer raised from deep inside a handler (an upstream error, a bad body)."""
-
-    def __init__(self, response: Response) -> None:
-        super().__init__(response.status_code)
-        self.response = response
-
-
-async def _answered(work: Awaitable[Response]) -> Response:
-    try:
-        return await work
-    except _Answer as answer:
-        return answer.response
