@@ -15,6 +15,7 @@ from taskgate import errors
 from taskgate.store import tenants
 from taskgate.store.pool import Conn
 from taskgate.store.tenants import Principal as Principal  # re-exported: services name the caller taskgate.auth.Principal
+from taskgate.throttle import Throttle
 
 KEY_PREFIX = "tg_"
 _TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the tenant table's CHECK, so a bad name never reaches it
@@ -79,8 +80,12 @@ class Authenticator:
 
     CACHE_ENTRIES = 10_000  # per kind; a full cache is emptied (bounded memory whatever callers send)
 
-    def __init__(self, pool: Conn, pepper: str, cache_seconds: float = 5.0) -> None:
+    def __init__(
+        self, pool: Conn, pepper: str, cache_seconds: float = 5.0, *, throttle: Throttle | None = None, service: str = ""
+    ) -> None:
         self._pool = pool
+        self._throttle = throttle  # every call of a known key takes a token from its tenant's bucket
+        self._service = service
         self._pepper = pepper
         self._ttl = cache_seconds
         self._cache: dict[str, tuple[float, Principal]] = {}
@@ -113,4 +118,6 @@ class Authenticator:
             self._cache[digest] = (now + self._ttl, found)
         if admin and not found.is_admin:
             raise errors.permission_denied("this call needs an admin key")
+        if self._throttle is not None:
+            self._throttle.call(found.tenant_id, self._service)
         return found

@@ -195,6 +195,12 @@ class Settings(BaseSettings):
     # Submission limits
     max_pending_per_tenant: int = Field(default=3, ge=1, description="Unfinished tasks a tenant may hold.")
     submits_per_minute: int = Field(default=30, ge=1, description="Submissions a tenant may make per minute.")
+    tenant_calls_per_second: float = Field(
+        default=200.0, ge=0, description="RPCs a tenant may make per second on each process (a token bucket); 0 = no limit."
+    )
+    tenant_calls_burst: int = Field(default=400, ge=1, description="Calls a tenant may make at once before its rate applies.")
+    max_streams_per_tenant: int = Field(default=100, ge=1, description="WatchTask/WatchTasks streams a tenant may hold open per process.")
+    max_streams_per_process: int = Field(default=10000, ge=1, description="Streams one notifier holds open in all.")
     max_prompt_chars: int = Field(default=2000, ge=1, description="Longest prompt accepted, in characters.")
     max_metadata_bytes: int = Field(default=4096, ge=0, description="Size of the metadata map as JSON.")
     callback_allow_hosts: list[str] = Field(default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1'].")

@@ -123,6 +123,9 @@ SCHEDULER_SCAN_SECONDS = Histogram(
     "taskgate_scheduler_scan_duration_seconds", "Time one scheduler scan batch took.", ["scan"], buckets=FAST_BUCKETS
 )
 SCHEDULER_SCAN_ERRORS = Counter("taskgate_scheduler_scan_errors_total", "Scheduler scan batches that failed.", ["scan"])
+THROTTLED = Counter(
+    "taskgate_throttled_total", "Calls and streams refused by the per-tenant limits (taskgate.throttle).", ["service", "kind"]
+)
 GRPC_REQUESTS = Counter("taskgate_grpc_requests_total", "gRPC calls served.", ["service", "method", "code"])
 GRPC_LATENCY = Histogram(
     "taskgate_grpc_request_duration_seconds", "gRPC call duration.", ["service", "method"], buckets=FAST_BUCKETS

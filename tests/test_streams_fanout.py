@@ -154,7 +154,7 @@ async def test_two_thousand_streams_opened_at_once_all_open(
     backends: Backends, settings: Settings, api_key: str, notifier_factory: Any
 ) -> None:
     """gRPC core cancelled some (a bare CANCELLED, no handler ran) when over 1,000 calls waited for the event loop."""
-    handle = await notifier_factory(fast(settings))
+    handle = await notifier_factory(fast(settings, max_streams_per_tenant=2000, tenant_calls_per_second=0.0))
     tasks = [await insert_task(backends.pool) for _ in range(20)]
     ends: Counter[str] = Counter()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:

@@ -15,11 +15,12 @@ from grpc_health.v1 import health
 
 from services.notifier.listen import Listener
 from services.notifier.relay import EventRelay
-from services.notifier.streams import EventHub, TaskEventsService, register
+from services.notifier.streams import SERVICE, EventHub, TaskEventsService, register
 from services.notifier.webhooks import WebhookSender
 from taskgate import results, runtime, server
 from taskgate.auth import Authenticator
 from taskgate.config import Settings
+from taskgate.throttle import Throttle
 
 log = logging.getLogger("taskgate.notifier")
 
@@ -95,7 +96,9 @@ async def start(settings: Settings, backends: runtime.Backends | None = None) ->
     listener = Listener(b.database_url, {EVENT_CHANNEL: relay.notify, WEBHOOK_CHANNEL: sender.notify})
     hub = EventHub(b.bus)
     await hub.start()
-    service = TaskEventsService(settings, b.pool, hub, Authenticator(b.pool, settings.api_key_pepper), outputs=outputs)
+    throttle = Throttle.of(settings)
+    authenticator = Authenticator(b.pool, settings.api_key_pepper, throttle=throttle, service=SERVICE)
+    service = TaskEventsService(settings, b.pool, hub, authenticator, throttle, outputs=outputs)
     grpc_server, port, health_servicer = await server.start_server(settings, settings.notifier_port, register(service))
     tasks = [
         asyncio.create_task(listener.run(), name="notifier-listen"),

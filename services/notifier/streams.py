@@ -19,17 +19,19 @@ from nats.js.api import DeliverPolicy
 
 from taskgate import bus as busmod
 from taskgate import errors, eta, ids, results, store
-from taskgate.auth import Authenticator
+from taskgate.auth import Authenticator, Principal
 from taskgate.config import Settings
 from taskgate.states import Status
 from taskgate.store import events as event_store
 from taskgate.store import submissions
+from taskgate.throttle import Throttle
 from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
 from taskgate.wire import events as event_wire
 
 log = logging.getLogger("taskgate.notifier.streams")
 
 SERVICE_NAME = "taskgate.v1.TaskEvents"
+SERVICE = "events"  # the throttle's label for this service
 REPLAY_PAGE = 500
 MAX_CURSOR = 2**63 - 1  # cursors are event ids
 TRACKED_TASKS = 100_000  # per WatchTasks stream: tasks whose last version is remembered for de-duplication
@@ -314,6 +316,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         pool: asyncpg.Pool,
         hub: EventHub,
         authenticator: Authenticator,
+        throttle: Throttle,
         *,
         outputs: results.ResultStore | None = None,
     ) -> None:
@@ -321,6 +324,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self._pool = pool
         self._hub = hub
         self._auth = authenticator
+        self._throttle = throttle
         self._outputs = outputs
         self.keepalive = Keepalive(settings.stream_keepalive_seconds)
         self.estimates = Estimates(pool, settings)
@@ -333,6 +337,13 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
         principal = await self._auth.principal(context)
+        with self._throttle.stream(principal.tenant_id, SERVICE):  # the stream's place, held until it ends
+            async for response in self._watch_task(principal, request):
+                yield response
+
+    async def _watch_task(
+        self, principal: Principal, request: events_pb2.WatchTaskRequest
+    ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
         task_id = ids.require(request.task_id)
         if request.after_version < 0:
             raise errors.invalid_argument([("after_version", "must not be negative")])
@@ -398,6 +409,13 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self, request: events_pb2.WatchTasksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTasksResponse]:
         principal = await self._auth.principal(context)
+        with self._throttle.stream(principal.tenant_id, SERVICE):
+            async for response in self._watch_tasks(principal, request):
+                yield response
+
+    async def _watch_tasks(
+        self, principal: Principal, request: events_pb2.WatchTasksRequest
+    ) -> AsyncIterator[events_pb2.WatchTasksResponse]:
         tenant = principal.tenant_id
         wanted = _statuses(request.statuses)
         cursor = 0

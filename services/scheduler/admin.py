@@ -23,6 +23,7 @@ from taskgate.store import admin as admin_store
 from taskgate.store import callbacks as callback_store
 from taskgate.store import maintenance, tenants
 from taskgate.store import workers as worker_store
+from taskgate.throttle import Throttle
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, task_pb2
 
 log = logging.getLogger("taskgate.admin")
@@ -62,7 +63,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     ) -> None:
         self.settings = settings
         self.pool = pool
-        self.auth = Authenticator(pool, settings.api_key_pepper)
+        self.auth = Authenticator(pool, settings.api_key_pepper, throttle=Throttle.of(settings), service="admin")
         self.pages = paging.Pager(settings.api_key_pepper)
         self.task_scans = list(task_scans)
         self.requeuer = Requeuer(

@@ -27,6 +27,7 @@ from taskgate.server import mark_not_serving, start_server
 from taskgate.states import Status
 from taskgate.store import submissions
 from taskgate.store.submissions import Admission, Candidate, NewTask, Verdict
+from taskgate.throttle import Throttle
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate.wire import cancel
 
@@ -73,7 +74,9 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         self._settings = settings
         self._pool = backends.pool
         self._bus = backends.bus
-        self._auth = Authenticator(backends.pool, settings.api_key_pepper)
+        self._auth = Authenticator(
+            backends.pool, settings.api_key_pepper, throttle=Throttle.of(settings), service="submit"
+        )
         self._pages = paging.Pager(settings.api_key_pepper)
         self._cache = TerminalCache(settings.result_cache_size)
         self._results = result_store(settings, backends.bus)
