@@ -2,7 +2,10 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # the two distributions' metadata and the exact pins: a change to any of them reinstalls
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+PINS   := $(shell cat pyproject.toml clients/python/pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(PINS)
+# the wheels the packaging tests install, so that `make test` needs no package index once `make venv` has run
+WHEELHOUSE := $(VENV)/.wheelhouse-$(PINS)
 PYTEST := $(PY) -m pytest
 
 .PHONY: venv run test test-faults test-cluster lint proto tiny-model gpu-check bench constraints clean
@@ -15,14 +18,18 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps --force-reinstall -e ./clients/python
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
-venv: $(STAMP)
+$(WHEELHOUSE): $(STAMP) taskgate_local/wheelhouse.py
+	$(PY) -m taskgate_local.wheelhouse
+	rm -f $(VENV)/.wheelhouse-* && touch $(WHEELHOUSE)
+
+venv: $(STAMP) $(WHEELHOUSE)
 
 ## The first command: embedded PostgreSQL + NATS, the four services, and a real demo job.
 run: $(STAMP)
 	$(PY) -m taskgate_local.dev
 
 ## The whole suite against real PostgreSQL, NATS and gRPC (embedded servers, started per session).
-test: $(STAMP)
+test: venv
 	$(PYTEST) -q
 
 ## The fault-injection suite: kills every process while tasks run.

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from taskgate import sql
 from taskgate.config import Settings
+from taskgate_local import wheelhouse
 from taskgate_local.embedded import free_port
 from tests.conftest import _with_database
 from tests.harness import settings_env, wait_for
@@ -62,20 +63,14 @@ def _importable(python: str, module: str, cwd: Path, env: dict[str, str] | None 
     return subprocess.run([python, "-c", f"import {module}"], cwd=cwd, env=env, capture_output=True, check=False).returncode == 0
 
 
-def _python_for_client() -> str:
-    """The oldest Python the client supports (3.10) when this machine has it (on PATH or under pyenv), else this one."""
-    candidates = [shutil.which("python3.10"), *sorted(map(str, Path.home().glob(".pyenv/versions/3.10.*/bin/python3.10")))]
-    for found in filter(None, candidates):
-        if subprocess.run([found, "-c", "pass"], capture_output=True, check=False).returncode == 0:
-            return found
-    return sys.executable
-
-
 def _venv(python: str, where: Path, *wheel_files: Path) -> Path:
-    """A clean virtual environment holding `wheel_files` and their dependencies at the versions of constraints.txt."""
+    """A clean virtual environment holding `wheel_files` and their dependencies at the versions of constraints.txt, all
+    from the wheelhouse `make venv` filled: no package index is asked."""
+    if not wheelhouse.complete_marker().exists():
+        pytest.skip(f"no wheelhouse at {wheelhouse.location()}: `make venv` fills it (once, with the package index reachable)")
     _run([python, "-m", "venv", str(where)], cwd=where.parent)
-    _run([str(where / "bin" / "python"), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
-          *map(str, wheel_files)], cwd=where.parent)
+    _run([str(where / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheelhouse.location()),
+          "-c", str(ROOT / "constraints.txt"), *map(str, wheel_files)], cwd=where.parent)
     return where / "bin"
 
 
@@ -85,7 +80,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 async def test_client_wheel_alone_drives_a_stack_without_torch(wheels: dict[str, Path], cli: Cli, tmp_path: Path) -> None:  # noqa: F811
-    bin_dir = await asyncio.to_thread(_venv, _python_for_client(), tmp_path / "client-venv", wheels["taskgate_client"])
+    bin_dir = await asyncio.to_thread(_venv, wheelhouse.python_for_client(), tmp_path / "client-venv", wheels["taskgate_client"])
     python = str(bin_dir / "python")
     env = _clean_env(**{k: v for k, v in cli.env.items() if k.startswith("TASKGATE_") and "DATABASE" not in k and "NATS" not in k})
     for absent in ("torch", "diffusers", "asyncpg", "taskgate.store", "services"):
