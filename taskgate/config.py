@@ -63,6 +63,9 @@ class ModelSpec(BaseModel):
     offload: Literal["none", "model", "sequential"] = Field(
         default="none", description="CPU offload on CUDA: whole components (model) or layer by layer (sequential, slowest)."
     )
+    allow_pickle_weights: bool = Field(
+        default=False, description="Also load .bin/.pt weights (pickle runs code on load); default: safetensors only."
+    )
     vae_tiling: bool = Field(default=False, description="Decode the video in tiles: less GPU memory at large sizes.")
     vae_slicing: bool = Field(default=False, description="Decode batch entries one at a time.")
     attention_backend: str | None = Field(

@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -356,3 +357,20 @@ def test_gpu_check_skips_without_a_gpu_and_measures_on_the_cpu_when_told(capsys:
     (ltx,) = summary["families"]
     assert ltx["pipeline"] == "LTXPipeline" and ltx["deterministic"] and 0 < ltx["device_busy"] <= 1
     assert len(ltx["seconds_per_step"]) == 2 and summary["failed"] == []
+
+
+def test_pickled_weights_load_only_when_the_entry_allows_them(model_dir: Path, model_name: str, tmp_path: Path) -> None:
+    """A pickled checkpoint runs code as it loads: a folder whose transformer is a .bin is refused unless opted in."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "pickled"
+    shutil.copytree(model_dir, folder)
+    [weights] = (folder / "transformer").glob("*.safetensors")
+    saved = load_file(weights)
+    torch.save(saved, weights.with_suffix(".bin"))
+    weights.unlink()
+    with pytest.raises(OSError, match="safetensors"):
+        VideoPipeline.load(model_name, folder, "cpu", torch.float32)
+    allowed = VideoPipeline.load(model_name, folder, "cpu", torch.float32, LoadOptions(pickle_weights=True))
+    loaded = allowed.pipe.transformer.state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in saved.items())

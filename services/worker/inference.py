@@ -269,20 +269,25 @@ def _pipeline_class(folder: Path, wanted: str | None) -> Any:
     return cls
 
 
-def _load_diffusion_pipeline(folder: Path, dtype: torch.dtype, pipeline: str | None = None) -> Any:
-    """`pipeline`'s (or the folder's own class's) from_pretrained from a local folder, with or without `accelerate`."""
+def _load_diffusion_pipeline(
+    folder: Path, dtype: torch.dtype, pipeline: str | None = None, *, pickle_weights: bool = False
+) -> Any:
+    """`pipeline`'s (or the folder's own class's) from_pretrained from a local folder, with or without `accelerate`;
+    safetensors weights only unless `pickle_weights` (a pickled checkpoint runs code when it is loaded)."""
     from diffusers.utils.import_utils import is_accelerate_available
 
     loader = _pipeline_class(folder, pipeline)
+    # None lets diffusers take safetensors where present and fall back to pickles; True refuses the pickles
+    kw: dict[str, Any] = {"dtype": dtype, "local_files_only": True, "use_safetensors": None if pickle_weights else True}
     if is_accelerate_available():
-        return loader.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        return loader.from_pretrained(folder, **kw)
     # Without accelerate, diffusers 0.42 cannot load a model that pins modules to float32 (Wan's transformer
     # does): it refuses low_cpu_mem_usage=False for it and needs accelerate for True. Passing such a model in
     # pre-loaded does not help either: Wan lists its transformer as optional and loads it again regardless.
     # So load with the pins lifted, then put the pinned tensors back to float32 from the saved weights.
     pinned = _fp32_pinned_components(folder)
     with _fp32_pins_lifted([cls for cls, _ in pinned.values()]):
-        pipe = loader.from_pretrained(folder, dtype=dtype, local_files_only=True, low_cpu_mem_usage=False)
+        pipe = loader.from_pretrained(folder, **kw, low_cpu_mem_usage=False)
     if dtype != torch.float32:
         for name, (_, keep) in pinned.items():
             module = getattr(pipe, name, None)
@@ -339,6 +344,7 @@ class LoadOptions:
     compile_mode: str | None = None
     compile_backend: str = "inductor"
     call_options: tuple[tuple[str, Any], ...] = ()
+    pickle_weights: bool = False  # also load .bin/.pt weights (pickle can run code): only for folders you trust
 
     @classmethod
     def of(cls, spec: ModelSpec) -> LoadOptions:
@@ -353,6 +359,7 @@ class LoadOptions:
             compile_mode=spec.compile_mode,
             compile_backend=spec.compile_backend,
             call_options=tuple(sorted(spec.pipeline_options.items())),
+            pickle_weights=spec.allow_pickle_weights,
         )
 
 
@@ -456,7 +463,8 @@ class VideoPipeline:
         """Load a saved diffusers pipeline from a local folder onto a device with its runtime options, quietly."""
         _quiet_libraries()
         options = options or LoadOptions()
-        pipe = _place(_load_diffusion_pipeline(Path(folder), dtype, options.pipeline), torch.device(device), options)
+        loaded = _load_diffusion_pipeline(Path(folder), dtype, options.pipeline, pickle_weights=options.pickle_weights)
+        pipe = _place(loaded, torch.device(device), options)
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
         return cls(model_id, pipe, device, dtype, call_options=dict(options.call_options))
