@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(PINS)
 WHEELHOUSE := $(VENV)/.wheelhouse-$(PINS)
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv run test test-faults test-cluster lint proto tiny-model gpu-check bench constraints clean
+.PHONY: venv buf run test test-faults test-cluster lint proto tiny-model gpu-check bench constraints clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,7 +22,17 @@ $(WHEELHOUSE): $(STAMP) taskgate_local/wheelhouse.py
 	$(PY) -m taskgate_local.wheelhouse
 	rm -f $(VENV)/.wheelhouse-* && touch $(WHEELHOUSE)
 
-venv: $(STAMP) $(WHEELHOUSE)
+# buf (lint and breaking checks of protos/) from npm's @bufbuild/buf into $(VENV)/buf; without npm its checks skip
+BUF_VERSION := 1.75.0
+BUF := $(VENV)/buf/.installed-$(BUF_VERSION)
+
+$(BUF): $(STAMP)
+	if command -v npm >/dev/null; then \
+		npm install -s --prefix $(VENV)/buf --no-save --no-audit --no-fund @bufbuild/buf@$(BUF_VERSION) \
+		&& rm -f $(VENV)/buf/.installed-* && touch $(BUF); \
+	else echo "npm not found: buf is not installed, its checks skip (make buf needs it)"; fi
+
+venv: $(STAMP) $(WHEELHOUSE) $(BUF)
 
 ## The first command: embedded PostgreSQL + NATS, the four services, and a real demo job.
 run: $(STAMP)
@@ -43,6 +53,10 @@ test-cluster: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy taskgate taskgate_client taskgate_local services tests bench
+
+## buf lint of protos/ and buf breaking against the previous release (the compatibility promise of taskgate.v1).
+buf: venv
+	$(PY) -m taskgate_local.buf
 
 ## Regenerates the gRPC code and its typed stubs from protos/.
 proto: $(STAMP)

@@ -10,9 +10,10 @@ import time
 from typing import Any
 
 from opentelemetry import trace
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
 
 from taskgate.config import Settings
+from taskgate_client.version import __version__
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -61,7 +62,8 @@ def configure_logging(service: str, level: str = "INFO") -> None:
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
-    """Serves /metrics on its own port; 0 disables it."""
+    """Serves /metrics on its own port (with taskgate_build_info); 0 disables it."""
+    BUILD.info({"version": __version__})
     if port:
         start_http_server(port, addr=host)
 
@@ -92,6 +94,7 @@ RUN_TIME = Histogram("taskgate_task_run_seconds", "Time from claimed to finished
 END_TO_END = Histogram(
     "taskgate_task_end_to_end_seconds", "Time from created to a terminal state.", ["model"], buckets=JOB_BUCKETS
 )
+BUILD = Info("taskgate_build", "The taskgate release this process runs (label version).")
 QUEUE_DEPTH = Gauge("taskgate_queue_depth", "QUEUED tasks.", ["model"])
 QUEUE_OLDEST_AGE = Gauge("taskgate_queue_oldest_age_seconds", "Age of the oldest QUEUED task.", ["model"])
 QUEUE_TIMEOUT = Gauge("taskgate_queue_timeout_seconds", "Configured QUEUED timeout, for alerts on the oldest age.", ["model"])

@@ -20,6 +20,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from opentelemetry.util.types import AttributeValue
 
+from taskgate_client.version import __version__
+
 log = logging.getLogger("taskgate.tracing")
 
 Carrier = dict[str, str]
@@ -70,7 +72,8 @@ def configure(service: str) -> bool:
             log.error("unknown OTEL_TRACES_EXPORTER entry ignored", extra={"exporter": name})
     if not exporters:
         return False
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"taskgate-{service}"})
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"taskgate-{service}",
+                                "service.version": __version__})
     # OTEL_TRACES_SAMPLER wins when set; the default keeps every trace but those a bare background query would start
     sampler = None if os.environ.get("OTEL_TRACES_SAMPLER") else _default_sampler()
     provider = TracerProvider(resource=resource, sampler=sampler)

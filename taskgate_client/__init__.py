@@ -31,6 +31,7 @@ from taskgate_client.errors import (
 from taskgate_client.handles import AsyncTaskHandle, TaskHandle
 from taskgate_client.sync import EventStream, TaskgateClient, connect
 from taskgate_client.types import ImageSource, InputImage, Status, SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult
+from taskgate_client.version import __version__
 from taskgate_client.webhooks import WebhookVerificationError, verify_webhook
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "Unavailable",
     "WaitTimeout",
     "WebhookVerificationError",
+    "__version__",
     "connect",
     "connect_async",
     "make_config",

@@ -43,6 +43,7 @@ from taskgate_client.config import DEFAULT_ADDRESS, ClientConfig
 from taskgate_client.local import LocalStack, find_state_dir
 from taskgate_client.progress import follow
 from taskgate_client.repair import repair
+from taskgate_client.version import __version__
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -725,6 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n", 2)[2] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"taskgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, handler: object, help_text: str, parent: Any = sub) -> argparse.ArgumentParser:

@@ -9,6 +9,8 @@ from typing import TypedDict
 
 import grpc
 
+from taskgate_client.version import __version__
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 EVENTS_PORT = 50052
 ADMIN_PORT = 50053
@@ -106,7 +108,7 @@ class ClientConfig:
 
     def channel_options(self) -> list[tuple[str, object]]:
         options: list[tuple[str, object]] = [
-            ("grpc.primary_user_agent", "taskgate-sdk/0.1"),
+            ("grpc.primary_user_agent", f"taskgate-sdk/{__version__}"),
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),

@@ -1,5 +1,6 @@
-"""Tracing: one task's spans from the four service processes reach a real OTLP receiver as one trace, parents intact;
-off by default; logs and the SDK carry the context."""
+"""Tracing: one task's spans from the four service processes reach a real OTLP receiver as one trace, parents intact,
+each process naming the release (service.version, and taskgate_build_info on its /metrics); off by default; logs and
+the SDK carry the context."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
@@ -24,7 +26,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from taskgate import auth, telemetry, tracing
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
-from taskgate_client import connect_async, tracecontext
+from taskgate_client import __version__, connect_async, tracecontext
+from taskgate_local.embedded import free_port
 from tests.harness import Cluster, WebhookReceiver, wait_for
 
 SERVICES = {"taskgate-submit", "taskgate-scheduler", "taskgate-worker", "taskgate-notifier"}
@@ -42,6 +45,7 @@ class Collected:
     kind: str
     failed: bool
     attributes: dict[str, Any] = field(hash=False)
+    version: str = ""  # the resource's service.version
 
 
 def _value(value: common_pb2.AnyValue) -> Any:
@@ -72,6 +76,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                             kind=trace_pb2.Span.SpanKind.Name(s.kind).removeprefix("SPAN_KIND_"),
                             failed=s.status.code == trace_pb2.Status.STATUS_CODE_ERROR,
                             attributes={a.key: _value(a.value) for a in s.attributes},
+                            version=str(resource.get("service.version")),
                         )
                     )
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -129,9 +134,11 @@ async def test_one_task_is_one_trace_across_the_four_service_processes(
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
-    for name in ("submit", "scheduler", "notifier", "worker"):
+    metrics_ports = {name: free_port() for name in ("submit", "scheduler", "notifier", "worker")}
+    for name, metrics_port in metrics_ports.items():
         service = cluster.add(name, f"services.{name}")
         service.env = {k: v for k, v in service.env.items() if not k.startswith("OTEL_")} | otel
+        service.env[f"TASKGATE_{name.upper()}_METRICS_PORT"] = str(metrics_port)
     api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "traced")
     provider = TracerProvider(resource=Resource.create({"service.name": "test-client"}))
     mine = InMemorySpanExporter()
@@ -169,6 +176,10 @@ async def test_one_task_is_one_trace_across_the_four_service_processes(
                 )
 
             await wait_for(complete, 30)
+            async with httpx.AsyncClient() as http:
+                for port in metrics_ports.values():
+                    scraped = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+                    assert f'taskgate_build_info{{version="{__version__}"}} 1.0' in scraped
     finally:
         cluster.stop()
 
@@ -179,6 +190,7 @@ async def test_one_task_is_one_trace_across_the_four_service_processes(
     by_id = {s.span_id: s for s in spans}
     assert [s.name for s in spans if s.parent_id not in by_id] == ["client submit"], "one root; every parent is there"
     assert {s.service for s in spans} == SERVICES | {"test-client"}
+    assert {s.version for s in collector.spans} == {__version__}, "every service's resource names this release"
 
     # the submit's server span continues the client's; the dispatches and the re-publish continue the submit's
     [rpc] = [s for s in spans if s.service == "taskgate-submit" and s.kind == "SERVER"]
