@@ -284,6 +284,7 @@ class Settings(BaseSettings):
     requeue_batch_size: int = Field(default=50, ge=1, le=1000, description="RequeueTasks batch size when the caller gives none.")
     admin_page_size: int = Field(default=100, ge=1, description="Admin listings' page size when the caller gives none.")
     admin_max_page_size: int = Field(default=1000, ge=1, description="Largest admin listing page (and ListStuckTasks limit).")
+    usage_max_rows: int = Field(default=10000, ge=1, description="Most rows one GetUsage answer holds (it says when more matched).")
 
     # Retention (the scheduler deletes what expired, scan_batch_size rows of each kind per pass; 0 keeps forever)
     retain_tasks_seconds: float = Field(

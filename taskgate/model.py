@@ -44,6 +44,8 @@ class TaskRow:
     timeout_extended: bool = False
     worker_losses: int = 0
     processed_seconds: float = 0.0
+    device_seconds: float = 0.0  # metered, summed over the attempts that ended on their worker
+    slot_seconds: float = 0.0
     cancel_mode: str | None = None
     not_before: datetime | None = None
     error_code: str | None = None
@@ -118,6 +120,7 @@ class TaskRow:
             callback_events=self.callback_events,
             result_reused=self.result_reused,
             replay_of=str(self.replay_of) if self.replay_of is not None else "",
+            usage=task_pb2.TaskUsage(gpu_seconds=self.device_seconds, slot_seconds=self.slot_seconds),
         )
         image = p.get("image")
         if isinstance(image, dict):

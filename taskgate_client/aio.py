@@ -11,6 +11,7 @@ import urllib.request
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -751,6 +752,21 @@ class AsyncTaskgateClient:
             lambda: self.admin_stub.RevokeApiKeys(request, metadata=self.admin_metadata, timeout=self.config.call_timeout)
         )
         return response.revoked
+
+    async def usage(
+        self, tenant: str | None = None, *, since: datetime | None = None, until: datetime | None = None,
+        by_hour: bool = False,
+    ) -> admin_pb2.GetUsageResponse:
+        """Metered GPU-seconds and slot seconds per tenant and model (per UTC hour with `by_hour`) from `since`'s hour
+        (default: 24 hours ago) to before `until` (default: now)."""
+        request = admin_pb2.GetUsageRequest(tenant=tenant or "", by_hour=by_hour)
+        if since is not None:
+            request.since.FromDatetime(since)
+        if until is not None:
+            request.until.FromDatetime(until)
+        return await self._call(
+            lambda: self.admin_stub.GetUsage(request, metadata=self.admin_metadata, timeout=self.config.call_timeout)
+        )
 
     async def purge(self, older_than: float, *, dry_run: bool = False) -> admin_pb2.PurgeTasksResponse:
         """Deletes finished tasks (with their history and outputs) and reusable outputs older than `older_than`

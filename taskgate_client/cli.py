@@ -19,7 +19,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -666,6 +666,27 @@ async def cmd_admin_revoke_key(client: AsyncTaskgateClient, args: argparse.Names
     return EXIT_OK
 
 
+async def cmd_admin_usage(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    since = datetime.now(UTC) - timedelta(seconds=args.since)
+    found = await client.usage(args.tenant, since=since, by_hour=args.by_hour)
+    if out.json:
+        out.document(_proto_dict(found))
+        return EXIT_OK
+    head = ["TENANT", "MODEL", *(["HOUR (UTC)"] if args.by_hour else []), "GPU-SECONDS", "SLOT SECONDS", "ATTEMPTS"]
+    rows = [
+        [u.tenant, u.model_id, *([u.hour.ToDatetime().strftime("%Y-%m-%d %H:00")] if args.by_hour else []),
+         f"{u.gpu_seconds:.1f}", f"{u.slot_seconds:.1f}", u.attempts]
+        for u in found.rows
+    ]
+    if not rows:
+        out.line("no metered use in that range")
+        return EXIT_OK
+    out.table(head, rows)
+    if found.truncated:
+        out.line("\n(more rows matched: narrow --since or --tenant)")
+    return EXIT_OK
+
+
 async def cmd_admin_purge(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
     done = await client.purge(args.older_than, dry_run=args.dry_run)
     if out.json:
@@ -826,6 +847,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", help="only this tenant's")
     p = add("revoke-key", cmd_admin_revoke_key, "revoke the live API keys with a prefix (as `admin keys` shows)", admin_sub)
     p.add_argument("prefix")
+    p = add("usage", cmd_admin_usage, "metered GPU-seconds and slot seconds per tenant and model", admin_sub)
+    p.add_argument("--tenant", help="only this tenant's")
+    p.add_argument("--since", type=_age, default=86400.0, metavar="AGE", help="from this long ago: 90m, 12h, 7d (default 24h)")
+    p.add_argument("--by-hour", action="store_true", help="one row per UTC hour")
     p = add("purge", cmd_admin_purge, "delete finished tasks, their history and outputs older than an age", admin_sub)
     p.add_argument("--older-than", type=_age, required=True, metavar="AGE", help="finished this long ago: 3600, 90m, 12h, 30d")
     p.add_argument("--dry-run", action="store_true", help="count only, delete nothing")

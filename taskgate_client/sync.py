@@ -9,6 +9,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
 from concurrent.futures import Future
+from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -241,6 +242,13 @@ class TaskgateClient:
     def revoke_api_keys(self, prefix: str) -> int:
         """Admin: revokes the live keys with a prefix; how many."""
         return self._runner.run(self._client.revoke_api_keys(prefix))
+
+    def usage(
+        self, tenant: str | None = None, *, since: datetime | None = None, until: datetime | None = None,
+        by_hour: bool = False,
+    ) -> admin_pb2.GetUsageResponse:
+        """Admin: metered GPU-seconds and slot seconds per tenant and model (per UTC hour with `by_hour`)."""
+        return self._runner.run(self._client.usage(tenant, since=since, until=until, by_hour=by_hour))
 
     def purge(self, older_than: float, *, dry_run: bool = False) -> admin_pb2.PurgeTasksResponse:
         """Admin: deletes finished tasks and reusable outputs older than `older_than` seconds (dry_run: counts only)."""

@@ -78,6 +78,7 @@ def payload(row: RelayEvent, kind: str) -> dict[str, Any]:
             "queued_at": iso(row.queued_at),
             "started_at": iso(row.started_at),
             "finished_at": iso(row.finished_at) if terminal else None,
+            "usage": {"gpu_seconds": row.device_seconds, "slot_seconds": row.slot_seconds} if terminal else None,
             "event_at": iso(event.at),
         },
     }

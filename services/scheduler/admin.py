@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import grpc
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.scheduler.requeue import REPLAYABLE, Item, Requeuer
 from services.scheduler.scans import Action, Retention, RetentionScan, TaskScan, count
@@ -21,7 +22,7 @@ from taskgate.model import timestamp
 from taskgate.states import UNFINISHED, CallbackStatus, Status
 from taskgate.store import admin as admin_store
 from taskgate.store import callbacks as callback_store
-from taskgate.store import maintenance, tenants
+from taskgate.store import maintenance, tenants, usage
 from taskgate.store import workers as worker_store
 from taskgate.throttle import Throttle
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, task_pb2
@@ -344,6 +345,35 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
                 info.revoked_at.CopyFrom(timestamp(k.revoked_at))
         return response
 
+    async def GetUsage(self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext) -> admin_pb2.GetUsageResponse:
+        """Metered seconds per tenant and model (per hour when asked) over a range of hours, from usage_hour."""
+        await self.auth.principal(context, admin=True)
+        bad: list[tuple[str, str]] = []
+        if request.tenant and not auth.valid_tenant_name(request.tenant):
+            bad.append(("tenant", "must be 1-64 of A-Z a-z 0-9 _ -"))
+        now = datetime.now(UTC)
+        until = _moment(request.until, "until", bad) if request.HasField("until") else now
+        since = _moment(request.since, "since", bad) if request.HasField("since") else now - timedelta(days=1)
+        if not bad and since >= until:
+            bad.append(("since", "must be before until"))
+        if bad:
+            raise errors.invalid_argument(bad)
+        limit = self.settings.usage_max_rows
+        rows = await usage.usage(
+            self.pool, since=since, until=until, tenant_id=request.tenant or None, by_hour=request.by_hour, limit=limit + 1
+        )
+        response = admin_pb2.GetUsageResponse(
+            since=timestamp(since), until=timestamp(until), truncated=len(rows) > limit
+        )
+        for u in rows[:limit]:
+            row = response.rows.add(
+                tenant=u.tenant_id, model_id=u.model_id, gpu_seconds=u.device_seconds, slot_seconds=u.slot_seconds,
+                attempts=u.attempts,
+            )
+            if u.hour is not None:
+                row.hour.CopyFrom(timestamp(u.hour))
+        return response
+
     async def RevokeApiKeys(
         self, request: admin_pb2.RevokeApiKeysRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.RevokeApiKeysResponse:
@@ -397,3 +427,12 @@ def _requeue_item(item: Item) -> admin_pb2.RequeueItem:
         action=item.outcome.value,
         detail=item.detail,
     )
+
+
+def _moment(value: Timestamp, name: str, bad: list[tuple[str, str]]) -> datetime:
+    """A request's timestamp as a datetime; out of the years 1-9999 is a violation (and answers now)."""
+    try:
+        return value.ToDatetime(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        bad.append((name, "must be a time between the years 1 and 9999"))
+        return datetime.now(UTC)

@@ -80,7 +80,7 @@ class Finisher:
                 run,
                 lambda: store.retry(
                     self.pool, task.id, attempt=task.attempt, error=failure.error, delay_seconds=failure.delay, actor=ACTOR,
-                    reason=f"retry {failure.retry} of {task.max_retries}",
+                    reason=f"retry {failure.retry} of {task.max_retries}", metered=run.metered(),
                 ),
             )
         else:
@@ -89,7 +89,7 @@ class Finisher:
                 run,
                 lambda: store.fail(
                     self.pool, task.id, error=failure.error, actor=ACTOR, reason=failure.reason, attempt=task.attempt,
-                    dead_letter=failure.dead_letter,
+                    dead_letter=failure.dead_letter, metered=run.metered(),
                 ),
             )
         step = decide(out.task, attempt=run.attempt, run=failure)
@@ -108,7 +108,10 @@ class Finisher:
             out = await self._persist(
                 "release",
                 run,
-                lambda: store.release(self.pool, run.task.id, actor=ACTOR, reason="worker draining", expected_attempt=run.attempt),
+                lambda: store.release(
+                    self.pool, run.task.id, actor=ACTOR, reason="worker draining", expected_attempt=run.attempt,
+                    metered=run.metered(),
+                ),
             )
             reason = decide(out.task, attempt=run.attempt, run=Released())
         if reason.fate is Fate.LOST:
@@ -121,7 +124,9 @@ class Finisher:
         out = await self._persist(
             "succeed",
             run,
-            lambda: store.succeed(self.pool, task.id, attempt=task.attempt, result=result, actor=ACTOR, reason=reason),
+            lambda: store.succeed(
+                self.pool, task.id, attempt=task.attempt, result=result, actor=ACTOR, reason=reason, metered=run.metered()
+            ),
         )
         produced = Produced(result.uri, reused=result.reused)
         step = decide(out.task, attempt=run.attempt, run=produced)

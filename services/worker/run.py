@@ -56,6 +56,11 @@ class Run:
     last_write: float = field(default_factory=time.monotonic)  # when it was sent (monotonic)
     writing: asyncio.Event | None = None  # set once the beat statement carrying its latest progress has ended
     started: float = field(default_factory=time.monotonic)
+    device_seconds: float = 0.0  # how long it has held a device
+
+    def metered(self) -> store.Metered:
+        """This attempt's seconds so far, as its final write records them."""
+        return store.Metered(self.device_seconds, time.monotonic() - self.started)
 
     @property
     def attempt(self) -> int:
@@ -135,9 +140,13 @@ class Attempts:
             inp = runmod.RunInput(task.id, task.attempt, task.prompt, dict(task.request_payload), image)
             async with self.devices.use({d for m, d in self.runners if m == task.model_id}) as lane:
                 model_runner = self.runners[(task.model_id, lane.device)]
-                rendered = await loop.run_in_executor(
-                    lane.executor, contextvars.copy_context().run, model_runner.render, inp, on_step, run.abort.is_set
-                )
+                held = time.monotonic()
+                try:
+                    rendered = await loop.run_in_executor(
+                        lane.executor, contextvars.copy_context().run, model_runner.render, inp, on_step, run.abort.is_set
+                    )
+                finally:  # a failed or aborted device phase held the device too
+                    run.device_seconds += time.monotonic() - held
             output = await loop.run_in_executor(self.encoders, contextvars.copy_context().run, model_runner.encode, rendered)
         except runmod.RunAborted:
             raise

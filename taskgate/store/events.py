@@ -84,6 +84,8 @@ class RelayEvent:
     started_at: datetime | None
     finished_at: datetime | None
     trace_context: dict[str, str] | None = None  # the task's: the relay's span continues its trace
+    device_seconds: float = 0.0  # the task's metered seconds when the relay read it
+    slot_seconds: float = 0.0
 
 
 async def lock_relay(conn: asyncpg.Connection) -> datetime | None:
@@ -108,6 +110,8 @@ async def take_unpublished(conn: asyncpg.Connection, *, limit: int) -> list[Rela
             started_at=r["task_started_at"],
             finished_at=r["task_finished_at"],
             trace_context=r["task_trace_context"],
+            device_seconds=r["task_device_seconds"],
+            slot_seconds=r["task_slot_seconds"],
         )
         for r in rows
     ]

@@ -143,15 +143,30 @@ class Progress:
 
 
 @dataclass(frozen=True, slots=True)
+class Metered:
+    """An attempt's measured seconds: holding its device (the model's device phase) and holding its slot."""
+
+    device_seconds: float = 0.0
+    slot_seconds: float = 0.0
+
+    def params(self) -> tuple[float, float]:
+        return (max(self.device_seconds, 0.0), max(self.slot_seconds, 0.0))
+
+
+UNMETERED = Metered()  # a move made by anyone but the attempt's own worker: no seconds of its own to add
+
+
+@dataclass(frozen=True, slots=True)
 class Succeed:
-    """PROCESSING -> SUCCEEDED with its result."""
+    """PROCESSING -> SUCCEEDED with its result and the attempt's measured seconds."""
 
     result: ResultRef
+    metered: Metered = UNMETERED
     move: ClassVar[Move] = Move.SUCCEED
 
     def params(self) -> tuple[object, ...]:
         r = self.result
-        return (r.uri, r.content_type, r.size, r.sha256, r.reused)
+        return (r.uri, r.content_type, r.size, r.sha256, r.reused, *self.metered.params())
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +175,11 @@ class Fail:
 
     error: TaskError
     worker_lost: bool = False
+    metered: Metered = UNMETERED
     move: ClassVar[Move] = Move.FAIL
 
     def params(self) -> tuple[object, ...]:
-        return (self.error.code, self.error.message, self.worker_lost)
+        return (self.error.code, self.error.message, self.worker_lost, *self.metered.params())
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,10 +188,11 @@ class Retry:
 
     error: TaskError
     delay_seconds: float
+    metered: Metered = UNMETERED
     move: ClassVar[Move] = Move.RETRY
 
     def params(self) -> tuple[object, ...]:
-        return (self.error.code, self.error.message, self.delay_seconds)
+        return (self.error.code, self.error.message, self.delay_seconds, *self.metered.params())
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,10 +203,11 @@ class Release:
     """
 
     worker_lost: bool = False
+    metered: Metered = UNMETERED
     move: ClassVar[Move] = Move.RELEASE
 
     def params(self) -> tuple[object, ...]:
-        return (self.worker_lost,)
+        return (self.worker_lost, *self.metered.params())
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,16 +337,22 @@ async def progress(
     return await apply(db, task_id, Progress(percent, lease_seconds), actor=actor, reason=reason, expected_attempt=attempt)
 
 
-async def succeed(db: Conn, task_id: int, *, attempt: int, result: ResultRef, actor: str, reason: str | None = None) -> Outcome:
+async def succeed(
+    db: Conn, task_id: int, *, attempt: int, result: ResultRef, actor: str, reason: str | None = None,
+    metered: Metered = UNMETERED,
+) -> Outcome:
     """PROCESSING -> SUCCEEDED with its result, only for the attempt that still holds the task."""
-    return await apply(db, task_id, Succeed(result), actor=actor, reason=reason, expected_attempt=attempt)
+    return await apply(db, task_id, Succeed(result, metered), actor=actor, reason=reason, expected_attempt=attempt)
 
 
 async def retry(
-    db: Conn, task_id: int, *, attempt: int, error: TaskError, delay_seconds: float, actor: str, reason: str | None = None
+    db: Conn, task_id: int, *, attempt: int, error: TaskError, delay_seconds: float, actor: str, reason: str | None = None,
+    metered: Metered = UNMETERED,
 ) -> Outcome:
     """PROCESSING -> QUEUED after a retryable failure; claimable again after `delay_seconds`."""
-    return await apply(db, task_id, Retry(error, delay_seconds), actor=actor, reason=reason, expected_attempt=attempt)
+    return await apply(
+        db, task_id, Retry(error, delay_seconds, metered), actor=actor, reason=reason, expected_attempt=attempt
+    )
 
 
 async def release(
@@ -340,10 +364,11 @@ async def release(
     expected_version: int | None = None,
     expected_attempt: int | None = None,
     worker_lost: bool = False,
+    metered: Metered = UNMETERED,
 ) -> Outcome:
     """PROCESSING -> QUEUED without spending a retry; `worker_lost` counts a lost worker's attempt."""
     return await apply(
-        db, task_id, Release(worker_lost), actor=actor, reason=reason, expected_version=expected_version,
+        db, task_id, Release(worker_lost, metered), actor=actor, reason=reason, expected_version=expected_version,
         expected_attempt=expected_attempt,
     )
 
@@ -366,11 +391,12 @@ async def fail(
     expected_version: int | None = None,
     dead_letter: bool = False,
     worker_lost: bool = False,
+    metered: Metered = UNMETERED,
 ) -> Outcome:
     """PROCESSING -> FAILED; with `dead_letter`, a dead_letter row in the same transaction; `worker_lost` counts a lost
     worker's attempt."""
     return await _end(
-        db, task_id, Fail(error, worker_lost), actor=actor, reason=reason, attempt=attempt, version=expected_version,
+        db, task_id, Fail(error, worker_lost, metered), actor=actor, reason=reason, attempt=attempt, version=expected_version,
         dead_letter=dead_letter,
     )
 

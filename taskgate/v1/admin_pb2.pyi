@@ -913,3 +913,115 @@ class RevokeApiKeysResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RevokeApiKeysResponse: _TypeAlias = RevokeApiKeysResponse  # noqa: Y015
+
+@_typing.final
+class GetUsageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    UNTIL_FIELD_NUMBER: _builtins.int
+    BY_HOUR_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """empty: every tenant"""
+    by_hour: _builtins.bool
+    """one row per UTC hour; otherwise one per tenant and model over the whole range"""
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """from this hour on (rounded down to the hour); unset: 24 hours ago"""
+
+    @_builtins.property
+    def until(self) -> _timestamp_pb2.Timestamp:
+        """before this time; unset: now"""
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        until: _timestamp_pb2.Timestamp | None = ...,
+        by_hour: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since", "until", b"until"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["by_hour", b"by_hour", "since", b"since", "tenant", b"tenant", "until", b"until"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetUsageRequest: _TypeAlias = GetUsageRequest  # noqa: Y015
+
+@_typing.final
+class UsageRow(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    MODEL_ID_FIELD_NUMBER: _builtins.int
+    HOUR_FIELD_NUMBER: _builtins.int
+    GPU_SECONDS_FIELD_NUMBER: _builtins.int
+    SLOT_SECONDS_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    model_id: _builtins.str
+    gpu_seconds: _builtins.float
+    """seconds attempts held a device (the model's device phase)"""
+    slot_seconds: _builtins.float
+    """seconds attempts held a worker slot"""
+    attempts: _builtins.int
+    """attempts that ended (succeeded, failed, retried, released by their worker)"""
+    @_builtins.property
+    def hour(self) -> _timestamp_pb2.Timestamp:
+        """by_hour only: the UTC hour the attempts ended in"""
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        model_id: _builtins.str = ...,
+        hour: _timestamp_pb2.Timestamp | None = ...,
+        gpu_seconds: _builtins.float = ...,
+        slot_seconds: _builtins.float = ...,
+        attempts: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hour", b"hour"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "gpu_seconds", b"gpu_seconds", "hour", b"hour", "model_id", b"model_id", "slot_seconds", b"slot_seconds", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UsageRow: _TypeAlias = UsageRow  # noqa: Y015
+
+@_typing.final
+class GetUsageResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    UNTIL_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    truncated: _builtins.bool
+    """more rows than usage_max_rows matched: narrow the range or the tenant"""
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageRow]:
+        """by tenant, then model (then hour)"""
+
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """the range read"""
+
+    @_builtins.property
+    def until(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        rows: _abc.Iterable[Global___UsageRow] | None = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        until: _timestamp_pb2.Timestamp | None = ...,
+        truncated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since", "until", b"until"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows", "since", b"since", "truncated", b"truncated", "until", b"until"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetUsageResponse: _TypeAlias = GetUsageResponse  # noqa: Y015

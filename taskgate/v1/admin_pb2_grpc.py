@@ -90,6 +90,11 @@ class TaskAdminStub:
                 request_serializer=taskgate_dot_v1_dot_admin__pb2.PurgeTasksRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_admin__pb2.PurgeTasksResponse.FromString,
                 _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/taskgate.v1.TaskAdmin/GetUsage',
+                request_serializer=taskgate_dot_v1_dot_admin__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_admin__pb2.GetUsageResponse.FromString,
+                _registered_method=True)
 
 
 class TaskAdminServicer:
@@ -168,6 +173,13 @@ class TaskAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetUsage(self, request, context):
+        """Metered GPU-seconds and slot seconds per tenant and model (and per hour when asked), from PostgreSQL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TaskAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -225,6 +237,11 @@ def add_TaskAdminServicer_to_server(servicer, server):
                     servicer.PurgeTasks,
                     request_deserializer=taskgate_dot_v1_dot_admin__pb2.PurgeTasksRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_admin__pb2.PurgeTasksResponse.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=taskgate_dot_v1_dot_admin__pb2.GetUsageRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_admin__pb2.GetUsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -525,6 +542,33 @@ class TaskAdmin:
             '/taskgate.v1.TaskAdmin/PurgeTasks',
             taskgate_dot_v1_dot_admin__pb2.PurgeTasksRequest.SerializeToString,
             taskgate_dot_v1_dot_admin__pb2.PurgeTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskAdmin/GetUsage',
+            taskgate_dot_v1_dot_admin__pb2.GetUsageRequest.SerializeToString,
+            taskgate_dot_v1_dot_admin__pb2.GetUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

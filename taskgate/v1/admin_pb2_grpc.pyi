@@ -50,6 +50,8 @@ class TaskAdminStub:
     """Revokes the live keys with a prefix (as listed)."""
     PurgeTasks: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PurgeTasksRequest, _admin_pb2.PurgeTasksResponse]
     """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches."""
+    GetUsage: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetUsageRequest, _admin_pb2.GetUsageResponse]
+    """Metered GPU-seconds and slot seconds per tenant and model (and per hour when asked), from PostgreSQL."""
 
 @_typing.type_check_only
 class TaskAdminAsyncStub(TaskAdminStub):
@@ -73,6 +75,8 @@ class TaskAdminAsyncStub(TaskAdminStub):
     """Revokes the live keys with a prefix (as listed)."""
     PurgeTasks: _aio.UnaryUnaryMultiCallable[_admin_pb2.PurgeTasksRequest, _admin_pb2.PurgeTasksResponse]  # type: ignore[assignment]
     """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches."""
+    GetUsage: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetUsageRequest, _admin_pb2.GetUsageResponse]  # type: ignore[assignment]
+    """Metered GPU-seconds and slot seconds per tenant and model (and per hour when asked), from PostgreSQL."""
 
 class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
     """Operators' API (scheduler). Requires an admin key."""
@@ -159,5 +163,13 @@ class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.PurgeTasksResponse, _abc.Awaitable[_admin_pb2.PurgeTasksResponse]]:
         """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches."""
+
+    @_abc_1.abstractmethod
+    def GetUsage(
+        self,
+        request: _admin_pb2.GetUsageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetUsageResponse, _abc.Awaitable[_admin_pb2.GetUsageResponse]]:
+        """Metered GPU-seconds and slot seconds per tenant and model (and per hour when asked), from PostgreSQL."""
 
 def add_TaskAdminServicer_to_server(servicer: TaskAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -289,6 +289,7 @@ class Task(_message.Message):
     ESTIMATED_FINISH_FIELD_NUMBER: _builtins.int
     IMAGE_FIELD_NUMBER: _builtins.int
     REPLAY_OF_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """64-bit time-ordered id, decimal"""
     user_id: _builtins.str
@@ -345,6 +346,10 @@ class Task(_message.Message):
     def image(self) -> Global___InputImage:
         """image-to-video: the input the task runs from"""
 
+    @_builtins.property
+    def usage(self) -> Global___TaskUsage:
+        """what its attempts used so far (metering)"""
+
     def __init__(
         self,
         *,
@@ -381,14 +386,41 @@ class Task(_message.Message):
         estimated_finish: _timestamp_pb2.Timestamp | None = ...,
         image: Global___InputImage | None = ...,
         replay_of: _builtins.str = ...,
+        usage: Global___TaskUsage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "image", b"image", "params", b"params", "queued_at", b"queued_at", "result", b"result", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "image", b"image", "params", b"params", "queued_at", b"queued_at", "result", b"result", "started_at", b"started_at", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_position", b"queue_position", "queued_at", b"queued_at", "replay_of", b"replay_of", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_position", b"queue_position", "queued_at", b"queued_at", "replay_of", b"replay_of", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "usage", b"usage", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Task: _TypeAlias = Task  # noqa: Y015
+
+@_typing.final
+class TaskUsage(_message.Message):
+    """A task's metered seconds, summed over its attempts that ended on their worker (a retried attempt's included)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPU_SECONDS_FIELD_NUMBER: _builtins.int
+    SLOT_SECONDS_FIELD_NUMBER: _builtins.int
+    gpu_seconds: _builtins.float
+    """seconds its attempts held a device: the model's device phase (GPU-seconds)"""
+    slot_seconds: _builtins.float
+    """seconds its attempts held a worker slot: input, device phase, encoding, storing"""
+    def __init__(
+        self,
+        *,
+        gpu_seconds: _builtins.float = ...,
+        slot_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_seconds", b"gpu_seconds", "slot_seconds", b"slot_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskUsage: _TypeAlias = TaskUsage  # noqa: Y015
 
 @_typing.final
 class TaskEvent(_message.Message):

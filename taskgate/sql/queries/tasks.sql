@@ -51,8 +51,10 @@ WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
 RETURNING t.*, o.old_status;
 
 -- name: succeed_task
--- PROCESSING -> SUCCEEDED with the result. $7 uri, $8 content type, $9 size, $10 sha256, $11 reused.
+-- PROCESSING -> SUCCEEDED with the result. $7 uri, $8 content type, $9 size, $10 sha256, $11 reused, $12 and $13 the
+-- attempt's device and slot seconds (metered, functions/usage.sql).
 UPDATE task t SET status = 'SUCCEEDED', version = t.version + 1, progress = 100, result_uri = $7,
+       device_seconds = t.device_seconds + $12, slot_seconds = t.slot_seconds + $13,
        result_content_type = $8, result_size = $9, result_sha256 = $10, result_reused = $11,
        error_code = NULL, error_msg = NULL, lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
@@ -62,8 +64,10 @@ WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
 RETURNING t.*, o.old_status;
 
 -- name: fail_task
--- PROCESSING -> FAILED. $7 error code, $8 error message, $9 whether the attempt's worker was lost (counted).
+-- PROCESSING -> FAILED. $7 error code, $8 error message, $9 whether the attempt's worker was lost (counted), $10 and
+-- $11 the attempt's device and slot seconds.
 UPDATE task t SET status = 'FAILED', version = t.version + 1, error_code = $7, error_msg = $8,
+       device_seconds = t.device_seconds + $10, slot_seconds = t.slot_seconds + $11,
        worker_losses = t.worker_losses + $9::boolean::int,
        lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
@@ -73,8 +77,10 @@ WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
 RETURNING t.*, o.old_status;
 
 -- name: retry_task
--- PROCESSING -> QUEUED after a retryable failure. $7 error code, $8 error message, $9 backoff seconds.
+-- PROCESSING -> QUEUED after a retryable failure. $7 error code, $8 error message, $9 backoff seconds, $10 and $11
+-- the attempt's device and slot seconds.
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, retry_count = t.retry_count + 1,
+       device_seconds = t.device_seconds + $10, slot_seconds = t.slot_seconds + $11,
        processed_seconds = t.processed_seconds
            + GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8,
        error_code = $7, error_msg = $8, worker_id = NULL, lease_expires_at = NULL, progress = 0,
@@ -87,8 +93,10 @@ RETURNING t.*, o.old_status;
 
 -- name: release_task
 -- PROCESSING -> QUEUED without spending a retry: a lost worker, a drained worker, an operator's requeue.
--- $7 whether the attempt's worker was lost (counted toward max_worker_losses).
+-- $7 whether the attempt's worker was lost (counted toward max_worker_losses), $8 and $9 the attempt's device and
+-- slot seconds (0 when its worker is not the one releasing).
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, worker_id = NULL, lease_expires_at = NULL,
+       device_seconds = t.device_seconds + $8, slot_seconds = t.slot_seconds + $9,
        worker_losses = t.worker_losses + $7::boolean::int,
        processed_seconds = t.processed_seconds
            + GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8,

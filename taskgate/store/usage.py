@@ -1,0 +1,34 @@
+"""Metering's reads: the seconds tasks' attempts used, summed per tenant, model and hour (the usage_hour rows that
+functions/usage.sql keeps from each attempt's final write)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from taskgate import sql
+from taskgate.store.pool import Conn
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """One tenant's use of one model over a range (or in one hour): device and slot seconds, attempts ended."""
+
+    tenant_id: str
+    model_id: str
+    hour: datetime | None  # None: summed over the whole range
+    device_seconds: float
+    slot_seconds: float
+    attempts: int
+
+
+async def usage(
+    db: Conn, *, since: datetime, until: datetime, tenant_id: str | None = None, by_hour: bool = False, limit: int,
+    within: float | None = None,
+) -> list[Usage]:
+    """Metered use from `since`'s hour to before `until`, by tenant and model (and hour), at most `limit` rows."""
+    rows = await db.fetch(sql.query("usage_rows"), tenant_id, since, until, by_hour, limit, timeout=within)
+    return [
+        Usage(r["tenant_id"], r["model_id"], r["hour"], r["device_seconds"], r["slot_seconds"], r["attempts"])
+        for r in rows
+    ]
