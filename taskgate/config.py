@@ -368,7 +368,19 @@ class Settings(BaseSettings):
     )
     webhook_timeout_seconds: float = Field(default=10.0, gt=0, description="Timeout of one webhook POST.")
     webhook_max_response_bytes: int = Field(default=4096, ge=0, description="Bytes of a response body read.")
-    webhook_concurrency: int = Field(default=32, ge=1, description="Webhook POSTs in flight per notifier.")
+    webhook_concurrency: int = Field(default=32, ge=1, description="Terminal webhook POSTs in flight per notifier.")
+    webhook_progress_concurrency: int = Field(
+        default=8, ge=1, description="Progress webhook POSTs in flight per notifier (their own lane: never a result's slot)."
+    )
+    webhook_concurrency_per_destination: int = Field(
+        default=4, ge=1, description="Webhook POSTs in flight to one scheme://host:port, over every notifier replica."
+    )
+    webhook_breaker_failures: int = Field(
+        default=5, ge=1, description="Consecutive failed attempts (5xx, timeout, no answer) that open a destination's breaker."
+    )
+    webhook_breaker_seconds: float = Field(
+        default=60.0, gt=0, description="How long an open breaker holds a destination's webhooks before one trial attempt."
+    )
     stream_keepalive_seconds: float = Field(default=15.0, gt=0, description="Keep-alive period on idle WatchTask/WatchTasks streams.")
     stream_buffer_size: int = Field(default=1000, ge=1, description="Events buffered per slow subscriber.")
     relay_batch_size: int = Field(default=500, ge=1, description="Events one relay pass publishes and records.")

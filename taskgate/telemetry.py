@@ -112,6 +112,9 @@ DEVICE_BUSY = Counter(
     ["device"],
 )
 CALLBACK_DELIVERIES = Counter("taskgate_callback_deliveries_total", "Webhook deliveries finished, by outcome.", ["outcome"])
+CALLBACK_BREAKER_OPENED = Counter(
+    "taskgate_callback_breaker_opened_total", "Times a webhook destination's circuit breaker opened (it kept failing)."
+)
 CALLBACK_ATTEMPTS = Counter("taskgate_callback_attempts_total", "Webhook POST attempts, by result class.", ["result"])
 CALLBACK_ATTEMPTS_PER_DELIVERY = Histogram(
     "taskgate_callback_attempts_per_delivery", "Attempts a finished delivery took.", buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10)

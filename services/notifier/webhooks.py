@@ -38,8 +38,15 @@ class Attempt:
     result: str  # bounded metric label: 2xx, 3xx, 4xx, 5xx, timeout, error, blocked, unsigned
 
 
+# What the breaker counts as the destination failing: no answer, or a server error (a 4xx is the receiver's answer).
+FAILING = frozenset({"timeout", "error", "5xx"})
+
+
 class WebhookSender:
-    """Sends due deliveries with at most `webhook_concurrency` in flight; several replicas share the outbox by lease."""
+    """Sends due deliveries in two lanes — terminal webhooks (`webhook_concurrency` in flight) and progress webhooks
+    (`webhook_progress_concurrency`), so progress never delays a result — fair across destinations (a cap in flight
+    per destination over every replica, a circuit breaker per destination); several replicas share the outbox by lease.
+    """
 
     def __init__(
         self, settings: Settings, pool: asyncpg.Pool, owner: str, *, outputs: results.ResultStore | None = None
@@ -49,11 +56,16 @@ class WebhookSender:
         self._owner = owner
         self._outputs = outputs
         self.wake = asyncio.Event()
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._lanes: dict[bool, set[asyncio.Task[None]]] = {False: set(), True: set()}  # progress? -> in flight
+        self._fairness = outbox_store.Fairness(
+            per_destination=settings.webhook_concurrency_per_destination,
+            breaker_failures=settings.webhook_breaker_failures,
+            breaker_seconds=settings.webhook_breaker_seconds,
+        )
         self._client = httpx.AsyncClient(
             follow_redirects=False,
             timeout=httpx.Timeout(settings.webhook_timeout_seconds),
-            limits=httpx.Limits(max_connections=settings.webhook_concurrency),
+            limits=httpx.Limits(max_connections=settings.webhook_concurrency + settings.webhook_progress_concurrency),
             trust_env=False,  # never through an environment proxy: we pin the resolved address
             headers={"user-agent": USER_AGENT},
         )
@@ -84,21 +96,29 @@ class WebhookSender:
                 wait = min(wait, max(next_due, 0.005))
             await woken(self.wake, wait)
 
+    @property
+    def _inflight(self) -> set[asyncio.Task[None]]:
+        return self._lanes[False] | self._lanes[True]
+
     async def _claim_and_send(self) -> None:
-        while True:
-            free = self._settings.webhook_concurrency - len(self._inflight)
-            if free <= 0:
-                return
-            rows = await outbox_store.claim_due(self._pool, limit=free, owner=self._owner, lease_seconds=self.lease_seconds)
-            for row in rows:
-                task = asyncio.create_task(self._deliver(row))
-                self._inflight.add(task)
-                task.add_done_callback(self._finished)
-            if len(rows) < free:
-                return
+        sizes = {False: self._settings.webhook_concurrency, True: self._settings.webhook_progress_concurrency}
+        for progress, size in sizes.items():
+            lane = self._lanes[progress]
+            while (free := size - len(lane)) > 0:
+                rows = await outbox_store.claim_due(
+                    self._pool, limit=free, owner=self._owner, lease_seconds=self.lease_seconds, progress=progress,
+                    fairness=self._fairness,
+                )
+                for row in rows:
+                    task = asyncio.create_task(self._deliver(row))
+                    lane.add(task)
+                    task.add_done_callback(self._finished)
+                if len(rows) < free:
+                    break
 
     def _finished(self, task: asyncio.Task[None]) -> None:
-        self._inflight.discard(task)
+        for lane in self._lanes.values():
+            lane.discard(task)
         self.wake.set()  # a slot is free again
         if not task.cancelled() and task.exception() is not None:
             log.error("webhook delivery crashed", exc_info=task.exception())
@@ -126,6 +146,8 @@ class WebhookSender:
             status, delay, outcome = CallbackStatus.DELIVERED, 0.0, "delivered"
         elif attempt.status_code == 410:
             status, delay, outcome = CallbackStatus.FAILED, 0.0, "gone"
+        elif delivery.event_type == outbox_store.PROGRESS_TYPE:
+            status, delay, outcome = CallbackStatus.FAILED, 0.0, "dropped"  # progress is not retried: a newer one follows
         elif round_no < len(schedule):
             jitter = self._settings.webhook_jitter
             delay = schedule[round_no] * random.uniform(1 - jitter, 1 + jitter)
@@ -145,6 +167,7 @@ class WebhookSender:
             ),
         )
         telemetry.CALLBACK_ATTEMPTS.labels(attempt.result).inc()
+        await self._note_destination(delivery.destination, attempt)
         log.info(
             "webhook attempt",
             extra={
@@ -168,6 +191,20 @@ class WebhookSender:
             telemetry.CALLBACK_ATTEMPTS_PER_DELIVERY.observe(round_no)
             if status is CallbackStatus.DELIVERED:
                 telemetry.CALLBACK_LATENCY.observe(max(time.time() - delivery.created_at.timestamp(), 0.0))
+
+    async def _note_destination(self, destination: str, attempt: Attempt) -> None:
+        """Feeds the destination's breaker: a failure counts towards opening it, an answer closes it."""
+        try:
+            if attempt.result in FAILING:
+                opened = await outbox_store.destination_failed(self._pool, destination, self._fairness)
+                if opened is not None:
+                    telemetry.CALLBACK_BREAKER_OPENED.inc()
+                    log.warning("webhook destination failing: breaker open", extra={"destination": destination,
+                                                                                   "open_until": iso(opened)})
+            elif attempt.status_code is not None:
+                await outbox_store.destination_answered(self._pool, destination)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:  # advisory: the attempt is recorded
+            log.warning("breaker update failed", extra={"error": f"{type(exc).__name__}: {exc}"[:ERROR_EXCERPT]})
 
     async def _with_eta(self, payload: dict[str, Any], delivery: outbox_store.Delivery) -> dict[str, Any]:
         """The payload with data.estimated_start and estimated_finish (null unless known): a progress webhook's ETA as

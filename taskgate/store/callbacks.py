@@ -69,6 +69,7 @@ class Delivery:
     attempts: int  # made so far, over every round
     round_start: int  # `attempts` when the current round (the first, or a redelivery) began
     created_at: datetime
+    destination: str  # scheme://host:port of the url: what the per-destination cap and the breaker count by
     trace_context: dict[str, str] | None = None
 
 
@@ -105,9 +106,25 @@ async def insert_deliveries(db: Conn, deliveries: Sequence[NewDelivery], *, firs
     )
 
 
-async def claim_due(db: Conn, *, limit: int, owner: str, lease_seconds: float) -> list[Delivery]:
-    """Due deliveries, leased to `owner` so no other sender sends them meanwhile; at most `limit`."""
-    rows = await db.fetch(sql.query("webhook_claim"), limit, owner, lease_seconds)
+@dataclass(frozen=True, slots=True)
+class Fairness:
+    """How the sender shares itself among destinations: a cap in flight per destination, and a circuit breaker that
+    opens after `breaker_failures` consecutive failures for `breaker_seconds`, then lets one attempt through."""
+
+    per_destination: int
+    breaker_failures: int
+    breaker_seconds: float
+
+
+async def claim_due(
+    db: Conn, *, limit: int, owner: str, lease_seconds: float, progress: bool, fairness: Fairness
+) -> list[Delivery]:
+    """Due deliveries of one lane (progress webhooks, or the terminal ones), round-robin across destinations under
+    their caps and breakers, leased to `owner` so no other sender sends them meanwhile; at most `limit`."""
+    rows = await db.fetch(
+        sql.query("webhook_claim"), limit, owner, lease_seconds, progress, fairness.per_destination,
+        fairness.breaker_failures,
+    )
     return [
         Delivery(
             id=r["id"],
@@ -120,10 +137,25 @@ async def claim_due(db: Conn, *, limit: int, owner: str, lease_seconds: float) -
             attempts=r["attempts"],
             round_start=r["round_start"],
             created_at=r["created_at"],
+            destination=r["destination"],
             trace_context=r["trace_context"],
         )
         for r in rows
     ]
+
+
+async def destination_answered(db: Conn, destination: str) -> None:
+    """The destination answered an attempt (anything but a 5xx): its breaker closes."""
+    await db.execute(sql.query("webhook_breaker_closed"), destination)
+
+
+async def destination_failed(db: Conn, destination: str, fairness: Fairness) -> datetime | None:
+    """The destination failed an attempt (a 5xx, a timeout, no answer): counted; when the breaker opens, the time it
+    stays open until (its waiting deliveries are put off to then), else None."""
+    opened: datetime | None = await db.fetchval(
+        sql.query("webhook_breaker_failed"), destination, fairness.breaker_failures, fairness.breaker_seconds
+    )
+    return opened
 
 
 async def seconds_to_next_due(db: Conn) -> float | None:

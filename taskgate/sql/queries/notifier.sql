@@ -31,12 +31,23 @@ SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - (
     SELECT e.at FROM task_event e WHERE e.id = (SELECT min(event_id) FROM event_outbox))), 0)::float8;
 
 -- name: outbox_insert_delivery
--- A webhook to send for one event (idempotent per event and url). $1 task, $2 event, $3 user, $4 webhook id,
--- $5 event type, $6 url, $7 payload, $8 seconds before the first attempt, $9 trace context (NULL: tracing off).
-INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, next_attempt_at,
-                               trace_context)
-VALUES ($1, $2, $3, $4, $5, $6, $7, now() + make_interval(secs => $8), $9)
-ON CONFLICT DO NOTHING;
+-- A webhook to send for one event (idempotent per event and url), not due before its destination's breaker closes;
+-- the task's older progress webhooks to the same url that are still waiting (not in flight) go: only the newest
+-- progress is worth sending. $1 task, $2 event, $3 user, $4 webhook id, $5 event type, $6 url, $7 payload,
+-- $8 seconds before the first attempt, $9 trace context (NULL: tracing off).
+WITH added AS (
+    INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, next_attempt_at,
+                                   trace_context)
+    VALUES ($1, $2, $3, $4, $5, $6, $7,
+            greatest(now() + make_interval(secs => $8),
+                     (SELECT w.open_until FROM webhook_destination w WHERE w.destination = webhook_destination_of($6))),
+            $9)
+    ON CONFLICT DO NOTHING
+    RETURNING task_id, event_id, url
+)
+DELETE FROM callback_delivery d USING added a
+WHERE d.task_id = a.task_id AND d.url = a.url AND d.event_id < a.event_id AND d.event_type = 'task.progress'
+  AND d.status = 'PENDING' AND (d.lease_expires_at IS NULL OR d.lease_expires_at < now());
 
 -- name: callback_move_status
 -- The one writer of task.callback_status: a move only from a status states.CALLBACK_LEGAL allows. $1 task ids,
@@ -61,18 +72,61 @@ SELECT * FROM d ORDER BY id;
 SELECT pg_notify('taskgate_webhook', $1::text);
 
 -- name: webhook_claim
--- Due deliveries for this sender, leased so no other replica sends them meanwhile. $1 limit, $2 owner, $3 lease s.
-WITH due AS (
-    SELECT id FROM callback_delivery
-    WHERE status = 'PENDING' AND next_attempt_at <= now()
-      AND (lease_expires_at IS NULL OR lease_expires_at < now())
-    ORDER BY next_attempt_at, id
+-- Due deliveries of one lane ($4: the progress lane, else the terminal one) for this sender, leased so no other
+-- replica sends them meanwhile, fair across destinations: round-robin (each destination's oldest first), never more
+-- than $5 in flight to one destination over every replica (one while its breaker is half-open: $6 failures or more),
+-- none while its breaker is open. $1 limit, $2 owner, $3 lease s.
+WITH busy AS (
+    SELECT destination, count(*)::integer AS n FROM callback_delivery
+    WHERE lease_owner IS NOT NULL AND lease_expires_at >= now() AND status = 'PENDING'
+    GROUP BY destination
+), candidate AS (
+    SELECT c.id FROM (
+        SELECT d.id, d.next_attempt_at,
+               row_number() OVER (PARTITION BY d.destination ORDER BY d.next_attempt_at, d.id) + coalesce(b.n, 0) AS nth,
+               CASE WHEN coalesce(w.failures, 0) >= $6 THEN 1 ELSE $5 END AS cap
+        FROM callback_delivery d
+        LEFT JOIN busy b ON b.destination = d.destination
+        LEFT JOIN webhook_destination w ON w.destination = d.destination
+        WHERE d.status = 'PENDING' AND d.next_attempt_at <= now()
+          AND (d.lease_expires_at IS NULL OR d.lease_expires_at < now())
+          AND (d.event_type = 'task.progress') = $4
+          AND (w.open_until IS NULL OR w.open_until <= now())
+    ) c
+    WHERE c.nth <= c.cap
+    ORDER BY c.nth, c.next_attempt_at, c.id
     LIMIT $1
-    FOR UPDATE SKIP LOCKED
+), due AS (
+    SELECT d.id FROM callback_delivery d JOIN candidate USING (id)
+    WHERE d.status = 'PENDING' AND (d.lease_expires_at IS NULL OR d.lease_expires_at < now())
+    FOR UPDATE OF d SKIP LOCKED
 )
 UPDATE callback_delivery d SET lease_owner = $2, lease_expires_at = now() + make_interval(secs => $3)
 FROM due WHERE d.id = due.id
 RETURNING d.*;
+
+-- name: webhook_breaker_closed
+-- An attempt the destination answered (not a 5xx): its breaker closes. $1 destination.
+DELETE FROM webhook_destination WHERE destination = $1;
+
+-- name: webhook_breaker_failed
+-- An attempt the destination failed (5xx, timeout, no answer): one more consecutive failure; at $2 the breaker opens
+-- for $3 seconds and the destination's waiting deliveries are put off until it closes. Returns the open_until set
+-- (NULL: still closed). $1 destination.
+WITH counted AS (
+    INSERT INTO webhook_destination AS w (destination, failures, open_until)
+    VALUES ($1, 1, CASE WHEN $2 <= 1 THEN now() + make_interval(secs => $3) END)
+    ON CONFLICT (destination) DO UPDATE
+    SET failures = w.failures + 1,
+        open_until = CASE WHEN w.failures + 1 >= $2 THEN now() + make_interval(secs => $3) ELSE w.open_until END
+    RETURNING w.failures, w.open_until
+), put_off AS (
+    UPDATE callback_delivery d SET next_attempt_at = c.open_until
+    FROM counted c
+    WHERE c.failures >= $2 AND d.destination = $1 AND d.status = 'PENDING' AND d.next_attempt_at < c.open_until
+      AND (d.lease_expires_at IS NULL OR d.lease_expires_at < now())
+)
+SELECT CASE WHEN failures >= $2 THEN open_until END AS open_until FROM counted;
 
 -- name: webhook_next_due
 -- Seconds until the next pending delivery is due (NULL when none).
