@@ -55,7 +55,7 @@ async def drain_queue(backends: Backends, settings: Settings, model: str, slots:
         rows.append(task.id)
     specs = {model: settings.models[model]}
     runners = await asyncio.to_thread(runmod.load_runners, specs, ["cpu"])
-    worker = Worker(settings, backends, runners, runmod.DevicePlan(["cpu"], slots, False), f"busy-{model}-{slots}", [model])
+    worker = Worker(settings, backends, runners, runmod.DevicePlan(["cpu"], slots, False, float(slots)), f"busy-{model}-{slots}", [model])
     started = time.monotonic()
     await worker.start()
     try:

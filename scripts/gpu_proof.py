@@ -634,7 +634,7 @@ async def worker_busy(runner: Any, spec: Any, device: str, state_dir: Path, *, t
                     assert queued.task is not None
                     await dispatch.publish(backends.bus, queued.task, dispatch.Reason.SUBMITTED)
                     rows.append(task.id)
-                plan = runmod.DevicePlan([device], slots, device.startswith("cuda"))
+                plan = runmod.DevicePlan([device], slots, device.startswith("cuda"), float(slots))
                 worker = Worker(settings, backends, {(model, device): runner}, plan, f"gpu-proof-{slots}", [model])
                 started = time.monotonic()
                 await worker.start()

@@ -315,7 +315,7 @@ class Settings(BaseSettings):
     )
     cluster_cap: bool = Field(
         default=True,
-        description="A claim waits while running tasks fill the live workers' slots (the cluster-wide cap); the rest stays QUEUED.",
+        description="A claim waits while running tasks reach floor(sum of the live workers' capacities); the rest stays QUEUED.",
     )
     worker_slots_per_device: float = Field(
         default=1.5,

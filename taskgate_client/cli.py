@@ -689,13 +689,17 @@ async def cmd_admin_usage(client: AsyncTaskgateClient, args: argparse.Namespace,
 
 async def cmd_admin_purge(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
     done = await client.purge(args.older_than, dry_run=args.dry_run)
+    kept = {k.reason: k.tasks for k in done.kept}
     if out.json:
         out.document({"tasks": done.tasks, "results": done.results, "reusable_results": done.reusable_results,
-                      "dry_run": done.dry_run})
+                      "dry_run": done.dry_run, "kept": kept})
         return EXIT_OK
     verb = "would delete" if done.dry_run else "deleted"
     out.line(f"{verb}: {done.tasks} finished task(s) with their history, {done.results} stored output(s), "
              f"{done.reusable_results} reusable output(s)")
+    why = {"webhook_undelivered": "webhook not delivered yet", "attempt_running": "soft-cancelled, attempt still running"}
+    for reason, n in kept.items():
+        out.line(f"{'would keep' if done.dry_run else 'kept'}: {n} finished task(s) ({why.get(reason, reason)})")
     return EXIT_OK
 
 

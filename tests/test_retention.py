@@ -216,6 +216,59 @@ async def test_admin_purge_dry_run_counts_then_deletes_through_the_sdk_and_the_c
             await client.purge(-1.0)
 
 
+async def test_purge_keeps_finished_tasks_whose_webhook_is_owed_or_whose_attempt_still_runs_and_says_so(
+    backends: Backends, settings: Settings, admin_key: tuple[str, int], tmp_path: Path
+) -> None:
+    key, port = admin_key
+    pool = backends.pool
+    hook = "http://127.0.0.1:9/hook"
+    owed = await insert_task(pool, prompt="owed", callback_url=hook)  # its terminal webhook not delivered yet
+    for change in (store.Queue(), store.Claim("w1", 10.0), store.Succeed(store.ResultRef("mem://o", "video/mp4", 1, "ab" * 32))):
+        assert (await store.apply(pool, owed.id, change, actor="test")).applied
+    retrying = await insert_task(pool, prompt="retrying", callback_url=hook)  # a delivery still being retried
+    assert (await store.cancel(pool, retrying.id, mode=store.CancelMode.HARD, actor="test")).applied
+    await pool.execute("UPDATE task SET callback_status = 'DELIVERED' WHERE id = $1", retrying.id)
+    await pool.execute(
+        "INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, attempts) "
+        "SELECT task_id, max(id), user_id, 'msg_r', 'task.progress', $2, '{}', 2 FROM task_event WHERE task_id = $1 "
+        "GROUP BY task_id, user_id", retrying.id, hook,
+    )
+    running = await put_in(pool, Status.PROCESSING)  # soft-cancelled: its worker still runs the attempt
+    assert (await store.cancel(pool, running.id, mode=store.CancelMode.SOFT, actor="test")).applied
+    plain = await put_in(pool, Status.FAILED)
+    everyone = [owed.id, retrying.id, running.id, plain.id]
+    await pool.execute("UPDATE task SET finished_at = finished_at - interval '2 days' WHERE id = ANY($1::bigint[])", everyone)
+
+    async with connect_async(f"127.0.0.1:{port}", key, admin_address=f"127.0.0.1:{port}", admin_key=key) as client:
+        would = await client.purge(DAY, dry_run=True)
+        assert would.tasks == 1 and {k.reason: k.tasks for k in would.kept} == {
+            "webhook_undelivered": 2, "attempt_running": 1
+        }
+        code, out = await _cli(["admin", "purge", "--older-than", "0", "--dry-run"], port, key, tmp_path)
+        assert code == 0 and "would delete: 1 finished task(s)" in out, out
+        assert "would keep: 2 finished task(s) (webhook not delivered yet)" in out, out
+        assert "would keep: 1 finished task(s) (soft-cancelled, attempt still running)" in out, out
+
+        code, out = await _cli(["admin", "purge", "--older-than", "0", "--json"], port, key, tmp_path)
+        assert code == 0 and json.loads(out)["tasks"] == 1, out
+        assert json.loads(out)["kept"] == {"webhook_undelivered": 2, "attempt_running": 1}, out
+        assert sorted(r["id"] for r in await pool.fetch("SELECT id FROM task")) == sorted(everyone[:3])
+
+        # the scheduler's own retention follows the same rule, the pending delivery's event included
+        scan = RetentionScan(ScanContext(settings.model_copy(update={"retain_events_seconds": 1.0}), pool, backends.bus))
+        later = await scan.run(await db_now(pool) + timedelta(days=60))
+        assert later.actions[Action.PURGE_TASK] == 0
+        assert await pool.fetchval("SELECT count(*) FROM callback_delivery WHERE task_id = $1", retrying.id) == 1
+
+        # once delivered and let go, they go
+        await pool.execute("UPDATE callback_delivery SET status = 'DELIVERED', delivered_at = now() WHERE task_id = $1", retrying.id)
+        await pool.execute("UPDATE task SET callback_status = 'DELIVERED' WHERE id = $1", owed.id)
+        assert await store.let_go(pool, running.id, attempt=1)
+        done = await client.purge(0.0)
+        assert (done.tasks, list(done.kept)) == (3, [])
+        assert await pool.fetchval("SELECT count(*) FROM task") == 0
+
+
 async def test_purge_needs_an_admin_key(backends: Backends, admin_key: tuple[str, int]) -> None:
     _, port = admin_key
     user, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, "tenant-a")

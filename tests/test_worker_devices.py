@@ -18,6 +18,7 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import CancelMode
+from taskgate.store import admin as admin_store
 from taskgate.store import workers as registry
 from taskgate.wire import dispatch
 from tests.factories import insert_task
@@ -78,12 +79,14 @@ async def test_a_cancelled_waiter_passes_the_device_on() -> None:
 
 def test_device_plan_gives_one_and_a_half_tasks_per_device() -> None:
     sleepy = runmod.device_plan({"sleep"}, 0, 1.5)
-    assert (sleepy.devices, sleepy.slots) == (["cpu"], 1)  # a 'sleep'-only worker: one lane per slot
+    assert (sleepy.devices, sleepy.slots, sleepy.capacity) == (["cpu"], 1, 1.0)  # 'sleep'-only: one lane per slot
     assert runmod.device_plan({"sleep"}, 3, 1.5).devices == ["cpu"] * 3
     plan = runmod.device_plan({"diffusers"}, 0, 1.5)
     gpus = len([d for d in plan.devices if d.startswith("cuda")])
     assert plan.devices == ([f"cuda:{i}" for i in range(gpus)] or ["cpu"])
     assert plan.slots == -(-len(plan.devices) * 3 // 2) and plan.use_cuda == (gpus > 0)
+    assert plan.capacity == len(plan.devices) * 1.5  # unrounded: the cluster cap sums these, then rounds down
+    assert runmod.device_plan({"diffusers"}, 4, 1.5).capacity == 4.0  # slots set by hand are its capacity
 
 
 class RecordingRunner:
@@ -131,7 +134,7 @@ async def one_device_worker(settings: Settings, backends: Backends) -> AsyncIter
         update={"models": {**settings.models, SLEEPY: ModelSpec(kind="sleep")}, "worker_models": [SLEEPY], "progress_interval_seconds": 0.0}
     )
     runner = RecordingRunner()
-    worker = Worker(s, backends, {(SLEEPY, "cpu"): runner}, runmod.DevicePlan(["cpu"], 2, False), "w-devices", [SLEEPY])
+    worker = Worker(s, backends, {(SLEEPY, "cpu"): runner}, runmod.DevicePlan(["cpu"], 2, False, 2.0), "w-devices", [SLEEPY])
     await worker.start()
     try:
         yield worker, runner
@@ -192,3 +195,39 @@ async def test_claims_stop_at_the_live_workers_slots_and_the_rest_stays_queued(b
     assert await claim(third.id) is None  # the soft-cancelled run still holds its slot
     assert await store.let_go(pool, first.id, attempt=1)
     assert (out := await claim(third.id)) is not None and out.applied
+
+
+async def test_one_gpu_workers_hold_one_and_a_half_each_and_claims_together_never_pass_the_cluster_cap(
+    backends: Backends,
+) -> None:
+    """Four one-device workers (each ceil(1.5) = 2 slots of its own) hold floor(4 x 1.5) = 6 tasks between them, not 8;
+    claims that arrive together queue on the cluster's lock, so none passes the cap with another."""
+    pool = backends.pool
+    for n in range(4):
+        await registry.register(
+            pool, registry.Registration(f"gpu{n}", (SLEEPY,), 2, 0, "cuda:0", False, devices=1, capacity=1.5)
+        )
+    stats = await admin_store.worker_stats(pool, lease_seconds=10.0)
+    assert [(w.devices, w.capacity, w.slots) for w in stats] == [(1, 1.5, 2)] * 4
+    tasks = [await insert_task(pool, model_id=SLEEPY, prompt=f"p{n}") for n in range(8)]
+
+    async def claim(n: int, task_id: int) -> registry.Verdict:
+        return (await registry.claim_for(
+            pool, task_id, model_id=SLEEPY, cap=0, worker_id=f"gpu{n % 4}", lease_seconds=10.0, actor="w", cluster_cap=True
+        )).verdict
+
+    async with pool.acquire() as holder, holder.transaction():
+        await holder.execute("SELECT pg_advisory_xact_lock(hashtextextended('taskgate.cluster', 0))")
+        claims = [asyncio.create_task(claim(n, t.id)) for n, t in enumerate(tasks)]
+
+        async def all_queued() -> bool:  # every claim is past its checks, waiting on the cluster's lock
+            return await holder.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted") == 8
+
+        await wait_for(all_queued)
+    verdicts = await asyncio.gather(*claims)
+    assert sorted(v.value for v in verdicts) == ["capped"] * 2 + ["claimed"] * 6
+    assert await registry.cluster_load(pool, lease_seconds=10.0) == registry.ClusterLoad(capacity=6, running=6)
+    # a fifth one-GPU worker adds 1.5: 7.5 rounds down to 7, one more claim
+    await registry.register(pool, registry.Registration("gpu4", (SLEEPY,), 2, 0, "cuda:0", False, devices=1, capacity=1.5))
+    capped = [t for t, v in zip(tasks, verdicts, strict=True) if v is registry.Verdict.CAPPED]
+    assert [await claim(4, t.id) for t in capped] == [registry.Verdict.CLAIMED, registry.Verdict.CAPPED]

@@ -119,7 +119,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         for w in workers:
             stats = response.workers.add(
                 worker_id=w.worker_id, running=w.running, slots=w.slots, alive=w.alive, device=w.device, draining=w.draining,
-                address=w.control_address,
+                address=w.control_address, devices=w.devices, capacity=w.capacity,
             )
             if w.last_heartbeat is not None:
                 stats.last_heartbeat.CopyFrom(timestamp(w.last_heartbeat))
@@ -405,7 +405,8 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         if request.dry_run:
             would = await maintenance.retention_counts(self.pool, older_than_seconds=older)
             return admin_pb2.PurgeTasksResponse(
-                tasks=would.tasks, results=would.results, reusable_results=would.reusable_results, dry_run=True
+                tasks=would.tasks, results=would.results, reusable_results=would.reusable_results, dry_run=True,
+                kept=_kept(would),
             )
         limit = self.settings.scan_batch_size
         done: Counter[Action] = Counter()
@@ -415,9 +416,17 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             done.update(batch.actions)
             if batch.examined < limit:
                 break
+        left = await maintenance.retention_counts(self.pool, older_than_seconds=older)
         return admin_pb2.PurgeTasksResponse(
-            tasks=done[Action.PURGE_TASK], results=done[Action.PURGE_RESULT], reusable_results=done[Action.PURGE_REUSABLE]
+            tasks=done[Action.PURGE_TASK], results=done[Action.PURGE_RESULT], reusable_results=done[Action.PURGE_REUSABLE],
+            kept=_kept(left),
         )
+
+
+def _kept(counts: maintenance.RetentionCounts) -> list[admin_pb2.PurgeKept]:
+    """The finished tasks a purge at that cut-off leaves in place, by reason (reasons with none left out)."""
+    reasons = (("webhook_undelivered", counts.kept_webhook), ("attempt_running", counts.kept_running))
+    return [admin_pb2.PurgeKept(reason=reason, tasks=n) for reason, n in reasons if n]
 
 
 def _requeue_item(item: Item) -> admin_pb2.RequeueItem:

@@ -76,6 +76,7 @@ class Worker:
         self.worker_id = worker_id
         self.models = models
         self.device = ",".join(sorted(set(plan.devices)))
+        self.plan = plan
         self.control_address: str | None = None  # host:port of WorkerControl, registered with the next beat
         self.devices = Devices(plan.devices)
         self._encoders = concurrent.futures.ThreadPoolExecutor(plan.slots, thread_name_prefix="encode")
@@ -267,7 +268,7 @@ class Worker:
     def _registration(self) -> workers.Registration:
         return workers.Registration(
             self.worker_id, tuple(self.models), len(self.fetcher.slots), len(self.runs), self.device, self.draining,
-            self.control_address,
+            self.control_address, len(set(self.plan.devices)), self.plan.capacity,
         )
 
     def _gauges(self) -> None:

@@ -239,20 +239,22 @@ class DevicePlan:
     devices: list[str]
     slots: int
     use_cuda: bool
+    capacity: float  # its share of the cluster-wide cap: devices x slots per device (the local slots are its ceiling)
 
 
 def device_plan(kinds: set[str], slots_setting: int, slots_per_device: float) -> DevicePlan:
-    """The worker's devices and slots: ceil(devices x slots_per_device) tasks unless `slots_setting` says; imports
-    torch only when a diffusers model is served. A 'sleep'-only worker needs no device: each slot gets a lane of
-    its own."""
+    """The worker's devices and slots: ceil(devices x slots_per_device) tasks unless `slots_setting` says, and its
+    capacity in the cluster-wide cap, devices x slots_per_device (or `slots_setting`) unrounded; imports torch only
+    when a diffusers model is served. A 'sleep'-only worker needs no device: each slot gets a lane of its own."""
     if "diffusers" not in kinds:
         slots = slots_setting or 1
-        return DevicePlan(["cpu"] * slots, slots, False)
+        return DevicePlan(["cpu"] * slots, slots, False, float(slots))
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
-    return DevicePlan(devices, slots_setting or math.ceil(len(devices) * slots_per_device), count > 0)
+    capacity = float(slots_setting) if slots_setting else len(devices) * slots_per_device
+    return DevicePlan(devices, slots_setting or math.ceil(capacity), count > 0, capacity)
 
 
 def model_devices(model_id: str, spec: ModelSpec, devices: list[str]) -> list[str]:

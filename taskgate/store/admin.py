@@ -36,6 +36,8 @@ class WorkerStat:
     device: str = ""  # empty: a worker only its PROCESSING tasks name (no registry row)
     draining: bool = False
     control_address: str = ""  # host:port of its WorkerControl; empty until it serves (or without a registry row)
+    devices: int = 0
+    capacity: float = 0.0  # its share of the cluster-wide cap (devices x slots per device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,7 @@ async def worker_stats(db: Conn, *, lease_seconds: float) -> list[WorkerStat]:
     return [
         WorkerStat(
             r["worker_id"], r["running"], r["slots"], r["last_heartbeat"], r["alive"], r["device"], r["draining"],
-            r["control_address"],
+            r["control_address"], r["devices"], r["capacity"],
         )
         for r in await db.fetch(sql.query("admin_worker_stats"), lease_seconds)
     ]

@@ -115,11 +115,13 @@ class Purged:
 
 @dataclass(frozen=True, slots=True)
 class RetentionCounts:
-    """What a purge at one cut-off would delete."""
+    """What a purge at one cut-off would delete, and the finished tasks past it that it keeps, by reason."""
 
     tasks: int
     results: int
     reusable_results: int
+    kept_webhook: int = 0  # a webhook still owed (the terminal one PENDING, or a delivery being retried)
+    kept_running: int = 0  # soft-cancelled, its attempt still running under its lease
 
 
 async def unreferenced(db: Conn, outputs: list[tuple[str, str, str]]) -> list[str]:
@@ -132,7 +134,8 @@ async def unreferenced(db: Conn, outputs: list[tuple[str, str, str]]) -> list[st
 
 async def purge_tasks(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> Purged:
     """Deletes finished tasks older than the cut-off (their history, deliveries, attempt logs and dead letters
-    cascade), oldest first, locked; run inside the caller's transaction."""
+    cascade), oldest first, locked; never one whose webhook is still owed or whose soft-cancelled attempt still runs.
+    Run inside the caller's transaction."""
     recs = await db.fetch(sql.query("retention_expired_tasks"), now, older_than_seconds, limit)
     if not recs:
         return Purged(0, [])
@@ -174,6 +177,6 @@ async def purge_events(db: Conn, *, now: datetime | None = None, older_than_seco
 
 
 async def retention_counts(db: Conn, *, now: datetime | None = None, older_than_seconds: float) -> RetentionCounts:
-    """What purging at this cut-off would delete (a dry run)."""
+    """What purging at this cut-off would delete (a dry run), and what it keeps."""
     rec = await db.fetchrow(sql.query("retention_counts"), now, older_than_seconds)
-    return RetentionCounts(rec["tasks"], rec["results"], rec["reusable_results"])
+    return RetentionCounts(rec["tasks"], rec["results"], rec["reusable_results"], rec["kept_webhook"], rec["kept_running"])

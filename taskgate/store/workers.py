@@ -28,11 +28,14 @@ class Registration:
     device: str
     draining: bool
     control_address: str | None = None  # host:port of its WorkerControl server, once it serves
+    devices: int = 0  # the devices it runs tasks on (GPUs, or one CPU)
+    capacity: float | None = None  # its share of the cluster-wide cap (devices x slots per device); None: its slots
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterLoad:
-    """The live workers' slots (the cluster-wide cap on running tasks) and the tasks running under a live lease."""
+    """The cluster-wide cap on running tasks (floor of the live workers' summed capacities) and the tasks running
+    under a live lease."""
 
     capacity: int
     running: int
@@ -107,6 +110,8 @@ async def beat(
         reg.draining,
         actor,
         reg.control_address,
+        reg.devices,
+        reg.capacity,
     )
     out = {}
     for rec in rows:
@@ -133,8 +138,8 @@ async def unregister(db: Conn, worker_id: str) -> None:
 
 
 async def cluster_load(db: Conn, *, lease_seconds: float, besides: int | None = None) -> ClusterLoad:
-    """Capacity: the slots of workers heard from within `lease_seconds`; running: tasks under a live lease, soft-cancelled
-    ones still running included (`besides` left out)."""
+    """Capacity: floor of the summed capacities of workers heard from within `lease_seconds`; running: tasks under a
+    live lease, soft-cancelled ones still running included (`besides` left out)."""
     rec = await db.fetchrow(sql.query("worker_cluster_load"), lease_seconds, besides)
     return ClusterLoad(rec["capacity"], rec["running"])
 
@@ -155,8 +160,8 @@ async def claim_for(
     """A worker's claim of a task of `model_id`, in one statement and its own asynchronously committed transaction.
 
     CAPPED when `cap` (if above 0) tasks of the model already run under a live lease (exact: counted under a per-model
-    lock held to the commit), or (with `cluster_cap`) when the running tasks fill every live worker's slots (not
-    locked: workers claiming at the same moment may pass it together, each still within its own slots).
+    lock held to the commit), or (with `cluster_cap`) when the running tasks reach floor(sum of the live workers'
+    capacities) (exact too: counted under one cluster-wide lock held to the commit).
     """
     rec = await db.fetchrow(
         sql.query("worker_claim"), task_id, model_id, cap, cluster_cap, worker_id, lease_seconds, max_worker_losses,

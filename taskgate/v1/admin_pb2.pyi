@@ -77,6 +77,8 @@ class WorkerStats(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     running: _builtins.int
     slots: _builtins.int
@@ -86,6 +88,10 @@ class WorkerStats(_message.Message):
     draining: _builtins.bool
     address: _builtins.str
     """host:port of its WorkerControl (Drain, GetStatus); empty until it serves"""
+    devices: _builtins.int
+    """devices it runs tasks on (GPUs, or one CPU); 0 for a worker only its tasks name"""
+    capacity: _builtins.float
+    """its share of the cluster-wide cap: devices x slots per device (a one-GPU worker: 1.5)"""
     @_builtins.property
     def last_heartbeat(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -99,10 +105,12 @@ class WorkerStats(_message.Message):
         device: _builtins.str = ...,
         draining: _builtins.bool = ...,
         address: _builtins.str = ...,
+        devices: _builtins.int = ...,
+        capacity: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "device", b"device", "draining", b"draining", "last_heartbeat", b"last_heartbeat", "running", b"running", "slots", b"slots", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "capacity", b"capacity", "device", b"device", "devices", b"devices", "draining", b"draining", "last_heartbeat", b"last_heartbeat", "running", b"running", "slots", b"slots", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -142,7 +150,7 @@ class GetStatsResponse(_message.Message):
     RUNNING_FIELD_NUMBER: _builtins.int
     LIVE_FIELD_NUMBER: _builtins.int
     capacity: _builtins.int
-    """slots of the live workers: the cluster-wide cap on running tasks (the rest waits QUEUED)"""
+    """floor of the live workers' capacities: the cluster-wide cap on running tasks (the rest waits QUEUED)"""
     running: _builtins.int
     """tasks running under a live lease, soft-cancelled ones still running included"""
     @_builtins.property
@@ -615,6 +623,7 @@ class PurgeTasksResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _builtins.int
     REUSABLE_RESULTS_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
+    KEPT_FIELD_NUMBER: _builtins.int
     tasks: _builtins.int
     """finished tasks deleted, with their events, webhook deliveries and attempt logs"""
     results: _builtins.int
@@ -622,6 +631,10 @@ class PurgeTasksResponse(_message.Message):
     reusable_results: _builtins.int
     """reusable outputs deleted"""
     dry_run: _builtins.bool
+    @_builtins.property
+    def kept(self) -> _containers.RepeatedCompositeFieldContainer[Global___PurgeKept]:
+        """finished tasks past the cut-off left in place, by reason (none: nothing kept)"""
+
     def __init__(
         self,
         *,
@@ -629,14 +642,40 @@ class PurgeTasksResponse(_message.Message):
         results: _builtins.int = ...,
         reusable_results: _builtins.int = ...,
         dry_run: _builtins.bool = ...,
+        kept: _abc.Iterable[Global___PurgeKept] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "results", b"results", "reusable_results", b"reusable_results", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "kept", b"kept", "results", b"results", "reusable_results", b"reusable_results", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PurgeTasksResponse: _TypeAlias = PurgeTasksResponse  # noqa: Y015
+
+@_typing.final
+class PurgeKept(_message.Message):
+    """Finished tasks a purge leaves in place however old, and why."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    TASKS_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """"webhook_undelivered": a webhook still owed; "attempt_running": soft-cancelled, still running"""
+    tasks: _builtins.int
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        tasks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PurgeKept: _TypeAlias = PurgeKept  # noqa: Y015
 
 @_typing.final
 class ListCallbackDeliveriesRequest(_message.Message):

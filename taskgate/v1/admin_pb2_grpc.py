@@ -167,7 +167,8 @@ class TaskAdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PurgeTasks(self, request, context):
-        """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches.
+        """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches;
+        keeps, and counts, a finished task whose webhook is still owed or whose soft-cancelled attempt still runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -49,7 +49,9 @@ class TaskAdminStub:
     RevokeApiKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeysRequest, _admin_pb2.RevokeApiKeysResponse]
     """Revokes the live keys with a prefix (as listed)."""
     PurgeTasks: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PurgeTasksRequest, _admin_pb2.PurgeTasksResponse]
-    """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches."""
+    """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches;
+    keeps, and counts, a finished task whose webhook is still owed or whose soft-cancelled attempt still runs.
+    """
     GetUsage: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetUsageRequest, _admin_pb2.GetUsageResponse]
     """Metered GPU-seconds and slot seconds per tenant and model (and per hour when asked), from PostgreSQL."""
 
@@ -74,7 +76,9 @@ class TaskAdminAsyncStub(TaskAdminStub):
     RevokeApiKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeysRequest, _admin_pb2.RevokeApiKeysResponse]  # type: ignore[assignment]
     """Revokes the live keys with a prefix (as listed)."""
     PurgeTasks: _aio.UnaryUnaryMultiCallable[_admin_pb2.PurgeTasksRequest, _admin_pb2.PurgeTasksResponse]  # type: ignore[assignment]
-    """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches."""
+    """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches;
+    keeps, and counts, a finished task whose webhook is still owed or whose soft-cancelled attempt still runs.
+    """
     GetUsage: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetUsageRequest, _admin_pb2.GetUsageResponse]  # type: ignore[assignment]
     """Metered GPU-seconds and slot seconds per tenant and model (and per hour when asked), from PostgreSQL."""
 
@@ -162,7 +166,9 @@ class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.PurgeTasksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.PurgeTasksResponse, _abc.Awaitable[_admin_pb2.PurgeTasksResponse]]:
-        """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches."""
+        """Deletes finished tasks (with their history and outputs) and reusable outputs older than a cut-off, in batches;
+        keeps, and counts, a finished task whose webhook is still owed or whose soft-cancelled attempt still runs.
+        """
 
     @_abc_1.abstractmethod
     def GetUsage(

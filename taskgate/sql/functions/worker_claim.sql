@@ -30,18 +30,23 @@ BEGIN
         verdict := 'finished';
         RETURN;
     END IF;
-    -- the model's cap is exact: claims of one model queue on this lock until the claiming transaction commits
+    -- each cap is exact: claims queue on its lock until the claiming transaction commits (model first, then cluster,
+    -- always in that order, so two claims never wait on each other's)
     IF p_cap > 0 THEN
         PERFORM pg_advisory_xact_lock(hashtextextended('taskgate.model:' || p_model_id, 0));
     END IF;
-    -- the cluster's cap (the live workers' slots) is not locked: workers claiming together may pass it together.
-    -- Both caps count live leases from task_live_lease_idx (migration 0017), in one pass after the lock.
+    -- the cluster's cap: floor of the live workers' summed capacities (a one-GPU worker holds 1.5 of it)
+    IF p_cluster_cap THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended('taskgate.cluster', 0));
+    END IF;
+    -- Both caps count live leases from task_live_lease_idx (migration 0017), in one pass after the locks.
     IF p_cluster_cap OR p_cap > 0 THEN
         SELECT count(*), count(*) FILTER (WHERE l.model_id = p_model_id) INTO v_running, v_model_running
         FROM task l
         WHERE task_holds_lease(l.status, l.lease_expires_at) AND l.lease_expires_at > now() AND l.id <> p_task_id;
         IF (p_cap > 0 AND v_model_running >= p_cap) OR (p_cluster_cap AND v_running >= (
-            SELECT coalesce(sum(slots), 0) FROM worker WHERE last_heartbeat > now() - make_interval(secs => p_lease_seconds)
+            SELECT floor(coalesce(sum(coalesce(w.capacity, w.slots)), 0)) FROM worker w
+            WHERE w.last_heartbeat > now() - make_interval(secs => p_lease_seconds)
         )) THEN
             verdict := 'capped';
             RETURN;

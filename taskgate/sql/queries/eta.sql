@@ -3,7 +3,7 @@
 -- name: eta_inputs
 -- For each task: its status, version and progress; its queue position (QUEUED only: higher priority first, then
 -- older, as submit_queue_position); the median seconds from start to finish of its model's latest successful runs of
--- its size class within the window (task_recent_runs_idx; NULL when none) and how many there were; the slots of the
+-- its size class within the window (task_recent_runs_idx; NULL when none) and how many there were; the capacity of the
 -- live, not draining workers that serve its model (QUEUED only); and the database's now. Only QUEUED and PROCESSING
 -- tasks read the history. $1 task ids, $2 window seconds, $3 most runs read, $4 seconds a live worker's heartbeat
 -- is within.
@@ -16,7 +16,7 @@ SELECT t.id, t.status, t.version, t.progress, t.model_id, now() AS now,
        ELSE 0 END AS queue_position,
        r.run_seconds, r.runs,
        CASE WHEN t.status = 'QUEUED' THEN
-           (SELECT coalesce(sum(w.slots), 0) FROM worker w
+           (SELECT floor(coalesce(sum(coalesce(w.capacity, w.slots)), 0))::int FROM worker w
             WHERE t.model_id = ANY(w.models) AND NOT w.draining AND w.last_heartbeat > now() - make_interval(secs => $4))
        ELSE 0 END AS slots
 FROM task t

@@ -123,11 +123,12 @@ SELECT EXTRACT(EPOCH FROM now() - min(queued_at))::float8 FROM task WHERE status
 
 -- name: admin_worker_stats
 -- Each registered worker and each worker holding PROCESSING tasks: running tasks, slots, heartbeat, alive, device,
--- draining, WorkerControl address. $1 lease seconds.
+-- draining, WorkerControl address, devices and capacity (its slots for a worker that registers none). $1 lease seconds.
 SELECT COALESCE(w.id, p.worker_id) AS worker_id, COALESCE(p.n, 0) AS running, COALESCE(w.slots, 0) AS slots,
        w.last_heartbeat, COALESCE(w.last_heartbeat > now() - make_interval(secs => $1), false) AS alive,
        COALESCE(w.device, '') AS device, COALESCE(w.draining, false) AS draining,
-       COALESCE(w.control_address, '') AS control_address
+       COALESCE(w.control_address, '') AS control_address, COALESCE(w.devices, 0) AS devices,
+       COALESCE(w.capacity, w.slots, 0)::float8 AS capacity
 FROM worker w
 FULL JOIN (SELECT worker_id, count(*) AS n FROM task WHERE status = 'PROCESSING' GROUP BY worker_id) p
        ON p.worker_id = w.id
@@ -227,12 +228,16 @@ LIMIT $3;
 
 -- name: retention_expired_tasks
 -- Finished tasks past their retention, oldest first, locked; the caller deletes them (their events, webhook
--- deliveries, attempt logs and dead letters go with them). $1 now, $2 seconds, $3 limit.
-SELECT id, user_id, request_hash, result_uri, result_expired_at FROM task
-WHERE finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
-ORDER BY finished_at
+-- deliveries, attempt logs and dead letters go with them). Kept whatever their age: a task whose webhook is still owed
+-- (its terminal one PENDING, or any delivery PENDING) and a soft-cancelled task whose attempt still holds its lease.
+-- $1 now, $2 seconds, $3 limit.
+SELECT t.id, t.user_id, t.request_hash, t.result_uri, t.result_expired_at FROM task t
+WHERE t.finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+  AND t.callback_status <> 'PENDING' AND NOT task_holds_lease(t.status, t.lease_expires_at)
+  AND NOT EXISTS (SELECT 1 FROM callback_delivery d WHERE d.task_id = t.id AND d.status = 'PENDING')
+ORDER BY t.finished_at
 LIMIT $3
-FOR UPDATE SKIP LOCKED;
+FOR UPDATE OF t SKIP LOCKED;
 
 -- name: retention_delete_tasks
 -- Deletes tasks by id (history, deliveries, attempt logs and dead letters cascade). $1 ids.
@@ -252,8 +257,8 @@ RETURNING t.user_id, t.request_hash, t.result_uri;
 
 -- name: retention_delete_events
 -- Deletes relayed history rows older than the retention of tasks finished before it (their webhook deliveries and
--- attempt logs cascade), oldest first, skipping locked rows, and the relay's pass records of the same age. $1 now,
--- $2 seconds, $3 limit.
+-- attempt logs cascade; an event whose delivery is still PENDING stays), oldest first, skipping locked rows, and the
+-- relay's pass records of the same age. $1 now, $2 seconds, $3 limit.
 WITH passes AS (
     DELETE FROM relay_pass WHERE at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
 )
@@ -261,6 +266,8 @@ DELETE FROM task_event e
 WHERE e.id IN (SELECT x.id FROM task_event x JOIN task t ON t.id = x.task_id
                WHERE x.at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
                  AND NOT EXISTS (SELECT 1 FROM event_outbox o WHERE o.event_id = x.id)
+                 AND NOT EXISTS (SELECT 1 FROM callback_delivery d
+                                 WHERE d.task_id = x.task_id AND d.event_id = x.id AND d.status = 'PENDING')
                  AND t.finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
                ORDER BY x.at
                LIMIT $3
@@ -311,14 +318,24 @@ WHERE NOT EXISTS (SELECT 1 FROM task t
                   WHERE r.user_id = u.user_id AND r.request_hash = u.request_hash AND r.result_uri = u.uri);
 
 -- name: retention_counts
--- What a purge at this cut-off would delete: finished tasks, their kept outputs, reusable outputs. $1 now, $2 seconds.
-SELECT (SELECT count(*) FROM task
-        WHERE finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)) AS tasks,
-       (SELECT count(DISTINCT result_uri) FROM task
-        WHERE finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
-          AND result_uri IS NOT NULL AND result_expired_at IS NULL) AS results,
+-- What a purge at this cut-off would delete (finished tasks, their kept outputs, reusable outputs) and the finished
+-- tasks past it that it keeps, by reason: a webhook still owed, a soft-cancelled attempt still running (both count
+-- as the former). $1 now, $2 seconds.
+WITH old AS (
+    SELECT t.result_uri, t.result_expired_at,
+           (t.callback_status = 'PENDING'
+            OR EXISTS (SELECT 1 FROM callback_delivery d WHERE d.task_id = t.id AND d.status = 'PENDING')) AS owed,
+           task_holds_lease(t.status, t.lease_expires_at) AS running
+    FROM task t
+    WHERE t.finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+)
+SELECT (SELECT count(*) FROM old WHERE NOT owed AND NOT running) AS tasks,
+       (SELECT count(DISTINCT result_uri) FROM old
+        WHERE NOT owed AND NOT running AND result_uri IS NOT NULL AND result_expired_at IS NULL) AS results,
        (SELECT count(*) FROM reusable_result
-        WHERE created_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)) AS reusable_results;
+        WHERE created_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)) AS reusable_results,
+       (SELECT count(*) FROM old WHERE owed) AS kept_webhook,
+       (SELECT count(*) FROM old WHERE running AND NOT owed) AS kept_running;
 
 -- name: admin_deliveries
 -- Webhook deliveries in a state ($1 NULL: every state), newest first, keyset-paged: $2/$3 the last row's created_at

@@ -8,13 +8,16 @@
 -- its progress was written; an attempt absent from the answer no longer holds its task.
 -- $1 task ids, $2 their attempts, $3 their new progress (NULL = renew only), $4 lease seconds, $5 worker id (NULL =
 -- no registry write), $6 models, $7 slots, $8 running, $9 device, $10 draining, $11 actor, $12 its WorkerControl
--- address (NULL: not known yet, the one recorded stays).
+-- address (NULL: not known yet, the one recorded stays), $13 devices, $14 capacity (its share of the cluster cap).
 WITH registered AS (
-    INSERT INTO worker (id, models, slots, running, device, draining, started_at, last_heartbeat, control_address)
-    SELECT $5::text, $6::text[], $7::int, $8::int, $9::text, $10::boolean, now(), now(), $12::text WHERE $5::text IS NOT NULL
+    INSERT INTO worker (id, models, slots, running, device, draining, started_at, last_heartbeat, control_address,
+                        devices, capacity)
+    SELECT $5::text, $6::text[], $7::int, $8::int, $9::text, $10::boolean, now(), now(), $12::text, $13::int, $14::float8
+    WHERE $5::text IS NOT NULL
     ON CONFLICT (id) DO UPDATE SET models = EXCLUDED.models, slots = EXCLUDED.slots, running = EXCLUDED.running,
                                    device = EXCLUDED.device, draining = EXCLUDED.draining, last_heartbeat = now(),
-                                   control_address = COALESCE(EXCLUDED.control_address, worker.control_address)
+                                   control_address = COALESCE(EXCLUDED.control_address, worker.control_address),
+                                   devices = EXCLUDED.devices, capacity = EXCLUDED.capacity
 ), held AS MATERIALIZED (
     -- locked in id order: two beats naming the same tasks (one of them taken over meanwhile) never deadlock
     SELECT h.id, b.attempt, b.progress, (b.progress IS NOT NULL AND h.status = 'PROCESSING') AS moves
@@ -37,11 +40,11 @@ RETURNING t.*, h.moves AS progressed;
 DELETE FROM worker WHERE id = $1;
 
 -- name: worker_cluster_load
--- The cluster's capacity (slots of the workers whose heartbeat is within the lease) and what runs on it (tasks under
--- a live lease, soft-cancelled ones still running included), besides one task being claimed. $1 lease seconds,
--- $2 task id (NULL = none). Counted as the claim counts (task_live_lease_idx).
-SELECT (SELECT coalesce(sum(slots), 0) FROM worker WHERE last_heartbeat > now() - make_interval(secs => $1))::int
-           AS capacity,
+-- The cluster's capacity (floor of the summed capacities of the workers whose heartbeat is within the lease) and what
+-- runs on it (tasks under a live lease, soft-cancelled ones still running included), besides one task being claimed.
+-- $1 lease seconds, $2 task id (NULL = none). Counted as the claim counts (task_live_lease_idx).
+SELECT (SELECT floor(coalesce(sum(coalesce(capacity, slots)), 0)) FROM worker
+        WHERE last_heartbeat > now() - make_interval(secs => $1))::int AS capacity,
        (SELECT count(*) FROM task
         WHERE task_holds_lease(status, lease_expires_at) AND lease_expires_at > now() AND id IS DISTINCT FROM $2
        )::int AS running;
