@@ -99,6 +99,50 @@ async def test_per_minute_limit_refuses_with_retry_info(stub: Any, backends: Bac
     assert await backends.pool.fetchval("SELECT count(*) FROM task") == before
 
 
+async def fill_window(backends: Backends, count: int) -> None:
+    """This minute's and the next minute's windows of tenant-a at `count`, so a test cannot straddle a minute."""
+    await backends.pool.execute(
+        "INSERT INTO rate_window (tenant_id, window_start, count) "
+        "SELECT 'tenant-a', date_trunc('minute', now()) + make_interval(mins => m), $1 FROM generate_series(0, 1) m "
+        "ON CONFLICT (tenant_id, window_start) DO UPDATE SET count = $1", count,
+    )
+
+
+async def test_a_retry_of_an_accepted_request_gets_its_task_past_every_refusal(stub: Any, backends: Backends) -> None:
+    md = await key_for(backends, submits_per_minute=2, max_pending=2)
+    plain = gateway_pb2.SubmitTaskRequest(prompt="plain", idempotency_key="k-plain")
+    hooked = gateway_pb2.SubmitTaskRequest(prompt="hooked", idempotency_key="k-hook", callback_url="http://127.0.0.1:9/h")
+    accepted = [await stub.SubmitTask(r, metadata=md, timeout=5) for r in (plain, hooked)]
+    assert all(a.created for a in accepted)
+    # the minute window is full and so are the pending slots (2 of 2): a new request is refused ...
+    await fill_window(backends, 2)
+    code, details, _ = await outcome(stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="new"), metadata=md, timeout=5))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and info_of(details).reason == "RATE_LIMITED"
+    # ... and a retry of each accepted one gets its task, alone or in a batch beside a refused item, taking no slot
+    # (the one with a callback URL takes its slot before validation: that path too)
+    for request, first in zip((plain, hooked), accepted, strict=True):
+        again = await stub.SubmitTask(request, metadata=md, timeout=5)
+        assert (again.task.id, again.created) == (first.task.id, False)
+    both = await stub.SubmitTasks(
+        gateway_pb2.SubmitTasksRequest(requests=[hooked, gateway_pb2.SubmitTaskRequest(prompt="new"), plain]), metadata=md,
+        timeout=5,
+    )
+    assert [r.WhichOneof("result") for r in both.results] == ["response", "error", "response"]
+    assert [both.results[0].response.task.id, both.results[2].response.task.id] == [accepted[1].task.id, accepted[0].task.id]
+    assert both.results[1].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert await backends.pool.fetchval("SELECT sum(count) FROM rate_window WHERE tenant_id = 'tenant-a'") == 4
+    # with room in the window, the pending limit refuses a new request and still answers a retry with its task
+    await fill_window(backends, 0)
+    code, details, _ = await outcome(stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="new"), metadata=md, timeout=5))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and info_of(details).reason == "TOO_MANY_PENDING_TASKS"
+    assert (await stub.SubmitTask(hooked, metadata=md, timeout=5)).task.id == accepted[1].task.id
+    # a different request under a used key is told so (its callback URL never resolved), not refused for the rate
+    await fill_window(backends, 2)
+    other = gateway_pb2.SubmitTaskRequest(prompt="hooked", idempotency_key="k-hook", callback_url="http://10.0.0.1/h")
+    code, details, _ = await outcome(stub.SubmitTask(other, metadata=md, timeout=5))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and info_of(details).reason == "IDEMPOTENCY_KEY_REUSED"
+
+
 async def test_rate_windows_are_shared_and_counted_in_postgres(settings: Settings, backends: Backends) -> None:
     md = await key_for(backends, max_pending=50)
     replicas = [await start(settings, backends), await start(settings, backends)]

@@ -137,24 +137,30 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         per_minute = who.submits_per_minute or self._settings.submits_per_minute
         answers: list[gateway_pb2.SubmitTaskResponse | errors.ApiError | None] = [None] * len(items)
 
+        replays: set[int] = set()  # items whose key already names a task
+
         async def take_slots(indices: list[int]) -> list[int]:
-            """The items that got a rate slot; the others answer RATE_LIMITED."""
-            waits = await submissions.take_rate_slots(
-                self._pool, who.tenant_id, per_minute=per_minute, count=len(indices), within=self._budget(context)
+            """The items that got a rate slot; replays of a key take none, the others answer RATE_LIMITED."""
+            taken = await submissions.take_rate_slots(
+                self._pool, who.tenant_id, per_minute=per_minute, keys=[items[i].idempotency_key for i in indices],
+                within=self._budget(context),
             )
-            for i, wait in zip(indices, waits, strict=True):
-                if wait is not None:
-                    answers[i] = rate_limited(per_minute, wait)
-            return [i for i, wait in zip(indices, waits, strict=True) if wait is None]
+            for i, slot in zip(indices, taken, strict=True):
+                if slot.retry_after is not None:
+                    answers[i] = rate_limited(per_minute, slot.retry_after)
+                elif slot.replay:
+                    replays.add(i)
+            return [i for i, slot in zip(indices, taken, strict=True) if slot.retry_after is None and not slot.replay]
 
         # checking a callback URL resolves its host, an input image is fetched and decoded: a rate-limited caller
         # must not get to make us do that, so those items take their slot first; an invalid item counts too, and a
-        # rate-limited caller hears that first
+        # rate-limited caller hears that first. A replay of an accepted key takes none: its answer is its task.
         costly = [i for i, r in enumerate(items) if r.callback_url or r.HasField("image")]
         slotted = set(await take_slots(costly)) if costly else set()
-        to_check = [i for i, r in enumerate(items) if i in slotted or not (r.callback_url or r.HasField("image"))]
+        to_check = [i for i, r in enumerate(items) if i in slotted or i in replays or not (r.callback_url or r.HasField("image"))]
         checked = await asyncio.gather(
-            *(validate(who.tenant_id, items[i], self._settings, self.inputs, within=self._budget(context)) for i in to_check),
+            *(validate(who.tenant_id, items[i], self._settings, self.inputs, within=self._budget(context),
+                       replay=i in replays) for i in to_check),
             return_exceptions=True,
         )
         subs: dict[int, Submission] = {}
@@ -235,11 +241,11 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         """Stores an input image sent in parts; its sha256 names it in a later submission of this tenant."""
         who = await self._principal(context)
         per_minute = who.submits_per_minute or self._settings.submits_per_minute
-        [wait] = await submissions.take_rate_slots(
-            self._pool, who.tenant_id, per_minute=per_minute, count=1, within=self._budget(context)
+        [slot] = await submissions.take_rate_slots(
+            self._pool, who.tenant_id, per_minute=per_minute, keys=[""], within=self._budget(context)
         )
-        if wait is not None:  # an upload counts as a submission: storing images is not free either
-            raise rate_limited(per_minute, wait)
+        if slot.retry_after is not None:  # an upload counts as a submission: storing images is not free either
+            raise rate_limited(per_minute, slot.retry_after)
         image = await self.inputs.upload(who.tenant_id, request_iterator, within=self._budget(context))
         log.info("input uploaded", extra={"sha256": image.sha256, "bytes": image.size_bytes})
         return gateway_pb2.UploadInputResponse(image=image)

@@ -110,8 +110,9 @@ def request_hash(tenant: str, task_type: str, model_id: str, prompt: str, params
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-async def check_callback_url(url: str, settings: Settings) -> str | None:
-    """Why a callback URL is refused, or None when a webhook may be sent to it."""
+async def check_callback_url(url: str, settings: Settings, *, resolve: bool = True) -> str | None:
+    """Why a callback URL is refused, or None when a webhook may be sent to it (without `resolve`: as far as its text
+    says)."""
     if len(url) > settings.max_callback_url_chars:
         return f"longer than {settings.max_callback_url_chars} characters"
     if (why := text.unstorable(url)) is not None:
@@ -130,7 +131,7 @@ async def check_callback_url(url: str, settings: Settings) -> str | None:
     host = parts.hostname
     if not host:
         return "has no host"
-    if host in {h.lower() for h in settings.callback_allow_hosts}:
+    if not resolve or host in {h.lower() for h in settings.callback_allow_hosts}:
         return None  # an operator's own receiver is trusted and need not resolve at submit time
     try:
         await netguard.checked_address(
@@ -193,9 +194,12 @@ def _check_params(
 
 async def validate(
     tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: Settings, inputs: InputImages | None = None,
-    *, within: float = 5.0,
+    *, within: float = 5.0, replay: bool = False,
 ) -> Submission:
     """The canonical submission, or INVALID_ARGUMENT naming every bad field.
+
+    `replay`: the request's key already names a task, so its callback URL is not resolved (a rate-limited caller must
+    not make us resolve): its answer is that task, or ALREADY_EXISTS when its URL differs from the task's.
 
     An input image is checked last, and only when every other field is valid: fetching and decoding it is the
     dearest check, not worth making for a request refused anyway.
@@ -249,7 +253,7 @@ async def validate(
     elif events and callback_url is None:
         bad.append(("callback_events", "need a callback_url"))
     if callback_url is not None:
-        why = await check_callback_url(callback_url, settings)
+        why = await check_callback_url(callback_url, settings, resolve=not replay)
         if why is not None:
             bad.append(("callback_url", why))
 

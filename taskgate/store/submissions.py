@@ -145,13 +145,25 @@ async def queue_created(
     return moved
 
 
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One submission's rate slot: `retry_after` (seconds until the window ends) when refused; `replay` when its key
+    already names a task (no slot taken)."""
+
+    retry_after: float | None
+    replay: bool = False
+
+
 async def take_rate_slots(
-    db: Conn, tenant: str, *, per_minute: int, count: int, within: float | None = None
-) -> list[float | None]:
-    """Counts `count` submissions in the tenant's minute window, in one round trip: each None when counted, else the
-    seconds until the window ends."""
-    rows = await db.fetch(sql.query("submit_take_rate_slots"), tenant, per_minute, count, timeout=within)
-    return [float(r["retry_after"]) if r["retry_after"] is not None else None for r in rows]
+    db: Conn, tenant: str, *, per_minute: int, keys: Sequence[str], within: float | None = None
+) -> list[Slot]:
+    """Counts submissions (one per idempotency key given, '' for none) in the tenant's minute window, in one round
+    trip; a key that already names a task takes none."""
+    rows = await db.fetch(sql.query("submit_take_rate_slots"), tenant, per_minute, list(keys), timeout=within)
+    return [
+        Slot(float(r["retry_after"]) if r["retry_after"] is not None else None, r["replay"])
+        for r in rows
+    ]
 
 
 async def task_by_key(db: Conn, tenant: str, key: str, *, within: float | None = None) -> TaskRow | None:

@@ -1,10 +1,11 @@
 -- Submit's admission, per batch: one call of submit_tasks admits every submission of a batch (the SubmitTask calls
 -- that arrived together, or one SubmitTasks call) in one statement: rate slots, tenant locks, idempotent lookups,
 -- pending limits and one multi-row insert (whose history the statement-level trigger writes in one INSERT). Each
--- item's answer is what admitting the items one by one, in array order, would have given: the rate slot is counted
--- before the task table is touched (a rate-limited item inserts nothing), the tenant row lock serialises one
--- tenant's submissions on every replica (the pending count cannot race), a replay of a key answers with the existing
--- task even at the limit, and a later copy of a key in the same batch answers with the first copy's task. Each
+-- item's answer is what admitting the items one by one, in array order, would have given: a replay of a key answers
+-- with the existing task before any refusal (it takes no rate slot and is never over a limit), the rate slot is
+-- counted before the task table is written (a rate-limited item inserts nothing), the tenant row lock serialises one
+-- tenant's submissions on every replica (the pending count cannot race), and a later copy of a key new in the batch
+-- answers with the first copy's task or shares its refusal (it takes no slot of its own). Each
 -- statement below takes a fresh snapshot (VOLATILE, READ COMMITTED), so the lookups after the locks see every insert
 -- committed before them.
 --
@@ -85,6 +86,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
 DECLARE
     r record;
+    seen boolean[];
     slot_tenants text[] := '{}';
     slot_counts integer[] := '{}';
     tenants text[];
@@ -94,11 +96,20 @@ DECLARE
     v_refs bigint[];
     inserted bigint[];
 BEGIN
-    -- 1. rate slots: each tenant's items in array order take what is left of its minute window
+    -- 0. the items that still need a rate slot and whose key already names a task: replays, which take none
+    SELECT array_agg(i.per_minute IS NOT NULL
+                     AND EXISTS (SELECT 1 FROM task e WHERE e.user_id = i.user_id AND e.idempotency_key = i.key)
+                     ORDER BY i.ord)
+    INTO seen
+    FROM unnest(p_user_id, p_idempotency_key, p_per_minute) WITH ORDINALITY i(user_id, key, per_minute, ord);
+
+    -- 1. rate slots: each tenant's new keys in array order take what is left of its minute window
     FOR r IN
-        SELECT i.user_id AS tenant, count(*)::integer AS n, min(i.per_minute) AS per_minute
-        FROM unnest(p_user_id, p_per_minute) i(user_id, per_minute) WHERE i.per_minute IS NOT NULL
-        GROUP BY i.user_id ORDER BY i.user_id
+        SELECT c.user_id AS tenant, count(*)::integer AS n, min(c.per_minute) AS per_minute
+        FROM (SELECT DISTINCT ON (i.user_id, i.key) i.user_id, i.per_minute
+              FROM unnest(p_user_id, p_idempotency_key, p_per_minute, seen) i(user_id, key, per_minute, seen)
+              WHERE i.per_minute IS NOT NULL AND NOT i.seen) c
+        GROUP BY c.user_id ORDER BY c.user_id
     LOOP
         slot_tenants := slot_tenants || r.tenant;
         slot_counts := slot_counts || take_rate_slots(r.tenant, r.per_minute, r.n);
@@ -111,13 +122,22 @@ BEGIN
           WHERE tn.id = ANY(p_user_id) ORDER BY tn.id FOR UPDATE) l
     LEFT JOIN tenant_pending p ON p.tenant_id = l.id;
 
-    -- 3. each item's verdict: rate slot, tenant, key already used, then the pending limit over the batch's new keys
-    WITH item AS (
-        SELECT i.id, i.user_id, i.key, i.ord,
-               i.per_minute IS NULL OR row_number() OVER (PARTITION BY i.user_id, i.per_minute IS NULL ORDER BY i.ord)
-                                       <= coalesce(s.n, 0) AS slotted
-        FROM unnest(p_id, p_user_id, p_idempotency_key, p_per_minute) WITH ORDINALITY i(id, user_id, key, per_minute, ord)
-        LEFT JOIN unnest(slot_tenants, slot_counts) s(tenant, n) ON s.tenant = i.user_id
+    -- 3. each item's verdict: key already used, rate slot, tenant, then the pending limit over the batch's new keys
+    WITH raw AS (
+        SELECT i.id, i.user_id, i.key, i.ord, i.per_minute, i.seen
+        FROM unnest(p_id, p_user_id, p_idempotency_key, p_per_minute, seen)
+             WITH ORDINALITY i(id, user_id, key, per_minute, seen, ord)
+    ), counted AS (  -- the items step 1 counted (each new key's first copy), ranked per tenant
+        SELECT c.user_id, c.key, row_number() OVER (PARTITION BY c.user_id ORDER BY c.ord) AS rank
+        FROM (SELECT raw.*, row_number() OVER (PARTITION BY raw.user_id, raw.key ORDER BY raw.ord) AS nth
+              FROM raw WHERE raw.per_minute IS NOT NULL AND NOT raw.seen) c
+        WHERE c.nth = 1
+    ), item AS (
+        SELECT raw.id, raw.user_id, raw.key, raw.ord,
+               raw.per_minute IS NULL OR raw.seen OR cn.rank <= coalesce(s.n, 0) AS slotted
+        FROM raw
+        LEFT JOIN counted cn ON cn.user_id = raw.user_id AND cn.key = raw.key
+        LEFT JOIN unnest(slot_tenants, slot_counts) s(tenant, n) ON s.tenant = raw.user_id
     ), known AS (
         SELECT item.*, l.lim, l.pending, e.id AS existing_id
         FROM item
@@ -129,9 +149,9 @@ BEGIN
               FROM known k WHERE k.slotted AND k.lim IS NOT NULL AND k.existing_id IS NULL) c
         WHERE c.nth = 1
     )
-    SELECT array_agg(CASE WHEN NOT k.slotted THEN 'rate_limited'
+    SELECT array_agg(CASE WHEN k.existing_id IS NOT NULL AND k.lim IS NOT NULL THEN 'existing'
+                          WHEN NOT k.slotted THEN 'rate_limited'
                           WHEN k.lim IS NULL THEN 'no_tenant'
-                          WHEN k.existing_id IS NOT NULL THEN 'existing'
                           WHEN o.rank > k.lim - k.pending THEN 'too_many_pending'
                           WHEN o.id = k.id THEN 'admit'
                           ELSE 'copy' END ORDER BY k.ord),

@@ -1,11 +1,23 @@
 -- The submit service's queries: rate limits, idempotent inserts, queue positions and listings.
 
 -- name: submit_take_rate_slots
--- Counts `$3` submissions in the tenant's minute window, as far as it has room, in one statement. $1 tenant, $2
--- allowed per minute, $3 how many. One row per submission, in order: retry_after NULL when counted.
-SELECT CASE WHEN n <= s.got THEN NULL ELSE rate_window_left() END AS retry_after
-FROM (SELECT take_rate_slots($1, $2, $3) AS got) s, generate_series(1, $3) n
-ORDER BY n;
+-- Counts submissions in the tenant's minute window, as far as it has room, in one statement; one whose idempotency
+-- key already names a task of the tenant (a replay) takes no slot. $1 tenant, $2 allowed per minute, $3 each
+-- submission's key ('': none given). One row per submission, in order: replay, and retry_after (NULL when counted
+-- or a replay).
+WITH item AS (
+    SELECT k.ord, e.id IS NOT NULL AS replay
+    FROM unnest($3::text[]) WITH ORDINALITY k(key, ord)
+    LEFT JOIN task e ON k.key <> '' AND e.user_id = $1 AND e.idempotency_key = k.key
+), fresh AS (
+    SELECT item.ord, row_number() OVER (ORDER BY item.ord) AS n FROM item WHERE NOT item.replay
+), slots AS (
+    SELECT take_rate_slots($1, $2, (SELECT count(*)::integer FROM fresh)) AS got
+)
+SELECT item.replay,
+       CASE WHEN item.replay OR f.n <= s.got THEN NULL ELSE rate_window_left() END AS retry_after
+FROM item LEFT JOIN fresh f ON f.ord = item.ord CROSS JOIN slots s
+ORDER BY item.ord;
 
 -- name: submit_insert_tasks
 -- New tasks in CREATED without the limits (functions/submit_fast_path.sql): test rows. No row for an item whose
