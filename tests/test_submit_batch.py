@@ -122,10 +122,11 @@ async def test_concurrent_burst_keeps_every_limit_on_two_replicas(settings: Sett
     assert all(info_of(d).reason == "TOO_MANY_PENDING_TASKS" for c, d, _ in pending + dup
                if c == grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert await backends.pool.fetchval("SELECT count(*) FROM task WHERE user_id = 'pending'") == 7
-    # a minute window of 5: five calls counted, whichever replica took them; the copies of "same" share one task
+    # a minute window of 5: five tasks counted, whichever replica took them; the copies of "same" share one task, and
+    # a copy that arrives once it exists is a replay, answered with it without a slot
     rate_ok = [r for c, _, r in rate + same if c == grpc.StatusCode.OK]
     assert all(info_of(d).reason == "RATE_LIMITED" for c, d, _ in rate + same if c != grpc.StatusCode.OK)
-    assert len(rate_ok) == 5
+    assert len({r.task.id for r in rate_ok}) == 5 and len(rate_ok) <= 5 + 2
     assert await backends.pool.fetchval("SELECT sum(count) FROM rate_window WHERE tenant_id = 'rate'") == 5
     assert await backends.pool.fetchval("SELECT count(*) FROM task WHERE user_id = 'rate'") == len(
         {r.task.id for r in rate_ok})
