@@ -146,6 +146,11 @@ class Settings(BaseSettings):
     nats_url: str | None = Field(
         default=None, description="NATS URL, or a cluster's server URLs comma-separated; unset = embedded nats-server under state_dir."
     )
+    setup_on_start: bool = Field(
+        default=True,
+        description="Each service applies migrations and declares the NATS streams as it starts; false: only "
+        "`python -m taskgate.migrate` does, with the owner credentials (least privilege: the manifests).",
+    )
     state_dir: Path = Field(default=Path(".taskgate"), description="Local state folder (embedded servers, models, results).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level of the JSON logs.")
     db_pool_size: int = Field(default=10, ge=1, le=200, description="asyncpg pool size per process.")

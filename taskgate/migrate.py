@@ -12,13 +12,15 @@ import logging
 import re
 
 import asyncpg
+from nats.errors import Error as NatsError
 
 from taskgate import sql, telemetry
-from taskgate.config import load_settings
+from taskgate.config import Settings, load_settings
 from taskgate.stackfile import local_stack_urls
 
 log = logging.getLogger("taskgate.migrate")
 _LOCK_KEY = 0x7461736B67617465  # "taskgate"
+LOCK_TIMEOUT_MS = 10_000  # how long a migration or function re-apply waits for a table's lock
 _COMMENT = re.compile(r"--[^\n]*")
 # The ledger; `checksum` came later (NULL on rows applied before it, baselined by the next migrate).
 _LEDGER = """
@@ -35,8 +37,10 @@ class MigrationEdited(Exception):
 async def migrate(conn: asyncpg.Connection) -> list[int]:
     """Applies the migrations not yet applied, then re-applies every function file; returns the versions applied."""
     applied_now: list[int] = []
-    await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
+    await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)  # replicas starting together wait here, unbounded
     try:
+        # a schema change waiting behind a long transaction would stall every query queued behind its lock: give up
+        await conn.execute(f"SET lock_timeout = '{LOCK_TIMEOUT_MS}ms'")
         await conn.execute(_LEDGER)
         recorded: dict[int, str | None] = {
             r["version"]: r["checksum"] for r in await conn.fetch("SELECT version, checksum FROM schema_migration")
@@ -67,6 +71,7 @@ async def migrate(conn: asyncpg.Connection) -> list[int]:
             await _apply_functions(conn)
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_KEY)
+        await conn.execute("RESET lock_timeout")
     return applied_now
 
 
@@ -100,12 +105,25 @@ async def migrate_database(database_url: str) -> list[int]:
         await conn.close()
 
 
+async def declare_streams(settings: Settings, nats_url: str) -> None:
+    """Creates or updates every JetStream stream, consumer and bucket (the services' NATS users may not)."""
+    from taskgate import bus  # late: the database-only path needs no NATS client
+
+    connected = await bus.connect(nats_url, "migrate")
+    try:
+        await bus.declare(connected, settings)
+    finally:
+        await connected.close()
+
+
 def main() -> None:
-    """`python -m taskgate.migrate`: brings the configured database up to date (the Kubernetes migrations Job)."""
+    """`python -m taskgate.migrate`: brings the configured database up to date and, when a NATS URL is configured,
+    declares the streams (the Kubernetes migrations Job, run with the owner role and the NATS admin user)."""
     settings = load_settings()
     telemetry.configure_logging("migrate", settings.log_level)
     running = local_stack_urls(settings.state_dir)
     database_url = settings.database_url or (running[0] if running else None)
+    nats_url = settings.nats_url or (running[1] if running else None)
     if database_url is None:
         raise SystemExit("taskgate: set TASKGATE_DATABASE_URL (or start `python -m taskgate_local.stack`)")
     try:
@@ -114,6 +132,13 @@ def main() -> None:
         log.error("migrations failed", extra={"error": f"{type(exc).__name__}: {exc}"})
         raise SystemExit(1) from None
     log.info("schema up to date", extra={"applied": applied, "latest": sql.migrations()[-1].version})
+    if nats_url is not None:
+        try:
+            asyncio.run(declare_streams(settings, nats_url))
+        except (TimeoutError, OSError, NatsError) as exc:
+            log.error("stream declaration failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+            raise SystemExit(1) from None
+        log.info("streams declared")
 
 
 if __name__ == "__main__":

@@ -72,8 +72,10 @@ def resolve_urls(settings: Settings) -> tuple[str, str]:
     return settings.database_url or running[0], settings.nats_url or running[1]
 
 
-async def connect(settings: Settings, name: str, *, setup: bool = True) -> Backends:
-    """Connects to both backends; with `setup`, applies migrations and declares streams (idempotent)."""
+async def connect(settings: Settings, name: str, *, setup: bool | None = None) -> Backends:
+    """Connects to both backends; with `setup` (default: settings.setup_on_start), applies migrations and declares
+    streams (idempotent)."""
+    setup = settings.setup_on_start if setup is None else setup
     database_url, nats_url = resolve_urls(settings)
     pool = await create_pool(database_url, settings.db_pool_size)
     if setup:

@@ -233,6 +233,14 @@ class EventHub:
         if event is None:
             log.error("undecodable event on the event stream", extra={"subject": msg.subject})
             return
+        # routed by its subject (which only the relay may publish to), never by what the payload claims
+        try:
+            expected = busmod.event_subject(event.user_id, int(event.task_id))
+        except ValueError:  # a user id that is no subject token
+            expected = None
+        if msg.subject != expected:
+            log.error("event whose payload does not match its subject dropped", extra={"subject": msg.subject})
+            return
         task_id = int(event.task_id)
         for sub in [*self._by_task.get(task_id, ()), *self._by_user.get(event.user_id, ())]:
             if not sub.offer(event):
