@@ -1,5 +1,6 @@
-"""A real nats-server with one user per service (taskgate.natsauth): the whole flow runs on those users alone —
-submit, dispatch, run, store, relay, stream, download — and each user is refused what its service never does."""
+"""Each service holding only what it needs: a real nats-server with one user per service (taskgate.natsauth) and a
+PostgreSQL role per service (sql/functions/grants.sql). The whole flow runs on those alone — submit, dispatch, run,
+store, relay, stream, download — and each is refused what its service never does."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import grpc
@@ -29,6 +31,27 @@ from taskgate_local.embedded import EmbeddedNats
 from tests.harness import wait_for
 
 MODEL = "sleepy"
+SERVICES = ("submit", "scheduler", "worker", "notifier")
+
+
+def as_login(database_url: str, service: str) -> str:
+    """The database URL of `service`'s login role (the test server trusts local connections)."""
+    parts = urlsplit(database_url)
+    return urlunsplit(parts._replace(netloc=f"tg_{service}@{parts.netloc.rsplit('@', 1)[-1]}"))
+
+
+async def service_roles(database_url: str) -> None:
+    """What an operator does once: a NOLOGIN group role per service and a login role in it; then the migrate step
+    (as the owner) grants each group what it may touch."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        for service in SERVICES:
+            for role, options in ((f"taskgate_{service}", "NOLOGIN"), (f"tg_{service}", f"LOGIN IN ROLE taskgate_{service}")):
+                if not await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
+                    await conn.execute(f"CREATE ROLE {role} {options}")
+        await migrate.migrate(conn)
+    finally:
+        await conn.close()
 
 
 class Users:
@@ -63,10 +86,13 @@ async def users(tmp_path: Path) -> AsyncIterator[Users]:
 
 
 def as_role(settings: Settings, users: Users, role: str, **update: Any) -> Settings:
-    """The settings a service runs with: its own NATS user, and no migrate or declare of its own."""
+    """The settings a service runs with: its own NATS user and database role, and no migrate or declare of its own."""
     models = {**settings.models, MODEL: ModelSpec(kind="sleep", sleep_seconds=0.0)}
+    assert settings.database_url is not None
+    database_url = settings.database_url if role == "admin" else as_login(settings.database_url, role)
     return settings.model_copy(
-        update={"nats_url": users.url(role), "setup_on_start": False, "models": models, **update}
+        update={"nats_url": users.url(role), "database_url": database_url, "setup_on_start": False, "models": models,
+                **update}
     )
 
 
@@ -79,9 +105,10 @@ async def refused(refusals: list[str], action: Callable[[], Awaitable[object]]) 
     return refusals[-1].lower()
 
 
-async def test_every_service_runs_on_its_own_nats_user_and_is_refused_the_rest(
+async def test_every_service_runs_on_its_own_nats_user_and_database_role_and_is_refused_the_rest(
     settings: Settings, database_url: str, users: Users
 ) -> None:
+    await service_roles(database_url)
     await migrate.declare_streams(as_role(settings, users, "admin"), users.url("admin"))  # the migrate step's part
     admin = await bus.connect(users.url("admin"), "operator")
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
@@ -162,6 +189,25 @@ async def test_every_service_runs_on_its_own_nats_user_and_is_refused_the_rest(
         for client in (worker, notifier_user, submit_user):
             await client.close()
         await admin.close()
+
+    worker_db = await asyncpg.connect(as_login(database_url, "worker"))
+    try:
+        assert await worker_db.fetchval("SELECT count(*) FROM task") == 2  # its own work it reads
+        for table in ("api_key", "webhook_secret"):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await worker_db.fetch(f"SELECT * FROM {table}")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await worker_db.execute("CREATE TABLE mine (x int)")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await worker_db.execute("DELETE FROM schema_migration")
+    finally:
+        await worker_db.close()
+    submit_db = await asyncpg.connect(as_login(database_url, "submit"))
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await submit_db.execute("ALTER TABLE task ADD COLUMN mine int")
+    finally:
+        await submit_db.close()
 
 
 def test_the_shipped_authorization_block_is_the_one_the_roles_make() -> None:
