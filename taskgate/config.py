@@ -311,6 +311,13 @@ class Settings(BaseSettings):
 
     # Worker
     worker_id: str | None = Field(default=None, description="Default: hostname-pid.")
+    worker_admin_target: str | None = Field(
+        default=None,
+        description="gRPC target of TaskAdmin, which checks each WorkerControl caller's admin key; default: grpc_host:scheduler_port.",
+    )
+    worker_authorize_timeout_seconds: float = Field(
+        default=5.0, gt=0, description="Deadline of the TaskAdmin check a WorkerControl call waits for."
+    )
     worker_advertise_host: str | None = Field(
         default=None,
         description="Host the dashboard reaches this worker's WorkerControl at (a pod's IP); default: grpc_host or the host name.",

@@ -499,10 +499,12 @@ async def http_stack(settings: Settings, backends: Any, *, worker_models: list[s
     scheduler = await scheduler_service.start(settings, backends, scan_loop=False)
     worker = None
     if worker_models is not None:
-        worker = await worker_service.start(settings.model_copy(update={"worker_models": worker_models}))
+        worker = await worker_service.start(settings.model_copy(
+            update={"worker_models": worker_models, "worker_admin_target": f"127.0.0.1:{scheduler.port}"}
+        ))
     http_settings = settings.model_copy(update={
         "http_port": 0, "http_gateway_target": f"127.0.0.1:{submit.port}", "http_events_target": f"127.0.0.1:{notifier.port}",
-        "http_admin_target": f"127.0.0.1:{scheduler.port}",
+        "http_admin_target": f"127.0.0.1:{scheduler.port}", "worker_admin_target": f"127.0.0.1:{scheduler.port}",
     })
     http = await http_service.start(http_settings)
     api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "tenant-a", max_pending=100, submits_per_minute=10_000)

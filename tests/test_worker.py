@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,13 +19,14 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
+from services.scheduler import service as scheduler_service
 from services.worker import service as worker_service
 from services.worker.consumer import Level, Weighted
 from services.worker.engine import RunReport
 from services.worker.retry import backoff, persist
 from services.worker.service import WorkerHandle
+from taskgate import auth, results, store
 from taskgate import bus as busmod
-from taskgate import results, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
@@ -33,7 +35,7 @@ from taskgate.store import CancelMode, Rejection, ResultRef, TaskError
 from taskgate.store import workers as registry
 from taskgate.v1 import worker_pb2, worker_pb2_grpc
 from taskgate.wire import cancel, dispatch
-from tests.factories import insert_task
+from tests.factories import insert_task, key_for
 from tests.harness import wait_for
 
 SLEEPY = "sleepy"
@@ -75,6 +77,24 @@ async def workers() -> AsyncIterator[Factory]:
     yield make
     for handle in started:
         await handle.stop(grace=0)
+
+
+@dataclass(frozen=True)
+class Operator:
+    """A running TaskAdmin (which vouches for WorkerControl callers) and an admin key's call metadata."""
+
+    target: str
+    metadata: tuple[tuple[str, str], ...]
+
+
+@pytest.fixture
+async def operator(backends: Backends) -> AsyncIterator[Operator]:
+    handle = await scheduler_service.start(backends.settings, backends, scan_loop=False)
+    key, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, "ops", admin=True)
+    try:
+        yield Operator(f"127.0.0.1:{handle.port}", (("authorization", f"Bearer {key}"),))
+    finally:
+        await handle.stop(0)
 
 
 async def submit(
@@ -211,14 +231,18 @@ def test_backoff_doubles_with_jitter_and_is_capped(settings: Settings) -> None:
 # ---- end to end with the sleep model ----
 
 
-async def test_task_runs_end_to_end_with_progress_and_status(settings: Settings, backends: Backends, workers: Factory) -> None:
-    s = sleepy_settings(settings, sleep=0.6)
+async def test_task_runs_end_to_end_with_progress_and_status(
+    settings: Settings, backends: Backends, workers: Factory, operator: Operator
+) -> None:
+    s = with_(sleepy_settings(settings, sleep=0.6), worker_admin_target=operator.target)
     handle = await workers(s)
     task = await submit(backends, params=params(steps=6))
     await wait_task(backends, task.id, is_status(Status.PROCESSING))
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
-        status = await worker_pb2_grpc.WorkerControlStub(channel).GetStatus(worker_pb2.GetStatusRequest())
+        status = await worker_pb2_grpc.WorkerControlStub(channel).GetStatus(
+            worker_pb2.GetStatusRequest(), metadata=operator.metadata
+        )
     assert (status.worker_id, status.device, list(status.models)) == (handle.worker_id, "cpu", [SLEEPY])
     assert (status.slots, status.free_slots, status.draining) == (1, 0, False)
     assert [(r.task_id, r.attempt) for r in status.running] == [(str(task.id), 1)]
@@ -417,14 +441,18 @@ async def test_paused_workers_late_result_is_fenced_out(settings: Settings, back
     assert healthy.worker_id == "healthy"
 
 
-async def test_drain_releases_running_work_after_the_grace(settings: Settings, backends: Backends, workers: Factory) -> None:
-    s = sleepy_settings(settings, sleep=30.0)
+async def test_drain_releases_running_work_after_the_grace(
+    settings: Settings, backends: Backends, workers: Factory, operator: Operator
+) -> None:
+    s = with_(sleepy_settings(settings, sleep=30.0), worker_admin_target=operator.target)
     handle = await workers(s, worker_id="draining")
     task = await submit(backends, params=params(steps=30))
     await wait_task(backends, task.id, is_status(Status.PROCESSING))
     started = time.monotonic()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
-        reply = await worker_pb2_grpc.WorkerControlStub(channel).Drain(worker_pb2.DrainRequest(grace=Duration(nanos=300_000_000)))
+        reply = await worker_pb2_grpc.WorkerControlStub(channel).Drain(
+            worker_pb2.DrainRequest(grace=Duration(nanos=300_000_000)), metadata=operator.metadata
+        )
     assert reply.draining and reply.running == 1
     await handle.worker.drain_requested.wait()
     report = await handle.worker.wait_for(report_for(task.id), within=5)
@@ -578,3 +606,33 @@ async def test_a_workers_claim_says_why_not_and_commits_asynchronously(backends:
                                              actor="w1")).verdict is registry.Verdict.CLAIMED
             assert await conn.fetchval("SHOW synchronous_commit") == "off"  # the claim's own transaction only
         assert await conn.fetchval("SHOW synchronous_commit") == "on"
+
+
+async def test_worker_control_answers_admin_keys_only_as_taskadmin_vouches(
+    settings: Settings, backends: Backends, workers: Factory, operator: Operator
+) -> None:
+    handle = await workers(with_(sleepy_settings(settings), worker_admin_target=operator.target), worker_id="guarded")
+    tenant = await key_for(backends)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        control = worker_pb2_grpc.WorkerControlStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as nobody:
+            await control.GetStatus(worker_pb2.GetStatusRequest())
+        assert nobody.value.code() is grpc.StatusCode.UNAUTHENTICATED and "admin key" in (nobody.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as wrong:
+            await control.GetStatus(worker_pb2.GetStatusRequest(), metadata=(("authorization", "Bearer tg_made_up"),))
+        assert wrong.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as tenant_drain:
+            await control.Drain(worker_pb2.DrainRequest(), metadata=tenant)
+        assert tenant_drain.value.code() is grpc.StatusCode.PERMISSION_DENIED, tenant_drain.value
+        assert "admin" in (tenant_drain.value.details() or "") and not handle.worker.draining
+        status = await control.GetStatus(worker_pb2.GetStatusRequest(), metadata=operator.metadata)
+        assert status.worker_id == "guarded"
+        reply = await control.Drain(worker_pb2.DrainRequest(), metadata=operator.metadata)
+    assert reply.draining and handle.worker.draining
+
+    # TaskAdmin out of reach: the check cannot be made, so nothing is answered
+    lone = await workers(with_(sleepy_settings(settings), worker_admin_target="127.0.0.1:1"), worker_id="lone")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{lone.port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as cut_off:
+            await worker_pb2_grpc.WorkerControlStub(channel).Drain(worker_pb2.DrainRequest(), metadata=operator.metadata)
+    assert cut_off.value.code() is grpc.StatusCode.UNAVAILABLE and not lone.worker.draining

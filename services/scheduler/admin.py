@@ -422,6 +422,16 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             kept=_kept(left),
         )
 
+    async def Authorize(self, request: admin_pb2.AuthorizeRequest, context: grpc.aio.ServicerContext) -> admin_pb2.AuthorizeResponse:
+        """Checks the caller's admin credential for an action a worker performs (its WorkerControl calls)."""
+        if request.action not in WORKER_ACTIONS:
+            raise errors.invalid_argument([("action", f"must be one of {', '.join(sorted(WORKER_ACTIONS))}")])
+        who = await self.auth.principal(context, admin=True)
+        return admin_pb2.AuthorizeResponse(admin=who.tenant_id)
+
+
+WORKER_ACTIONS = frozenset({"worker.status", "worker.drain"})  # what Authorize vouches for
+
 
 def _kept(counts: maintenance.RetentionCounts) -> list[admin_pb2.PurgeKept]:
     """The finished tasks a purge at that cut-off leaves in place, by reason (reasons with none left out)."""

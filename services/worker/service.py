@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health
 
 from services.worker import runner as runmod
-from services.worker.control import WorkerControlServicer
+from services.worker.control import Operators, WorkerControlServicer
 from services.worker.engine import Worker
 from taskgate.config import Settings
 from taskgate.runtime import Backends, connect, stop_signal
@@ -38,6 +38,7 @@ class WorkerHandle:
     health: health.aio.HealthServicer
     backends: Backends
     owns_backends: bool
+    operators: Operators
     stopped: bool = False
 
     @property
@@ -56,6 +57,7 @@ class WorkerHandle:
             await self.worker.close()
             await self.server.stop(1.0)
         finally:
+            await self.operators.close()
             if self.owns_backends:
                 await self.backends.close()
 
@@ -63,6 +65,7 @@ class WorkerHandle:
         """Simulates a crash: heartbeats and runs stop, nothing is released or acked, connections close."""
         self.stopped = True
         await self.server.stop(0)
+        await self.operators.close()
         await self.worker.kill()
         if self.owns_backends:
             with contextlib.suppress(Exception):
@@ -110,7 +113,8 @@ async def start(settings: Settings, backends: Backends | None = None) -> WorkerH
     try:
         worker = Worker(settings, backends, runners, plan, settings.worker_id or default_worker_id(), models)
         await worker.start()
-        servicer = WorkerControlServicer(worker)
+        operators = Operators(settings)
+        servicer = WorkerControlServicer(worker, operators)
 
         def register(server: grpc.aio.Server) -> Iterable[str]:
             worker_pb2_grpc.add_WorkerControlServicer_to_server(servicer, server)
@@ -122,7 +126,7 @@ async def start(settings: Settings, backends: Backends | None = None) -> WorkerH
         if owns:
             await backends.close()
         raise
-    return WorkerHandle(port, worker, server, health_servicer, backends, owns)
+    return WorkerHandle(port, worker, server, health_servicer, backends, owns, operators)
 
 
 async def main(settings: Settings) -> None:

@@ -1064,3 +1064,47 @@ class GetUsageResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetUsageResponse: _TypeAlias = GetUsageResponse  # noqa: Y015
+
+@_typing.final
+class AuthorizeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
+    action: _builtins.str
+    """"worker.status" or "worker.drain" """
+    target: _builtins.str
+    """what it acts on (a worker id)"""
+    def __init__(
+        self,
+        *,
+        action: _builtins.str = ...,
+        target: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "target", b"target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuthorizeRequest: _TypeAlias = AuthorizeRequest  # noqa: Y015
+
+@_typing.final
+class AuthorizeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADMIN_FIELD_NUMBER: _builtins.int
+    admin: _builtins.str
+    """who the credential belongs to"""
+    def __init__(
+        self,
+        *,
+        admin: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin", b"admin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuthorizeResponse: _TypeAlias = AuthorizeResponse  # noqa: Y015

@@ -95,6 +95,11 @@ class TaskAdminStub:
                 request_serializer=taskgate_dot_v1_dot_admin__pb2.GetUsageRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_admin__pb2.GetUsageResponse.FromString,
                 _registered_method=True)
+        self.Authorize = channel.unary_unary(
+                '/taskgate.v1.TaskAdmin/Authorize',
+                request_serializer=taskgate_dot_v1_dot_admin__pb2.AuthorizeRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_admin__pb2.AuthorizeResponse.FromString,
+                _registered_method=True)
 
 
 class TaskAdminServicer:
@@ -181,6 +186,14 @@ class TaskAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Authorize(self, request, context):
+        """Checks the caller's admin credential for an action another service performs (a worker's WorkerControl, which
+        holds no API-key pepper): OK with who it is, or UNAUTHENTICATED / PERMISSION_DENIED as any TaskAdmin call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TaskAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -243,6 +256,11 @@ def add_TaskAdminServicer_to_server(servicer, server):
                     servicer.GetUsage,
                     request_deserializer=taskgate_dot_v1_dot_admin__pb2.GetUsageRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_admin__pb2.GetUsageResponse.SerializeToString,
+            ),
+            'Authorize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Authorize,
+                    request_deserializer=taskgate_dot_v1_dot_admin__pb2.AuthorizeRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_admin__pb2.AuthorizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -570,6 +588,33 @@ class TaskAdmin:
             '/taskgate.v1.TaskAdmin/GetUsage',
             taskgate_dot_v1_dot_admin__pb2.GetUsageRequest.SerializeToString,
             taskgate_dot_v1_dot_admin__pb2.GetUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Authorize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskAdmin/Authorize',
+            taskgate_dot_v1_dot_admin__pb2.AuthorizeRequest.SerializeToString,
+            taskgate_dot_v1_dot_admin__pb2.AuthorizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,10 @@ class TaskAdminStub:
     """
     GetUsage: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetUsageRequest, _admin_pb2.GetUsageResponse]
     """Metered GPU-seconds and slot seconds per tenant and model (and per hour when asked), from PostgreSQL."""
+    Authorize: _grpc.UnaryUnaryMultiCallable[_admin_pb2.AuthorizeRequest, _admin_pb2.AuthorizeResponse]
+    """Checks the caller's admin credential for an action another service performs (a worker's WorkerControl, which
+    holds no API-key pepper): OK with who it is, or UNAUTHENTICATED / PERMISSION_DENIED as any TaskAdmin call.
+    """
 
 @_typing.type_check_only
 class TaskAdminAsyncStub(TaskAdminStub):
@@ -81,6 +85,10 @@ class TaskAdminAsyncStub(TaskAdminStub):
     """
     GetUsage: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetUsageRequest, _admin_pb2.GetUsageResponse]  # type: ignore[assignment]
     """Metered GPU-seconds and slot seconds per tenant and model (and per hour when asked), from PostgreSQL."""
+    Authorize: _aio.UnaryUnaryMultiCallable[_admin_pb2.AuthorizeRequest, _admin_pb2.AuthorizeResponse]  # type: ignore[assignment]
+    """Checks the caller's admin credential for an action another service performs (a worker's WorkerControl, which
+    holds no API-key pepper): OK with who it is, or UNAUTHENTICATED / PERMISSION_DENIED as any TaskAdmin call.
+    """
 
 class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
     """Operators' API (scheduler). Requires an admin key."""
@@ -177,5 +185,15 @@ class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.GetUsageResponse, _abc.Awaitable[_admin_pb2.GetUsageResponse]]:
         """Metered GPU-seconds and slot seconds per tenant and model (and per hour when asked), from PostgreSQL."""
+
+    @_abc_1.abstractmethod
+    def Authorize(
+        self,
+        request: _admin_pb2.AuthorizeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.AuthorizeResponse, _abc.Awaitable[_admin_pb2.AuthorizeResponse]]:
+        """Checks the caller's admin credential for an action another service performs (a worker's WorkerControl, which
+        holds no API-key pepper): OK with who it is, or UNAUTHENTICATED / PERMISSION_DENIED as any TaskAdmin call.
+        """
 
 def add_TaskAdminServicer_to_server(servicer: TaskAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
