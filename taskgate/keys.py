@@ -66,7 +66,7 @@ async def tenant(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
     if auth.valid_tenant_name(args.tenant):
         changed = await tenants.update_tenant(
             conn, args.tenant, max_pending=args.max_pending, submits_per_minute=args.submits_per_minute,
-            max_priority=args.max_priority,
+            max_priority=args.max_priority, share_weight=args.share_weight,
         )
     if changed is None:
         raise CliError(f"no tenant {args.tenant!r}", EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND], "create it with `taskgate-keys create`")
@@ -75,6 +75,7 @@ async def tenant(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
         "max_pending": changed.max_pending,
         "submits_per_minute": changed.submits_per_minute,
         "max_priority": Priority.NAMES[changed.max_priority].upper(),
+        "share_weight": changed.share_weight,
     }
     if out.json:
         out.document(doc)
@@ -94,6 +95,16 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError("must be above 0")
     return value
 
 
@@ -151,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("create", create, "create a key (and the tenant, with its webhook secret, if new)", tenant_limits=True)
     p.add_argument("--admin", action="store_true", help="the key may use the admin API")
-    add("tenant", tenant, "change an existing tenant's limits (those given) and show them", tenant_limits=True)
+    p = add("tenant", tenant, "change an existing tenant's limits (those given) and show them", tenant_limits=True)
+    p.add_argument(
+        "--share-weight", type=_weight, help="the tenant's share against other tenants of one priority (default 1)"
+    )
     p = add("revoke", revoke, "revoke keys by the prefix `list` shows")
     p.add_argument("prefix")
     add("list", list_keys, "list keys (prefixes only)")

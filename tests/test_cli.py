@@ -264,7 +264,12 @@ async def test_keys_tenant_priority_and_unstorable_names(cli: Cli) -> None:
     high = await cli("submit", "urgent", "--priority", "high", "--api-key", created.json()["api_key"], "--json")
     assert high.code == 0 and high.json()["priority"] == "high", high.err
     lowered = await cli.keys("tenant", "--tenant", "vip", "--max-priority", "NORMAL", "--max-pending", "7", "--json")
-    assert lowered.code == 0 and lowered.json() == {"tenant": "vip", "max_pending": 7, "submits_per_minute": None, "max_priority": "NORMAL"}
+    assert lowered.code == 0 and lowered.json() == {
+        "tenant": "vip", "max_pending": 7, "submits_per_minute": None, "max_priority": "NORMAL", "share_weight": 1.0
+    }
+    weighted = await cli.keys("tenant", "--tenant", "vip", "--share-weight", "2.5", "--json")
+    assert weighted.code == 0 and weighted.json()["share_weight"] == 2.5 and weighted.json()["max_pending"] == 7
+    assert (await cli.keys("tenant", "--tenant", "vip", "--share-weight", "0")).code != 0
     fresh = (await cli.keys("create", "--tenant", "vip", "--json")).json()["api_key"]  # not in the gateway's key cache
     refused = await cli("submit", "urgent again", "--priority", "high", "--api-key", fresh)
     assert "PRIORITY" in one_error_line(refused, "PERMISSION_DENIED")

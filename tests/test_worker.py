@@ -595,17 +595,20 @@ async def test_a_workers_claim_says_why_not_and_commits_asynchronously(backends:
     got = await claim(task.id)
     assert got.verdict is registry.Verdict.CLAIMED and got.task is not None
     assert (got.task.status, got.task.attempt, got.task.worker_id, got.from_status) == (Status.PROCESSING, 1, "w1", task.status)
-    refused = await claim(task.id, worker="w2")  # the lease is live
-    assert refused.verdict is registry.Verdict.REFUSED and refused.task is not None and refused.task.worker_id == "w1"
     assert (await claim(other.id, cap=1)).verdict is registry.Verdict.CAPPED
-    assert (await store.cancel(pool, task.id, mode=CancelMode.HARD, actor="test")).applied
-    assert (await claim(task.id)).verdict is registry.Verdict.FINISHED
+    assert (await store.queue(pool, other.id, actor="submit")).applied
     async with pool.acquire() as conn:
         async with conn.transaction():
-            assert (await registry.claim_for(conn, other.id, model_id=SLEEPY, cap=1, worker_id="w1", lease_seconds=10.0,
-                                             actor="w1")).verdict is registry.Verdict.CLAIMED
+            # a message is a hint for its level: a redelivery of the running task's message claims the one still queued
+            got = await registry.claim_for(conn, task.id, model_id=SLEEPY, cap=2, worker_id="w2", lease_seconds=10.0, actor="w2")
+            assert got.verdict is registry.Verdict.CLAIMED and got.task is not None and got.task.id == other.id
             assert await conn.fetchval("SHOW synchronous_commit") == "off"  # the claim's own transaction only
         assert await conn.fetchval("SHOW synchronous_commit") == "on"
+    refused = await claim(task.id, worker="w3")  # nothing queued, and its own task's lease is live
+    assert refused.verdict is registry.Verdict.REFUSED and refused.task is not None and refused.task.worker_id == "w1"
+    for done in (task, other):
+        assert (await store.cancel(pool, done.id, mode=CancelMode.HARD, actor="test")).applied
+    assert (await claim(task.id)).verdict is registry.Verdict.FINISHED  # nothing queued in its level: a spare message
 
 
 async def test_worker_control_answers_admin_keys_only_as_taskadmin_vouches(

@@ -1,4 +1,5 @@
-"""Claiming the task a dispatch message names: one statement checks, caps, claims and leases it."""
+"""Claiming for a dispatch message: one statement checks, caps, picks the fairest due task of the message's level,
+claims and leases it."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ class Claimer:
         self._lock = asyncio.Lock()
 
     async def claim(self, level: Level, msg: Msg) -> Claimed | Declined:
-        """A new attempt of the task `msg` names, or why not (and what to do with the message)."""
+        """A new attempt of the fairest due task of `msg`'s level (or of its own task), or why not (and what to do
+        with the message)."""
         task_id = dispatch.task_id_of(msg.data)
         if task_id is None:
             log.warning("undecodable dispatch message dropped", extra={"consumer": level.consumer})
@@ -81,6 +83,10 @@ class Claimer:
                 return Claimed(current, got.reusable)
             case Verdict.CAPPED:
                 return Declined(task_id, Step(Action.NAK, Fate.CAPPED, delay=retry_in))
+            case Verdict.EARLY:  # the message comes back when the level's first task is due
+                return Declined(task_id, Step(Action.NAK, Fate.WAITING, delay=max(got.wait_seconds or 0.0, 0.001)))
+            case Verdict.BUSY:
+                return Declined(task_id, Step(Action.NAK, Fate.WAITING, delay=retry_in))
             case Verdict.NOT_FOUND:
                 return _drop(task_id, "no such task")
             case Verdict.OTHER_MODEL:

@@ -44,6 +44,7 @@ class Fate(enum.StrEnum):
     GONE = "gone"  # the task row no longer exists
     REFUSED = "refused"  # not run: no such task, another model's, finished, or its claim refused
     CAPPED = "capped"  # not run now: its model's concurrency cap is reached
+    WAITING = "waiting"  # not run now: nothing in its level is due yet, or every due task is being claimed
 
 
 @dataclass(frozen=True, slots=True)

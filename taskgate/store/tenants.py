@@ -28,6 +28,7 @@ class Tenant:
     max_pending: int | None
     submits_per_minute: int | None
     max_priority: int
+    share_weight: float = 1.0  # its share against other tenants of one priority (fair share: 2 gets twice 1's turns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +107,16 @@ async def webhook_secrets(db: Conn, tenant_id: str) -> list[str]:
 
 
 async def update_tenant(
-    db: Conn, tenant_id: str, *, max_pending: int | None, submits_per_minute: int | None, max_priority: int | None
+    db: Conn, tenant_id: str, *, max_pending: int | None, submits_per_minute: int | None, max_priority: int | None,
+    share_weight: float | None = None,
 ) -> Tenant | None:
     """Changes the limits given (None leaves one as it is); the tenant after, or None when there is no such tenant."""
-    row = await db.fetchrow(sql.query("update_tenant"), tenant_id, max_pending, submits_per_minute, max_priority)
+    row = await db.fetchrow(
+        sql.query("update_tenant"), tenant_id, max_pending, submits_per_minute, max_priority, share_weight
+    )
     if row is None:
         return None
-    return Tenant(row["id"], row["max_pending"], row["submits_per_minute"], row["max_priority"])
+    return Tenant(row["id"], row["max_pending"], row["submits_per_minute"], row["max_priority"], row["share_weight"])
 
 
 async def tenant_exists(db: Conn, tenant_id: str) -> bool:

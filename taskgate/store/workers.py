@@ -50,6 +50,8 @@ class Verdict(enum.Enum):
     FINISHED = "finished"  # the task is in a final state
     CAPPED = "capped"  # the model's cap or the cluster's slots are full
     REFUSED = "refused"  # a live lease, or a takeover that would reach max_worker_losses
+    EARLY = "early"  # the level's QUEUED tasks are not due yet (wait_seconds until the first is)
+    BUSY = "busy"  # every due task of the level is being claimed by another worker right now
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +62,11 @@ class WorkerClaim:
     task: TaskRow | None  # None: no such task
     from_status: Status | None  # the state a claimed task left
     reusable: ResultRef | None  # a soft-cancelled run's output for the same request
+    wait_seconds: float | None = None  # EARLY: until the level's first task is due
 
     def outcome(self) -> Outcome | None:
-        """As the typed move's outcome (store.claim); None when capped."""
-        if self.verdict is Verdict.CAPPED:
+        """As the typed move's outcome (store.claim); None when not run now (capped, early, busy)."""
+        if self.verdict in (Verdict.CAPPED, Verdict.EARLY, Verdict.BUSY):
             return None
         if self.verdict is Verdict.CLAIMED:
             return Outcome(task=self.task, from_status=self.from_status)
@@ -157,7 +160,9 @@ async def claim_for(
     max_worker_losses: int | None = None,
     cluster_cap: bool = False,
 ) -> WorkerClaim:
-    """A worker's claim of a task of `model_id`, in one statement and its own asynchronously committed transaction.
+    """A worker's claim for the dispatch message of `task_id` (a task of `model_id`), in one statement and its own
+    asynchronously committed transaction: the fairest due QUEUED task of the message's (model, priority) level, else
+    the message's own task while it is CREATED (or PROCESSING under a lapsed lease: a takeover).
 
     CAPPED when `cap` (if above 0) tasks of the model already run under a live lease (exact: counted under a per-model
     lock held to the commit), or (with `cluster_cap`) when the running tasks reach floor(sum of the live workers'
@@ -177,7 +182,7 @@ async def claim_for(
         )
     if verdict is Verdict.CLAIMED and task is not None and old is not None:
         applied(task, old, actor=actor, reason=reason)
-    return WorkerClaim(verdict, task, old, reusable)
+    return WorkerClaim(verdict, task, old, reusable, rec["wait_seconds"])
 
 
 async def keep_reusable(db: Conn, task_id: int, *, attempt: int, result: ResultRef) -> bool:

@@ -1,17 +1,29 @@
--- A worker's claim of the task a dispatch message names, in one statement: the checks, the caps and the guarded
--- claim (the claim_task block of queries/tasks.sql, same SET and guard: change both together). Run as its own
--- transaction. verdict: 'claimed' (claimed is the new attempt, old_status what it left), 'not_found',
--- 'other_model', 'finished', 'capped', or 'refused' (a live lease, or a takeover that would reach p_max_losses);
--- claimed is otherwise the current row, reusable a soft-cancelled run's output for the same request.
+-- A worker's claim for one dispatch message, in one statement: the checks, the caps and the guarded claim (the
+-- claim_task block of queries/tasks.sql, same SET and guard: change both together). Run as its own transaction.
+-- The message is a hint for its task's (model, priority) level, not an assignment: it claims the fairest due QUEUED
+-- task of that level (stride scheduling over tenants, migration 0024: the lowest pass wins, its oldest task first; a
+-- claim advances the tenant's pass by 1 / its share_weight), else its own task while that is still CREATED (the
+-- message outran the commit); its own task PROCESSING under a lapsed lease (its worker was lost) is taken over first.
+-- verdict: 'claimed' (claimed is the new attempt, old_status what it left), 'not_found', 'other_model', 'capped';
+-- with nothing to claim in the level: 'finished' (its own task ended), 'refused' (its own task runs under a live
+-- lease, or a takeover would reach p_max_losses), 'early' (the level's QUEUED tasks are not due yet: wait_seconds until the first is) or
+-- 'busy' (every due task is being claimed by others right now); claimed is otherwise the message's own task.
+-- reusable: a soft-cancelled run's output for the claimed task's request.
 -- plpgsql: each statement takes a fresh snapshot, so the model's count after its lock sees every committed claim.
 CREATE OR REPLACE FUNCTION worker_claim(
     p_task_id bigint, p_model_id text, p_cap integer, p_cluster_cap boolean, p_worker_id text, p_lease_seconds float8,
     p_max_losses integer, p_actor text, p_reason text,
-    OUT verdict text, OUT old_status task_status, OUT claimed task, OUT reusable reusable_result)
+    OUT verdict text, OUT old_status task_status, OUT claimed task, OUT reusable reusable_result,
+    OUT wait_seconds float8)
 LANGUAGE plpgsql AS $$
 DECLARE
     v_running bigint;
     v_model_running bigint;
+    v_priority smallint;
+    v_floor float8;
+    v_pick record;
+    v_id bigint;
+    v_seen boolean := false;
 BEGIN
     -- a claim lost in a crash is fenced by its attempt number: no need to wait for the WAL flush
     PERFORM set_config('synchronous_commit', 'off', true);
@@ -20,16 +32,11 @@ BEGIN
         verdict := 'not_found';
         RETURN;
     END IF;
-    SELECT r.* INTO reusable FROM reusable_result r
-    WHERE r.user_id = claimed.user_id AND r.request_hash = claimed.request_hash;
     IF claimed.model_id <> p_model_id THEN
         verdict := 'other_model';
         RETURN;
     END IF;
-    IF claimed.status NOT IN ('CREATED', 'QUEUED', 'PROCESSING') THEN
-        verdict := 'finished';
-        RETURN;
-    END IF;
+    v_priority := claimed.priority;
     -- each cap is exact: claims queue on its lock until the claiming transaction commits (model first, then cluster,
     -- always in that order, so two claims never wait on each other's)
     IF p_cap > 0 THEN
@@ -43,7 +50,7 @@ BEGIN
     IF p_cluster_cap OR p_cap > 0 THEN
         SELECT count(*), count(*) FILTER (WHERE l.model_id = p_model_id) INTO v_running, v_model_running
         FROM task l
-        WHERE task_holds_lease(l.status, l.lease_expires_at) AND l.lease_expires_at > now() AND l.id <> p_task_id;
+        WHERE task_holds_lease(l.status, l.lease_expires_at) AND l.lease_expires_at > now();
         IF (p_cap > 0 AND v_model_running >= p_cap) OR (p_cluster_cap AND v_running >= (
             SELECT floor(coalesce(sum(coalesce(w.capacity, w.slots)), 0)) FROM worker w
             WHERE w.last_heartbeat > now() - make_interval(secs => p_lease_seconds)
@@ -52,17 +59,85 @@ BEGIN
             RETURN;
         END IF;
     END IF;
+    IF claimed.status = 'PROCESSING' AND claimed.lease_expires_at < now()
+       AND (p_max_losses IS NULL OR claimed.worker_losses + 1 < p_max_losses) THEN
+        v_id := p_task_id;  -- a redelivery after its worker was lost: take the attempt over
+    ELSE
+        SELECT l.floor INTO v_floor FROM fair_level l WHERE l.model_id = p_model_id AND l.priority = v_priority;
+        v_floor := coalesce(v_floor, 0);
+        -- the tenants with a due QUEUED task in the level (a skip scan of task_fair_idx), lowest pass first
+        FOR v_pick IN
+            WITH RECURSIVE tenants AS (
+                (SELECT q.user_id FROM task q
+                 WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
+                 ORDER BY q.user_id LIMIT 1)
+                UNION ALL
+                SELECT (SELECT q.user_id FROM task q
+                        WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
+                          AND q.user_id > s.user_id
+                        ORDER BY q.user_id LIMIT 1)
+                FROM tenants s WHERE s.user_id IS NOT NULL
+            )
+            SELECT s.user_id, GREATEST(coalesce(f.pass, v_floor), v_floor) AS pass,
+                   coalesce(w.share_weight, 1) AS weight
+            FROM tenants s
+            CROSS JOIN LATERAL (
+                SELECT q.queued_at, q.id FROM task q
+                WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
+                  AND q.user_id = s.user_id AND (q.not_before IS NULL OR q.not_before <= now())
+                ORDER BY q.queued_at, q.id LIMIT 1
+            ) h
+            LEFT JOIN fair_share f ON f.model_id = p_model_id AND f.priority = v_priority AND f.user_id = s.user_id
+            LEFT JOIN tenant w ON w.id = s.user_id
+            WHERE s.user_id IS NOT NULL
+            ORDER BY 2, h.queued_at, h.id
+        LOOP
+            v_seen := true;
+            SELECT q.id INTO v_id FROM task q
+            WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
+              AND q.user_id = v_pick.user_id AND (q.not_before IS NULL OR q.not_before <= now())
+            ORDER BY q.queued_at, q.id LIMIT 1
+            FOR UPDATE SKIP LOCKED;
+            IF v_id IS NOT NULL THEN
+                INSERT INTO fair_share AS f (model_id, priority, user_id, pass)
+                VALUES (p_model_id, v_priority, v_pick.user_id, v_pick.pass + 1.0 / v_pick.weight)
+                ON CONFLICT (model_id, priority, user_id)
+                DO UPDATE SET pass = GREATEST(f.pass, v_floor) + 1.0 / v_pick.weight;
+                INSERT INTO fair_level AS l (model_id, priority, floor) VALUES (p_model_id, v_priority, v_pick.pass)
+                ON CONFLICT (model_id, priority) DO UPDATE SET floor = GREATEST(l.floor, v_pick.pass);
+                EXIT;
+            END IF;
+        END LOOP;
+        IF v_id IS NULL AND claimed.status = 'CREATED' THEN
+            v_id := p_task_id;
+        END IF;
+    END IF;
+    IF v_id IS NULL THEN
+        IF v_seen THEN
+            verdict := 'busy';
+            RETURN;
+        END IF;
+        SELECT EXTRACT(EPOCH FROM min(q.not_before) - now())::float8 INTO wait_seconds FROM task q
+        WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority AND q.not_before > now();
+        verdict := CASE WHEN wait_seconds IS NOT NULL THEN 'early'
+                        WHEN claimed.status = 'PROCESSING' THEN 'refused'
+                        WHEN claimed.status = 'QUEUED' THEN 'busy'
+                        ELSE 'finished' END;
+        RETURN;
+    END IF;
     UPDATE task t SET status = 'PROCESSING', version = t.version + 1, attempt = t.attempt + 1, worker_id = p_worker_id,
            lease_expires_at = now() + make_interval(secs => p_lease_seconds), started_at = now(), progress = 0,
            worker_losses = t.worker_losses + (t.status = 'PROCESSING')::int,
            processed_seconds = t.processed_seconds + CASE WHEN t.status = 'PROCESSING' THEN
                GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8 ELSE 0 END,
            updated_at = now(), last_actor = p_actor, last_reason = p_reason
-    FROM (SELECT id, status AS old_status FROM task WHERE id = p_task_id FOR UPDATE) o
-    WHERE t.id = p_task_id AND t.id = o.id AND t.status IN ('CREATED', 'QUEUED', 'PROCESSING')
+    FROM (SELECT id, status AS old_status FROM task WHERE id = v_id FOR UPDATE) o
+    WHERE t.id = v_id AND t.id = o.id AND t.status IN ('CREATED', 'QUEUED', 'PROCESSING')
       AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now() AND (p_max_losses IS NULL OR t.worker_losses + 1 < p_max_losses)))
     RETURNING o.old_status INTO old_status;
     verdict := CASE WHEN FOUND THEN 'claimed' ELSE 'refused' END;
-    SELECT t.* INTO claimed FROM task t WHERE t.id = p_task_id;
+    SELECT t.* INTO claimed FROM task t WHERE t.id = v_id;
+    SELECT r.* INTO reusable FROM reusable_result r
+    WHERE r.user_id = claimed.user_id AND r.request_hash = claimed.request_hash;
 END
 $$;

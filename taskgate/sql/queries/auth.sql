@@ -47,11 +47,11 @@ ORDER BY created_at DESC, id DESC;
 
 -- name: update_tenant
 -- Changes a tenant's limits (NULL leaves one as it is); no row when there is no such tenant. $1 tenant,
--- $2 max pending, $3 submits per minute, $4 max priority.
+-- $2 max pending, $3 submits per minute, $4 max priority, $5 share weight.
 UPDATE tenant SET max_pending = COALESCE($2, max_pending), submits_per_minute = COALESCE($3, submits_per_minute),
-                  max_priority = COALESCE($4, max_priority)
+                  max_priority = COALESCE($4, max_priority), share_weight = COALESCE($5, share_weight)
 WHERE id = $1
-RETURNING id, max_pending, submits_per_minute, max_priority;
+RETURNING id, max_pending, submits_per_minute, max_priority, share_weight;
 
 -- name: tenant_exists
 -- Whether a tenant exists. $1 tenant.

@@ -50,12 +50,13 @@ SELECT (SELECT floor(coalesce(sum(coalesce(capacity, slots)), 0)) FROM worker
        )::int AS running;
 
 -- name: worker_claim
--- A worker's claim in one statement (functions/worker_claim.sql): why not, or the new attempt; a reusable output.
+-- A worker's claim for one message in one statement (functions/worker_claim.sql): why not, or the new attempt (the
+-- fairest due task of the message's level); a reusable output; how long until the level's first task is due.
 -- $1 task id, $2 model id, $3 the model's cap (0 = none), $4 the cluster cap, $5 worker, $6 lease seconds,
 -- $7 most lost attempts (NULL = no limit), $8 actor, $9 reason.
 SELECT c.verdict, c.old_status, (c.claimed).*, (c.reusable).result_uri AS reusable_uri,
        (c.reusable).result_content_type AS reusable_content_type, (c.reusable).result_size AS reusable_size,
-       (c.reusable).result_sha256 AS reusable_sha256
+       (c.reusable).result_sha256 AS reusable_sha256, c.wait_seconds
 FROM worker_claim($1, $2, $3, $4, $5, $6, $7, $8, $9) c;
 
 -- name: worker_keep_reusable
