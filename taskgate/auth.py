@@ -8,7 +8,10 @@ import hmac
 import re
 import secrets
 import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
+import asyncpg
 import grpc
 
 from taskgate import errors
@@ -66,11 +69,25 @@ async def create_key(
     return key, (secret if tenant_was_new else None)
 
 
-async def rotate_webhook_secret(db: Conn, tenant_id: str, overlap_seconds: float) -> str:
+DEFAULT_SECRET_OVERLAP = 24 * 3600.0  # seconds the previous webhook secrets keep signing after a rotation
+
+
+@dataclass(frozen=True, slots=True)
+class Rotated:
+    """A webhook secret just added: the secret (shown once), when the ones before it stop signing, how many sign now."""
+
+    secret: str
+    previous_valid_until: datetime
+    valid_secrets: int
+
+
+async def rotate_webhook_secret(pool: asyncpg.Pool, tenant_id: str, overlap_seconds: float) -> Rotated:
     """Adds a new secret; the previous ones stay valid for `overlap_seconds`."""
     secret = new_webhook_secret()
-    await tenants.rotate_webhook_secret(db, tenant_id, secret=secret, overlap_seconds=overlap_seconds)
-    return secret
+    async with pool.acquire() as conn, conn.transaction():
+        await tenants.rotate_webhook_secret(conn, tenant_id, secret=secret, overlap_seconds=overlap_seconds)
+        valid = await tenants.webhook_secrets(conn, tenant_id)
+    return Rotated(secret, datetime.now(UTC) + timedelta(seconds=overlap_seconds), len(valid))
 
 
 class Authenticator:

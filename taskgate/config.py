@@ -199,6 +199,9 @@ class Settings(BaseSettings):
 
     # Authentication
     api_key_pepper: str = Field(default="taskgate-dev-pepper", min_length=8, description="Secret mixed into API-key hashes.")
+    webhook_secret_max_overlap_seconds: float = Field(
+        default=7 * 86400.0, ge=0, description="Longest overlap a tenant may ask for when it rotates its own webhook secret."
+    )
 
     # Submission limits
     max_pending_per_tenant: int = Field(default=3, ge=1, description="Unfinished tasks a tenant may hold.")

@@ -468,6 +468,19 @@ class AsyncTaskgateClient:
         )
         return self._handle(Task.from_proto(response.task, created=response.created))
 
+    async def rotate_own_webhook_secret(
+        self, *, overlap: float = 24 * 3600.0
+    ) -> gateway_pb2.TaskGatewayRotateWebhookSecretResponse:
+        """A new webhook secret for your own tenant (shown once); the current ones keep signing for `overlap` seconds.
+
+        Not retried: a retry after a lost answer would rotate again and the secret shown first would be lost.
+        """
+        request = gateway_pb2.TaskGatewayRotateWebhookSecretRequest(overlap=_duration(overlap))
+        try:
+            return await self._gateway.RotateWebhookSecret(request, metadata=self.metadata, timeout=self.config.call_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+
     async def watch(self, task_id: str, *, after_version: int = 0, resume_attempts: int | None = None) -> AsyncIterator[TaskEvent]:
         """The task's snapshot, then each later event, until it is terminal.
 

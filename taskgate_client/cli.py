@@ -27,7 +27,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from taskgate.v1 import admin_pb2, task_pb2
+from taskgate.v1 import admin_pb2, gateway_pb2, task_pb2
 from taskgate_client import (
     AsyncTaskgateClient,
     Status,
@@ -632,14 +632,28 @@ async def cmd_admin_deliveries(client: AsyncTaskgateClient, args: argparse.Names
     )
 
 
+async def cmd_rotate_webhook_secret(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    done = await client.rotate_own_webhook_secret(overlap=args.overlap)
+    return _rotated(done, None, out)
+
+
 async def cmd_admin_rotate_secret(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
     done = await client.rotate_webhook_secret(args.tenant, overlap=args.overlap)
+    return _rotated(done, args.tenant, out)
+
+
+def _rotated(
+    done: admin_pb2.RotateWebhookSecretResponse | gateway_pb2.TaskGatewayRotateWebhookSecretResponse,
+    tenant: str | None,
+    out: Output,
+) -> int:
+    who = [("tenant", tenant)] if tenant is not None else []
     if out.json:
         until = done.previous_valid_until.ToDatetime(tzinfo=UTC).isoformat()
-        out.document({"tenant": args.tenant, "webhook_secret": done.webhook_secret, "previous_valid_until": until,
+        out.document({**dict(who), "webhook_secret": done.webhook_secret, "previous_valid_until": until,
                       "valid_secrets": done.valid_secrets})
         return EXIT_OK
-    out.fields([("tenant", args.tenant), ("webhook secret", done.webhook_secret),
+    out.fields([*who, ("webhook secret", done.webhook_secret),
                 ("previous valid until", _ts(done.previous_valid_until)),
                 ("secrets signing now", done.valid_secrets)])
     out.line("\nStore the new secret now: it is not shown again. Receivers accept either secret until the overlap ends.")
@@ -805,6 +819,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("cancel", cmd_cancel, "cancel a task (soft: a running task finishes and its output is kept for reuse)")
     p.add_argument("task_id")
     p.add_argument("--hard", action="store_true", help="stop inference at the next step and discard the output")
+
+    p = add("rotate-webhook-secret", cmd_rotate_webhook_secret,
+            "a new webhook secret for your tenant, shown once (the current ones sign on during the overlap)")
+    p.add_argument("--overlap", type=_age, default=24 * 3600.0, metavar="AGE",
+                   help="how long the current secrets keep signing: 3600, 90m, 24h (default), 0 retires them now")
 
     p = add("regenerate", cmd_regenerate, "a new task from a finished one's request (HIGH when your tenant may use it)")
     p.add_argument("task_id")

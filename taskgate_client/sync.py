@@ -13,7 +13,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from taskgate.v1 import admin_pb2
+from taskgate.v1 import admin_pb2, gateway_pb2
 from taskgate_client.aio import MAX_SUBMIT_BATCH, AsyncEventStream, AsyncTaskgateClient, StatusFilter
 from taskgate_client.config import ClientConfig, ConnectOptions, make_config
 from taskgate_client.errors import TaskgateError
@@ -230,6 +230,10 @@ class TaskgateClient:
     def deliveries(self, status: str | None = None, *, page_size: int = 100) -> Generator[admin_pb2.DeliveryRecord, None, None]:
         """Admin: webhook deliveries in a state, newest first, with attempts and last error."""
         return self._runner.iterate(self._client.deliveries(status, page_size=page_size))
+
+    def rotate_own_webhook_secret(self, *, overlap: float = 24 * 3600.0) -> gateway_pb2.TaskGatewayRotateWebhookSecretResponse:
+        """A new webhook secret for your own tenant (shown once); the current ones keep signing for `overlap` seconds."""
+        return self._runner.run(self._client.rotate_own_webhook_secret(overlap=overlap))
 
     def rotate_webhook_secret(self, tenant: str, *, overlap: float = 24 * 3600.0) -> admin_pb2.RotateWebhookSecretResponse:
         """Admin: a new webhook secret for a tenant; its current ones keep signing for `overlap` seconds."""

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from services.notifier.service import start as start_notifier
 from services.scheduler import service as scheduler_service
+from services.submit import service as submit_service
 from taskgate import auth
 from taskgate.runtime import Backends
 from taskgate.states import Status
@@ -61,6 +66,41 @@ async def test_rotation_signs_with_both_secrets_until_the_overlap_ends(backends:
         with pytest.raises(TaskgateError) as info:
             await ops.rotate_webhook_secret(tenant)
         assert info.value.code_name == code, tenant
+
+
+async def test_a_tenant_rotates_its_own_webhook_secret_over_task_gateway(backends: Backends) -> None:
+    pepper = backends.settings.api_key_pepper
+    key, old = await auth.create_key(backends.pool, pepper, TENANT)
+    _, theirs = await auth.create_key(backends.pool, pepper, "another-tenant")
+    gateway = await submit_service.start(backends.settings, backends)
+    address = f"127.0.0.1:{gateway.port}"
+    try:
+        async with connect_async(address, key) as client:
+            rotated = await client.rotate_own_webhook_secret(overlap=600)
+            assert rotated.webhook_secret.startswith("whsec_") and rotated.valid_secrets == 2
+            assert set(await tenants.webhook_secrets(backends.pool, TENANT)) == {old, rotated.webhook_secret}
+            assert abs(rotated.previous_valid_until.ToSeconds() - (time.time() + 600)) < 60
+            assert await tenants.webhook_secrets(backends.pool, "another-tenant") == [theirs]  # only the caller's own
+            with pytest.raises(TaskgateError) as too_long:
+                await client.rotate_own_webhook_secret(overlap=8 * 86400)
+            assert too_long.value.code_name == "INVALID_ARGUMENT" and "overlap" in str(too_long.value.field_violations)
+
+        # the CLI, as a tenant runs it: --overlap 0 retires the old secrets at once
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "taskgate_client.cli", "rotate-webhook-secret", "--overlap", "0", "--json",
+            "--address", address, "--api-key", key, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, out
+        shown = json.loads(out)
+        assert shown["valid_secrets"] == 1 and await tenants.webhook_secrets(backends.pool, TENANT) == [shown["webhook_secret"]]
+
+        async with connect_async(address, "tg_not-a-key") as stranger:
+            with pytest.raises(TaskgateError) as nobody:
+                await stranger.rotate_own_webhook_secret()
+        assert nobody.value.code_name == "UNAUTHENTICATED"
+    finally:
+        await gateway.stop(0)
 
 
 async def test_keys_are_listed_and_revoked_over_task_admin(backends: Backends, ops: AsyncTaskgateClient) -> None:

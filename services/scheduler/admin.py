@@ -16,7 +16,7 @@ from services.scheduler.requeue import REPLAYABLE, Item, Requeuer
 from services.scheduler.scans import Action, Retention, RetentionScan, TaskScan, count
 from taskgate import auth, errors, ids, paging, store, text
 from taskgate import bus as busmod
-from taskgate.auth import Authenticator
+from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator
 from taskgate.config import Settings
 from taskgate.model import timestamp
 from taskgate.states import UNFINISHED, CallbackStatus, Status
@@ -29,7 +29,6 @@ from taskgate.v1 import admin_pb2, admin_pb2_grpc, task_pb2
 
 log = logging.getLogger("taskgate.admin")
 
-DEFAULT_SECRET_OVERLAP = 24 * 3600.0  # seconds the previous webhook secrets keep signing after a rotation
 _DEAD_LETTERS = paging.filter_key("admin.dead_letters")  # no filter, but its tokens fit no other listing
 
 
@@ -322,13 +321,11 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         if overlap < 0:
             raise errors.invalid_argument([("overlap", "must not be negative")])
         tenant = await self._existing_tenant(request.tenant)
-        async with self.pool.acquire() as conn, conn.transaction():
-            secret = await auth.rotate_webhook_secret(conn, tenant, overlap)
-            valid = await tenants.webhook_secrets(conn, tenant)
-        log.info("webhook secret rotated", extra={"tenant": tenant, "overlap_seconds": overlap, "valid_secrets": len(valid)})
-        until = datetime.now(UTC) + timedelta(seconds=overlap)
+        rotated = await auth.rotate_webhook_secret(self.pool, tenant, overlap)
+        log.info("webhook secret rotated", extra={"tenant": tenant, "overlap_seconds": overlap, "valid_secrets": rotated.valid_secrets})
         return admin_pb2.RotateWebhookSecretResponse(
-            webhook_secret=secret, previous_valid_until=timestamp(until), valid_secrets=len(valid)
+            webhook_secret=rotated.secret, previous_valid_until=timestamp(rotated.previous_valid_until),
+            valid_secrets=rotated.valid_secrets,
         )
 
     async def ListApiKeys(

@@ -16,11 +16,11 @@ import nats.errors
 from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health
 
-from taskgate import errors, eta, ids, paging, store, telemetry, tracing
-from taskgate.auth import Authenticator, Principal
+from taskgate import auth, errors, eta, ids, paging, store, telemetry, tracing
+from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator, Principal
 from taskgate.config import Settings
 from taskgate.dispatcher import Dispatcher
-from taskgate.model import TaskRow
+from taskgate.model import TaskRow, timestamp
 from taskgate.results import ResultNotFound, add_link, result_store
 from taskgate.runtime import Backends, connect, serve_until_signal
 from taskgate.server import mark_not_serving, start_server
@@ -405,6 +405,22 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             last = tasks[-1]
             token = self._pages.encode(paging.Cursor(last.created_at, last.id), fingerprint)
         return gateway_pb2.ListTasksResponse(tasks=[t.to_proto() for t in tasks], next_page_token=token)
+
+    async def RotateWebhookSecret(
+        self, request: gateway_pb2.TaskGatewayRotateWebhookSecretRequest, context: Context
+    ) -> gateway_pb2.TaskGatewayRotateWebhookSecretResponse:
+        """A new webhook secret for the caller's tenant; the current ones keep signing until the overlap ends."""
+        who = await self._principal(context)
+        overlap = request.overlap.ToTimedelta().total_seconds() if request.HasField("overlap") else DEFAULT_SECRET_OVERLAP
+        most = self._settings.webhook_secret_max_overlap_seconds
+        if not 0 <= overlap <= most:
+            raise errors.invalid_argument([("overlap", f"must be between 0 and {most:g} seconds")])
+        rotated = await asyncio.wait_for(auth.rotate_webhook_secret(self._pool, who.tenant_id, overlap), self._budget(context))
+        log.info("webhook secret rotated", extra={"tenant": who.tenant_id, "overlap_seconds": overlap, "by": "tenant"})
+        return gateway_pb2.TaskGatewayRotateWebhookSecretResponse(
+            webhook_secret=rotated.secret, previous_valid_until=timestamp(rotated.previous_valid_until),
+            valid_secrets=rotated.valid_secrets,
+        )
 
     # Cancel and results
 

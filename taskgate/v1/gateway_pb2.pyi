@@ -23,6 +23,60 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class TaskGatewayRotateWebhookSecretRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OVERLAP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def overlap(self) -> _duration_pb2.Duration:
+        """how long the current secrets keep signing: default 24 h, at most TASKGATE_WEBHOOK_SECRET_MAX_OVERLAP_SECONDS;
+        0 retires them now
+        """
+
+    def __init__(
+        self,
+        *,
+        overlap: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["overlap", b"overlap"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["overlap", b"overlap"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskGatewayRotateWebhookSecretRequest: _TypeAlias = TaskGatewayRotateWebhookSecretRequest  # noqa: Y015
+
+@_typing.final
+class TaskGatewayRotateWebhookSecretResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEBHOOK_SECRET_FIELD_NUMBER: _builtins.int
+    PREVIOUS_VALID_UNTIL_FIELD_NUMBER: _builtins.int
+    VALID_SECRETS_FIELD_NUMBER: _builtins.int
+    webhook_secret: _builtins.str
+    """shown once"""
+    valid_secrets: _builtins.int
+    """how many sign each webhook now"""
+    @_builtins.property
+    def previous_valid_until(self) -> _timestamp_pb2.Timestamp:
+        """when the secrets before it stop signing"""
+
+    def __init__(
+        self,
+        *,
+        webhook_secret: _builtins.str = ...,
+        previous_valid_until: _timestamp_pb2.Timestamp | None = ...,
+        valid_secrets: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["previous_valid_until", b"previous_valid_until"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["previous_valid_until", b"previous_valid_until", "valid_secrets", b"valid_secrets", "webhook_secret", b"webhook_secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskGatewayRotateWebhookSecretResponse: _TypeAlias = TaskGatewayRotateWebhookSecretResponse  # noqa: Y015
+
+@_typing.final
 class ImageInput(_message.Message):
     """The image of an image-to-video request: PNG, JPEG or WebP (a still image; animated ones are refused)."""
 

@@ -76,6 +76,11 @@ class TaskGatewayStub:
                 request_serializer=taskgate_dot_v1_dot_gateway__pb2.UploadInputRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_gateway__pb2.UploadInputResponse.FromString,
                 _registered_method=True)
+        self.RotateWebhookSecret = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/RotateWebhookSecret',
+                request_serializer=taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretResponse.FromString,
+                _registered_method=True)
 
 
 class TaskGatewayServicer:
@@ -137,6 +142,14 @@ class TaskGatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RotateWebhookSecret(self, request, context):
+        """A new webhook secret for the caller's own tenant, shown once; the current ones keep signing every webhook (one
+        signature each) until the overlap ends, so a receiver verifies with either while it switches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TaskGatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +192,11 @@ def add_TaskGatewayServicer_to_server(servicer, server):
                     servicer.UploadInput,
                     request_deserializer=taskgate_dot_v1_dot_gateway__pb2.UploadInputRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_gateway__pb2.UploadInputResponse.SerializeToString,
+            ),
+            'RotateWebhookSecret': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateWebhookSecret,
+                    request_deserializer=taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +417,33 @@ class TaskGateway:
             '/taskgate.v1.TaskGateway/UploadInput',
             taskgate_dot_v1_dot_gateway__pb2.UploadInputRequest.SerializeToString,
             taskgate_dot_v1_dot_gateway__pb2.UploadInputResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateWebhookSecret(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/RotateWebhookSecret',
+            taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretRequest.SerializeToString,
+            taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,10 @@ class TaskGatewayStub:
     """Stores an input image sent in chunks (larger than one message may be), checked as a submission's image is, and
     answers with its sha256: a later SubmitTask names it in `image.upload_sha256`.
     """
+    RotateWebhookSecret: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.TaskGatewayRotateWebhookSecretRequest, _gateway_pb2.TaskGatewayRotateWebhookSecretResponse]
+    """A new webhook secret for the caller's own tenant, shown once; the current ones keep signing every webhook (one
+    signature each) until the overlap ends, so a receiver verifies with either while it switches.
+    """
 
 @_typing.type_check_only
 class TaskGatewayAsyncStub(TaskGatewayStub):
@@ -74,6 +78,10 @@ class TaskGatewayAsyncStub(TaskGatewayStub):
     UploadInput: _aio.StreamUnaryMultiCallable[_gateway_pb2.UploadInputRequest, _gateway_pb2.UploadInputResponse]  # type: ignore[assignment]
     """Stores an input image sent in chunks (larger than one message may be), checked as a submission's image is, and
     answers with its sha256: a later SubmitTask names it in `image.upload_sha256`.
+    """
+    RotateWebhookSecret: _aio.UnaryUnaryMultiCallable[_gateway_pb2.TaskGatewayRotateWebhookSecretRequest, _gateway_pb2.TaskGatewayRotateWebhookSecretResponse]  # type: ignore[assignment]
+    """A new webhook secret for the caller's own tenant, shown once; the current ones keep signing every webhook (one
+    signature each) until the overlap ends, so a receiver verifies with either while it switches.
     """
 
 class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
@@ -143,6 +151,16 @@ class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_gateway_pb2.UploadInputResponse, _abc.Awaitable[_gateway_pb2.UploadInputResponse]]:
         """Stores an input image sent in chunks (larger than one message may be), checked as a submission's image is, and
         answers with its sha256: a later SubmitTask names it in `image.upload_sha256`.
+        """
+
+    @_abc_1.abstractmethod
+    def RotateWebhookSecret(
+        self,
+        request: _gateway_pb2.TaskGatewayRotateWebhookSecretRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.TaskGatewayRotateWebhookSecretResponse, _abc.Awaitable[_gateway_pb2.TaskGatewayRotateWebhookSecretResponse]]:
+        """A new webhook secret for the caller's own tenant, shown once; the current ones keep signing every webhook (one
+        signature each) until the overlap ends, so a receiver verifies with either while it switches.
         """
 
 def add_TaskGatewayServicer_to_server(servicer: TaskGatewayServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
