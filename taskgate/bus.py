@@ -212,3 +212,9 @@ async def ensure_task_consumer(bus: Bus, settings: Settings, model_id: str, prio
     )
     await bus.js.add_consumer(TASKS_STREAM, config)
     return name
+
+
+async def level_messages(bus: Bus, model_id: str, priority: int) -> int:
+    """The dispatch messages a (model, priority) level's consumer holds: waiting, or delivered and not yet acked."""
+    info = await bus.js.consumer_info(TASKS_STREAM, consumer_name(model_id, priority))
+    return (info.num_pending or 0) + (info.num_ack_pending or 0)

@@ -271,8 +271,14 @@ class Settings(BaseSettings):
         description="CREATED longer than this was never dispatched (its submit process died, or the publish failed): "
         "the scheduler dispatches it.",
     )
-    queue_timeout_seconds: float = Field(default=180.0, gt=0, description="QUEUED longer than this is re-published, then TIMEOUT.")
-    max_republish: int = Field(default=2, ge=0, description="Re-publishes of a QUEUED task before QUEUE_TIMEOUT.")
+    queue_timeout_seconds: float = Field(
+        default=180.0, gt=0,
+        description="QUEUED longer than this at a model whose queue does not move (no claim within it, nothing running): "
+        "missing messages re-published, then TIMEOUT.",
+    )
+    max_republish: int = Field(
+        default=2, ge=0, description="Rounds of a queue timeout with nothing moving that a QUEUED task waits before QUEUE_TIMEOUT."
+    )
     processing_timeout_seconds: float = Field(
         default=300.0, gt=0, description="Processing longer than this, all attempts together (plus one grace), is TIMEOUT."
     )

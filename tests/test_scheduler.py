@@ -126,17 +126,20 @@ async def dead_notice(backends: Backends, task: TaskRow) -> tuple[str, str]:
     return notice["reason"], notice["error_code"]
 
 
-async def test_queue_timeout_republishes_twice_then_times_out(backends: Backends, scheduler: Scheduler) -> None:
-    task = await put_in(backends.pool, Status.QUEUED)
+async def test_queue_timeout_republishes_only_a_missing_message_then_times_out(backends: Backends, scheduler: Scheduler) -> None:
+    task = await put_in(backends.pool, Status.QUEUED)  # queued, but its message never reached the stream
     now = await db_now(backends.pool)
     assert (await scheduler.run_once(now + timedelta(seconds=179))).actions.total() == 0
 
-    for n in (1, 2):
-        now = await db_now(backends.pool)
-        report = await scheduler.run_once(now + timedelta(seconds=181))
-        assert report[Action.REPUBLISH] == 1 and report[Action.QUEUE_TIMEOUT] == 0
-        current = await row(backends.pool, task.id)
-        assert (current.status, current.publish_count, current.version) == (Status.QUEUED, n, task.version + n)
+    now = await db_now(backends.pool)
+    report = await scheduler.run_once(now + timedelta(seconds=181))
+    assert (report[Action.REPUBLISH], report[Action.STILL_QUEUED], report[Action.QUEUE_TIMEOUT]) == (1, 0, 0)
+    # the next round finds its message in the stream: nothing is sent beside it, the task is only marked
+    now = await db_now(backends.pool)
+    report = await scheduler.run_once(now + timedelta(seconds=181))
+    assert (report[Action.REPUBLISH], report[Action.STILL_QUEUED], report[Action.QUEUE_TIMEOUT]) == (0, 1, 0)
+    current = await row(backends.pool, task.id)
+    assert (current.status, current.publish_count, current.version) == (Status.QUEUED, 2, task.version + 2)
 
     now = await db_now(backends.pool)
     report = await scheduler.run_once(now + timedelta(seconds=181))
@@ -146,7 +149,27 @@ async def test_queue_timeout_republishes_twice_then_times_out(backends: Backends
     dead = await backends.pool.fetchrow("SELECT * FROM dead_letter WHERE task_id = $1", task.id)
     assert dead is not None and dead["error_code"] == "QUEUE_TIMEOUT"
     assert await dead_notice(backends, task) == ("queue timeout", "QUEUE_TIMEOUT")  # the stream too, not only the table
-    assert [m for _, m, _ in await dispatches(backends.bus)] == [f"{task.id}.p{task.version + 1}", f"{task.id}.p{task.version + 2}"]
+    assert [m for _, m, _ in await dispatches(backends.bus)] == [f"{task.id}.p{task.version + 1}"]
+
+
+async def test_a_queue_that_moves_never_times_out_and_a_lost_message_is_resent_once_it_stops(
+    backends: Backends, scheduler: Scheduler
+) -> None:
+    pool = backends.pool
+    kept, lost = [await put_in(pool, Status.QUEUED) for _ in range(2)]
+    await dispatch.publish(backends.bus, kept, dispatch.Reason.SUBMITTED)  # only one of the two has its message
+    running = await put_in(pool, Status.PROCESSING, lease=600.0)  # the model is busy: a backlog, not a loss
+    now = await db_now(pool)
+    assert (await scheduler.run_once(now + timedelta(seconds=200))).actions.total() == 0
+    assert (await store.succeed(pool, running.id, attempt=1, result=RESULT, actor="w1")).applied
+    # a claim at the model a moment ago counts as moving too, for the queue timeout from that claim
+    await pool.execute("INSERT INTO fair_level (model_id, priority, floor, claimed_at) VALUES ('wan-tiny', 5, 0, $1)", now)
+    assert (await scheduler.run_once(now + timedelta(seconds=179))).actions.total() == 0
+    report = await scheduler.run_once(now + timedelta(seconds=181))  # it stopped: one message is missing, one sent
+    assert (report[Action.REPUBLISH], report[Action.STILL_QUEUED]) == (1, 1)
+    consumer = await backends.bus.js.consumer_info(busmod.TASKS_STREAM, busmod.consumer_name("wan-tiny", 5))
+    assert consumer.num_pending == 2  # as many messages as queued tasks, not one per task per round
+    assert {(await row(pool, t.id)).publish_count for t in (kept, lost)} == {1}
 
 
 async def test_queue_timeout_is_per_model(settings: Settings) -> None:

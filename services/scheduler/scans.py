@@ -39,8 +39,9 @@ class Action(enum.StrEnum):
     """What a scan did to a task; the label of SCHEDULER_ACTIONS."""
 
     QUEUE = "queue"  # CREATED -> QUEUED after dispatching a task nobody dispatched
-    REPUBLISH = "republish"  # QUEUED -> QUEUED with a new dispatch
-    QUEUE_TIMEOUT = "queue_timeout"  # QUEUED -> TIMEOUT after max_republish re-publishes
+    REPUBLISH = "republish"  # QUEUED -> QUEUED with a new dispatch: its level was missing messages
+    STILL_QUEUED = "still_queued"  # QUEUED -> QUEUED past the queue timeout, its level's messages all there
+    QUEUE_TIMEOUT = "queue_timeout"  # QUEUED -> TIMEOUT after max_republish rounds of a queue that does not move
     RELEASE = "release"  # PROCESSING with an expired lease -> QUEUED
     WORKER_LOST = "worker_lost"  # PROCESSING with an expired lease -> FAILED after max_worker_losses lost attempts
     GRACE = "grace"  # one extension of a slow but live attempt
@@ -127,7 +128,10 @@ class CreatedScan:
 
 
 class QueuedScan:
-    """QUEUED longer than the model's queue timeout: re-publish up to max_republish times, then QUEUE_TIMEOUT."""
+    """QUEUED past the model's queue timeout at a model whose queue does not move (no claim within the timeout,
+    nothing running): a backlog that moves is never timed out. Per level, only the messages really missing are
+    re-published (the tasks that should hold one, QUEUED or leased, against what its consumer holds); every other
+    such task is marked still queued. After max_republish rounds a task ends TIMEOUT QUEUE_TIMEOUT."""
 
     name: ClassVar[str] = "queued"
     stuck_reason: ClassVar[str] = "QUEUED_TOO_LONG"
@@ -136,7 +140,7 @@ class QueuedScan:
         self.ctx = ctx
 
     async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]:
-        """QUEUED tasks past their model's queue timeout, locked."""
+        """QUEUED tasks past their model's queue timeout at a model whose queue does not move, locked."""
         s = self.ctx.settings
         return await maintenance.queued_due(
             conn, now=now, timeouts=_timeouts(s, s.queue_timeout_for), default_seconds=s.queue_timeout_seconds, limit=limit
@@ -149,15 +153,29 @@ class QueuedScan:
         async with self.ctx.pool.acquire() as conn, conn.transaction():
             tasks = await self.due(conn, now, s.scan_batch_size)
             result.examined = len(tasks)
-            again = [(t, Reason.REPUBLISHED) for t in tasks if t.publish_count < s.max_republish]
-            for task, _ in await dispatch.publish_many(self.ctx.bus, again):
-                out = await store.republish(
-                    conn, task.id, actor=ACTOR, reason="queued too long: dispatch re-published", expected_version=task.version
-                )
-                result.actions[Action.REPUBLISH] += out.applied
+            waiting = [t for t in tasks if t.publish_count < s.max_republish]
+            missing = await self._missing(conn, waiting)
+            waiting = [t for t in waiting if (t.model_id, t.priority) in missing]  # the rest: the next pass
+            again: list[tuple[TaskRow, Reason]] = []
+            for task in waiting:
+                level = (task.model_id, task.priority)
+                if missing[level] > 0:
+                    missing[level] -= 1
+                    again.append((task, Reason.REPUBLISHED))
+            sent = {task.id for task, _ in await dispatch.publish_many(self.ctx.bus, again)}
+            unsent = {task.id for task, _ in again} - sent
+            for task in waiting:
+                if task.id in unsent:
+                    continue  # its publish failed: the next pass tries again
+                if task.id in sent:
+                    action, why = Action.REPUBLISH, "queued too long: its level missed a message, re-published"
+                else:
+                    action, why = Action.STILL_QUEUED, "queued too long: its model's queue does not move"
+                out = await store.republish(conn, task.id, actor=ACTOR, reason=why, expected_version=task.version)
+                result.actions[action] += out.applied
             for task in tasks:
                 if task.publish_count >= s.max_republish:
-                    msg = f"no worker took the task within the queue timeout after {task.publish_count} re-publishes"
+                    msg = f"no worker took a task of its model within the queue timeout, {task.publish_count + 1} times"
                     error = store.TaskError(QUEUE_TIMEOUT, msg)
                     out = await store.time_out(
                         conn, task.id, error=error, actor=ACTOR, reason="queue timeout", expected_version=task.version
@@ -167,6 +185,21 @@ class QueuedScan:
                         dead.append((out.task, error))
         await _announce_dead(self.ctx.bus, dead, reason="queue timeout")
         return result
+
+    async def _missing(self, conn: asyncpg.Connection, tasks: list[TaskRow]) -> dict[tuple[str, int], int]:
+        """Per level of `tasks`: how many dispatch messages it lacks (tasks that should hold one minus those its
+        consumer holds); a level whose consumer cannot be asked is left for the next pass."""
+        levels = sorted({(t.model_id, t.priority) for t in tasks})
+        holders = await maintenance.level_holders(conn, levels)
+        missing = {}
+        for model_id, priority in levels:
+            try:
+                held = await busmod.level_messages(self.ctx.bus, model_id, priority)
+            except (NatsError, OSError, TimeoutError) as exc:
+                log.warning("consumer not answering; its level waits", extra={"model": model_id, "error": type(exc).__name__})
+                continue
+            missing[(model_id, priority)] = max(0, holders.get((model_id, priority), 0) - held)
+        return missing
 
 
 class LeaseScan:

@@ -43,10 +43,19 @@ async def created_due(db: Conn, *, now: datetime | None = None, timeout_seconds:
 async def queued_due(
     db: Conn, *, now: datetime | None = None, timeouts: Mapping[str, float], default_seconds: float, limit: int
 ) -> list[TaskRow]:
-    """QUEUED tasks waiting past their model's queue timeout (`default_seconds` for a model not in `timeouts`), locked."""
+    """QUEUED tasks waiting past their model's queue timeout (`default_seconds` for a model not in `timeouts`) at a
+    model whose queue does not move (no claim within the timeout, nothing running), locked."""
     models, seconds = _per_model(timeouts)
     smallest = min([default_seconds, *seconds])  # the bound the index range scan uses
     return await _tasks(db, "sched_queued_due", now, models, seconds, default_seconds, smallest, limit)
+
+
+async def level_holders(db: Conn, levels: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """Per (model, priority): the tasks that should hold one of its dispatch messages (QUEUED, or holding a lease)."""
+    if not levels:
+        return {}
+    rows = await db.fetch(sql.query("sched_level_holders"), [m for m, _ in levels], [p for _, p in levels])
+    return {(r["model_id"], r["priority"]): r["holders"] for r in rows}
 
 
 async def lease_expired(db: Conn, *, now: datetime | None = None, limit: int) -> list[TaskRow]:

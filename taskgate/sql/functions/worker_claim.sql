@@ -24,6 +24,7 @@ DECLARE
     v_pick record;
     v_id bigint;
     v_seen boolean := false;
+    v_new_floor float8;
 BEGIN
     -- a claim lost in a crash is fenced by its attempt number: no need to wait for the WAL flush
     PERFORM set_config('synchronous_commit', 'off', true);
@@ -103,8 +104,7 @@ BEGIN
                 VALUES (p_model_id, v_priority, v_pick.user_id, v_pick.pass + 1.0 / v_pick.weight)
                 ON CONFLICT (model_id, priority, user_id)
                 DO UPDATE SET pass = GREATEST(f.pass, v_floor) + 1.0 / v_pick.weight;
-                INSERT INTO fair_level AS l (model_id, priority, floor) VALUES (p_model_id, v_priority, v_pick.pass)
-                ON CONFLICT (model_id, priority) DO UPDATE SET floor = GREATEST(l.floor, v_pick.pass);
+                v_new_floor := v_pick.pass;
                 EXIT;
             END IF;
         END LOOP;
@@ -136,6 +136,12 @@ BEGIN
       AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now() AND (p_max_losses IS NULL OR t.worker_losses + 1 < p_max_losses)))
     RETURNING o.old_status INTO old_status;
     verdict := CASE WHEN FOUND THEN 'claimed' ELSE 'refused' END;
+    IF verdict = 'claimed' THEN  -- the level moves (the scheduler's QueuedScan reads claimed_at); a fair pick's floor
+        INSERT INTO fair_level AS l (model_id, priority, floor, claimed_at)
+        VALUES (p_model_id, v_priority, coalesce(v_new_floor, 0), now())
+        ON CONFLICT (model_id, priority)
+        DO UPDATE SET floor = GREATEST(l.floor, coalesce(v_new_floor, l.floor)), claimed_at = now();
+    END IF;
     SELECT t.* INTO claimed FROM task t WHERE t.id = v_id;
     SELECT r.* INTO reusable FROM reusable_result r
     WHERE r.user_id = claimed.user_id AND r.request_hash = claimed.request_hash;

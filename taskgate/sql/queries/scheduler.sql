@@ -14,16 +14,35 @@ FOR UPDATE SKIP LOCKED;
 
 -- name: sched_queued_due
 -- QUEUED tasks waiting longer than their model's queue timeout, counted from the last (re-)publish or the end of
--- a retry backoff. $1 now, $2 model ids, $3 their timeouts (seconds), $4 default timeout, $5 smallest timeout
--- (the index bound), $6 limit.
+-- a retry backoff, at a model whose queue does not move: no claim at the model within the timeout and no task of it
+-- running (a backlog that moves is no loss). $1 now, $2 model ids, $3 their timeouts (seconds), $4 default timeout,
+-- $5 smallest timeout (the index bound), $6 limit.
 SELECT t.* FROM task t
+CROSS JOIN LATERAL (
+    SELECT COALESCE((SELECT m.secs FROM unnest($2::text[], $3::float8[]) AS m(model_id, secs)
+                     WHERE m.model_id = t.model_id), $4) AS secs
+) o
 WHERE t.status = 'QUEUED'
   AND t.updated_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $5)
-  AND GREATEST(t.updated_at, t.not_before) < COALESCE($1::timestamptz, now()) - make_interval(secs => COALESCE(
-        (SELECT m.secs FROM unnest($2::text[], $3::float8[]) AS m(model_id, secs) WHERE m.model_id = t.model_id), $4))
+  AND GREATEST(t.updated_at, t.not_before) < COALESCE($1::timestamptz, now()) - make_interval(secs => o.secs)
+  AND NOT EXISTS (SELECT 1 FROM fair_level l
+                  WHERE l.model_id = t.model_id AND l.claimed_at > COALESCE($1::timestamptz, now()) - make_interval(secs => o.secs))
+  AND NOT EXISTS (SELECT 1 FROM task r
+                  WHERE task_holds_lease(r.status, r.lease_expires_at) AND r.lease_expires_at > COALESCE($1::timestamptz, now())
+                    AND r.model_id = t.model_id)
 ORDER BY t.updated_at
 LIMIT $6
 FOR UPDATE OF t SKIP LOCKED;
+
+-- name: sched_level_holders
+-- Per (model, priority) level: the tasks that hold a dispatch message of the level, QUEUED ones and those holding a
+-- lease (a running attempt keeps its message unacknowledged). $1 model ids, $2 priorities (pairwise).
+SELECT u.model_id, u.priority,
+       (SELECT count(*) FROM task q WHERE q.status = 'QUEUED' AND q.model_id = u.model_id AND q.priority = u.priority)
+     + (SELECT count(*) FROM task r
+        WHERE task_holds_lease(r.status, r.lease_expires_at) AND r.model_id = u.model_id AND r.priority = u.priority)
+       AS holders
+FROM unnest($1::text[], $2::smallint[]) AS u(model_id, priority);
 
 -- name: sched_lease_expired
 -- PROCESSING tasks whose lease ran out: the worker died or lost its connection. $1 now, $2 limit.
