@@ -15,6 +15,7 @@ import asyncpg
 import grpc
 
 from taskgate import errors
+from taskgate.sealing import Sealer
 from taskgate.store import tenants
 from taskgate.store.pool import Conn
 from taskgate.store.tenants import Principal as Principal  # re-exported: services name the caller taskgate.auth.Principal
@@ -51,10 +52,13 @@ async def create_key(
     max_pending: int | None = None,
     submits_per_minute: int | None = None,
     max_priority: int | None = None,
+    sealer: Sealer | None = None,
 ) -> tuple[str, str | None]:
-    """Creates the tenant if new and a key for it; returns (key, webhook secret if the tenant was new)."""
+    """Creates the tenant if new and a key for it; returns (key, webhook secret if the tenant was new). The secret is
+    stored sealed (`sealer`, by default the one the pepper derives)."""
     key = new_api_key()
     secret = new_webhook_secret()
+    sealed = (sealer or Sealer.from_pepper(pepper)).seal(secret)
     tenant_was_new = await tenants.create_api_key(
         db,
         tenant_id=tenant_id,
@@ -63,7 +67,7 @@ async def create_key(
         admin=admin,
         max_pending=max_pending,
         submits_per_minute=submits_per_minute,
-        first_secret=secret,
+        first_secret=sealed,
         max_priority=max_priority,
     )
     return key, (secret if tenant_was_new else None)
@@ -81,13 +85,18 @@ class Rotated:
     valid_secrets: int
 
 
-async def rotate_webhook_secret(pool: asyncpg.Pool, tenant_id: str, overlap_seconds: float) -> Rotated:
-    """Adds a new secret; the previous ones stay valid for `overlap_seconds`."""
+async def rotate_webhook_secret(pool: asyncpg.Pool, tenant_id: str, overlap_seconds: float, sealer: Sealer) -> Rotated:
+    """Adds a new secret (stored sealed); the previous ones stay valid for `overlap_seconds`."""
     secret = new_webhook_secret()
     async with pool.acquire() as conn, conn.transaction():
-        await tenants.rotate_webhook_secret(conn, tenant_id, secret=secret, overlap_seconds=overlap_seconds)
+        await tenants.rotate_webhook_secret(conn, tenant_id, secret=sealer.seal(secret), overlap_seconds=overlap_seconds)
         valid = await tenants.webhook_secrets(conn, tenant_id)
     return Rotated(secret, datetime.now(UTC) + timedelta(seconds=overlap_seconds), len(valid))
+
+
+async def webhook_secrets(db: Conn, tenant_id: str, sealer: Sealer) -> list[str]:
+    """The tenant's valid webhook secrets, opened, newest first (two during a rotation)."""
+    return [sealer.open(stored) for stored in await tenants.webhook_secrets(db, tenant_id)]
 
 
 class Authenticator:

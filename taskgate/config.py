@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from taskgate import families
@@ -201,6 +203,11 @@ class Settings(BaseSettings):
     api_key_pepper: str = Field(default="taskgate-dev-pepper", min_length=8, description="Secret mixed into API-key hashes.")
     webhook_secret_max_overlap_seconds: float = Field(
         default=7 * 86400.0, ge=0, description="Longest overlap a tenant may ask for when it rotates its own webhook secret."
+    )
+    secrets_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Fernet keys sealing webhook secrets at rest, newest first (the first seals, each opens); "
+        "empty: one derived from api_key_pepper.",
     )
 
     # Submission limits
@@ -418,6 +425,20 @@ class Settings(BaseSettings):
         default=45.0, gt=0, description="make run: time the services get to stop after SIGTERM before they are killed."
     )
     dev_demo_only: bool = Field(default=False, description="make run: stop everything and exit after the demo video is saved.")
+
+    @field_validator("secrets_keys")
+    @classmethod
+    def _fernet_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        """Each key is a Fernet key: 32 bytes in URL-safe base64 (`python -c 'from cryptography.fernet import Fernet;
+        print(Fernet.generate_key().decode())'`)."""
+        for key in keys:
+            try:
+                raw = base64.urlsafe_b64decode(key.get_secret_value().encode())
+            except (ValueError, binascii.Error):
+                raw = b""
+            if len(raw) != 32:
+                raise ValueError("each secrets key is 32 bytes in URL-safe base64 (a Fernet key)")
+        return keys
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

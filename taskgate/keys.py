@@ -17,6 +17,7 @@ import grpc
 from taskgate import auth
 from taskgate.config import Settings, load_settings
 from taskgate.runtime import resolve_urls
+from taskgate.sealing import Sealer
 from taskgate.stackfile import SERVERS_FILE
 from taskgate.states import Priority
 from taskgate.store import tenants
@@ -42,6 +43,7 @@ async def create(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
             max_pending=args.max_pending,
             submits_per_minute=args.submits_per_minute,
             max_priority=args.max_priority,
+            sealer=Sealer.of(settings),
         )
     except asyncpg.CheckViolationError:
         raise CliError(f"invalid tenant name {args.tenant!r}: use 1-64 of A-Z a-z 0-9 _ -", invalid) from None
@@ -138,6 +140,21 @@ async def list_keys(conn: asyncpg.Connection, settings: Settings, args: argparse
     return EXIT_OK
 
 
+async def seal_secrets(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+    """Seals every webhook secret with the newest key: ones stored before sealing existed, and ones an older key
+    sealed (run it after prepending a key to TASKGATE_SECRETS_KEYS, before dropping the old one)."""
+    sealer = Sealer.of(settings)
+    changed = 0
+    for secret_id, stored in await tenants.stored_webhook_secrets(conn):
+        resealed = sealer.reseal(stored)
+        changed += await tenants.replace_webhook_secret(conn, secret_id, stored=stored, new=resealed)
+    if out.json:
+        out.document({"resealed": changed})
+    else:
+        out.line(f"{changed} webhook secret(s) sealed with the newest key")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line; --json is accepted before or after the action."""
     common = argparse.ArgumentParser(add_help=False)
@@ -169,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("revoke", revoke, "revoke keys by the prefix `list` shows")
     p.add_argument("prefix")
     add("list", list_keys, "list keys (prefixes only)")
+    add("seal-secrets", seal_secrets, "seal every stored webhook secret with the newest key (after a key rotation)")
     return parser
 
 

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from taskgate import auth, runtime
 from taskgate.config import Settings, load_settings
+from taskgate.sealing import Sealer
 from taskgate.stackfile import local_stack_urls
 from taskgate.store import tenants
 from taskgate_client import connect_async
@@ -243,7 +244,7 @@ class DevStack:
                 api_key, _ = await auth.create_key(pool, pepper, DEMO_TENANT)
             if admin_key is None:
                 admin_key, _ = await auth.create_key(pool, pepper, ADMIN_TENANT, admin=True)
-            secrets = await tenants.webhook_secrets(pool, DEMO_TENANT)
+            secrets = await auth.webhook_secrets(pool, DEMO_TENANT, Sealer.of(settings))
         finally:
             await backends.close()
         details = LocalStack(

@@ -15,6 +15,7 @@ from services.scheduler import service as scheduler_service
 from services.submit import service as submit_service
 from taskgate import auth
 from taskgate.runtime import Backends
+from taskgate.sealing import Sealer
 from taskgate.states import Status
 from taskgate.store import tenants
 from taskgate.v1 import task_pb2
@@ -44,7 +45,7 @@ async def test_rotation_signs_with_both_secrets_until_the_overlap_ends(backends:
     rotated = await ops.rotate_webhook_secret(TENANT, overlap=3600)
     new = rotated.webhook_secret
     assert new.startswith("whsec_") and new != old and rotated.valid_secrets == 2
-    assert set(await tenants.webhook_secrets(backends.pool, TENANT)) == {old, new}
+    assert set(await auth.webhook_secrets(backends.pool, TENANT, Sealer.of(backends.settings))) == {old, new}
 
     async with Receiver(lambda n: Reply(204, body=b"")) as rx:
         notifier = await start_notifier(fast(backends.settings), backends)
@@ -60,7 +61,9 @@ async def test_rotation_signs_with_both_secrets_until_the_overlap_ends(backends:
 
     # Overlap 0 retires the current secrets at once: only the newest signs.
     again = await ops.rotate_webhook_secret(TENANT, overlap=0)
-    assert again.valid_secrets == 1 and await tenants.webhook_secrets(backends.pool, TENANT) == [again.webhook_secret]
+    assert again.valid_secrets == 1 and await auth.webhook_secrets(
+        backends.pool, TENANT, Sealer.of(backends.settings)
+    ) == [again.webhook_secret]
 
     for tenant, code in (("no-such-tenant", "NOT_FOUND"), ("bad name", "INVALID_ARGUMENT"), ("nul\x00", "INVALID_ARGUMENT")):
         with pytest.raises(TaskgateError) as info:
@@ -78,9 +81,10 @@ async def test_a_tenant_rotates_its_own_webhook_secret_over_task_gateway(backend
         async with connect_async(address, key) as client:
             rotated = await client.rotate_own_webhook_secret(overlap=600)
             assert rotated.webhook_secret.startswith("whsec_") and rotated.valid_secrets == 2
-            assert set(await tenants.webhook_secrets(backends.pool, TENANT)) == {old, rotated.webhook_secret}
+            assert set(await auth.webhook_secrets(backends.pool, TENANT, Sealer.of(backends.settings))) == {old, rotated.webhook_secret}
             assert abs(rotated.previous_valid_until.ToSeconds() - (time.time() + 600)) < 60
-            assert await tenants.webhook_secrets(backends.pool, "another-tenant") == [theirs]  # only the caller's own
+            theirs_now = await auth.webhook_secrets(backends.pool, "another-tenant", Sealer.of(backends.settings))
+            assert theirs_now == [theirs]  # only the caller's own
             with pytest.raises(TaskgateError) as too_long:
                 await client.rotate_own_webhook_secret(overlap=8 * 86400)
             assert too_long.value.code_name == "INVALID_ARGUMENT" and "overlap" in str(too_long.value.field_violations)
@@ -93,7 +97,9 @@ async def test_a_tenant_rotates_its_own_webhook_secret_over_task_gateway(backend
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 0, out
         shown = json.loads(out)
-        assert shown["valid_secrets"] == 1 and await tenants.webhook_secrets(backends.pool, TENANT) == [shown["webhook_secret"]]
+        assert shown["valid_secrets"] == 1 and await auth.webhook_secrets(
+            backends.pool, TENANT, Sealer.of(backends.settings)
+        ) == [shown["webhook_secret"]]
 
         async with connect_async(address, "tg_not-a-key") as stranger:
             with pytest.raises(TaskgateError) as nobody:

@@ -14,11 +14,11 @@ import asyncpg
 import httpx
 
 from services.notifier.outbox import iso
-from taskgate import eta, netguard, results, telemetry, tracing
+from taskgate import auth, eta, netguard, results, telemetry, tracing
 from taskgate.config import Settings
+from taskgate.sealing import Sealer
 from taskgate.states import CallbackStatus, Status
 from taskgate.store import callbacks as outbox_store
-from taskgate.store import tenants
 from taskgate.waiting import cancelling, woken
 from taskgate_client import webhook_signing
 
@@ -57,6 +57,7 @@ class WebhookSender:
         self._outputs = outputs
         self.wake = asyncio.Event()
         self._lanes: dict[bool, set[asyncio.Task[None]]] = {False: set(), True: set()}  # progress? -> in flight
+        self._sealer = Sealer.of(settings)
         self._fairness = outbox_store.Fairness(
             per_destination=settings.webhook_concurrency_per_destination,
             breaker_failures=settings.webhook_breaker_failures,
@@ -128,7 +129,7 @@ class WebhookSender:
         round_no = delivery.attempts - delivery.round_start + 1
         payload = await self._with_eta(self._with_link(delivery.payload), delivery)
         body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
-        secrets = await tenants.webhook_secrets(self._pool, delivery.user_id)
+        secrets = await auth.webhook_secrets(self._pool, delivery.user_id, self._sealer)
         if secrets:
             with tracing.span(
                 f"webhook {delivery.event_type}",

@@ -19,6 +19,7 @@ from taskgate import bus as busmod
 from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator
 from taskgate.config import Settings
 from taskgate.model import timestamp
+from taskgate.sealing import Sealer
 from taskgate.states import UNFINISHED, CallbackStatus, Status
 from taskgate.store import admin as admin_store
 from taskgate.store import callbacks as callback_store
@@ -64,6 +65,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self.settings = settings
         self.pool = pool
         self.auth = Authenticator(pool, settings.api_key_pepper, throttle=Throttle.of(settings), service="admin")
+        self.sealer = Sealer.of(settings)
         self.pages = paging.Pager(settings.api_key_pepper)
         self.task_scans = list(task_scans)
         self.requeuer = Requeuer(
@@ -321,7 +323,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         if overlap < 0:
             raise errors.invalid_argument([("overlap", "must not be negative")])
         tenant = await self._existing_tenant(request.tenant)
-        rotated = await auth.rotate_webhook_secret(self.pool, tenant, overlap)
+        rotated = await auth.rotate_webhook_secret(self.pool, tenant, overlap, self.sealer)
         log.info("webhook secret rotated", extra={"tenant": tenant, "overlap_seconds": overlap, "valid_secrets": rotated.valid_secrets})
         return admin_pb2.RotateWebhookSecretResponse(
             webhook_secret=rotated.secret, previous_valid_until=timestamp(rotated.previous_valid_until),

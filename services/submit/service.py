@@ -23,6 +23,7 @@ from taskgate.dispatcher import Dispatcher
 from taskgate.model import TaskRow, timestamp
 from taskgate.results import ResultNotFound, add_link, result_store
 from taskgate.runtime import Backends, connect, serve_until_signal
+from taskgate.sealing import Sealer
 from taskgate.server import mark_not_serving, start_server
 from taskgate.states import Status
 from taskgate.store import submissions
@@ -78,6 +79,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             backends.pool, settings.api_key_pepper, throttle=Throttle.of(settings), service="submit"
         )
         self._pages = paging.Pager(settings.api_key_pepper)
+        self._sealer = Sealer.of(settings)
         self._cache = TerminalCache(settings.result_cache_size)
         self._results = result_store(settings, backends.bus)
         self.inputs = InputImages(backends.pool, self._results, settings)
@@ -415,7 +417,9 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         most = self._settings.webhook_secret_max_overlap_seconds
         if not 0 <= overlap <= most:
             raise errors.invalid_argument([("overlap", f"must be between 0 and {most:g} seconds")])
-        rotated = await asyncio.wait_for(auth.rotate_webhook_secret(self._pool, who.tenant_id, overlap), self._budget(context))
+        rotated = await asyncio.wait_for(
+            auth.rotate_webhook_secret(self._pool, who.tenant_id, overlap, self._sealer), self._budget(context)
+        )
         log.info("webhook secret rotated", extra={"tenant": who.tenant_id, "overlap_seconds": overlap, "by": "tenant"})
         return gateway_pb2.TaskGatewayRotateWebhookSecretResponse(
             webhook_secret=rotated.secret, previous_valid_until=timestamp(rotated.previous_valid_until),

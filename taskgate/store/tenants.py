@@ -100,6 +100,16 @@ async def rotate_webhook_secret(db: Conn, tenant_id: str, *, secret: str, overla
     await db.execute(sql.query("rotate_webhook_secret"), tenant_id, secret, overlap_seconds)
 
 
+async def stored_webhook_secrets(db: Conn) -> list[tuple[int, str]]:
+    """Every stored webhook secret as (id, stored value), retired ones too."""
+    return [(r["id"], r["secret"]) for r in await db.fetch(sql.query("stored_webhook_secrets"))]
+
+
+async def replace_webhook_secret(db: Conn, secret_id: int, *, stored: str, new: str) -> bool:
+    """Stores `new` in place of `stored`; False when the row no longer holds `stored`."""
+    return bool(await db.execute(sql.query("replace_webhook_secret"), secret_id, stored, new) == "UPDATE 1")
+
+
 async def webhook_secrets(db: Conn, tenant_id: str) -> list[str]:
     """The tenant's valid secrets, newest first (two during a rotation)."""
     rows = await db.fetch(sql.query("webhook_secrets"), tenant_id)

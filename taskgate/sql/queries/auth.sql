@@ -45,6 +45,14 @@ SELECT secret FROM webhook_secret
 WHERE tenant_id = $1 AND (retired_at IS NULL OR retired_at > now())
 ORDER BY created_at DESC, id DESC;
 
+-- name: stored_webhook_secrets
+-- Every stored webhook secret, retired ones too (taskgate-keys seal-secrets seals or re-seals them).
+SELECT id, secret FROM webhook_secret ORDER BY id;
+
+-- name: replace_webhook_secret
+-- One stored secret replaced by its re-sealed value, unless it changed meanwhile. $1 id, $2 the value read, $3 new.
+UPDATE webhook_secret SET secret = $3 WHERE id = $1 AND secret = $2;
+
 -- name: update_tenant
 -- Changes a tenant's limits (NULL leaves one as it is); no row when there is no such tenant. $1 tenant,
 -- $2 max pending, $3 submits per minute, $4 max priority, $5 share weight.
