@@ -114,12 +114,18 @@ async def connect(url: str, name: str) -> Bus:
     nc = await nats.connect(
         [one.strip() for one in url.split(",") if one.strip()],
         name=name,
-        max_reconnect_attempts=-1,
+        max_reconnect_attempts=1,  # the first connect fails after two tries per server: its caller retries and logs it
         reconnect_time_wait=0.5,
         connect_timeout=5,
         allow_reconnect=True,
+        error_cb=_log_error,
     )
+    nc.options["max_reconnect_attempts"] = -1  # once connected, reconnects never end (read at each reconnect)
     return Bus(nc=nc, js=nc.jetstream(timeout=5))
+
+
+async def _log_error(error: Exception) -> None:
+    log.warning("nats error", extra={"error": repr(error)})
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

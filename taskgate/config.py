@@ -156,6 +156,18 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default=Path(".taskgate"), description="Local state folder (embedded servers, models, results).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level of the JSON logs.")
     db_pool_size: int = Field(default=10, ge=1, le=200, description="asyncpg pool size per process.")
+    health_check_seconds: float = Field(
+        default=2.0, gt=0, le=60, description="How often a service re-checks PostgreSQL and NATS for its readiness probe."
+    )
+    health_check_timeout_seconds: float = Field(
+        default=1.0, gt=0, le=30, description="A readiness check's PostgreSQL round trip longer than this counts as down."
+    )
+    startup_connect_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="Start-up: how long a service retries its first connections to PostgreSQL and NATS (backoff, a log line per "
+        "attempt) before it exits.",
+    )
     stream_replicas: int = Field(default=1, ge=1, le=5, description="Replicas of each JetStream stream (3 in a 3-node NATS cluster).")
 
     # gRPC and metrics endpoints

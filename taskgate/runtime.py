@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import asyncpg
+import tenacity
+from nats.errors import Error as NatsError
 
 from taskgate import bus as busmod
 from taskgate import telemetry, tracing
@@ -20,6 +23,7 @@ from taskgate.stackfile import local_stack_urls
 from taskgate.store import create_pool
 
 log = logging.getLogger("taskgate.runtime")
+T = TypeVar("T")
 STOP_TASKS_SECONDS = 5.0
 
 
@@ -72,16 +76,45 @@ def resolve_urls(settings: Settings) -> tuple[str, str]:
     return settings.database_url or running[0], settings.nats_url or running[1]
 
 
+# what a backend that is not up yet raises on a first connection
+STARTUP_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError, NatsError,
+)
+
+
+async def _first(what: str, settings: Settings, connecting: Callable[[], Awaitable[T]]) -> T:
+    """`connecting` (a coroutine function), retried with backoff (0.5 s doubling to 10 s) for startup_connect_seconds,
+    a log line per failure."""
+
+    def failed(state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        log.warning(f"{what} not reachable yet; retrying", extra={
+            "attempt": state.attempt_number, "error": repr(error), "retry_in_seconds": round(state.upcoming_sleep, 2)})
+
+    retrying = tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception_type(STARTUP_ERRORS),
+        wait=tenacity.wait_exponential(multiplier=0.5, max=10),
+        stop=tenacity.stop_after_delay(settings.startup_connect_seconds),
+        before_sleep=failed,
+        reraise=True,
+    )
+    return await retrying(connecting)
+
+
 async def connect(settings: Settings, name: str, *, setup: bool | None = None) -> Backends:
-    """Connects to both backends; with `setup` (default: settings.setup_on_start), applies migrations and declares
-    streams (idempotent)."""
+    """Connects to both backends (each first connection retried, see _first); with `setup` (default:
+    settings.setup_on_start), applies migrations and declares streams (idempotent)."""
     setup = settings.setup_on_start if setup is None else setup
     database_url, nats_url = resolve_urls(settings)
-    pool = await create_pool(database_url, settings.db_pool_size)
-    if setup:
-        async with pool.acquire() as conn:
-            await migrate(conn)
-    bus = await busmod.connect(nats_url, name)
+    pool = await _first("PostgreSQL", settings, functools.partial(create_pool, database_url, settings.db_pool_size))
+    try:
+        if setup:
+            async with pool.acquire() as conn:
+                await migrate(conn)
+        bus = await _first("NATS", settings, functools.partial(busmod.connect, nats_url, name))
+    except BaseException:
+        await pool.close()
+        raise
     if setup:
         await busmod.declare(bus, settings)
     return Backends(settings, pool, bus, database_url, nats_url)

@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -18,7 +19,10 @@ from grpc_reflection.v1alpha import reflection
 from nats.errors import Error as NatsError
 
 from taskgate import errors, telemetry, text, tracing
+from taskgate.bus import Bus
 from taskgate.config import Settings
+from taskgate.runtime import stop_tasks
+from taskgate.store import ping
 
 log = logging.getLogger("taskgate.rpc")
 
@@ -206,14 +210,94 @@ def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(chain)
 
 
+LIVENESS = ""  # the health service's name for "the process is alive and its loops turn"
+READINESS = "taskgate.ready"  # "send it work": PostgreSQL answers, NATS is connected, the process is not draining
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class Probes:
+    """What a service's health is made of: its backends and state for readiness, its own loops for liveness."""
+
+    pool: asyncpg.Pool | None = None
+    bus: Bus | None = None
+    draining: Callable[[], bool] = lambda: False
+    loops: Callable[[], Iterable[asyncio.Task[Any]]] = lambda: ()
+
+
+class Health:
+    """The gRPC health service's answers, re-checked every health_check_seconds: LIVENESS, and READINESS (which each
+    served API's own name follows) — so a database or NATS outage or a drain takes a pod out of its Service without
+    its liveness probe restarting it."""
+
+    def __init__(self, servicer: health.aio.HealthServicer, names: list[str], probes: Probes, settings: Settings) -> None:
+        self.servicer = servicer
+        self.names = names
+        self.probes = probes
+        self.settings = settings
+        self.ready: bool | None = None
+        self.live: bool | None = None
+        self._loop: asyncio.Task[None] | None = None
+
+    async def _backends_answer(self) -> bool:
+        if self.probes.bus is not None and not self.probes.bus.nc.is_connected:
+            return False
+        pool = self.probes.pool
+        # every connection in use means queries are being answered: a ping would queue behind them and time out
+        if pool is not None and (pool.get_idle_size() or pool.get_size() < pool.get_max_size()):
+            try:
+                async with asyncio.timeout(self.settings.health_check_timeout_seconds):
+                    await ping(pool)
+            except (*BACKEND_ERRORS, asyncpg.PostgresError):
+                return False
+        return True
+
+    async def check(self) -> None:
+        """One evaluation of both probes; a change is logged."""
+        live = not any(loop.done() for loop in self.probes.loops())
+        ready = live and not self.probes.draining() and await self._backends_answer()
+        if (live, ready) != (self.live, self.ready):
+            log.log(logging.INFO if ready else logging.WARNING, "health changed", extra={"live": live, "ready": ready})
+        self.live, self.ready = live, ready
+        await self.servicer.set(LIVENESS, SERVING if live else NOT_SERVING)
+        for name in [READINESS, *self.names]:
+            await self.servicer.set(name, SERVING if ready else NOT_SERVING)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_check_seconds)
+            try:
+                await self.check()
+            except Exception:
+                log.exception("health check failed")
+
+    async def start(self) -> None:
+        await self.check()
+        self._loop = asyncio.create_task(self._run(), name="health")
+
+    async def stop_checking(self) -> None:
+        """Ends the re-checks (a crash in tests: the answers stay as they were)."""
+        if self._loop is not None:
+            await stop_tasks([self._loop])
+
+    async def shutdown(self) -> None:
+        """First stage of a stop: every answer NOT_SERVING, for good, so load balancers stop sending work."""
+        await self.stop_checking()
+        await self.servicer.enter_graceful_shutdown()
+
+
 async def start_server(
     settings: Settings,
     port: int,
     register: Callable[[grpc.aio.Server], Iterable[str]],
-) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Starts a server with the given servicers plus health and reflection; returns it and its bound port.
+    probes: Probes | None = None,
+) -> tuple[grpc.aio.Server, int, Health]:
+    """Starts a server with the given servicers plus health and reflection; returns it, its bound port and its health.
 
-    `register` adds the servicers and returns their full service names (e.g. "taskgate.v1.TaskGateway").
+    `register` adds the servicers and returns their full service names (e.g. "taskgate.v1.TaskGateway"); `probes` say
+    what readiness and liveness check (LIVENESS and READINESS, re-checked every health_check_seconds).
     """
     limit = settings.grpc_max_message_bytes
     server = grpc.aio.server(
@@ -246,13 +330,13 @@ async def start_server(
     creds = _credentials(settings)
     bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     await server.start()
-    for name in [*names, ""]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    probe = Health(health_servicer, names, probes or Probes(), settings)
+    await probe.start()
     telemetry.export_limits(settings)
     log.info("grpc server started", extra={"address": f"{settings.grpc_host}:{bound}", "services": names})
-    return server, bound, health_servicer
+    return server, bound, probe
 
 
-async def mark_not_serving(health_servicer: health.aio.HealthServicer) -> None:
-    """First stage of shutdown: readiness fails so load balancers stop sending work."""
-    await health_servicer.enter_graceful_shutdown()
+async def mark_not_serving(probe: Health) -> None:
+    """First stage of shutdown: readiness and liveness fail so load balancers stop sending work."""
+    await probe.shutdown()

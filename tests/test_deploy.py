@@ -21,7 +21,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from taskgate import bus, migrate, telemetry
+from taskgate import bus, migrate, server, telemetry
 from taskgate.config import Settings
 from taskgate.states import Priority, Status
 from taskgate.v1 import admin_pb2, events_pb2, gateway_pb2, worker_pb2
@@ -39,7 +39,7 @@ Obj = dict[str, Any]
 
 # Objects of these API groups are custom resources: no built-in schema, checked field by field below.
 CRD_GROUPS = {"keda.sh", "postgresql.cnpg.io", "monitoring.coreos.com", "external-secrets.io"}
-# What each service binary serves: its readiness probe asks for exactly this gRPC service.
+# What each service binary serves.
 SERVED = {
     "submit": gateway_pb2.DESCRIPTOR.services_by_name["TaskGateway"].full_name,
     "notifier": events_pb2.DESCRIPTOR.services_by_name["TaskEvents"].full_name,
@@ -486,7 +486,9 @@ def test_containers_match_the_settings_they_read(overlay: str) -> None:
         assert ports == {"grpc": getattr(settings, f"{name}_port"), "metrics": getattr(settings, f"{name}_metrics_port")}, where
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == ports["grpc"], f"{where}: {probe} misses the gRPC port"
-        assert container["readinessProbe"]["grpc"]["service"] == SERVED[name], where
+        assert container["readinessProbe"]["grpc"]["service"] == server.READINESS, where  # backends up, not draining
+        for probe in ("startupProbe", "livenessProbe"):  # only the process and its loops: an outage never restarts it
+            assert container[probe]["grpc"].get("service", "") == server.LIVENESS, f"{where}: {probe}"
         if name == "worker":
             grace = pod_spec(workload)["terminationGracePeriodSeconds"]
             assert grace >= settings.drain_grace_seconds + 10, f"{where}: grace {grace}s vs drain {settings.drain_grace_seconds}s"

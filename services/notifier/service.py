@@ -11,7 +11,6 @@ import socket
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health
 
 from services.notifier.listen import Listener
 from services.notifier.relay import EventRelay
@@ -41,7 +40,7 @@ class NotifierHandle:
     hub: EventHub
     listener: Listener
     grpc_server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: server.Health
     owns_backends: bool
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     ended: bool = False
@@ -70,6 +69,7 @@ class NotifierHandle:
             return
         self.ended = True
         self.listener.terminate()
+        await self.health.stop_checking()
         if self.owns_backends:
             self.backends.pool.terminate()
         await self._cancel_loops()
@@ -99,8 +99,10 @@ async def start(settings: Settings, backends: runtime.Backends | None = None) ->
     throttle = Throttle.of(settings)
     authenticator = Authenticator(b.pool, settings.api_key_pepper, throttle=throttle, service=SERVICE)
     service = TaskEventsService(settings, b.pool, hub, authenticator, throttle, outputs=outputs)
-    grpc_server, port, health_servicer = await server.start_server(settings, settings.notifier_port, register(service))
-    tasks = [
+    tasks: list[asyncio.Task[None]] = []  # the loops, once started: liveness watches them
+    probes = server.Probes(pool=b.pool, bus=b.bus, loops=lambda: tasks)
+    grpc_server, port, health_servicer = await server.start_server(settings, settings.notifier_port, register(service), probes)
+    tasks += [
         asyncio.create_task(listener.run(), name="notifier-listen"),
         asyncio.create_task(relay.run(), name="notifier-relay"),
         asyncio.create_task(sender.run(), name="notifier-webhooks"),

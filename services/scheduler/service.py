@@ -13,7 +13,6 @@ from datetime import datetime
 
 import asyncpg
 import grpc
-from grpc_health.v1 import health
 
 from services.scheduler.admin import TaskAdminService
 from services.scheduler.scans import (
@@ -123,7 +122,7 @@ class SchedulerHandle:
     scheduler: Scheduler
     backends: runtime.Backends
     _server: grpc.aio.Server
-    _health: health.aio.HealthServicer
+    _health: server.Health
     _stop: asyncio.Event
     _loop: asyncio.Task[None] | None
     _owns_backends: bool
@@ -156,14 +155,17 @@ async def start(settings: Settings, backends: runtime.Backends | None = None, *,
         admin_pb2_grpc.add_TaskAdminServicer_to_server(admin, srv)
         return ["taskgate.v1.TaskAdmin"]
 
+    loops: list[asyncio.Task[None]] = []  # the scan loop, once started: liveness watches it
+    probes = server.Probes(pool=b.pool, bus=b.bus, loops=lambda: loops)
     try:
-        srv, port, health_servicer = await server.start_server(settings, settings.scheduler_port, register)
+        srv, port, health_servicer = await server.start_server(settings, settings.scheduler_port, register, probes)
     except BaseException:
         if owns:
             await b.close()
         raise
     stop = asyncio.Event()
     loop = asyncio.create_task(scheduler.run(stop), name="scheduler-loop") if scan_loop else None
+    loops.extend([loop] if loop is not None else [])
     return SchedulerHandle(port, scheduler, b, srv, health_servicer, stop, loop, owns)
 
 

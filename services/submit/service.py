@@ -14,7 +14,6 @@ import asyncpg
 import grpc
 import nats.errors
 from google.protobuf.duration_pb2 import Duration
-from grpc_health.v1 import health
 
 from taskgate import auth, errors, eta, ids, paging, store, telemetry, tracing
 from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator, Principal
@@ -24,7 +23,7 @@ from taskgate.model import TaskRow, timestamp
 from taskgate.results import ResultNotFound, add_link, result_store
 from taskgate.runtime import Backends, connect, serve_until_signal
 from taskgate.sealing import Sealer
-from taskgate.server import mark_not_serving, start_server
+from taskgate.server import Health, Probes, mark_not_serving, start_server
 from taskgate.states import Status
 from taskgate.store import submissions
 from taskgate.store.submissions import Admission, Candidate, NewTask, Verdict
@@ -511,7 +510,7 @@ class SubmitHandle:
 
     port: int
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: Health
     gateway: Gateway
     backends: Backends
     owns_backends: bool
@@ -544,7 +543,8 @@ async def start(settings: Settings, backends: Backends | None = None) -> SubmitH
 
     try:
         await gateway.ids.start()
-        server, port, health_servicer = await start_server(settings, settings.submit_port, register)
+        server, port, health_servicer = await start_server(
+            settings, settings.submit_port, register, Probes(pool=backends.pool, bus=backends.bus))
     except BaseException:
         await gateway.ids.close()
         if owns:

@@ -102,6 +102,7 @@ class Worker:
         )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
+        self._fetching: asyncio.Task[None] | None = None
         self._report_changed = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
         self._cancel_sub: Any = None
@@ -111,6 +112,10 @@ class Worker:
         """Whether this worker has stopped taking work."""
         return self.fetcher.draining
 
+    def loops(self) -> list[asyncio.Task[None]]:
+        """The loops that turn while this worker lives (its liveness): the heartbeat, and fetching until a drain."""
+        return [loop for loop in self._loops if not (self.draining and loop is self._fetching)]
+
     # ---- life cycle ----
 
     async def start(self) -> None:
@@ -118,10 +123,8 @@ class Worker:
         await self.heartbeat.register()
         await self.fetcher.start()
         self._cancel_sub = await self.bus.nc.subscribe(cancel.SUBJECT, cb=self._on_cancel)
-        self._loops = [
-            asyncio.create_task(self.fetcher.loop(), name="worker-dispatch"),
-            asyncio.create_task(self.heartbeat.loop(), name="worker-heartbeat"),
-        ]
+        self._fetching = asyncio.create_task(self.fetcher.loop(), name="worker-dispatch")
+        self._loops = [self._fetching, asyncio.create_task(self.heartbeat.loop(), name="worker-heartbeat")]
         self._gauges()
         log.info(
             "worker started",

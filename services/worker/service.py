@@ -12,14 +12,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health
 
 from services.worker import runner as runmod
 from services.worker.control import Operators, WorkerControlServicer
 from services.worker.engine import Worker
 from taskgate.config import Settings
 from taskgate.runtime import Backends, connect, stop_signal
-from taskgate.server import mark_not_serving, start_server
+from taskgate.server import Health, Probes, mark_not_serving, start_server
 from taskgate.v1 import worker_pb2_grpc
 
 log = logging.getLogger("taskgate.worker")
@@ -35,7 +34,7 @@ class WorkerHandle:
     port: int
     worker: Worker
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: Health
     backends: Backends
     owns_backends: bool
     operators: Operators
@@ -65,6 +64,7 @@ class WorkerHandle:
         """Simulates a crash: heartbeats and runs stop, nothing is released or acked, connections close."""
         self.stopped = True
         await self.server.stop(0)
+        await self.health.stop_checking()
         await self.operators.close()
         await self.worker.kill()
         if self.owns_backends:
@@ -120,7 +120,8 @@ async def start(settings: Settings, backends: Backends | None = None) -> WorkerH
             worker_pb2_grpc.add_WorkerControlServicer_to_server(servicer, server)
             return [SERVICE_NAME]
 
-        server, port, health_servicer = await start_server(settings, settings.worker_port, register)
+        probes = Probes(pool=backends.pool, bus=backends.bus, draining=lambda: worker.draining, loops=worker.loops)
+        server, port, health_servicer = await start_server(settings, settings.worker_port, register, probes)
         worker.control_address = f"{advertised_host(settings)}:{port}"
     except BaseException:
         if owns:
@@ -130,13 +131,10 @@ async def start(settings: Settings, backends: Backends | None = None) -> WorkerH
 
 
 async def main(settings: Settings) -> None:
-    """Runs a worker until SIGTERM/SIGINT or a Drain call, then drains and exits."""
+    """Runs a worker until SIGTERM/SIGINT, then drains and exits. A Drain call is a cordon, not a stop: the worker
+    takes no more work and is not ready, but stays up (alive, answering) until it is told to stop."""
     async with stop_signal() as stop:
         handle = await start(settings)
-        stopped = asyncio.ensure_future(stop.wait())
-        drained = asyncio.ensure_future(handle.worker.drain_requested.wait())
-        await asyncio.wait({stopped, drained}, return_when=asyncio.FIRST_COMPLETED)
-        for waiter in (stopped, drained):
-            waiter.cancel()
+        await stop.wait()
         log.info("stopping", extra={"worker": handle.worker_id, "grace_seconds": settings.drain_grace_seconds})
         await handle.stop()

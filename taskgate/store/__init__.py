@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from taskgate.store.pool import Conn, create_pool
+from taskgate.store.pool import Conn, create_pool, ping
 from taskgate.store.tasks import (
     Cancel,
     CancelMode,
@@ -65,6 +65,7 @@ __all__ = [
     "fail",
     "get_task",
     "let_go",
+    "ping",
     "progress",
     "queue",
     "release",

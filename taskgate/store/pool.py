@@ -7,6 +7,8 @@ from typing import Any, TypeAlias
 
 import asyncpg
 
+from taskgate import sql
+
 Conn: TypeAlias = "asyncpg.Connection[Any] | asyncpg.Pool[Any]"
 
 
@@ -34,3 +36,8 @@ async def create_pool(dsn: str, size: int = 10) -> asyncpg.Pool:
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=size, init=_init_connection, reset=_keep_session)
     assert pool is not None
     return pool
+
+
+async def ping(pool: asyncpg.Pool) -> None:
+    """One round trip to PostgreSQL (a readiness probe's question); raises when it cannot be made."""
+    await pool.fetchval(sql.query("health_ping"))
