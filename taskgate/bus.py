@@ -7,6 +7,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import nats
 from nats.aio.client import Client as NATS
@@ -111,8 +112,10 @@ async def connect(url: str, name: str) -> Bus:
 
     `url` may list several servers of one cluster, comma-separated; the client fails over between them.
     """
+    servers, credentials = _credentials([one.strip() for one in url.split(",") if one.strip()])
     nc = await nats.connect(
-        [one.strip() for one in url.split(",") if one.strip()],
+        servers,
+        **credentials,
         name=name,
         max_reconnect_attempts=1,  # the first connect fails after two tries per server: its caller retries and logs it
         reconnect_time_wait=0.5,
@@ -122,6 +125,20 @@ async def connect(url: str, name: str) -> Bus:
     )
     nc.options["max_reconnect_attempts"] = -1  # once connected, reconnects never end (read at each reconnect)
     return Bus(nc=nc, js=nc.jetstream(timeout=5))
+
+
+def _credentials(urls: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The servers without their userinfo, and that userinfo percent-decoded as nats-py's token or user and password
+    (nats-py sends a URL's userinfo as written, so a token escaped to fit in the URL would not match)."""
+    servers, found = [], {}
+    for url in urls:
+        parts = urlsplit(url if "://" in url else f"nats://{url}")
+        if parts.username is not None:
+            user, password = unquote(parts.username), unquote(parts.password) if parts.password is not None else None
+            found = {"token": user} if password is None else {"user": user, "password": password}
+            parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
+        servers.append(urlunsplit(parts))
+    return servers, found
 
 
 async def _log_error(error: Exception) -> None:

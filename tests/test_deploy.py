@@ -3,9 +3,11 @@ against the Kubernetes schema and agree with the code (ports, probes, settings, 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -13,7 +15,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote_plus, urlsplit
 
 import kubernetes_validate
 import promql_parser
@@ -21,11 +23,12 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from taskgate import bus, migrate, server, telemetry
+from taskgate import bus, migrate, server, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.states import Priority, Status
 from taskgate.v1 import admin_pb2, events_pb2, gateway_pb2, worker_pb2
 from taskgate_client.config import ClientConfig
+from taskgate_local.embedded import EmbeddedNats
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -584,6 +587,13 @@ def test_prod_scales_spreads_and_replicates() -> None:
     scaled = of_kind(objs, "ScaledObject")[0]
     consumers = {t["metadata"]["consumer"] for t in scaled["spec"]["triggers"]}
     assert consumers == {bus.consumer_name(m, p) for m in settings.models for p in Priority.ALL}
+    # one metric: the lag of every priority's consumer added up, per worker slot (not the largest of three triggers)
+    modifiers = scaled["spec"]["advanced"]["scalingModifiers"]
+    names = [t["name"] for t in scaled["spec"]["triggers"]]
+    assert len(set(names)) == len(names) and sorted(modifiers["formula"].split(" + ")) == sorted(names), modifiers
+    gpus = int(pod_spec(worker)["containers"][0]["resources"]["requests"]["nvidia.com/gpu"])
+    slots = settings.worker_slots or math.ceil(gpus * settings.worker_slots_per_device)
+    assert (modifiers["metricType"], int(modifiers["target"]), modifiers["activationTarget"]) == ("AverageValue", slots, "0")
     for trigger in scaled["spec"]["triggers"]:
         host, port = trigger["metadata"]["natsServerMonitoringEndpoint"].rsplit(":", 1)
         service_name, ns = host.split(".")[:2]
@@ -592,7 +602,10 @@ def test_prod_scales_spreads_and_replicates() -> None:
 
     container = pod_spec(worker)["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"] == "1"
-    assert pod_spec(worker)["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod_spec(worker)["tolerations"])
+    # placed by the GPU request alone (no GPU feature discovery label), onto tainted GPU nodes; rolled without a surge pod
+    assert not pod_spec(worker).get("nodeSelector") and not pod_spec(worker).get("affinity")
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod_spec(worker)["tolerations"])
+    assert worker["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     assert container["image"].rsplit(":", 1)[0].endswith("/taskgate-cuda")
 
     budgets = of_kind(objs, "PodDisruptionBudget")
@@ -672,3 +685,79 @@ def test_grpc_services_are_headless_and_the_sdk_defaults_reach_them(overlay: str
         config = ClientConfig(address=f"{host}:{grpc_port['taskgate-submit']}").resolved()
         for address, sibling in ((config.events_address, "taskgate-notifier"), (config.admin_address, "taskgate-scheduler")):
             assert address == f"{host.replace('taskgate-submit', sibling)}:{grpc_port[sibling]}"
+
+
+def test_prod_traces_every_service_to_a_collector_its_network_policy_reaches() -> None:
+    objs = rendered("prod")
+    policies = of_kind(objs, "NetworkPolicy")
+    for workload, container, name in taskgate_containers(objs):
+        if workload["kind"] == "Job":
+            continue
+        env = {e["name"]: e["value"] for e in container.get("env", []) if e["name"].startswith("OTEL_")}
+        assert tracing.exporters_wanted(env) == ["otlp"], f"{name}: tracing is off"
+        endpoint = urlsplit(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        assert endpoint.hostname and endpoint.hostname.startswith("otel-collector.monitoring.svc") and endpoint.port == 4317
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        limiting = [p for p in policies if "Egress" in p["spec"]["policyTypes"] and selects(p["spec"]["podSelector"], labels)]
+        assert not limiting or any(
+            admits(rule_port, endpoint.port, None) and any(
+                peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name") == "monitoring"
+                for peer in rule.get("to", []))
+            for policy in limiting for rule in policy["spec"]["egress"] for rule_port in rule.get("ports", [])
+        ), f"{name}: egress to the collector is blocked"
+
+
+def test_config_changes_roll_the_pods(tmp_path: Path) -> None:
+    """The settings ConfigMap is generated with a hash of its content in its name, so a changed setting is a new name in
+    every pod template: a rollout."""
+    command = _kustomize_command()
+    if command is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    config = copy / "k8s" / "overlays" / "prod" / "config.env"
+    config.write_text(config.read_text().replace("TASKGATE_LOG_LEVEL=INFO", "TASKGATE_LOG_LEVEL=DEBUG"))
+    out = subprocess.run([*command, str(copy / "k8s" / "overlays" / "prod")], capture_output=True, text=True, timeout=60, check=True)
+    changed = tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc)
+
+    def config_names(objs: tuple[Obj, ...]) -> set[str]:
+        names: set[str] = set()
+        for _, container, _ in taskgate_containers(objs):
+            names |= {e["configMapRef"]["name"] for e in container.get("envFrom", []) if "configMapRef" in e}
+        return names
+
+    [before], [after] = config_names(rendered("prod")), config_names(changed)
+    assert before.startswith("taskgate-config-") and after.startswith("taskgate-config-") and before != after
+    assert {c["metadata"]["name"] for c in of_kind(rendered("prod"), "ConfigMap")} >= {before}
+
+
+def test_the_nats_token_is_escaped_into_its_url_and_reaches_nats_intact(tmp_path: Path) -> None:
+    template = named(rendered("prod"), "ExternalSecret", "taskgate-secrets")["spec"]["target"]["template"]["data"]
+    assert "{{ .nats_token | urlquery }}@" in template["TASKGATE_NATS_URL"]
+    token = "t0k/en@with:odd%chars+?#"
+    server = EmbeddedNats(tmp_path / "nats", args=("--auth", token)).start()
+    try:
+        # the ExternalSecret's urlquery is Go's url.QueryEscape: quote_plus with nothing safe
+        escaped = server.url.replace("nats://", f"nats://{quote_plus(token, safe='')}@")
+
+        async def connects(url: str) -> bool:
+            try:
+                connected = await asyncio.wait_for(bus.connect(url, "token-check"), 10)
+            except Exception:
+                return False
+            await connected.nc.close()
+            return True
+
+        assert asyncio.run(connects(escaped))
+        assert not asyncio.run(connects(server.url.replace("nats://", "nats://wrong@")))
+    finally:
+        server.stop()
+
+
+def test_deploy_readme_states_minimum_versions_and_the_first_admin_key() -> None:
+    text = RUNBOOK.read_text()
+    for component, version in (("Kubernetes", r"1\.\d+"), ("External Secrets Operator", r"0\.\d+"),
+                               ("CloudNativePG", r"1\.\d+"), ("KEDA", r"2\.\d+")):
+        assert re.search(rf"{component}[^|\n]*\| *≥ *{version}", text), f"no minimum version for {component}"
+    first_key = text[text.index("### The first admin key"):]
+    assert "taskgate-keys create" in first_key and "--admin" in first_key and "kubectl" in first_key
