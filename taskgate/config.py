@@ -87,6 +87,10 @@ class ModelSpec(BaseModel):
         default_factory=dict, description="Extra keyword arguments of every pipeline call, e.g. {'decode_timestep': 0.05}."
     )
     max_concurrency: int = Field(default=0, ge=0, description="Running tasks of this model across all workers; 0 = no cap.")
+    gpu_seconds_estimate: float = Field(
+        default=60.0, ge=0,
+        description="GPU-seconds a task is reserved of a budgeted tenant's budget when its model has no recent metered runs.",
+    )
     queue_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global queue timeout.")
     processing_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global processing timeout.")
     fail_times: int = Field(default=0, ge=0, description="Test/bench only, 'sleep' kind: attempts 1..N of every task fail.")

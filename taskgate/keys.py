@@ -69,6 +69,7 @@ async def tenant(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
         changed = await tenants.update_tenant(
             conn, args.tenant, max_pending=args.max_pending, submits_per_minute=args.submits_per_minute,
             max_priority=args.max_priority, share_weight=args.share_weight,
+            gpu_seconds_per_day=args.gpu_seconds_per_day, gpu_seconds_per_month=args.gpu_seconds_per_month,
         )
     if changed is None:
         raise CliError(f"no tenant {args.tenant!r}", EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND], "create it with `taskgate-keys create`")
@@ -78,11 +79,16 @@ async def tenant(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
         "submits_per_minute": changed.submits_per_minute,
         "max_priority": Priority.NAMES[changed.max_priority].upper(),
         "share_weight": changed.share_weight,
+        "gpu_seconds_per_day": changed.gpu_seconds_per_day,
+        "gpu_seconds_per_month": changed.gpu_seconds_per_month,
     }
     if out.json:
         out.document(doc)
     else:
-        out.fields([(k.replace("_", " "), "(global setting)" if v is None else v) for k, v in doc.items()])
+        out.fields([
+            (k.replace("_", " "), ("(none)" if k.startswith("gpu") else "(global setting)") if v is None else v)
+            for k, v in doc.items()
+        ])
     return EXIT_OK
 
 
@@ -91,6 +97,16 @@ def _priority(text: str) -> int:
         return _PRIORITY_BY_NAME[text.lower()]
     except KeyError:
         raise argparse.ArgumentTypeError("must be LOW, NORMAL or HIGH") from None
+
+
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number of GPU-seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError("must be 0 (no budget) or more")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -183,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--share-weight", type=_weight, help="the tenant's share against other tenants of one priority (default 1)"
     )
+    p.add_argument("--gpu-seconds-per-day", type=_budget, metavar="N", help="the tenant's GPU-second budget per UTC day (0: none)")
+    p.add_argument("--gpu-seconds-per-month", type=_budget, metavar="N", help="its budget per UTC month (0: none)")
     p = add("revoke", revoke, "revoke keys by the prefix `list` shows")
     p.add_argument("prefix")
     add("list", list_keys, "list keys (prefixes only)")

@@ -204,6 +204,8 @@ class FakeTaskgate:
         limits: ModelLimits | None = None,
         max_pending: int | None = None,
         image_models: Iterable[str] = (),
+        gpu_seconds_per_day: float | None = None,
+        gpu_seconds_per_task: float = 60.0,
     ) -> None:
         self.outcome = outcome
         self.image_models = tuple(image_models)
@@ -214,6 +216,11 @@ class FakeTaskgate:
         self.default_model = default_model
         self.limits = limits or ModelLimits()
         self.max_pending = max_pending
+        self.gpu_seconds_per_day = gpu_seconds_per_day
+        """A GPU-second budget as the server keeps one: each new task reserves `gpu_seconds_per_task` (a task cancelled
+        before it ran releases it), and one that does not fit is refused QUOTA_EXCEEDED with RetryInfo until the fake
+        clock's next midnight. The fake's budget never resets and measures nothing: every task costs its estimate."""
+        self.gpu_seconds_per_task = gpu_seconds_per_task
         self._tasks: dict[int, _Entry] = {}
         self._keys: dict[str, int] = {}
         self._log: list[task_pb2.TaskEvent] = []
@@ -525,8 +532,27 @@ class FakeTaskgate:
             raise rpc_error(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"at most {self.max_pending} unfinished tasks per tenant; wait for one to finish",
-                _info("TOO_MANY_PENDING", limit=str(self.max_pending)),
+                _info("TOO_MANY_PENDING_TASKS", limit=str(self.max_pending)),
             )
+        if self.gpu_seconds_per_day is not None:
+            spent = self.gpu_seconds_per_task * sum(
+                1 for e in self._tasks.values()
+                if not (e.task.status == task_pb2.TASK_STATUS_CANCELED and not e.task.HasField("started_at"))
+            )
+            left = max(self.gpu_seconds_per_day - spent, 0.0)
+            if self.gpu_seconds_per_task > left:
+                now = START + timedelta(seconds=self._ticks)
+                midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), tzinfo=now.tzinfo)
+                delay = duration_pb2.Duration()
+                delay.FromTimedelta(midnight - now)
+                raise rpc_error(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this task is estimated at {self.gpu_seconds_per_task:.1f} GPU-seconds and the tenant's budget has "
+                    f"{left:.1f} left this day (UTC)",
+                    _info("QUOTA_EXCEEDED", window="day", gpu_seconds_left=f"{left:.3f}",
+                          gpu_seconds_estimate=f"{self.gpu_seconds_per_task:.3f}"),
+                    error_details_pb2.RetryInfo(retry_delay=delay),
+                )
         task_id = len(self._tasks) + 1
         seed = params["seed"]
         if seed is None:

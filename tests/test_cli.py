@@ -265,11 +265,18 @@ async def test_keys_tenant_priority_and_unstorable_names(cli: Cli) -> None:
     assert high.code == 0 and high.json()["priority"] == "high", high.err
     lowered = await cli.keys("tenant", "--tenant", "vip", "--max-priority", "NORMAL", "--max-pending", "7", "--json")
     assert lowered.code == 0 and lowered.json() == {
-        "tenant": "vip", "max_pending": 7, "submits_per_minute": None, "max_priority": "NORMAL", "share_weight": 1.0
+        "tenant": "vip", "max_pending": 7, "submits_per_minute": None, "max_priority": "NORMAL", "share_weight": 1.0,
+        "gpu_seconds_per_day": None, "gpu_seconds_per_month": None,
     }
     weighted = await cli.keys("tenant", "--tenant", "vip", "--share-weight", "2.5", "--json")
     assert weighted.code == 0 and weighted.json()["share_weight"] == 2.5 and weighted.json()["max_pending"] == 7
     assert (await cli.keys("tenant", "--tenant", "vip", "--share-weight", "0")).code != 0
+    budgeted = await cli.keys("tenant", "--tenant", "vip", "--gpu-seconds-per-day", "3600", "--gpu-seconds-per-month", "1e5", "--json")
+    assert (budgeted.json()["gpu_seconds_per_day"], budgeted.json()["gpu_seconds_per_month"]) == (3600.0, 100000.0)
+    unbudgeted = await cli.keys("tenant", "--tenant", "vip", "--gpu-seconds-per-day", "0", "--json")
+    assert (unbudgeted.json()["gpu_seconds_per_day"], unbudgeted.json()["gpu_seconds_per_month"]) == (None, 100000.0)
+    assert unbudgeted.json()["share_weight"] == 2.5
+    assert (await cli.keys("tenant", "--tenant", "vip", "--gpu-seconds-per-day", "-1")).code == 2
     fresh = (await cli.keys("create", "--tenant", "vip", "--json")).json()["api_key"]  # not in the gateway's key cache
     refused = await cli("submit", "urgent again", "--priority", "high", "--api-key", fresh)
     assert "PRIORITY" in one_error_line(refused, "PERMISSION_DENIED")
@@ -309,6 +316,10 @@ async def test_admin_commands(cli: Cli) -> None:
     keys = (await cli("admin", "keys", "--tenant", "tenant-a", "--json")).json()["keys"]
     assert len(keys) == 1 and keys[0]["tenant"] == "tenant-a"
     assert (await cli("admin", "rotate-secret", "--tenant", "nobody")).code == 3
+    usage = await cli("admin", "usage", "--since", "7d", "--json")  # nothing ran here: no metered use, the range read
+    assert usage.code == 0 and usage.json().get("rows", []) == [] and "since" in usage.json(), usage.err
+    assert "no metered use" in (await cli("admin", "usage", "--tenant", "tenant-a", "--by-hour")).out
+    assert (await cli("admin", "usage", "--since", "soon")).code == 2
 
 
 async def test_defaults_come_from_the_saved_local_stack(cli: Cli, tmp_path: Path) -> None:

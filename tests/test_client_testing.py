@@ -322,7 +322,7 @@ async def test_injected_errors_and_limits() -> None:
         assert (await client.get(task.task_id)).task_id == task.task_id and client.retries == 1  # UNAVAILABLE was retried
         with pytest.raises(ResourceExhausted) as pending:
             await client.submit("two")
-        assert pending.value.reason == "TOO_MANY_PENDING"
+        assert pending.value.reason == "TOO_MANY_PENDING_TASKS"  # as the real server says it
         with pytest.raises(TaskgateError) as admin:
             await client.stats()
         assert admin.value.code is grpc.StatusCode.UNIMPLEMENTED
@@ -362,3 +362,14 @@ def _blocking_fake(tmp_path: Path) -> tuple[list[str], str, str]:
 async def test_blocking_fake(tmp_path: Path) -> None:
     statuses, status, data = await asyncio.to_thread(_blocking_fake, tmp_path)
     assert statuses == ["CREATED", "QUEUED", "PROCESSING", "PROCESSING", "SUCCEEDED"] and status == "SUCCEEDED" and data == "bytes"
+
+
+async def test_the_fakes_budget_refuses_quota_exceeded_and_answers_a_retry() -> None:
+    async with FakeAsyncTaskgateClient(FakeTaskgate(gpu_seconds_per_day=100.0, gpu_seconds_per_task=60.0)) as client:
+        kept = await client.submit("one", idempotency_key="k")
+        with pytest.raises(ResourceExhausted) as over:
+            await client.submit("two")
+        assert over.value.reason == "QUOTA_EXCEEDED" and over.value.retry_delay is not None and over.value.retry_delay > 0
+        assert (await client.submit("one", idempotency_key="k")).task_id == kept.task_id  # the retry gets its task
+        await client.cancel(kept.task_id)  # cancelled before it ran: its reservation is released
+        assert (await client.submit("two")).prompt == "two"

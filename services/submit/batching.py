@@ -108,11 +108,15 @@ class Submitter:
     """Admits submissions a batch at a time (one statement per batch) and hands each batch's created tasks to the
     dispatcher as soon as that statement has committed; the callers hear their answers without waiting for it."""
 
-    def __init__(self, pool: Conn, dispatcher: Dispatcher, *, default_max_pending: int, db_timeout: float) -> None:
+    def __init__(
+        self, pool: Conn, dispatcher: Dispatcher, *, default_max_pending: int, db_timeout: float,
+        history: submissions.History,
+    ) -> None:
         self._pool = pool
         self._dispatcher = dispatcher
         self._default_max_pending = default_max_pending
         self._db_timeout = db_timeout
+        self._history = history
         self._admissions: Batcher[Candidate, Admission] = Batcher(self._admit, max_size=MAX_BATCH)
 
     async def admit(self, candidates: Sequence[Candidate], deadline: float | None) -> list[Admission | BaseException]:
@@ -122,7 +126,7 @@ class Submitter:
 
     async def _admit(self, items: list[Candidate]) -> list[Admission]:
         admissions = await submissions.admit(
-            self._pool, items, default_max_pending=self._default_max_pending, within=self._db_timeout
+            self._pool, items, default_max_pending=self._default_max_pending, history=self._history, within=self._db_timeout
         )
         self._dispatcher.hand(a.task for a in admissions if a.verdict is Verdict.CREATED and a.task is not None)
         return admissions

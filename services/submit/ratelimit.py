@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from taskgate import errors, telemetry
+from taskgate.store.submissions import Budget
 
 RATE_LIMITED = "RATE_LIMITED"
 TOO_MANY_PENDING = "TOO_MANY_PENDING_TASKS"
+QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
 
 
 def rate_limited(per_minute: int, retry_after: float) -> errors.ApiError:
@@ -16,6 +18,21 @@ def rate_limited(per_minute: int, retry_after: float) -> errors.ApiError:
         f"more than {per_minute} submissions this minute",
         retry_after=max(retry_after, 0.001),
         limit=str(per_minute),
+    )
+
+
+def quota_exceeded(budget: Budget, retry_after: float) -> errors.ApiError:
+    """RESOURCE_EXHAUSTED with RetryInfo (until the window resets) for a submission whose estimated GPU-seconds do
+    not fit what is left of the tenant's budget."""
+    telemetry.SUBMIT_REJECTIONS.labels(QUOTA_EXCEEDED).inc()
+    return errors.resource_exhausted(
+        QUOTA_EXCEEDED,
+        f"this task is estimated at {budget.estimate:.1f} GPU-seconds and the tenant's budget has "
+        f"{budget.left:.1f} left this {budget.window} (UTC)",
+        retry_after=retry_after,
+        window=budget.window,
+        gpu_seconds_left=f"{budget.left:.3f}",
+        gpu_seconds_estimate=f"{budget.estimate:.3f}",
     )
 
 

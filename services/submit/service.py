@@ -34,7 +34,7 @@ from taskgate.wire import cancel
 from .batching import MAX_BATCH, Submitter, deadline_exceeded
 from .cache import TerminalCache
 from .inputs import InputImages
-from .ratelimit import rate_limited, too_many_pending
+from .ratelimit import quota_exceeded, rate_limited, too_many_pending
 from .validation import Submission, check_priority, regenerate_request, validate
 
 log = logging.getLogger("taskgate.submit")
@@ -90,6 +90,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         self._submitter = Submitter(
             backends.pool, self.dispatcher, default_max_pending=settings.max_pending_per_tenant,
             db_timeout=settings.submit_db_timeout_seconds,
+            history=submissions.History(settings.eta_history_seconds, settings.eta_history_runs),
         )
 
     def _budget(self, context: Context, cap: float | None = None) -> float:
@@ -198,7 +199,11 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         await self._keep_images(who, subs, answers, context)
 
         order = list(subs)
-        candidates = [Candidate(self._new_task(who.tenant_id, subs[i]), None if i in slotted else per_minute) for i in order]
+        candidates = [
+            Candidate(self._new_task(who.tenant_id, subs[i]), None if i in slotted else per_minute,
+                      self._settings.models[subs[i].model_id].gpu_seconds_estimate)
+            for i in order
+        ]
         admissions = await self._submitter.admit(candidates, self._caller_deadline(context))
         for i, candidate, admission in zip(order, candidates, admissions, strict=True):
             try:
@@ -291,6 +296,9 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         if verdict is Verdict.TOO_MANY_PENDING:
             assert admission.pending_limit is not None
             raise too_many_pending(admission.pending_limit)
+        if verdict is Verdict.QUOTA_EXCEEDED:
+            assert admission.budget is not None and admission.retry_after is not None
+            raise quota_exceeded(admission.budget, admission.retry_after)
         task = admission.task
         assert task is not None, verdict
         if verdict is Verdict.EXISTING:

@@ -30,6 +30,7 @@ class Verdict(enum.StrEnum):
     RATE_LIMITED = "rate_limited"
     NO_TENANT = "no_tenant"
     TOO_MANY_PENDING = "too_many_pending"
+    QUOTA_EXCEEDED = "quota_exceeded"  # its estimate does not fit the tenant's GPU-second budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,28 +84,53 @@ def columns(tasks: Sequence[NewTask]) -> list[list[object]]:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One submission to admit: the task, and the tenant's per-minute limit (None: its rate slot is already taken)."""
+    """One submission to admit: the task, the tenant's per-minute limit (None: its rate slot is already taken), and
+    the GPU-seconds its model's task is estimated at when the run history has none."""
 
     new: NewTask
     per_minute: int | None
+    gpu_estimate: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Why a submission did not fit its tenant's budget: the window ('day' or 'month', UTC) that is short, the
+    GPU-seconds left in it, and the submission's estimate."""
+
+    window: str
+    left: float
+    estimate: float
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """The run history a budget's estimate reads: successful runs within `seconds`, at most `runs` of them."""
+
+    seconds: float = 86400.0
+    runs: int = 20
 
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """The verdict, the task (created or existing), seconds until a slot frees (rate limited), the pending limit."""
+    """The verdict, the task (created or existing), seconds until a slot frees (rate limited) or the budget's window
+    resets (quota exceeded), the pending limit, and what did not fit the budget."""
 
     verdict: Verdict
     task: TaskRow | None
     retry_after: float | None
     pending_limit: int | None
+    budget: Budget | None = None
 
 
 async def admit(
-    db: Conn, batch: Sequence[Candidate], *, default_max_pending: int, within: float | None = None
+    db: Conn, batch: Sequence[Candidate], *, default_max_pending: int, history: History = History(),
+    now: datetime | None = None, within: float | None = None,
 ) -> list[Admission]:
-    """Admits a batch in one statement; one Admission per candidate, in order, as if admitted one by one."""
+    """Admits a batch in one statement; one Admission per candidate, in order, as if admitted one by one. `now`: the
+    budgets' clock (None: the database's)."""
     rows = await db.fetch(
         sql.query("submit_tasks"), *columns([c.new for c in batch]), [c.per_minute for c in batch], default_max_pending,
+        [c.gpu_estimate for c in batch], history.seconds, history.runs, now,
         timeout=within,
     )
     out = []
@@ -112,11 +138,15 @@ async def admit(
         verdict = Verdict(rec["outcome"])
         retry_after = rec["retry_after"]
         pending_limit = rec["pending_limit"]
+        budget = None
+        if verdict is Verdict.QUOTA_EXCEEDED:
+            budget = Budget(rec["budget_window"], float(rec["budget_left"]), float(rec["gpu_estimate"]))
         out.append(Admission(
             verdict=verdict,
             task=TaskRow.from_record(rec) if verdict in (Verdict.CREATED, Verdict.EXISTING) else None,
             retry_after=float(retry_after) if retry_after is not None else None,
             pending_limit=int(pending_limit) if pending_limit is not None else None,
+            budget=budget,
         ))
     assert len(out) == len(batch)
     return out

@@ -22,13 +22,15 @@ class Principal:
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """A tenant's limits (None: the global setting)."""
+    """A tenant's limits (None: the global setting; for a budget, none)."""
 
     id: str
     max_pending: int | None
     submits_per_minute: int | None
     max_priority: int
     share_weight: float = 1.0  # its share against other tenants of one priority (fair share: 2 gets twice 1's turns)
+    gpu_seconds_per_day: float | None = None
+    gpu_seconds_per_month: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,15 +120,20 @@ async def webhook_secrets(db: Conn, tenant_id: str) -> list[str]:
 
 async def update_tenant(
     db: Conn, tenant_id: str, *, max_pending: int | None, submits_per_minute: int | None, max_priority: int | None,
-    share_weight: float | None = None,
+    share_weight: float | None = None, gpu_seconds_per_day: float | None = None, gpu_seconds_per_month: float | None = None,
 ) -> Tenant | None:
-    """Changes the limits given (None leaves one as it is); the tenant after, or None when there is no such tenant."""
+    """Changes the limits given (None leaves one as it is; a budget of 0 removes it); the tenant after, or None when
+    there is no such tenant."""
     row = await db.fetchrow(
-        sql.query("update_tenant"), tenant_id, max_pending, submits_per_minute, max_priority, share_weight
+        sql.query("update_tenant"), tenant_id, max_pending, submits_per_minute, max_priority, share_weight,
+        gpu_seconds_per_day, gpu_seconds_per_month,
     )
     if row is None:
         return None
-    return Tenant(row["id"], row["max_pending"], row["submits_per_minute"], row["max_priority"], row["share_weight"])
+    return Tenant(
+        row["id"], row["max_pending"], row["submits_per_minute"], row["max_priority"], row["share_weight"],
+        row["gpu_seconds_per_day"], row["gpu_seconds_per_month"],
+    )
 
 
 async def tenant_exists(db: Conn, tenant_id: str) -> bool:

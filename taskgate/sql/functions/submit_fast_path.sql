@@ -1,10 +1,11 @@
 -- Submit's admission, per batch: one call of submit_tasks admits every submission of a batch (the SubmitTask calls
 -- that arrived together, or one SubmitTasks call) in one statement: rate slots, tenant locks, idempotent lookups,
--- pending limits and one multi-row insert (whose history the statement-level trigger writes in one INSERT). Each
+-- pending limits, GPU-second budgets and one multi-row insert (whose history the statement-level trigger writes in
+-- one INSERT). Each
 -- item's answer is what admitting the items one by one, in array order, would have given: a replay of a key answers
 -- with the existing task before any refusal (it takes no rate slot and is never over a limit), the rate slot is
 -- counted before the task table is written (a rate-limited item inserts nothing), the tenant row lock serialises one
--- tenant's submissions on every replica (the pending count cannot race), and a later copy of a key new in the batch
+-- tenant's submissions on every replica (the pending count and the budget cannot race), and a later copy of a key new in the batch
 -- answers with the first copy's task or shares its refusal (it takes no slot of its own). Each
 -- statement below takes a fresh snapshot (VOLATILE, READ COMMITTED), so the lookups after the locks see every insert
 -- committed before them.
@@ -43,50 +44,85 @@ $$;
 
 -- New tasks in CREATED (the history trigger records version 1 of each), one per array element; an item whose
 -- idempotency key is taken is skipped, and so is an element whose p_admit is false. p_replay_of: the task each one
--- replays (an operator's replay of a FAILED or TIMEOUT task; NULL for a submission). Returns the rows inserted.
+-- replays (an operator's replay of a FAILED or TIMEOUT task; NULL for a submission). p_gpu_reserved and
+-- p_budget_day: the GPU-seconds each reserves of its tenant's budget and the UTC day they are charged to (NULL: no
+-- budget). Returns the rows inserted.
 CREATE OR REPLACE FUNCTION insert_tasks(
     p_id bigint[], p_user_id text[], p_idempotency_key text[], p_idempotency_derived boolean[], p_request_hash text[],
     p_task_type text[], p_model_id text[], p_prompt text[], p_request_payload jsonb[], p_metadata jsonb[],
     p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[],
-    p_trace_context jsonb[], p_admit boolean[] DEFAULT NULL, p_replay_of bigint[] DEFAULT NULL
+    p_trace_context jsonb[], p_admit boolean[] DEFAULT NULL, p_replay_of bigint[] DEFAULT NULL,
+    p_gpu_reserved float8[] DEFAULT NULL, p_budget_day date[] DEFAULT NULL
 ) RETURNS SETOF task
 LANGUAGE sql VOLATILE AS $$
     INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
                       request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
-                      callback_status, last_actor, trace_context, replay_of)
+                      callback_status, last_actor, trace_context, replay_of, gpu_reserved, budget_day)
     SELECT i.id, i.user_id, i.idempotency_key, i.idempotency_derived, i.request_hash, i.task_type, i.model_id, i.prompt,
            i.request_payload, i.metadata, i.priority, i.queue_name, i.max_retries, i.callback_url,
            coalesce(string_to_array(nullif(i.callback_events, ''), ','), '{}'),
-           CASE WHEN i.callback_url IS NULL THEN 'NONE' ELSE 'PENDING' END, 'submit', i.trace_context, i.replay_of
+           CASE WHEN i.callback_url IS NULL THEN 'NONE' ELSE 'PENDING' END, 'submit', i.trace_context, i.replay_of,
+           coalesce(i.gpu_reserved, 0), i.budget_day
     FROM unnest(p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type, p_model_id,
                 p_prompt, p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries, p_callback_url,
                 p_callback_events, p_trace_context,
                 coalesce(p_admit, array_fill(true, ARRAY[cardinality(p_id)])),
-                coalesce(p_replay_of, array_fill(NULL::bigint, ARRAY[cardinality(p_id)])))
+                coalesce(p_replay_of, array_fill(NULL::bigint, ARRAY[cardinality(p_id)])),
+                coalesce(p_gpu_reserved, array_fill(NULL::float8, ARRAY[cardinality(p_id)])),
+                coalesce(p_budget_day, array_fill(NULL::date, ARRAY[cardinality(p_id)])))
          AS i(id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
               request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
-              trace_context, admit, replay_of)
+              trace_context, admit, replay_of, gpu_reserved, budget_day)
     WHERE i.admit
     ON CONFLICT (user_id, idempotency_key) DO NOTHING
     RETURNING *;
 $$;
 
 -- One row per item, in array order: ord (1-based), outcome ('rate_limited' | 'no_tenant' | 'too_many_pending' |
--- 'existing' | 'created'), retry_after (seconds, rate_limited only), pending_limit (the limit that applied),
--- task_row (the task created or found, else NULL). p_per_minute: the tenant's limit, NULL for an item whose rate slot
--- is already taken.
+-- 'quota_exceeded' | 'existing' | 'created'), retry_after (seconds, rate_limited and quota_exceeded), pending_limit
+-- (the limit that applied), budget_window ('day' | 'month'), budget_left (GPU-seconds left in it) and gpu_estimate
+-- (quota_exceeded only), task_row (the task created or found, else NULL). p_per_minute: the tenant's limit, NULL for
+-- an item whose rate slot is already taken. p_gpu_estimate: each item's model's GPU-seconds when its history has
+-- none; p_history_seconds and p_history_runs: the run history an estimate reads (as the ETA's); p_now: the budgets'
+-- clock (NULL: now()), which tests set.
+--
+-- Budgets (tenants with gpu_seconds_per_day or _per_month only): under the tenant lock, each item that would be
+-- admitted, in array order, reserves its estimate (the median metered device seconds of its model's recent
+-- successful runs of its task type and size class, else p_gpu_estimate) while its UTC day's and month's charges leave
+-- room, and is refused 'quota_exceeded' otherwise (reserving nothing); the reservation is charged to budget_charge in
+-- this statement and settled to the measured seconds when the task ends (functions/usage.sql).
 CREATE OR REPLACE FUNCTION submit_tasks(
     p_id bigint[], p_user_id text[], p_idempotency_key text[], p_idempotency_derived boolean[], p_request_hash text[],
     p_task_type text[], p_model_id text[], p_prompt text[], p_request_payload jsonb[], p_metadata jsonb[],
     p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[],
-    p_trace_context jsonb[], p_per_minute integer[], p_default_max_pending integer
+    p_trace_context jsonb[], p_per_minute integer[], p_default_max_pending integer, p_gpu_estimate float8[] DEFAULT NULL,
+    p_history_seconds float8 DEFAULT 86400, p_history_runs integer DEFAULT 20, p_now timestamptz DEFAULT NULL
 )
-RETURNS TABLE (ord integer, outcome text, retry_after float8, pending_limit integer, task_row task)
+RETURNS TABLE (ord integer, outcome text, retry_after float8, pending_limit integer, budget_window text,
+               budget_left float8, gpu_estimate float8, task_row task)
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
 DECLARE
     r record;
     seen boolean[];
+    v_now timestamptz := coalesce(p_now, now());
+    v_day date := (coalesce(p_now, now()) AT TIME ZONE 'UTC')::date;
+    v_month date := date_trunc('month', (coalesce(p_now, now()) AT TIME ZONE 'UTC'))::date;
+    per_days float8[];
+    per_months float8[];
+    day_left float8[];
+    month_left float8[];
+    pending_left bigint[];
+    v_n integer := cardinality(p_id);
+    v_t integer;
+    v_owner integer;
+    v_est float8;
+    v_class text;
+    known_estimates jsonb := '{}';
+    v_estimates float8[];
+    v_windows text[];
+    v_lefts float8[];
+    v_retry float8[];
     slot_tenants text[] := '{}';
     slot_counts integer[] := '{}';
     tenants text[];
@@ -115,12 +151,22 @@ BEGIN
         slot_counts := slot_counts || take_rate_slots(r.tenant, r.per_minute, r.n);
     END LOOP;
 
-    -- 2. tenant locks, in one order on every replica; the limit that applies and the tenant's unfinished tasks
-    SELECT array_agg(l.id), array_agg(l.lim), array_agg(coalesce(p.pending, 0))
-    INTO tenants, limits, pendings
-    FROM (SELECT tn.id, coalesce(tn.max_pending, p_default_max_pending) AS lim FROM tenant tn
-          WHERE tn.id = ANY(p_user_id) ORDER BY tn.id FOR UPDATE) l
-    LEFT JOIN tenant_pending p ON p.tenant_id = l.id;
+    -- 2. tenant locks, in one order on every replica; the limit that applies and the tenant's unfinished tasks; a
+    -- tenant's budgets and what its day's and month's charges leave (read only for a tenant with a budget)
+    SELECT array_agg(l.id), array_agg(l.lim), array_agg(coalesce(p.pending, 0)), array_agg(l.per_day),
+           array_agg(l.per_month), array_agg(l.per_day - u.day_used), array_agg(l.per_month - u.month_used)
+    INTO tenants, limits, pendings, per_days, per_months, day_left, month_left
+    FROM (SELECT tn.id, coalesce(tn.max_pending, p_default_max_pending) AS lim, tn.gpu_seconds_per_day AS per_day,
+                 tn.gpu_seconds_per_month AS per_month
+          FROM tenant tn WHERE tn.id = ANY(p_user_id) ORDER BY tn.id FOR UPDATE) l
+    LEFT JOIN tenant_pending p ON p.tenant_id = l.id
+    LEFT JOIN LATERAL (
+        SELECT coalesce(sum(c.seconds) FILTER (WHERE c.day = v_day), 0) AS day_used,
+               coalesce(sum(c.seconds), 0) AS month_used
+        FROM budget_charge c
+        WHERE (l.per_day IS NOT NULL OR l.per_month IS NOT NULL)
+          AND c.tenant_id = l.id AND c.day >= v_month AND c.day < (v_month + interval '1 month')::date
+    ) u ON true;
 
     -- 3. each item's verdict: key already used, rate slot, tenant, then the pending limit over the batch's new keys
     WITH raw AS (
@@ -159,12 +205,92 @@ BEGIN
     INTO v_outcomes, v_refs
     FROM known k LEFT JOIN owner o ON o.user_id = k.user_id AND o.key = k.key;
 
-    -- 4. one insert for every admitted item
-    SELECT coalesce(array_agg(t.id), '{}') INTO inserted
-    FROM insert_tasks(p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type,
-                      p_model_id, p_prompt, p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries,
-                      p_callback_url, p_callback_events, p_trace_context,
-                      ARRAY(SELECT o = 'admit' FROM unnest(v_outcomes) WITH ORDINALITY v(o, n) ORDER BY n)) t;
+    -- 3b. budgets: the verdicts of a budgeted tenant's items again, one by one in array order, so that an item refused
+    -- for its budget takes neither a pending place nor GPU-seconds from the items after it; a later copy of a key
+    -- follows its first copy
+    IF EXISTS (SELECT 1 FROM unnest(per_days, per_months) b(d, m) WHERE b.d IS NOT NULL OR b.m IS NOT NULL) THEN
+        v_estimates := array_fill(NULL::float8, ARRAY[v_n]);
+        v_windows := array_fill(NULL::text, ARRAY[v_n]);
+        v_lefts := array_fill(NULL::float8, ARRAY[v_n]);
+        v_retry := array_fill(NULL::float8, ARRAY[v_n]);
+        pending_left := ARRAY(SELECT l.lim - l.pending FROM unnest(limits, pendings) WITH ORDINALITY l(lim, pending, k)
+                              ORDER BY l.k);
+        FOR r IN
+            SELECT i.k::integer AS k, i.id, i.user_id, i.model_id, i.task_type, i.payload, i.dflt
+            FROM unnest(p_id, p_user_id, p_model_id, p_task_type, p_request_payload,
+                        coalesce(p_gpu_estimate, array_fill(NULL::float8, ARRAY[v_n])))
+                 WITH ORDINALITY i(id, user_id, model_id, task_type, payload, dflt, k)
+            WHERE v_outcomes[i.k] IN ('admit', 'copy', 'too_many_pending')
+            ORDER BY i.k
+        LOOP
+            v_t := array_position(tenants, r.user_id);
+            CONTINUE WHEN per_days[v_t] IS NULL AND per_months[v_t] IS NULL;
+            IF v_refs[r.k] IS DISTINCT FROM r.id AND v_refs[r.k] IS NOT NULL THEN  -- a later copy
+                v_owner := array_position(p_id, v_refs[r.k]);
+                v_outcomes[r.k] := CASE WHEN v_outcomes[v_owner] = 'admit' THEN 'copy' ELSE v_outcomes[v_owner] END;
+                v_windows[r.k] := v_windows[v_owner];
+                v_lefts[r.k] := v_lefts[v_owner];
+                v_estimates[r.k] := v_estimates[v_owner];
+                v_retry[r.k] := v_retry[v_owner];
+                CONTINUE;
+            END IF;
+            IF pending_left[v_t] <= 0 THEN
+                v_outcomes[r.k] := 'too_many_pending';
+                CONTINUE;
+            END IF;
+            v_class := r.model_id || '/' || r.task_type || '/' || task_size_class(r.payload);
+            v_est := (known_estimates ->> v_class)::float8;
+            IF v_est IS NULL THEN
+                SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds) INTO v_est
+                FROM (SELECT s.device_seconds AS seconds FROM task s
+                      WHERE s.model_id = r.model_id AND task_size_class(s.request_payload) = task_size_class(r.payload)
+                        AND s.status = 'SUCCEEDED' AND NOT s.result_reused AND s.started_at IS NOT NULL
+                        AND s.task_type = r.task_type AND s.device_seconds > 0
+                        AND s.finished_at > v_now - make_interval(secs => p_history_seconds)
+                      ORDER BY s.finished_at DESC
+                      LIMIT p_history_runs) h;
+                v_est := coalesce(v_est, r.dflt, 0);
+                known_estimates := known_estimates || jsonb_build_object(v_class, v_est);
+            END IF;
+            v_estimates[r.k] := v_est;
+            IF v_est > coalesce(month_left[v_t], 'Infinity') THEN
+                v_outcomes[r.k] := 'quota_exceeded';
+                v_windows[r.k] := 'month';
+                v_lefts[r.k] := greatest(month_left[v_t], 0);
+                v_retry[r.k] := extract(epoch FROM ((v_month + interval '1 month')::timestamp AT TIME ZONE 'UTC') - v_now);
+            ELSIF v_est > coalesce(day_left[v_t], 'Infinity') THEN
+                v_outcomes[r.k] := 'quota_exceeded';
+                v_windows[r.k] := 'day';
+                v_lefts[r.k] := greatest(day_left[v_t], 0);
+                v_retry[r.k] := extract(epoch FROM ((v_day + 1)::timestamp AT TIME ZONE 'UTC') - v_now);
+            ELSE
+                v_outcomes[r.k] := 'admit';
+                pending_left[v_t] := pending_left[v_t] - 1;
+                day_left[v_t] := day_left[v_t] - v_est;
+                month_left[v_t] := month_left[v_t] - v_est;
+            END IF;
+        END LOOP;
+    END IF;
+
+    -- 4. one insert for every admitted item, and one charge per budgeted tenant for what its admitted items reserve
+    WITH ins AS (
+        SELECT * FROM insert_tasks(
+            p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type, p_model_id, p_prompt,
+            p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries, p_callback_url, p_callback_events,
+            p_trace_context, ARRAY(SELECT o = 'admit' FROM unnest(v_outcomes) WITH ORDINALITY v(o, k) ORDER BY k), NULL,
+            CASE WHEN v_estimates IS NOT NULL THEN
+                ARRAY(SELECT CASE WHEN o = 'admit' THEN e END
+                      FROM unnest(v_outcomes, v_estimates) WITH ORDINALITY v(o, e, k) ORDER BY k) END,
+            CASE WHEN v_estimates IS NOT NULL THEN
+                ARRAY(SELECT CASE WHEN o = 'admit' AND e IS NOT NULL THEN v_day END
+                      FROM unnest(v_outcomes, v_estimates) WITH ORDINALITY v(o, e, k) ORDER BY k) END)
+    ), charged AS (
+        INSERT INTO budget_charge AS c (tenant_id, day, seconds)
+        SELECT ins.user_id, ins.budget_day, sum(ins.gpu_reserved) FROM ins WHERE ins.budget_day IS NOT NULL
+        GROUP BY ins.user_id, ins.budget_day ORDER BY ins.user_id
+        ON CONFLICT (tenant_id, day) DO UPDATE SET seconds = c.seconds + EXCLUDED.seconds
+    )
+    SELECT coalesce(array_agg(ins.id), '{}') INTO inserted FROM ins;
 
     -- 5. the answers; an admitted key that a writer without the tenant lock took first answers with that task
     RETURN QUERY
@@ -172,8 +298,12 @@ BEGIN
            CASE WHEN i.outcome = 'admit' AND i.ref = ANY(inserted) THEN 'created'
                 WHEN i.outcome IN ('admit', 'copy') THEN 'existing'
                 ELSE i.outcome END,
-           CASE WHEN i.outcome = 'rate_limited' THEN rate_window_left() END,
+           CASE WHEN i.outcome = 'rate_limited' THEN rate_window_left()
+                WHEN i.outcome = 'quota_exceeded' THEN v_retry[i.ord::integer] END,
            CASE WHEN i.outcome NOT IN ('rate_limited', 'no_tenant') THEN l.lim END,
+           CASE WHEN i.outcome = 'quota_exceeded' THEN v_windows[i.ord::integer] END,
+           CASE WHEN i.outcome = 'quota_exceeded' THEN v_lefts[i.ord::integer] END,
+           CASE WHEN i.outcome = 'quota_exceeded' THEN v_estimates[i.ord::integer] END,
            CASE WHEN i.outcome IN ('admit', 'copy', 'existing') THEN
                coalesce((SELECT t FROM task t WHERE t.id = i.ref),
                         (SELECT t FROM task t WHERE t.user_id = i.user_id AND t.idempotency_key = i.key))

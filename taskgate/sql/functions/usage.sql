@@ -16,3 +16,20 @@ END $$;
 CREATE OR REPLACE TRIGGER task_usage_on_update AFTER UPDATE OF device_seconds, slot_seconds ON task
     FOR EACH ROW WHEN (NEW.device_seconds <> OLD.device_seconds OR NEW.slot_seconds <> OLD.slot_seconds)
     EXECUTE FUNCTION task_record_usage();
+
+-- Budgets: a task admitted under its tenant's GPU-second budget reserved its estimate on its admission day; when it
+-- ends (finished, failed, timed out, cancelled), the charge is settled to what its attempts measured (a task
+-- cancelled before it ran releases its whole reservation).
+CREATE OR REPLACE FUNCTION task_settle_budget() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE budget_charge SET seconds = seconds + NEW.device_seconds - NEW.gpu_reserved
+    WHERE tenant_id = NEW.user_id AND day = NEW.budget_day;
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE TRIGGER task_budget_on_end AFTER UPDATE OF status ON task
+    FOR EACH ROW WHEN (NEW.budget_day IS NOT NULL
+                       AND NEW.status IN ('SUCCEEDED', 'FAILED', 'TIMEOUT', 'CANCELED')
+                       AND OLD.status NOT IN ('SUCCEEDED', 'FAILED', 'TIMEOUT', 'CANCELED'))
+    EXECUTE FUNCTION task_settle_budget();
