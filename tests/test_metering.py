@@ -9,13 +9,25 @@ import grpc
 import pytest
 
 from services.notifier import outbox
-from taskgate import store
+from taskgate import auth, ids, store
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from taskgate.store import events
+from taskgate.store import events, submissions, tenants
+from taskgate.store.submissions import Candidate, NewTask
 from taskgate.v1 import admin_pb2
 from tests.test_scheduler_admin import Admin, admin  # noqa: F401  (the fixture)
-from tests.test_worker import SLEEPY, Factory, is_status, params, sleepy_settings, submit, wait_task, with_, workers  # noqa: F401
+from tests.test_worker import (  # noqa: F401  (workers: the fixture)
+    SLEEPY,
+    Factory,
+    is_status,
+    params,
+    publish,
+    sleepy_settings,
+    submit,
+    wait_task,
+    with_,
+    workers,
+)
 
 SLEEP = 0.3  # each attempt's device phase
 
@@ -81,3 +93,24 @@ async def test_a_move_by_anyone_but_the_worker_adds_no_seconds(backends: Backend
     out = await store.release(backends.pool, task.id, actor="scheduler", reason="lease lost")
     assert out.applied and out.task is not None and (out.task.device_seconds, out.task.slot_seconds) == (0.0, 0.0)
     assert await backends.pool.fetchval("SELECT count(*) FROM usage_hour") == 0
+
+
+async def test_a_budgeted_task_run_by_a_worker_is_charged_what_it_measured(backends: Backends, workers: Factory) -> None:  # noqa: F811
+    pool = backends.pool
+    await auth.create_key(pool, backends.settings.api_key_pepper, "tenant-a")
+    await tenants.update_tenant(pool, "tenant-a", max_pending=None, submits_per_minute=None, max_priority=None,
+                                gpu_seconds_per_day=1000.0)
+    await workers(sleepy_settings(backends.settings, sleep=SLEEP))
+    new = NewTask(
+        id=ids.new_id(), user_id="tenant-a", idempotency_key="budgeted", key_derived=False, request_hash="h",
+        task_type="text-to-video", model_id=SLEEPY, prompt="p", payload=params(steps=2), metadata={}, priority=5,
+        max_retries=0, callback_url=None, callback_events=[],
+    )
+    [admitted] = await submissions.admit(pool, [Candidate(new, None, 50.0)], default_max_pending=5)
+    assert admitted.task is not None and admitted.task.gpu_reserved == 50.0
+    assert await pool.fetchval("SELECT seconds FROM budget_charge WHERE tenant_id = 'tenant-a'") == 50.0
+    await publish(backends, admitted.task, f"{admitted.task.id}.q0")  # as the submit service's dispatcher does
+    row = await wait_task(backends, admitted.task.id, is_status(Status.SUCCEEDED))
+    # the reservation became what the worker measured
+    assert row.device_seconds >= SLEEP * 0.95
+    assert await pool.fetchval("SELECT seconds FROM budget_charge WHERE tenant_id = 'tenant-a'") == pytest.approx(row.device_seconds)
