@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import re
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
 import asyncpg
 import grpc
 
 from taskgate import errors
+from taskgate.listen import Listener
 from taskgate.sealing import Sealer
 from taskgate.store import tenants
 from taskgate.store.pool import Conn
 from taskgate.store.tenants import Principal as Principal  # re-exported: services name the caller taskgate.auth.Principal
 from taskgate.throttle import Throttle
+
+T = TypeVar("T")
 
 KEY_PREFIX = "tg_"
 _TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the tenant table's CHECK, so a bad name never reaches it
@@ -99,10 +106,47 @@ async def webhook_secrets(db: Conn, tenant_id: str, sealer: Sealer) -> list[str]
     return [sealer.open(stored) for stored in await tenants.webhook_secrets(db, tenant_id)]
 
 
+REVOKED_CHANNEL = "taskgate_key_revoked"  # NOTIFY payload: the revoked key's hash (functions/key_revocation.sql)
+
+
+class Session:
+    """A stream's caller: its principal, and an event set when its key is revoked (the stream then ends)."""
+
+    def __init__(self, principal: Principal, digest: str) -> None:
+        self.principal = principal
+        self.digest = digest
+        self.revoked = asyncio.Event()
+
+    async def guard(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+        """`stream`'s items until it ends, or until the key is revoked: then UNAUTHENTICATED saying so."""
+        revoked = asyncio.ensure_future(self.revoked.wait())
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(stream))
+                await asyncio.wait((step, revoked), return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await step
+                    raise errors.unauthenticated("the API key was revoked")
+                try:
+                    item = step.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            revoked.cancel()
+
+
 class Authenticator:
     """Resolves `authorization: Bearer <key>` to a Principal, caching hits for a few seconds — and misses too, so a
     caller repeating an unknown key does not reach the database on every call (a key is random: none is created
-    that a caller tried before)."""
+    that a caller tried before).
+
+    A revocation reaches it as a NOTIFY (`listener()`): the key's cached answer goes and its open streams end, within
+    the notification's delivery; after the listen connection was lost, every cached answer goes and every open
+    stream's key is looked up again.
+    """
 
     CACHE_ENTRIES = 10_000  # per kind; a full cache is emptied (bounded memory whatever callers send)
 
@@ -116,8 +160,58 @@ class Authenticator:
         self._ttl = cache_seconds
         self._cache: dict[str, tuple[float, Principal]] = {}
         self._unknown: dict[str, float] = {}  # digest -> until when it is known to be unknown
+        self._sessions: dict[str, set[Session]] = {}  # digest -> the open streams it authenticated
+        self._generation = 0  # counts revocations: a lookup that began before one does not cache its answer
+        self._rechecks: set[asyncio.Task[None]] = set()
+
+    def listener(self, dsn: str) -> Listener:
+        """A listener of key revocations for this authenticator (run it as a task for the service's life)."""
+        return Listener(dsn, {REVOKED_CHANNEL: self.revoked})
+
+    def revoked(self, digest: str | None) -> None:
+        """A key was revoked (its hash), or (None) revocations may have been missed: forget what is cached, end the
+        key's open streams (None: look every open stream's key up again)."""
+        self._generation += 1
+        if digest is not None:
+            self._cache.pop(digest, None)
+            for session in self._sessions.get(digest, ()):
+                session.revoked.set()
+            return
+        self._cache.clear()
+        if self._sessions:
+            task = asyncio.get_running_loop().create_task(self._recheck(list(self._sessions)))
+            self._rechecks.add(task)
+            task.add_done_callback(self._rechecks.discard)
+
+    async def _recheck(self, digests: list[str]) -> None:
+        for digest in digests:
+            if await tenants.lookup_api_key(self._pool, digest) is None:
+                self.revoked(digest)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, context: grpc.aio.ServicerContext) -> AsyncIterator[Session]:
+        """The caller of a stream, for as long as it is open: `Session.guard` ends it when the key is revoked."""
+        began = self._generation
+        found, digest = await self._resolve(context)
+        session = Session(found, digest)
+        self._sessions.setdefault(digest, set()).add(session)
+        if self._generation != began:  # a revocation arrived while the key was looked up
+            await self._recheck([digest])
+        try:
+            yield session
+        finally:
+            left = self._sessions.get(digest)
+            if left is not None:
+                left.discard(session)
+                if not left:
+                    del self._sessions[digest]
 
     async def principal(self, context: grpc.aio.ServicerContext, *, admin: bool = False) -> Principal:
+        """The caller of a unary call (UNAUTHENTICATED without a live key; PERMISSION_DENIED when `admin` is needed)."""
+        found, _ = await self._resolve(context, admin=admin)
+        return found
+
+    async def _resolve(self, context: grpc.aio.ServicerContext, *, admin: bool = False) -> tuple[Principal, str]:
         key = None
         for name, value in context.invocation_metadata() or ():
             if name == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
@@ -132,6 +226,7 @@ class Authenticator:
         else:
             if self._unknown.get(digest, 0.0) > now:
                 raise errors.unauthenticated()
+            began = self._generation
             looked_up = await tenants.lookup_api_key(self._pool, digest)
             if looked_up is None:
                 if len(self._unknown) > self.CACHE_ENTRIES:
@@ -141,9 +236,10 @@ class Authenticator:
             found = looked_up
             if len(self._cache) > self.CACHE_ENTRIES:
                 self._cache.clear()
-            self._cache[digest] = (now + self._ttl, found)
+            if self._generation == began:
+                self._cache[digest] = (now + self._ttl, found)
         if admin and not found.is_admin:
             raise errors.permission_denied("this call needs an admin key")
         if self._throttle is not None:
             self._throttle.call(found.tenant_id, self._service)
-        return found
+        return found, digest

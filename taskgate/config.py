@@ -217,6 +217,10 @@ class Settings(BaseSettings):
 
     # Authentication
     api_key_pepper: str = Field(default="taskgate-dev-pepper", min_length=8, description="Secret mixed into API-key hashes.")
+    api_key_cache_seconds: float = Field(
+        default=5.0, ge=0,
+        description="How long a service trusts a key's looked-up answer; a revocation reaches it sooner (LISTEN/NOTIFY).",
+    )
     webhook_secret_max_overlap_seconds: float = Field(
         default=7 * 86400.0, ge=0, description="Longest overlap a tenant may ask for when it rotates its own webhook secret."
     )

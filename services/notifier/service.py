@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.notifier.listen import Listener
 from services.notifier.relay import EventRelay
 from services.notifier.streams import SERVICE, EventHub, TaskEventsService, register
 from services.notifier.webhooks import WebhookSender
 from taskgate import results, runtime, server
-from taskgate.auth import Authenticator
+from taskgate.auth import REVOKED_CHANNEL, Authenticator
 from taskgate.config import Settings
+from taskgate.listen import Listener
 from taskgate.throttle import Throttle
 
 log = logging.getLogger("taskgate.notifier")
@@ -93,11 +93,15 @@ async def start(settings: Settings, backends: runtime.Backends | None = None) ->
     outputs = results.result_store(settings, b.bus)
     sender = WebhookSender(settings, b.pool, owner, outputs=outputs)
     relay = EventRelay(settings, b.pool, b.bus, on_deliveries=sender.notify)
-    listener = Listener(b.database_url, {EVENT_CHANNEL: relay.notify, WEBHOOK_CHANNEL: sender.notify})
     hub = EventHub(b.bus)
     await hub.start()
     throttle = Throttle.of(settings)
-    authenticator = Authenticator(b.pool, settings.api_key_pepper, throttle=throttle, service=SERVICE)
+    authenticator = Authenticator(
+        b.pool, settings.api_key_pepper, settings.api_key_cache_seconds, throttle=throttle, service=SERVICE
+    )
+    listener = Listener(b.database_url, {
+        EVENT_CHANNEL: lambda _: relay.notify(), WEBHOOK_CHANNEL: lambda _: sender.notify(), REVOKED_CHANNEL: authenticator.revoked,
+    })
     service = TaskEventsService(settings, b.pool, hub, authenticator, throttle, outputs=outputs)
     tasks: list[asyncio.Task[None]] = []  # the loops, once started: liveness watches them
     probes = server.Probes(pool=b.pool, bus=b.bus, loops=lambda: tasks)

@@ -344,10 +344,10 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
     async def WatchTask(
         self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
-        principal = await self._auth.principal(context)
-        with self._throttle.stream(principal.tenant_id, SERVICE):  # the stream's place, held until it ends
-            async for response in self._watch_task(principal, request):
-                yield response
+        async with self._auth.stream(context) as caller:  # ends the stream when its key is revoked
+            with self._throttle.stream(caller.principal.tenant_id, SERVICE):  # the stream's place, held until it ends
+                async for response in caller.guard(self._watch_task(caller.principal, request)):
+                    yield response
 
     async def _watch_task(
         self, principal: Principal, request: events_pb2.WatchTaskRequest
@@ -416,10 +416,10 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
     async def WatchTasks(
         self, request: events_pb2.WatchTasksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTasksResponse]:
-        principal = await self._auth.principal(context)
-        with self._throttle.stream(principal.tenant_id, SERVICE):
-            async for response in self._watch_tasks(principal, request):
-                yield response
+        async with self._auth.stream(context) as caller:
+            with self._throttle.stream(caller.principal.tenant_id, SERVICE):
+                async for response in caller.guard(self._watch_tasks(caller.principal, request)):
+                    yield response
 
     async def _watch_tasks(
         self, principal: Principal, request: events_pb2.WatchTasksRequest

@@ -64,7 +64,9 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     ) -> None:
         self.settings = settings
         self.pool = pool
-        self.auth = Authenticator(pool, settings.api_key_pepper, throttle=Throttle.of(settings), service="admin")
+        self.auth = Authenticator(
+            pool, settings.api_key_pepper, settings.api_key_cache_seconds, throttle=Throttle.of(settings), service="admin"
+        )
         self.sealer = Sealer.of(settings)
         self.pages = paging.Pager(settings.api_key_pepper)
         self.task_scans = list(task_scans)

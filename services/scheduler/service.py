@@ -126,6 +126,7 @@ class SchedulerHandle:
     _stop: asyncio.Event
     _loop: asyncio.Task[None] | None
     _owns_backends: bool
+    _listening: asyncio.Task[None]
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stops the scan loop (a pass in flight gets `grace` seconds), then the server (in-flight calls get
@@ -140,6 +141,7 @@ class SchedulerHandle:
                     log.warning("scan pass cancelled at shutdown")
             await self._server.stop(grace)
         finally:
+            await runtime.stop_tasks([self._listening])
             if self._owns_backends:
                 await self.backends.close()
 
@@ -166,7 +168,8 @@ async def start(settings: Settings, backends: runtime.Backends | None = None, *,
     stop = asyncio.Event()
     loop = asyncio.create_task(scheduler.run(stop), name="scheduler-loop") if scan_loop else None
     loops.extend([loop] if loop is not None else [])
-    return SchedulerHandle(port, scheduler, b, srv, health_servicer, stop, loop, owns)
+    listening = asyncio.create_task(admin.auth.listener(b.database_url).run(), name="scheduler-revocations")
+    return SchedulerHandle(port, scheduler, b, srv, health_servicer, stop, loop, owns, listening)
 
 
 async def main(settings: Settings) -> None:

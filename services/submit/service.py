@@ -21,7 +21,7 @@ from taskgate.config import Settings
 from taskgate.dispatcher import Dispatcher
 from taskgate.model import TaskRow, timestamp
 from taskgate.results import ResultNotFound, add_link, result_store
-from taskgate.runtime import Backends, connect, serve_until_signal
+from taskgate.runtime import Backends, connect, serve_until_signal, stop_tasks
 from taskgate.sealing import Sealer
 from taskgate.server import Health, Probes, mark_not_serving, start_server
 from taskgate.states import Status
@@ -75,8 +75,10 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         self._pool = backends.pool
         self._bus = backends.bus
         self._auth = Authenticator(
-            backends.pool, settings.api_key_pepper, throttle=Throttle.of(settings), service="submit"
+            backends.pool, settings.api_key_pepper, settings.api_key_cache_seconds, throttle=Throttle.of(settings),
+            service="submit",
         )
+        self.revocations = self._auth.listener(backends.database_url)
         self._pages = paging.Pager(settings.api_key_pepper)
         self._sealer = Sealer.of(settings)
         self._cache = TerminalCache(settings.result_cache_size)
@@ -523,6 +525,7 @@ class SubmitHandle:
     backends: Backends
     owns_backends: bool
     settings: Settings
+    listening: asyncio.Task[None]
 
     async def stop(self, grace: float | None = None) -> None:
         """Readiness off, stop accepting, let in-flight calls finish within `grace`, then close the backends."""
@@ -532,6 +535,7 @@ class SubmitHandle:
             await self.server.stop(grace)
             await self.gateway.dispatcher.close(grace)  # what it could not dispatch stays CREATED for the scan
         finally:
+            await stop_tasks([self.listening])
             await self.gateway.inputs.close()
             await self.gateway.ids.close()
             if self.owns_backends:
@@ -558,7 +562,8 @@ async def start(settings: Settings, backends: Backends | None = None) -> SubmitH
         if owns:
             await backends.close()
         raise
-    return SubmitHandle(port, server, health_servicer, gateway, backends, owns, settings)
+    listening = asyncio.create_task(gateway.revocations.run(), name="submit-revocations")
+    return SubmitHandle(port, server, health_servicer, gateway, backends, owns, settings, listening)
 
 
 async def main(settings: Settings) -> None:

@@ -12,23 +12,25 @@ import asyncpg
 
 from taskgate.waiting import cancelling
 
-log = logging.getLogger("taskgate.notifier.listen")
+log = logging.getLogger("taskgate.listen")
+
+Handler = Callable[[str | None], None]  # called with a NOTIFY's payload, or None once (re)connected: some were missed
 
 
 class Listener:
     """Calls a handler on each NOTIFY of its channel; after a reconnect calls them all (notifications were missed)."""
 
-    def __init__(self, dsn: str, handlers: dict[str, Callable[[], None]], retry_seconds: float = 1.0) -> None:
+    def __init__(self, dsn: str, handlers: dict[str, Handler], retry_seconds: float = 1.0) -> None:
         self._dsn = dsn
         self._handlers = handlers
         self._retry = retry_seconds
         self._conn: asyncpg.Connection | None = None
         self.connected = asyncio.Event()
 
-    def _on_notify(self, _conn: Any, _pid: int, channel: str, _payload: str) -> None:
+    def _on_notify(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
         handler = self._handlers.get(channel)
         if handler is not None:
-            handler()
+            handler(payload)
 
     async def run(self) -> None:
         """Listens until cancelled."""
@@ -47,7 +49,7 @@ class Listener:
                     await conn.add_listener(channel, self._on_notify)
                 self.connected.set()
                 for handler in self._handlers.values():
-                    handler()
+                    handler(None)
                 await lost.wait()
                 log.warning("listen connection lost")
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
