@@ -1,9 +1,14 @@
-"""ETA beside the queue position: when a task should start and finish, from recent history, never a constant.
+"""Queue position and ETA under the real dispatch order: when a task should start and finish, from recent history.
 
-A QUEUED task at position p starts after p x its model's recent run time (for its size class) / the live slots
-serving the model, and finishes one run time later; a PROCESSING task finishes after the part of a run time its
-progress has not covered. Without recent successful runs of that model and size class, or without live workers for
-a queued task, there is no estimate: the fields stay unset.
+The order is the one the workers follow: inside its (model, priority) level a QUEUED task waits for the turns fair
+share gives it (the level's `level_position`), and the levels of its model share the model's slots by the workers'
+fetch weights (HIGH:NORMAL:LOW, 6:3:1 by default) while each has tasks; a level that empties hands its share to the
+rest. The model's slots are the live workers' slots, a worker serving several models sharing its slots among them by
+the weights of their levels with QUEUED tasks (never credited whole to each). The position is how many claims of the
+model come up to and including the task; it starts after position x run time / slots, and finishes one run time
+later. A PROCESSING task finishes after the part of a run time its progress has not covered. Without recent
+successful runs of that model and size class, or without live workers for a queued task, there is no estimate: the
+fields stay unset.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from datetime import datetime, timedelta
 
 from taskgate.config import Settings
 from taskgate.model import timestamp
-from taskgate.states import Status
+from taskgate.states import Priority, Status
 from taskgate.store import Conn
 from taskgate.store.estimates import EtaInputs, eta_inputs
 from taskgate.v1 import task_pb2
@@ -37,21 +42,63 @@ class Estimate:
             msg.estimated_finish.CopyFrom(timestamp(self.finish))
 
 
-def estimate(inputs: EtaInputs, *, cap: int = 0) -> Estimate:
-    """The ETA the inputs support; `cap`: the model's concurrency cap across workers (0: none)."""
-    run = inputs.run_seconds
-    if run is None:
-        return Estimate(inputs.status, inputs.queue_position)
+def estimate(inputs: EtaInputs, *, cap: int = 0, weights: tuple[int, int, int] = (6, 3, 1)) -> Estimate:
+    """The estimate the inputs support; `cap`: the model's concurrency cap across workers (0: none); `weights`: the
+    workers' fetch weights of HIGH, NORMAL and LOW."""
     if inputs.status is Status.QUEUED:
+        claims, position = place(inputs, weights)
+        run = inputs.run_seconds
         slots = min(inputs.slots, cap) if cap > 0 else inputs.slots
-        if slots <= 0:
-            return Estimate(inputs.status, inputs.queue_position)  # nothing serves the model now: no honest start time
-        start = inputs.now + timedelta(seconds=inputs.queue_position * run / slots)
-        return Estimate(inputs.status, inputs.queue_position, start, start + timedelta(seconds=run))
-    if inputs.status is Status.PROCESSING:
-        left = run * (100 - min(max(inputs.progress, 0), 100)) / 100
+        if run is None or slots <= 0:  # no history, or nothing serves the model now: no honest start time
+            return Estimate(inputs.status, position)
+        start = inputs.now + timedelta(seconds=claims * run / slots)
+        return Estimate(inputs.status, position, start, start + timedelta(seconds=run))
+    if inputs.status is Status.PROCESSING and inputs.run_seconds is not None:
+        left = inputs.run_seconds * (100 - min(max(inputs.progress, 0), 100)) / 100
         return Estimate(inputs.status, 0, None, inputs.now + timedelta(seconds=left))
-    return Estimate(inputs.status, inputs.queue_position)
+    return Estimate(inputs.status, 0)
+
+
+SIMULATED = 20_000  # claims simulated one by one; beyond, the levels' shares are followed as rates
+
+
+def place(inputs: EtaInputs, weights: tuple[int, int, int]) -> tuple[float, int]:
+    """How many of its model's claims come up to and including a QUEUED task's (its position, and the claims that
+    take time): the workers' smooth weighted round robin over the levels that still have tasks, claim by claim (as
+    services/worker/consumer.py Weighted picks, a level that empties losing its credit), or as rates when long."""
+    by_priority = {Priority.HIGH: weights[0], Priority.NORMAL: weights[1], Priority.LOW: weights[2]}
+    target = max(inputs.level_position, 1)
+    left = {p: n for p, n in inputs.queued.items() if n > 0 and p != inputs.priority}
+    left[inputs.priority] = target
+    if sum(left.values()) > SIMULATED:
+        return _as_rates(left, inputs.priority, by_priority)
+    credit = dict.fromkeys(left, 0)
+    claims = 0
+    while True:
+        total = sum(max(1, by_priority[p]) for p in left)
+        for p in left:
+            credit[p] += max(1, by_priority[p])
+        best = max(left, key=lambda p: (credit[p], p))
+        credit[best] -= total
+        claims += 1
+        left[best] -= 1
+        if best == inputs.priority and left[best] == 0:
+            return float(claims), claims
+        if left[best] == 0:
+            del left[best], credit[best]
+
+
+def _as_rates(left: dict[int, int], priority: int, by_priority: dict[int, int]) -> tuple[float, int]:
+    """`place` for long queues: each level served at its weight's share of the claims while it has tasks."""
+    rest = {p: float(n) for p, n in left.items()}
+    elapsed = 0.0
+    while rest.get(priority, 0.0) > 1e-9:
+        share = sum(max(1, by_priority[p]) for p in rest)
+        rates = {p: max(1, by_priority[p]) / share for p in rest}
+        step = min(n / rates[p] for p, n in rest.items())
+        elapsed += step
+        rest = {p: n - rates[p] * step for p, n in rest.items() if n - rates[p] * step > 1e-9}
+    return elapsed, round(elapsed)
 
 
 async def estimates(
@@ -64,12 +111,13 @@ async def estimates(
         window_seconds=settings.eta_history_seconds,
         max_runs=settings.eta_history_runs,
         alive_seconds=settings.lease_seconds,
+        weights=settings.priority_weights,
         within=within,
     )
     out = {}
     for task_id, inputs in found.items():
         spec = settings.models.get(inputs.model_id)
-        out[task_id] = estimate(inputs, cap=spec.max_concurrency if spec else 0)
+        out[task_id] = estimate(inputs, cap=spec.max_concurrency if spec else 0, weights=settings.priority_weights)
     return out
 
 

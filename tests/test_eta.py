@@ -20,7 +20,7 @@ from services.submit import service as submit_service
 from taskgate import auth, eta, store
 from taskgate.config import Settings
 from taskgate.runtime import Backends
-from taskgate.states import Status
+from taskgate.states import Priority, Status
 from taskgate.store import estimates, workers
 from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_client import connect_async
@@ -202,11 +202,28 @@ async def test_a_progress_webhook_carries_the_eta_and_a_final_one_does_not(stack
 
 def test_the_estimate_respects_the_models_cap_and_needs_a_live_slot() -> None:
     now = datetime(2030, 1, 1, tzinfo=UTC)
-    inputs = estimates.EtaInputs(1, Status.QUEUED, 2, 0, "m", queue_position=3, run_seconds=12.0, runs=5, slots=4, now=now)
+    inputs = estimates.EtaInputs(1, Status.QUEUED, 2, 0, "m", level_position=3, run_seconds=12.0, runs=5, slots=4, now=now)
     assert eta.estimate(inputs).start == now + timedelta(seconds=9)
     assert eta.estimate(inputs, cap=2).start == now + timedelta(seconds=18)  # only two run at once, whatever the slots
-    idle = estimates.EtaInputs(1, Status.QUEUED, 2, 0, "m", queue_position=3, run_seconds=12.0, runs=5, slots=0, now=now)
+    idle = estimates.EtaInputs(1, Status.QUEUED, 2, 0, "m", level_position=3, run_seconds=12.0, runs=5, slots=0, now=now)
     assert eta.estimate(idle) == eta.Estimate(Status.QUEUED, 3)
+
+
+def test_the_position_follows_the_workers_weighted_pick_not_strict_priority() -> None:
+    now = datetime(2030, 1, 1, tzinfo=UTC)
+
+    def low_task(level_position: int, high: int) -> eta.Estimate:
+        inputs = estimates.EtaInputs(
+            1, Status.QUEUED, 2, 0, "m", level_position=level_position, run_seconds=10.0, runs=5, slots=1, now=now,
+            priority=Priority.LOW, queued={Priority.HIGH: high, Priority.LOW: level_position},
+        )
+        return eta.estimate(inputs)
+
+    # HIGH:LOW 6:1: a LOW task takes one claim in seven while HIGH has tasks (the 4th, as the smooth pick spreads it)
+    assert low_task(1, 20).queue_position == 4 and low_task(1, 20).start == now + timedelta(seconds=40)
+    assert low_task(2, 20).queue_position == 11
+    assert low_task(3, 2).queue_position == 5  # HIGH ran out: the rest of LOW follows at once
+    assert low_task(1, 30_000).queue_position == 7  # a long queue: followed as rates (one claim in seven)
 
 
 # 30k tasks, mostly finished, of two models and three size classes: the history query must read a few index entries.
@@ -248,7 +265,7 @@ async def test_the_eta_query_reads_the_history_index_on_a_big_table(backends: Ba
             196: (Status.QUEUED, 20, 10.0), 198: (Status.PROCESSING, 20, 10.0), 1096: (Status.QUEUED, 20, 10.0),
             99: (Status.PROCESSING, 20, 10.0),
         }
-        assert found[196].slots == 3 and found[198].slots == 0
+        assert found[196].slots == 1.5 and found[198].slots == 0  # 3 slots shared by two models, each with a backlog
         logged: asyncio.Queue[LoggedQuery] = asyncio.Queue()
         with conn.query_logger(logged.put_nowait):
             await estimates.eta_inputs(conn, ids, window_seconds=86400.0, max_runs=20, alive_seconds=10.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -9,10 +10,10 @@ import pytest
 
 from services.worker import service as worker_service
 from services.worker.service import WorkerHandle
-from taskgate import store
+from taskgate import eta, store
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
-from taskgate.states import Status
+from taskgate.states import Priority, Status
 from taskgate.store import workers as registry
 from tests.factories import insert_task
 from tests.harness import wait_for
@@ -141,4 +142,32 @@ async def _status(backends: Backends, task_id: int, status: Status) -> bool:
     row = await store.get_task(backends.pool, task_id)
     return row is not None and row.status is status
 
+
+
+
+async def test_the_eta_follows_fair_share_and_the_priority_weights_within_thirty_percent(
+    settings: Any, backends: Backends, workers: Factory
+) -> None:
+    s = sleepy_settings(settings, sleep=0.3)  # one slot; fetch weights 6:3:1
+    await workers(s)
+    warm = [await submit(backends, user_id="warm", params=params(steps=1, seed=n)) for n in range(3)]
+    for task in warm:  # recent runs of the size class: what a run takes
+        await wait_for(functools.partial(_status, backends, task.id, Status.SUCCEEDED), within=20)
+    for n in range(30):
+        await submit(backends, user_id="bulk", params=params(steps=1, seed=100 + n))
+    light = [await submit(backends, user_id="light", params=params(steps=1, seed=200 + n)) for n in range(4)]
+    for n in range(2):
+        await submit(backends, user_id="low", priority=Priority.LOW, params=params(steps=1, seed=300 + n))
+    target = light[-1]
+    asked = await backends.pool.fetchval("SELECT now()")
+    est = await eta.estimate_task(backends.pool, target.id, s)
+    assert est is not None and est.start is not None
+    # FIFO under strict priority would put it 34th; fair share makes it about the 8th NORMAL claim, and LOW takes
+    # one claim in four while it has tasks: about the 10th claim
+    assert 8 <= est.queue_position <= 12, est.queue_position
+    await wait_for(lambda: _status(backends, target.id, Status.SUCCEEDED), within=60)
+    done = await store.get_task(backends.pool, target.id)
+    assert done is not None and done.started_at is not None
+    predicted, observed = (est.start - asked).total_seconds(), (done.started_at - asked).total_seconds()
+    assert abs(predicted - observed) <= 0.3 * observed, (predicted, observed)
 

@@ -1,14 +1,15 @@
-"""What a task's ETA is computed from: its queue position, its model's recent run time for its size class, and the
-live workers' slots (the `eta_inputs` block of sql/queries/eta.sql; taskgate.eta turns them into times)."""
+"""What a task's ETA is computed from: its place under the real dispatch order (fair share inside its level, the
+due tasks of its model's levels), its model's recent run time for its size class, and the live workers' slots shared
+among their models (the `eta_inputs` block of sql/queries/eta.sql; taskgate.eta turns them into a position and times)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from taskgate import sql
-from taskgate.states import Status
+from taskgate.states import Priority, Status
 from taskgate.store.pool import Conn
 
 
@@ -21,11 +22,13 @@ class EtaInputs:
     version: int
     progress: int
     model_id: str
-    queue_position: int  # 1-based among its model's QUEUED tasks; 0 when not QUEUED
+    level_position: int  # claims its (model, priority) level makes up to and including it, fair share; 0: not QUEUED
     run_seconds: float | None  # median start-to-finish of the recent successful runs; None: none in the window
     runs: int  # how many recent runs the median is over
-    slots: int  # slots of the live, not draining workers serving the model (QUEUED only, else 0)
+    slots: float  # the live, not draining workers' slots serving the model, shared among their models (QUEUED only)
     now: datetime
+    priority: int = Priority.NORMAL
+    queued: Mapping[int, int] = field(default_factory=dict)  # due QUEUED tasks of each of its model's levels
 
 
 async def eta_inputs(
@@ -35,11 +38,13 @@ async def eta_inputs(
     window_seconds: float,
     max_runs: int,
     alive_seconds: float,
+    weights: tuple[int, int, int] = (6, 3, 1),
     within: float | None = None,
 ) -> dict[int, EtaInputs]:
-    """The inputs of each task's ETA, by id; a missing task is absent. One statement, index-backed."""
+    """The inputs of each task's ETA, by id; a missing task is absent. One statement, index-backed.
+    `weights`: the workers' fetch weights of HIGH, NORMAL and LOW."""
     rows = await db.fetch(
-        sql.query("eta_inputs"), list(task_ids), window_seconds, max_runs, alive_seconds, timeout=within
+        sql.query("eta_inputs"), list(task_ids), window_seconds, max_runs, alive_seconds, list(weights), timeout=within
     )
     return {
         rec["id"]: EtaInputs(
@@ -48,11 +53,16 @@ async def eta_inputs(
             version=rec["version"],
             progress=rec["progress"],
             model_id=rec["model_id"],
-            queue_position=int(rec["queue_position"]),
+            level_position=int(rec["level_position"] or 0),
             run_seconds=float(rec["run_seconds"]) if rec["run_seconds"] is not None else None,
             runs=int(rec["runs"]),
-            slots=int(rec["slots"]),
+            slots=float(rec["slots"] or 0),
             now=rec["now"],
+            priority=rec["priority"],
+            queued={
+                Priority.HIGH: int(rec["queued_high"]), Priority.NORMAL: int(rec["queued_normal"]),
+                Priority.LOW: int(rec["queued_low"]),
+            },
         )
         for rec in rows
     }

@@ -310,7 +310,7 @@ class Task(_message.Message):
     version: _builtins.int
     worker_id: _builtins.str
     queue_position: _builtins.int
-    """1-based rank among QUEUED tasks of the model; 0 otherwise"""
+    """1-based: its model's claims up to and including it, in dispatch order; 0 unless QUEUED"""
     idempotency_key: _builtins.str
     result_reused: _builtins.bool
     """output reused from an identical earlier run"""

@@ -1,23 +1,39 @@
 -- The inputs of a task's ETA (taskgate/eta.py decides what they come to).
 
 -- name: eta_inputs
--- For each task: its status, version and progress; its queue position (QUEUED only: higher priority first, then
--- older, as submit_queue_position); the median seconds from start to finish of its model's latest successful runs of
--- its size class within the window (task_recent_runs_idx; NULL when none) and how many there were; the capacity of the
--- live, not draining workers that serve its model (QUEUED only); and the database's now. Only QUEUED and PROCESSING
--- tasks read the history. $1 task ids, $2 window seconds, $3 most runs read, $4 seconds a live worker's heartbeat
--- is within.
-SELECT t.id, t.status, t.version, t.progress, t.model_id, now() AS now,
-       CASE WHEN t.status = 'QUEUED' THEN
-           (SELECT count(*) FROM task q WHERE q.status = 'QUEUED' AND q.model_id = t.model_id AND q.priority > t.priority)
-         + (SELECT count(*) FROM task q WHERE q.status = 'QUEUED' AND q.model_id = t.model_id AND q.priority = t.priority
-              AND (q.queued_at, q.id) < (t.queued_at, t.id))
-         + 1
-       ELSE 0 END AS queue_position,
+-- For each task: its status, version, progress and priority; the median seconds from start to finish of its model's
+-- latest successful runs of its size class within the window (task_recent_runs_idx; NULL when none) and how many
+-- there were; the database's now. QUEUED tasks also get their place under the real dispatch order: level_position,
+-- the claims its (model, priority) level makes up to and including it under fair share (its tenant's due QUEUED
+-- tasks up to it, plus each other tenant's due tasks whose stride pass comes first: functions/worker_claim.sql);
+-- queued_high/normal/low, the due QUEUED tasks of each of its model's levels (the weighted pick shares the model's
+-- slots among them); and slots, the live, not draining workers' slots that serve its model, each worker's slots
+-- shared among its models by the weights of their levels with QUEUED tasks. Only QUEUED and PROCESSING tasks read
+-- the history. $1 task ids, $2 window seconds, $3 most runs read, $4 seconds a live worker's heartbeat is within,
+-- $5 the priority weights (HIGH, NORMAL, LOW).
+WITH levels AS MATERIALIZED (
+    SELECT q.model_id, q.priority, count(*) AS n,
+           CASE q.priority WHEN 10 THEN ($5::int[])[1] WHEN 5 THEN ($5::int[])[2] ELSE ($5::int[])[3] END AS weight
+    FROM task q
+    WHERE q.status = 'QUEUED' AND (q.not_before IS NULL OR q.not_before <= now())
+      AND EXISTS (SELECT 1 FROM task a WHERE a.id = ANY($1::bigint[]) AND a.status = 'QUEUED')
+    GROUP BY q.model_id, q.priority
+), serving AS MATERIALIZED (
+    SELECT w.models, w.slots::float8 AS slots,
+           (SELECT coalesce(sum(l.weight), 0) FROM levels l WHERE l.model_id = ANY(w.models)) AS weights
+    FROM worker w
+    WHERE NOT w.draining AND w.last_heartbeat > now() - make_interval(secs => $4)
+)
+SELECT t.id, t.status, t.version, t.progress, t.model_id, t.priority, now() AS now,
+       CASE WHEN t.status = 'QUEUED' THEN f.position ELSE 0 END AS level_position,
+       coalesce((SELECT l.n FROM levels l WHERE l.model_id = t.model_id AND l.priority = 10), 0) AS queued_high,
+       coalesce((SELECT l.n FROM levels l WHERE l.model_id = t.model_id AND l.priority = 5), 0) AS queued_normal,
+       coalesce((SELECT l.n FROM levels l WHERE l.model_id = t.model_id AND l.priority = 1), 0) AS queued_low,
        r.run_seconds, r.runs,
        CASE WHEN t.status = 'QUEUED' THEN
-           (SELECT floor(coalesce(sum(coalesce(w.capacity, w.slots)), 0))::int FROM worker w
-            WHERE t.model_id = ANY(w.models) AND NOT w.draining AND w.last_heartbeat > now() - make_interval(secs => $4))
+           (SELECT coalesce(sum(s.slots * (SELECT coalesce(sum(l.weight), 0) FROM levels l WHERE l.model_id = t.model_id)
+                                / nullif(s.weights, 0)), 0)
+            FROM serving s WHERE t.model_id = ANY(s.models))
        ELSE 0 END AS slots
 FROM task t
 CROSS JOIN LATERAL (
@@ -32,4 +48,26 @@ CROSS JOIN LATERAL (
           ORDER BY s.finished_at DESC
           LIMIT $3) h
 ) r
+LEFT JOIN LATERAL (
+    -- its tenant's k-th turn comes at pass p + (k - 1) / w; another tenant's j-th at q + (j - 1) / v (passes from
+    -- the level's floor at least): each other tenant's turns up to there, at most its due tasks, come first
+    WITH lv AS (SELECT coalesce((SELECT x.floor FROM fair_level x
+                                 WHERE x.model_id = t.model_id AND x.priority = t.priority), 0) AS floor),
+    tenants AS (
+        SELECT q.user_id, count(*) AS n,
+               count(*) FILTER (WHERE (q.queued_at, q.id) <= (t.queued_at, t.id)) AS upto,
+               GREATEST(coalesce(fs.pass, lv.floor), lv.floor) AS pass, coalesce(tn.share_weight, 1) AS weight
+        FROM task q
+        CROSS JOIN lv
+        LEFT JOIN fair_share fs ON fs.model_id = q.model_id AND fs.priority = q.priority AND fs.user_id = q.user_id
+        LEFT JOIN tenant tn ON tn.id = q.user_id
+        WHERE q.status = 'QUEUED' AND q.model_id = t.model_id AND q.priority = t.priority
+          AND (q.not_before IS NULL OR q.not_before <= now() OR q.id = t.id)
+        GROUP BY q.user_id, fs.pass, lv.floor, tn.share_weight
+    ), mine AS (SELECT m.pass + (m.upto - 1) / m.weight AS turn, m.upto FROM tenants m WHERE m.user_id = t.user_id)
+    SELECT mine.upto + coalesce((
+               SELECT sum(LEAST(o.n, GREATEST(0, floor((mine.turn - o.pass) * o.weight) + 1)))
+               FROM tenants o WHERE o.user_id <> t.user_id), 0) AS position
+    FROM mine
+) f ON t.status = 'QUEUED'
 WHERE t.id = ANY($1::bigint[]);
