@@ -6,6 +6,11 @@
 #   docker build --target taskgate-api  -t taskgate-api:dev .   # no torch: submit, notifier, scheduler, migrations
 #   docker build --target taskgate      -t taskgate:dev .       # CPU torch: dev/CPU workers (and the dev tiny model)
 #   docker build --target taskgate-cuda -t taskgate-cuda:dev .  # CUDA torch: GPU workers (prod overlay)
+# `make images` builds them with podman, buildah or docker. Build arguments for machines without these defaults' internet:
+#   PYTHON_IMAGE          a base with Python 3.11 on Debian bookworm (scripts/container_host.sh makes one offline)
+#   TORCH_INDEX_URL       where the CPU torch wheel comes from (default PyTorch's CPU index)
+#   TORCH_CUDA_INDEX_URL  where the CUDA torch wheel comes from (default PyPI)
+#   LOCAL_WHEELS          a wheel folder pip also looks in (--find-links), mounted into the build (podman build -v D:D:ro)
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -33,10 +38,12 @@ RUN pip install -c /tmp/constraints.txt /wheels/taskgate_client-*.whl /wheels/ta
 # CPU torch comes from PyTorch's CPU index: PyPI's Linux torch wheel is the CUDA build and pulls ~3 GB of
 # nvidia-* libraries that a CPU pod never uses.
 FROM ${PYTHON_IMAGE} AS deps-cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG LOCAL_WHEELS=
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+RUN pip install --index-url "$TORCH_INDEX_URL" ${LOCAL_WHEELS:+--find-links "$LOCAL_WHEELS"} torch==2.13.0
 COPY --from=wheels /wheels /wheels
 COPY constraints.txt /tmp/constraints.txt
 RUN pip install -c /tmp/constraints.txt /wheels/taskgate_client-*.whl "$(ls /wheels/taskgate-[0-9]*.whl)[worker]"
@@ -45,10 +52,12 @@ RUN pip install -c /tmp/constraints.txt /wheels/taskgate_client-*.whl "$(ls /whe
 # enough; the node provides only the driver (NVIDIA container toolkit / device plugin). A base such as
 # nvidia/cuda:12.x-cudnn-runtime would only be needed for extensions compiled against the system CUDA toolkit.
 FROM ${PYTHON_IMAGE} AS deps-cuda
+ARG TORCH_CUDA_INDEX_URL=https://pypi.org/simple
+ARG LOCAL_WHEELS=
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-RUN pip install torch==2.13.0
+RUN pip install --index-url "$TORCH_CUDA_INDEX_URL" ${LOCAL_WHEELS:+--find-links "$LOCAL_WHEELS"} torch==2.13.0
 COPY --from=wheels /wheels /wheels
 COPY constraints.txt /tmp/constraints.txt
 RUN pip install -c /tmp/constraints.txt /wheels/taskgate_client-*.whl "$(ls /wheels/taskgate-[0-9]*.whl)[worker]"

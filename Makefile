@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(PINS)
 WHEELHOUSE := $(VENV)/.wheelhouse-$(PINS)
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv buf run test test-faults test-cluster lint proto tiny-model gpu-check bench constraints clean
+.PHONY: venv buf run test test-faults test-cluster images test-images lint proto tiny-model gpu-check bench constraints clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -49,6 +49,15 @@ test-faults: $(STAMP)
 ## One machine as a cluster: three NATS nodes (streams at three replicas), every service replicated, rolled and killed.
 test-cluster: $(STAMP)
 	$(PYTEST) -q -m cluster -p no:randomly
+
+## The API and CPU-worker images (CUDA=1 adds taskgate-cuda) with podman, buildah or docker; scripts/container_host.sh
+## prepares the machine first. Build arguments: PYTHON_IMAGE, TORCH_INDEX_URL, TORCH_CUDA_INDEX_URL, LOCAL_WHEELS, IMAGE_TAG.
+images: $(STAMP)
+	$(PY) -m taskgate_local.images
+
+## The images end to end as compose.yaml runs them: PostgreSQL, NATS, migrate, the services, a task, SIGTERM (tests/test_images.py).
+test-images: images
+	$(PYTEST) -q -m images -p no:randomly tests/test_images.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
