@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import ssl
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import nats
@@ -107,15 +109,20 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
-async def connect(url: str, name: str) -> Bus:
+async def connect(url: str, name: str, *, tls_ca_file: Path | None = None) -> Bus:
     """Connects with endless reconnects (NATS down is a state to live through, not an exit).
 
-    `url` may list several servers of one cluster, comma-separated; the client fails over between them.
+    `url` may list several servers of one cluster, comma-separated; the client fails over between them. `tls://`
+    servers are verified against the system CAs, or `tls_ca_file` when given (which also turns TLS on).
     """
     servers, credentials = _credentials([one.strip() for one in url.split(",") if one.strip()])
+    tls: dict[str, ssl.SSLContext] = {}
+    if tls_ca_file is not None:
+        tls["tls"] = ssl.create_default_context(cafile=str(tls_ca_file))
     nc = await nats.connect(
         servers,
         **credentials,
+        **tls,
         name=name,
         max_reconnect_attempts=1,  # the first connect fails after two tries per server: its caller retries and logs it
         reconnect_time_wait=0.5,

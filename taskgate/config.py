@@ -152,6 +152,9 @@ class Settings(BaseSettings):
     nats_url: str | None = Field(
         default=None, description="NATS URL, or a cluster's server URLs comma-separated; unset = embedded nats-server under state_dir."
     )
+    nats_tls_ca_file: Path | None = Field(
+        default=None, description="CA that signed the NATS servers' certificates (TLS on; tls:// URLs alone use the system CAs)."
+    )
     setup_on_start: bool = Field(
         default=True,
         description="Each service applies migrations and declares the NATS streams as it starts; false: only "
@@ -204,6 +207,17 @@ class Settings(BaseSettings):
     tls_cert_file: Path | None = Field(default=None, description="Server certificate (PEM); enables TLS.")
     tls_key_file: Path | None = Field(default=None, description="Server private key (PEM).")
     tls_client_ca_file: Path | None = Field(default=None, description="CA for client certificates; enables mutual TLS.")
+    grpc_allow_plaintext: bool = Field(
+        default=False,
+        description="Serve gRPC without TLS on a non-loopback grpc_host (only where the network itself is trusted or encrypted).",
+    )
+    grpc_health_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="Also serve the health service alone, in plaintext, on this port (kubelet's gRPC probes speak no TLS).",
+    )
+    tls_ca_file: Path | None = Field(
+        default=None, description="CA the services verify each other's gRPC certificates with; set: internal calls use TLS."
+    )
     grpc_max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted.")
     grpc_max_connection_age_seconds: float = Field(
         default=300.0, gt=0, description="A client connection is closed (GOAWAY) after this long, so clients re-resolve and reach new pods."

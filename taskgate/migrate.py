@@ -109,7 +109,7 @@ async def declare_streams(settings: Settings, nats_url: str) -> None:
     """Creates or updates every JetStream stream, consumer and bucket (the services' NATS users may not)."""
     from taskgate import bus  # late: the database-only path needs no NATS client
 
-    connected = await bus.connect(nats_url, "migrate")
+    connected = await bus.connect(nats_url, "migrate", tls_ca_file=settings.nats_tls_ca_file)
     try:
         await bus.declare(connected, settings)
     finally:

@@ -111,7 +111,7 @@ async def connect(settings: Settings, name: str, *, setup: bool | None = None) -
         if setup:
             async with pool.acquire() as conn:
                 await migrate(conn)
-        bus = await _first("NATS", settings, functools.partial(busmod.connect, nats_url, name))
+        bus = await _first("NATS", settings, functools.partial(busmod.connect, nats_url, name, tls_ca_file=settings.nats_tls_ca_file))
     except BaseException:
         await pool.close()
         raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 import uuid
@@ -240,6 +241,8 @@ class Health:
         self.ready: bool | None = None
         self.live: bool | None = None
         self._loop: asyncio.Task[None] | None = None
+        self.plain: grpc.aio.Server | None = None  # the plaintext health-only server (grpc_health_port)
+        self.plain_port = 0
 
     async def _backends_answer(self) -> bool:
         if self.probes.bus is not None and not self.probes.bus.nc.is_connected:
@@ -286,6 +289,8 @@ class Health:
         """First stage of a stop: every answer NOT_SERVING, for good, so load balancers stop sending work."""
         await self.stop_checking()
         await self.servicer.enter_graceful_shutdown()
+        if self.plain is not None:
+            await self.plain.stop(0)
 
 
 async def start_server(
@@ -322,19 +327,50 @@ async def start_server(
             ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS),
         ],
     )
+    creds = _credentials(settings)
+    if creds is None and not is_loopback(settings.grpc_host) and not settings.grpc_allow_plaintext:
+        raise PlaintextRefused(
+            f"refusing to serve gRPC without TLS on {settings.grpc_host}: set TASKGATE_TLS_CERT_FILE and "
+            "TASKGATE_TLS_KEY_FILE, or TASKGATE_GRPC_ALLOW_PLAINTEXT=true where the network itself is trusted"
+        )
     names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{settings.grpc_host}:{port}"
-    creds = _credentials(settings)
     bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     await server.start()
     probe = Health(health_servicer, names, probes or Probes(), settings)
+    if settings.grpc_health_port is not None:
+        probe.plain, probe.plain_port = await _health_only(settings, health_servicer)
     await probe.start()
     telemetry.export_limits(settings)
     log.info("grpc server started", extra={"address": f"{settings.grpc_host}:{bound}", "services": names})
     return server, bound, probe
+
+
+class PlaintextRefused(Exception):
+    """A gRPC server asked to serve plaintext on an address other hosts reach, without the setting that allows it."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a bind address) is reachable from this host only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+async def _health_only(settings: Settings, servicer: health.aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server with the health service alone, on grpc_health_port: kubelet's gRPC probes speak no TLS, and
+    health answers (SERVING or not) are the one thing worth no secret."""
+    plain = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, plain)
+    port = plain.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_health_port}")
+    await plain.start()
+    return plain, port
 
 
 async def mark_not_serving(probe: Health) -> None:

@@ -41,7 +41,7 @@ K8S_VERSION = "1.31"
 Obj = dict[str, Any]
 
 # Objects of these API groups are custom resources: no built-in schema, checked field by field below.
-CRD_GROUPS = {"keda.sh", "postgresql.cnpg.io", "monitoring.coreos.com", "external-secrets.io"}
+CRD_GROUPS = {"keda.sh", "postgresql.cnpg.io", "monitoring.coreos.com", "external-secrets.io", "cert-manager.io"}
 # What each service binary serves.
 SERVED = {
     "submit": gateway_pb2.DESCRIPTOR.services_by_name["TaskGateway"].full_name,
@@ -402,6 +402,11 @@ def check_custom_resource(obj: Obj, objs: tuple[Obj, ...]) -> None:
             assert all(endpoint["port"] in {p["name"] for p in s["spec"]["ports"]} for s in services)
     elif kind == "PrometheusRule":
         assert spec == yaml.safe_load(ALERTS.read_text())["spec"], "the overlay must ship deploy/prometheus/alerts.yaml"
+    elif kind == "Certificate":
+        assert spec["secretName"] and spec["issuerRef"]["name"] and spec["issuerRef"]["group"] == "cert-manager.io"
+        assert {"server auth", "client auth"} <= set(spec["usages"]), "one certificate serves and calls"
+        grpc_services = {s["metadata"]["name"] for s in of_kind(objs, "Service")} & {f"taskgate-{n}" for n in SERVED}
+        assert grpc_services and grpc_services <= set(spec["dnsNames"]) and "taskgate-worker" in spec["dnsNames"]
     elif kind == "ExternalSecret":
         assert spec["secretStoreRef"]["name"] and spec["secretStoreRef"]["kind"] in {"SecretStore", "ClusterSecretStore"}
         assert spec["target"]["name"] and spec["data"]
@@ -419,6 +424,8 @@ def secrets_provided(objs: tuple[Obj, ...]) -> dict[str, set[str]]:
     for ext in of_kind(objs, "ExternalSecret"):
         template = ext["spec"]["target"].get("template", {}).get("data")
         out[ext["spec"]["target"]["name"]] = set(template) if template else {d["secretKey"] for d in ext["spec"]["data"]}
+    for certificate in of_kind(objs, "Certificate"):
+        out[certificate["spec"]["secretName"]] = {"tls.crt", "tls.key", "ca.crt"}
     for cluster in of_kind(objs, "Cluster"):
         out[f"{cluster['metadata']['name']}-app"] = {"username", "password", "host", "port", "dbname", "uri", "jdbc-uri", "pgpass"}
     return out
@@ -486,9 +493,18 @@ def test_containers_match_the_settings_they_read(overlay: str) -> None:
             assert not {v["name"] for v in container.get("env", [])} & {"TASKGATE_DATABASE_URL", "TASKGATE_API_KEY_PEPPER"}, where
             continue
         assert settings.grpc_host == "0.0.0.0", f"{where}: probes need 0.0.0.0"
-        assert ports == {"grpc": getattr(settings, f"{name}_port"), "metrics": getattr(settings, f"{name}_metrics_port")}, where
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == ports["grpc"], f"{where}: {probe} misses the gRPC port"
+        assert ports == {"grpc": getattr(settings, f"{name}_port"), "metrics": getattr(settings, f"{name}_metrics_port"),
+                         "health": settings.grpc_health_port}, where
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # kubelet's gRPC probe speaks no TLS
+            assert container[probe]["grpc"]["port"] == ports["health"], f"{where}: {probe} misses the health port"
+        # never plaintext by accident: TLS with files from a mounted Secret, or a plaintext network declared (dev only)
+        if overlay == "prod" or not settings.grpc_allow_plaintext:
+            assert not settings.grpc_allow_plaintext and settings.tls_cert_file and settings.tls_key_file, where
+            mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            for path in (settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file):
+                assert path is not None and str(path.parent) in mounted, f"{where}: {path} is not on a mounted volume"
+                volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mounted[str(path.parent)])
+                assert path.name in provided.get(volume["secret"]["secretName"], set()), f"{where}: {path.name}"
         assert container["readinessProbe"]["grpc"]["service"] == server.READINESS, where  # backends up, not draining
         for probe in ("startupProbe", "livenessProbe"):  # only the process and its loops: an outage never restarts it
             assert container[probe]["grpc"].get("service", "") == server.LIVENESS, f"{where}: {probe}"

@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from taskgate import channels
 from taskgate.config import Settings
 from taskgate.v1 import admin_pb2, task_pb2, worker_pb2, worker_pb2_grpc
 
@@ -589,7 +590,7 @@ class Dashboard:
             return False, f"Worker {worker_id} is not registered as alive."
         if not worker.address:
             return False, f"Worker {worker_id} has registered no control address (an older worker?)."
-        async with grpc.aio.insecure_channel(worker.address) as channel:
+        async with channels.channel(self.settings, worker.address, server_name=channels.WORKER_TLS_NAME) as channel:
             control = worker_pb2_grpc.WorkerControlStub(channel)
             answer = await control.Drain(worker_pb2.DrainRequest(), metadata=self._metadata(session.key), timeout=self.upstream.timeout)
         return True, f"Worker {worker_id} is draining ({answer.running} running)."

@@ -20,6 +20,7 @@ from grpc_status import rpc_status
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from taskgate import channels
 from taskgate.config import Settings
 from taskgate.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc
 
@@ -107,8 +108,6 @@ class Upstream:
     @classmethod
     def connect(cls, settings: Settings) -> Upstream:
         """Opens (lazily) one channel per service; targets from the http_*_target settings or the local ports."""
-        host = "127.0.0.1" if settings.grpc_host in ("0.0.0.0", "::") else settings.grpc_host
-
         def channel(target: str | None, port: int) -> grpc.aio.Channel:
             options = [
                 ("grpc.max_receive_message_length", settings.grpc_max_message_bytes),
@@ -116,7 +115,7 @@ class Upstream:
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.lb_policy_name", "round_robin"),  # a headless Service's name: every ready pod
             ]
-            return grpc.aio.insecure_channel(target or f"{host}:{port}", options=options)
+            return channels.channel(settings, target or channels.local_target(settings, port), options)
 
         gateway = channel(settings.http_gateway_target, settings.submit_port)
         events = channel(settings.http_events_target, settings.notifier_port)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 
 from services.worker.engine import Worker
-from taskgate import errors
+from taskgate import channels, errors
 from taskgate.config import Settings
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -22,8 +22,8 @@ class Operators:
     """Asks TaskAdmin whether a WorkerControl caller's credential may do an action here."""
 
     def __init__(self, settings: Settings) -> None:
-        host = "127.0.0.1" if settings.grpc_host in ("0.0.0.0", "::") else settings.grpc_host
-        self.channel = grpc.aio.insecure_channel(settings.worker_admin_target or f"{host}:{settings.scheduler_port}")
+        target = settings.worker_admin_target or channels.local_target(settings, settings.scheduler_port)
+        self.channel = channels.channel(settings, target)
         self.admin = admin_pb2_grpc.TaskAdminStub(self.channel)
         self.timeout = settings.worker_authorize_timeout_seconds
 
