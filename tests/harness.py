@@ -67,6 +67,19 @@ async def wait_for(condition: Callable[[], Awaitable[bool] | bool], within: floa
         await asyncio.sleep(every)
 
 
+async def stored_objects(bus: Any, prefix: str = "") -> list[str]:
+    """The names of the objects the results bucket holds now (deleted ones left out), those starting with `prefix`."""
+    from nats.js.errors import NotFoundError
+
+    from taskgate.bus import RESULTS_BUCKET
+
+    try:
+        found = await (await bus.js.object_store(RESULTS_BUCKET)).list(ignore_deletes=True)
+    except NotFoundError:  # an empty bucket
+        return []
+    return sorted(o.name for o in found if o.name.startswith(prefix))
+
+
 def trailing_details(exc: grpc.aio.AioRpcError) -> list[object]:
     """The google.rpc details a failed call carried in its trailing metadata (none: an empty list)."""
     for key, value in exc.trailing_metadata() or ():

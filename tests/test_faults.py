@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import socket
 import time
 from collections import Counter, defaultdict
@@ -486,8 +487,8 @@ async def _check(
         if row["status"] == "SUCCEEDED":
             if len(succeeded) != 1:
                 problems.append(f"task {row['id']}: {len(succeeded)} SUCCEEDED events")
-            elif succeeded[0]["attempt"] != row["attempt"] or not str(row["result_uri"]).endswith(
-                (f"-a{row['attempt']}.mp4", f"-a{row['attempt']}.json")
+            elif succeeded[0]["attempt"] != row["attempt"] or not re.search(
+                rf"-a{row['attempt']}-[0-9a-f]{{12}}\.(mp4|json)$", str(row["result_uri"])
             ):
                 problems.append(f"task {row['id']}: result {row['result_uri']} not from attempt {row['attempt']}")
         started = {e["attempt"] for e in history if e["dst"] == "PROCESSING"}

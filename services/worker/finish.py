@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -36,6 +37,12 @@ async def act(msg: Msg, step: Step) -> None:
         await msg.term()
 
 
+def output_name(task_id: int, attempt: int, extension: str) -> str:
+    """The object one run stores its output as: unique to the run, so a run fenced out that cleans up after itself can
+    never delete what the run that replaced it stored (even one that somehow got the same attempt number)."""
+    return f"{task_id}-a{attempt}-{secrets.token_hex(6)}.{extension}"
+
+
 class Finisher:
     """Ends attempts: succeeded, reused, failed or stopped."""
 
@@ -60,7 +67,7 @@ class Finisher:
             return
         await run.end_progress()
         task = run.task
-        name = f"{task.id}-a{task.attempt}.{output.extension}"
+        name = output_name(task.id, task.attempt, output.extension)
         with tracing.span("store", attributes={"taskgate.result_bytes": len(output.data)}):
             stored = await self._persist("result", run, lambda: self.outputs.put(name, output.data, output.content_type))
         await self._succeed(run, ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256))

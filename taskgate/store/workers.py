@@ -161,8 +161,9 @@ async def claim_for(
     cluster_cap: bool = False,
 ) -> WorkerClaim:
     """A worker's claim for the dispatch message of `task_id` (a task of `model_id`), in one statement and its own
-    asynchronously committed transaction: the fairest due QUEUED task of the message's (model, priority) level, else
-    the message's own task while it is CREATED (or PROCESSING under a lapsed lease: a takeover).
+    durably committed transaction (writes are fenced by its attempt number): the fairest due QUEUED task of the
+    message's (model, priority) level, else the message's own task while it is CREATED (or PROCESSING under a lapsed
+    lease: a takeover).
 
     CAPPED when `cap` (if above 0) tasks of the model already run under a live lease (exact: counted under a per-model
     lock held to the commit), or (with `cluster_cap`) when the running tasks reach floor(sum of the live workers'

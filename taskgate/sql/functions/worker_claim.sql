@@ -26,8 +26,8 @@ DECLARE
     v_seen boolean := false;
     v_new_floor float8;
 BEGIN
-    -- a claim lost in a crash is fenced by its attempt number: no need to wait for the WAL flush
-    PERFORM set_config('synchronous_commit', 'off', true);
+    -- a claim commits durably (no synchronous_commit=off here): a claim lost in a crash would hand its attempt number
+    -- to a second worker, and writes are fenced by that number
     SELECT t.* INTO claimed FROM task t WHERE t.id = p_task_id;
     IF NOT FOUND THEN
         verdict := 'not_found';
