@@ -12,6 +12,7 @@ import threading
 from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -27,6 +28,7 @@ from taskgate.migrate import migrate
 from taskgate.runtime import Backends, connect
 from taskgate.v1 import gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedStack
+from tests.harness import WorkerFactory
 from tests.s3server import SeaweedS3
 
 TEMPLATE = "taskgate_template"
@@ -200,6 +202,24 @@ async def stub(gateway: SubmitHandle) -> AsyncIterator[gateway_pb2_grpc.TaskGate
 
 
 __all__ = ["busmod"]
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[WorkerFactory]:
+    """Starts workers on demand (settings, plus any field to change); drains every one still running, with no grace,
+    at the end."""
+    from services.worker.service import WorkerHandle, start  # late: torch is imported only by tests that run workers
+
+    started: list[WorkerHandle] = []
+
+    async def make(settings: Settings, **update: Any) -> WorkerHandle:
+        handle = await start(settings.model_copy(update=update) if update else settings)
+        started.append(handle)
+        return handle
+
+    yield make
+    for handle in started:
+        await handle.stop(grace=0)
 
 
 @pytest.fixture(scope="session")

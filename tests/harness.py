@@ -67,6 +67,9 @@ async def wait_for(condition: Callable[[], Awaitable[bool] | bool], within: floa
         await asyncio.sleep(every)
 
 
+WorkerFactory = Callable[..., Awaitable[Any]]  # the `workers` fixture (conftest.py): starts a worker, stopped at the end
+
+
 async def stored_objects(bus: Any, prefix: str = "") -> list[str]:
     """The names of the objects the results bucket holds now (deleted ones left out), those starting with `prefix`."""
     from nats.js.errors import NotFoundError

@@ -2,34 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
-
-import pytest
-
 from services.scheduler import service as scheduler_service
-from services.worker import service as worker_service
-from services.worker.service import WorkerHandle
 from taskgate.config import Settings
 from taskgate.runtime import Backends
+from tests.harness import WorkerFactory as Factory
 from tests.harness import wait_for
 from tests.test_worker import params, sleepy_settings, submit
-
-Factory = Callable[..., Awaitable[WorkerHandle]]
-
-
-@pytest.fixture
-async def workers() -> AsyncIterator[Factory]:
-    started: list[WorkerHandle] = []
-
-    async def make(settings: Settings, **update: Any) -> WorkerHandle:
-        handle = await worker_service.start(settings.model_copy(update=update) if update else settings)
-        started.append(handle)
-        return handle
-
-    yield make
-    for handle in started:
-        await handle.stop(grace=0)
 
 
 async def test_a_backlog_of_thirty_behind_one_slot_all_succeed_under_a_short_queue_timeout(

@@ -3,37 +3,17 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import pytest
-
-from services.worker import service as worker_service
-from services.worker.service import WorkerHandle
 from taskgate import eta, store
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
 from taskgate.store import workers as registry
 from tests.factories import insert_task
+from tests.harness import WorkerFactory as Factory
 from tests.harness import wait_for
 from tests.test_worker import SLEEPY, params, sleepy_settings, submit
-
-Factory = Callable[..., Awaitable[WorkerHandle]]
-
-
-@pytest.fixture
-async def workers() -> AsyncIterator[Factory]:
-    started: list[WorkerHandle] = []
-
-    async def make(settings: Any, **update: Any) -> WorkerHandle:
-        handle = await worker_service.start(settings.model_copy(update=update) if update else settings)
-        started.append(handle)
-        return handle
-
-    yield make
-    for handle in started:
-        await handle.stop(grace=0)
 
 
 async def queued(backends: Backends, user_id: str, n: int) -> list[TaskRow]:

@@ -15,19 +15,9 @@ from taskgate.states import Status
 from taskgate.store import events, submissions, tenants
 from taskgate.store.submissions import Candidate, NewTask
 from taskgate.v1 import admin_pb2
+from tests.harness import WorkerFactory as Factory
 from tests.test_scheduler_admin import Admin, admin  # noqa: F401  (the fixture)
-from tests.test_worker import (  # noqa: F401  (workers: the fixture)
-    SLEEPY,
-    Factory,
-    is_status,
-    params,
-    publish,
-    sleepy_settings,
-    submit,
-    wait_task,
-    with_,
-    workers,
-)
+from tests.test_worker import SLEEPY, is_status, params, publish, sleepy_settings, submit, wait_task, with_
 
 SLEEP = 0.3  # each attempt's device phase
 
@@ -95,7 +85,7 @@ async def test_a_move_by_anyone_but_the_worker_adds_no_seconds(backends: Backend
     assert await backends.pool.fetchval("SELECT count(*) FROM usage_hour") == 0
 
 
-async def test_a_budgeted_task_run_by_a_worker_is_charged_what_it_measured(backends: Backends, workers: Factory) -> None:  # noqa: F811
+async def test_a_budgeted_task_run_by_a_worker_is_charged_what_it_measured(backends: Backends, workers: Factory) -> None:
     pool = backends.pool
     await auth.create_key(pool, backends.settings.api_key_pepper, "tenant-a")
     await tenants.update_tenant(pool, "tenant-a", max_pending=None, submits_per_minute=None, max_priority=None,

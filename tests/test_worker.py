@@ -10,7 +10,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -21,11 +21,9 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from services.scheduler import service as scheduler_service
-from services.worker import service as worker_service
 from services.worker.consumer import Level, Weighted
 from services.worker.engine import RunReport
 from services.worker.retry import backoff, persist
-from services.worker.service import WorkerHandle
 from taskgate import auth, results, store
 from taskgate import bus as busmod
 from taskgate.config import ModelSpec, Settings
@@ -37,10 +35,10 @@ from taskgate.store import workers as registry
 from taskgate.v1 import worker_pb2, worker_pb2_grpc
 from taskgate.wire import cancel, dispatch
 from tests.factories import insert_task, key_for
+from tests.harness import WorkerFactory as Factory
 from tests.harness import stored_objects, wait_for
 
 SLEEPY = "sleepy"
-Factory = Callable[..., Awaitable[WorkerHandle]]
 
 
 def sleepy_settings(settings: Settings, sleep: float = 0.0, **spec: Any) -> Settings:
@@ -63,21 +61,6 @@ def sleepy_settings(settings: Settings, sleep: float = 0.0, **spec: Any) -> Sett
 
 def with_(settings: Settings, **update: Any) -> Settings:
     return settings.model_copy(update=update)
-
-
-@pytest.fixture
-async def workers() -> AsyncIterator[Factory]:
-    """Starts workers on demand; stops (drains with no grace) every one still running at the end."""
-    started: list[WorkerHandle] = []
-
-    async def make(settings: Settings, **update: Any) -> WorkerHandle:
-        handle = await worker_service.start(settings.model_copy(update=update) if update else settings)
-        started.append(handle)
-        return handle
-
-    yield make
-    for handle in started:
-        await handle.stop(grace=0)
 
 
 @dataclass(frozen=True)

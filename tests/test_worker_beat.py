@@ -18,8 +18,8 @@ from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import workers as registry
-from tests.test_worker import Factory, is_status, params, sleepy_settings, submit, wait_task, with_
-from tests.test_worker import workers as workers  # the fixture
+from tests.harness import WorkerFactory as Factory
+from tests.test_worker import is_status, params, sleepy_settings, submit, wait_task, with_
 
 TOLERANCE = 0.03  # seconds: the database's now() of two statements vs the worker's clock when it sent them
 
