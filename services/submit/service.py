@@ -35,7 +35,7 @@ from .batching import MAX_BATCH, Submitter, deadline_exceeded
 from .cache import TerminalCache
 from .inputs import InputImages
 from .ratelimit import quota_exceeded, rate_limited, too_many_pending
-from .validation import Submission, check_priority, regenerate_request, validate
+from .validation import Submission, check_priority, key_problem, regenerate_request, validate
 
 log = logging.getLogger("taskgate.submit")
 
@@ -145,9 +145,11 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
         async def take_slots(indices: list[int]) -> list[int]:
             """The items that got a rate slot; replays of a key take none, the others answer RATE_LIMITED."""
+            # a key validation will refuse is looked up as none (its item takes a slot, then answers the field)
+            keys = [items[i].idempotency_key if key_problem(items[i].idempotency_key, self._settings) is None else ""
+                    for i in indices]
             taken = await submissions.take_rate_slots(
-                self._pool, who.tenant_id, per_minute=per_minute, keys=[items[i].idempotency_key for i in indices],
-                within=self._budget(context),
+                self._pool, who.tenant_id, per_minute=per_minute, keys=keys, within=self._budget(context)
             )
             for i, slot in zip(indices, taken, strict=True):
                 if slot.retry_after is not None:

@@ -192,6 +192,15 @@ def _check_params(
     }
 
 
+def key_problem(key: str, settings: Settings) -> str | None:
+    """What is wrong with an idempotency key, or None (checked before the key is looked up anywhere)."""
+    if len(key) > settings.max_idempotency_key_chars:
+        return f"longer than {settings.max_idempotency_key_chars} characters"
+    if key and (not key.isprintable() or key != key.strip()):
+        return "must be printable, without surrounding spaces"
+    return None
+
+
 async def validate(
     tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: Settings, inputs: InputImages | None = None,
     *, within: float = 5.0, replay: bool = False,
@@ -237,10 +246,8 @@ async def validate(
         bad.append(("metadata", f"larger than {settings.max_metadata_bytes} bytes as JSON"))
 
     key = req.idempotency_key
-    if len(key) > settings.max_idempotency_key_chars:
-        bad.append(("idempotency_key", f"longer than {settings.max_idempotency_key_chars} characters"))
-    elif key and (not key.isprintable() or key != key.strip()):
-        bad.append(("idempotency_key", "must be printable, without surrounding spaces"))
+    if (why := key_problem(key, settings)) is not None:
+        bad.append(("idempotency_key", why))
 
     max_retries = req.max_retries if req.HasField("max_retries") else settings.max_retries
     if not 0 <= max_retries <= settings.max_task_retries:
