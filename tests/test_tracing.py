@@ -23,9 +23,10 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from taskgate import auth, telemetry, tracing
+from taskgate import auth, bus, telemetry, tracing
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
+from taskgate.states import Priority
 from taskgate_client import __version__, connect_async, tracecontext
 from taskgate_local.embedded import free_port
 from tests.harness import Cluster, WebhookReceiver, wait_for
@@ -116,7 +117,8 @@ async def test_one_task_is_one_trace_across_the_four_service_processes(
     collector, port = receiver
     base = settings.model_copy(
         update={
-            # attempt 1 fails (retried); no worker at first, so the scheduler re-publishes the QUEUED task
+            # attempt 1 fails (retried); no worker at first, and the dispatch message is lost (purged below), so the
+            # scheduler re-publishes the QUEUED task (a queue that merely waits is not re-published)
             "models": {"sleepy": ModelSpec(kind="sleep", sleep_seconds=0.2, fail_times=1)},
             "default_model": "sleepy",
             "worker_models": ["sleepy"],
@@ -152,6 +154,12 @@ async def test_one_task_is_one_trace_across_the_four_service_processes(
                 task_id = int(task.task_id)
 
             # followed in the database, not with more calls: each call would be a trace of its own
+            async def queued() -> bool:
+                return bool(await backends.pool.fetchval("SELECT status = 'QUEUED' FROM task WHERE id = $1", task_id))
+
+            await wait_for(queued, 30)
+            await backends.bus.js.purge_stream(bus.TASKS_STREAM, subject=bus.task_subject("sleepy", Priority.NORMAL))
+
             async def republished() -> bool:
                 return bool(await backends.pool.fetchval("SELECT publish_count FROM task WHERE id = $1", task_id))
 
