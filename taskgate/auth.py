@@ -21,7 +21,8 @@ import grpc
 from taskgate import errors
 from taskgate.listen import Listener
 from taskgate.sealing import Sealer
-from taskgate.store import tenants
+from taskgate.store import admins, tenants
+from taskgate.store.admins import Admin as Admin  # re-exported: TaskAdmin names its caller taskgate.auth.Admin
 from taskgate.store.pool import Conn
 from taskgate.store.tenants import Principal as Principal  # re-exported: services name the caller taskgate.auth.Principal
 from taskgate.throttle import Throttle
@@ -29,6 +30,10 @@ from taskgate.throttle import Throttle
 T = TypeVar("T")
 
 KEY_PREFIX = "tg_"
+ADMIN_KEY_PREFIX = "tga_"
+READ = "read"  # an admin credential's scopes: look (stats, listings, the audit log) ...
+OPERATOR = "operator"  # ... or also act (requeue, purge, revoke, rotate, drain)
+SCOPES = (READ, OPERATOR)
 _TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the tenant table's CHECK, so a bad name never reaches it
 
 
@@ -62,7 +67,10 @@ async def create_key(
     sealer: Sealer | None = None,
 ) -> tuple[str, str | None]:
     """Creates the tenant if new and a key for it; returns (key, webhook secret if the tenant was new). The secret is
-    stored sealed (`sealer`, by default the one the pepper derives)."""
+    stored sealed (`sealer`, by default the one the pepper derives). `admin`: an operator admin credential named
+    `tenant_id` instead (no tenant, no secret), as create_admin_key makes."""
+    if admin:
+        return (await create_admin_key(db, pepper, tenant_id, scope=OPERATOR))[0], None
     key = new_api_key()
     secret = new_webhook_secret()
     sealed = (sealer or Sealer.from_pepper(pepper)).seal(secret)
@@ -71,7 +79,6 @@ async def create_key(
         tenant_id=tenant_id,
         key_hash=hash_key(pepper, key),
         prefix=key[:10],
-        admin=admin,
         max_pending=max_pending,
         submits_per_minute=submits_per_minute,
         first_secret=sealed,
@@ -90,6 +97,17 @@ class Rotated:
     secret: str
     previous_valid_until: datetime
     valid_secrets: int
+
+
+async def create_admin_key(
+    db: Conn, pepper: str, name: str, *, scope: str, expires_in_seconds: float | None = None
+) -> tuple[str, datetime | None]:
+    """An admin credential for `name` (an operator or a tool) with `scope`; returns (key, when it expires)."""
+    key = ADMIN_KEY_PREFIX + secrets.token_urlsafe(32)
+    expires = await admins.create(
+        db, name=name, key_hash=hash_key(pepper, key), prefix=key[:10], scope=scope, expires_in_seconds=expires_in_seconds
+    )
+    return key, expires
 
 
 async def rotate_webhook_secret(pool: asyncpg.Pool, tenant_id: str, overlap_seconds: float, sealer: Sealer) -> Rotated:
@@ -159,6 +177,7 @@ class Authenticator:
         self._pepper = pepper
         self._ttl = cache_seconds
         self._cache: dict[str, tuple[float, Principal]] = {}
+        self._admins: dict[str, tuple[float, Admin]] = {}
         self._unknown: dict[str, float] = {}  # digest -> until when it is known to be unknown
         self._sessions: dict[str, set[Session]] = {}  # digest -> the open streams it authenticated
         self._generation = 0  # counts revocations: a lookup that began before one does not cache its answer
@@ -174,10 +193,12 @@ class Authenticator:
         self._generation += 1
         if digest is not None:
             self._cache.pop(digest, None)
+            self._admins.pop(digest, None)
             for session in self._sessions.get(digest, ()):
                 session.revoked.set()
             return
         self._cache.clear()
+        self._admins.clear()
         if self._sessions:
             task = asyncio.get_running_loop().create_task(self._recheck(list(self._sessions)))
             self._rechecks.add(task)
@@ -206,19 +227,62 @@ class Authenticator:
                 if not left:
                     del self._sessions[digest]
 
-    async def principal(self, context: grpc.aio.ServicerContext, *, admin: bool = False) -> Principal:
-        """The caller of a unary call (UNAUTHENTICATED without a live key; PERMISSION_DENIED when `admin` is needed)."""
-        found, _ = await self._resolve(context, admin=admin)
+    async def principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        """The tenant calling (UNAUTHENTICATED without a live tenant key; PERMISSION_DENIED for an admin key)."""
+        found, _ = await self._resolve(context)
         return found
 
-    async def _resolve(self, context: grpc.aio.ServicerContext, *, admin: bool = False) -> tuple[Principal, str]:
+    def _digest(self, context: grpc.aio.ServicerContext) -> str:
         key = None
         for name, value in context.invocation_metadata() or ():
             if name == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
                 key = value[len("Bearer ") :].strip()
         if not key:
             raise errors.unauthenticated()
-        digest = hash_key(self._pepper, key)
+        return hash_key(self._pepper, key)
+
+    async def admin(self, context: grpc.aio.ServicerContext, *, scope: str) -> Admin:
+        """The admin calling TaskAdmin with a credential of `scope` (READ: any admin key; OPERATOR: an operator's):
+        UNAUTHENTICATED for an unknown, revoked or expired key, PERMISSION_DENIED for a tenant key or a read-only one."""
+        digest = self._digest(context)
+        now = time.monotonic()
+        hit = self._admins.get(digest)
+        if hit is not None and hit[0] > now:
+            found = hit[1]
+        else:
+            if self._unknown.get(digest, 0.0) > now:
+                raise errors.unauthenticated()
+            began = self._generation
+            looked_up = await admins.lookup(self._pool, digest)
+            if looked_up is None:
+                if await tenants.lookup_api_key(self._pool, digest) is not None:
+                    raise errors.permission_denied(
+                        "this call needs an admin key; a tenant API key is not one", reason="NOT_AN_ADMIN_KEY"
+                    )
+                self._remember_unknown(digest, now)
+                raise errors.unauthenticated()
+            found = looked_up
+            if len(self._admins) > self.CACHE_ENTRIES:
+                self._admins.clear()
+            if self._generation == began:
+                self._admins[digest] = (now + self._ttl, found)
+        if found.expired or (found.expires_at is not None and found.expires_at <= datetime.now(UTC)):
+            raise errors.unauthenticated(f"the admin key {found.prefix} expired")
+        if scope == OPERATOR and found.scope != OPERATOR:
+            raise errors.permission_denied(
+                f"this call needs an operator admin key; {found.prefix} is {found.scope}-only", reason="ADMIN_SCOPE"
+            )
+        if self._throttle is not None:
+            self._throttle.call(found.name, self._service)
+        return found
+
+    def _remember_unknown(self, digest: str, now: float) -> None:
+        if len(self._unknown) > self.CACHE_ENTRIES:
+            self._unknown.clear()
+        self._unknown[digest] = now + self._ttl
+
+    async def _resolve(self, context: grpc.aio.ServicerContext) -> tuple[Principal, str]:
+        digest = self._digest(context)
         now = time.monotonic()
         hit = self._cache.get(digest)
         if hit is not None and hit[0] > now:
@@ -229,17 +293,17 @@ class Authenticator:
             began = self._generation
             looked_up = await tenants.lookup_api_key(self._pool, digest)
             if looked_up is None:
-                if len(self._unknown) > self.CACHE_ENTRIES:
-                    self._unknown.clear()
-                self._unknown[digest] = now + self._ttl
+                if await admins.lookup(self._pool, digest) is not None:
+                    raise errors.permission_denied(
+                        "an admin key is not accepted here: use a tenant's API key", reason="ADMIN_KEY_NOT_ACCEPTED"
+                    )
+                self._remember_unknown(digest, now)
                 raise errors.unauthenticated()
             found = looked_up
             if len(self._cache) > self.CACHE_ENTRIES:
                 self._cache.clear()
             if self._generation == began:
                 self._cache[digest] = (now + self._ttl, found)
-        if admin and not found.is_admin:
-            raise errors.permission_denied("this call needs an admin key")
         if self._throttle is not None:
             self._throttle.call(found.tenant_id, self._service)
         return found, digest

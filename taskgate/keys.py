@@ -22,6 +22,7 @@ from taskgate.stackfile import SERVERS_FILE
 from taskgate.states import Priority
 from taskgate.store import tenants
 from taskgate_client.cli import EXIT_BY_CODE, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE, CliError, Output, report_cli_error
+from taskgate_client.cli import _age as _age  # the CLI's ages: 3600, 90m, 12h, 30d
 from taskgate_client.local import find_state_dir
 
 _PRIORITY_BY_NAME = {name: value for value, name in Priority.NAMES.items()}
@@ -34,12 +35,13 @@ async def create(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
     invalid = EXIT_BY_CODE[grpc.StatusCode.INVALID_ARGUMENT]
     if not auth.valid_tenant_name(args.tenant):
         raise CliError(f"invalid tenant name {args.tenant!r}: use 1-64 of A-Z a-z 0-9 _ -", invalid)
+    if args.admin:
+        return await _create_admin(conn, settings, args, out)
     try:
         key, secret = await auth.create_key(
             conn,
             settings.api_key_pepper,
             args.tenant,
-            admin=args.admin,
             max_pending=args.max_pending,
             submits_per_minute=args.submits_per_minute,
             max_priority=args.max_priority,
@@ -59,6 +61,20 @@ async def create(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
         ]
     )
     out.line("\nStore these now: they are not shown again (only a hash of the key is kept).")
+    return EXIT_OK
+
+
+async def _create_admin(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+    """An admin credential (TaskAdmin only) named after --tenant, with its scope and expiry, printed once."""
+    key, expires = await auth.create_admin_key(
+        conn, settings.api_key_pepper, args.tenant, scope=args.scope, expires_in_seconds=args.expires_in
+    )
+    until = expires.isoformat() if expires is not None else None
+    if out.json:
+        out.document({"admin": args.tenant, "api_key": key, "prefix": key[:10], "scope": args.scope, "expires_at": until})
+        return EXIT_OK
+    out.fields([("admin", args.tenant), ("admin key", key), ("scope", args.scope), ("expires", until or "never")])
+    out.line("\nStore it now: it is not shown again. It works on TaskAdmin (and WorkerControl) only, never to submit.")
     return EXIT_OK
 
 
@@ -141,7 +157,8 @@ async def revoke(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
 async def list_keys(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
     """Lists every key by prefix (the keys themselves are not stored)."""
     keys = [
-        {"prefix": k.prefix, "tenant": k.tenant_id, "admin": k.is_admin, "created_at": k.created_at, "revoked_at": k.revoked_at}
+        {"prefix": k.prefix, "tenant": k.tenant_id, "admin": k.scope or "", "created_at": k.created_at,
+         "expires_at": k.expires_at, "revoked_at": k.revoked_at}
         for k in await tenants.list_api_keys(conn)
     ]
     if out.json:
@@ -150,8 +167,8 @@ async def list_keys(conn: asyncpg.Connection, settings: Settings, args: argparse
         out.line("no keys")
     else:
         out.table(
-            ["PREFIX", "TENANT", "ADMIN", "CREATED", "REVOKED"],
-            [[k["prefix"], k["tenant"], "yes" if k["admin"] else "", k["created_at"], k["revoked_at"] or ""] for k in keys],
+            ["PREFIX", "TENANT/ADMIN", "ADMIN SCOPE", "CREATED", "EXPIRES", "REVOKED"],
+            [[k["prefix"], k["tenant"], k["admin"], k["created_at"], k["expires_at"] or "", k["revoked_at"] or ""] for k in keys],
         )
     return EXIT_OK
 
@@ -194,7 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("create", create, "create a key (and the tenant, with its webhook secret, if new)", tenant_limits=True)
-    p.add_argument("--admin", action="store_true", help="the key may use the admin API")
+    p.add_argument("--admin", action="store_true",
+                   help="an admin credential named after --tenant instead: TaskAdmin only, never TaskGateway")
+    p.add_argument("--scope", choices=auth.SCOPES, default=auth.OPERATOR,
+                   help="with --admin: read (stats, listings, audit) or operator (also acts); default operator")
+    p.add_argument("--expires-in", type=_age, metavar="AGE", help="with --admin: it expires after 3600, 90m, 12h, 90d")
     p = add("tenant", tenant, "change an existing tenant's limits (those given) and show them", tenant_limits=True)
     p.add_argument(
         "--share-weight", type=_weight, help="the tenant's share against other tenants of one priority (default 1)"

@@ -739,6 +739,22 @@ class AsyncTaskgateClient:
             if not token:
                 return
 
+    async def audit(self, admin: str | None = None, *, page_size: int = 100) -> AsyncIterator[admin_pb2.AuditEvent]:
+        """What admins did (one admin's when given), newest first: who, what, on what, when, dry run or not."""
+        token = ""
+        while True:
+            request = admin_pb2.ListAuditEventsRequest(admin=admin or "", page_size=page_size, page_token=token)
+            response = await self._call(
+                lambda r=request: self.admin_stub.ListAuditEvents(  # type: ignore[misc]
+                    r, metadata=self.admin_metadata, timeout=self.config.call_timeout
+                )
+            )
+            for item in response.events:
+                yield item
+            token = response.next_page_token
+            if not token:
+                return
+
     async def rotate_webhook_secret(self, tenant: str, *, overlap: float = 24 * 3600.0) -> admin_pb2.RotateWebhookSecretResponse:
         """A new webhook secret for `tenant` (shown once); its current ones keep signing for `overlap` seconds.
 

@@ -632,6 +632,21 @@ async def cmd_admin_deliveries(client: AsyncTaskgateClient, args: argparse.Names
     )
 
 
+async def cmd_admin_audit(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    found = []
+    async for event in client.audit(args.by, page_size=min(args.limit, 100)):
+        found.append(event)
+        if len(found) >= args.limit:
+            break
+    return out.listing(
+        "events",
+        found,
+        "no admin actions recorded",
+        ["WHEN", "ADMIN", "KEY", "ACTION", "TARGET", "DRY RUN"],
+        lambda e: [_ts(e.at), e.admin, e.prefix, e.action, e.target, "yes" if e.dry_run else ""],
+    )
+
+
 async def cmd_rotate_webhook_secret(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
     done = await client.rotate_own_webhook_secret(overlap=args.overlap)
     return _rotated(done, None, out)
@@ -665,8 +680,9 @@ async def cmd_admin_keys(client: AsyncTaskgateClient, args: argparse.Namespace, 
         "keys",
         await client.api_keys(args.tenant),
         "no keys",
-        ["PREFIX", "TENANT", "ADMIN", "CREATED", "REVOKED"],
-        lambda k: [k.prefix, k.tenant, "yes" if k.admin else "", _ts(k.created_at),
+        ["PREFIX", "TENANT/ADMIN", "ADMIN SCOPE", "CREATED", "EXPIRES", "REVOKED"],
+        lambda k: [k.prefix, k.tenant, k.scope if k.admin else "", _ts(k.created_at),
+                   _ts(k.expires_at) if k.HasField("expires_at") else "",
                    _ts(k.revoked_at) if k.HasField("revoked_at") else ""],
     )
 
@@ -861,6 +877,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task_id")
     p = add("deliveries", cmd_admin_deliveries, "webhook deliveries with their attempt count and last error", admin_sub)
     p.add_argument("--status", type=str.upper, choices=["PENDING", "DELIVERED", "FAILED"], help="only this state")
+    p.add_argument("--limit", type=int, default=100)
+    p = add("audit", cmd_admin_audit, "what admins did: who, what, on what, when, dry run or not (newest first)", admin_sub)
+    p.add_argument("--by", metavar="ADMIN", help="only this admin's actions (a credential's name)")
     p.add_argument("--limit", type=int, default=100)
     p = add("rotate-secret", cmd_admin_rotate_secret, "a new webhook secret for a tenant (both sign during the overlap)", admin_sub)
     p.add_argument("--tenant", required=True)

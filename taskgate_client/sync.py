@@ -231,6 +231,10 @@ class TaskgateClient:
         """Admin: webhook deliveries in a state, newest first, with attempts and last error."""
         return self._runner.iterate(self._client.deliveries(status, page_size=page_size))
 
+    def audit(self, admin: str | None = None, *, page_size: int = 100) -> Generator[admin_pb2.AuditEvent, None, None]:
+        """Admin: what admins did, newest first."""
+        return self._runner.iterate(self._client.audit(admin, page_size=page_size))
+
     def rotate_own_webhook_secret(self, *, overlap: float = 24 * 3600.0) -> gateway_pb2.TaskGatewayRotateWebhookSecretResponse:
         """A new webhook secret for your own tenant (shown once); the current ones keep signing for `overlap` seconds."""
         return self._runner.run(self._client.rotate_own_webhook_secret(overlap=overlap))

@@ -24,7 +24,7 @@ from taskgate import auth, runtime
 from taskgate.config import Settings, load_settings
 from taskgate.sealing import Sealer
 from taskgate.stackfile import local_stack_urls
-from taskgate.store import tenants
+from taskgate.store import admins, tenants
 from taskgate_client import connect_async
 from taskgate_client.local import LocalStack
 from taskgate_client.progress import follow
@@ -235,8 +235,12 @@ class DevStack:
             async def valid(key: str | None, tenant: str, admin: bool) -> bool:
                 if not key:
                     return False
-                found = await tenants.lookup_api_key(pool, auth.hash_key(pepper, key))
-                return found is not None and found.tenant_id == tenant and found.is_admin == admin
+                digest = auth.hash_key(pepper, key)
+                if admin:
+                    held = await admins.lookup(pool, digest)
+                    return held is not None and held.name == tenant and held.scope == auth.OPERATOR and not held.expired
+                found = await tenants.lookup_api_key(pool, digest)
+                return found is not None and found.tenant_id == tenant
 
             api_key = saved.api_key if saved and await valid(saved.api_key, DEMO_TENANT, False) else None
             admin_key = saved.admin_key if saved and await valid(saved.admin_key, ADMIN_TENANT, True) else None

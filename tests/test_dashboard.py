@@ -371,12 +371,12 @@ async def test_a_revoked_key_ends_its_session(stack: HttpStack, backends: Backen
     async with httpx.AsyncClient(base_url=stack.url, timeout=20) as web:
         assert (await web.post("/dashboard/login", data={"key": key})).status_code == 303
         assert (await web.get("/dashboard/state.json")).status_code == 200
-        await backends.pool.execute("UPDATE api_key SET revoked_at = now() WHERE tenant_id = 'ops2'")
+        await backends.pool.execute("UPDATE admin_credential SET revoked_at = now() WHERE name = 'ops2'")
 
         async def signed_out() -> bool:
             return (await web.get("/dashboard/state.json")).status_code == 401
 
-        await harness.wait_for(signed_out, within=15, every=0.5)  # the scheduler's key cache holds a key up to 5 s
+        await harness.wait_for(signed_out, within=15, every=0.5)  # the revocation reaches the scheduler as a NOTIFY
         page = await web.get("/dashboard")
         assert 'action="/dashboard/login"' in page.text
 

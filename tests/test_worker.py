@@ -617,6 +617,8 @@ async def test_worker_control_answers_admin_keys_only_as_taskadmin_vouches(
         assert status.worker_id == "guarded"
         reply = await control.Drain(worker_pb2.DrainRequest(), metadata=operator.metadata)
     assert reply.draining and handle.worker.draining
+    audited = await backends.pool.fetch("SELECT admin, action, target FROM admin_audit")
+    assert [tuple(r) for r in audited] == [("ops", "worker.drain", "guarded")]  # a status check is no action
 
     # TaskAdmin out of reach: the check cannot be made, so nothing is answered
     lone = await workers(with_(sleepy_settings(settings), worker_admin_target="127.0.0.1:1"), worker_id="lone")

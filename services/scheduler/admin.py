@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -9,7 +10,9 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import grpc
+from google.protobuf import json_format
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.scheduler.requeue import REPLAYABLE, Item, Requeuer
@@ -22,6 +25,7 @@ from taskgate.model import timestamp
 from taskgate.sealing import Sealer
 from taskgate.states import UNFINISHED, CallbackStatus, Status
 from taskgate.store import admin as admin_store
+from taskgate.store import admins as admin_audit
 from taskgate.store import callbacks as callback_store
 from taskgate.store import maintenance, tenants, usage
 from taskgate.store import workers as worker_store
@@ -102,7 +106,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     async def GetStats(self, request: admin_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.GetStatsResponse:
         """Counts per state and model (and the unfinished ones per priority too), the oldest QUEUED age, tasks per
         worker, webhook outcomes, the cluster's load."""
-        await self.auth.principal(context, admin=True)
+        await self.auth.admin(context, scope=auth.READ)
         async with self.pool.acquire() as conn:
             counts = await admin_store.state_counts(conn)
             live = await admin_store.live_priority_counts(conn)
@@ -132,7 +136,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self, request: admin_pb2.AdminListTasksRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.AdminListTasksResponse:
         """Tasks by state, model and age (least recently updated first, or most recently), a page at a time."""
-        await self.auth.principal(context, admin=True)
+        await self.auth.admin(context, scope=auth.READ)
         statuses, model_id, older = self._filter(request.filter)
         limit = self._page_size(request.page_size)
         # a token of one order is no position in the other (the oldest-first fingerprint is as it always was)
@@ -151,7 +155,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self, request: admin_pb2.ListStuckTasksRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListStuckTasksResponse:
         """What the scans would act on now, with why (the scans' own queries; rows a scan holds are left out)."""
-        await self.auth.principal(context, admin=True)
+        await self.auth.admin(context, scope=auth.READ)
         if request.limit < 0:
             raise errors.invalid_argument([("limit", "must not be negative")])
         limit = min(request.limit or self.settings.admin_max_page_size, self.settings.admin_max_page_size)
@@ -171,7 +175,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         """Requeues by ids or filter in batches, one response per batch with a state summary; stops on an error. With
         replay_finished, FAILED and TIMEOUT tasks are replayed as new tasks, with ids from a node number leased for
         this call only (replays are rare; a scheduler holds none otherwise)."""
-        principal = await self.auth.principal(context, admin=True)
+        principal = await self.auth.admin(context, scope=auth.OPERATOR)
         if request.task_ids and request.HasField("filter"):
             raise errors.invalid_argument([("filter", "give task_ids or a filter, not both")])
         if not request.task_ids and not request.HasField("filter"):
@@ -182,6 +186,8 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         reason = request.reason or "operator requeue"
         bad: list[tuple[str, str]] = []
         text.check("reason", [reason], bad)  # stored as the transition's reason
+        if not bad:
+            await self._audit(principal, "RequeueTasks", request, dry_run=request.dry_run)
         if bad:
             raise errors.invalid_argument(bad)
         replay_ids = await self._replay_ids() if request.replay_finished and not request.dry_run else None
@@ -193,7 +199,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
                     items = await self.requeuer.plan(batch, replay_finished=request.replay_finished)
                 else:
                     items = await self.requeuer.apply(
-                        batch, actor=f"admin:{principal.tenant_id}", reason=reason,
+                        batch, actor=f"admin:{principal.name}", reason=reason,
                         new_id=replay_ids.next if replay_ids is not None else None,
                     )
                 summary = await admin_store.live_counts(self.pool)
@@ -242,7 +248,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self, request: admin_pb2.ListDeadLettersRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListDeadLettersResponse:
         """Dead letters with their tasks (last error included) and their replays, newest first, a page at a time."""
-        await self.auth.principal(context, admin=True)
+        await self.auth.admin(context, scope=auth.READ)
         limit = self._page_size(request.page_size)
         before = self._cursor(request.page_token, _DEAD_LETTERS)
         rows = await admin_store.dead_letters(self.pool, before=before, limit=limit + 1)
@@ -261,8 +267,9 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self, request: admin_pb2.RedeliverCallbackRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.RedeliverCallbackResponse:
         """Sends a task's terminal webhooks again (same webhook ids, a fresh retry round); the notifier wakes at once."""
-        await self.auth.principal(context, admin=True)
+        who = await self.auth.admin(context, scope=auth.OPERATOR)
         task_id = ids.require(request.task_id)
+        await self._audit(who, "RedeliverCallback", request, target=str(task_id))
         if await store.get_task(self.pool, task_id) is None:
             raise errors.not_found()
         reset = await callback_store.redeliver(self.pool, task_id)
@@ -280,7 +287,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self, request: admin_pb2.ListCallbackDeliveriesRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListCallbackDeliveriesResponse:
         """Webhook deliveries in a state (all when unspecified), newest first, with attempts and last error."""
-        await self.auth.principal(context, admin=True)
+        await self.auth.admin(context, scope=auth.READ)
         status = None
         if request.status:
             name = task_pb2.CallbackStatus.Name(request.status) if request.status in task_pb2.CallbackStatus.values() else ""
@@ -320,11 +327,12 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self, request: admin_pb2.RotateWebhookSecretRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.RotateWebhookSecretResponse:
         """Adds a webhook secret; the tenant's current ones keep signing until the overlap (default 24 h) ends."""
-        await self.auth.principal(context, admin=True)
+        who = await self.auth.admin(context, scope=auth.OPERATOR)
         overlap = request.overlap.ToTimedelta().total_seconds() if request.HasField("overlap") else DEFAULT_SECRET_OVERLAP
         if overlap < 0:
             raise errors.invalid_argument([("overlap", "must not be negative")])
         tenant = await self._existing_tenant(request.tenant)
+        await self._audit(who, "RotateWebhookSecret", request, target=tenant)
         rotated = await auth.rotate_webhook_secret(self.pool, tenant, overlap, self.sealer)
         log.info("webhook secret rotated", extra={"tenant": tenant, "overlap_seconds": overlap, "valid_secrets": rotated.valid_secrets})
         return admin_pb2.RotateWebhookSecretResponse(
@@ -336,19 +344,23 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self, request: admin_pb2.ListApiKeysRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListApiKeysResponse:
         """Every key (of one tenant when given) by prefix, newest first; the keys themselves are not stored."""
-        await self.auth.principal(context, admin=True)
+        await self.auth.admin(context, scope=auth.READ)
         if request.tenant and not auth.valid_tenant_name(request.tenant):
             raise errors.invalid_argument([("tenant", "must be 1-64 of A-Z a-z 0-9 _ -")])
         response = admin_pb2.ListApiKeysResponse()
         for k in await tenants.list_api_keys(self.pool, request.tenant or None):
-            info = response.keys.add(prefix=k.prefix, tenant=k.tenant_id, admin=k.is_admin, created_at=timestamp(k.created_at))
+            info = response.keys.add(
+                prefix=k.prefix, tenant=k.tenant_id, admin=k.is_admin, created_at=timestamp(k.created_at), scope=k.scope or ""
+            )
             if k.revoked_at is not None:
                 info.revoked_at.CopyFrom(timestamp(k.revoked_at))
+            if k.expires_at is not None:
+                info.expires_at.CopyFrom(timestamp(k.expires_at))
         return response
 
     async def GetUsage(self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext) -> admin_pb2.GetUsageResponse:
         """Metered seconds per tenant and model (per hour when asked) over a range of hours, from usage_hour."""
-        await self.auth.principal(context, admin=True)
+        await self.auth.admin(context, scope=auth.READ)
         bad: list[tuple[str, str]] = []
         if request.tenant and not auth.valid_tenant_name(request.tenant):
             bad.append(("tenant", "must be 1-64 of A-Z a-z 0-9 _ -"))
@@ -379,17 +391,18 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self, request: admin_pb2.RevokeApiKeysRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.RevokeApiKeysResponse:
         """Revokes the live keys with a prefix; NOT_FOUND when none is live (gateways notice within their key cache)."""
-        who = await self.auth.principal(context, admin=True)
+        who = await self.auth.admin(context, scope=auth.OPERATOR)
         bad: list[tuple[str, str]] = []
         text.check("prefix", [request.prefix], bad)
         if not request.prefix:
             bad.append(("prefix", "is required"))
         if bad:
             raise errors.invalid_argument(bad)
+        await self._audit(who, "RevokeApiKeys", request, target=request.prefix)
         revoked = await tenants.revoke_api_keys(self.pool, request.prefix)
         if not revoked:
             raise errors.not_found("live key with that prefix")
-        log.info("api keys revoked", extra={"prefix": request.prefix, "count": len(revoked), "by": who.tenant_id})
+        log.info("api keys revoked", extra={"prefix": request.prefix, "count": len(revoked), "by": who.name})
         return admin_pb2.RevokeApiKeysResponse(revoked=len(revoked))
 
     async def PurgeTasks(
@@ -397,12 +410,13 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     ) -> admin_pb2.PurgeTasksResponse:
         """Deletes finished tasks (with their history and outputs) and reusable outputs older than older_than, in
         scan-sized skip-locked batches; dry_run only counts (outputs: at most that many, shared ones may stay)."""
-        await self.auth.principal(context, admin=True)
+        who = await self.auth.admin(context, scope=auth.OPERATOR)
         if not request.HasField("older_than"):
             raise errors.invalid_argument([("older_than", "is required")])
         older = request.older_than.ToTimedelta().total_seconds()
         if older < 0:
             raise errors.invalid_argument([("older_than", "must not be negative")])
+        await self._audit(who, "PurgeTasks", request, dry_run=request.dry_run)
         if request.dry_run:
             would = await maintenance.retention_counts(self.pool, older_than_seconds=older)
             return admin_pb2.PurgeTasksResponse(
@@ -423,12 +437,45 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             kept=_kept(left),
         )
 
+    async def _audit(
+        self, who: auth.Admin, action: str, request: Message, *, target: str = "", dry_run: bool = False
+    ) -> None:
+        """Records an admin action as it was asked for (before it runs: an action is never done unrecorded)."""
+        detail = json_format.MessageToDict(request, preserving_proto_field_name=True)
+        await admin_audit.record(self.pool, who, action, target=target, dry_run=dry_run, detail=detail)
+        log.info("admin action", extra={"admin": who.name, "action": action, "target": target, "dry_run": dry_run})
+
+    async def ListAuditEvents(
+        self, request: admin_pb2.ListAuditEventsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListAuditEventsResponse:
+        """What admins did, newest first (one admin's when `admin` is given), a page at a time."""
+        await self.auth.admin(context, scope=auth.READ)
+        limit = self._page_size(request.page_size)
+        fingerprint = paging.filter_key("admin.audit", request.admin or None)
+        cursor = self._cursor(request.page_token, fingerprint)
+        rows = await admin_audit.audit(
+            self.pool, before_id=cursor.task_id if cursor else None, admin=request.admin or None, limit=limit + 1
+        )
+        response = admin_pb2.ListAuditEventsResponse()
+        for e in rows[:limit]:
+            response.events.add(
+                id=e.id, at=timestamp(e.at), admin=e.admin, prefix=e.prefix, action=e.action, target=e.target,
+                dry_run=e.dry_run, detail=json.dumps(e.detail, sort_keys=True),
+            )
+        if len(rows) > limit:
+            last = rows[limit - 1]
+            response.next_page_token = self.pages.encode(paging.Cursor(last.at, last.id), fingerprint)
+        return response
+
     async def Authorize(self, request: admin_pb2.AuthorizeRequest, context: grpc.aio.ServicerContext) -> admin_pb2.AuthorizeResponse:
         """Checks the caller's admin credential for an action a worker performs (its WorkerControl calls)."""
         if request.action not in WORKER_ACTIONS:
             raise errors.invalid_argument([("action", f"must be one of {', '.join(sorted(WORKER_ACTIONS))}")])
-        who = await self.auth.principal(context, admin=True)
-        return admin_pb2.AuthorizeResponse(admin=who.tenant_id)
+        scope = auth.OPERATOR if request.action == "worker.drain" else auth.READ
+        who = await self.auth.admin(context, scope=scope)
+        if scope == auth.OPERATOR:
+            await self._audit(who, request.action, request, target=request.target)
+        return admin_pb2.AuthorizeResponse(admin=who.name)
 
 
 WORKER_ACTIONS = frozenset({"worker.status", "worker.drain"})  # what Authorize vouches for

@@ -11,10 +11,9 @@ from taskgate.store.pool import Conn
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: a tenant, and whether the key may use the admin API."""
+    """Who is calling: a tenant, and its limits."""
 
     tenant_id: str
-    is_admin: bool
     max_pending: int | None
     submits_per_minute: int | None
     max_priority: int = 5  # NORMAL: HIGH is an entitlement
@@ -35,14 +34,16 @@ class Tenant:
 
 @dataclass(frozen=True, slots=True)
 class ApiKey:
-    """A key as listed: never the key itself, which is not stored."""
+    """A tenant key or an admin credential as listed: never the key itself, which is not stored."""
 
     id: int
-    tenant_id: str
+    tenant_id: str  # an admin credential's name
     prefix: str
     is_admin: bool
     created_at: datetime
     revoked_at: datetime | None
+    scope: str | None = None  # an admin credential's: "read" or "operator"
+    expires_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,6 @@ async def create_api_key(
     tenant_id: str,
     key_hash: str,
     prefix: str,
-    admin: bool,
     max_pending: int | None,
     submits_per_minute: int | None,
     first_secret: str,
@@ -70,7 +70,7 @@ async def create_api_key(
     True when the tenant was new, so `first_secret` was stored.
     """
     row = await db.fetchrow(
-        sql.query("create_api_key"), tenant_id, key_hash, prefix, admin, max_pending, submits_per_minute, first_secret,
+        sql.query("create_api_key"), tenant_id, key_hash, prefix, max_pending, submits_per_minute, first_secret,
         max_priority,
     )
     assert row is not None
@@ -82,7 +82,7 @@ async def lookup_api_key(db: Conn, key_hash: str) -> Principal | None:
     row = await db.fetchrow(sql.query("lookup_api_key"), key_hash)
     if row is None:
         return None
-    return Principal(row["tenant_id"], row["is_admin"], row["max_pending"], row["submits_per_minute"], row["max_priority"])
+    return Principal(row["tenant_id"], row["max_pending"], row["submits_per_minute"], row["max_priority"])
 
 
 async def revoke_api_keys(db: Conn, prefix: str) -> list[RevokedKey]:
@@ -94,7 +94,10 @@ async def revoke_api_keys(db: Conn, prefix: str) -> list[RevokedKey]:
 async def list_api_keys(db: Conn, tenant_id: str | None = None) -> list[ApiKey]:
     """Every key (of `tenant_id` when given), newest first."""
     rows = await db.fetch(sql.query("list_api_keys"), tenant_id)
-    return [ApiKey(r["id"], r["tenant_id"], r["prefix"], r["is_admin"], r["created_at"], r["revoked_at"]) for r in rows]
+    return [
+        ApiKey(r["id"], r["tenant_id"], r["prefix"], r["is_admin"], r["created_at"], r["revoked_at"], r["scope"], r["expires_at"])
+        for r in rows
+    ]
 
 
 async def rotate_webhook_secret(db: Conn, tenant_id: str, *, secret: str, overlap_seconds: float) -> None:

@@ -100,6 +100,11 @@ class TaskAdminStub:
                 request_serializer=taskgate_dot_v1_dot_admin__pb2.AuthorizeRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_admin__pb2.AuthorizeResponse.FromString,
                 _registered_method=True)
+        self.ListAuditEvents = channel.unary_unary(
+                '/taskgate.v1.TaskAdmin/ListAuditEvents',
+                request_serializer=taskgate_dot_v1_dot_admin__pb2.ListAuditEventsRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_admin__pb2.ListAuditEventsResponse.FromString,
+                _registered_method=True)
 
 
 class TaskAdminServicer:
@@ -194,6 +199,13 @@ class TaskAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAuditEvents(self, request, context):
+        """What admins did (who, what, on what, when, dry run or not), newest first: every acting call, recorded as asked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TaskAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -261,6 +273,11 @@ def add_TaskAdminServicer_to_server(servicer, server):
                     servicer.Authorize,
                     request_deserializer=taskgate_dot_v1_dot_admin__pb2.AuthorizeRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_admin__pb2.AuthorizeResponse.SerializeToString,
+            ),
+            'ListAuditEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAuditEvents,
+                    request_deserializer=taskgate_dot_v1_dot_admin__pb2.ListAuditEventsRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_admin__pb2.ListAuditEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -615,6 +632,33 @@ class TaskAdmin:
             '/taskgate.v1.TaskAdmin/Authorize',
             taskgate_dot_v1_dot_admin__pb2.AuthorizeRequest.SerializeToString,
             taskgate_dot_v1_dot_admin__pb2.AuthorizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAuditEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskAdmin/ListAuditEvents',
+            taskgate_dot_v1_dot_admin__pb2.ListAuditEventsRequest.SerializeToString,
+            taskgate_dot_v1_dot_admin__pb2.ListAuditEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

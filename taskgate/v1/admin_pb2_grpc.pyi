@@ -58,6 +58,8 @@ class TaskAdminStub:
     """Checks the caller's admin credential for an action another service performs (a worker's WorkerControl, which
     holds no API-key pepper): OK with who it is, or UNAUTHENTICATED / PERMISSION_DENIED as any TaskAdmin call.
     """
+    ListAuditEvents: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListAuditEventsRequest, _admin_pb2.ListAuditEventsResponse]
+    """What admins did (who, what, on what, when, dry run or not), newest first: every acting call, recorded as asked."""
 
 @_typing.type_check_only
 class TaskAdminAsyncStub(TaskAdminStub):
@@ -89,6 +91,8 @@ class TaskAdminAsyncStub(TaskAdminStub):
     """Checks the caller's admin credential for an action another service performs (a worker's WorkerControl, which
     holds no API-key pepper): OK with who it is, or UNAUTHENTICATED / PERMISSION_DENIED as any TaskAdmin call.
     """
+    ListAuditEvents: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListAuditEventsRequest, _admin_pb2.ListAuditEventsResponse]  # type: ignore[assignment]
+    """What admins did (who, what, on what, when, dry run or not), newest first: every acting call, recorded as asked."""
 
 class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
     """Operators' API (scheduler). Requires an admin key."""
@@ -195,5 +199,13 @@ class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
         """Checks the caller's admin credential for an action another service performs (a worker's WorkerControl, which
         holds no API-key pepper): OK with who it is, or UNAUTHENTICATED / PERMISSION_DENIED as any TaskAdmin call.
         """
+
+    @_abc_1.abstractmethod
+    def ListAuditEvents(
+        self,
+        request: _admin_pb2.ListAuditEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListAuditEventsResponse, _abc.Awaitable[_admin_pb2.ListAuditEventsResponse]]:
+        """What admins did (who, what, on what, when, dry run or not), newest first: every acting call, recorded as asked."""
 
 def add_TaskAdminServicer_to_server(servicer: TaskAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

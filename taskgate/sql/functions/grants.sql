@@ -17,7 +17,7 @@ BEGIN
         EXECUTE format('REVOKE CREATE ON SCHEMA %I FROM %I', current_schema(), service);
     END LOOP;
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'taskgate_worker') THEN
-        REVOKE ALL ON api_key, webhook_secret FROM taskgate_worker;
+        REVOKE ALL ON api_key, webhook_secret, admin_credential, admin_audit FROM taskgate_worker;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'taskgate_http') THEN
         EXECUTE format('REVOKE ALL ON ALL TABLES IN SCHEMA %I FROM taskgate_http', current_schema());

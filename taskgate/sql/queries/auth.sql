@@ -1,35 +1,47 @@
 -- name: create_api_key
--- Creates the tenant (and its first webhook secret) if new, then a key. $1 tenant, $2 key hash, $3 prefix,
--- $4 admin, $5 max pending, $6 submits per minute, $7 webhook secret for a new tenant, $8 max priority.
+-- Creates the tenant (and its first webhook secret) if new, then a key (a tenant's: admin credentials are
+-- create_admin_credential's). $1 tenant, $2 key hash, $3 prefix, $4 max pending, $5 submits per minute, $6 webhook
+-- secret for a new tenant, $7 max priority.
 WITH t AS (
-    INSERT INTO tenant (id, max_pending, submits_per_minute, max_priority) VALUES ($1, $5, $6, COALESCE($8, 5))
-    ON CONFLICT (id) DO UPDATE SET max_pending = COALESCE($5, tenant.max_pending),
-                                   submits_per_minute = COALESCE($6, tenant.submits_per_minute),
-                                   max_priority = COALESCE($8, tenant.max_priority)
+    INSERT INTO tenant (id, max_pending, submits_per_minute, max_priority) VALUES ($1, $4, $5, COALESCE($7, 5))
+    ON CONFLICT (id) DO UPDATE SET max_pending = COALESCE($4, tenant.max_pending),
+                                   submits_per_minute = COALESCE($5, tenant.submits_per_minute),
+                                   max_priority = COALESCE($7, tenant.max_priority)
     RETURNING id, (xmax = 0) AS inserted
 ), s AS (
-    INSERT INTO webhook_secret (tenant_id, secret) SELECT id, $7 FROM t WHERE inserted
+    INSERT INTO webhook_secret (tenant_id, secret) SELECT id, $6 FROM t WHERE inserted
     RETURNING id
 ), k AS (
-    INSERT INTO api_key (tenant_id, key_hash, prefix, is_admin) SELECT id, $2, $3, $4 FROM t
+    INSERT INTO api_key (tenant_id, key_hash, prefix) SELECT id, $2, $3 FROM t
     RETURNING id
 )
 SELECT (SELECT id FROM k) AS key_id, EXISTS (SELECT 1 FROM s) AS secret_created;
 
 -- name: lookup_api_key
 -- The tenant and limits of a live key. $1 key hash.
-SELECT k.tenant_id, k.is_admin, t.max_pending, t.submits_per_minute, t.max_priority
+SELECT k.tenant_id, t.max_pending, t.submits_per_minute, t.max_priority
 FROM api_key k JOIN tenant t ON t.id = k.tenant_id
 WHERE k.key_hash = $1 AND k.revoked_at IS NULL;
 
 -- name: revoke_api_key
--- Revokes keys by prefix (as listed). $1 prefix.
-UPDATE api_key SET revoked_at = now() WHERE prefix = $1 AND revoked_at IS NULL RETURNING id, tenant_id;
+-- Revokes tenant keys and admin credentials by prefix (as listed); tenant_id is an admin credential's name. $1 prefix.
+WITH k AS (
+    UPDATE api_key SET revoked_at = now() WHERE prefix = $1 AND revoked_at IS NULL RETURNING id, tenant_id
+), a AS (
+    UPDATE admin_credential SET revoked_at = now() WHERE prefix = $1 AND revoked_at IS NULL RETURNING id, name
+)
+SELECT id, tenant_id FROM k UNION ALL SELECT id, name FROM a;
 
 -- name: list_api_keys
--- Every key (of one tenant unless $1 is NULL), newest first, without secrets. $1 tenant.
-SELECT k.id, k.tenant_id, k.prefix, k.is_admin, k.created_at, k.revoked_at
-FROM api_key k WHERE $1::text IS NULL OR k.tenant_id = $1 ORDER BY k.created_at DESC, k.id DESC;
+-- Every tenant key and admin credential (of one tenant or admin name unless $1 is NULL), newest first, without
+-- secrets; scope and expires_at are an admin credential's. $1 tenant or admin name.
+SELECT k.id, k.tenant_id, k.prefix, false AS is_admin, NULL::text AS scope, NULL::timestamptz AS expires_at,
+       k.created_at, k.revoked_at
+FROM api_key k WHERE $1::text IS NULL OR k.tenant_id = $1
+UNION ALL
+SELECT a.id, a.name, a.prefix, true, a.scope, a.expires_at, a.created_at, a.revoked_at
+FROM admin_credential a WHERE $1::text IS NULL OR a.name = $1
+ORDER BY created_at DESC, id DESC;
 
 -- name: rotate_webhook_secret
 -- Adds a secret and retires the current ones after an overlap. $1 tenant, $2 secret, $3 overlap seconds.
@@ -67,3 +79,27 @@ RETURNING id, max_pending, submits_per_minute, max_priority, share_weight, gpu_s
 -- name: tenant_exists
 -- Whether a tenant exists. $1 tenant.
 SELECT EXISTS (SELECT 1 FROM tenant WHERE id = $1);
+
+-- name: create_admin_credential
+-- An admin credential. $1 name, $2 key hash, $3 prefix, $4 scope, $5 seconds until it expires (NULL: never).
+INSERT INTO admin_credential (name, key_hash, prefix, scope, expires_at)
+VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))
+RETURNING id, expires_at;
+
+-- name: lookup_admin_credential
+-- An unrevoked admin credential by key hash, expired or not (the caller says which). $1 key hash.
+SELECT id, name, prefix, scope, expires_at, expires_at IS NOT NULL AND expires_at <= now() AS expired
+FROM admin_credential WHERE key_hash = $1 AND revoked_at IS NULL;
+
+-- name: insert_admin_audit
+-- One admin action as it was asked for. $1 admin name, $2 prefix, $3 action, $4 target, $5 dry run, $6 detail.
+INSERT INTO admin_audit (admin, prefix, action, target, dry_run, detail) VALUES ($1, $2, $3, $4, $5, $6)
+RETURNING id, at;
+
+-- name: list_admin_audit
+-- Admin actions, newest first, keyset-paged on id: $1 the last id seen (NULL: first page), $2 admin name (NULL: all),
+-- $3 limit.
+SELECT id, at, admin, prefix, action, target, dry_run, detail FROM admin_audit
+WHERE ($1::bigint IS NULL OR id < $1) AND ($2::text IS NULL OR admin = $2)
+ORDER BY id DESC
+LIMIT $3;
