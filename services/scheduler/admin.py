@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import grpc
-from google.protobuf import json_format
+from google.protobuf import json_format, text_format
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -441,7 +441,13 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         self, who: auth.Admin, action: str, request: Message, *, target: str = "", dry_run: bool = False
     ) -> None:
         """Records an admin action as it was asked for (before it runs: an action is never done unrecorded)."""
-        detail = json_format.MessageToDict(request, preserving_proto_field_name=True)
+        try:
+            detail = json_format.MessageToDict(request, preserving_proto_field_name=True)
+        except json_format.Error:  # a field JSON cannot hold (a malformed Duration): the text form, still recorded
+            detail = {"request": text_format.MessageToString(request, as_one_line=True)}
+        # PostgreSQL stores no U+0000 (text nor jsonb): a request that carries one is recorded with U+FFFD instead
+        detail = json.loads(json.dumps(detail).replace("\\u0000", "\\ufffd"))
+        target = target.replace("\x00", "\ufffd")
         await admin_audit.record(self.pool, who, action, target=target, dry_run=dry_run, detail=detail)
         log.info("admin action", extra={"admin": who.name, "action": action, "target": target, "dry_run": dry_run})
 
