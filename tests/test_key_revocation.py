@@ -18,6 +18,7 @@ from services.submit import service as submit_service
 from taskgate import auth
 from taskgate.config import Settings
 from taskgate.runtime import Backends
+from taskgate.store import tenants
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from taskgate_local.embedded import free_port
 from tests.factories import insert_task
@@ -111,3 +112,22 @@ async def test_a_revoked_key_loses_its_open_streams_and_every_cached_answer_with
     assert (await stack.gateway.GetTask(get, metadata=bearer(kept))).task.id == str(task.id)
     assert await asyncio.wait_for(kept_alive(other), 5)
     other.cancel()
+
+
+async def test_a_revocation_missed_while_listening_was_down_still_ends_the_stream(
+    settings: Settings, backends: Backends
+) -> None:
+    s = settings.model_copy(update={"api_key_cache_seconds": 600.0, "stream_keepalive_seconds": 0.2})
+    notifier = await notifier_service.start(s.model_copy(update={"notifier_port": free_port()}), backends)
+    key, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, "tenant-a")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{notifier.port}") as channel:
+            call = events_pb2_grpc.TaskEventsStub(channel).WatchTasks(events_pb2.WatchTasksRequest(), metadata=bearer(key))
+            assert await asyncio.wait_for(kept_alive(call), 5)
+            notifier.listener.terminate()  # the revocation's NOTIFY goes to no one
+            await wait_for(lambda: not notifier.listener.connected.is_set())
+            assert len(await tenants.revoke_api_keys(backends.pool, key[:10])) == 1
+            failure = await asyncio.wait_for(ended_with(call), 10)  # on reconnect every open stream's key is looked up
+        assert failure.code() is grpc.StatusCode.UNAUTHENTICATED and "revoked" in (failure.details() or "")
+    finally:
+        await notifier.stop()

@@ -143,3 +143,21 @@ def test_function_files_only_create_or_replace_and_migrations_do_not_use_them() 
         code = re.sub(r"DROP FUNCTION (IF EXISTS )?\w+", "", code)
         used = {name for name in defined if re.search(rf"\b{name}\b", code)}
         assert not used, f"{migration.path.name} uses {used}: a function a migration needs belongs in a migration"
+
+
+async def test_admin_keys_of_the_flagged_kind_become_operator_credentials(conn: asyncpg.Connection) -> None:
+    """Migration 0029 as an installation upgrading meets it: a tenant key flagged admin (the former kind) becomes an
+    operator credential named after its tenant, with the same hash (the key keeps working on TaskAdmin), and is no
+    tenant key any more (TaskGateway refuses it)."""
+    await conn.execute("DROP TABLE admin_credential, admin_audit")
+    await conn.execute("DELETE FROM schema_migration WHERE version = 29")
+    await conn.execute("INSERT INTO tenant (id) VALUES ('ops'), ('acme')")
+    await conn.execute(
+        "INSERT INTO api_key (tenant_id, key_hash, prefix, is_admin) VALUES ('ops', 'h-admin', 'tg_admin1', true), "
+        "('acme', 'h-tenant', 'tg_acme01', false)"
+    )
+    assert await migrate(conn) == [29]
+    assert [tuple(r) for r in await conn.fetch("SELECT name, key_hash, prefix, scope, expires_at FROM admin_credential")] == [
+        ("ops", "h-admin", "tg_admin1", "operator", None)
+    ]
+    assert [r["key_hash"] for r in await conn.fetch("SELECT key_hash FROM api_key")] == ["h-tenant"]
