@@ -178,7 +178,8 @@ class Authenticator:
         self._ttl = cache_seconds
         self._cache: dict[str, tuple[float, Principal]] = {}
         self._admins: dict[str, tuple[float, Admin]] = {}
-        self._unknown: dict[str, float] = {}  # digest -> until when it is known to be unknown
+        # digest -> until when, and why, it is refused here: "unknown", "tenant" (on TaskAdmin), "admin" (elsewhere)
+        self._refused: dict[str, tuple[float, str]] = {}
         self._sessions: dict[str, set[Session]] = {}  # digest -> the open streams it authenticated
         self._generation = 0  # counts revocations: a lookup that began before one does not cache its answer
         self._rechecks: set[asyncio.Task[None]] = set()
@@ -194,6 +195,7 @@ class Authenticator:
         if digest is not None:
             self._cache.pop(digest, None)
             self._admins.pop(digest, None)
+            self._refused.pop(digest, None)
             for session in self._sessions.get(digest, ()):
                 session.revoked.set()
             return
@@ -250,17 +252,13 @@ class Authenticator:
         if hit is not None and hit[0] > now:
             found = hit[1]
         else:
-            if self._unknown.get(digest, 0.0) > now:
-                raise errors.unauthenticated()
+            self._refuse_if_known(digest, now)
             began = self._generation
             looked_up = await admins.lookup(self._pool, digest)
             if looked_up is None:
-                if await tenants.lookup_api_key(self._pool, digest) is not None:
-                    raise errors.permission_denied(
-                        "this call needs an admin key; a tenant API key is not one", reason="NOT_AN_ADMIN_KEY"
-                    )
-                self._remember_unknown(digest, now)
-                raise errors.unauthenticated()
+                why = "tenant" if await tenants.lookup_api_key(self._pool, digest) is not None else "unknown"
+                self._remember_refused(digest, now, why)
+                raise _refusal(why)
             found = looked_up
             if len(self._admins) > self.CACHE_ENTRIES:
                 self._admins.clear()
@@ -276,10 +274,15 @@ class Authenticator:
             self._throttle.call(found.name, self._service)
         return found
 
-    def _remember_unknown(self, digest: str, now: float) -> None:
-        if len(self._unknown) > self.CACHE_ENTRIES:
-            self._unknown.clear()
-        self._unknown[digest] = now + self._ttl
+    def _refuse_if_known(self, digest: str, now: float) -> None:
+        until, why = self._refused.get(digest, (0.0, ""))
+        if until > now:
+            raise _refusal(why)
+
+    def _remember_refused(self, digest: str, now: float, why: str) -> None:
+        if len(self._refused) > self.CACHE_ENTRIES:
+            self._refused.clear()
+        self._refused[digest] = (now + self._ttl, why)
 
     async def _resolve(self, context: grpc.aio.ServicerContext) -> tuple[Principal, str]:
         digest = self._digest(context)
@@ -288,17 +291,13 @@ class Authenticator:
         if hit is not None and hit[0] > now:
             found = hit[1]
         else:
-            if self._unknown.get(digest, 0.0) > now:
-                raise errors.unauthenticated()
+            self._refuse_if_known(digest, now)
             began = self._generation
             looked_up = await tenants.lookup_api_key(self._pool, digest)
             if looked_up is None:
-                if await admins.lookup(self._pool, digest) is not None:
-                    raise errors.permission_denied(
-                        "an admin key is not accepted here: use a tenant's API key", reason="ADMIN_KEY_NOT_ACCEPTED"
-                    )
-                self._remember_unknown(digest, now)
-                raise errors.unauthenticated()
+                why = "admin" if await admins.lookup(self._pool, digest) is not None else "unknown"
+                self._remember_refused(digest, now, why)
+                raise _refusal(why)
             found = looked_up
             if len(self._cache) > self.CACHE_ENTRIES:
                 self._cache.clear()
@@ -307,3 +306,14 @@ class Authenticator:
         if self._throttle is not None:
             self._throttle.call(found.tenant_id, self._service)
         return found, digest
+
+
+def _refusal(why: str) -> errors.ApiError:
+    """The error for a key refused by the service asking: unknown, a tenant's on TaskAdmin, an admin's elsewhere."""
+    if why == "tenant":
+        return errors.permission_denied("this call needs an admin key; a tenant API key is not one", reason="NOT_AN_ADMIN_KEY")
+    if why == "admin":
+        return errors.permission_denied(
+            "an admin key is not accepted here: use a tenant's API key", reason="ADMIN_KEY_NOT_ACCEPTED"
+        )
+    return errors.unauthenticated()
