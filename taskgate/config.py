@@ -263,6 +263,12 @@ class Settings(BaseSettings):
     result_cache_size: int = Field(default=10000, ge=0, description="Terminal tasks kept in the submit service's cache.")
     max_fps: int = Field(default=60, ge=1, description="Largest frames-per-second a request may ask for.")
     max_task_retries: int = Field(default=10, ge=0, description="Largest max_retries a request may ask for.")
+    max_start_delay_seconds: float = Field(
+        default=7 * 86400.0, ge=0, description="Furthest ahead a request's start_after may be, in seconds."
+    )
+    max_queue_ttl_seconds: float = Field(
+        default=7 * 86400.0, gt=0, description="Largest max_queue_seconds (a request's own queue TTL) accepted."
+    )
     max_idempotency_key_chars: int = Field(default=256, ge=1, description="Longest client idempotency key.")
     max_callback_url_chars: int = Field(default=2048, ge=16, description="Longest callback URL.")
     callback_resolve_timeout_seconds: float = Field(default=2.0, gt=0, description="DNS lookup of a callback host (SSRF guard).")

@@ -68,6 +68,9 @@ class TaskRow:
     finished_at: datetime | None = None
     trace_context: dict[str, str] | None = None  # W3C headers of the submit's span: every later span continues its trace
     replay_of: int | None = None  # the FAILED or TIMEOUT task an operator replayed as this one
+    start_after: datetime | None = None  # asked for at submission: no claim before it
+    max_queue_seconds: float | None = None  # asked for at submission: the queue's TTL
+    queue_expires_at: datetime | None = None  # when a task still waiting ends TIMEOUT QUEUE_TTL_EXPIRED
 
     @classmethod
     def from_record(cls, rec: Any) -> TaskRow:
@@ -140,7 +143,9 @@ class TaskRow:
             )
             if self.result_expired_at is not None:
                 msg.result.deleted_at.CopyFrom(timestamp(self.result_expired_at))
-        for name in ("created_at", "queued_at", "started_at", "finished_at", "updated_at"):
+        if self.max_queue_seconds is not None:
+            msg.max_queue_seconds = self.max_queue_seconds
+        for name in ("created_at", "queued_at", "started_at", "finished_at", "updated_at", "start_after", "queue_expires_at"):
             value = getattr(self, name)
             if value is not None:
                 getattr(msg, name).CopyFrom(timestamp(value))

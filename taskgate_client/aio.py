@@ -116,6 +116,8 @@ def submit_request(
     max_retries: int | None = None,
     task_type: str | None = None,
     image: gateway_pb2.ImageInput | None = None,
+    start_after: datetime | None = None,
+    max_queue_seconds: float | None = None,
 ) -> gateway_pb2.SubmitTaskRequest:
     """The SubmitTaskRequest for submit()'s arguments; a fresh idempotency key unless one is given. The task type
     defaults to image-to-video with an image, text-to-video without."""
@@ -144,6 +146,10 @@ def submit_request(
     )
     if max_retries is not None:
         request.max_retries = max_retries
+    if start_after is not None:
+        request.start_after.FromDatetime(start_after if start_after.tzinfo else start_after.astimezone())
+    if max_queue_seconds is not None:
+        request.max_queue_seconds = max_queue_seconds
     return request
 
 
@@ -338,19 +344,24 @@ class AsyncTaskgateClient:
         max_retries: int | None = None,
         task_type: str | None = None,
         image: ImageSource | None = None,
+        start_after: datetime | None = None,
+        max_queue_seconds: float | None = None,
     ) -> AsyncTaskHandle:
         """Submits a task and returns its handle. Unset parameters take the model's defaults.
 
         With `image` (a file's path, its bytes, or an https URL the gateway fetches) the task is image-to-video
         unless `task_type` says otherwise; a file larger than INLINE_IMAGE_BYTES is uploaded first (UploadInput).
         Without `idempotency_key` a fresh one is generated once per call, so the built-in retries never create
-        a second task; pass your own to make retries across processes safe as well.
+        a second task; pass your own to make retries across processes safe as well. `start_after` delays the start
+        (no worker takes the task before it); `max_queue_seconds` is its queue TTL: a task no worker took in time ends
+        TIMEOUT with error_code QUEUE_TTL_EXPIRED instead of running late.
         """
         request = submit_request(
             prompt, model, frames=frames, width=width, height=height, steps=steps, guidance=guidance, fps=fps, seed=seed,
             negative_prompt=negative_prompt, priority=priority, idempotency_key=idempotency_key,
             callback_url=callback_url, callback_events=callback_events, metadata=metadata, max_retries=max_retries,
-            task_type=task_type, image=await self._image_input(image),
+            task_type=task_type, image=await self._image_input(image), start_after=start_after,
+            max_queue_seconds=max_queue_seconds,
         )
         response = await self._call(
             lambda: self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)

@@ -396,6 +396,8 @@ async def cmd_submit(client: AsyncTaskgateClient, args: argparse.Namespace, out:
         max_retries=args.max_retries,
         task_type=args.task_type,
         image=image,
+        start_after=args.start_after,
+        max_queue_seconds=args.max_queue_seconds,
     )
     if not args.wait:
         print_task(out, task)
@@ -616,6 +618,19 @@ def _age(text: str) -> float:
     return value
 
 
+def _start_time(text: str) -> datetime:
+    """When to start: a delay from now (`90`, `10m`, `2h`) or an ISO 8601 time (`2026-12-24T18:00:00+01:00`)."""
+    try:
+        return datetime.now(UTC) + timedelta(seconds=_age(text))
+    except argparse.ArgumentTypeError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a delay such as 10m nor an ISO 8601 time") from None
+    return moment if moment.tzinfo else moment.astimezone()
+
+
 async def cmd_admin_deliveries(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
     found = []
     async for delivery in client.deliveries(args.status, page_size=min(args.limit, 100)):
@@ -811,6 +826,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--callback-event", action="append", default=[], choices=["CANCELED", "PROGRESS"], help="extra webhook events")
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--max-retries", type=int)
+    p.add_argument("--start-after", type=_start_time, metavar="WHEN", help="not before: a delay (10m, 2h) or an ISO 8601 time")
+    p.add_argument("--max-queue-seconds", type=float, metavar="SECONDS",
+                   help="queue TTL: TIMEOUT (QUEUE_TTL_EXPIRED) if no worker took the task within it")
     p.add_argument("--wait", action="store_true", help="show live progress until the task is finished")
     p.add_argument("--wait-timeout", type=float, metavar="SECONDS", help="give up waiting after this long (exit 11)")
 

@@ -450,6 +450,8 @@ class FakeTaskgate:
             bad.append(("params.seed", "must not be negative"))
         if req.HasField("max_retries") and not 0 <= req.max_retries <= 10:
             bad.append(("max_retries", "must be 0..10"))
+        if req.HasField("max_queue_seconds") and not 0 < req.max_queue_seconds <= 7 * 86400:
+            bad.append(("max_queue_seconds", "must be above 0 and at most 604800"))
         events = set(req.callback_events)
         if events - CALLBACK_EVENTS:
             bad.append(("callback_events", f"each must be one of {', '.join(sorted(CALLBACK_EVENTS))}"))
@@ -575,6 +577,11 @@ class FakeTaskgate:
             callback_events=sorted(request.callback_events),
             metadata=dict(request.metadata),
         )
+        # recorded as asked; the fake's clock runs tasks when the test says, so it neither delays nor expires them
+        if request.HasField("start_after"):
+            task.start_after.CopyFrom(request.start_after)
+        if request.HasField("max_queue_seconds"):
+            task.max_queue_seconds = request.max_queue_seconds
         if "image" in params:
             task.image.CopyFrom(task_pb2.InputImage(sha256=params["image"], content_type="image/png"))
         task.created_at.CopyFrom(_ts(START + timedelta(seconds=self._ticks + 1)))

@@ -60,6 +60,8 @@ class SubmitOptions(TypedDict, total=False):
     max_retries: int | None
     task_type: str | None
     image: ImageSource | None
+    start_after: datetime | None
+    max_queue_seconds: float | None
 
 
 class SubmitItem(SubmitOptions, total=False):
@@ -200,6 +202,12 @@ class Task:
     """Image-to-video: the input image the task runs from."""
     replay_of: str | None = None
     """The FAILED or TIMEOUT task an operator replayed as this one."""
+    start_after: datetime | None = None
+    """Asked for at submission: no worker takes the task before it."""
+    max_queue_seconds: float | None = None
+    """Asked for at submission: its queue TTL (TIMEOUT QUEUE_TTL_EXPIRED when no worker took it in time)."""
+    queue_expires_at: datetime | None = None
+    """When the task, still waiting, ends TIMEOUT QUEUE_TTL_EXPIRED (with max_queue_seconds)."""
 
     @property
     def terminal(self) -> bool:
@@ -253,6 +261,9 @@ class Task:
             estimated_finish=_time(msg, "estimated_finish"),
             image=InputImage.from_proto(msg.image) if msg.HasField("image") else None,
             replay_of=msg.replay_of or None,
+            start_after=_time(msg, "start_after"),
+            max_queue_seconds=msg.max_queue_seconds or None,
+            queue_expires_at=_time(msg, "queue_expires_at"),
         )
 
     def to_dict(self) -> dict[str, object]:

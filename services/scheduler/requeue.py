@@ -125,6 +125,7 @@ def replay_of(source: TaskRow, new_id: int) -> NewTask:
         callback_url=source.callback_url,
         callback_events=source.callback_events,
         trace_context=tracing.carrier(),
+        max_queue_seconds=source.max_queue_seconds,  # its own TTL again, from now (its start_after has passed)
     )
 
 

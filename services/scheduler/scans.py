@@ -31,6 +31,7 @@ log = logging.getLogger("taskgate.scheduler")
 
 ACTOR = "scheduler"
 QUEUE_TIMEOUT = "QUEUE_TIMEOUT"
+QUEUE_TTL_EXPIRED = "QUEUE_TTL_EXPIRED"  # the task's own max_queue_seconds ran out before a worker took it
 PROCESSING_TIMEOUT = "PROCESSING_TIMEOUT"
 WORKER_LOST = "WORKER_LOST"
 
@@ -41,6 +42,7 @@ class Action(enum.StrEnum):
     QUEUE = "queue"  # CREATED -> QUEUED after dispatching a task nobody dispatched
     REPUBLISH = "republish"  # QUEUED -> QUEUED with a new dispatch: its level was missing messages
     STILL_QUEUED = "still_queued"  # QUEUED -> QUEUED past the queue timeout, its level's messages all there
+    QUEUE_TTL = "queue_ttl"  # QUEUED -> TIMEOUT: the task's own max_queue_seconds ran out
     QUEUE_TIMEOUT = "queue_timeout"  # QUEUED -> TIMEOUT after max_republish rounds of a queue that does not move
     RELEASE = "release"  # PROCESSING with an expired lease -> QUEUED
     WORKER_LOST = "worker_lost"  # PROCESSING with an expired lease -> FAILED after max_worker_losses lost attempts
@@ -125,6 +127,38 @@ class CreatedScan:
                 ack_timeout=s.submit_publish_timeout_seconds, within=s.submit_db_timeout_seconds,
             ) if tasks else []
         return ScanResult(Counter({Action.QUEUE: len(moved)}), len(tasks))
+
+
+class QueueTTLScan:
+    """QUEUED past the queue TTL its submission asked for (max_queue_seconds): TIMEOUT QUEUE_TTL_EXPIRED, dead-lettered,
+    whether or not the queue moves (the client said a late start is worth nothing)."""
+
+    name: ClassVar[str] = "queue_ttl"
+    stuck_reason: ClassVar[str] = "QUEUE_TTL_EXPIRED"
+
+    def __init__(self, ctx: ScanContext) -> None:
+        self.ctx = ctx
+
+    async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]:
+        """QUEUED tasks past their own queue TTL, locked."""
+        return await maintenance.queue_expired(conn, now=now, limit=limit)
+
+    async def run(self, now: datetime | None = None) -> ScanResult:
+        result = ScanResult()
+        dead: list[tuple[TaskRow, store.TaskError]] = []
+        async with self.ctx.pool.acquire() as conn, conn.transaction():
+            tasks = await self.due(conn, now, self.ctx.settings.scan_batch_size)
+            result.examined = len(tasks)
+            for task in tasks:
+                error = store.TaskError(QUEUE_TTL_EXPIRED, "no worker took the task within its max_queue_seconds")
+                out = await store.time_out(
+                    conn, task.id, error=error, actor=ACTOR, reason="queue TTL expired", expected_version=task.version
+                )
+                result.actions[Action.QUEUE_TTL] += out.applied
+                if out.applied and out.task is not None:
+                    dead.append((out.task, error))
+        await _announce_dead(self.ctx.bus, dead, reason="queue TTL expired")
+        return result
 
 
 class QueuedScan:

@@ -23,6 +23,7 @@ from services.scheduler.scans import (
     LeaseScan,
     ProcessingTimeoutScan,
     QueuedScan,
+    QueueTTLScan,
     RetentionScan,
     Scan,
     ScanContext,
@@ -60,7 +61,9 @@ class Scheduler:
         self.pool = pool
         ctx = ScanContext(settings, pool, bus)
         # QUEUED and CREATED first: a task released by the lease scan in this pass is not re-published in it.
-        self.task_scans: list[TaskScan] = [QueuedScan(ctx), CreatedScan(ctx), LeaseScan(ctx), ProcessingTimeoutScan(ctx)]
+        self.task_scans: list[TaskScan] = [
+            QueueTTLScan(ctx), QueuedScan(ctx), CreatedScan(ctx), LeaseScan(ctx), ProcessingTimeoutScan(ctx)
+        ]
         self.retention = RetentionScan(ctx)
         self.scans: list[Scan] = [*self.task_scans, HoldScan(ctx), DeadLetterScan(ctx), WorkerScan(ctx), self.retention]
         self.passes = 0

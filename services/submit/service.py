@@ -285,6 +285,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             callback_url=sub.callback_url,
             callback_events=sub.callback_events,
             trace_context=tracing.carrier(),  # this call's span: the task's later spans continue its trace
+            start_after=sub.start_after,
+            max_queue_seconds=sub.max_queue_seconds,
         )
 
     def _settle(self, candidate: Candidate, sub: Submission, admission: Admission | BaseException) -> tuple[TaskRow, bool]:

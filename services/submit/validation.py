@@ -8,6 +8,7 @@ import math
 import re
 import secrets
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -47,6 +48,8 @@ class Submission:
     callback_events: list[str]
     max_retries: int
     image: Checked | None = None  # image-to-video: checked, not yet kept (the payload then holds its sha256 alone)
+    start_after: datetime | None = None  # a delayed start (scheduling, not the request: not in its hash)
+    max_queue_seconds: float | None = None  # the queue's TTL (scheduling, not the request)
 
     def with_image(self, stored: StoredInput) -> Submission:
         """This submission once its image is kept: the payload names where the worker finds it."""
@@ -253,6 +256,19 @@ async def validate(
     if not 0 <= max_retries <= settings.max_task_retries:
         bad.append(("max_retries", f"must be 0..{settings.max_task_retries}"))
 
+    start_after = None
+    if req.HasField("start_after"):
+        try:
+            start_after = req.start_after.ToDatetime(tzinfo=UTC)
+        except (ValueError, OverflowError):
+            bad.append(("start_after", "must be a time between the years 1 and 9999"))
+        else:
+            if start_after > datetime.now(UTC) + timedelta(seconds=settings.max_start_delay_seconds):
+                bad.append(("start_after", f"is more than {settings.max_start_delay_seconds:g} s ahead"))
+    max_queue_seconds = req.max_queue_seconds if req.HasField("max_queue_seconds") else None
+    if max_queue_seconds is not None and not 0 < max_queue_seconds <= settings.max_queue_ttl_seconds:
+        bad.append(("max_queue_seconds", f"must be above 0 and at most {settings.max_queue_ttl_seconds:g}"))
+
     events = sorted(set(req.callback_events))
     callback_url = req.callback_url or None
     if any(e not in CALLBACK_EVENTS for e in events):
@@ -299,4 +315,6 @@ async def validate(
         callback_events=events,
         max_retries=max_retries,
         image=image,
+        start_after=start_after,
+        max_queue_seconds=max_queue_seconds,
     )

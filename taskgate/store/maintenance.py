@@ -40,6 +40,11 @@ async def created_due(db: Conn, *, now: datetime | None = None, timeout_seconds:
     return await _tasks(db, "sched_created_due", now, timeout_seconds, limit)
 
 
+async def queue_expired(db: Conn, *, now: datetime | None = None, limit: int) -> list[TaskRow]:
+    """QUEUED tasks past the queue TTL they were submitted with, soonest first, locked."""
+    return await _tasks(db, "sched_queue_expired", now, limit)
+
+
 async def queued_due(
     db: Conn, *, now: datetime | None = None, timeouts: Mapping[str, float], default_seconds: float, limit: int
 ) -> list[TaskRow]:

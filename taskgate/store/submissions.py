@@ -52,6 +52,8 @@ class NewTask:
     callback_url: str | None
     callback_events: list[str]
     trace_context: dict[str, str] | None = None  # W3C headers of the submitting call's span (tracing on)
+    start_after: datetime | None = None  # no claim before it
+    max_queue_seconds: float | None = None  # the queue's TTL: TIMEOUT QUEUE_TTL_EXPIRED if it waits longer
 
 
 
@@ -74,6 +76,8 @@ COLUMNS: dict[str, Callable[[NewTask], object]] = {
     "callback_url": lambda t: t.callback_url,
     "callback_events": lambda t: ",".join(t.callback_events),  # a text[] per item cannot be an array element
     "trace_context": lambda t: t.trace_context,
+    "start_after": lambda t: t.start_after,
+    "max_queue_seconds": lambda t: t.max_queue_seconds,
 }
 
 

@@ -143,6 +143,8 @@ class SubmitTaskRequest(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     MAX_RETRIES_FIELD_NUMBER: _builtins.int
     IMAGE_FIELD_NUMBER: _builtins.int
+    START_AFTER_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
     task_type: _builtins.str
     """default "text-to-video" """
     model_id: _builtins.str
@@ -153,6 +155,10 @@ class SubmitTaskRequest(_message.Message):
     """Same key + same request returns the existing task; absent, one is derived from the request."""
     callback_url: _builtins.str
     max_retries: _builtins.int
+    max_queue_seconds: _builtins.float
+    """The queue's TTL: a task no worker took within this many seconds (counted from start_after when later) ends
+    TIMEOUT with error_code QUEUE_TTL_EXPIRED instead of running late. Unset: no TTL of its own.
+    """
     @_builtins.property
     def params(self) -> _task_pb2.VideoParams: ...
     @_builtins.property
@@ -164,6 +170,10 @@ class SubmitTaskRequest(_message.Message):
     @_builtins.property
     def image(self) -> Global___ImageInput:
         """required by task_type "image-to-video", refused otherwise"""
+
+    @_builtins.property
+    def start_after(self) -> _timestamp_pb2.Timestamp:
+        """Not run before this time (a delayed start); at most TASKGATE_MAX_START_DELAY_SECONDS ahead. Unset: at once."""
 
     def __init__(
         self,
@@ -179,13 +189,20 @@ class SubmitTaskRequest(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         max_retries: _builtins.int | None = ...,
         image: Global___ImageInput | None = ...,
+        start_after: _timestamp_pb2.Timestamp | None = ...,
+        max_queue_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "image", b"image", "max_retries", b"max_retries", "params", b"params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds", "_max_retries", b"_max_retries", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "params", b"params", "start_after", b"start_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "callback_events", b"callback_events", "callback_url", b"callback_url", "idempotency_key", b"idempotency_key", "image", b"image", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "prompt", b"prompt", "task_type", b"task_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds", "_max_retries", b"_max_retries", "callback_events", b"callback_events", "callback_url", b"callback_url", "idempotency_key", b"idempotency_key", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "prompt", b"prompt", "start_after", b"start_after", "task_type", b"task_type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_queue_seconds: _TypeAlias = _typing.Literal["max_queue_seconds"]  # noqa: Y015
+    _WhichOneofArgType__max_queue_seconds: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds"]  # noqa: Y015
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_queue_seconds) -> _WhichOneofReturnType__max_queue_seconds | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_retries) -> _WhichOneofReturnType__max_retries | None: ...
 
 Global___SubmitTaskRequest: _TypeAlias = SubmitTaskRequest  # noqa: Y015

@@ -290,6 +290,9 @@ class Task(_message.Message):
     IMAGE_FIELD_NUMBER: _builtins.int
     REPLAY_OF_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    START_AFTER_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
+    QUEUE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """64-bit time-ordered id, decimal"""
     user_id: _builtins.str
@@ -316,6 +319,8 @@ class Task(_message.Message):
     """output reused from an identical earlier run"""
     replay_of: _builtins.str
     """the FAILED or TIMEOUT task an operator replayed as this one (RequeueTasks replay_finished)"""
+    max_queue_seconds: _builtins.float
+    """asked for at submission: the queue's TTL (0: none)"""
     @_builtins.property
     def params(self) -> Global___VideoParams: ...
     @_builtins.property
@@ -349,6 +354,14 @@ class Task(_message.Message):
     @_builtins.property
     def usage(self) -> Global___TaskUsage:
         """what its attempts used so far (metering)"""
+
+    @_builtins.property
+    def start_after(self) -> _timestamp_pb2.Timestamp:
+        """asked for at submission: not run before it (unset: at once)"""
+
+    @_builtins.property
+    def queue_expires_at(self) -> _timestamp_pb2.Timestamp:
+        """when a task still waiting ends TIMEOUT QUEUE_TTL_EXPIRED"""
 
     def __init__(
         self,
@@ -387,10 +400,13 @@ class Task(_message.Message):
         image: Global___InputImage | None = ...,
         replay_of: _builtins.str = ...,
         usage: Global___TaskUsage | None = ...,
+        start_after: _timestamp_pb2.Timestamp | None = ...,
+        max_queue_seconds: _builtins.float = ...,
+        queue_expires_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "image", b"image", "params", b"params", "queued_at", b"queued_at", "result", b"result", "started_at", b"started_at", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "image", b"image", "params", b"params", "queue_expires_at", b"queue_expires_at", "queued_at", b"queued_at", "result", b"result", "start_after", b"start_after", "started_at", b"started_at", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_position", b"queue_position", "queued_at", b"queued_at", "replay_of", b"replay_of", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "usage", b"usage", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_expires_at", b"queue_expires_at", "queue_position", b"queue_position", "queued_at", b"queued_at", "replay_of", b"replay_of", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "start_after", b"start_after", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "usage", b"usage", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

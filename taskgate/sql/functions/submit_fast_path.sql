@@ -51,28 +51,34 @@ CREATE OR REPLACE FUNCTION insert_tasks(
     p_id bigint[], p_user_id text[], p_idempotency_key text[], p_idempotency_derived boolean[], p_request_hash text[],
     p_task_type text[], p_model_id text[], p_prompt text[], p_request_payload jsonb[], p_metadata jsonb[],
     p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[],
-    p_trace_context jsonb[], p_admit boolean[] DEFAULT NULL, p_replay_of bigint[] DEFAULT NULL,
+    p_trace_context jsonb[], p_start_after timestamptz[] DEFAULT NULL, p_max_queue_seconds float8[] DEFAULT NULL,
+    p_admit boolean[] DEFAULT NULL, p_replay_of bigint[] DEFAULT NULL,
     p_gpu_reserved float8[] DEFAULT NULL, p_budget_day date[] DEFAULT NULL
 ) RETURNS SETOF task
 LANGUAGE sql VOLATILE AS $$
     INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
                       request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
-                      callback_status, last_actor, trace_context, replay_of, gpu_reserved, budget_day)
+                      callback_status, last_actor, trace_context, replay_of, gpu_reserved, budget_day,
+                      start_after, not_before, max_queue_seconds, queue_expires_at)
     SELECT i.id, i.user_id, i.idempotency_key, i.idempotency_derived, i.request_hash, i.task_type, i.model_id, i.prompt,
            i.request_payload, i.metadata, i.priority, i.queue_name, i.max_retries, i.callback_url,
            coalesce(string_to_array(nullif(i.callback_events, ''), ','), '{}'),
            CASE WHEN i.callback_url IS NULL THEN 'NONE' ELSE 'PENDING' END, 'submit', i.trace_context, i.replay_of,
-           coalesce(i.gpu_reserved, 0), i.budget_day
+           coalesce(i.gpu_reserved, 0), i.budget_day,
+           i.start_after, CASE WHEN i.start_after > now() THEN i.start_after END, i.max_queue_seconds,
+           greatest(now(), i.start_after) + make_interval(secs => i.max_queue_seconds)
     FROM unnest(p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type, p_model_id,
                 p_prompt, p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries, p_callback_url,
                 p_callback_events, p_trace_context,
+                coalesce(p_start_after, array_fill(NULL::timestamptz, ARRAY[cardinality(p_id)])),
+                coalesce(p_max_queue_seconds, array_fill(NULL::float8, ARRAY[cardinality(p_id)])),
                 coalesce(p_admit, array_fill(true, ARRAY[cardinality(p_id)])),
                 coalesce(p_replay_of, array_fill(NULL::bigint, ARRAY[cardinality(p_id)])),
                 coalesce(p_gpu_reserved, array_fill(NULL::float8, ARRAY[cardinality(p_id)])),
                 coalesce(p_budget_day, array_fill(NULL::date, ARRAY[cardinality(p_id)])))
          AS i(id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
               request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
-              trace_context, admit, replay_of, gpu_reserved, budget_day)
+              trace_context, start_after, max_queue_seconds, admit, replay_of, gpu_reserved, budget_day)
     WHERE i.admit
     ON CONFLICT (user_id, idempotency_key) DO NOTHING
     RETURNING *;
@@ -95,7 +101,8 @@ CREATE OR REPLACE FUNCTION submit_tasks(
     p_id bigint[], p_user_id text[], p_idempotency_key text[], p_idempotency_derived boolean[], p_request_hash text[],
     p_task_type text[], p_model_id text[], p_prompt text[], p_request_payload jsonb[], p_metadata jsonb[],
     p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[],
-    p_trace_context jsonb[], p_per_minute integer[], p_default_max_pending integer, p_gpu_estimate float8[] DEFAULT NULL,
+    p_trace_context jsonb[], p_start_after timestamptz[], p_max_queue_seconds float8[], p_per_minute integer[],
+    p_default_max_pending integer, p_gpu_estimate float8[] DEFAULT NULL,
     p_history_seconds float8 DEFAULT 86400, p_history_runs integer DEFAULT 20, p_now timestamptz DEFAULT NULL
 )
 RETURNS TABLE (ord integer, outcome text, retry_after float8, pending_limit integer, budget_window text,
@@ -277,7 +284,8 @@ BEGIN
         SELECT * FROM insert_tasks(
             p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type, p_model_id, p_prompt,
             p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries, p_callback_url, p_callback_events,
-            p_trace_context, ARRAY(SELECT o = 'admit' FROM unnest(v_outcomes) WITH ORDINALITY v(o, k) ORDER BY k), NULL,
+            p_trace_context, p_start_after, p_max_queue_seconds,
+            ARRAY(SELECT o = 'admit' FROM unnest(v_outcomes) WITH ORDINALITY v(o, k) ORDER BY k), NULL,
             CASE WHEN v_estimates IS NOT NULL THEN
                 ARRAY(SELECT CASE WHEN o = 'admit' THEN e END
                       FROM unnest(v_outcomes, v_estimates) WITH ORDINALITY v(o, e, k) ORDER BY k) END,

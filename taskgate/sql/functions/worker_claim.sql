@@ -86,6 +86,7 @@ BEGIN
                 SELECT q.queued_at, q.id FROM task q
                 WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
                   AND q.user_id = s.user_id AND (q.not_before IS NULL OR q.not_before <= now())
+                  AND (q.queue_expires_at IS NULL OR q.queue_expires_at > now())
                 ORDER BY q.queued_at, q.id LIMIT 1
             ) h
             LEFT JOIN fair_share f ON f.model_id = p_model_id AND f.priority = v_priority AND f.user_id = s.user_id
@@ -97,6 +98,7 @@ BEGIN
             SELECT q.id INTO v_id FROM task q
             WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
               AND q.user_id = v_pick.user_id AND (q.not_before IS NULL OR q.not_before <= now())
+              AND (q.queue_expires_at IS NULL OR q.queue_expires_at > now())
             ORDER BY q.queued_at, q.id LIMIT 1
             FOR UPDATE SKIP LOCKED;
             IF v_id IS NOT NULL THEN
@@ -108,7 +110,8 @@ BEGIN
                 EXIT;
             END IF;
         END LOOP;
-        IF v_id IS NULL AND claimed.status = 'CREATED' THEN
+        IF v_id IS NULL AND claimed.status = 'CREATED' AND (claimed.not_before IS NULL OR claimed.not_before <= now())
+           AND (claimed.queue_expires_at IS NULL OR claimed.queue_expires_at > now()) THEN
             v_id := p_task_id;
         END IF;
     END IF;
@@ -118,7 +121,8 @@ BEGIN
             RETURN;
         END IF;
         SELECT EXTRACT(EPOCH FROM min(q.not_before) - now())::float8 INTO wait_seconds FROM task q
-        WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority AND q.not_before > now();
+        WHERE q.status IN ('CREATED', 'QUEUED') AND q.model_id = p_model_id AND q.priority = v_priority
+          AND q.not_before > now();
         verdict := CASE WHEN wait_seconds IS NOT NULL THEN 'early'
                         WHEN claimed.status = 'PROCESSING' THEN 'refused'
                         WHEN claimed.status = 'QUEUED' THEN 'busy'

@@ -21,26 +21,27 @@ ORDER BY item.ord;
 
 -- name: submit_insert_tasks
 -- New tasks in CREATED without the limits (functions/submit_fast_path.sql): test rows. No row for an item whose
--- idempotency key is taken. $1..$16 the columns, one array element per task (submissions.NewTask.COLUMNS).
+-- idempotency key is taken. $1..$18 the columns, one array element per task (submissions.NewTask.COLUMNS).
 SELECT * FROM insert_tasks(
     p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
     p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
     p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
-    p_trace_context => $16);
+    p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18);
 
 -- name: submit_tasks
 -- A batch of submissions in one round trip (functions/submit_fast_path.sql): rate slots, tenant locks, idempotent
--- lookups, pending limits, budgets, one insert. $1..$16 the columns as for submit_insert_tasks, $17 each item's
--- per-minute limit (NULL: its slot is already taken), $18 default max pending, $19 each item's model's GPU-seconds
--- estimate without history, $20 and $21 the history an estimate reads (seconds, runs), $22 the budgets' clock (NULL:
+-- lookups, pending limits, budgets, one insert. $1..$18 the columns as for submit_insert_tasks, $19 each item's
+-- per-minute limit (NULL: its slot is already taken), $20 default max pending, $21 each item's model's GPU-seconds
+-- estimate without history, $22 and $23 the history an estimate reads (seconds, runs), $24 the budgets' clock (NULL:
 -- now). One row per item, in order.
 SELECT f.ord, f.outcome, f.retry_after, f.pending_limit, f.budget_window, f.budget_left, f.gpu_estimate, (f.task_row).*
 FROM submit_tasks(
     p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
     p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
     p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
-    p_trace_context => $16, p_per_minute => $17, p_default_max_pending => $18, p_gpu_estimate => $19,
-    p_history_seconds => $20, p_history_runs => $21, p_now => $22) f;
+    p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18, p_per_minute => $19,
+    p_default_max_pending => $20, p_gpu_estimate => $21, p_history_seconds => $22, p_history_runs => $23,
+    p_now => $24) f;
 
 -- name: submit_queue_created
 -- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (history: one trigger run for the pass).
