@@ -13,7 +13,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from taskgate import errors
 from taskgate.config import Settings
+from taskgate.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedStack, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +66,40 @@ async def wait_for(condition: Callable[[], Awaitable[bool] | bool], within: floa
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {within}s")
         await asyncio.sleep(every)
+
+
+@dataclass
+class ApiStack:
+    """Stubs over real channels to a submit service, a notifier and a scheduler (TaskAdmin) on one set of backends."""
+
+    gateway: gateway_pb2_grpc.TaskGatewayStub
+    events: events_pb2_grpc.TaskEventsStub
+    admin: admin_pb2_grpc.TaskAdminStub
+    admin_port: int
+
+
+@contextlib.asynccontextmanager
+async def api_stack(settings: Settings, backends: Any) -> AsyncIterator[ApiStack]:
+    """Starts the three API services (the scheduler without its scan loop), yields their stubs, stops them all."""
+    from services.notifier import service as notifier_service
+    from services.scheduler import service as scheduler_service
+    from services.submit import service as submit_service
+
+    submit = await submit_service.start(settings, backends)
+    notifier = await notifier_service.start(settings.model_copy(update={"notifier_port": free_port()}), backends)
+    scheduler = await scheduler_service.start(settings, backends, scan_loop=False)
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{h.port}") for h in (submit, notifier, scheduler)]
+    try:
+        yield ApiStack(
+            gateway_pb2_grpc.TaskGatewayStub(channels[0]), events_pb2_grpc.TaskEventsStub(channels[1]),
+            admin_pb2_grpc.TaskAdminStub(channels[2]), scheduler.port,
+        )
+    finally:
+        for channel in channels:
+            await channel.close()
+        await notifier.stop()
+        await scheduler.stop(0)
+        await submit.stop(0)
 
 
 WorkerFactory = Callable[..., Awaitable[Any]]  # the `workers` fixture (conftest.py): starts a worker, stopped at the end

@@ -8,30 +8,17 @@ import asyncio
 import json
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from datetime import timedelta
 
 import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from services.notifier import service as notifier_service
-from services.scheduler import service as scheduler_service
-from services.submit import service as submit_service
 from taskgate import auth
 from taskgate.config import Settings
 from taskgate.runtime import Backends
-from taskgate.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from taskgate_local.embedded import free_port
-from tests.harness import wait_for
-
-
-@dataclass
-class Stack:
-    gateway: gateway_pb2_grpc.TaskGatewayStub
-    events: events_pb2_grpc.TaskEventsStub
-    admin: admin_pb2_grpc.TaskAdminStub
-    admin_port: int
+from taskgate.v1 import admin_pb2, events_pb2, gateway_pb2
+from tests.harness import ApiStack, api_stack, wait_for
 
 
 def bearer(key: str) -> tuple[tuple[str, str]]:
@@ -39,22 +26,9 @@ def bearer(key: str) -> tuple[tuple[str, str]]:
 
 
 @pytest.fixture
-async def stack(settings: Settings, backends: Backends) -> AsyncIterator[Stack]:
-    submit = await submit_service.start(settings, backends)
-    notifier = await notifier_service.start(settings.model_copy(update={"notifier_port": free_port()}), backends)
-    scheduler = await scheduler_service.start(settings, backends, scan_loop=False)
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{h.port}") for h in (submit, notifier, scheduler)]
-    try:
-        yield Stack(
-            gateway_pb2_grpc.TaskGatewayStub(channels[0]), events_pb2_grpc.TaskEventsStub(channels[1]),
-            admin_pb2_grpc.TaskAdminStub(channels[2]), scheduler.port,
-        )
-    finally:
-        for channel in channels:
-            await channel.close()
-        await notifier.stop()
-        await scheduler.stop(0)
-        await submit.stop(0)
+async def stack(settings: Settings, backends: Backends) -> AsyncIterator[ApiStack]:
+    async with api_stack(settings, backends) as started:
+        yield started
 
 
 async def refusal(call: object) -> grpc.aio.AioRpcError:
@@ -63,7 +37,7 @@ async def refusal(call: object) -> grpc.aio.AioRpcError:
     return caught.value
 
 
-async def test_an_admin_key_is_refused_outside_task_admin_and_a_tenant_key_inside_it(stack: Stack, backends: Backends) -> None:
+async def test_an_admin_key_is_refused_outside_task_admin_and_a_tenant_key_inside_it(stack: ApiStack, backends: Backends) -> None:
     pepper = backends.settings.api_key_pepper
     ops, _ = await auth.create_admin_key(backends.pool, pepper, "alice", scope=auth.OPERATOR)
     tenant, _ = await auth.create_key(backends.pool, pepper, "tenant-a")
@@ -86,7 +60,7 @@ async def test_an_admin_key_is_refused_outside_task_admin_and_a_tenant_key_insid
 
 
 async def test_a_read_only_admin_looks_but_does_not_act_and_an_expired_key_stops_working(
-    stack: Stack, backends: Backends
+    stack: ApiStack, backends: Backends
 ) -> None:
     pepper = backends.settings.api_key_pepper
     reader, _ = await auth.create_admin_key(backends.pool, pepper, "auditor", scope=auth.READ)
@@ -119,7 +93,7 @@ async def test_a_read_only_admin_looks_but_does_not_act_and_an_expired_key_stops
 
 
 async def test_every_acting_call_is_in_the_audit_log_readable_over_task_admin_and_the_cli(
-    stack: Stack, backends: Backends, tmp_path: object
+    stack: ApiStack, backends: Backends, tmp_path: object
 ) -> None:
     pepper = backends.settings.api_key_pepper
     alice, _ = await auth.create_admin_key(backends.pool, pepper, "alice", scope=auth.OPERATOR)

@@ -6,30 +6,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
 
 from services.notifier import service as notifier_service
-from services.scheduler import service as scheduler_service
-from services.submit import service as submit_service
 from taskgate import auth
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.store import tenants
-from taskgate.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from taskgate.v1 import admin_pb2, events_pb2, events_pb2_grpc, gateway_pb2
 from taskgate_local.embedded import free_port
 from tests.factories import insert_task
-from tests.harness import wait_for
-
-
-@dataclass
-class Stack:
-    gateway: gateway_pb2_grpc.TaskGatewayStub
-    events: events_pb2_grpc.TaskEventsStub
-    admin: admin_pb2_grpc.TaskAdminStub
+from tests.harness import ApiStack, api_stack, wait_for
 
 
 def bearer(key: str) -> tuple[tuple[str, str]]:
@@ -37,24 +27,11 @@ def bearer(key: str) -> tuple[tuple[str, str]]:
 
 
 @pytest.fixture
-async def stack(settings: Settings, backends: Backends) -> AsyncIterator[Stack]:
+async def stack(settings: Settings, backends: Backends) -> AsyncIterator[ApiStack]:
     # a key cache far longer than the test: only the notification can explain a refusal within seconds
     s = settings.model_copy(update={"api_key_cache_seconds": 600.0, "stream_keepalive_seconds": 0.2})
-    submit = await submit_service.start(s, backends)
-    notifier = await notifier_service.start(s.model_copy(update={"notifier_port": free_port()}), backends)
-    scheduler = await scheduler_service.start(s, backends, scan_loop=False)
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{h.port}") for h in (submit, notifier, scheduler)]
-    try:
-        yield Stack(
-            gateway_pb2_grpc.TaskGatewayStub(channels[0]), events_pb2_grpc.TaskEventsStub(channels[1]),
-            admin_pb2_grpc.TaskAdminStub(channels[2]),
-        )
-    finally:
-        for channel in channels:
-            await channel.close()
-        await notifier.stop()
-        await scheduler.stop(0)
-        await submit.stop(0)
+    async with api_stack(s, backends) as started:
+        yield started
 
 
 async def kept_alive(call: Any) -> bool:
@@ -74,7 +51,7 @@ async def ended_with(call: Any) -> grpc.aio.AioRpcError:
 
 
 async def test_a_revoked_key_loses_its_open_streams_and_every_cached_answer_within_seconds(
-    stack: Stack, backends: Backends
+    stack: ApiStack, backends: Backends
 ) -> None:
     pepper = backends.settings.api_key_pepper
     key, _ = await auth.create_key(backends.pool, pepper, "tenant-a")
