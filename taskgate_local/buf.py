@@ -19,6 +19,8 @@ from taskgate_local.protopath import include_dir
 ROOT = Path(__file__).resolve().parent.parent
 PROTOS = ROOT / "protos"
 PREVIOUS_RELEASE = "v0.1.0"
+# the commit that tag names: a clone made without tags (CI's) still has it in main's history
+PREVIOUS_RELEASE_COMMIT = "f65780ba22956f5894600b89bcfce6f999b50f0a"
 STATUS_PROTO = Path("google") / "rpc" / "status.proto"
 
 
@@ -31,11 +33,14 @@ def binary() -> Path | None:
 
 
 def released_protos(into: Path, ref: str = PREVIOUS_RELEASE) -> Path | None:
-    """protos/ as `ref` had them, written under `into`; None when this clone lacks `ref`."""
-    known = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], cwd=ROOT,
-                           capture_output=True, check=False)
-    if known.returncode != 0:
+    """protos/ as `ref` had them (the previous release: its tag, else its commit), written under `into`; None when
+    this clone has neither."""
+    candidates = [ref, PREVIOUS_RELEASE_COMMIT] if ref == PREVIOUS_RELEASE else [ref]
+    found = [r for r in candidates if subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{r}^{{commit}}"],
+                                                     cwd=ROOT, capture_output=True, check=False).returncode == 0]
+    if not found:
         return None
+    ref = found[0]
     archive = subprocess.run(["git", "archive", "--format=tar", ref, "protos"], cwd=ROOT, capture_output=True, check=True)
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(into, filter="data")
