@@ -68,6 +68,11 @@ async def wait_for(condition: Callable[[], Awaitable[bool] | bool], within: floa
         await asyncio.sleep(every)
 
 
+def bearer(key: str) -> tuple[tuple[str, str]]:
+    """The call metadata carrying `key`."""
+    return (("authorization", f"Bearer {key}"),)
+
+
 @dataclass
 class ApiStack:
     """Stubs over real channels to a submit service, a notifier and a scheduler (TaskAdmin) on one set of backends."""

@@ -18,11 +18,7 @@ from taskgate import auth
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.v1 import admin_pb2, events_pb2, gateway_pb2
-from tests.harness import ApiStack, api_stack, wait_for
-
-
-def bearer(key: str) -> tuple[tuple[str, str]]:
-    return (("authorization", f"Bearer {key}"),)
+from tests.harness import ApiStack, api_stack, bearer, wait_for
 
 
 @pytest.fixture

@@ -19,11 +19,7 @@ from taskgate.store import tenants
 from taskgate.v1 import admin_pb2, events_pb2, events_pb2_grpc, gateway_pb2
 from taskgate_local.embedded import free_port
 from tests.factories import insert_task
-from tests.harness import ApiStack, api_stack, wait_for
-
-
-def bearer(key: str) -> tuple[tuple[str, str]]:
-    return (("authorization", f"Bearer {key}"),)
+from tests.harness import ApiStack, api_stack, bearer, wait_for
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
 from taskgate.waiting import woken
 from taskgate_client import webhook_signing
 from tests.factories import insert_task
-from tests.harness import trailing_details, wait_for
+from tests.harness import bearer, trailing_details, wait_for
 
 TENANT = "tenant-a"
 SHA = "ab" * 32
@@ -587,10 +587,6 @@ async def api_key(backends: Backends, settings: Settings) -> str:
 async def events_stub(handle: NotifierHandle, options: Sequence[tuple[str, Any]] = ()) -> AsyncIterator[Any]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}", options=list(options)) as channel:
         yield events_pb2_grpc.TaskEventsStub(channel)
-
-
-def bearer(key: str) -> tuple[tuple[str, str]]:
-    return (("authorization", f"Bearer {key}"),)
 
 
 async def read_until(call: Any, done: Callable[[list[Any]], bool], within: float = 10.0) -> list[Any]:

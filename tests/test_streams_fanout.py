@@ -18,9 +18,9 @@ from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.v1 import events_pb2, events_pb2_grpc
 from tests.factories import insert_task
-from tests.harness import trailing_details, wait_for
+from tests.harness import bearer, trailing_details, wait_for
 from tests.test_eta import finished_runs
-from tests.test_notifier import all_relayed, bearer, error_info, events_stub, fast, progress, run_to, succeed
+from tests.test_notifier import all_relayed, error_info, events_stub, fast, progress, run_to, succeed
 from tests.test_notifier import api_key as api_key  # the fixtures
 from tests.test_notifier import notifier_factory as notifier_factory
 

@@ -15,7 +15,7 @@ from taskgate import auth, throttle
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.harness import trailing_details, wait_for
+from tests.harness import bearer, trailing_details, wait_for
 
 
 @pytest.fixture
@@ -24,10 +24,6 @@ def settings(settings: Settings) -> Settings:
     return settings.model_copy(
         update={"tenant_calls_per_second": 0.1, "tenant_calls_burst": 3, "max_streams_per_tenant": 2, "max_streams_per_process": 3}
     )
-
-
-def bearer(key: str) -> tuple[tuple[str, str]]:
-    return (("authorization", f"Bearer {key}"),)
 
 
 def refusal(exc: grpc.aio.AioRpcError) -> tuple[str, float | None]:

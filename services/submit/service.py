@@ -35,7 +35,7 @@ from .batching import MAX_BATCH, Submitter, deadline_exceeded
 from .cache import TerminalCache
 from .inputs import InputImages
 from .ratelimit import quota_exceeded, rate_limited, too_many_pending
-from .validation import Submission, check_priority, key_problem, regenerate_request, validate
+from .validation import Submission, check_priority, key_problem, moment, regenerate_request, validate
 
 log = logging.getLogger("taskgate.submit")
 
@@ -393,8 +393,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                 bad.append(("statuses", "each must be a known status"))
                 break
             statuses.add(Status.from_proto(value))
-        after = _moment(request, "created_after", bad)
-        before = _moment(request, "created_before", bad)
+        after = moment(request, "created_after", bad)
+        before = moment(request, "created_before", bad)
         fingerprint = paging.filter_key(sorted(s.value for s in statuses), after, before)
         cursor = None
         if request.page_token:
@@ -498,18 +498,6 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             raise errors.not_found("result") from None
         if offset == 0:
             yield gateway_pb2.ResultChunk(info=info, data=b"", offset=0)
-
-
-def _moment(request: gateway_pb2.ListTasksRequest, name: str, bad: list[tuple[str, str]]) -> datetime | None:
-    """A request's timestamp field as a datetime; out of the years 1-9999 (or not normalised) is a violation."""
-    if not request.HasField(name):  # type: ignore[arg-type]
-        return None
-    try:
-        moment: datetime = getattr(request, name).ToDatetime(tzinfo=UTC)
-    except (ValueError, OverflowError):
-        bad.append((name, "must be a time between the years 1 and 9999"))
-        return None
-    return moment
 
 
 def _already_finished(task: TaskRow) -> errors.ApiError:

@@ -12,6 +12,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
+from google.protobuf.message import Message
+
 from taskgate import errors, netguard, text
 from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
@@ -195,6 +197,19 @@ def _check_params(
     }
 
 
+def moment(request: Message, name: str, bad: list[tuple[str, str]]) -> datetime | None:
+    """A request's timestamp field as a datetime (None when unset); out of the years 1-9999 (or not normalised) is a
+    violation naming the field."""
+    if not request.HasField(name):
+        return None
+    try:
+        found: datetime = getattr(request, name).ToDatetime(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        bad.append((name, "must be a time between the years 1 and 9999"))
+        return None
+    return found
+
+
 def key_problem(key: str, settings: Settings) -> str | None:
     """What is wrong with an idempotency key, or None (checked before the key is looked up anywhere)."""
     if len(key) > settings.max_idempotency_key_chars:
@@ -256,15 +271,9 @@ async def validate(
     if not 0 <= max_retries <= settings.max_task_retries:
         bad.append(("max_retries", f"must be 0..{settings.max_task_retries}"))
 
-    start_after = None
-    if req.HasField("start_after"):
-        try:
-            start_after = req.start_after.ToDatetime(tzinfo=UTC)
-        except (ValueError, OverflowError):
-            bad.append(("start_after", "must be a time between the years 1 and 9999"))
-        else:
-            if start_after > datetime.now(UTC) + timedelta(seconds=settings.max_start_delay_seconds):
-                bad.append(("start_after", f"is more than {settings.max_start_delay_seconds:g} s ahead"))
+    start_after = moment(req, "start_after", bad)
+    if start_after is not None and start_after > datetime.now(UTC) + timedelta(seconds=settings.max_start_delay_seconds):
+        bad.append(("start_after", f"is more than {settings.max_start_delay_seconds:g} s ahead"))
     max_queue_seconds = req.max_queue_seconds if req.HasField("max_queue_seconds") else None
     if max_queue_seconds is not None and not 0 < max_queue_seconds <= settings.max_queue_ttl_seconds:
         bad.append(("max_queue_seconds", f"must be above 0 and at most {settings.max_queue_ttl_seconds:g}"))
