@@ -2,7 +2,7 @@
 # taskgate's images, built from the two wheels of this repository (clients/python: taskgate-client; .: taskgate) with
 # the exact versions of constraints.txt. The Kubernetes manifests choose the process with `command`:
 #   python -m services.submit | services.notifier | services.scheduler | services.worker | taskgate.migrate
-# Three targets, which are also the image names deploy/k8s uses (tests/test_deploy.py checks that):
+# Three targets, which are also the image names deploy/k8s uses (tests/system/test_deploy.py checks that):
 #   docker build --target taskgate-api  -t taskgate-api:dev .   # no torch: submit, notifier, scheduler, migrations
 #   docker build --target taskgate      -t taskgate:dev .       # CPU torch: dev/CPU workers (and the dev tiny model)
 #   docker build --target taskgate-cuda -t taskgate-cuda:dev .  # CUDA torch: GPU workers (prod overlay)

@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(PINS)
 WHEELHOUSE := $(VENV)/.wheelhouse-$(PINS)
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv buf run test test-faults test-cluster images test-images lint proto tiny-model gpu-check bench constraints clean
+.PHONY: venv buf run test test-unit test-faults test-cluster images test-images lint proto tiny-model gpu-check bench constraints clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,26 +38,31 @@ venv: $(STAMP) $(WHEELHOUSE) $(BUF)
 run: $(STAMP)
 	$(PY) -m taskgate_local.dev
 
-## The whole suite against real PostgreSQL, NATS and gRPC (embedded servers, started per session).
+## The whole suite against real PostgreSQL, NATS and gRPC (embedded servers, started per session): tests/unit,
+## tests/integration/<service> and the quick part of tests/system.
 test: venv
 	$(PYTEST) -q
 
+## tests/unit alone: no PostgreSQL, NATS or service started (its conftest refuses them), seconds.
+test-unit: $(STAMP)
+	$(PYTEST) -q tests/unit
+
 ## The fault-injection suite: kills every process while tasks run.
 test-faults: $(STAMP)
-	$(PYTEST) -q -m faults -p no:randomly
+	$(PYTEST) -q -m faults -p no:randomly tests/system/test_faults.py
 
 ## One machine as a cluster: three NATS nodes (streams at three replicas), every service replicated, rolled and killed.
 test-cluster: $(STAMP)
-	$(PYTEST) -q -m cluster -p no:randomly
+	$(PYTEST) -q -m cluster -p no:randomly tests/system/test_cluster.py
 
 ## The API and CPU-worker images (CUDA=1 adds taskgate-cuda) with podman, buildah or docker; scripts/container_host.sh
 ## prepares the machine first. Build arguments: PYTHON_IMAGE, TORCH_INDEX_URL, TORCH_CUDA_INDEX_URL, LOCAL_WHEELS, IMAGE_TAG.
 images: $(STAMP)
 	$(PY) -m taskgate_local.images
 
-## The images end to end as compose.yaml runs them: PostgreSQL, NATS, migrate, the services, a task, SIGTERM (tests/test_images.py).
+## The images end to end as compose.yaml runs them: PostgreSQL, NATS, migrate, the services, a task, SIGTERM (tests/system/test_images.py).
 test-images: images
-	$(PYTEST) -q -m images -p no:randomly tests/test_images.py
+	$(PYTEST) -q -m images -p no:randomly tests/system/test_images.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

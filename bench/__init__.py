@@ -1,6 +1,6 @@
 """`make bench`: taskgate's figures measured on the embedded stack, printed as a table and written as JSON.
 
-Every run starts its own embedded PostgreSQL and NATS and the services as processes (tests.harness.Cluster), with a
+Every run starts its own embedded PostgreSQL and NATS and the services as processes (tests.support.harness.Cluster), with a
 'sleep' model so the gateway itself is measured, not a GPU. There are no pass/fail thresholds: each figure is shown
 beside the target of issue 9 and marked MISSED where it misses.
 """

@@ -26,7 +26,7 @@ from taskgate.store import bench as bench_store
 from taskgate.wire import dispatch
 from taskgate_local import tinymodel
 from taskgate_local.embedded import EmbeddedStack
-from tests.factories import insert_task
+from tests.support.factories import insert_task
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import grpc
 from bench.stack import BenchStack
 from bench.stats import Report, ms
 from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
-from tests.harness import WebhookReceiver, wait_for
+from tests.support.harness import wait_for
+from tests.support.webhooks import WebhookReceiver
 
 TERMINAL = {task_pb2.TASK_STATUS_SUCCEEDED, task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_TIMEOUT, task_pb2.TASK_STATUS_CANCELED}
 

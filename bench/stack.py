@@ -19,7 +19,7 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.migrate import migrate
 from taskgate.store import bench as bench_store
 from taskgate_local.embedded import free_port
-from tests.harness import Cluster, ServiceProcess
+from tests.support.harness import Cluster, ServiceProcess
 
 TENANT = "bench"
 LONG_MODEL = "sleepy-long"

@@ -613,7 +613,7 @@ async def worker_busy(runner: Any, spec: Any, device: str, state_dir: Path, *, t
     from taskgate.store import bench as bench_store
     from taskgate.wire import dispatch
     from taskgate_local.embedded import EmbeddedStack
-    from tests.factories import insert_task
+    from tests.support.factories import insert_task
 
     model = runner.model_id
     stack = EmbeddedStack(state_dir / "servers").start()

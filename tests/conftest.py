@@ -13,23 +13,28 @@ from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import grpc
 import nats
 import pytest
 
+from services.notifier import service as notifier_service
+from services.scheduler import service as scheduler_service
+from services.submit import service as submit_service
 from services.submit.service import SubmitHandle
 from services.submit.service import start as start_submit
+from taskgate import auth
 from taskgate import bus as busmod
 from taskgate.config import ModelSpec, Settings
 from taskgate.migrate import migrate
 from taskgate.runtime import Backends, connect
 from taskgate.v1 import gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedStack
-from tests.harness import WorkerFactory
-from tests.s3server import SeaweedS3
+from tests.support.factories import settings_for
+from tests.support.harness import WorkerFactory, with_database
+from tests.support.s3server import SeaweedS3
+from tests.support.stacks import Cli
 
 TEMPLATE = "taskgate_template"
 _counter = itertools.count()
@@ -75,9 +80,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             timer.cancel()
 
 
-def _with_database(url: str, name: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, parts.fragment))
 
 
 @pytest.fixture(scope="session")
@@ -108,14 +110,14 @@ def template_url(servers: tuple[str, str]) -> str:
             await conn.execute(f"CREATE DATABASE {TEMPLATE}")
         finally:
             await conn.close()
-        conn = await asyncpg.connect(_with_database(servers[0], TEMPLATE))
+        conn = await asyncpg.connect(with_database(servers[0], TEMPLATE))
         try:
             await migrate(conn)
         finally:
             await conn.close()
 
     asyncio.run(build())
-    return _with_database(servers[0], TEMPLATE)
+    return with_database(servers[0], TEMPLATE)
 
 
 @pytest.fixture
@@ -126,7 +128,7 @@ async def database_url(servers: tuple[str, str], template_url: str) -> AsyncIter
         await conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE}")
     finally:
         await conn.close()
-    yield _with_database(servers[0], name)
+    yield with_database(servers[0], name)
     # Bounded: a backend that cannot take the drop's barrier (say, one blocked writing to a client that stopped
     # reading) must not hang the run; a leftover test database costs only disk.
     conn = await asyncpg.connect(servers[0], timeout=DROP_SECONDS)
@@ -156,21 +158,7 @@ async def nats_url(servers: tuple[str, str]) -> str:
 @pytest.fixture
 def settings(database_url: str, nats_url: str, tmp_path: Path) -> Settings:
     """Settings for one test: its own database, clean streams, ephemeral ports, short timeouts."""
-    return Settings(
-        database_url=database_url,
-        nats_url=nats_url,
-        state_dir=tmp_path,
-        submit_port=0,
-        notifier_port=0,
-        scheduler_port=0,
-        worker_port=0,
-        submit_metrics_port=0,
-        notifier_metrics_port=0,
-        scheduler_metrics_port=0,
-        worker_metrics_port=0,
-        callback_allow_hosts=["127.0.0.1"],
-        models={"wan-tiny": ModelSpec(path=tmp_path / "models" / "wan-tiny"), "sleepy": ModelSpec(kind="sleep")},
-    )
+    return settings_for(tmp_path, database_url=database_url, nats_url=nats_url)
 
 
 @pytest.fixture
@@ -230,3 +218,45 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+async def cli(settings: Settings, backends: Backends, tmp_path: Path) -> AsyncIterator[Cli]:
+    """The CLI's stack: the four services in this process (a worker for sleep models), a tenant and an admin key."""
+    from services.worker import service as worker_service  # late, as in `workers`
+
+    models = {
+        **settings.models,
+        "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.6, default_steps=3),
+        "failing": ModelSpec(kind="sleep", fail_times=9, fail_retryable=False, fail_code="MODEL_CRASHED"),
+        "sleepy-i2v": ModelSpec(kind="sleep", task_types=["image-to-video"]),
+    }
+    # progress at most once per interval, the claim counting as the first write: a short interval shows 0.2 s steps
+    settings = settings.model_copy(
+        update={"models": models, "worker_models": ["sleepy", "failing", "sleepy-i2v"], "progress_interval_seconds": 0.05}
+    )
+    submit = await submit_service.start(settings, backends)
+    scheduler = await scheduler_service.start(settings, backends, scan_loop=False)
+    notifier = await notifier_service.start(settings)
+    worker = await worker_service.start(settings)
+    api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "tenant-a", max_pending=50, submits_per_minute=1000)
+    admin_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "ops", admin=True)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("TASKGATE_")
+    } | {
+        "TASKGATE_ADDRESS": f"127.0.0.1:{submit.port}",
+        "TASKGATE_EVENTS_ADDRESS": f"127.0.0.1:{notifier.port}",
+        "TASKGATE_ADMIN_ADDRESS": f"127.0.0.1:{scheduler.port}",
+        "TASKGATE_API_KEY": api_key,
+        "TASKGATE_ADMIN_KEY": admin_key,
+        "TASKGATE_STATE_DIR": str(tmp_path / "state"),
+        "TASKGATE_DATABASE_URL": settings.database_url or "",
+        "TASKGATE_NATS_URL": settings.nats_url or "",
+    }
+    try:
+        yield Cli(env, tmp_path, settings, backends)
+    finally:
+        await worker.stop(1.0)
+        await notifier.stop()
+        await scheduler.stop(0)
+        await submit.stop(0)

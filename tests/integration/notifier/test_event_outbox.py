@@ -1,0 +1,68 @@
+"""The event log is append-only for the relay (real PostgreSQL): events wait in an outbox the relay deletes from, each
+pass appends one row, and a stream resuming from a cursor still finds an event whose id committed out of order."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from taskgate import store
+from taskgate.runtime import Backends
+from taskgate.store import events as event_store
+from tests.support.factories import insert_task
+
+
+async def _relay_pass(pool: asyncpg.Pool) -> list[int]:
+    """One relay pass as the notifier's relay runs it (without the publish): the ids it took and recorded."""
+    async with pool.acquire() as conn, conn.transaction():
+        at = await event_store.lock_relay(conn)
+        assert at is not None
+        rows = await event_store.take_unpublished(conn, limit=100)
+        ids = [r.event.id for r in rows]
+        if ids:
+            await event_store.mark_published(conn, ids, at=at)
+    return ids
+
+
+async def test_a_pass_deletes_from_the_outbox_and_appends_one_row_leaving_the_events_as_written(backends: Backends) -> None:
+    pool = backends.pool
+    tasks = [await insert_task(pool) for _ in range(3)]
+    before = [tuple(r) for r in await pool.fetch("SELECT * FROM task_event ORDER BY id")]
+    assert await pool.fetchval("SELECT count(*) FROM event_outbox") == 3
+    relayed = await _relay_pass(pool)
+    assert len(relayed) == 3 and await pool.fetchval("SELECT count(*) FROM event_outbox") == 0
+    assert [tuple(r) for r in await pool.fetch("SELECT * FROM task_event ORDER BY id")] == before  # untouched
+    [(first, last)] = await pool.fetch("SELECT first_event, last_event FROM relay_pass")
+    assert (first, last) == (min(relayed), max(relayed))
+    assert await _relay_pass(pool) == [] and await pool.fetchval("SELECT count(*) FROM relay_pass") == 1
+    assert {t.id for t in tasks} == {r[0] for r in await pool.fetch("SELECT task_id FROM task_event")}
+
+
+async def test_a_cursor_after_an_out_of_order_commit_still_finds_the_earlier_id(backends: Backends) -> None:
+    pool = backends.pool
+    early, late, old = [await insert_task(pool) for _ in range(3)]
+    await _relay_pass(pool)
+    old_event = await pool.fetchval("SELECT max(id) FROM task_event WHERE task_id = $1", old.id)
+
+    slow = await pool.acquire()
+    try:
+        tx = slow.transaction()
+        await tx.start()
+        await store.queue(slow, early.id, actor="test", expected_version=early.version)  # its event id comes first
+        await store.queue(pool, late.id, actor="test", expected_version=late.version)  # ...but commits first
+        cursor = (await _relay_pass(pool))[-1]  # a subscriber saw `late`'s event: its cursor
+        await tx.commit()
+    finally:
+        await pool.release(slow)
+    early_event = await pool.fetchval("SELECT max(id) FROM task_event WHERE task_id = $1", early.id)
+    assert early_event < cursor  # the earlier id, relayed in a later pass
+    assert await _relay_pass(pool) == [early_event]
+
+    relayed_at = await event_store.relayed_at(pool, event_id=cursor, user_id="tenant-a")
+    assert relayed_at is not None
+    back = [e.id for e in await event_store.user_events_lookback(pool, "tenant-a", cursor=cursor, relayed_at=relayed_at)]
+    assert early_event in back and cursor in back and old_event not in back
+    # an event still in the outbox is not yet relayed: no relay time, and the lookback offers what is still to come
+    waiting = await insert_task(pool)
+    waiting_event = await pool.fetchval("SELECT max(id) FROM task_event WHERE task_id = $1", waiting.id)
+    assert await event_store.relayed_at(pool, event_id=waiting_event, user_id="tenant-a") is None
+    assert await event_store.relayed_at(pool, event_id=cursor, user_id="another-tenant") is None

@@ -1,0 +1,197 @@
+"""A worker's beat against real PostgreSQL and NATS: one statement renews every running attempt (and the registry
+row) and carries their due progress; each task's progress is written at most once per progress_interval_seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from services.worker.engine import RunReport
+from taskgate import store
+from taskgate.config import Settings
+from taskgate.runtime import Backends
+from taskgate.states import Status
+from taskgate.store import workers as registry
+from tests.support.factories import params, sleepy_settings, submit, with_
+from tests.support.harness import WorkerFactory as Factory
+from tests.support.queries import is_status, wait_task
+
+TOLERANCE = 0.03  # seconds: the database's now() of two statements vs the worker's clock when it sent them
+
+
+@dataclass
+class Beat:
+    """One call of the beat statement, as the spy saw it."""
+
+    at: float
+    holds: tuple[registry.Hold, ...]
+    registered: bool
+    renewed: dict[int, registry.Renewal]
+    rows: list[Any] = field(default_factory=list)  # (id, xmin) of the named rows and the worker's row, read just after
+
+
+class Spy:
+    """Records every beat statement the worker runs; tests await the beats they need instead of sleeping."""
+
+    def __init__(self, backends: Backends) -> None:
+        self.backends = backends
+        self.beats: list[Beat] = []
+        self._changed = asyncio.Condition()
+
+    async def __call__(
+        self, db: store.Conn, holds: Sequence[registry.Hold], *, lease_seconds: float, worker: registry.Registration | None = None,
+        actor: str = "worker",
+    ) -> dict[int, registry.Renewal]:
+        renewed = await ORIGINAL(db, holds, lease_seconds=lease_seconds, worker=worker, actor=actor)
+        beat = Beat(time.monotonic(), tuple(holds), worker is not None, renewed)
+        if holds and worker is not None:
+            beat.rows = list(
+                await self.backends.pool.fetch(
+                    "SELECT id::text, xmin::text FROM task WHERE id = ANY($1) UNION ALL "
+                    "SELECT id, xmin::text FROM worker WHERE id = $2",
+                    [h.task_id for h in holds], worker.worker_id,
+                )
+            )
+        async with self._changed:
+            self.beats.append(beat)
+            self._changed.notify_all()
+        return renewed
+
+    async def wait(self, predicate: Any, count: int = 1, within: float = 10.0) -> list[Beat]:
+        """The first `count` beats (from now on) that match `predicate`."""
+        start = len(self.beats)
+        async with asyncio.timeout(within), self._changed:
+            await self._changed.wait_for(lambda: len([b for b in self.beats[start:] if predicate(b)]) >= count)
+        return [b for b in self.beats[start:] if predicate(b)][:count]
+
+
+ORIGINAL = registry.beat
+
+
+@pytest.fixture
+async def spy(backends: Backends, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Spy]:
+    recorder = Spy(backends)
+    monkeypatch.setattr(registry, "beat", recorder)
+    yield recorder
+
+
+def fleet(settings: Settings, **update: Any) -> Settings:
+    """A sleep-model worker with three slots, renewing often, writing no progress (its interval is past the test)."""
+    return with_(
+        sleepy_settings(settings, sleep=30.0), worker_slots=3, heartbeat_seconds=0.3, lease_seconds=1.0,
+        progress_interval_seconds=600.0, **update,
+    )
+
+
+LONG = params(steps=300)  # 0.1 s steps: a stopped run ends at the next one
+
+
+def report_for(task_id: int) -> Any:
+    return lambda r: r.task_id == task_id
+
+
+async def test_one_statement_per_beat_renews_every_running_attempt_and_the_registry_row(
+    settings: Settings, backends: Backends, workers: Factory, spy: Spy
+) -> None:
+    handle = await workers(fleet(settings))
+    tasks = [await submit(backends, params=LONG) for _ in range(3)]
+    ids = {t.id for t in tasks}
+    for task in tasks:
+        await wait_task(backends, task.id, is_status(Status.PROCESSING))
+    full = await spy.wait(lambda b: b.registered and {h.task_id for h in b.holds} == ids, count=3)
+    for beat in full:
+        assert len(beat.holds) == 3 and set(beat.renewed) == ids  # every lease in the one statement, every one renewed
+        assert len({xmin for _, xmin in beat.rows}) == 1 and len(beat.rows) == 4  # 3 tasks + the worker: one transaction
+    # Nothing else ran between the beats: one statement per beat.
+    between = [b for b in spy.beats if full[0].at <= b.at <= full[-1].at]
+    assert [id(b) for b in between] == [id(b) for b in full]
+    leases = await backends.pool.fetch("SELECT lease_expires_at FROM task WHERE id = ANY($1)", list(ids))
+    assert len({r["lease_expires_at"] for r in leases}) == 1  # one now() for all three
+    row = await backends.pool.fetchrow("SELECT running FROM worker WHERE id = $1", handle.worker_id)
+    assert row is not None and row["running"] == 3
+    versions = [{i: r.task.version for i, r in beat.renewed.items()} for beat in full]
+    assert versions[0] == versions[-1]  # a renewal is no new version: no history row, nothing relayed
+
+
+async def test_a_lost_lease_among_several_stops_its_run_and_the_others_keep_theirs(
+    settings: Settings, backends: Backends, workers: Factory, spy: Spy
+) -> None:
+    handle = await workers(fleet(settings))
+    tasks = [await submit(backends, params=LONG) for _ in range(3)]
+    for task in tasks:
+        await wait_task(backends, task.id, is_status(Status.PROCESSING))
+    lost, kept = tasks[0], {t.id for t in tasks[1:]}
+    # Another attempt takes the task over (as after an expired lease): this worker's next beat is refused for it.
+    async with backends.pool.acquire() as conn, conn.transaction():
+        assert (await store.release(conn, lost.id, actor="scheduler", expected_attempt=1, worker_lost=True)).applied
+        assert (await store.claim(conn, lost.id, worker_id="elsewhere", lease_seconds=30.0, actor="test")).applied
+    report: RunReport = await handle.worker.wait_for(report_for(lost.id), within=5)
+    assert report.outcome == "lost" and report.attempt == 1
+    after = await spy.wait(lambda b: b.registered and {h.task_id for h in b.holds} == kept, count=2)
+    assert all(set(b.renewed) == kept for b in after)
+    row = await store.get_task(backends.pool, lost.id)
+    assert row is not None and (row.status, row.attempt, row.worker_id) == (Status.PROCESSING, 2, "elsewhere")
+    assert set(handle.worker.runs) == kept
+
+
+async def test_progress_is_written_at_most_once_per_interval_and_its_latest_value_is_not_held_back(
+    settings: Settings, backends: Backends, workers: Factory
+) -> None:
+    interval = 2.0
+    await workers(with_(sleepy_settings(settings, sleep=6.0), progress_interval_seconds=interval, heartbeat_seconds=0.5))
+    task = await submit(backends, params=params(steps=4))  # a step every 1.5 s: 25% at 1.5 s, 50% at 3 s, 75% at 4.5 s
+    row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED), within=20)
+    assert row.progress == 100
+    history = await backends.pool.fetch(
+        "SELECT * FROM task_event WHERE task_id = $1 AND to_status = 'PROCESSING' ORDER BY version", task.id
+    )
+    claim, *moves = history
+    assert claim["progress"] == 0 and moves, "no progress written"
+    times = [claim["at"], *(m["at"] for m in moves)]
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= interval - TOLERANCE, gaps
+    # 25% came at 1.5 s and nothing more until 3 s: it is written when its interval is up, not with the next step.
+    assert moves[0]["progress"] == 25
+    assert [m["progress"] for m in moves] == sorted({m["progress"] for m in moves})
+
+
+async def test_the_progress_of_all_running_tasks_goes_in_one_statement_per_interval(
+    settings: Settings, backends: Backends, workers: Factory, spy: Spy
+) -> None:
+    interval = 0.5
+    await workers(
+        with_(sleepy_settings(settings, sleep=3.0), worker_slots=3, progress_interval_seconds=interval, heartbeat_seconds=1.0,
+              lease_seconds=3.0)
+    )
+    tasks = [await submit(backends, params=params(steps=30)) for _ in range(3)]
+    for task in tasks:
+        await wait_task(backends, task.id, is_status(Status.SUCCEEDED), within=20)
+    ids = [t.id for t in tasks]
+    moves = await backends.pool.fetch(
+        "SELECT task_id, at, progress, xmin::text AS xid FROM task_event WHERE task_id = ANY($1) AND from_status = 'PROCESSING' "
+        "AND to_status = 'PROCESSING' ORDER BY task_id, version",
+        ids,
+    )
+    by_task: dict[int, list[Any]] = {}
+    for m in moves:
+        by_task.setdefault(m["task_id"], []).append(m)
+    assert set(by_task) == set(ids)
+    for rows in by_task.values():
+        gaps = [(b["at"] - a["at"]).total_seconds() for a, b in itertools.pairwise(rows)]
+        assert min(gaps, default=interval) >= interval - TOLERANCE, gaps
+    carrying = [b for b in spy.beats if any(h.progress is not None for h in b.holds)]
+    assert len(moves) == sum(1 for b in carrying for h in b.holds if h.progress is not None)
+    # After the first interval the three are due together: one statement writes all three (one transaction's history).
+    shared: dict[str, set[int]] = {}
+    for m in moves:
+        shared.setdefault(m["xid"], set()).add(m["task_id"])
+    assert any(len(group) == 3 for group in shared.values())
+    assert len(carrying) < len(moves) / 2, (len(carrying), len(moves))
+    flushes = sorted(b.at for b in carrying if not b.registered)
+    assert all(b - a >= interval - TOLERANCE for a, b in itertools.pairwise(flushes))

@@ -1,0 +1,199 @@
+"""The import rules that keep the layout's arrows one-way, checked on every .py file's syntax tree.
+
+services -> taskgate (core) -> taskgate.v1; taskgate_client -> taskgate.v1 only; taskgate_local -> anything;
+no production code imports taskgate_local; services never import each other; a test module imports no other test
+module (shared helpers live in tests/support, fixtures in a conftest.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from taskgate.states import Status as ServerStatus
+from taskgate.v1 import task_pb2
+from taskgate_client import Status
+from tests.support.harness import ROOT
+
+SKIPPED = {".venv", ".git", "build", "__pycache__", ".taskgate"}
+PRODUCTION = ("taskgate", "services", "taskgate_client")
+HEAVY = ("torch", "diffusers", "asyncpg", "nats")
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    """One imported module name (`from a import b` also yields `a.b`, which may be a submodule)."""
+
+    module: str
+    target: str
+    line: int
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _python_files() -> Iterator[Path]:
+    for folder, dirs, files in os.walk(ROOT):  # pruned as it goes: never a walk through .venv
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED and not d.endswith(".egg-info"))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield Path(folder) / name
+
+
+def _imports(path: Path, root: Path = ROOT) -> Iterator[Import]:
+    module = _module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):  # every import, also those inside functions
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(module, alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            yield Import(module, base, node.lineno)
+            for alias in node.names:
+                if alias.name != "*":
+                    yield Import(module, f"{base}.{alias.name}", node.lineno)
+
+
+def _service(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "services" else None
+
+
+def broken_rule(imp: Import) -> str | None:
+    """The rule `imp` breaks, or None."""
+    module, target = imp.module, imp.target
+    here, there = _service(module), _service(target)
+    if here is not None and there is not None and here != there:
+        return "a service imports another service"
+    if _within(module, "taskgate") and (_within(target, "services") or _within(target, "taskgate_local")):
+        return "the core imports a service or the local tooling"
+    if _within(module, "taskgate_client"):
+        if _within(target, "taskgate") and not _within(target, "taskgate.v1"):
+            return "the client imports the server core (only taskgate.v1 is shared)"
+        if _within(target, "services") or _within(target, "taskgate_local"):
+            return "the client imports server or local code"
+    if any(_within(module, p) for p in PRODUCTION) and _within(target, "taskgate_local"):
+        return "production code imports the local tooling"
+    if _within(module, "tests") and _within(target, "tests") and target != "tests" and not _within(target, "tests.support"):
+        return "a test module imports another test module (shared helpers go in tests/support, fixtures in a conftest.py)"
+    return None
+
+
+def test_every_module_keeps_the_import_rules() -> None:
+    found: dict[str, int] = {}
+    offending = []
+    for path in _python_files():
+        for imp in _imports(path):
+            found[imp.module.split(".")[0]] = found.get(imp.module.split(".")[0], 0) + 1
+            rule = broken_rule(imp)
+            if rule is not None:
+                offending.append(f"{path.relative_to(ROOT)}:{imp.line}  {imp.module} imports {imp.target}  ({rule})")
+    # the scan must actually see each package, or a moved folder would make this test vacuous
+    assert {"taskgate", "services", "taskgate_client", "taskgate_local", "tests"} <= found.keys(), found
+    assert offending == [], "import rules broken:\n" + "\n".join(offending)
+
+
+def test_the_rules_catch_each_kind_of_arrow() -> None:
+    bad = [
+        Import("services.scheduler.admin", "services.worker.engine", 1),
+        Import("taskgate.store.tasks", "services.submit", 1),
+        Import("taskgate.runtime", "taskgate_local.embedded", 1),
+        Import("taskgate_client.cli", "taskgate.states", 1),
+        Import("taskgate_client.cli", "taskgate", 1),
+        Import("taskgate_client.aio", "services.scheduler", 1),
+        Import("services.worker.runner", "taskgate_local.tinymodel", 1),
+        Import("tests.integration.worker.test_backlog", "tests.integration.worker.test_worker", 1),
+        Import("tests.integration.worker.test_backlog", "tests.integration.worker.test_worker.submit", 1),
+        Import("tests.system.test_packaging", "tests.conftest", 1),
+        Import("tests.support.stacks", "tests.integration.client.conftest", 1),
+    ]
+    good = [
+        Import("services.worker.engine", "services.worker.inference", 1),
+        Import("services.worker.engine", "taskgate.store", 1),
+        Import("taskgate_client.aio", "taskgate.v1.task_pb2", 1),
+        Import("services.notifier.webhooks", "taskgate_client.webhook_signing", 1),
+        Import("taskgate_local.dev", "taskgate_client", 1),
+        Import("tests.integration.client.test_cli", "taskgate_local.embedded", 1),
+        Import("tests.integration.worker.test_backlog", "tests.support.factories", 1),
+        Import("tests.conftest", "tests.support.harness.WorkerFactory", 1),
+        Import("bench.stack", "tests.support.harness", 1),
+    ]
+    assert [imp for imp in bad if broken_rule(imp) is None] == []
+    assert [(imp, broken_rule(imp)) for imp in good if broken_rule(imp) is not None] == []
+
+
+def test_importing_the_client_loads_no_server_or_model_code() -> None:
+    probe = (
+        "import json, sys\n"
+        "import taskgate_client, taskgate_client.cli\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    loaded: list[str] = json.loads(done.stdout)
+    heavy = [name for name in loaded if any(_within(name, h) for h in HEAVY)]
+    server = [name for name in loaded if _within(name, "taskgate") and name != "taskgate" and not _within(name, "taskgate.v1")]
+    assert heavy == [] and server == [], f"`import taskgate_client` loaded {heavy + server}"
+
+
+def test_the_clients_own_status_is_the_wire_enum() -> None:
+    wire = [v.name.removeprefix("TASK_STATUS_") for v in task_pb2.TaskStatus.DESCRIPTOR.values if v.number]  # 0: UNSPECIFIED
+    assert [s.value for s in Status] == wire == [s.value for s in ServerStatus]
+    assert all(Status.from_proto(s.to_proto()) is s and s.terminal == ServerStatus(s.value).terminal for s in Status)
+
+
+# The store is the only author of SQL; migrate applies the schema files (its own ledger statements included).
+SQL_AUTHORS = ("taskgate.store", "taskgate.sql", "taskgate.migrate")
+DRIVER_CALLS = frozenset({"execute", "executemany", "fetch", "fetchrow", "fetchval", "copy_records_to_table", "copy_to_table", "cursor"})
+
+
+def _sql_uses(path: Path, root: Path = ROOT) -> Iterator[str]:
+    module = _module_name(path, root)
+    tree = ast.parse(path.read_text(), str(path))
+    for imp in _imports(path, root):
+        if _within(imp.target, "taskgate.sql"):
+            yield f"{path.relative_to(root)}:{imp.line}  {module} imports {imp.target}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in DRIVER_CALLS:
+            yield f"{path.relative_to(root)}:{node.lineno}  {module} calls .{node.func.attr}()"
+
+
+def test_only_the_store_runs_sql() -> None:
+    offending: list[str] = []
+    checked = 0
+    for path in _python_files():
+        module = _module_name(path)
+        if not any(_within(module, p) for p in PRODUCTION) or any(_within(module, a) for a in SQL_AUTHORS):
+            continue
+        checked += 1
+        offending.extend(_sql_uses(path))
+    assert checked > 30, checked  # the walk saw the services and the core
+    assert offending == [], "SQL outside taskgate/store/:\n" + "\n".join(offending)
+
+
+def test_the_sql_rule_catches_a_service_query(tmp_path: Path) -> None:
+    sample = tmp_path / "services" / "submit" / "_probe_sql_rule.py"  # a service module, outside the checkout
+    sample.parent.mkdir(parents=True)
+    sample.write_text("from taskgate import sql\n\nasync def f(pool):\n    return await pool.fetchval(sql.query('x'))\n")
+    found = list(_sql_uses(sample, root=tmp_path))
+    assert [line.split("  ", 1)[1] for line in found] == [
+        "services.submit._probe_sql_rule imports taskgate.sql",
+        "services.submit._probe_sql_rule calls .fetchval()",
+    ]

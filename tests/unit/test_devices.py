@@ -1,0 +1,71 @@
+"""A worker's devices without a stack: one caller at a time per device in arrival order, and the plan of 1.5 tasks per device."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.worker import runner as runmod
+from services.worker.devices import Devices
+from tests.support.harness import wait_for
+
+
+async def test_a_device_serves_one_caller_at_a_time_in_arrival_order() -> None:
+    devices = Devices(["cuda:0", "cuda:1"])
+    order: list[str] = []
+    release = {name: asyncio.Event() for name in "abcd"}
+
+    async def use(name: str, allowed: set[str]) -> None:
+        async with devices.use(allowed) as lane:
+            order.append(f"{name}@{lane.device}")
+            await release[name].wait()
+
+    tasks = [asyncio.create_task(use("a", {"cuda:0", "cuda:1"})), asyncio.create_task(use("b", {"cuda:0", "cuda:1"}))]
+    await wait_for(lambda: len(order) == 2)
+    tasks += [asyncio.create_task(use("c", {"cuda:1"})), asyncio.create_task(use("d", {"cuda:0", "cuda:1"}))]
+    await asyncio.sleep(0)  # c and d wait: both devices are held
+    assert order == ["a@cuda:0", "b@cuda:1"]
+    release["a"].set()  # cuda:0 frees: c cannot use it, d (behind c) can
+    await wait_for(lambda: len(order) == 3)
+    assert order[2] == "d@cuda:0"
+    release["b"].set()
+    await wait_for(lambda: len(order) == 4)
+    assert order[3] == "c@cuda:1"
+    release["c"].set()
+    release["d"].set()
+    await asyncio.gather(*tasks)
+    assert all(lane.busy_since is None for lane in devices.lanes) and devices.busy_seconds > 0
+    devices.close()
+
+
+async def test_a_cancelled_waiter_passes_the_device_on() -> None:
+    devices = Devices(["cpu"])
+    held = asyncio.Event()
+    done = asyncio.Event()
+
+    async def hold() -> None:
+        async with devices.use({"cpu"}):
+            held.set()
+            await done.wait()
+
+    holder = asyncio.create_task(hold())
+    await held.wait()
+    waiter = asyncio.create_task(asyncio.wait_for(devices.use({"cpu"}).__aenter__(), 10))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    done.set()
+    await holder
+    async with devices.use({"cpu"}) as lane:  # free again: the cancelled waiter did not keep it
+        assert lane.device == "cpu"
+    devices.close()
+
+
+def test_device_plan_gives_one_and_a_half_tasks_per_device() -> None:
+    sleepy = runmod.device_plan({"sleep"}, 0, 1.5)
+    assert (sleepy.devices, sleepy.slots, sleepy.capacity) == (["cpu"], 1, 1.0)  # 'sleep'-only: one lane per slot
+    assert runmod.device_plan({"sleep"}, 3, 1.5).devices == ["cpu"] * 3
+    plan = runmod.device_plan({"diffusers"}, 0, 1.5)
+    gpus = len([d for d in plan.devices if d.startswith("cuda")])
+    assert plan.devices == ([f"cuda:{i}" for i in range(gpus)] or ["cpu"])
+    assert plan.slots == -(-len(plan.devices) * 3 // 2) and plan.use_cuda == (gpus > 0)
+    assert plan.capacity == len(plan.devices) * 1.5  # unrounded: the cluster cap sums these, then rounds down
+    assert runmod.device_plan({"diffusers"}, 4, 1.5).capacity == 4.0  # slots set by hand are its capacity
