@@ -486,7 +486,15 @@ async def outcome(call: Awaitable[Any]) -> tuple[grpc.StatusCode, list[Any], Any
 
 
 def info_of(details: list[Any]) -> error_details_pb2.ErrorInfo:
-    return next(d for d in details if isinstance(d, error_details_pb2.ErrorInfo))
+    """The ErrorInfo among a status's google.rpc details."""
+    found = [d for d in details if isinstance(d, error_details_pb2.ErrorInfo)]
+    assert found, f"no ErrorInfo in {details}"
+    return found[0]
+
+
+def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    """The ErrorInfo a failed call carried."""
+    return info_of(trailing_details(exc))
 
 
 def with_database(url: str, name: str) -> str:

@@ -10,7 +10,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
-from google.rpc import error_details_pb2
 
 from services.notifier.service import NotifierHandle
 from taskgate import store
@@ -18,7 +17,7 @@ from taskgate.config import Settings
 from taskgate.states import Status
 from taskgate.v1 import events_pb2_grpc
 from tests.support.factories import RESULT
-from tests.support.harness import trailing_details, wait_for
+from tests.support.harness import wait_for
 from tests.support.webhooks import Received
 
 TENANT = "tenant-a"
@@ -73,13 +72,6 @@ async def all_relayed(pool: Any) -> None:
 async def events_stub(handle: NotifierHandle, options: Sequence[tuple[str, Any]] = ()) -> AsyncIterator[Any]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}", options=list(options)) as channel:
         yield events_pb2_grpc.TaskEventsStub(channel)
-
-
-def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
-    for detail in trailing_details(exc):
-        if isinstance(detail, error_details_pb2.ErrorInfo):
-            return detail
-    raise AssertionError("no ErrorInfo in the status")
 
 
 async def progress(pool: Any, task_id: int, *steps: int) -> None:

@@ -18,8 +18,8 @@ from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.v1 import events_pb2, events_pb2_grpc
 from tests.support.factories import finished_runs, insert_task
-from tests.support.harness import bearer, trailing_details, wait_for
-from tests.support.notifier import all_relayed, error_info, events_stub, fast, progress, run_to, succeed
+from tests.support.harness import bearer, error_info, trailing_details, wait_for
+from tests.support.notifier import all_relayed, events_stub, fast, progress, run_to, succeed
 
 STREAMS = 20
 
