@@ -100,8 +100,12 @@ async def test_a_failing_destination_trips_its_breaker_then_lets_one_attempt_thr
             first = await task_for(pool, "tenant-a", rx.url())
             await succeeded(pool, first.id)
             await wait_for(lambda: len(rx.requests) == 3)
-            opened = await pool.fetchrow("SELECT failures, open_until FROM webhook_destination")
-            assert opened is not None and opened["failures"] == 3 and opened["open_until"] is not None
+
+            async def breaker_open() -> bool:  # the third 500 is recorded after the receiver saw the request
+                row = await pool.fetchrow("SELECT failures, open_until FROM webhook_destination")
+                return row is not None and row["failures"] == 3 and row["open_until"] is not None
+
+            await wait_for(breaker_open, within=5.0)
             for _ in range(3):  # while the breaker is open, new webhooks wait for it too
                 await succeeded(pool, (await task_for(pool, "tenant-a", rx.url())).id)
             await wait_for(lambda: len(rx.requests) == 7, within=10.0)  # 3 failures, the trial, the other 3
