@@ -1,5 +1,6 @@
 """The operator dashboard at /dashboard: live queue depth, workers and running tasks, failures, dead letters and
-failing webhooks, with replay and redeliver behind a confirmation.
+failing webhooks, with replay, redeliver and drain behind a confirmation (shown to an operator key only: a read-only
+admin key sees the same figures and no control).
 
 It is TaskAdmin seen from a browser: every figure is a TaskAdmin call made with the operator's own admin key (the
 scheduler checks it on each call, so a revoked key ends the session at the next refresh), and every action is the
@@ -31,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from taskgate import channels
+from taskgate import auth, channels
 from taskgate.config import Settings
 from taskgate.v1 import admin_pb2, task_pb2, worker_pb2, worker_pb2_grpc
 
@@ -67,12 +68,14 @@ _SIGNED_OUT = {
 
 @dataclass
 class Session:
-    """A signed-in operator: the admin key every call of theirs carries, and the token their actions must echo."""
+    """A signed-in operator: the admin key every call of theirs carries, and the token their actions must echo.
+    `operator`: the key's scope allows acting (replay, redeliver, drain); a read-only key's session only looks."""
 
     key: str
     csrf: str
     started: float
     seen: float
+    operator: bool = False
 
 
 class Sessions:
@@ -82,13 +85,13 @@ class Sessions:
         self._by_id: dict[str, Session] = {}
         self._clock = clock
 
-    def open(self, key: str) -> tuple[str, Session]:
+    def open(self, key: str, *, operator: bool = False) -> tuple[str, Session]:
         now = self._clock()
         self._prune(now)
         while len(self._by_id) >= MAX_SESSIONS:
             del self._by_id[min(self._by_id, key=lambda sid: self._by_id[sid].seen)]
         sid = secrets.token_urlsafe(32)
-        session = Session(key=key, csrf=secrets.token_urlsafe(32), started=now, seen=now)
+        session = Session(key=key, csrf=secrets.token_urlsafe(32), started=now, seen=now, operator=operator)
         self._by_id[sid] = session
         return sid, session
 
@@ -458,7 +461,7 @@ class Dashboard:
                 self.sessions.close(sid)
                 return self._login_form(_SIGNED_OUT[exc.code()], status=401)
             return self._login_form(f"The scheduler did not answer ({exc.code().name}): {exc.details() or ''}", status=503)
-        return self._html("page.html", view=view, csrf=session.csrf, problem="")
+        return self._html("page.html", view=view, csrf=session.csrf, problem="", operator=session.operator)
 
     async def login(self, request: Request) -> Response:
         """Checks the key with a GetStats call (TaskAdmin's own check: an admin key, not revoked) and opens a session."""
@@ -478,14 +481,37 @@ class Dashboard:
             if exc.code() is grpc.StatusCode.PERMISSION_DENIED:
                 return self._login_form(_SIGNED_OUT[exc.code()], status=403)
             return self._login_form(f"The scheduler did not answer ({exc.code().name}); try again.", status=503)
+        operator = await self._is_operator(key)
         self.sessions.close(request.cookies.get(COOKIE))  # a fresh session id at each sign-in (no fixation)
-        sid, _session = self.sessions.open(key)
-        log.info("dashboard sign-in", extra={"key_prefix": key[:10]})  # the prefix `taskgate admin keys` lists
+        sid, _session = self.sessions.open(key, operator=operator)
+        # the prefix `taskgate admin keys` lists
+        log.info("dashboard sign-in", extra={"key_prefix": key[:10], "scope": auth.OPERATOR if operator else auth.READ})
         response = RedirectResponse("/dashboard", status_code=303)
         response.set_cookie(
             COOKIE, sid, max_age=SESSION_SECONDS, path="/dashboard", httponly=True, samesite="strict", secure=self._secure(request)
         )
         return response
+
+    async def _is_operator(self, key: str) -> bool:
+        """Whether `key` (an admin key the scheduler just accepted) has the operator scope, read as TaskAdmin lists it:
+        Authorize names the credential, ListApiKeys gives its scope (both read-only calls, nothing audited). Anything
+        short of a live operator credential with this key's prefix reads as read-only: the page then offers no control,
+        and the scheduler would refuse one anyway."""
+        metadata = self._metadata(key)
+        try:
+            who = await self.upstream.admin.Authorize(
+                admin_pb2.AuthorizeRequest(action="worker.status"), metadata=metadata, timeout=self.upstream.timeout
+            )
+            listed = await self.upstream.admin.ListApiKeys(
+                admin_pb2.ListApiKeysRequest(tenant=who.admin), metadata=metadata, timeout=self.upstream.timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("dashboard: the key's scope could not be read; signed in read-only", extra={"code": exc.code().name})
+            return False
+        return any(
+            k.admin and k.prefix == key[: len(k.prefix)] and not k.HasField("revoked_at") and k.scope == auth.OPERATOR
+            for k in listed.keys
+        )
 
     async def logout(self, request: Request) -> Response:
         sid, session = self._session(request)
@@ -513,7 +539,9 @@ class Dashboard:
                 self.sessions.close(sid)
                 return self._json({"error": _SIGNED_OUT[exc.code()]}, 401)
             return self._json({"error": f"The scheduler did not answer ({exc.code().name}): {exc.details() or ''}"}, 503)
-        sections = {name: self.env.get_template(f"{name}.html").render(view=view) for name in dashboard_page.SECTIONS}
+        sections = {
+            name: self.env.get_template(f"{name}.html").render(view=view, operator=session.operator) for name in dashboard_page.SECTIONS
+        }
         return self._json({"sections": sections, "updated": dashboard_page.clock(view.at), "updated_at": dashboard_page.iso(view.at)})
 
     # -- actions -------------------------------------------------------------------------------------------------
@@ -529,6 +557,8 @@ class Dashboard:
             return self._json({"ok": False, "message": "missing or wrong CSRF token: reload the dashboard"}, 403)
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             return self._json({"ok": False, "message": "send JSON"}, 415)
+        if not session.operator:
+            return self._json({"ok": False, "message": "this admin key is read-only: acting needs an operator key"}, 403)
         actions: dict[str, tuple[Callable[[Session, str], Awaitable[tuple[bool, str]]], str]] = {
             "replay": (self._replay, "task_id"), "redeliver": (self._redeliver, "task_id"), "drain": (self._drain, "worker_id"),
         }

@@ -214,6 +214,7 @@ _PAGE = """{% extends "layout.html" %}
 <header>
   <h1>taskgate operator dashboard</h1>
   <p>Updated <time id="updated" datetime="{{ view.at|iso }}">{{ view.at|clock }}</time> UTC, every second</p>
+  {% if not operator %}<p id="read-only">Read-only key: no actions</p>{% endif %}
   <form method="post" action="/dashboard/logout">
     <input type="hidden" name="csrf" value="{{ csrf }}">
     <button type="submit">Sign out</button>
@@ -288,7 +289,7 @@ _SECTION_TEMPLATES = {
 <td><meter min="0" max="{{ [w.slots, 1]|max }}" value="{{ w.running }}" aria-label="Busy slots of {{ w.id }}"></meter>
 {{ w.running }} of {{ w.slots }}</td>
 <td>{{ when(w.last_heartbeat) }}</td>
-<td>{% if w.can_drain %}<button type="button" id="drain-{{ w.id }}" data-action="drain" data-field="worker_id"
+<td>{% if w.can_drain and operator %}<button type="button" id="drain-{{ w.id }}" data-action="drain" data-field="worker_id"
   data-task="{{ w.id }}" data-title="Drain a worker" data-verb="Drain"
   data-confirm="Drain worker {{ w.id }}? It takes no new task, lets what it runs finish (up to its drain grace),
  then stops; the queue waits for the other workers."
@@ -365,11 +366,11 @@ _SECTION_TEMPLATES = {
 <td class="wrap">{% if d.last_error %}{{ d.last_error|clip(120) }}{% elif d.last_status_code %}HTTP {{ d.last_status_code }}
 {%- else %}—{% endif %}</td>
 <td>{{ when(d.last_attempt) }}</td>
-<td><button type="button" id="redeliver-{{ d.id }}" data-action="redeliver" data-task="{{ d.task_id }}"
+<td>{% if operator %}<button type="button" id="redeliver-{{ d.id }}" data-action="redeliver" data-task="{{ d.task_id }}"
   data-title="Redeliver webhooks" data-verb="Redeliver"
   data-confirm="Send task {{ d.task_id }}'s terminal webhooks to {{ d.tenant }}'s receiver again,
  with the same webhook ids and a fresh retry schedule?"
-  aria-label="Redeliver the webhooks of task {{ d.task_id }}">Redeliver</button></td></tr>
+  aria-label="Redeliver the webhooks of task {{ d.task_id }}">Redeliver</button>{% else %}—{% endif %}</td></tr>
 {% else %}<tr><td colspan="9" class="empty">No failing delivery.</td></tr>{% endfor %}
 </tbody></table></div>""",
 }
@@ -381,12 +382,14 @@ _MACROS = """{% macro status(s) %}""" + _STATUS + """{% endmacro %}
 {%- if replayed_as -%}
 <span data-replayed-as="{{ replayed_as }}">Replayed as <a href="#task-{{ replayed_as }}">{{ replayed_as }}</a>
 {%- if replayed_at %} at {{ when(replayed_at) }}{% endif %}</span>
-{%- else -%}
+{%- elif operator -%}
 <button type="button" id="replay-{{ where }}-{{ task_id }}" data-action="replay" data-task="{{ task_id }}"
   data-title="Replay a failed task" data-verb="Replay"
   data-confirm="Replay task {{ task_id }} ({{ tenant }}, {{ model }}) as a new task? It runs the stored request
  again, seed included, past the tenant's rate and pending limits."
   aria-label="Replay task {{ task_id }}">Replay</button>
+{%- else -%}
+—
 {%- endif -%}
 {% endmacro %}
 """
