@@ -113,6 +113,7 @@ class Api:
             Route("/v1/tasks/{task_id}", self.get_task, methods=["GET"]),
             Route("/v1/events", self.all_events, methods=["GET"]),
             Route("/v1/inputs", self.upload, methods=["PUT", "POST"]),
+            Route("/v1/webhook-secret:rotate", self.rotate_webhook_secret, methods=["POST"]),
         ]
 
     # -- plumbing ------------------------------------------------------------------------------------------------
@@ -239,6 +240,17 @@ class Api:
             lambda: self.upstream.gateway.RegenerateTask(req, metadata=credentials(request), timeout=self._timeout)
         )
         return JSONResponse(to_json(resp) | {"created": resp.created}, status_code=201 if resp.created else 200)
+
+    @_answering
+    async def rotate_webhook_secret(self, request: Request) -> Response:
+        """A new webhook secret for the caller's own tenant (shown once: never cached); body `{"overlap": "3600s"}`
+        optional."""
+        req = await self._json(request, gateway_pb2.TaskGatewayRotateWebhookSecretRequest(), optional=True)
+        assert isinstance(req, gateway_pb2.TaskGatewayRotateWebhookSecretRequest)
+        resp = await self._call(
+            lambda: self.upstream.gateway.RotateWebhookSecret(req, metadata=credentials(request), timeout=self._timeout)
+        )
+        return JSONResponse(to_json(resp), headers={"cache-control": "no-store"})
 
     @_answering
     async def result(self, request: Request) -> Response:

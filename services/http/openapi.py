@@ -127,6 +127,7 @@ def document() -> dict[str, Any]:
         gateway_pb2.CancelTaskRequest.DESCRIPTOR, gateway_pb2.CancelTaskResponse.DESCRIPTOR,
         gateway_pb2.RegenerateTaskRequest.DESCRIPTOR, gateway_pb2.RegenerateTaskResponse.DESCRIPTOR,
         gateway_pb2.UploadInputResponse.DESCRIPTOR, task_pb2.TaskEvent.DESCRIPTOR,
+        gateway_pb2.TaskGatewayRotateWebhookSecretRequest.DESCRIPTOR, gateway_pb2.TaskGatewayRotateWebhookSecretResponse.DESCRIPTOR,
     ])
     # answers with `created` beside the message's own fields
     for name in ("SubmitTaskResponse", "RegenerateTaskResponse"):
@@ -248,6 +249,17 @@ def document() -> dict[str, Any]:
                 "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string"}},
                                                               "image/*": {"schema": {"type": "string"}}}},
                 "responses": {"201": _json(_ref("UploadInputResponse"), "the stored image: name it by sha256"), **_ERRORS},
+            }
+        },
+        "/v1/webhook-secret:rotate": {
+            "post": {
+                "operationId": "RotateWebhookSecret",
+                "summary": "a new webhook secret for the caller's tenant, shown once; the current ones keep signing until "
+                           "the overlap (default 24 h; \"0s\" retires them now) ends",
+                "security": _AUTH,
+                "requestBody": {"required": False, "content": {"application/json": {
+                    "schema": _ref("TaskGatewayRotateWebhookSecretRequest")}}},
+                "responses": {"200": _json(_ref("TaskGatewayRotateWebhookSecretResponse"), "the new secret"), **_ERRORS},
             }
         },
     }

@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import grpc
@@ -20,10 +21,11 @@ from PIL import Image
 from services.http import openapi
 from services.http import upstream as http_upstream
 from services.notifier import service as notifier_service
-from taskgate import store
+from taskgate import auth, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.results import result_store
 from taskgate.runtime import Backends
+from taskgate.sealing import Sealer
 from taskgate.states import Status
 from tests.support import harness
 from tests.support.harness import HttpStack, wait_for
@@ -171,6 +173,36 @@ async def test_cancel_and_regenerate(client: httpx.AsyncClient) -> None:
     running = (await client.post("/v1/tasks", json={"prompt": "not yet", "model_id": "held", "params": SMALL})).json()["task"]
     early = await client.post(f"/v1/tasks/{running['id']}:regenerate")
     assert "TASK_NOT_FINISHED" in json.dumps(error_of(early, 400, "FAILED_PRECONDITION")["details"])
+
+
+async def test_a_tenant_rotates_its_own_webhook_secret(client: httpx.AsyncClient, stack: HttpStack, backends: Backends) -> None:
+    key, old = await auth.create_key(backends.pool, stack.settings.api_key_pepper, "tenant-rotating")
+    mine = {"authorization": f"Bearer {key}"}
+    sealer = Sealer.of(stack.settings)
+    others = await auth.webhook_secrets(backends.pool, "tenant-a", sealer)
+
+    rotated = await client.post("/v1/webhook-secret:rotate", json={"overlap": "3600s"}, headers=mine)
+    assert rotated.status_code == 200 and rotated.headers["cache-control"] == "no-store", rotated.text
+    conforms(rotated.json(), "TaskGatewayRotateWebhookSecretResponse")
+    new = rotated.json()["webhook_secret"]
+    assert new.startswith("whsec_") and new != old and rotated.json()["valid_secrets"] == 2
+    until = datetime.fromisoformat(rotated.json()["previous_valid_until"].replace("Z", "+00:00"))
+    assert timedelta(minutes=59) < until - datetime.now(UTC) <= timedelta(hours=1)
+    assert set(await auth.webhook_secrets(backends.pool, "tenant-rotating", sealer)) == {old, new}
+
+    # no body: the default overlap; "0s" retires every current secret at once, the newest alone signs
+    assert (await client.post("/v1/webhook-secret:rotate", headers=mine)).json()["valid_secrets"] == 3
+    last = await client.post("/v1/webhook-secret:rotate", json={"overlap": "0s"}, headers=mine)
+    assert last.json()["valid_secrets"] == 1
+    assert await auth.webhook_secrets(backends.pool, "tenant-rotating", sealer) == [last.json()["webhook_secret"]]
+    assert await auth.webhook_secrets(backends.pool, "tenant-a", sealer) == others  # only the caller's own tenant
+
+    negative = await client.post("/v1/webhook-secret:rotate", json={"overlap": "-1s"}, headers=mine)
+    assert violations(error_of(negative, 400, "INVALID_ARGUMENT")) == {"overlap"}
+    not_an_object = await client.post("/v1/webhook-secret:rotate", json=[1], headers=mine)
+    assert violations(error_of(not_an_object, 400, "INVALID_ARGUMENT")) == {"body"}
+    error_of(await client.post("/v1/webhook-secret:rotate", headers={"authorization": ""}), 401, "UNAUTHENTICATED")
+    assert await auth.webhook_secrets(backends.pool, "tenant-rotating", sealer) == [last.json()["webhook_secret"]]
 
 
 async def test_the_result_with_its_digest_and_ranges(client: httpx.AsyncClient) -> None:
