@@ -25,7 +25,8 @@ from PIL import Image
 
 from services.worker import runner as runmod
 from services.worker.devices import Devices
-from services.worker.inference import decode_mp4_info, pick_device
+from services.worker.encoding import decode_mp4_info
+from services.worker.inference import pick_device
 from taskgate import images
 from taskgate.families import FAMILIES, IMAGE_TO_VIDEO
 from taskgate_local import tinymodel

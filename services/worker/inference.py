@@ -1,4 +1,5 @@
-"""Text- and image-to-video inference: loads a diffusers pipeline, runs it with progress and abort hooks, encodes MP4."""
+"""Text- and image-to-video inference: loads a diffusers pipeline and runs it with progress and abort hooks (the MP4
+encoding of its frames is services/worker/encoding.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
-import io
 import json
 import threading
 import time
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import av
 import numpy as np
 import torch
 from PIL import Image
@@ -23,30 +22,7 @@ from PIL import Image
 from taskgate import families, tracing
 from taskgate.config import ModelSpec
 
-CONTENT_TYPE_MP4 = "video/mp4"
-
-# x264 writes its settings (thread count included) into the stream, so a fixed count keeps bytes host-independent.
-_X264_THREADS = 4
-# mbtree off: with it, the bundled x264 (core 165, av 18.1.0) gave different bytes for identical input, run to run.
-_X264_OPTIONS = {"preset": "medium", "crf": "18", "x264-params": "mbtree=0"}
-
-
-def _fixed_point(value: float) -> int:
-    """A coefficient scaled by 2**16 for integer colour conversion."""
-    return round(value * 65536)
-
-
-# BT.709 RGB -> limited-range YCbCr in 16.16 fixed point; integer maths gives the same bytes on every CPU,
-# which swscale's SIMD paths do not promise. Chroma rows sum to zero so grey stays exactly 128.
-_KR, _KB = 0.2126, 0.0722
-_KG = 1.0 - _KR - _KB
-_Y = (_fixed_point(219 / 255 * _KR), _fixed_point(219 / 255 * _KG), _fixed_point(219 / 255 * _KB))
-_CB_R = _fixed_point(-224 / 255 * _KR / (2 * (1 - _KB)))
-_CB_G = _fixed_point(-224 / 255 * _KG / (2 * (1 - _KB)))
-_CB = (_CB_R, _CB_G, -(_CB_R + _CB_G))
-_CR_G = _fixed_point(-224 / 255 * _KG / (2 * (1 - _KR)))
-_CR_B = _fixed_point(-224 / 255 * _KB / (2 * (1 - _KR)))
-_CR = (-(_CR_G + _CR_B), _CR_G, _CR_B)
+from .encoding import CONTENT_TYPE_MP4, encode_mp4
 
 _MISSING = object()
 
@@ -132,60 +108,6 @@ def classify(exc: BaseException) -> tuple[bool, str]:
     if isinstance(exc, ValueError | TypeError):
         return False, "INVALID_PARAMETERS"
     return False, "PIPELINE_ERROR"
-
-
-def _rgb_to_yuv420p(frame: np.ndarray) -> np.ndarray:
-    """One HxWx3 uint8 RGB frame as a yuv420p plane stack of shape (H*3/2, W)."""
-    rgb = frame.astype(np.int32)
-    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
-    y = ((_Y[0] * r + _Y[1] * g + _Y[2] * b + (1 << 15)) >> 16) + 16
-    # Each chroma sample comes from the sum of a 2x2 block, hence the two extra bits of shift.
-    quad = rgb[0::2, 0::2] + rgb[1::2, 0::2] + rgb[0::2, 1::2] + rgb[1::2, 1::2]
-    rs, gs, bs = quad[..., 0], quad[..., 1], quad[..., 2]
-    u = ((_CB[0] * rs + _CB[1] * gs + _CB[2] * bs + (1 << 17)) >> 18) + 128
-    v = ((_CR[0] * rs + _CR[1] * gs + _CR[2] * bs + (1 << 17)) >> 18) + 128
-    height, width = y.shape
-    chroma = np.concatenate([u.reshape(-1), v.reshape(-1)]).reshape(height // 2, width)
-    return np.clip(np.concatenate([y, chroma], axis=0), 0, 255).astype(np.uint8)
-
-
-def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
-    """H.264/yuv420p MP4 bytes for FxHxWx3 uint8 RGB frames; identical frames give identical bytes."""
-    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
-        raise ValueError(f"expected FxHxWx3 uint8 frames, got {frames.shape} {frames.dtype}")
-    count, height, width, _ = frames.shape
-    if count < 1 or height % 2 or width % 2:
-        raise ValueError(f"H.264 yuv420p needs >= 1 frame and even sizes, got {count}x{width}x{height}")
-    if fps < 1:
-        raise ValueError(f"fps must be >= 1, got {fps}")
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width = width
-        stream.height = height
-        stream.pix_fmt = "yuv420p"
-        ctx = stream.codec_context
-        ctx.flags |= av.codec.context.Flags.bitexact
-        ctx.thread_count = _X264_THREADS
-        ctx.options = dict(_X264_OPTIONS)
-        ctx.colorspace = 1  # BT.709
-        ctx.color_primaries = 1
-        ctx.color_trc = 1
-        ctx.color_range = 1  # limited ("MPEG") range
-        for index in range(count):
-            frame = av.VideoFrame.from_ndarray(_rgb_to_yuv420p(frames[index]), format="yuv420p")
-            frame.pts = index
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode(None))
-    return buffer.getvalue()
-
-
-def decode_mp4_info(data: bytes) -> tuple[int, int, int]:
-    """(frames, width, height) of an MP4, counted by decoding it."""
-    with av.open(io.BytesIO(data), mode="r") as container:
-        stream = container.streams.video[0]
-        frames = sum(1 for _ in container.decode(stream))
-        return frames, stream.codec_context.width, stream.codec_context.height
 
 
 def _to_uint8_frames(output: Any) -> np.ndarray:

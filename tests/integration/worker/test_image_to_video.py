@@ -28,13 +28,13 @@ from PIL import Image
 
 from services.worker import runner as runmod
 from services.worker.devices import Devices
+from services.worker.encoding import decode_mp4_info
 from services.worker.inference import (
     GenerationRequest,
     InferenceAborted,
     LoadOptions,
     VideoPipeline,
     classify,
-    decode_mp4_info,
 )
 from services.worker.retry import PermanentError, RetryableError
 from services.worker.run import Attempts, Run

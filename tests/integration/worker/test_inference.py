@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -16,10 +17,12 @@ from tests.support.harness import ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import av
 import numpy as np
 import pytest
 import torch
 
+from services.worker.encoding import decode_mp4_info, encode_mp4
 from services.worker.inference import (
     GeneratedVideo,
     GenerationRequest,
@@ -27,8 +30,6 @@ from services.worker.inference import (
     LoadOptions,
     VideoPipeline,
     classify,
-    decode_mp4_info,
-    encode_mp4,
     pick_device,
     resolve_dtype,
 )
@@ -214,6 +215,20 @@ def test_encoding_is_byte_stable() -> None:
 def test_encoding_rejects_odd_sizes() -> None:
     with pytest.raises(ValueError):
         encode_mp4(np.zeros((2, 31, 32, 3), np.uint8), 16)
+
+
+def test_encoding_keeps_each_colour_in_bt709_limited_range() -> None:
+    colours = [(128, 128, 128), (200, 30, 30), (30, 200, 30), (30, 30, 200), (16, 16, 16), (240, 240, 240)]
+    frames = np.stack([np.full((32, 32, 3), colour, np.uint8) for colour in colours])
+    with av.open(io.BytesIO(encode_mp4(frames, 8)), mode="r") as container:
+        stream = container.streams.video[0]
+        assert (stream.codec_context.colorspace, stream.codec_context.color_range) == (1, 1)  # tagged BT.709, MPEG range
+        decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+    assert len(decoded) == len(colours)
+    for frame, colour in zip(decoded, colours, strict=True):
+        error = np.abs(frame.astype(np.int16) - np.array(colour, np.int16)).max()
+        assert error <= 3, (colour, frame[16, 16])  # another matrix (BT.601) or full range would be off by 10 or more
+    assert (decoded[0] == 128).all()  # grey stays grey: no tint from the chroma
 
 
 def test_resolve_dtype() -> None:

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.worker import runner as runmod
 from services.worker import service as worker_service
-from services.worker.inference import decode_mp4_info
+from services.worker.encoding import decode_mp4_info
 from services.worker.service import WorkerHandle
 from taskgate import store
 from taskgate.config import ModelSpec, Settings
