@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(PINS)
 WHEELHOUSE := $(VENV)/.wheelhouse-$(PINS)
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv buf run test test-unit test-faults test-cluster images test-images lint proto tiny-model gpu-check bench constraints clean
+.PHONY: venv buf run test test-unit test-faults test-cluster images test-images lint proto tiny-model gpu-check bench constraints lock pin-digests clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -104,10 +104,30 @@ $(BENCH_STAMP): $(STAMP) bench/requirements.txt bench/requirements-nodeps.txt co
 bench: $(BENCH_STAMP)
 	$(PY) -m bench $(if $(PROFILE),--profile)
 
-## Re-pins constraints.txt to what the virtual environment holds (after changing a range in a pyproject.toml).
+## Re-pins constraints.txt to what the virtual environment holds (after changing a range in a pyproject.toml); setuptools
+## too (torch needs it at run time), then `make lock` rewrites requirements/ from it.
 constraints: $(STAMP)
-	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable | sed 's/+cpu$$//' | grep -v '^taskgate'; } > constraints.txt.new
+	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --all --exclude pip --exclude-editable | sed 's/+cpu$$//' | grep -v '^taskgate'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
+
+## The hash-locked requirements the images install (requirements/*.txt) from constraints.txt and the pyprojects, with
+## pip-compile from a tool environment of its own ($(LOCK_VENV)), not the runtime's; run it after `make constraints`.
+LOCK_VENV := .venv-lock
+PIP_TOOLS_VERSION := 7.6.2
+LOCK_TOOLS := $(LOCK_VENV)/.installed-pip-tools-$(PIP_TOOLS_VERSION)
+
+$(LOCK_TOOLS):
+	test -x $(LOCK_VENV)/bin/python || python3 -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q pip-tools==$(PIP_TOOLS_VERSION)
+	rm -f $(LOCK_VENV)/.installed-* && touch $(LOCK_TOOLS)
+
+lock: $(STAMP) $(LOCK_TOOLS)
+	$(PY) -m taskgate_local.lock --pip-compile $(LOCK_VENV)/bin/pip-compile
+
+## Pins every third-party image of the Dockerfile, compose.yaml and deploy/ to its tag's current digest (skopeo, crane or
+## docker buildx asks the registry); `$(PY) -m taskgate_local.digests --check` lists the unpinned ones offline.
+pin-digests: $(STAMP)
+	$(PY) -m taskgate_local.digests
 
 clean:
 	rm -rf .taskgate build *.egg-info

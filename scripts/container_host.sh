@@ -7,7 +7,8 @@
 # Prints nothing to stdout but the engine's name (podman, docker or buildah): ENGINE=$(scripts/container_host.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON_IMAGE=${PYTHON_IMAGE:-python:3.11-slim-bookworm}
+# the Dockerfile's default base (pinned by digest there)
+PYTHON_IMAGE=${PYTHON_IMAGE:-$(sed -n 's/^ARG PYTHON_IMAGE=//p' Dockerfile)}
 BASE_IMAGE=${BASE_IMAGE:-localhost/taskgate-base:bookworm}
 STANDIN_TAG=${STANDIN_TAG:-localhost}
 SUITE=${SUITE:-bookworm}

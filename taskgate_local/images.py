@@ -20,7 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_BASE = "localhost/taskgate-base:bookworm"
-OFFICIAL_BASE = "python:3.11-slim-bookworm"
+DOCKERFILE = ROOT / "Dockerfile"
+# the Dockerfile's default base, pinned by digest there: the one place that names it (an installed wheel has no Dockerfile)
+_BASE = re.search(r"^ARG PYTHON_IMAGE=(\S+)", DOCKERFILE.read_text() if DOCKERFILE.exists() else "", re.M)
+OFFICIAL_BASE = _BASE.group(1) if _BASE else "python:3.11-slim-bookworm"
 CPU_TARGETS = ("taskgate-api", "taskgate")
 CUDA_TARGET = "taskgate-cuda"
 # the images compose.yaml and the image test run: the postgres and nats stand-ins made where no registry answers

@@ -551,26 +551,32 @@ def test_images_are_dockerfile_targets(overlay: str) -> None:
                 expected = "worker" if component(container) == "worker" or container["name"] == "tiny-model" else "api"
                 assert (base == "taskgate-api") == (expected == "api"), f"{workload['metadata']['name']}: {base}"
             else:
-                assert re.search(r":[\w.-]+$", container["image"]), f"{container['image']}: third-party images are pinned"
+                assert re.search(r":[\w.-]+@sha256:[0-9a-f]{64}$", container["image"]), f"{container['image']}: pinned by digest"
     assert "taskgate-api" in used
 
 
-def test_dockerfile_builds_the_wheels_with_the_pinned_versions() -> None:
+def test_dockerfile_installs_only_what_requirements_hashes() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    pinned = re.search(r"^torch==([\d.]+)", (ROOT / "constraints.txt").read_text(), re.M)
-    assert pinned is not None
-    assert text.count(f"torch=={pinned.group(1)}") == 2, "both torch variants install the constraints.txt version"
     assert "download.pytorch.org/whl/cpu" in text
     assert {"taskgate-api", "taskgate", "taskgate-cuda"} <= dockerfile_targets()
-    stages = re.split(r"^FROM ", text, flags=re.M)
-    api = "\n".join(line for line in next(st for st in stages if st.split()[2:3] == ["deps-api"]).splitlines() if not line.startswith("#"))
-    assert "torch" not in api and "[worker]" not in api, "the API image has no torch"
-    installs = [line for line in text.splitlines() if line.startswith("RUN pip install") and "torch==" not in line]
-    assert installs and all("-c /tmp/constraints.txt" in line for line in installs)
+    stages = {st.split()[2]: st for st in re.split(r"^FROM ", text, flags=re.M)[1:] if len(st.split()) > 2 and st.split()[1] == "AS"}
+    code = {name: "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#")) for name, body in stages.items()}
+    assert "torch" not in code["deps-api"] and "worker" not in code["deps-api"], "the API image has no torch"
+    expected = {"deps-api": ["api.txt"], "deps-cpu": ["torch-cpu.txt", "worker.txt"], "deps-cuda": ["torch-cuda.txt", "worker.txt"]}
+    for stage, files in expected.items():
+        installs = re.findall(r"pip install ((?:[^\n\\]|\\\n)*)", code[stage])  # with continued lines
+        locked = [i for i in installs if "-r /tmp/requirements/" in i]
+        assert [re.search(r"-r /tmp/requirements/(\S+)", i).group(1) for i in locked] == files, stage  # type: ignore[union-attr]
+        assert all("--require-hashes" in i and "--no-deps" in i for i in locked), f"{stage}: every dependency by its hash"
+        # the project's own wheels come last, without their dependencies, and pip check proves the set complete
+        assert [i for i in installs if i not in locked] == ["--no-deps /wheels/*.whl && pip check"], stage
+        # the dependency layers come before the project's code: a code change does not reinstall them
+        assert code[stage].index("-r /tmp/requirements/") < code[stage].index("COPY --from=wheels")
+    assert "--no-build-isolation" in code["wheels"] and "--require-hashes --no-deps -r /tmp/requirements/build.txt" in code["wheels"]
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and all(u.split(":")[0] not in {"0", "root"} for u in users)
     dockerignore = (ROOT / ".dockerignore").read_text().split()
-    assert {"!taskgate/", "!services/", "!pyproject.toml", "!constraints.txt", "!clients/python/"} <= set(dockerignore)
+    assert {"!taskgate/", "!services/", "!pyproject.toml", "!requirements/", "!clients/"} <= set(dockerignore)
 
 
 def test_dev_runs_one_of_everything_with_its_own_backends() -> None:

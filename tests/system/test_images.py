@@ -30,8 +30,9 @@ import pytest
 import yaml
 
 from taskgate.config import Settings
+from taskgate_local import digests
 from taskgate_local.embedded import free_port
-from taskgate_local.images import STANDINS, engine, image_exists
+from taskgate_local.images import OFFICIAL_BASE, STANDINS, engine, image_exists
 from tests.support.harness import ROOT, serving, wait_for
 
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -88,6 +89,18 @@ def test_compose_images_default_to_official_and_are_replaceable() -> None:
     assert expand(SERVICES["nats"]["image"]).startswith("docker.io/library/nats:")
     assert SERVICES["postgres"]["image"].startswith("${TASKGATE_POSTGRES_IMAGE:-")
     assert SERVICES["nats"]["image"].startswith("${TASKGATE_NATS_IMAGE:-")
+
+
+def test_every_third_party_image_is_pinned_by_digest() -> None:
+    refs = digests.references()
+    named = {ref.tagged.rsplit("/", 1)[-1].split(":")[0] for ref in refs}
+    assert {"python", "postgres", "nats", "postgresql"} <= named, "the base, compose's and the manifests' images are all seen"
+    assert {ref.path.name for ref in refs} >= {"Dockerfile", "compose.yaml", "nats.yaml", "postgres.yaml"}
+    assert digests.main(["--check"]) == 0, "every third-party image as name:tag@sha256:<digest> (make pin-digests)"
+    assert OFFICIAL_BASE in {ref.ref for ref in refs}, "make images and container_host.sh use the Dockerfile's pinned base"
+    # taskgate's own images are the release's to pin (kustomize images: digest:), as deploy/README.md says
+    assert not [ref for ref in refs if ref.tagged.rsplit("/", 1)[-1].startswith("taskgate")]
+    assert "digest:" in (ROOT / "deploy" / "README.md").read_text()
 
 
 @dataclass

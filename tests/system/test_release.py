@@ -3,15 +3,19 @@ taskgate.v1 API's compatibility promise, checked by buf against the previous rel
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from taskgate_client import TaskgateError, __version__, connect_async
 from taskgate_local import buf
@@ -85,3 +89,115 @@ def test_buf_breaking_catches_a_removed_field_and_lint_a_misnamed_enum(buf_binar
     task.write_text(source.replace("  string prompt = 5;\n", "") + "\nenum Shade {\n  DARK = 0;\n}\n")
     assert "prompt" in buf.breaking(buf_binary, released=buf.PROTOS, protos=changed)
     assert "_UNSPECIFIED" in buf.lint(buf_binary, changed) and buf.lint(buf_binary) == ""
+
+
+# --- the hash-locked requirements the images install (requirements/, `make lock`) ---------------------------------
+
+REQUIREMENTS = ROOT / "requirements"
+LOCKS = ("build.txt", "api.txt", "worker.txt", "torch-cpu.txt", "torch-cuda.txt")
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_entries(name: str) -> dict[str, tuple[Requirement, list[str]]]:
+    """A lock file's entries: canonical name -> (the requirement, its --hash values)."""
+    found: dict[str, tuple[Requirement, list[str]]] = {}
+    for entry in re.split(r"\n(?=\S)", (REQUIREMENTS / name).read_text()):
+        lines = [line.strip().rstrip("\\").strip() for line in entry.splitlines() if not line.startswith("#")]
+        if not lines:
+            continue
+        requirement = Requirement(lines[0])
+        found[canonical(requirement.name)] = (requirement, [h.removeprefix("--hash=") for h in lines[1:]])
+    return found
+
+
+def pinned(requirement: Requirement) -> Version:
+    (spec,) = requirement.specifier
+    assert spec.operator == "==", f"{requirement}: a lock pins exactly"
+    return Version(spec.version)
+
+
+def constraints() -> dict[str, Version]:
+    found = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            requirement = Requirement(line)
+            found[canonical(requirement.name)] = pinned(requirement)
+    return found
+
+
+def pyprojects() -> list[dict[str, Any]]:
+    """The project's distributions: the root's and every client's."""
+    files = [ROOT / "pyproject.toml", *sorted(ROOT.glob("clients/*/pyproject.toml"))]
+    return [tomllib.loads(path.read_text()) for path in files]
+
+
+def closure(roots: list[Requirement]) -> set[str]:
+    """The distributions `roots` pull in, transitively, as the installed environment's metadata says (markers for this
+    Python; extras followed). Distributions this environment does not hold (the CUDA wheels) end the walk there."""
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo = [(r, frozenset(r.extras)) for r in roots]
+    while todo:
+        requirement, extras = todo.pop()
+        key = (canonical(requirement.name), extras)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            requires = metadata.requires(requirement.name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for text in requires:
+            child = Requirement(text)
+            if child.marker is None or any(child.marker.evaluate({"extra": e}) for e in extras or {""}):
+                todo.append((child, frozenset(child.extras)))
+    return {name for name, _ in seen}
+
+
+def test_every_lock_entry_is_an_exact_pin_with_sha256_hashes() -> None:
+    for name in LOCKS:
+        entries = lock_entries(name)
+        assert entries, f"requirements/{name} is empty"
+        for dist, (requirement, hashes) in entries.items():
+            pinned(requirement)
+            assert hashes and all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), f"{name}: {dist} has no hash"
+
+
+def test_locked_versions_are_the_constraints_pins() -> None:
+    pins = constraints()
+    for name in ("api.txt", "worker.txt", "torch-cpu.txt"):
+        for dist, (requirement, _) in lock_entries(name).items():
+            assert dist in pins, f"requirements/{name}: {dist} is not in constraints.txt (run make constraints, make lock)"
+            assert Version(pinned(requirement).public) == pins[dist], f"requirements/{name}: {requirement} != {pins[dist]}"
+    cuda = lock_entries("torch-cuda.txt")
+    worker = lock_entries("worker.txt")
+    assert pinned(cuda["torch"][0]) == pins["torch"] and pinned(lock_entries("torch-cpu.txt")["torch"][0]).local == "cpu"
+    assert not set(cuda) - {"torch"} & set(worker), "torch-cuda.txt adds only what worker.txt lacks"
+    assert "torch" not in worker and not [d for d in worker if d.startswith("nvidia-")], "the CPU worker has no CUDA wheel"
+
+
+def test_every_runtime_dependency_is_locked_and_nothing_of_the_project() -> None:
+    own = {canonical(p["project"]["name"]) for p in pyprojects()}
+    api, worker = lock_entries("api.txt"), lock_entries("worker.txt")
+    runtime = [Requirement(r) for p in pyprojects() for r in p["project"]["dependencies"]]
+    extra = [Requirement(r) for p in pyprojects() for r in p["project"].get("optional-dependencies", {}).get("worker", [])]
+    for lock, wanted in ((api, runtime), (worker, runtime + extra)):
+        for requirement in wanted:
+            dist = canonical(requirement.name)
+            if dist in own or (dist == "torch" and lock is worker):
+                continue
+            assert dist in lock, f"{requirement} is not locked (make lock)"
+            assert requirement.specifier.contains(pinned(lock[dist][0])), f"{lock[dist][0]} is outside {requirement}"
+    for lock, roots in ((api, runtime), (worker, runtime + extra)):
+        wanted_closure = closure([r for r in roots if canonical(r.name) not in own]) - {"torch"}
+        missing = wanted_closure - set(lock) - own
+        assert not missing, f"locked without their dependencies: {sorted(missing)} (make lock)"
+    assert set(api) <= set(worker) and all(api[d][0] == worker[d][0] for d in api), "worker.txt extends api.txt"
+    for name in LOCKS:
+        assert not own & set(lock_entries(name)), f"requirements/{name} locks the project's own distributions"
+    build = lock_entries("build.txt")
+    for requires in {r for p in pyprojects() for r in p["build-system"]["requires"]}:
+        requirement = Requirement(requires)
+        assert requirement.specifier.contains(pinned(build[canonical(requirement.name)][0])), requires
