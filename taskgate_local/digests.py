@@ -2,7 +2,7 @@
 
 The tag says what the image is; the digest is what is pulled, so a re-pushed tag cannot change an image under a manifest.
 This asks a registry for each tag's current digest (skopeo, crane or `docker buildx imagetools`, whichever is here) and
-rewrites the references whose digest moved; `--check` only lists what is not pinned (tests/test_images.py runs that
+rewrites the references whose digest moved; `--check` only lists what is not pinned (tests/system/test_images.py runs that
 check offline). taskgate's own images (taskgate-api, taskgate, taskgate-cuda) are not here: the release pins them with
 kustomize's `images:` (`digest:`), as deploy/README.md says.
 """
