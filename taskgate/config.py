@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import binascii
 import sys
-from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -523,9 +522,3 @@ def load_settings(**overrides: object) -> Settings:
         name = f"TASKGATE_{field.split('.')[0].upper()}" if err["loc"] else "TASKGATE_*"
         sys.stderr.write(f"taskgate: invalid configuration: {name}: {err['msg']}\n")
         raise SystemExit(2) from None
-
-
-@lru_cache(maxsize=1)
-def settings() -> Settings:
-    """The process-wide settings, read once."""
-    return load_settings()

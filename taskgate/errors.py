@@ -87,20 +87,4 @@ def internal(request_id: str | None) -> ApiError:
     return ApiError(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})", _info("INTERNAL"))
 
 
-def details_of(status: status_pb2.Status) -> list[object]:
-    """Unpacks the known detail types of a google.rpc.Status (for clients and tests)."""
-    out: list[object] = []
-    for anyp in status.details:
-        for cls in (
-            error_details_pb2.BadRequest,
-            error_details_pb2.ErrorInfo,
-            error_details_pb2.RetryInfo,
-        ):
-            if anyp.Is(cls.DESCRIPTOR):
-                msg = cls()
-                anyp.Unpack(msg)
-                out.append(msg)
-    return out
-
-
 __all__ = ["ApiError", "code_pb2"]

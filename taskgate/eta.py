@@ -121,11 +121,6 @@ async def estimates(
     return out
 
 
-async def estimate_task(db: Conn, task_id: int, settings: Settings, *, within: float | None = None) -> Estimate | None:
-    """One task's estimate; None when it does not exist."""
-    return (await estimates(db, [task_id], settings, within=within)).get(task_id)
-
-
 ESTIMATED = frozenset({Status.QUEUED, Status.PROCESSING})  # the states whose tasks carry a position and an ETA
 
 

@@ -159,8 +159,3 @@ def require(text: str, field: str = "task_id") -> int:
     if value is None:
         raise errors.invalid_argument([(field, "must be a decimal task id")])
     return value
-
-
-def timestamp_ms(task_id: int) -> int:
-    """Unix milliseconds at which an id was made."""
-    return (task_id >> (_NODE_BITS + _SEQ_BITS)) + EPOCH_MS

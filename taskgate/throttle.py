@@ -69,7 +69,3 @@ class Throttle:
             self._streams[tenant] -= 1
             if not self._streams[tenant]:
                 del self._streams[tenant]
-
-    def open_streams(self, tenant: str) -> int:
-        """The streams `tenant` holds open on this process."""
-        return self._streams[tenant]

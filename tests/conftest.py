@@ -196,12 +196,13 @@ __all__ = ["busmod"]
 async def workers() -> AsyncIterator[WorkerFactory]:
     """Starts workers on demand (settings, plus any field to change); drains every one still running, with no grace,
     at the end."""
-    from services.worker.service import WorkerHandle, start  # late: torch is imported only by tests that run workers
+    from services.worker.engine import TestSignals  # late: torch is imported only by tests that run workers
+    from services.worker.service import WorkerHandle, start
 
     started: list[WorkerHandle] = []
 
     async def make(settings: Settings, **update: Any) -> WorkerHandle:
-        handle = await start(settings.model_copy(update=update) if update else settings)
+        handle = await start(settings.model_copy(update=update) if update else settings, signals=TestSignals().arm())
         started.append(handle)
         return handle
 

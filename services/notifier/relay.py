@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -23,6 +24,15 @@ from taskgate.wire import events as event_wire
 log = logging.getLogger("taskgate.notifier.relay")
 
 
+@dataclass(frozen=True, slots=True)
+class TestSignals:
+    """What a notifier lets a test hold or await (taskgate.signals): nothing in production."""
+
+    __test__ = False  # not a pytest class
+    # awaited after a relay pass published its messages and before it commits, with the relayed ids (crash tests block here)
+    before_commit: Callable[[Sequence[int]], Awaitable[None]] | None = None
+
+
 class EventRelay:
     """Publishes unpublished events, inserts their webhook deliveries, and marks them published, in one transaction."""
 
@@ -33,14 +43,14 @@ class EventRelay:
         bus: busmod.Bus,
         *,
         on_deliveries: Callable[[], None] | None = None,
+        signals: TestSignals | None = None,
     ) -> None:
         self._settings = settings
         self._pool = pool
         self._bus = bus
         self._on_deliveries = on_deliveries
         self.wake = asyncio.Event()
-        # Test seam: awaited after a pass published its messages and before it commits (crash tests block here).
-        self.before_commit: Callable[[Sequence[int]], Awaitable[None]] | None = None
+        self._signals = signals or TestSignals()
 
     def notify(self) -> None:
         """Wakes the relay (a NOTIFY arrived or a reconnect may have missed some)."""
@@ -85,8 +95,8 @@ class EventRelay:
                 # publishing is published again, deduplicated by Nats-Msg-Id)
                 done = await self._publish([r.event for r in rows], traces)
                 created = await outbox.write(conn, rows, first_delay=self._settings.webhook_schedule_seconds[0], traces=traces)
-                if self.before_commit is not None:
-                    await self.before_commit(done)
+                if self._signals.before_commit is not None:
+                    await self._signals.before_commit(done)
                 if done:
                     await event_store.mark_published(conn, done, at=relay_time)
             finally:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.notifier.relay import EventRelay
+from services.notifier.relay import EventRelay, TestSignals
 from services.notifier.streams import SERVICE, EventHub, TaskEventsService, register
 from services.notifier.webhooks import WebhookSender
 from taskgate import results, runtime, server
@@ -85,14 +85,17 @@ class NotifierHandle:
         await runtime.stop_tasks(self.tasks)
 
 
-async def start(settings: Settings, backends: runtime.Backends | None = None) -> NotifierHandle:
-    """Starts the relay, the webhook sender and the TaskEvents server; `backends` is shared if given, else owned."""
+async def start(
+    settings: Settings, backends: runtime.Backends | None = None, *, signals: TestSignals | None = None
+) -> NotifierHandle:
+    """Starts the relay, the webhook sender and the TaskEvents server; `backends` is shared if given, else owned;
+    `signals`: a test's TestSignals."""
     owns = backends is None
     b = backends if backends is not None else await runtime.connect(settings, "notifier")
     owner = f"notifier-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
     outputs = results.result_store(settings, b.bus)
     sender = WebhookSender(settings, b.pool, owner, outputs=outputs)
-    relay = EventRelay(settings, b.pool, b.bus, on_deliveries=sender.notify)
+    relay = EventRelay(settings, b.pool, b.bus, on_deliveries=sender.notify, signals=signals)
     hub = EventHub(b.bus)
     await hub.start()
     throttle = Throttle.of(settings)

@@ -120,16 +120,6 @@ class Keepalive:
             self._timer.cancel()
             self._timer = None
 
-    @property
-    def streams(self) -> int:
-        """How many streams it keeps alive (tests and gauges)."""
-        return len(self._subs)
-
-    @property
-    def ticking(self) -> bool:
-        """Whether its one timer is set."""
-        return self._timer is not None
-
     def _tick(self) -> None:
         quiet = time.monotonic() - self.seconds
         for sub in self._subs:
@@ -151,7 +141,6 @@ class Estimates:
         self._kept: OrderedDict[tuple[int, int], tuple[float, asyncio.Future[eta.Estimate | None]]] = OrderedDict()
         self._asked: dict[tuple[int, int], tuple[Status, asyncio.Future[eta.Estimate | None]]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self.statements = 0  # statements run (tests and gauges)
 
     async def estimate(self, task_id: int, version: int, status: Status) -> eta.Estimate | None:
         """eta.current of the task seen at `version` in `status`, shared by every stream that asks for that version."""
@@ -188,7 +177,6 @@ class Estimates:
             asked, self._asked = self._asked, {}
             keys = list(asked)
             found: list[eta.Estimate | None] = [None] * len(keys)
-            self.statements += 1
             try:
                 found = await eta.current_many(self._pool, [(t, asked[(t, v)][0]) for t, v in keys], self._settings)
             except Exception:

@@ -11,8 +11,8 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -33,6 +33,7 @@ from taskgate import results, runtime, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.model import timestamp
 from taskgate.runtime import Backends
+from taskgate.signals import Signal
 from taskgate.store import workers
 from taskgate.v1 import worker_pb2
 from taskgate.wire import cancel
@@ -42,7 +43,7 @@ log = logging.getLogger("taskgate.worker")
 
 @dataclass(frozen=True, slots=True)
 class RunReport:
-    """What became of one message this worker took: a log line and a signal tests can await."""
+    """What became of one message this worker took: a log line, and TestSignals.reported."""
 
     task_id: int
     outcome: Fate
@@ -52,6 +53,18 @@ class RunReport:
     steps_at_abort: int | None = None
     error_code: str | None = None
     delay: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TestSignals:
+    """What a worker signals to tests (taskgate.signals): disarmed in production, armed by a test before it starts."""
+
+    __test__ = False  # not a pytest class
+    reported: Signal[RunReport] = field(default_factory=Signal)  # every message handled, run or declined
+
+    def arm(self) -> TestSignals:
+        self.reported.arm()
+        return self
 
 
 def _seconds(a: datetime | None, b: datetime | None) -> float | None:
@@ -69,8 +82,10 @@ class Worker:
         plan: runmod.DevicePlan,
         worker_id: str,
         models: list[str],
+        signals: TestSignals | None = None,
     ) -> None:
         self.settings = settings
+        self.signals = signals or TestSignals()
         self.pool = backends.pool
         self.bus = backends.bus
         self.worker_id = worker_id
@@ -81,7 +96,6 @@ class Worker:
         self.devices = Devices(plan.devices)
         self._encoders = concurrent.futures.ThreadPoolExecutor(plan.slots, thread_name_prefix="encode")
         self.runs: dict[int, Run] = {}
-        self.reports: list[RunReport] = []
         self.drain_requested = asyncio.Event()
         self.fetcher = Fetcher(
             bus=self.bus, settings=settings, worker_id=worker_id, models=models, slots=plan.slots, start=self._handle,
@@ -288,8 +302,7 @@ class Worker:
 
     def _report(self, report: RunReport) -> None:
         tracing.annotate({"taskgate.outcome": report.outcome.value}, error=report.error_code)
-        self.reports.append(report)
-        del self.reports[:-1000]
+        self.signals.reported.signal(report)
         log.info(
             "task handled",
             extra={
@@ -309,17 +322,6 @@ class Worker:
     async def _wait_report(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._report_changed.wait(), max(0.0, seconds))
-
-    async def wait_for(self, predicate: Callable[[RunReport], bool], within: float = 10.0) -> RunReport:
-        """The first report matching `predicate`, waiting up to `within` seconds for it (a test signal)."""
-        deadline = time.monotonic() + within
-        while True:
-            for report in self.reports:
-                if predicate(report):
-                    return report
-            if time.monotonic() >= deadline:
-                raise TimeoutError("no matching report")
-            await self._wait_report(deadline - time.monotonic())
 
     def status(self) -> worker_pb2.GetStatusResponse:
         """What GetStatus answers."""

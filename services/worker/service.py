@@ -15,7 +15,7 @@ import grpc
 
 from services.worker import runner as runmod
 from services.worker.control import Operators, WorkerControlServicer
-from services.worker.engine import Worker
+from services.worker.engine import TestSignals, Worker
 from taskgate.config import Settings
 from taskgate.runtime import Backends, connect, stop_signal
 from taskgate.server import Health, Probes, mark_not_serving, start_server
@@ -99,8 +99,9 @@ def advertised_host(settings: Settings) -> str:
     return socket.gethostname()
 
 
-async def start(settings: Settings, backends: Backends | None = None) -> WorkerHandle:
-    """Loads the models, then starts consuming and serves WorkerControl on settings.worker_port (0 = ephemeral)."""
+async def start(settings: Settings, backends: Backends | None = None, *, signals: TestSignals | None = None) -> WorkerHandle:
+    """Loads the models, then starts consuming and serves WorkerControl on settings.worker_port (0 = ephemeral);
+    `signals`: a test's armed TestSignals."""
     models = served_models(settings)
     specs = {m: settings.models[m] for m in models}
     plan = await asyncio.to_thread(
@@ -111,7 +112,7 @@ async def start(settings: Settings, backends: Backends | None = None) -> WorkerH
     if backends is None:
         backends = await connect(settings, "worker")
     try:
-        worker = Worker(settings, backends, runners, plan, settings.worker_id or default_worker_id(), models)
+        worker = Worker(settings, backends, runners, plan, settings.worker_id or default_worker_id(), models, signals)
         await worker.start()
         operators = Operators(settings)
         servicer = WorkerControlServicer(worker, operators)

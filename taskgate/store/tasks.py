@@ -2,6 +2,8 @@
 
 Each move is a small frozen dataclass (its own parameters) run by `apply`; the named functions below are what
 services call. The SQL is the `*_task` blocks of sql/queries/tasks.sql; the history trigger records every move.
+The claim (-> PROCESSING as a new attempt) is not among them: it is the worker's one statement, store.workers.claim_for
+(functions/worker_claim.sql).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ class Move(enum.Enum):
 
     QUEUE = ("queue_task", Status.QUEUED, (Status.CREATED,))
     REPUBLISH = ("republish_task", Status.QUEUED, (Status.QUEUED,))
-    CLAIM = ("claim_task", Status.PROCESSING, (Status.CREATED, Status.QUEUED, Status.PROCESSING))
     PROGRESS = ("progress_task", Status.PROCESSING, (Status.PROCESSING,))
     SUCCEED = ("succeed_task", Status.SUCCEEDED, (Status.PROCESSING,))
     FAIL = ("fail_task", Status.FAILED, (Status.PROCESSING,))
@@ -47,7 +48,7 @@ class Rejection(enum.Enum):
     """Why a guarded transition matched no row."""
 
     NOT_FOUND = "not_found"  # no such task
-    ILLEGAL = "illegal"  # the task is in a state this move does not leave (or, for a claim, its lease is live)
+    ILLEGAL = "illegal"  # the task is in a state this move does not leave
     STALE = "stale"  # the state was right but the version or attempt was not
 
 
@@ -111,23 +112,6 @@ class Republish:
 
     def params(self) -> tuple[object, ...]:
         return ()
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """-> PROCESSING as a new attempt held by `worker_id` under a lease.
-
-    Taking over a lost attempt (PROCESSING, lease expired) counts a worker loss; one that would make
-    `max_worker_losses` (None: no limit) is refused.
-    """
-
-    worker_id: str
-    lease_seconds: float
-    max_worker_losses: int | None = None
-    move: ClassVar[Move] = Move.CLAIM
-
-    def params(self) -> tuple[object, ...]:
-        return (self.worker_id, self.lease_seconds, self.max_worker_losses)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +216,7 @@ class TimeOut:
         return (self.error.code, self.error.message)
 
 
-Change = Queue | Republish | Claim | Progress | Succeed | Fail | Retry | Release | Cancel | TimeOut
+Change = Queue | Republish | Progress | Succeed | Fail | Retry | Release | Cancel | TimeOut
 
 
 async def apply(
@@ -270,8 +254,6 @@ async def apply(
         return Outcome(task=None, rejection=Rejection.NOT_FOUND)
     if current.status not in allowed:
         return Outcome(task=current, rejection=Rejection.ILLEGAL)
-    if move is Move.CLAIM and current.status is Status.PROCESSING and expected_attempt is None:
-        return Outcome(task=current, rejection=Rejection.ILLEGAL)  # lease still live
     return Outcome(task=current, rejection=Rejection.STALE)
 
 
@@ -313,21 +295,6 @@ async def queue(db: Conn, task_id: int, *, actor: str, reason: str | None = None
 async def republish(db: Conn, task_id: int, *, actor: str, reason: str | None = None, expected_version: int | None = None) -> Outcome:
     """QUEUED -> QUEUED after the dispatch message was sent again."""
     return await apply(db, task_id, Republish(), actor=actor, reason=reason, expected_version=expected_version)
-
-
-async def claim(
-    db: Conn,
-    task_id: int,
-    *,
-    worker_id: str,
-    lease_seconds: float,
-    actor: str,
-    reason: str | None = None,
-    max_worker_losses: int | None = None,
-) -> Outcome:
-    """A new attempt for `worker_id`: from CREATED, QUEUED, or PROCESSING whose lease ran out (a worker loss, counted;
-    refused when it would make `max_worker_losses`)."""
-    return await apply(db, task_id, Claim(worker_id, lease_seconds, max_worker_losses), actor=actor, reason=reason)
 
 
 async def progress(

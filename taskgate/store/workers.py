@@ -14,7 +14,7 @@ from taskgate import sql
 from taskgate.model import TaskRow
 from taskgate.states import Status
 from taskgate.store.pool import Conn
-from taskgate.store.tasks import Outcome, Rejection, ResultRef, applied
+from taskgate.store.tasks import ResultRef, applied
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +63,6 @@ class WorkerClaim:
     from_status: Status | None  # the state a claimed task left
     reusable: ResultRef | None  # a soft-cancelled run's output for the same request
     wait_seconds: float | None = None  # EARLY: until the level's first task is due
-
-    def outcome(self) -> Outcome | None:
-        """As the typed move's outcome (store.claim); None when not run now (capped, early, busy)."""
-        if self.verdict in (Verdict.CAPPED, Verdict.EARLY, Verdict.BUSY):
-            return None
-        if self.verdict is Verdict.CLAIMED:
-            return Outcome(task=self.task, from_status=self.from_status)
-        return Outcome(task=self.task, rejection=Rejection.NOT_FOUND if self.task is None else Rejection.ILLEGAL)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
-from taskgate.store import CancelMode, Change, Conn, Move, ResultRef, TaskError, submissions
+from taskgate.store import CancelMode, Change, Conn, Move, ResultRef, TaskError, submissions, workers
 from taskgate.wire import dispatch
 
 Metadata = tuple[tuple[str, str], ...]
@@ -92,6 +93,45 @@ async def insert_task(
     )
     assert task is not None
     return task
+
+
+async def claim(
+    db: Conn, task_id: int, *, worker_id: str = "w1", lease_seconds: float = 30.0, max_worker_losses: int | None = None
+) -> workers.WorkerClaim:
+    """The real claim (worker_claim, as a worker runs it, no cap) for a dispatch message naming `task_id`: the fairest
+    due QUEUED task of its level, else `task_id` itself while CREATED, or a takeover of it under a lapsed lease."""
+    task = await store.get_task(db, task_id)
+    return await workers.claim_for(
+        db, task_id, model_id=task.model_id if task is not None else "", cap=0, worker_id=worker_id,
+        lease_seconds=lease_seconds, actor="worker", reason="claimed", max_worker_losses=max_worker_losses,
+    )
+
+
+async def claimed(db: Conn, task_id: int, **kwargs: Any) -> TaskRow:
+    """`task_id` claimed through the real claim (as `claim` takes `kwargs`); the test fails when another task or none was."""
+    got = await claim(db, task_id, **kwargs)
+    assert got.verdict is workers.Verdict.CLAIMED and got.task is not None and got.task.id == task_id, got
+    return got.task
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A worker's claim as one step of a path of moves (`moved`), made through the real claim."""
+
+    worker_id: str = "w1"
+    lease_seconds: float = 30.0
+
+
+Step = store.Change | Claim
+
+
+async def moved(db: Conn, task_id: int, step: Step, *, actor: str = "test") -> store.Outcome:
+    """One step of a path: a guarded move (store.apply), or a Claim through the real claim (`claimed`)."""
+    if isinstance(step, Claim):
+        before = await store.get_task(db, task_id)
+        task = await claimed(db, task_id, worker_id=step.worker_id, lease_seconds=step.lease_seconds)
+        return store.Outcome(task=task, from_status=before.status if before is not None else None)
+    return await store.apply(db, task_id, step, actor=actor)
 
 
 async def key_for(backends: Backends, tenant: str = "tenant-a", **limits: Any) -> Metadata:
@@ -254,8 +294,8 @@ async def put_in(
 ) -> TaskRow:
     """A task driven to `status` through legal moves; PROCESSING ones hold a lease of `lease` seconds."""
     task = await insert_task(pool, model_id=model_id, max_retries=max_retries)
-    claim = store.Claim(worker, lease)
-    path: dict[Status, list[store.Change]] = {
+    claim = Claim(worker, lease)
+    path: dict[Status, list[Step]] = {
         Status.CREATED: [],
         Status.QUEUED: [store.Queue()],
         Status.PROCESSING: [store.Queue(), claim],
@@ -264,7 +304,7 @@ async def put_in(
         Status.CANCELED: [store.Cancel(store.CancelMode.SOFT)],
     }
     for change in path[status]:
-        out = await store.apply(pool, task.id, change, actor="test")
+        out = await moved(pool, task.id, change)
         assert out.applied and out.task is not None, (status, change, out.rejection)
         task = out.task
     return task
@@ -273,9 +313,9 @@ async def put_in(
 async def dead(pool: asyncpg.Pool, status: Status, **task: Any) -> TaskRow:
     """A task ended FAILED (retries exhausted, from PROCESSING) or TIMEOUT (from QUEUED), with its dead letter."""
     source = await insert_task(pool, **task)
-    moves: list[store.Change] = [store.Queue()] if status is Status.TIMEOUT else [store.Queue(), store.Claim("w1", 10.0)]
+    moves: list[Step] = [store.Queue()] if status is Status.TIMEOUT else [store.Queue(), Claim("w1", 10.0)]
     for change in moves:
-        assert (await store.apply(pool, source.id, change, actor="test")).applied
+        assert (await moved(pool, source.id, change)).applied
     error = store.TaskError("QUEUE_TIMEOUT" if status is Status.TIMEOUT else "MODEL_CRASHED", "it broke")
     if status is Status.TIMEOUT:
         out = await store.time_out(pool, source.id, error=error, actor="scheduler", reason="queued too long")
@@ -287,9 +327,9 @@ async def dead(pool: asyncpg.Pool, status: Status, **task: Any) -> TaskRow:
 
 async def finished_runs(pool: Any, seconds: Sequence[float], **fields: Any) -> None:
     """Successful runs of the model that took `seconds` each, from start to finish."""
-    for run in seconds:
-        task_id = await queued(pool, **fields)
-        assert (await store.claim(pool, task_id, worker_id="w-history", lease_seconds=30.0, actor="test")).applied
+    for run in seconds:  # in a level of their own (LOW): the claim takes them, not the test's queued NORMAL tasks
+        task_id = await queued(pool, **{"priority": Priority.LOW, **fields})
+        await claimed(pool, task_id, worker_id="w-history", lease_seconds=30.0)
         assert (await store.apply(pool, task_id, store.Succeed(RESULT), actor="test")).applied
         await pool.execute("UPDATE task SET started_at = finished_at - make_interval(secs => $2) WHERE id = $1", task_id, run)
 
@@ -325,7 +365,6 @@ def settings_for(state_dir: Path, *, database_url: str | None = None, nats_url: 
 CHANGES: dict[Move, Change] = {
     Move.QUEUE: store.Queue(),
     Move.REPUBLISH: store.Republish(),
-    Move.CLAIM: store.Claim("w2", 10.0),
     Move.PROGRESS: store.Progress(50, 10.0),
     Move.SUCCEED: store.Succeed(ResultRef("mem://y", "video/mp4", 5, "cd" * 32)),
     Move.FAIL: store.Fail(TaskError("E", "x")),

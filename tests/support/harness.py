@@ -25,7 +25,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from taskgate import auth, errors
+from taskgate import auth
 from taskgate.config import Settings
 from taskgate.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedStack, free_port
@@ -127,11 +127,23 @@ async def stored_objects(bus: Any, prefix: str = "") -> list[str]:
     return sorted(o.name for o in found if o.name.startswith(prefix))
 
 
+def details_of(status: status_pb2.Status) -> list[object]:
+    """The known detail types of a google.rpc.Status, unpacked (what a client reads)."""
+    out: list[object] = []
+    for anyp in status.details:
+        for cls in (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo):
+            if anyp.Is(cls.DESCRIPTOR):
+                msg = cls()
+                anyp.Unpack(msg)
+                out.append(msg)
+    return out
+
+
 def trailing_details(exc: grpc.aio.AioRpcError) -> list[object]:
     """The google.rpc details a failed call carried in its trailing metadata (none: an empty list)."""
     for key, value in exc.trailing_metadata() or ():
         if key == "grpc-status-details-bin" and isinstance(value, bytes):
-            return errors.details_of(status_pb2.Status.FromString(value))
+            return details_of(status_pb2.Status.FromString(value))
     return []
 
 
@@ -482,7 +494,7 @@ async def outcome(call: Awaitable[Any]) -> tuple[grpc.StatusCode, list[Any], Any
         return grpc.StatusCode.OK, [], await call
     except grpc.aio.AioRpcError as exc:
         status = rpc_status.from_call(exc)
-        return exc.code(), errors.details_of(status) if status else [], None
+        return exc.code(), details_of(status) if status else [], None
 
 
 def info_of(details: list[Any]) -> error_details_pb2.ErrorInfo:

@@ -16,7 +16,7 @@ from taskgate import store
 from taskgate.config import Settings
 from taskgate.states import Status
 from taskgate.v1 import events_pb2_grpc
-from tests.support.factories import RESULT
+from tests.support.factories import RESULT, claimed
 from tests.support.harness import wait_for
 from tests.support.webhooks import Received
 
@@ -40,7 +40,7 @@ async def run_to(pool: Any, task_id: int, status: Status, progress_steps: Sequen
     assert (await store.queue(pool, task_id, actor="test")).applied
     if status is Status.QUEUED:
         return
-    assert (await store.claim(pool, task_id, worker_id="w1", lease_seconds=30.0, actor="test")).applied
+    await claimed(pool, task_id, worker_id="w1", lease_seconds=30.0)
     await progress(pool, task_id, *progress_steps)
     ends: dict[Status, store.Change] = {
         Status.SUCCEEDED: store.Succeed(RESULT),

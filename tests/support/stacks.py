@@ -21,7 +21,7 @@ from taskgate_client import (
     AsyncTaskgateClient,
     connect_async,
 )
-from tests.support.factories import Metadata
+from tests.support.factories import Metadata, claimed
 
 SMALL = {"frames": 9, "width": 32, "height": 32, "steps": 2}
 
@@ -70,9 +70,7 @@ class Stack:
 async def run_task(backends: Backends, task_id: str, result: bytes | None = b"video-bytes", *, progress: tuple[int, ...] = (50,)) -> None:
     """Plays the worker: claim, report progress, then succeed with `result` (or fail when it is None)."""
     tid = int(task_id)
-    claimed = await store.claim(backends.pool, tid, worker_id="test-worker", lease_seconds=30.0, actor="worker")
-    assert claimed.task is not None
-    attempt = claimed.task.attempt
+    attempt = (await claimed(backends.pool, tid, worker_id="test-worker")).attempt
     for pct in progress:
         out = await store.progress(backends.pool, tid, attempt=attempt, percent=pct, lease_seconds=30.0, actor="worker")
         assert out.task is not None

@@ -15,7 +15,7 @@ from taskgate import errors
 from taskgate.config import ModelSpec, Settings, load_settings
 from taskgate.families import FAMILIES, TEXT_TO_VIDEO, family_of
 from taskgate.v1 import gateway_pb2, task_pb2
-from tests.support.harness import ROOT
+from tests.support.harness import ROOT, details_of
 
 PIPELINES = sorted(FAMILIES)
 # The submit tests send text requests; image-to-video ones need an input image (tests of the submit side's own).
@@ -34,7 +34,7 @@ async def refused_fields(settings: Settings, **params: Any) -> set[str]:
         await validate("tenant", request, settings)
     except errors.ApiError as exc:
         assert exc.code == grpc.StatusCode.INVALID_ARGUMENT
-        bad = next(d for d in errors.details_of(exc.status_proto) if isinstance(d, error_details_pb2.BadRequest))
+        bad = next(d for d in details_of(exc.status_proto) if isinstance(d, error_details_pb2.BadRequest))
         return {v.field for v in bad.field_violations}
     return set()
 

@@ -13,7 +13,7 @@ from taskgate import errors
 from taskgate.config import Settings
 from taskgate.netguard import forbidden_address
 from taskgate.v1 import gateway_pb2, task_pb2
-from tests.support.harness import violations
+from tests.support.harness import details_of, violations
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ async def test_single_bad_field(settings: Settings, fields: dict[str, Any], fiel
     with pytest.raises(errors.ApiError) as info:
         await validate("tenant-a", gateway_pb2.SubmitTaskRequest(**fields), settings)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert violations(errors.details_of(info.value.status_proto)) == {field}
+    assert violations(details_of(info.value.status_proto)) == {field}
 
 
 async def test_valid_edges_are_accepted(settings: Settings) -> None:

@@ -1,5 +1,5 @@
--- A worker's claim for one dispatch message, in one statement: the checks, the caps and the guarded claim (the
--- claim_task block of queries/tasks.sql, same SET and guard: change both together). Run as its own transaction.
+-- A worker's claim for one dispatch message, in one statement: the checks, the caps and the guarded claim (the one
+-- claim there is: -> PROCESSING as a new attempt, guarded like the moves of queries/tasks.sql). Run as its own transaction.
 -- The message is a hint for its task's (model, priority) level, not an assignment: it claims the fairest due QUEUED
 -- task of that level (stride scheduling over tenants, migration 0024: the lowest pass wins, its oldest task first; a
 -- claim advances the tenant's pass by 1 / its share_weight), else its own task while that is still CREATED (the

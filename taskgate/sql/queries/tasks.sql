@@ -23,23 +23,6 @@ WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
   AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
 RETURNING t.*, o.old_status;
 
--- name: claim_task
--- CREATED/QUEUED (or PROCESSING with an expired lease: a lost attempt, counted) -> PROCESSING as a new attempt.
--- $7 worker, $8 lease seconds, $9 most lost attempts (NULL = no limit): a lost attempt that reaches it is not
--- taken over (the scheduler's lease scan fails the task). The processing timeout's one grace is per task.
--- A worker's claim runs the same UPDATE inside functions/worker_claim.sql: change both together.
-UPDATE task t SET status = 'PROCESSING', version = t.version + 1, attempt = t.attempt + 1, worker_id = $7,
-       lease_expires_at = now() + make_interval(secs => $8), started_at = now(), progress = 0,
-       worker_losses = t.worker_losses + (t.status = 'PROCESSING')::int,
-       processed_seconds = t.processed_seconds + CASE WHEN t.status = 'PROCESSING' THEN
-           GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8 ELSE 0 END,
-       updated_at = now(), last_actor = $5, last_reason = $6
-FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = $1 AND t.id = o.id AND t.status = ANY($2::task_status[])
-  AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now() AND ($9::int IS NULL OR t.worker_losses + 1 < $9)))
-  AND ($3::bigint IS NULL OR t.version = $3) AND ($4::int IS NULL OR t.attempt = $4)
-RETURNING t.*, o.old_status;
-
 -- name: progress_task
 -- PROCESSING -> PROCESSING with new progress; renews the lease. $7 progress, $8 lease seconds.
 -- A worker writes the same move for all its running attempts at once in worker_beat (worker.sql): change both together.

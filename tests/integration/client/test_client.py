@@ -35,6 +35,7 @@ from taskgate_client import (
 )
 from taskgate_client.config import sibling_address
 from taskgate_local.embedded import free_port
+from tests.support.factories import claimed
 from tests.support.harness import wait_for
 from tests.support.stacks import SMALL, Stack, run_task, run_task_finish
 
@@ -82,7 +83,7 @@ async def test_cancel_soft_and_hard(stack: Stack, client: AsyncTaskgateClient) -
     canceled = await client.cancel(queued.task_id)
     assert canceled.status is Status.CANCELED and canceled.terminal
     running = await client.submit("cancel me hard", **SMALL)  # type: ignore[arg-type]
-    await store.claim(stack.backends.pool, int(running.task_id), worker_id="w", lease_seconds=30.0, actor="worker")
+    await claimed(stack.backends.pool, int(running.task_id), worker_id="w")
     hard = await client.cancel(running.task_id, hard=True)
     assert hard.status is Status.CANCELED
     mode = await stack.backends.pool.fetchval("SELECT cancel_mode FROM task WHERE id = $1", int(running.task_id))
@@ -178,8 +179,7 @@ async def test_watch_resumes_after_the_notifier_restarts(stack: Stack, client: A
     task = await client.submit("survive a restart", **SMALL)  # type: ignore[arg-type]
     seen, watcher = await watching(client, task.task_id)
     tid = int(task.task_id)
-    claimed = await store.claim(stack.backends.pool, tid, worker_id="w", lease_seconds=30.0, actor="worker")
-    assert claimed.task is not None
+    await claimed(stack.backends.pool, tid, worker_id="w")
     await wait_for(lambda: len(seen) >= 2)
     await stack.notifier.kill()  # the stream drops mid-task
     # Events the client cannot see while the notifier is down.

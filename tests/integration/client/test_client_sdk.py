@@ -19,6 +19,7 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate_client import AsyncTaskgateClient, Status, SubmitOptions, TaskEvent, TaskgateClient, TaskHandle, connect
 from taskgate_local.embedded import free_port
+from tests.support.factories import claimed
 from tests.support.harness import ROOT, wait_for
 from tests.support.stacks import SMALL, Stack, run_task, run_task_finish
 
@@ -50,8 +51,7 @@ async def test_watch_all_resumes_after_the_notifier_restarts(stack: Stack) -> No
             await wait_for(lambda: len(seen) >= 2)
             await stack.notifier.kill()
             tid = int(task.task_id)
-            claimed = await store.claim(stack.backends.pool, tid, worker_id="w", lease_seconds=30.0, actor="worker")
-            assert claimed.task is not None
+            await claimed(stack.backends.pool, tid, worker_id="w")
             await store.progress(stack.backends.pool, tid, attempt=1, percent=40, lease_seconds=30.0, actor="worker")
             stack.notifier = await notifier_service.start(stack.settings)
             await run_task_finish(stack.backends, task.task_id, attempt=1)

@@ -45,6 +45,7 @@ from taskgate_client.testing import (
     Succeed,
     TimeOut,
 )
+from tests.support.factories import claimed
 from tests.support.harness import wait_for
 from tests.support.stacks import SMALL, Stack
 
@@ -65,9 +66,7 @@ class Backend:
 async def play_real(backends: Backends, task_id: str, outcome: Succeed | Fail) -> None:
     """The worker's moves in the real store: claim, progress, then succeed or fail."""
     tid = int(task_id)
-    claimed = await store.claim(backends.pool, tid, worker_id="test-worker", lease_seconds=30.0, actor="worker")
-    assert claimed.task is not None
-    attempt = claimed.task.attempt
+    attempt = (await claimed(backends.pool, tid, worker_id="test-worker")).attempt
     for pct in outcome.progress:
         await store.progress(backends.pool, tid, attempt=attempt, percent=pct, lease_seconds=30.0, actor="worker")
     if isinstance(outcome, Fail):

@@ -28,6 +28,7 @@ from taskgate.runtime import Backends
 from taskgate.sealing import Sealer
 from taskgate.states import Status
 from tests.support import harness
+from tests.support.factories import claimed
 from tests.support.harness import HttpStack, wait_for
 
 SMALL = {"num_frames": 9, "width": 32, "height": 32, "num_inference_steps": 2}
@@ -327,8 +328,7 @@ async def test_a_task_stream_rides_out_a_notifier_restart(settings: Settings, ba
         await asyncio.wait_for(ready.wait(), 10)  # the snapshot arrived
         port = stack.notifier.port
         await stack.notifier.stop()
-        claimed = await store.claim(backends.pool, tid, worker_id="w", lease_seconds=30, actor="worker")
-        assert claimed.task is not None
+        await claimed(backends.pool, tid, worker_id="w")
         stack.notifier = await notifier_service.start(stack.settings.model_copy(update={"notifier_port": port}))
         await store.progress(backends.pool, tid, attempt=1, percent=50, lease_seconds=30, actor="worker")
         stored = await result_store(settings, backends.bus).put(f"{tid}-a1.json", b"{}", "application/json")

@@ -13,7 +13,7 @@ from services.notifier.service import start as start_notifier
 from taskgate import auth, store
 from taskgate.config import Settings
 from taskgate.runtime import Backends
-from tests.support.factories import insert_task
+from tests.support.factories import Claim, Step, insert_task, moved
 from tests.support.harness import wait_for
 from tests.support.webhooks import Received, Reply, WebhookReceiver
 
@@ -69,9 +69,9 @@ def always(reply: Reply) -> Callable[[Received], Reply]:
 async def succeed_with_callback(backends: Backends, url: str) -> int:
     task = await insert_task(backends.pool, user_id=TENANT, model_id="sleepy", callback_url=url)
     result = store.ResultRef(uri="nats-os://taskgate-results/x.json", content_type="application/json", size=10, sha256=SHA)
-    changes: list[store.Change] = [store.Queue(), store.Claim(worker_id="w1", lease_seconds=30.0), store.Succeed(result)]
+    changes: list[Step] = [store.Queue(), Claim(worker_id="w1", lease_seconds=30.0), store.Succeed(result)]
     for change in changes:
-        assert (await store.apply(backends.pool, task.id, change, actor="test")).applied
+        assert (await moved(backends.pool, task.id, change)).applied
     return task.id
 
 

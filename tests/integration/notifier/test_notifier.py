@@ -12,7 +12,7 @@ import grpc
 import nats.js.errors
 import pytest
 
-from services.notifier.relay import EventRelay
+from services.notifier.relay import EventRelay, TestSignals
 from taskgate import auth, store
 from taskgate import bus as busmod
 from taskgate.config import Settings
@@ -20,7 +20,7 @@ from taskgate.runtime import Backends
 from taskgate.states import CALLBACK_LEGAL, CallbackStatus, Status
 from taskgate.store import callbacks as outbox_store
 from taskgate.v1 import events_pb2, task_pb2
-from tests.support.factories import RESULT, insert_task
+from tests.support.factories import RESULT, claimed, insert_task
 from tests.support.harness import bearer, error_info, wait_for
 from tests.support.notifier import _eq, all_relayed, events_stub, fast, independent_signature, progress, run_to, succeed
 from tests.support.webhooks import Reply, WebhookReceiver
@@ -289,14 +289,13 @@ async def test_relay_killed_mid_batch_recovers_with_no_gap(
     backends: Backends, settings: Settings, notifier_factory: Any
 ) -> None:
     tuned = fast(settings, relay_batch_size=1000)
-    first = await notifier_factory(tuned, own=True)
     published = asyncio.Event()
 
     async def crash_here(_ids: Sequence[int]) -> None:
         published.set()
         await asyncio.Event().wait()  # killed while the pass is open: published, not recorded
 
-    first.relay.before_commit = crash_here
+    first = await notifier_factory(tuned, own=True, signals=TestSignals(before_commit=crash_here))
     tasks = [await insert_task(backends.pool) for _ in range(5)]
     for t in tasks:
         await run_to(backends.pool, t.id, Status.PROCESSING, [])
@@ -432,7 +431,7 @@ async def test_watch_task_resume_after_a_dropped_connection_yields_every_version
         assert first.WhichOneof("kind") == "snapshot"
         assert (first.snapshot.version, first.snapshot.status) == (2, task_pb2.TASK_STATUS_QUEUED)
         assert first.snapshot.queue_position == 1
-        assert (await store.claim(pool, task.id, worker_id="w1", lease_seconds=30.0, actor="test")).applied
+        await claimed(pool, task.id, worker_id="w1", lease_seconds=30.0)
         await progress(pool, task.id, 10)
         before = versions_of(await read_until(call, lambda got: 4 in versions_of(got)))
     # The connection is gone; the task moves on meanwhile.

@@ -15,7 +15,7 @@ from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.store import submissions
-from tests.support.factories import RESULT
+from tests.support.factories import RESULT, claimed
 from tests.support.harness import wait_for
 from tests.support.webhooks import Received, Reply, WebhookReceiver
 
@@ -43,7 +43,7 @@ async def task_for(pool: asyncpg.Pool, tenant: str, url: str, events: Sequence[s
 
 async def started(pool: asyncpg.Pool, task_id: int) -> None:
     assert (await store.queue(pool, task_id, actor="test")).applied
-    assert (await store.claim(pool, task_id, worker_id="w1", lease_seconds=60.0, actor="test")).applied
+    await claimed(pool, task_id, worker_id="w1", lease_seconds=60.0)
 
 
 async def succeeded(pool: asyncpg.Pool, task_id: int) -> None:

@@ -19,7 +19,8 @@ from prometheus_client.metrics import MetricWrapperBase
 from taskgate import errors, server, store, telemetry
 from taskgate.config import ModelSpec, Settings
 from taskgate.states import Status
-from tests.support.factories import insert_task
+from taskgate.store.workers import Verdict
+from tests.support.factories import claim, insert_task
 
 # Labels that would make a series per task, tenant, request or worker process: never allowed.
 UNBOUNDED_LABELS = {"task_id", "user_id", "tenant", "tenant_id", "request_id", "worker_id", "worker", "id", "prompt", "uri", "url"}
@@ -106,11 +107,11 @@ async def test_each_transition_logs_one_json_line_without_the_prompt(database_ur
     try:
         task = await insert_task(pool, prompt=prompt)
         queued = await store.queue(pool, task.id, actor="submit", reason="published")
-        claimed = await store.claim(pool, task.id, worker_id="w-1", lease_seconds=10.0, actor="worker", reason="claimed")
+        taken = await claim(pool, task.id, worker_id="w-1", lease_seconds=10.0)
         refused = await store.queue(pool, task.id, actor="submit", reason="late")
     finally:
         await pool.close()
-    assert queued.applied and claimed.applied and not refused.applied
+    assert queued.applied and taken.verdict is Verdict.CLAIMED and not refused.applied
 
     moves = lines.messages("transition")
     assert len(moves) == 2, "one line per applied transition, none for a refused one"

@@ -26,7 +26,7 @@ from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_gr
 from taskgate_client import connect_async
 from taskgate_client.progress import ProgressBar
 from taskgate_client.types import TaskEvent
-from tests.support.factories import RESULT, finished_runs, insert_task, queued
+from tests.support.factories import RESULT, claimed, finished_runs, insert_task, queued
 from tests.support.harness import plan_nodes, wait_for
 from tests.support.webhooks import WebhookReceiver
 
@@ -129,7 +129,7 @@ async def test_a_running_tasks_finish_comes_from_its_progress_and_history(stack:
     pool = stack.pool
     await finished_runs(pool, [20.0])
     task_id = await queued(pool)
-    assert (await store.claim(pool, task_id, worker_id="w1", lease_seconds=30.0, actor="test")).applied
+    await claimed(pool, task_id, worker_id="w1", lease_seconds=30.0)
     assert (await store.apply(pool, task_id, store.Progress(percent=50, lease_seconds=30.0), actor="test")).applied
     before = datetime.now(UTC)
     task = await stack.get(task_id)
@@ -152,7 +152,7 @@ async def test_the_watch_stream_carries_the_eta_on_its_snapshot_and_events(stack
         assert first.WhichOneof("kind") == "snapshot"
         assert first.snapshot.queue_position == 1 and first.snapshot.HasField("estimated_start")
         assert at(first.snapshot.estimated_finish) - at(first.snapshot.estimated_start) == timedelta(seconds=10)
-        assert (await store.claim(pool, task_id, worker_id="w1", lease_seconds=30.0, actor="test")).applied
+        await claimed(pool, task_id, worker_id="w1", lease_seconds=30.0)
         assert (await store.apply(pool, task_id, store.Progress(percent=40, lease_seconds=30.0), actor="test")).applied
         events: list[task_pb2.TaskEvent] = []
         async with asyncio.timeout(10):
@@ -174,7 +174,7 @@ async def test_a_progress_webhook_carries_the_eta_and_a_final_one_does_not(stack
         task = await insert_task(pool, callback_url=rx.url())
         await pool.execute("UPDATE task SET callback_events = '{PROGRESS}' WHERE id = $1", task.id)
         assert (await store.queue(pool, task.id, actor="test")).applied
-        assert (await store.claim(pool, task.id, worker_id="w1", lease_seconds=30.0, actor="test")).applied
+        await claimed(pool, task.id, worker_id="w1", lease_seconds=30.0)
         assert (await store.apply(pool, task.id, store.Progress(percent=30, lease_seconds=30.0), actor="test")).applied
         await wait_for(lambda: any(r.json()["data"]["progress"] == 30 for r in rx.requests))
         assert (await store.apply(pool, task.id, store.Succeed(RESULT), actor="test")).applied

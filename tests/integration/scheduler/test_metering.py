@@ -15,7 +15,7 @@ from taskgate.states import Status
 from taskgate.store import events, submissions, tenants
 from taskgate.store.submissions import Candidate, NewTask
 from taskgate.v1 import admin_pb2
-from tests.support.factories import SLEEPY, params, publish, sleepy_settings, submit, with_
+from tests.support.factories import SLEEPY, claimed, params, publish, sleepy_settings, submit, with_
 from tests.support.harness import WorkerFactory as Factory
 from tests.support.queries import is_status, wait_task
 from tests.support.stacks import Admin
@@ -80,7 +80,7 @@ async def test_get_usage_is_admin_only_and_checks_its_fields(admin: Admin) -> No
 
 async def test_a_move_by_anyone_but_the_worker_adds_no_seconds(backends: Backends) -> None:
     task = await submit(backends, params=params(steps=1))
-    await store.claim(backends.pool, task.id, worker_id="w1", lease_seconds=30.0, actor="test")
+    await claimed(backends.pool, task.id, worker_id="w1", lease_seconds=30.0)
     out = await store.release(backends.pool, task.id, actor="scheduler", reason="lease lost")
     assert out.applied and out.task is not None and (out.task.device_seconds, out.task.slot_seconds) == (0.0, 0.0)
     assert await backends.pool.fetchval("SELECT count(*) FROM usage_hour") == 0

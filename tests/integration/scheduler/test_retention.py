@@ -26,7 +26,7 @@ from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate_client import cli as cli_module
 from taskgate_client import connect_async
-from tests.support.factories import insert_task, put_in
+from tests.support.factories import Claim, insert_task, moved, put_in
 from tests.support.queries import db_now
 
 DAY = 86400.0
@@ -51,8 +51,8 @@ async def succeeded_with(backends: Backends, outputs: FolderResults, name: str, 
     task = await insert_task(backends.pool, prompt=f"prompt {name}")
     uri = reuse or (await outputs.put(name, f"bytes of {name}".encode(), "video/mp4")).uri
     result = store.ResultRef(uri, "video/mp4", 1, "ab" * 32, reused=reuse is not None)
-    for change in (store.Queue(), store.Claim("w1", 10.0), store.Succeed(result)):
-        out = await store.apply(backends.pool, task.id, change, actor="test")
+    for change in (store.Queue(), Claim("w1", 10.0), store.Succeed(result)):
+        out = await moved(backends.pool, task.id, change)
         assert out.applied and out.task is not None
         task = out.task
     return task
@@ -223,8 +223,8 @@ async def test_purge_keeps_finished_tasks_whose_webhook_is_owed_or_whose_attempt
     pool = backends.pool
     hook = "http://127.0.0.1:9/hook"
     owed = await insert_task(pool, prompt="owed", callback_url=hook)  # its terminal webhook not delivered yet
-    for change in (store.Queue(), store.Claim("w1", 10.0), store.Succeed(store.ResultRef("mem://o", "video/mp4", 1, "ab" * 32))):
-        assert (await store.apply(pool, owed.id, change, actor="test")).applied
+    for change in (store.Queue(), Claim("w1", 10.0), store.Succeed(store.ResultRef("mem://o", "video/mp4", 1, "ab" * 32))):
+        assert (await moved(pool, owed.id, change)).applied
     retrying = await insert_task(pool, prompt="retrying", callback_url=hook)  # a delivery still being retried
     assert (await store.cancel(pool, retrying.id, mode=store.CancelMode.HARD, actor="test")).applied
     await pool.execute("UPDATE task SET callback_status = 'DELIVERED' WHERE id = $1", retrying.id)

@@ -28,7 +28,7 @@ from taskgate.states import Status
 from taskgate.store import Rejection
 from taskgate.v1 import task_pb2
 from taskgate.wire import dispatch
-from tests.support.factories import MEM_RESULT, put_in
+from tests.support.factories import MEM_RESULT, claimed, put_in
 from tests.support.harness import wait_for
 from tests.support.queries import db_now, dispatches, row
 
@@ -108,14 +108,17 @@ async def test_a_queue_that_moves_never_times_out_and_a_lost_message_is_resent_o
     backends: Backends, scheduler: Scheduler
 ) -> None:
     pool = backends.pool
+    running = await put_in(pool, Status.PROCESSING, lease=600.0)  # the model is busy: a backlog, not a loss
     kept, lost = [await put_in(pool, Status.QUEUED) for _ in range(2)]
     await dispatch.publish(backends.bus, kept, dispatch.Reason.SUBMITTED)  # only one of the two has its message
-    running = await put_in(pool, Status.PROCESSING, lease=600.0)  # the model is busy: a backlog, not a loss
     now = await db_now(pool)
     assert (await scheduler.run_once(now + timedelta(seconds=200))).actions.total() == 0
     assert (await store.succeed(pool, running.id, attempt=1, result=MEM_RESULT, actor="w1")).applied
     # a claim at the model a moment ago counts as moving too, for the queue timeout from that claim
-    await pool.execute("INSERT INTO fair_level (model_id, priority, floor, claimed_at) VALUES ('wan-tiny', 5, 0, $1)", now)
+    await pool.execute(
+        "INSERT INTO fair_level (model_id, priority, floor, claimed_at) VALUES ('wan-tiny', 5, 0, $1)"
+        " ON CONFLICT (model_id, priority) DO UPDATE SET claimed_at = excluded.claimed_at", now,
+    )
     assert (await scheduler.run_once(now + timedelta(seconds=179))).actions.total() == 0
     report = await scheduler.run_once(now + timedelta(seconds=181))  # it stopped: one message is missing, one sent
     assert (report[Action.REPUBLISH], report[Action.STILL_QUEUED]) == (1, 1)
@@ -164,8 +167,8 @@ async def test_expired_lease_requeues_and_fences_out_the_old_attempt(backends: B
     # the old worker wakes up and writes its result: refused, the task is not its any more
     late = await store.succeed(backends.pool, task.id, attempt=1, result=MEM_RESULT, actor="w1")
     assert late.rejection is Rejection.ILLEGAL
-    again = await store.claim(backends.pool, task.id, worker_id="w2", lease_seconds=10.0, actor="w2")
-    assert again.applied and again.task is not None and again.task.attempt == 2
+    again = await claimed(backends.pool, task.id, worker_id="w2", lease_seconds=10.0)
+    assert again.attempt == 2
     late = await store.succeed(backends.pool, task.id, attempt=1, result=MEM_RESULT, actor="w1")
     assert late.rejection is Rejection.STALE
     done = await store.succeed(backends.pool, task.id, attempt=2, result=MEM_RESULT, actor="w2")
@@ -256,9 +259,9 @@ async def test_silent_workers_are_forgotten(backends: Backends, scheduler: Sched
 
 
 async def test_gauges_per_model(backends: Backends, scheduler: Scheduler) -> None:
+    await put_in(backends.pool, Status.PROCESSING, model_id="sleepy")  # first: the claim takes the level's oldest
     for _ in range(3):
         await put_in(backends.pool, Status.QUEUED, model_id="sleepy")
-    await put_in(backends.pool, Status.PROCESSING, model_id="sleepy")
     await put_in(backends.pool, Status.SUCCEEDED, model_id="wan-tiny")
     await backends.pool.execute("UPDATE task SET queued_at = now() - interval '42 seconds' WHERE status = 'QUEUED'")
     await backends.pool.execute("INSERT INTO worker (id, models, slots, device) VALUES ('w1', '{sleepy}', 1, 'cpu')")

@@ -18,7 +18,7 @@ from taskgate.states import Status
 from taskgate.store import admin as admin_store
 from taskgate.v1 import admin_pb2, task_pb2
 from taskgate_client.repair import repair
-from tests.support.factories import dead, insert_task, put_in, sleepy_settings
+from tests.support.factories import claimed, dead, insert_task, put_in, sleepy_settings
 from tests.support.harness import wait_for
 from tests.support.queries import dispatches, row
 from tests.support.stacks import Admin
@@ -58,12 +58,12 @@ async def test_admin_key_required(admin: Admin) -> None:
 
 async def test_get_stats(admin: Admin) -> None:
     pool = admin.backends.pool
-    for _ in range(2):
-        await put_in(pool, Status.QUEUED, model_id="sleepy")
     await put_in(pool, Status.PROCESSING, model_id="sleepy", worker="w-live")
     await put_in(pool, Status.PROCESSING, model_id="wan-tiny", worker="w-live")
     await put_in(pool, Status.PROCESSING, model_id="wan-tiny", worker="w-dead")
     done = await put_in(pool, Status.SUCCEEDED, model_id="wan-tiny")
+    for _ in range(2):  # after the claims: a claim takes its level's oldest QUEUED task
+        await put_in(pool, Status.QUEUED, model_id="sleepy")
     await pool.execute("UPDATE task SET queued_at = now() - interval '90 seconds' WHERE status = 'QUEUED'")
     await pool.execute(
         "INSERT INTO worker (id, models, slots, device, last_heartbeat) VALUES "
@@ -182,8 +182,8 @@ async def test_list_stuck_tasks_says_why_and_changes_nothing(admin: Admin) -> No
     created = await put_in(pool, Status.CREATED)
     await pool.execute("UPDATE task SET updated_at = now() - interval '31 seconds' WHERE id = $1", created.id)
     lost = await put_in(pool, Status.PROCESSING, lease=0.000001)
-    await put_in(pool, Status.QUEUED)  # fresh: not stuck
     await put_in(pool, Status.PROCESSING)  # live lease: not stuck
+    await put_in(pool, Status.QUEUED)  # fresh: not stuck
     before = await versions(admin)
 
     stuck = await admin.stub.ListStuckTasks(admin_pb2.ListStuckTasksRequest(), metadata=admin.admin)
@@ -199,9 +199,9 @@ async def _mixed(admin: Admin) -> tuple[list[int], set[int], set[int]]:
     pool = admin.backends.pool
     expired = [await put_in(pool, Status.PROCESSING, lease=0.000001) for _ in range(3)]
     live = await put_in(pool, Status.PROCESSING, worker="w-alive")
+    finished = await put_in(pool, Status.SUCCEEDED)
     queued = [await put_in(pool, Status.QUEUED) for _ in range(2)]
     created = await put_in(pool, Status.CREATED)
-    finished = await put_in(pool, Status.SUCCEEDED)
     unknown = 4242
     movable = {t.id for t in [*expired, *queued, created]}
     skipped = {live.id, finished.id, unknown}
@@ -491,7 +491,7 @@ async def test_a_task_is_replayed_once_and_a_replay_that_failed_is_replayed_itse
     assert (other_id, other_action) == (other.id, "REPLAYED")
     assert await requeue(admin, filter=by_filter, replay_finished=True) == []
     # the replay failed too: it is replayed in turn, and the chain is linked
-    assert (await store.apply(pool, replay, store.Claim("w1", 10.0), actor="test")).applied
+    await claimed(pool, replay, lease_seconds=10.0)
     assert (await store.fail(pool, replay, error=store.TaskError("E", "again"), actor="w1", reason="x", dead_letter=True)).applied
     [(action, detail)] = actions(await requeue(admin, task_ids=[str(replay)], replay_finished=True)).values()
     third = await row(pool, int(detail.removeprefix("as task ")))

@@ -11,13 +11,13 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from services.submit.service import SubmitHandle
-from taskgate import errors, ids
+from taskgate import ids
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
 from taskgate_client import AsyncTaskgateClient, ClientConfig
 from tests.support import factories
-from tests.support.harness import Cluster, wait_for
+from tests.support.harness import Cluster, details_of, wait_for
 
 
 async def _holders(backends: Backends) -> dict[int, str]:
@@ -78,7 +78,7 @@ async def test_an_id_collision_answers_aborted_with_retry_info_and_the_sdk_retri
     assert info.value.code() == grpc.StatusCode.ABORTED
     status = rpc_status.from_call(info.value)
     assert status is not None
-    details = errors.details_of(status)
+    details = details_of(status)
     assert any(isinstance(d, error_details_pb2.RetryInfo) for d in details)
     assert any(isinstance(d, error_details_pb2.ErrorInfo) and d.reason == "CONFLICT" for d in details)
 

@@ -11,8 +11,9 @@ import pytest
 from taskgate import states, store
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from taskgate.store import CancelMode, Change, Move, Rejection, ResultRef, TaskError, apply, get_task
-from tests.support.factories import CHANGES, insert_task
+from taskgate.store import CancelMode, Move, Rejection, ResultRef, TaskError, apply, get_task
+from taskgate.store.workers import Verdict
+from tests.support.factories import CHANGES, Claim, Step, claim, claimed, insert_task, moved
 
 
 async def test_database_enum_and_transition_table_match(backends: Backends) -> None:
@@ -27,17 +28,17 @@ async def test_database_enum_and_transition_table_match(backends: Backends) -> N
 async def _put_in(pool: asyncpg.Pool, status: Status) -> int:
     """A task driven to `status` through legal moves."""
     task = await insert_task(pool)
-    path: dict[Status, list[Change]] = {
+    path: dict[Status, list[Step]] = {
         Status.CREATED: [],
         Status.QUEUED: [store.Queue()],
-        Status.PROCESSING: [store.Queue(), store.Claim("w1", 10.0)],
-        Status.SUCCEEDED: [store.Queue(), store.Claim("w1", 10.0), store.Succeed(ResultRef("mem://x", "video/mp4", 10, "ab" * 32))],
-        Status.FAILED: [store.Queue(), store.Claim("w1", 10.0), store.Fail(TaskError("E", "boom"))],
+        Status.PROCESSING: [store.Queue(), Claim("w1", 10.0)],
+        Status.SUCCEEDED: [store.Queue(), Claim("w1", 10.0), store.Succeed(ResultRef("mem://x", "video/mp4", 10, "ab" * 32))],
+        Status.FAILED: [store.Queue(), Claim("w1", 10.0), store.Fail(TaskError("E", "boom"))],
         Status.TIMEOUT: [store.Queue(), store.TimeOut(TaskError("QUEUE_TIMEOUT", "late"))],
         Status.CANCELED: [store.Cancel(CancelMode.SOFT)],
     }
     for change in path[status]:
-        out = await apply(pool, task.id, change, actor="test")
+        out = await moved(pool, task.id, change)
         assert out.applied, (status, change, out.rejection)
     return task.id
 
@@ -50,8 +51,7 @@ async def test_every_pair_is_applied_or_refused_by_the_table(backends: Backends,
     before = await get_task(backends.pool, task_id)
     assert before is not None and before.status is status
     out = await apply(backends.pool, task_id, CHANGES[move], actor="test")
-    # a claim of a PROCESSING task needs an expired lease; the lease here is live
-    expected = status in move.sources and not (move is Move.CLAIM and status is Status.PROCESSING)
+    expected = status in move.sources
     assert out.applied is expected
     after = await get_task(backends.pool, task_id)
     assert after is not None
@@ -79,14 +79,33 @@ async def test_stale_version_loses(backends: Backends) -> None:
     assert missing.rejection is Rejection.NOT_FOUND and missing.task is None
 
 
+@pytest.mark.parametrize("status", list(Status))
+async def test_the_claim_takes_only_what_the_table_allows(backends: Backends, status: Status) -> None:
+    task_id = await _put_in(backends.pool, status)
+    before = await get_task(backends.pool, task_id)
+    assert before is not None
+    got = await claim(backends.pool, task_id, worker_id="w2", lease_seconds=10.0)
+    # a claim of a PROCESSING task needs an expired lease; the lease here is live
+    expected = status in (Status.CREATED, Status.QUEUED)
+    assert states.is_legal(status, Status.PROCESSING) or not expected
+    assert (got.verdict is Verdict.CLAIMED) is expected, got.verdict
+    after = await get_task(backends.pool, task_id)
+    assert after is not None
+    if expected:
+        assert (after.status, after.version, after.attempt) == (Status.PROCESSING, before.version + 1, before.attempt + 1)
+    else:
+        assert got.verdict is (Verdict.REFUSED if status is Status.PROCESSING else Verdict.FINISHED)
+        assert (after.version, after.status) == (before.version, status)
+
+
 async def test_fifty_concurrent_claimers_one_winner(backends: Backends) -> None:
     task_id = await _put_in(backends.pool, Status.QUEUED)
     results = await asyncio.gather(
-        *(store.claim(backends.pool, task_id, worker_id=f"w{i}", lease_seconds=10.0, actor="worker") for i in range(50))
+        *(claim(backends.pool, task_id, worker_id=f"w{i}", lease_seconds=10.0) for i in range(50))
     )
-    winners = [r for r in results if r.applied]
+    winners = [r for r in results if r.verdict is Verdict.CLAIMED]
     assert len(winners) == 1
-    assert all(r.rejection is Rejection.ILLEGAL for r in results if not r.applied)
+    assert {r.verdict for r in results if r is not winners[0]} <= {Verdict.BUSY, Verdict.REFUSED}
     row = await get_task(backends.pool, task_id)
     assert row is not None and row.attempt == 1 and row.worker_id == winners[0].task.worker_id  # type: ignore[union-attr]
 
@@ -94,8 +113,8 @@ async def test_fifty_concurrent_claimers_one_winner(backends: Backends) -> None:
 async def test_stale_attempt_cannot_write(backends: Backends) -> None:
     task_id = await _put_in(backends.pool, Status.PROCESSING)
     await backends.pool.execute("UPDATE task SET lease_expires_at = now() - interval '1 second' WHERE id = $1", task_id)
-    reclaimed = await store.claim(backends.pool, task_id, worker_id="w-new", lease_seconds=10.0, actor="worker")
-    assert reclaimed.applied and reclaimed.task is not None and reclaimed.task.attempt == 2
+    reclaimed = await claimed(backends.pool, task_id, worker_id="w-new", lease_seconds=10.0)
+    assert reclaimed.attempt == 2
     late = await store.succeed(backends.pool, task_id, attempt=1, result=ResultRef("mem://old", "video/mp4", 1, "00" * 32),
                                actor="worker")
     assert late.rejection is Rejection.STALE

@@ -31,13 +31,14 @@ from services.notifier.service import start as start_notifier
 from services.scheduler.service import start as start_scheduler
 from services.submit.service import SubmitHandle
 from services.submit.service import start as start_submit
-from taskgate import auth, errors, results, store
+from taskgate import auth, results, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
+from taskgate.states import Priority
 from taskgate.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from tests.support import factories
-from tests.support.factories import Metadata, insert_task
-from tests.support.harness import wait_for
+from tests.support.factories import Claim, Metadata, insert_task, moved
+from tests.support.harness import details_of, wait_for
 
 # TASKGATE_HYPOTHESIS_EXAMPLES raises the example count for a longer hunt (e.g. 2000).
 EXAMPLES = hsettings(
@@ -101,7 +102,7 @@ async def failure(call: Any) -> tuple[grpc.StatusCode, list[Any]]:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
     status = rpc_status.from_call(info.value)
-    return info.value.code(), errors.details_of(status) if status else []
+    return info.value.code(), details_of(status) if status else []
 
 
 def violated(details: list[Any]) -> set[str]:
@@ -350,7 +351,7 @@ async def test_any_input_image_is_ok_or_invalid_argument_naming_it_and_a_refusal
         assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
         status = rpc_status.from_call(exc)
         assert status is not None
-        assert violated(errors.details_of(status)) <= {"image", "image.data", "image.url", "image.upload_sha256"}, exc
+        assert violated(details_of(status)) <= {"image", "image.data", "image.url", "image.upload_sha256"}, exc
         assert await task_count(backends) == before
         assert await backends.pool.fetchval("SELECT count(*) FROM task_input") == inputs
         return
@@ -518,12 +519,13 @@ async def notifier(hostile_settings: Settings, backends: Backends) -> AsyncItera
 
 async def _succeeded_task(backends: Backends, settings: Settings, tenant: str) -> int:
     """A task of `tenant` that SUCCEEDED with a stored result."""
-    task = await insert_task(backends.pool, user_id=tenant, model_id="sleepy")
+    # a level of its own (low priority): the claim takes the level's fairest task, not one of the test's others
+    task = await insert_task(backends.pool, user_id=tenant, model_id="sleepy", priority=Priority.LOW)
     results_store = results.result_store(settings, backends.bus)
     stored = await results_store.put(f"{task.id}-a1.json", b'{"ok": true}', "application/json")
     result = store.ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256)
-    for change in (store.Queue(), store.Claim("w1", 30.0), store.Succeed(result)):
-        out = await store.apply(backends.pool, task.id, change, actor="test")
+    for change in (store.Queue(), Claim("w1", 30.0), store.Succeed(result)):
+        out = await moved(backends.pool, task.id, change)
         assert out.applied, change
     return task.id
 
@@ -675,7 +677,7 @@ async def test_any_request_to_any_rpc_is_answered_or_refused_by_name_never_inter
         assert exc.code() in FINE, (method, request, exc.code(), exc.details())
         if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
             status = rpc_status.from_call(exc)
-            assert status is not None and violated(errors.details_of(status)), (method, exc.details())  # names a field
+            assert status is not None and violated(details_of(status)), (method, exc.details())  # names a field
     finally:
         if service == "events":
             await events_channel.close()

@@ -16,7 +16,7 @@ from taskgate.runtime import Backends
 from taskgate.store import submissions, tenants
 from taskgate.store.submissions import Admission, Candidate, History, NewTask, Verdict
 from taskgate.v1 import gateway_pb2
-from tests.support.factories import key_for
+from tests.support.factories import claimed, key_for
 from tests.support.harness import info_of, outcome
 
 PAYLOAD = {"num_frames": 9, "width": 32, "height": 32, "num_inference_steps": 2, "seed": 1}
@@ -99,7 +99,7 @@ async def test_the_charge_is_settled_to_the_measured_seconds_and_a_cancel_releas
     assert ran.task is not None and dropped.task is not None
     assert await charged(backends, "settled") == {"2026-03-10": 80.0}
     # the worker's final write records 7.5 measured GPU-seconds: the charge becomes what it measured
-    await store.claim(backends.pool, ran.task.id, worker_id="w1", lease_seconds=30.0, actor="test")
+    await claimed(backends.pool, ran.task.id, worker_id="w1", lease_seconds=30.0)
     result = store.ResultRef("mem://x", "video/mp4", 1, "ab" * 32)
     out = await store.succeed(backends.pool, ran.task.id, attempt=1, result=result, actor="test",
                               metered=store.Metered(7.5, 8.0))

@@ -20,8 +20,9 @@ from taskgate import store
 from taskgate.dispatcher import Dispatcher, dispatch_pass
 from taskgate.runtime import Backends
 from taskgate.states import Status
+from taskgate.store.workers import Verdict
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.support.factories import insert_task, key_for
+from tests.support.factories import claim, insert_task, key_for
 from tests.support.harness import wait_for
 
 
@@ -70,9 +71,9 @@ async def test_a_dispatcher_crash_between_publish_and_queued_loses_nothing_and_r
     assert await _messages(backends.bus) == 1
 
     # one claim wins, the second (a redelivery, or the same message twice) is refused
-    first = await store.apply(pool, task.id, store.Claim("w1", 10.0), actor="test")
-    second = await store.apply(pool, task.id, store.Claim("w2", 10.0), actor="test")
-    assert first.applied and not second.applied
+    first = await claim(pool, task.id, worker_id="w1", lease_seconds=10.0)
+    second = await claim(pool, task.id, worker_id="w2", lease_seconds=10.0)
+    assert (first.verdict, second.verdict) == (Verdict.CLAIMED, Verdict.REFUSED)
 
 
 async def test_the_dispatcher_queues_each_handed_batch_in_one_pass(backends: Backends) -> None:

@@ -10,7 +10,6 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from services.submit.service import SubmitHandle
-from taskgate import errors
 from taskgate.runtime import Backends
 from taskgate.states import Priority
 from taskgate.store import tenants
@@ -18,6 +17,7 @@ from taskgate.v1 import gateway_pb2, task_pb2
 from taskgate_client import connect_async
 from taskgate_client.errors import TaskgateError
 from tests.support.factories import key_for
+from tests.support.harness import details_of
 
 HIGH, NORMAL, LOW = task_pb2.PRIORITY_HIGH, task_pb2.PRIORITY_NORMAL, task_pb2.PRIORITY_LOW
 
@@ -32,7 +32,7 @@ async def refusal(call: Any) -> tuple[grpc.StatusCode, error_details_pb2.ErrorIn
         await call
     status = rpc_status.from_call(info.value)
     assert status is not None
-    found = [d for d in errors.details_of(status) if isinstance(d, error_details_pb2.ErrorInfo)]
+    found = [d for d in details_of(status) if isinstance(d, error_details_pb2.ErrorInfo)]
     return info.value.code(), found[0]
 
 

@@ -19,13 +19,13 @@ from PIL import Image
 
 from services.scheduler.scans import Action, Retention, RetentionScan, ScanContext
 from services.submit.service import SubmitHandle
-from taskgate import errors, images, store
+from taskgate import images, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.results import ResultNotFound, result_store
 from taskgate.runtime import Backends
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.factories import Metadata, key_for
-from tests.support.harness import LocalCA, make_local_ca
+from tests.support.harness import LocalCA, details_of, make_local_ca
 from tests.support.webhooks import Received, Reply, WebhookReceiver
 
 I2V = "image-to-video"
@@ -70,7 +70,7 @@ def refusal(exc: grpc.aio.AioRpcError) -> dict[str, str]:
     assert status is not None
     return {
         v.field: v.description
-        for d in errors.details_of(status) if isinstance(d, error_details_pb2.BadRequest)
+        for d in details_of(status) if isinstance(d, error_details_pb2.BadRequest)
         for v in d.field_violations
     }
 

@@ -19,7 +19,7 @@ from taskgate.states import Status
 from taskgate.store import CancelMode
 from taskgate.store import workers as registry
 from taskgate.v1 import gateway_pb2
-from tests.support.factories import insert_task, key_for
+from tests.support.factories import claimed, insert_task, key_for
 from tests.support.harness import wait_for
 from tests.support.queries import row
 
@@ -94,8 +94,7 @@ async def test_a_dead_workers_hold_lapses_and_the_scheduler_frees_the_slot(backe
     scheduler = Scheduler(backends.settings, pool, backends.bus)
     held, other, queued = [await insert_task(pool, model_id=SLEEPY, prompt=f"p{n}") for n in range(3)]
     for task in (held, other):
-        out = await store.claim(pool, task.id, worker_id="w1", lease_seconds=10.0, actor="w1")
-        assert out.applied
+        await claimed(pool, task.id, lease_seconds=10.0)
     assert await pending_of(backends, "tenant-a") == 3
 
     assert (await store.cancel(pool, held.id, mode=CancelMode.SOFT, actor="test")).applied
@@ -104,10 +103,10 @@ async def test_a_dead_workers_hold_lapses_and_the_scheduler_frees_the_slot(backe
     assert await pending_of(backends, "tenant-a") == 2  # the hard cancel freed its slot at once; the soft one runs on
 
     # the model's concurrency cap counts the soft-cancelled run too
-    capped = (await registry.claim_for(
+    capped = await registry.claim_for(
         pool, queued.id, model_id=SLEEPY, cap=1, worker_id="w2", lease_seconds=10.0, actor="w2"
-    )).outcome()
-    assert capped is None
+    )
+    assert capped.verdict is registry.Verdict.CAPPED
 
     lease_end = (await row(backends.pool, held.id)).lease_expires_at
     assert lease_end is not None
@@ -117,7 +116,7 @@ async def test_a_dead_workers_hold_lapses_and_the_scheduler_frees_the_slot(backe
     assert (after.status, after.lease_expires_at, after.version) == (Status.CANCELED, None, held.version + 2)  # letting go is no move
     assert await pending_of(backends, "tenant-a") == 1
     assert not await store.let_go(pool, held.id, attempt=1)  # a late worker finds nothing left to let go
-    claimed = (await registry.claim_for(
+    taken = await registry.claim_for(
         pool, queued.id, model_id=SLEEPY, cap=1, worker_id="w2", lease_seconds=10.0, actor="w2"
-    )).outcome()
-    assert claimed is not None and claimed.applied
+    )
+    assert taken.verdict is registry.Verdict.CLAIMED

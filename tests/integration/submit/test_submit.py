@@ -26,7 +26,7 @@ from grpc_status import rpc_status
 from services.submit.cache import TerminalCache
 from services.submit.service import SubmitHandle, poll_interval, start
 from taskgate import bus as busmod
-from taskgate import errors, store
+from taskgate import store
 from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.results import ObjectStoreResults
@@ -35,8 +35,8 @@ from taskgate.states import Priority, Status
 from taskgate.store import get_task
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_local.embedded import EmbeddedNats, free_port
-from tests.support.factories import Metadata, insert_task, key_for
-from tests.support.harness import ROOT, wait_for
+from tests.support.factories import Claim, Metadata, Step, insert_task, key_for, moved
+from tests.support.harness import ROOT, details_of, wait_for
 
 
 async def failure(call: Awaitable[object]) -> tuple[grpc.StatusCode, str, list[Any]]:
@@ -44,7 +44,7 @@ async def failure(call: Awaitable[object]) -> tuple[grpc.StatusCode, str, list[A
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
     status = rpc_status.from_call(info.value)
-    return info.value.code(), info.value.details() or "", errors.details_of(status) if status else []
+    return info.value.code(), info.value.details() or "", details_of(status) if status else []
 
 
 def reason_of(details: list[Any]) -> str:
@@ -72,17 +72,17 @@ async def dispatched(backends: Backends, task_id: int | str, status: Status = St
     return row
 
 
-async def drive(backends: Backends, task_id: int, *changes: store.Change) -> TaskRow:
+async def drive(backends: Backends, task_id: int, *changes: Step) -> TaskRow:
     row: TaskRow | None = None
     for change in changes:
-        out = await store.apply(backends.pool, task_id, change, actor="test")
+        out = await moved(backends.pool, task_id, change)
         assert out.applied, (change, out.rejection)
         row = out.task
     assert row is not None
     return row
 
 
-CLAIM = store.Claim("w1", 10.0)
+CLAIM = Claim("w1", 10.0)
 
 
 # Submit, dispatch, defaults

@@ -18,7 +18,7 @@ from taskgate.runtime import Backends
 from taskgate.store import submissions
 from taskgate.store.submissions import Admission, Candidate, NewTask, Verdict
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.support.factories import insert_task, key_for
+from tests.support.factories import claimed, insert_task, key_for
 from tests.support.harness import info_of, outcome, wait_for
 
 
@@ -177,9 +177,8 @@ async def test_pending_counts_follow_every_move(backends: Backends) -> None:
     assert await counts_match() == {"ta": 6, "tb": 6}
     a, b = tasks["ta"], tasks["tb"]
     await submissions.queue_created(pool, a[:4] + b[:2], actor="test")
-    claim = store.Claim("w", 30.0)
-    for task in (a[0], a[1], a[2], b[0]):
-        assert (await store.apply(pool, task.id, claim, actor="test")).applied
+    for task in (a[0], b[0], a[1], b[1], a[2]):  # the order the fair claim takes them in (by tenant, then oldest)
+        await claimed(pool, task.id, worker_id="w")
     await store.succeed(pool, a[0].id, attempt=1, result=store.ResultRef("u", "video/mp4", 1, "s"), actor="test")
     await store.fail(pool, a[1].id, attempt=1, error=store.TaskError("E", "m"), actor="test", reason="r", dead_letter=True)
     await store.retry(pool, a[2].id, attempt=1, error=store.TaskError("E", "m"), delay_seconds=0, actor="test")
@@ -187,7 +186,7 @@ async def test_pending_counts_follow_every_move(backends: Backends) -> None:
     await store.cancel(pool, a[3].id, mode=store.CancelMode.SOFT, actor="test")
     await store.cancel(pool, b[5].id, mode=store.CancelMode.HARD, actor="test")
     await store.time_out(pool, b[1].id, error=store.TaskError("T", "m"), actor="test", reason="r")
-    assert (await store.apply(pool, b[0].id, claim, actor="test")).applied
+    await claimed(pool, b[0].id, worker_id="w")
     await store.progress(pool, b[0].id, attempt=2, percent=50, lease_seconds=30, actor="test")
     assert await counts_match() == {"ta": 3, "tb": 4}
     # a statement moving many tasks of several tenants, and deletions (retention) of finished and unfinished ones

@@ -14,7 +14,7 @@ import pytest
 from google.rpc import error_details_pb2
 
 from services.submit.service import SubmitHandle
-from taskgate import auth, errors
+from taskgate import auth
 from taskgate import bus as busmod
 from taskgate.runtime import Backends
 from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
@@ -28,7 +28,7 @@ from taskgate_client import (
     connect_async,
 )
 from tests.support.factories import key_for
-from tests.support.harness import wait_for
+from tests.support.harness import details_of, wait_for
 
 SMALL: SubmitItem = {"frames": 9, "width": 32, "height": 32, "steps": 2}
 
@@ -87,7 +87,7 @@ async def test_the_call_itself_takes_1_to_1000_items(gateway: SubmitHandle, back
     ok, refused_item = response.results
     assert ok.HasField("response") and ok.response.created
     assert refused_item.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-    details = errors.details_of(refused_item.error)
+    details = details_of(refused_item.error)
     assert any(isinstance(d, error_details_pb2.RetryInfo) for d in details)
 
 

@@ -18,7 +18,7 @@ from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
 from taskgate.store import TaskError
 from taskgate.v1 import task_pb2
-from tests.support.factories import insert_task
+from tests.support.factories import claimed, insert_task
 from tests.support.harness import wait_for
 
 SLEEPY = "sleepy"
@@ -122,7 +122,7 @@ async def test_replayed_messages_of_finished_tasks_change_nothing(backends: Back
     assert done.status is Status.SUCCEEDED
     failed = await insert_task(backends.pool, model_id=SLEEPY, prompt="failed once")
     assert (await store.queue(backends.pool, failed.id, actor="test")).applied
-    assert (await store.claim(backends.pool, failed.id, worker_id="w-old", lease_seconds=30.0, actor="test")).applied
+    await claimed(backends.pool, failed.id, worker_id="w-old", lease_seconds=30.0)
     boom = TaskError("BOOM", "failed for good")
     assert (await store.fail(backends.pool, failed.id, error=boom, actor="test", reason="failed for good")).applied
     failed_row = await store.get_task(backends.pool, failed.id)

@@ -139,7 +139,7 @@ async def test_the_eta_follows_fair_share_and_the_priority_weights_within_thirty
         await submit(backends, user_id="low", priority=Priority.LOW, params=params(steps=1, seed=300 + n))
     target = light[-1]
     asked = await backends.pool.fetchval("SELECT now()")
-    est = await eta.estimate_task(backends.pool, target.id, s)
+    est = (await eta.estimates(backends.pool, [target.id], s)).get(target.id)
     assert est is not None and est.start is not None
     # FIFO under strict priority would put it 34th; fair share makes it about the 8th NORMAL claim, and LOW takes
     # one claim in four while it has tasks: about the 10th claim

@@ -30,7 +30,7 @@ from taskgate.store import CancelMode, Rejection, ResultRef, TaskError
 from taskgate.store import workers as registry
 from taskgate.v1 import worker_pb2, worker_pb2_grpc
 from taskgate.wire import cancel
-from tests.support.factories import SLEEPY, insert_task, key_for, params, publish, sleepy_settings, submit, with_
+from tests.support.factories import SLEEPY, claimed, insert_task, key_for, params, publish, sleepy_settings, submit, with_
 from tests.support.harness import ROOT, stored_objects, wait_for
 from tests.support.harness import WorkerFactory as Factory
 from tests.support.queries import events, is_status, read_result, report_for, wait_consumer_empty, wait_task
@@ -139,7 +139,7 @@ async def test_message_for_a_canceled_task_is_acked_and_dropped(settings: Settin
     canceled = await store.cancel(backends.pool, task.id, mode=CancelMode.SOFT, actor="submit")
     assert canceled.applied
     await publish(backends, task, f"{task.id}.q0")
-    await handle.worker.wait_for(report_for(task.id, "refused"))
+    await handle.worker.signals.reported.wait_for(report_for(task.id, "refused"))
     await wait_consumer_empty(backends, SLEEPY, Priority.NORMAL)
     row = await store.get_task(backends.pool, task.id)
     assert row is not None and row.status is Status.CANCELED and row.attempt == 0
@@ -150,7 +150,7 @@ async def test_redelivery_while_the_lease_is_live_is_acked_and_dropped(settings:
     task = await submit(backends, params=params(steps=2))
     await wait_task(backends, task.id, is_status(Status.PROCESSING))
     await publish(backends, task, f"{task.id}.p1")  # a re-publish of a task that is running
-    refused = await handle.worker.wait_for(report_for(task.id, "refused"))
+    refused = await handle.worker.signals.reported.wait_for(report_for(task.id, "refused"))
     assert refused.attempt == 0
     row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED))
     assert row.attempt == 1
@@ -169,7 +169,7 @@ async def test_retryable_failure_is_retried_with_growing_delays_then_dead_letter
     row = await wait_task(backends, task.id, is_status(Status.FAILED))
     assert (row.attempt, row.retry_count, row.error_code) == (3, 2, "TRANSIENT_IO")
 
-    retried = [r for r in handle.worker.reports if r.task_id == task.id and r.outcome == "retried"]
+    retried = [r for r in handle.worker.signals.reported.seen if r.task_id == task.id and r.outcome == "retried"]
     assert [r.attempt for r in retried] == [1, 2]
     assert retried[0].delay is not None and retried[1].delay is not None and retried[0].delay < retried[1].delay
     history = await events(backends, task.id)
@@ -206,7 +206,7 @@ async def test_soft_cancel_keeps_the_output_and_an_identical_task_reuses_it(
     await wait_task(backends, first.id, is_status(Status.PROCESSING))
     assert (await store.cancel(backends.pool, first.id, mode=CancelMode.SOFT, actor="submit")).applied
     assert await cancel.send(backends.bus, first.id, hard=False, reason="test")
-    kept = await handle.worker.wait_for(report_for(first.id), within=5)
+    kept = await handle.worker.signals.reported.wait_for(report_for(first.id), within=5)
     assert kept.outcome == "soft_canceled" and kept.steps_done == 3
     row = await store.get_task(backends.pool, first.id)
     assert row is not None and row.status is Status.CANCELED and row.result_uri is None
@@ -219,7 +219,7 @@ async def test_soft_cancel_keeps_the_output_and_an_identical_task_reuses_it(
     assert second.request_hash == first.request_hash
     done = await wait_task(backends, second.id, is_status(Status.SUCCEEDED))
     assert done.result_reused and (done.result_uri, done.result_sha256) == (reusable["result_uri"], reusable["result_sha256"])
-    reused = await handle.worker.wait_for(report_for(second.id))
+    reused = await handle.worker.signals.reported.wait_for(report_for(second.id))
     assert reused.outcome == "reused" and reused.steps_done == 0
     await wait_consumer_empty(backends, SLEEPY, Priority.NORMAL)
 
@@ -231,7 +231,7 @@ async def test_hard_cancel_of_a_sleep_run_frees_the_slot_at_once(settings: Setti
     assert (await store.cancel(backends.pool, task.id, mode=CancelMode.HARD, actor="submit")).applied
     started = time.monotonic()
     assert await cancel.send(backends.bus, task.id, hard=True, reason="test")
-    report = await handle.worker.wait_for(report_for(task.id), within=5)
+    report = await handle.worker.signals.reported.wait_for(report_for(task.id), within=5)
     assert time.monotonic() - started < 5.0  # one 0.2 s step (plus a loaded machine's delays), not the 20 s run
     assert report.outcome == "canceled" and report.steps_at_abort is not None
     assert report.steps_done <= report.steps_at_abort + 1 < 100
@@ -251,7 +251,7 @@ async def test_a_task_timed_out_elsewhere_is_stopped_at_the_next_lease_renewal(
     )
     assert timed_out.applied
     started = time.monotonic()
-    report = await handle.worker.wait_for(report_for(task.id), within=5)
+    report = await handle.worker.signals.reported.wait_for(report_for(task.id), within=5)
     assert report.outcome == "terminal" and time.monotonic() - started < 10.0  # a renewal or two, not the 20 s run
     assert handle.worker.status().free_slots == 1
     row = await store.get_task(backends.pool, task.id)
@@ -293,7 +293,7 @@ async def test_paused_workers_late_result_is_fenced_out(settings: Settings, back
     healthy = await workers(base, worker_id="healthy")
     row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED), within=20)
     assert (row.attempt, row.worker_id) == (2, "healthy")
-    fenced = await paused.worker.wait_for(report_for(task.id), within=20)
+    fenced = await paused.worker.signals.reported.wait_for(report_for(task.id), within=20)
     assert fenced.outcome == "fenced" and fenced.attempt == 1
     store_ = results.result_store(base, backends.bus)
     # the fenced run cleaned up its own output, never the one that replaced it
@@ -320,7 +320,7 @@ async def test_drain_releases_running_work_after_the_grace(
         )
     assert reply.draining and reply.running == 1
     await handle.worker.drain_requested.wait()
-    report = await handle.worker.wait_for(report_for(task.id), within=5)
+    report = await handle.worker.signals.reported.wait_for(report_for(task.id), within=5)
     assert report.outcome == "released" and time.monotonic() - started >= 0.3
     row = await store.get_task(backends.pool, task.id)
     assert row is not None and (row.status, row.attempt, row.worker_id) == (Status.QUEUED, 1, None)
@@ -411,7 +411,7 @@ async def test_model_cap_holds_across_two_workers(settings: Settings, backends: 
         spans.append((claimed[-1], finished[0]))
     spans.sort()
     assert all(a[1] < b[0] for a, b in itertools.pairwise(spans))
-    capped = [r for w in (first, second) for r in w.worker.reports if r.outcome == "capped"]
+    capped = [r for w in (first, second) for r in w.worker.signals.reported.seen if r.outcome == "capped"]
     assert capped  # the cap was exercised, not just unneeded
     assert {r.worker_id for r in rows} <= {"w1", "w2"}
     await wait_consumer_empty(backends, SLEEPY, Priority.NORMAL)
@@ -419,8 +419,7 @@ async def test_model_cap_holds_across_two_workers(settings: Settings, backends: 
 
 async def test_reusable_result_query_is_guarded_by_attempt(settings: Settings, backends: Backends) -> None:
     task = await insert_task(backends.pool, model_id=SLEEPY)
-    claimed = await store.claim(backends.pool, task.id, worker_id="w", lease_seconds=5.0, actor="worker")
-    assert claimed.applied
+    await claimed(backends.pool, task.id, worker_id="w", lease_seconds=5.0)
     assert (await store.cancel(backends.pool, task.id, mode=CancelMode.SOFT, actor="submit")).applied
     output = ResultRef("nats-os://b/x", "application/json", 3, "abc")
     assert not await registry.keep_reusable(backends.pool, task.id, attempt=2, result=output)

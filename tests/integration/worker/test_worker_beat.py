@@ -18,7 +18,7 @@ from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import workers as registry
-from tests.support.factories import params, sleepy_settings, submit, with_
+from tests.support.factories import claimed, params, sleepy_settings, submit, with_
 from tests.support.harness import WorkerFactory as Factory
 from tests.support.queries import is_status, wait_task
 
@@ -130,8 +130,8 @@ async def test_a_lost_lease_among_several_stops_its_run_and_the_others_keep_thei
     # Another attempt takes the task over (as after an expired lease): this worker's next beat is refused for it.
     async with backends.pool.acquire() as conn, conn.transaction():
         assert (await store.release(conn, lost.id, actor="scheduler", expected_attempt=1, worker_lost=True)).applied
-        assert (await store.claim(conn, lost.id, worker_id="elsewhere", lease_seconds=30.0, actor="test")).applied
-    report: RunReport = await handle.worker.wait_for(report_for(lost.id), within=5)
+        await claimed(conn, lost.id, worker_id="elsewhere", lease_seconds=30.0)
+    report: RunReport = await handle.worker.signals.reported.wait_for(report_for(lost.id), within=5)
     assert report.outcome == "lost" and report.attempt == 1
     after = await spy.wait(lambda b: b.registered and {h.task_id for h in b.holds} == kept, count=2)
     assert all(set(b.renewed) == kept for b in after)

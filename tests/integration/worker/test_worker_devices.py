@@ -125,19 +125,19 @@ async def test_claims_stop_at_the_live_workers_slots_and_the_rest_stays_queued(b
     await registry.register(pool, registry.Registration("w1", (SLEEPY,), 2, 0, "cpu", False))
     first, second, third = [await insert_task(pool, model_id=SLEEPY, prompt=f"p{n}") for n in range(3)]
 
-    async def claim(task_id: int) -> store.Outcome | None:
+    async def claim(task_id: int) -> registry.Verdict:
         return (await registry.claim_for(
             pool, task_id, model_id=SLEEPY, cap=0, worker_id="w1", lease_seconds=10.0, actor="w1", cluster_cap=True
-        )).outcome()
+        )).verdict
 
-    assert (out := await claim(first.id)) is not None and out.applied
-    assert (out := await claim(second.id)) is not None and out.applied
-    assert await claim(third.id) is None  # two slots, two running: the third waits
+    assert await claim(first.id) is registry.Verdict.CLAIMED
+    assert await claim(second.id) is registry.Verdict.CLAIMED
+    assert await claim(third.id) is registry.Verdict.CAPPED  # two slots, two running: the third waits
     assert await registry.cluster_load(pool, lease_seconds=10.0) == registry.ClusterLoad(capacity=2, running=2)
     assert (await store.cancel(pool, first.id, mode=CancelMode.SOFT, actor="test")).applied
-    assert await claim(third.id) is None  # the soft-cancelled run still holds its slot
+    assert await claim(third.id) is registry.Verdict.CAPPED  # the soft-cancelled run still holds its slot
     assert await store.let_go(pool, first.id, attempt=1)
-    assert (out := await claim(third.id)) is not None and out.applied
+    assert await claim(third.id) is registry.Verdict.CLAIMED
 
 
 async def test_one_gpu_workers_hold_one_and_a_half_each_and_claims_together_never_pass_the_cluster_cap(

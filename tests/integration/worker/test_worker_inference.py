@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.worker import runner as runmod
 from services.worker import service as worker_service
 from services.worker.encoding import decode_mp4_info
+from services.worker.engine import TestSignals
 from services.worker.service import WorkerHandle
 from taskgate import store
 from taskgate.config import ModelSpec, Settings
@@ -53,7 +54,9 @@ def worker_settings(settings: Settings, model: str, spec: ModelSpec) -> Settings
 @pytest.fixture
 async def family_worker(settings: Settings, tiny_model: Path, model: str) -> AsyncIterator[WorkerHandle]:
     """A worker serving only the family's tiny model from the module's folder."""
-    handle = await worker_service.start(worker_settings(settings, model, tiny_spec(TINY_MODELS[model], tiny_model)))
+    handle = await worker_service.start(
+        worker_settings(settings, model, tiny_spec(TINY_MODELS[model], tiny_model)), signals=TestSignals().arm()
+    )
     try:
         yield handle
     finally:
@@ -88,7 +91,7 @@ async def test_hard_cancel_stops_the_pipeline_within_one_step(backends: Backends
     assert (await store.cancel(backends.pool, task.id, mode=CancelMode.HARD, actor="submit")).applied
     assert await cancel.send(backends.bus, task.id, hard=True, reason="test")
     started = time.monotonic()
-    report = await family_worker.worker.wait_for(report_for(task.id), within=30)
+    report = await family_worker.worker.signals.reported.wait_for(report_for(task.id), within=30)
     assert report.outcome == "canceled" and report.steps_at_abort is not None
     assert report.steps_done <= report.steps_at_abort + 1 and report.steps_done < total
     assert time.monotonic() - started < 10  # a step or two, not the 1000-step run

@@ -23,8 +23,9 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from taskgate.store import Rejection
+from taskgate.store.workers import Verdict
 from taskgate.wire import dispatch
+from tests.support import factories
 from tests.support.factories import insert_task
 from tests.support.harness import ROOT, settings_env, wait_for
 from tests.support.queries import db_now, row
@@ -39,9 +40,7 @@ def scheduler(backends: Backends) -> Scheduler:
 
 
 async def claimed(pool: asyncpg.Pool, task_id: int, worker: str, lease: float = 10.0) -> TaskRow:
-    out = await store.claim(pool, task_id, worker_id=worker, lease_seconds=lease, actor=worker, max_worker_losses=2)
-    assert out.applied and out.task is not None, out.rejection
-    return out.task
+    return await factories.claimed(pool, task_id, worker_id=worker, lease_seconds=lease, max_worker_losses=2)
 
 
 async def dead_notices(bus: busmod.Bus) -> list[dict[str, object]]:
@@ -87,11 +86,11 @@ async def test_a_claim_taking_over_a_lost_attempt_counts_it_and_refuses_the_last
     await claimed(pool, task.id, "w1", lease=-1.0)  # a lease that has already run out: the worker is gone
     taken = await claimed(pool, task.id, "w2", lease=-1.0)  # the redelivered message beat the scheduler's scan
     assert (taken.attempt, taken.worker_losses) == (2, 1)
-    refused = await store.claim(pool, task.id, worker_id="w3", lease_seconds=10.0, actor="w3", max_worker_losses=2)
-    assert refused.rejection is Rejection.ILLEGAL
+    refused = await factories.claim(pool, task.id, worker_id="w3", lease_seconds=10.0, max_worker_losses=2)
+    assert refused.verdict is Verdict.REFUSED
     assert refused.task is not None and (refused.task.status, refused.task.attempt) == (Status.PROCESSING, 2)
-    unlimited = await store.claim(pool, task.id, worker_id="w3", lease_seconds=10.0, actor="w3")
-    assert unlimited.applied and unlimited.task is not None and unlimited.task.worker_losses == 2
+    unlimited = await factories.claimed(pool, task.id, worker_id="w3", lease_seconds=10.0)
+    assert unlimited.worker_losses == 2
 
 
 async def test_processing_timeout_counts_earlier_attempts(backends: Backends, scheduler: Scheduler) -> None:
