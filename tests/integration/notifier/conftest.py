@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from services.notifier.relay import TestSignals
 from services.notifier.service import NotifierHandle, start
 from taskgate import auth
 from taskgate.config import Settings
@@ -26,8 +27,8 @@ async def notifier_factory(backends: Backends) -> AsyncIterator[Callable[..., Aw
     """Starts notifiers (sharing the test's backends unless own=True) and stops them at the end."""
     handles: list[NotifierHandle] = []
 
-    async def make(settings: Settings, own: bool = False) -> NotifierHandle:
-        handle = await start(settings, None if own else backends)
+    async def make(settings: Settings, own: bool = False, signals: TestSignals | None = None) -> NotifierHandle:
+        handle = await start(settings, None if own else backends, signals=signals)
         handles.append(handle)
         return handle
 

@@ -268,7 +268,14 @@ async def test_two_replicas_deliver_each_event_exactly_once(
         tuned = fast(settings)
         replicas = [await notifier_factory(tuned), await notifier_factory(tuned, own=True)]
         tasks = [await insert_task(backends.pool, callback_url=rx.url()) for _ in range(12)]
-        await asyncio.gather(*(run_to(backends.pool, t.id, Status.SUCCEEDED, [10, 60]) for t in tasks))
+        for t in tasks:  # claimed one by one: a claim takes its level's oldest QUEUED task
+            await run_to(backends.pool, t.id, Status.PROCESSING)
+
+        async def finish(task_id: int) -> None:
+            await progress(backends.pool, task_id, 10, 60)
+            await succeed(backends.pool, task_id)
+
+        await asyncio.gather(*(finish(t.id) for t in tasks))
         await wait_for(lambda: len(rx.requests) >= len(tasks))
         await wait_for(
             lambda: _eq(backends.pool.fetchval("SELECT count(*) FROM callback_delivery WHERE status = 'DELIVERED'"), 12)
