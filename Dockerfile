@@ -31,6 +31,7 @@ WORKDIR /src
 COPY pyproject.toml constraints.txt ./
 COPY clients/ clients/
 COPY taskgate/ taskgate/
+COPY taskgate_api/ taskgate_api/
 COPY taskgate_client/ taskgate_client/
 COPY taskgate_local/ taskgate_local/
 COPY services/ services/

@@ -1,8 +1,9 @@
 # taskgate — every target creates the virtual environment it needs.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# the two distributions' metadata and the exact pins: a change to any of them reinstalls
-PINS   := $(shell cat pyproject.toml clients/python/pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+# the three distributions' metadata and the exact pins: a change to any of them reinstalls
+DISTS  := pyproject.toml clients/python/pyproject.toml clients/api/pyproject.toml
+PINS   := $(shell cat $(DISTS) constraints.txt | cksum | cut -d' ' -f1)
 STAMP  := $(VENV)/.installed-$(PINS)
 # the wheels the packaging tests install, so that `make test` needs no package index once `make venv` has run
 WHEELHOUSE := $(VENV)/.wheelhouse-$(PINS)
@@ -10,12 +11,10 @@ PYTEST := $(PY) -m pytest
 
 .PHONY: venv buf run test test-unit test-faults test-cluster images test-images lint proto tiny-model gpu-check bench constraints lock pin-digests clean
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
+$(STAMP): $(DISTS) constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ./clients/python -e '.[worker,local,dev]'
-	# the `taskgate` command moved to the client distribution: a venv from before that lost it when the old one went
-	$(PY) -m pip install -q --no-deps --force-reinstall -e ./clients/python
+	$(PY) -m pip install -q -c constraints.txt -e ./clients/api -e ./clients/python -e '.[worker,local,dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 $(WHEELHOUSE): $(STAMP) taskgate_local/wheelhouse.py
@@ -66,17 +65,15 @@ test-images: images
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy taskgate taskgate_client taskgate_local services tests bench
+	$(VENV)/bin/mypy taskgate taskgate_api taskgate_client taskgate_local services tests bench
 
 ## buf lint of protos/ and buf breaking against the previous release (the compatibility promise of taskgate.v1).
 buf: venv
 	$(PY) -m taskgate_local.buf
 
-## Regenerates the gRPC code and its typed stubs from protos/.
+## Regenerates the gRPC code and its typed stubs from protos/ into taskgate_api/v1 (the taskgate-api distribution).
 proto: $(STAMP)
-	PATH=$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc -Iprotos -I$$($(PY) -m taskgate_local.protopath) \
-		--python_out=. --grpc_python_out=. \
-		--mypy_out=. --mypy_grpc_out=. protos/taskgate/v1/*.proto
+	$(PY) -m taskgate_local.protogen
 
 ## Builds the tiny random-weight text-to-video pipeline used by tests and the demo.
 tiny-model: $(STAMP)

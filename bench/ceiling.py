@@ -19,8 +19,8 @@ from taskgate import ids
 from taskgate.runtime import stop_signal
 from taskgate.store import bench as bench_store
 from taskgate.store import create_pool
-from taskgate.v1 import gateway_pb2, task_pb2
 from taskgate.wire import dispatch
+from taskgate_api.v1 import gateway_pb2, task_pb2
 
 TENANT = "bench-ceiling"
 

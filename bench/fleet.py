@@ -20,7 +20,7 @@ from bench import cpu
 from bench.stack import FLEET_MODEL, BenchStack
 from bench.stats import Report, ms
 from taskgate.store import bench as bench_store
-from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 
 MARGIN = 0.5  # seconds the window closes before the first task could finish
 IDLE_SECONDS = 3.0  # the idle stack's CPU is measured this long before the tasks are submitted

@@ -12,7 +12,7 @@ import grpc
 
 from bench.stack import BenchStack
 from bench.stats import Report, ms
-from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from tests.support.harness import wait_for
 from tests.support.webhooks import WebhookReceiver
 

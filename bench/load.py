@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 
 
 @dataclass(frozen=True)

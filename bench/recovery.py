@@ -11,7 +11,7 @@ import nats
 from bench.stack import LONG_MODEL, BenchStack
 from bench.stats import Report
 from taskgate import bus as busmod
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 
 WAIT = 120.0  # seconds a killed worker's task may take to run again before the figure reads "> WAIT"
 

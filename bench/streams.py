@@ -22,7 +22,7 @@ import grpc
 from bench import cpu
 from bench.stack import BenchStack
 from bench.stats import Report, ms
-from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 
 BASELINE_SECONDS = 5.0  # the notifier's idle CPU before any stream opens, for comparison
 TERMINAL = {task_pb2.TASK_STATUS_SUCCEEDED, task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_TIMEOUT, task_pb2.TASK_STATUS_CANCELED}

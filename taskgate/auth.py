@@ -26,6 +26,7 @@ from taskgate.store.admins import Admin as Admin  # re-exported: TaskAdmin names
 from taskgate.store.pool import Conn
 from taskgate.store.tenants import Principal as Principal  # re-exported: services name the caller taskgate.auth.Principal
 from taskgate.throttle import Throttle
+from taskgate_api import reasons
 
 T = TypeVar("T")
 
@@ -268,7 +269,7 @@ class Authenticator:
             raise errors.unauthenticated(f"the admin key {found.prefix} expired")
         if scope == OPERATOR and found.scope != OPERATOR:
             raise errors.permission_denied(
-                f"this call needs an operator admin key; {found.prefix} is {found.scope}-only", reason="ADMIN_SCOPE"
+                f"this call needs an operator admin key; {found.prefix} is {found.scope}-only", reason=reasons.ADMIN_SCOPE
             )
         if self._throttle is not None:
             self._throttle.call(found.name, self._service)
@@ -311,9 +312,9 @@ class Authenticator:
 def _refusal(why: str) -> errors.ApiError:
     """The error for a key refused by the service asking: unknown, a tenant's on TaskAdmin, an admin's elsewhere."""
     if why == "tenant":
-        return errors.permission_denied("this call needs an admin key; a tenant API key is not one", reason="NOT_AN_ADMIN_KEY")
+        return errors.permission_denied("this call needs an admin key; a tenant API key is not one", reason=reasons.NOT_AN_ADMIN_KEY)
     if why == "admin":
         return errors.permission_denied(
-            "an admin key is not accepted here: use a tenant's API key", reason="ADMIN_KEY_NOT_ACCEPTED"
+            "an admin key is not accepted here: use a tenant's API key", reason=reasons.ADMIN_KEY_NOT_ACCEPTED
         )
     return errors.unauthenticated()

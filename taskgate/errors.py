@@ -7,7 +7,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-DOMAIN = "taskgate.dev"
+from taskgate_api import reasons
 
 
 class ApiError(Exception):
@@ -29,7 +29,7 @@ class ApiError(Exception):
 
 
 def _info(reason: str, **metadata: str) -> error_details_pb2.ErrorInfo:
-    return error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata)
+    return error_details_pb2.ErrorInfo(reason=reason, domain=reasons.DOMAIN, metadata=metadata)
 
 
 def _retry(seconds: float) -> error_details_pb2.RetryInfo:
@@ -55,7 +55,7 @@ def resource_exhausted(reason: str, message: str, retry_after: float | None = No
 
 
 def not_found(what: str = "task") -> ApiError:
-    return ApiError(grpc.StatusCode.NOT_FOUND, f"{what} not found", _info("NOT_FOUND"))
+    return ApiError(grpc.StatusCode.NOT_FOUND, f"{what} not found", _info(reasons.NOT_FOUND))
 
 
 def failed_precondition(reason: str, message: str, **metadata: str) -> ApiError:
@@ -67,15 +67,15 @@ def already_exists(reason: str, message: str, **metadata: str) -> ApiError:
 
 
 def unauthenticated(message: str = "missing or unknown API key") -> ApiError:
-    return ApiError(grpc.StatusCode.UNAUTHENTICATED, message, _info("UNAUTHENTICATED"))
+    return ApiError(grpc.StatusCode.UNAUTHENTICATED, message, _info(reasons.UNAUTHENTICATED))
 
 
-def permission_denied(message: str, reason: str = "PERMISSION_DENIED", **metadata: str) -> ApiError:
+def permission_denied(message: str, reason: str = reasons.PERMISSION_DENIED, **metadata: str) -> ApiError:
     return ApiError(grpc.StatusCode.PERMISSION_DENIED, message, _info(reason, **metadata))
 
 
 def unavailable(message: str, retry_after: float = 1.0) -> ApiError:
-    return ApiError(grpc.StatusCode.UNAVAILABLE, message, _info("BACKEND_UNAVAILABLE"), _retry(retry_after))
+    return ApiError(grpc.StatusCode.UNAVAILABLE, message, _info(reasons.BACKEND_UNAVAILABLE), _retry(retry_after))
 
 
 def aborted(reason: str, message: str, retry_after: float = 0.05) -> ApiError:
@@ -84,7 +84,7 @@ def aborted(reason: str, message: str, retry_after: float = 0.05) -> ApiError:
 
 
 def internal(request_id: str | None) -> ApiError:
-    return ApiError(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})", _info("INTERNAL"))
+    return ApiError(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})", _info(reasons.INTERNAL))
 
 
 __all__ = ["ApiError", "code_pb2"]

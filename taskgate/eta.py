@@ -22,7 +22,7 @@ from taskgate.model import timestamp
 from taskgate.states import Priority, Status
 from taskgate.store import Conn
 from taskgate.store.estimates import EtaInputs, eta_inputs
-from taskgate.v1 import task_pb2
+from taskgate_api.v1 import task_pb2
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """`taskgate-keys` (`python -m taskgate.keys`): create, revoke and list API keys, straight in the database.
 
 A server-side command: it needs the database (TASKGATE_DATABASE_URL, or the stack `make run` started), not the gateway.
-Exit codes are the `taskgate` command's: 0 success, 2 usage, 3 no such key, 4 invalid tenant name, 10 database down.
+Exit codes are the `taskgate` command's (taskgate_api.cli): 0 success, 2 usage, 3 no such key, 4 invalid tenant name, 10 database down.
 """
 
 from __future__ import annotations
@@ -21,9 +21,17 @@ from taskgate.sealing import Sealer
 from taskgate.stackfile import SERVERS_FILE
 from taskgate.states import Priority
 from taskgate.store import tenants
-from taskgate_client.cli import EXIT_BY_CODE, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE, CliError, Output, report_cli_error
-from taskgate_client.cli import _age as _age  # the CLI's ages: 3600, 90m, 12h, 30d
-from taskgate_client.local import find_state_dir
+from taskgate_api.cli import (
+    EXIT_BY_CODE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    CliError,
+    Output,
+    age,
+    find_state_dir,
+    report_cli_error,
+)
 
 _PRIORITY_BY_NAME = {name: value for value, name in Priority.NAMES.items()}
 
@@ -215,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an admin credential named after --tenant instead: TaskAdmin only, never TaskGateway")
     p.add_argument("--scope", choices=auth.SCOPES, default=auth.OPERATOR,
                    help="with --admin: read (stats, listings, audit) or operator (also acts); default operator")
-    p.add_argument("--expires-in", type=_age, metavar="AGE", help="with --admin: it expires after 3600, 90m, 12h, 90d")
+    p.add_argument("--expires-in", type=age, metavar="AGE", help="with --admin: it expires after 3600, 90m, 12h, 90d")
     p = add("tenant", tenant, "change an existing tenant's limits (those given) and show them", tenant_limits=True)
     p.add_argument(
         "--share-weight", type=_weight, help="the tenant's share against other tenants of one priority (default 1)"
@@ -232,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(handler: Handler, args: argparse.Namespace, out: Output) -> int:
     settings = load_settings()
     if not settings.state_dir.is_absolute():
-        settings = settings.model_copy(update={"state_dir": find_state_dir(settings.state_dir, None, marker=SERVERS_FILE)})
+        settings = settings.model_copy(update={"state_dir": find_state_dir(settings.state_dir, marker=SERVERS_FILE)})
     try:
         database_url, _ = resolve_urls(settings)
     except SystemExit as exc:

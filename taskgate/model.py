@@ -11,7 +11,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from taskgate.states import CallbackStatus, Status
-from taskgate.v1 import task_pb2
+from taskgate_api.v1 import task_pb2
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from nats.js.object_store import ObjectStore
 
 from taskgate import bus as busmod
 from taskgate.config import Settings
-from taskgate.v1 import task_pb2
+from taskgate_api.v1 import task_pb2
 
 CHUNK = 256 * 1024
 SHA256_KEY = "sha256"  # the object's user metadata key (x-amz-meta-sha256) holding the output's hex sha256

@@ -24,6 +24,7 @@ from taskgate.bus import Bus
 from taskgate.config import Settings
 from taskgate.runtime import stop_tasks
 from taskgate.store import ping
+from taskgate_api import reasons
 
 log = logging.getLogger("taskgate.rpc")
 
@@ -84,7 +85,7 @@ async def _to_status(exc: BaseException, context: grpc.aio.ServicerContext, meth
         await context.abort_with_status(errors.unavailable("a backend is unavailable; retry").to_status())
     if isinstance(exc, CONFLICT_ERRORS):
         log.warning("write conflict", extra={"method": method, "error": type(exc).__name__})
-        await context.abort_with_status(errors.aborted("CONFLICT", "a concurrent write conflicted; retry").to_status())
+        await context.abort_with_status(errors.aborted(reasons.CONFLICT, "a concurrent write conflicted; retry").to_status())
     log.error("unhandled error", exc_info=exc, extra={"method": method})
     await context.abort_with_status(errors.internal(telemetry.request_id.get()).to_status())
 

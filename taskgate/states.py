@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from taskgate.v1 import task_pb2
-from taskgate_client.types import Status as Status  # the wire enum; PostgreSQL's task_status has the same values
+from taskgate_api.status import Status as Status  # the wire enum; PostgreSQL's task_status has the same values
+from taskgate_api.v1 import task_pb2
 
 TERMINAL: frozenset[Status] = frozenset({Status.SUCCEEDED, Status.FAILED, Status.TIMEOUT, Status.CANCELED})
 UNFINISHED: frozenset[Status] = frozenset({Status.CREATED, Status.QUEUED, Status.PROCESSING})

@@ -13,7 +13,7 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
 
 from taskgate.config import Settings
-from taskgate_client.version import __version__
+from taskgate_api.version import __version__
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 

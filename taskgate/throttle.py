@@ -17,9 +17,7 @@ import token_bucket
 
 from taskgate import errors, telemetry
 from taskgate.config import Settings
-
-RATE_LIMITED = "TENANT_RATE_LIMITED"
-TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
+from taskgate_api import reasons
 
 
 class Throttle:
@@ -49,7 +47,7 @@ class Throttle:
         if self._calls is not None and not self._calls.consume(tenant):
             telemetry.THROTTLED.labels(service, "calls").inc()
             raise errors.resource_exhausted(
-                RATE_LIMITED, f"more than {self._rate:g} calls per second from this tenant; slow down",
+                reasons.TENANT_RATE_LIMITED, f"more than {self._rate:g} calls per second from this tenant; slow down",
                 retry_after=1.0 / self._rate,
             )
 
@@ -60,7 +58,7 @@ class Throttle:
             telemetry.THROTTLED.labels(service, "streams").inc()
             whose = "this tenant's" if self._streams[tenant] >= self._per_tenant else "this server's"
             raise errors.resource_exhausted(
-                TOO_MANY_STREAMS, f"{whose} open streams are at their limit; close one or retry later", retry_after=1.0
+                reasons.TOO_MANY_STREAMS, f"{whose} open streams are at their limit; close one or retry later", retry_after=1.0
             )
         self._streams[tenant] += 1
         try:

@@ -20,7 +20,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from taskgate_client.version import __version__
+from taskgate_api.version import __version__
 
 log = logging.getLogger("taskgate.tracing")
 

@@ -9,6 +9,7 @@
         # or in one call: client.run("a red fox running through snow", output="fox.mp4")
 """
 
+from taskgate_api.version import __version__
 from taskgate_client.aio import AsyncEventStream, AsyncTaskgateClient, connect_async
 from taskgate_client.config import ClientConfig, make_config
 from taskgate_client.errors import (
@@ -31,7 +32,6 @@ from taskgate_client.errors import (
 from taskgate_client.handles import AsyncTaskHandle, TaskHandle
 from taskgate_client.sync import EventStream, TaskgateClient, connect
 from taskgate_client.types import ImageSource, InputImage, Status, SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult
-from taskgate_client.version import __version__
 from taskgate_client.webhooks import WebhookVerificationError, verify_webhook
 
 __all__ = [

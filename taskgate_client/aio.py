@@ -20,8 +20,9 @@ import grpc
 from google.protobuf import duration_pb2
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from taskgate.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
-from taskgate_client import _compat as compat
+from taskgate_api import _compat as compat
+from taskgate_api import reasons
+from taskgate_api.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_client import tracecontext
 from taskgate_client.config import ClientConfig, ConnectOptions, channel_target, make_config
 from taskgate_client.errors import (
@@ -824,7 +825,7 @@ def _check_integrity(info: TaskResult, size: int, digest: Any) -> None:
             grpc.StatusCode.DATA_LOSS,
             f"downloaded {size} bytes with sha256 {digest.hexdigest()[:16]}…, "
             f"expected {info.size_bytes} bytes with sha256 {info.sha256[:16]}…",
-            reason="CHECKSUM_MISMATCH",
+            reason=reasons.CHECKSUM_MISMATCH,
         )
 
 

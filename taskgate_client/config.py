@@ -9,7 +9,7 @@ from typing import TypedDict
 
 import grpc
 
-from taskgate_client.version import __version__
+from taskgate_api.version import __version__
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 EVENTS_PORT = 50052

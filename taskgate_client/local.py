@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from taskgate_api import cli
+
 CLIENT_FILE = "client.json"
 
 
@@ -46,14 +48,6 @@ class LocalStack:
 
 
 def find_state_dir(state_dir: Path, start: Path | None = None, marker: str = CLIENT_FILE) -> Path:
-    """`state_dir` if absolute or holding `marker`; else the nearest parent of `start` (cwd) where it does.
-
-    So the CLI finds the stack's details from any subfolder of the checkout.
-    """
-    if state_dir.is_absolute() or (state_dir / marker).exists():
-        return state_dir
-    here = (start or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        if (folder / state_dir / marker).exists():
-            return folder / state_dir
-    return state_dir
+    """`state_dir` if absolute or holding `marker` (the saved details); else the nearest parent of `start` (cwd) where
+    it does. So the CLI finds the stack's details from any subfolder of the checkout."""
+    return cli.find_state_dir(state_dir, start, marker=marker)

@@ -9,7 +9,7 @@ import time
 from datetime import datetime
 from typing import TextIO
 
-from taskgate_client._compat import UTC
+from taskgate_api._compat import UTC
 from taskgate_client.aio import AsyncTaskgateClient
 from taskgate_client.types import Status, Task, TaskEvent
 

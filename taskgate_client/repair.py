@@ -10,7 +10,7 @@ from typing import TextIO
 
 import grpc
 
-from taskgate.v1 import admin_pb2, admin_pb2_grpc
+from taskgate_api.v1 import admin_pb2, admin_pb2_grpc
 from taskgate_client.types import Status
 
 

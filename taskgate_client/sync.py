@@ -13,7 +13,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from taskgate.v1 import admin_pb2, gateway_pb2
+from taskgate_api.v1 import admin_pb2, gateway_pb2
 from taskgate_client.aio import MAX_SUBMIT_BATCH, AsyncEventStream, AsyncTaskgateClient, StatusFilter
 from taskgate_client.config import ClientConfig, ConnectOptions, make_config
 from taskgate_client.errors import TaskgateError

@@ -29,8 +29,9 @@ from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import error_details_pb2, status_pb2
 
-from taskgate.v1 import admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
-from taskgate_client._compat import UTC
+from taskgate_api import reasons
+from taskgate_api._compat import UTC
+from taskgate_api.v1 import admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_client.aio import AsyncTaskgateClient
 from taskgate_client.config import ClientConfig
 from taskgate_client.sync import TaskgateClient
@@ -39,7 +40,7 @@ from taskgate_client.types import Status, Task
 T = TypeVar("T")
 
 TENANT = "fake-tenant"
-DOMAIN = "taskgate.dev"
+
 START = datetime(2025, 1, 1, tzinfo=UTC)  # the fake clock's first reading; each change is one second later
 CHUNK = 64 * 1024
 CALLBACK_EVENTS = frozenset({"CANCELED", "PROGRESS"})
@@ -112,7 +113,7 @@ def rpc_error(code: grpc.StatusCode, message: str, *details: Message) -> grpc.ai
 
 
 def _info(reason: str, **metadata: str) -> error_details_pb2.ErrorInfo:
-    return error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata)
+    return error_details_pb2.ErrorInfo(reason=reason, domain=reasons.DOMAIN, metadata=metadata)
 
 
 def _invalid(violations: list[tuple[str, str]]) -> grpc.aio.AioRpcError:
@@ -124,7 +125,7 @@ def _invalid(violations: list[tuple[str, str]]) -> grpc.aio.AioRpcError:
 
 
 def _not_found(what: str = "task") -> grpc.aio.AioRpcError:
-    return rpc_error(grpc.StatusCode.NOT_FOUND, f"{what} not found", _info("NOT_FOUND"))
+    return rpc_error(grpc.StatusCode.NOT_FOUND, f"{what} not found", _info(reasons.NOT_FOUND))
 
 
 class _Call:
@@ -526,7 +527,7 @@ class FakeTaskgate:
                 raise rpc_error(
                     grpc.StatusCode.ALREADY_EXISTS,
                     "this idempotency key belongs to a different request",
-                    _info("IDEMPOTENCY_KEY_REUSED", task_id=entry.task.id),
+                    _info(reasons.IDEMPOTENCY_KEY_REUSED, task_id=entry.task.id),
                 )
             return gateway_pb2.SubmitTaskResponse(task=self._copy(entry.task, position=True), created=False)
         pending = sum(1 for e in self._tasks.values() if not Status.from_proto(e.task.status).terminal)
@@ -534,7 +535,7 @@ class FakeTaskgate:
             raise rpc_error(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"at most {self.max_pending} unfinished tasks per tenant; wait for one to finish",
-                _info("TOO_MANY_PENDING_TASKS", limit=str(self.max_pending)),
+                _info(reasons.TOO_MANY_PENDING_TASKS, limit=str(self.max_pending)),
             )
         if self.gpu_seconds_per_day is not None:
             spent = self.gpu_seconds_per_task * sum(
@@ -551,7 +552,7 @@ class FakeTaskgate:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"this task is estimated at {self.gpu_seconds_per_task:.1f} GPU-seconds and the tenant's budget has "
                     f"{left:.1f} left this day (UTC)",
-                    _info("QUOTA_EXCEEDED", window="day", gpu_seconds_left=f"{left:.3f}",
+                    _info(reasons.QUOTA_EXCEEDED, window="day", gpu_seconds_left=f"{left:.3f}",
                           gpu_seconds_estimate=f"{self.gpu_seconds_per_task:.3f}"),
                     error_details_pb2.RetryInfo(retry_delay=delay),
                 )
@@ -625,7 +626,7 @@ class FakeTaskgate:
             raise rpc_error(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the task already finished as {status.value}",
-                _info("TASK_FINISHED", status=status.value),
+                _info(reasons.TASK_FINISHED, status=status.value),
             )
         if status is not Status.CANCELED:
             mode = "hard" if request.hard else "soft"
@@ -640,7 +641,7 @@ class FakeTaskgate:
             raise rpc_error(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the task is {status.value}; only SUCCEEDED tasks have a result",
-                _info("TASK_NOT_SUCCEEDED", status=status.value),
+                _info(reasons.TASK_NOT_SUCCEEDED, status=status.value),
             )
         for offset in range(0, max(len(entry.data), 1), CHUNK):
             chunk = gateway_pb2.ResultChunk(data=entry.data[offset : offset + CHUNK], offset=offset)

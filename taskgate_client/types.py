@@ -10,32 +10,9 @@ from typing import Any, TypedDict
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from taskgate.v1 import task_pb2
-from taskgate_client._compat import UTC, StrEnum
-
-
-class Status(StrEnum):
-    """A task's state, as the wire names it (TASK_STATUS_<name>)."""
-
-    CREATED = "CREATED"
-    QUEUED = "QUEUED"
-    PROCESSING = "PROCESSING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    TIMEOUT = "TIMEOUT"
-    CANCELED = "CANCELED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (Status.SUCCEEDED, Status.FAILED, Status.TIMEOUT, Status.CANCELED)
-
-    def to_proto(self) -> task_pb2.TaskStatus.ValueType:
-        return task_pb2.TaskStatus.Value(f"TASK_STATUS_{self.value}")
-
-    @classmethod
-    def from_proto(cls, value: int) -> Status:
-        return cls(task_pb2.TaskStatus.Name(value).removeprefix("TASK_STATUS_"))  # type: ignore[arg-type]
-
+from taskgate_api._compat import UTC
+from taskgate_api.status import Status as Status  # the wire enum, shared with the server
+from taskgate_api.v1 import task_pb2
 
 ImageSource = str | os.PathLike[str] | bytes
 """An input image for submit(): a file's path, an https URL (the gateway fetches it), or the file's bytes."""

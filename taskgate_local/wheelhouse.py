@@ -1,8 +1,10 @@
 """`python -m taskgate_local.wheelhouse`: every wheel the packaging tests install into their clean environments, fetched
 once by `make venv` into the virtual environment's `wheelhouse/`, so that `make test` needs no package index afterwards.
 
-It holds the server distribution's and the client's dependencies for this Python, and the client's for the oldest Python
-the client supports when this machine has one (the client's test runs there), all at the versions of constraints.txt."""
+It holds the dependencies of the three distributions (taskgate, taskgate-client, taskgate-api) for this Python, and the
+client's and the API's for the oldest Python the client supports when this machine has one (the client's test runs
+there), all at the versions of constraints.txt. The three themselves are not in it: the tests build them from the
+checkout they test."""
 
 from __future__ import annotations
 
@@ -37,18 +39,25 @@ def python_for_client() -> str:
     return sys.executable
 
 
+DISTRIBUTIONS = (ROOT / "clients" / "api", ROOT / "clients" / "python", ROOT)  # taskgate-api first: the others pin it
+
+
 def _client_requirements() -> list[str]:
-    project = tomllib.loads((ROOT / "clients" / "python" / "pyproject.toml").read_text())
-    return list(project["project"]["dependencies"])
+    """The client's and the API's own dependencies (not each other)."""
+    found: list[str] = []
+    for folder in DISTRIBUTIONS[:2]:
+        project = tomllib.loads((folder / "pyproject.toml").read_text())
+        found += [r for r in project["project"]["dependencies"] if not r.startswith("taskgate")]
+    return list(dict.fromkeys(found))
 
 
 def build() -> Path:
-    """Fills the wheelhouse (needs the package index or pip's cache); the two distributions themselves are left out."""
+    """Fills the wheelhouse (needs the package index or pip's cache); the three distributions themselves are left out."""
     where = location()
     shutil.rmtree(where, ignore_errors=True)
     pip = [sys.executable, "-m", "pip"]
     subprocess.run([*pip, "wheel", "-q", "--no-build-isolation", "-c", str(CONSTRAINTS), "-w", str(where),
-                    str(ROOT / "clients" / "python"), str(ROOT)], check=True, cwd=ROOT)
+                    *map(str, DISTRIBUTIONS)], check=True, cwd=ROOT)
     client_python = python_for_client()
     if client_python != sys.executable:
         version = subprocess.run([client_python, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],

@@ -29,7 +29,7 @@ from taskgate import bus as busmod
 from taskgate.config import ModelSpec, Settings
 from taskgate.migrate import migrate
 from taskgate.runtime import Backends, connect
-from taskgate.v1 import gateway_pb2_grpc
+from taskgate_api.v1 import gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedStack
 from tests.support.factories import settings_for
 from tests.support.harness import WorkerFactory, with_database

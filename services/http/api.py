@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response, Stream
 from starlette.routing import BaseRoute, Route
 
 from taskgate.config import Settings
-from taskgate.v1 import events_pb2, gateway_pb2, task_pb2
+from taskgate_api.v1 import events_pb2, gateway_pb2, task_pb2
 
 from .upstream import Upstream, credentials, error_response, invalid, rpc_error_response, status_code_of, to_json
 

@@ -34,7 +34,7 @@ from starlette.routing import BaseRoute, Route
 
 from taskgate import auth, channels
 from taskgate.config import Settings
-from taskgate.v1 import admin_pb2, task_pb2, worker_pb2, worker_pb2_grpc
+from taskgate_api.v1 import admin_pb2, task_pb2, worker_pb2, worker_pb2_grpc
 
 from . import dashboard_page
 from .upstream import Upstream

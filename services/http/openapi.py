@@ -11,7 +11,7 @@ from typing import Any
 
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 
-from taskgate.v1 import gateway_pb2, task_pb2
+from taskgate_api.v1 import gateway_pb2, task_pb2
 
 _SCALARS: dict[int, dict[str, Any]] = {
     FieldDescriptor.TYPE_DOUBLE: {"type": "number"},

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse
 
 from taskgate import channels
 from taskgate.config import Settings
-from taskgate.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc
+from taskgate_api.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc
 
 # google.rpc.Code -> HTTP status, as Google's APIs map them (google/rpc/code.proto).
 HTTP_STATUS: dict[grpc.StatusCode, int] = {

@@ -25,8 +25,9 @@ from taskgate.states import Status
 from taskgate.store import events as event_store
 from taskgate.store import submissions
 from taskgate.throttle import Throttle
-from taskgate.v1 import events_pb2, events_pb2_grpc, task_pb2
 from taskgate.wire import events as event_wire
+from taskgate_api import reasons
+from taskgate_api.v1 import events_pb2, events_pb2_grpc, task_pb2
 
 log = logging.getLogger("taskgate.notifier.streams")
 
@@ -274,14 +275,14 @@ class EventHub:
 
 def too_slow(message: str, **metadata: str) -> errors.ApiError:
     """ABORTED with reason SUBSCRIBER_TOO_SLOW and where to resume: the client reconnects from there."""
-    info = error_details_pb2.ErrorInfo(reason="SUBSCRIBER_TOO_SLOW", domain=errors.DOMAIN, metadata=metadata)
+    info = error_details_pb2.ErrorInfo(reason=reasons.SUBSCRIBER_TOO_SLOW, domain=reasons.DOMAIN, metadata=metadata)
     return errors.ApiError(grpc.StatusCode.ABORTED, message, info)
 
 
 def shutting_down(message: str, **metadata: str) -> errors.ApiError:
     """UNAVAILABLE with reason NOTIFIER_SHUTTING_DOWN, where to resume and a short retry delay: another replica (or
     this one restarted) takes the stream over from there."""
-    info = error_details_pb2.ErrorInfo(reason="NOTIFIER_SHUTTING_DOWN", domain=errors.DOMAIN, metadata=metadata)
+    info = error_details_pb2.ErrorInfo(reason=reasons.NOTIFIER_SHUTTING_DOWN, domain=reasons.DOMAIN, metadata=metadata)
     delay = duration_pb2.Duration()
     delay.FromMilliseconds(SHUTDOWN_RETRY_MS)
     return errors.ApiError(grpc.StatusCode.UNAVAILABLE, message, info, error_details_pb2.RetryInfo(retry_delay=delay))

@@ -20,7 +20,7 @@ from taskgate.sealing import Sealer
 from taskgate.states import CallbackStatus, Status
 from taskgate.store import callbacks as outbox_store
 from taskgate.waiting import cancelling, woken
-from taskgate_client import webhook_signing
+from taskgate_api import webhook_signing
 
 log = logging.getLogger("taskgate.notifier.webhook")
 

@@ -30,7 +30,7 @@ from taskgate.store import callbacks as callback_store
 from taskgate.store import maintenance, tenants, usage
 from taskgate.store import workers as worker_store
 from taskgate.throttle import Throttle
-from taskgate.v1 import admin_pb2, admin_pb2_grpc, task_pb2
+from taskgate_api.v1 import admin_pb2, admin_pb2_grpc, task_pb2
 
 log = logging.getLogger("taskgate.admin")
 

@@ -35,7 +35,7 @@ from taskgate import bus as busmod
 from taskgate import runtime, server, telemetry
 from taskgate.config import Settings
 from taskgate.store import maintenance
-from taskgate.v1 import admin_pb2_grpc
+from taskgate_api.v1 import admin_pb2_grpc
 
 log = logging.getLogger("taskgate.scheduler")
 

@@ -21,7 +21,7 @@ from taskgate.results import ResultStore
 from taskgate.store import inputs as input_store
 from taskgate.store.inputs import StoredInput
 from taskgate.store.pool import Conn
-from taskgate.v1 import gateway_pb2, task_pb2
+from taskgate_api.v1 import gateway_pb2, task_pb2
 
 USER_AGENT = "taskgate-inputs/1"
 _SHA256_CHARS = frozenset("0123456789abcdef")

@@ -28,8 +28,9 @@ from taskgate.states import Status
 from taskgate.store import submissions
 from taskgate.store.submissions import Admission, Candidate, NewTask, Verdict
 from taskgate.throttle import Throttle
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate.wire import cancel
+from taskgate_api import reasons
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 
 from .batching import MAX_BATCH, Submitter, deadline_exceeded
 from .cache import TerminalCache
@@ -324,7 +325,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         telemetry.SUBMIT_REJECTIONS.labels("IDEMPOTENCY_KEY_REUSED").inc()
         hint = "; pass your own idempotency_key to submit it as a new task" if sub.key_derived else ""
         raise errors.already_exists(
-            "IDEMPOTENCY_KEY_REUSED", f"this idempotency key belongs to a different request{hint}", task_id=str(existing.id)
+            reasons.IDEMPOTENCY_KEY_REUSED, f"this idempotency key belongs to a different request{hint}", task_id=str(existing.id)
         )
 
     async def _queue_position(self, task: TaskRow, context: Context) -> int:
@@ -342,7 +343,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         source = await self._load(who.tenant_id, ids.require(request.task_id), context)
         if not source.status.terminal:
             raise errors.failed_precondition(
-                "TASK_NOT_FINISHED", f"the task is {source.status.value}; only a finished task can be regenerated",
+                reasons.TASK_NOT_FINISHED, f"the task is {source.status.value}; only a finished task can be regenerated",
                 status=source.status.value,
             )
         again = regenerate_request(
@@ -474,7 +475,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         task = await self._load(who.tenant_id, ids.require(request.task_id), context)
         if task.status is not Status.SUCCEEDED or task.result_uri is None:
             raise errors.failed_precondition(
-                "TASK_NOT_SUCCEEDED", f"the task is {task.status.value}; only SUCCEEDED tasks have a result",
+                reasons.TASK_NOT_SUCCEEDED, f"the task is {task.status.value}; only SUCCEEDED tasks have a result",
                 status=task.status.value,
             )
         if task.result_expired_at is not None:
@@ -502,7 +503,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
 def _already_finished(task: TaskRow) -> errors.ApiError:
     return errors.failed_precondition(
-        "TASK_FINISHED", f"the task already finished as {task.status.value}", status=task.status.value
+        reasons.TASK_FINISHED, f"the task already finished as {task.status.value}", status=task.status.value
     )
 
 

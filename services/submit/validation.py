@@ -19,7 +19,8 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.states import Priority
 from taskgate.store.inputs import StoredInput
-from taskgate.v1 import gateway_pb2, task_pb2
+from taskgate_api import reasons
+from taskgate_api.v1 import gateway_pb2, task_pb2
 
 from .inputs import Checked, InputImages
 
@@ -75,7 +76,7 @@ def check_priority(priority: int, allowed: int) -> None:
         names = Priority.NAMES
         raise errors.permission_denied(
             f"this tenant may submit at {names[allowed].upper()} at most, not {names[priority].upper()}",
-            "PRIORITY_NOT_ALLOWED",
+            reasons.PRIORITY_NOT_ALLOWED,
             requested=names[priority].upper(),
             allowed=names[allowed].upper(),
         )

@@ -12,7 +12,7 @@ import grpc
 from services.worker.engine import Worker
 from taskgate import channels, errors
 from taskgate.config import Settings
-from taskgate.v1 import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
+from taskgate_api.v1 import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 # TaskAdmin's refusals the worker passes on as they came; anything else means the check could not be made
 _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)

@@ -35,8 +35,8 @@ from taskgate.model import timestamp
 from taskgate.runtime import Backends
 from taskgate.signals import Signal
 from taskgate.store import workers
-from taskgate.v1 import worker_pb2
 from taskgate.wire import cancel
+from taskgate_api.v1 import worker_pb2
 
 log = logging.getLogger("taskgate.worker")
 

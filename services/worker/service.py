@@ -19,7 +19,7 @@ from services.worker.engine import TestSignals, Worker
 from taskgate.config import Settings
 from taskgate.runtime import Backends, connect, stop_signal
 from taskgate.server import Health, Probes, mark_not_serving, start_server
-from taskgate.v1 import worker_pb2_grpc
+from taskgate_api.v1 import worker_pb2_grpc
 
 log = logging.getLogger("taskgate.worker")
 

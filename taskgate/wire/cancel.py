@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind
 
 from taskgate import bus as busmod
 from taskgate import ids, tracing
-from taskgate.v1 import task_pb2
+from taskgate_api.v1 import task_pb2
 
 log = logging.getLogger("taskgate.cancel")
 

@@ -20,8 +20,8 @@ from opentelemetry.trace import SpanKind
 from taskgate import bus as busmod
 from taskgate import ids, tracing
 from taskgate.model import TaskRow
-from taskgate.v1 import task_pb2
 from taskgate.waiting import cancelling
+from taskgate_api.v1 import task_pb2
 
 log = logging.getLogger("taskgate.dispatch")
 

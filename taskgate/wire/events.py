@@ -15,7 +15,7 @@ from taskgate import ids
 from taskgate.model import timestamp
 from taskgate.states import Status
 from taskgate.store.events import Event
-from taskgate.v1 import task_pb2
+from taskgate_api.v1 import task_pb2
 
 
 def message(event: Event) -> task_pb2.TaskEvent:

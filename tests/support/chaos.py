@@ -21,7 +21,7 @@ import asyncpg
 import grpc
 
 from taskgate.config import ModelSpec, Settings
-from taskgate.v1 import gateway_pb2, task_pb2
+from taskgate_api.v1 import gateway_pb2, task_pb2
 from taskgate_client.webhooks import WebhookVerificationError, verify_webhook
 from tests.support.harness import Cluster, wait_for
 from tests.support.webhooks import Received, Reply, WebhookReceiver

@@ -27,7 +27,7 @@ from grpc_status import rpc_status
 
 from taskgate import auth
 from taskgate.config import Settings
-from taskgate.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc
+from taskgate_api.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedStack, free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from services.notifier.service import NotifierHandle
 from taskgate import store
 from taskgate.config import Settings
 from taskgate.states import Status
-from taskgate.v1 import events_pb2_grpc
+from taskgate_api.v1 import events_pb2_grpc
 from tests.support.factories import RESULT, claimed
 from tests.support.harness import wait_for
 from tests.support.webhooks import Received

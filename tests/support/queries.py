@@ -16,7 +16,7 @@ from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from taskgate.v1 import task_pb2
+from taskgate_api.v1 import task_pb2
 from tests.support.harness import wait_for
 
 

@@ -16,7 +16,7 @@ from taskgate import auth, store
 from taskgate.config import Settings
 from taskgate.results import result_store
 from taskgate.runtime import Backends
-from taskgate.v1 import admin_pb2_grpc
+from taskgate_api.v1 import admin_pb2_grpc
 from taskgate_client import (
     AsyncTaskgateClient,
     connect_async,

@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY
 from taskgate import bus, migrate, server, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.states import Priority, Status
-from taskgate.v1 import admin_pb2, events_pb2, gateway_pb2, worker_pb2
+from taskgate_api.v1 import admin_pb2, events_pb2, gateway_pb2, worker_pb2
 from taskgate_client.config import ClientConfig
 from taskgate_local.embedded import EmbeddedNats
 from tests.support.harness import ROOT

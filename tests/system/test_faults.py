@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from taskgate import auth
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
 from taskgate_local import tinymodel
 from tests.support.chaos import (
     CALLBACK_SHARE,

@@ -1,6 +1,7 @@
-"""The two distributions, built from this checkout and installed where users put them: each in a clean virtual
-environment, run from outside the checkout. The client's has no torch and drives a running stack with the CLI and
-the SDK; the server's (non-editable) migrates an empty database and serves."""
+"""The distributions, built from this checkout and installed where users put them: each side in a clean virtual
+environment with the API distribution both depend on, run from outside the checkout. The client's has no torch and no
+server code and drives a running stack with the CLI and the SDK; the server's (non-editable, without the client)
+migrates an empty database and serves."""
 
 from __future__ import annotations
 
@@ -46,14 +47,14 @@ def _run(args: list[str], *, env: dict[str, str] | None = None, cwd: Path, timeo
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Both wheels, built from a copy of the checkout (no build folders left in it)."""
+    """The three wheels, built from a copy of the checkout (no build folders left in it)."""
     base = tmp_path_factory.mktemp("wheels")
     source = base / "src"
     shutil.copytree(ROOT, source, ignore=SKIP)
     pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(base / "dist")]
-    _run([*pip, "./clients/python", "."], cwd=source)
+    _run([*pip, "./clients/api", "./clients/python", "."], cwd=source)
     built = {p.name.split("-")[0]: p for p in (base / "dist").glob("*.whl")}
-    assert set(built) == {"taskgate", "taskgate_client"}
+    assert set(built) == {"taskgate", "taskgate_client", "taskgate_api"}
     return built
 
 
@@ -78,10 +79,11 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 async def test_client_wheel_alone_drives_a_stack_without_torch(wheels: dict[str, Path], cli: Cli, tmp_path: Path) -> None:
-    bin_dir = await asyncio.to_thread(_venv, wheelhouse.python_for_client(), tmp_path / "client-venv", wheels["taskgate_client"])
+    bin_dir = await asyncio.to_thread(_venv, wheelhouse.python_for_client(), tmp_path / "client-venv", wheels["taskgate_api"],
+                                      wheels["taskgate_client"])
     python = str(bin_dir / "python")
     env = _clean_env(**{k: v for k, v in cli.env.items() if k.startswith("TASKGATE_") and "DATABASE" not in k and "NATS" not in k})
-    for absent in ("torch", "diffusers", "asyncpg", "taskgate.store", "services"):
+    for absent in ("torch", "diffusers", "asyncpg", "taskgate", "services"):
         assert not await asyncio.to_thread(_importable, python, absent, tmp_path, env), f"{absent} is in the client's environment"
 
     sdk = await asyncio.to_thread(_run, [python, "-c", SDK_SCRIPT, str(tmp_path / "sdk.bin")], env=env, cwd=tmp_path)
@@ -100,9 +102,10 @@ async def test_client_wheel_alone_drives_a_stack_without_torch(wheels: dict[str,
 
 async def test_server_wheel_migrates_and_serves(wheels: dict[str, Path], servers: tuple[str, str], settings: Settings,
                                                 tmp_path: Path) -> None:
-    bin_dir = await asyncio.to_thread(_venv, sys.executable, tmp_path / "server-venv", wheels["taskgate_client"], wheels["taskgate"])
+    bin_dir = await asyncio.to_thread(_venv, sys.executable, tmp_path / "server-venv", wheels["taskgate_api"], wheels["taskgate"])
     python = str(bin_dir / "python")
     assert not await asyncio.to_thread(_importable, python, "torch", tmp_path), "torch belongs to the worker extra"
+    assert not await asyncio.to_thread(_importable, python, "taskgate_client", tmp_path), "the server runs without the client"
 
     admin = await asyncpg.connect(servers[0])
     name = f"wheel_{os.getpid()}"

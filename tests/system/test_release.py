@@ -22,16 +22,21 @@ from taskgate_local import buf
 from tests.support.harness import ROOT
 
 
-def test_both_distributions_are_apache_2_licensed_with_the_text() -> None:
+def test_the_three_distributions_are_apache_2_licensed_with_the_text() -> None:
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License\n")
-    for name in ("taskgate", "taskgate-client"):
+    for name in ("taskgate", "taskgate-client", "taskgate-api"):
         meta = metadata.metadata(name)
         assert meta["License-Expression"] == "Apache-2.0", name
 
 
-def test_one_version_for_both_distributions_and_the_cli() -> None:
-    assert metadata.version("taskgate") == metadata.version("taskgate-client") == __version__
-    assert f"taskgate-client=={__version__}" in (metadata.requires("taskgate") or []), "the server pins its own client"
+def test_one_version_for_the_three_distributions_and_the_cli() -> None:
+    assert metadata.version("taskgate") == metadata.version("taskgate-client") == metadata.version("taskgate-api") == __version__
+    server, client = metadata.requires("taskgate") or [], metadata.requires("taskgate-client") or []
+    pin = f"taskgate-api=={__version__}"
+    assert pin in server and pin in client, "the server and the client both pin the API at their own version"
+    assert f'taskgate-client=={__version__}; extra == "local"' in server, "only `make run`'s tooling needs the client"
+    assert not any(r.startswith("taskgate-client") and "extra" not in r for r in server), "the server itself needs no client"
+    assert not any(r.startswith("taskgate") for r in metadata.requires("taskgate-api") or []), "the API depends on neither side"
     shown = subprocess.run([str(Path(sys.executable).parent / "taskgate"), "--version"], capture_output=True, text=True,
                            check=True, timeout=60)
     assert shown.stdout.strip() == f"taskgate {__version__}"

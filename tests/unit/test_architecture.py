@@ -1,7 +1,9 @@
 """The import rules that keep the layout's arrows one-way, checked on every .py file's syntax tree.
 
-services -> taskgate (core) -> taskgate.v1; taskgate_client -> taskgate.v1 only; taskgate_local -> anything;
-no production code imports taskgate_local; services never import each other; a test module imports no other test
+services -> taskgate (core) -> taskgate_api; taskgate_client -> taskgate_api; taskgate_api -> neither (the stubs
+taskgate_api.v1, Status, reason codes, webhook signing, the CLI contract: what both sides share); the core and the
+services never import taskgate_client; taskgate_local -> anything; no production code imports taskgate_local; services
+never import each other; a test module imports no other test
 module (shared helpers live in tests/support, fixtures in a conftest.py).
 """
 
@@ -17,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from taskgate.states import Status as ServerStatus
-from taskgate.v1 import task_pb2
+from taskgate_api.v1 import task_pb2
 from taskgate_client import Status
 from tests.support.harness import ROOT
 
 SKIPPED = {".venv", ".git", "build", "__pycache__", ".taskgate"}
-PRODUCTION = ("taskgate", "services", "taskgate_client")
+PRODUCTION = ("taskgate", "services", "taskgate_client", "taskgate_api")
 HEAVY = ("torch", "diffusers", "asyncpg", "nats")
 
 
@@ -85,9 +87,13 @@ def broken_rule(imp: Import) -> str | None:
         return "a service imports another service"
     if _within(module, "taskgate") and (_within(target, "services") or _within(target, "taskgate_local")):
         return "the core imports a service or the local tooling"
+    if (_within(module, "taskgate") or _within(module, "services")) and _within(target, "taskgate_client"):
+        return "the server imports the client (what both share is in taskgate_api)"
+    if _within(module, "taskgate_api") and any(_within(target, p) for p in ("taskgate", "taskgate_client", "services")):
+        return "the API package imports the server or the client (both import it, it imports neither)"
     if _within(module, "taskgate_client"):
-        if _within(target, "taskgate") and not _within(target, "taskgate.v1"):
-            return "the client imports the server core (only taskgate.v1 is shared)"
+        if _within(target, "taskgate"):
+            return "the client imports the server core (what both share is in taskgate_api)"
         if _within(target, "services") or _within(target, "taskgate_local"):
             return "the client imports server or local code"
     if any(_within(module, p) for p in PRODUCTION) and _within(target, "taskgate_local"):
@@ -107,7 +113,7 @@ def test_every_module_keeps_the_import_rules() -> None:
             if rule is not None:
                 offending.append(f"{path.relative_to(ROOT)}:{imp.line}  {imp.module} imports {imp.target}  ({rule})")
     # the scan must actually see each package, or a moved folder would make this test vacuous
-    assert {"taskgate", "services", "taskgate_client", "taskgate_local", "tests"} <= found.keys(), found
+    assert {"taskgate", "services", "taskgate_client", "taskgate_api", "taskgate_local", "tests"} <= found.keys(), found
     assert offending == [], "import rules broken:\n" + "\n".join(offending)
 
 
@@ -120,6 +126,13 @@ def test_the_rules_catch_each_kind_of_arrow() -> None:
         Import("taskgate_client.cli", "taskgate", 1),
         Import("taskgate_client.aio", "services.scheduler", 1),
         Import("services.worker.runner", "taskgate_local.tinymodel", 1),
+        Import("taskgate.states", "taskgate_client.types", 1),
+        Import("taskgate.keys", "taskgate_client.cli", 1),
+        Import("services.notifier.webhooks", "taskgate_client", 1),
+        Import("taskgate_api.status", "taskgate.states", 1),
+        Import("taskgate_api.cli", "taskgate_client.cli.output", 1),
+        Import("taskgate_api.v1.task_pb2", "taskgate_local.protogen", 1),
+        Import("taskgate_client.aio", "taskgate.v1.task_pb2", 1),
         Import("tests.integration.worker.test_backlog", "tests.integration.worker.test_worker", 1),
         Import("tests.integration.worker.test_backlog", "tests.integration.worker.test_worker.submit", 1),
         Import("tests.system.test_packaging", "tests.conftest", 1),
@@ -128,8 +141,10 @@ def test_the_rules_catch_each_kind_of_arrow() -> None:
     good = [
         Import("services.worker.engine", "services.worker.inference", 1),
         Import("services.worker.engine", "taskgate.store", 1),
-        Import("taskgate_client.aio", "taskgate.v1.task_pb2", 1),
-        Import("services.notifier.webhooks", "taskgate_client.webhook_signing", 1),
+        Import("taskgate_client.aio", "taskgate_api.v1.task_pb2", 1),
+        Import("services.notifier.webhooks", "taskgate_api.webhook_signing", 1),
+        Import("taskgate.keys", "taskgate_api.cli", 1),
+        Import("taskgate_api.status", "taskgate_api.v1.task_pb2", 1),
         Import("taskgate_local.dev", "taskgate_client", 1),
         Import("tests.integration.client.test_cli", "taskgate_local.embedded", 1),
         Import("tests.integration.worker.test_backlog", "tests.support.factories", 1),
@@ -149,8 +164,22 @@ def test_importing_the_client_loads_no_server_or_model_code() -> None:
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     loaded: list[str] = json.loads(done.stdout)
     heavy = [name for name in loaded if any(_within(name, h) for h in HEAVY)]
-    server = [name for name in loaded if _within(name, "taskgate") and name != "taskgate" and not _within(name, "taskgate.v1")]
+    server = [name for name in loaded if _within(name, "taskgate") or _within(name, "services")]
     assert heavy == [] and server == [], f"`import taskgate_client` loaded {heavy + server}"
+
+
+def test_importing_the_api_loads_neither_side() -> None:
+    probe = (
+        "import json, sys\n"
+        "import taskgate_api, taskgate_api.cli, taskgate_api.reasons, taskgate_api.status, taskgate_api.webhook_signing\n"
+        "from taskgate_api.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc, task_pb2_grpc, worker_pb2_grpc\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    loaded: list[str] = json.loads(done.stdout)
+    assert "taskgate_api.v1.worker_pb2" in loaded
+    sides = [n for n in loaded if any(_within(n, p) for p in ("taskgate", "taskgate_client", "services", *HEAVY))]
+    assert sides == [], f"`import taskgate_api` loaded {sides}"
 
 
 def test_the_clients_own_status_is_the_wire_enum() -> None:

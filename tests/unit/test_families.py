@@ -14,7 +14,7 @@ from services.submit.validation import validate
 from taskgate import errors
 from taskgate.config import ModelSpec, Settings, load_settings
 from taskgate.families import FAMILIES, TEXT_TO_VIDEO, family_of
-from taskgate.v1 import gateway_pb2, task_pb2
+from taskgate_api.v1 import gateway_pb2, task_pb2
 from tests.support.harness import ROOT, details_of
 
 PIPELINES = sorted(FAMILIES)

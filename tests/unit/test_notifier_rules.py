@@ -13,7 +13,7 @@ from services.notifier import outbox
 from taskgate import auth
 from taskgate.states import Status
 from taskgate.waiting import woken
-from taskgate_client import webhook_signing
+from taskgate_api import webhook_signing
 
 
 def test_signature_verifies_with_either_secret_during_rotation() -> None:

@@ -12,7 +12,7 @@ from services.submit.validation import check_callback_url, validate
 from taskgate import errors
 from taskgate.config import Settings
 from taskgate.netguard import forbidden_address
-from taskgate.v1 import gateway_pb2, task_pb2
+from taskgate_api.v1 import gateway_pb2, task_pb2
 from tests.support.harness import details_of, violations
 
 

@@ -18,7 +18,7 @@ from taskgate.runtime import Backends
 from taskgate.sealing import Sealer
 from taskgate.states import Status
 from taskgate.store import tenants
-from taskgate.v1 import task_pb2
+from taskgate_api.v1 import task_pb2
 from taskgate_client import AsyncTaskgateClient, connect_async
 from taskgate_client.errors import TaskgateError
 from tests.support.factories import insert_task

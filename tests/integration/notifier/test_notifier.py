@@ -19,7 +19,7 @@ from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import CALLBACK_LEGAL, CallbackStatus, Status
 from taskgate.store import callbacks as outbox_store
-from taskgate.v1 import events_pb2, task_pb2
+from taskgate_api.v1 import events_pb2, task_pb2
 from tests.support.factories import RESULT, claimed, insert_task
 from tests.support.harness import bearer, error_info, wait_for
 from tests.support.notifier import _eq, all_relayed, events_stub, fast, independent_signature, progress, run_to, succeed

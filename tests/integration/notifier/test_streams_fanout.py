@@ -16,7 +16,7 @@ from taskgate import eta
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from taskgate.v1 import events_pb2, events_pb2_grpc
+from taskgate_api.v1 import events_pb2, events_pb2_grpc
 from tests.support.factories import finished_runs, insert_task
 from tests.support.harness import bearer, error_info, trailing_details, wait_for
 from tests.support.notifier import all_relayed, events_stub, fast, progress, run_to, succeed

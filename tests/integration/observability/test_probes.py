@@ -20,7 +20,7 @@ from taskgate import auth
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate.server import LIVENESS, READINESS, Probes, start_server
-from taskgate.v1 import worker_pb2, worker_pb2_grpc
+from taskgate_api.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.harness import ROOT, Cluster, settings_env, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

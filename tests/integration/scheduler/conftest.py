@@ -10,7 +10,7 @@ import pytest
 from services.scheduler import service
 from taskgate import auth
 from taskgate.runtime import Backends
-from taskgate.v1 import admin_pb2_grpc
+from taskgate_api.v1 import admin_pb2_grpc
 from tests.support.stacks import Admin
 
 

@@ -22,7 +22,7 @@ from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
 from taskgate.store import estimates, workers
-from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_client import connect_async
 from taskgate_client.progress import ProgressBar
 from taskgate_client.types import TaskEvent

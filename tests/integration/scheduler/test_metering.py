@@ -14,7 +14,7 @@ from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import events, submissions, tenants
 from taskgate.store.submissions import Candidate, NewTask
-from taskgate.v1 import admin_pb2
+from taskgate_api.v1 import admin_pb2
 from tests.support.factories import SLEEPY, claimed, params, publish, sleepy_settings, submit, with_
 from tests.support.harness import WorkerFactory as Factory
 from tests.support.queries import is_status, wait_task

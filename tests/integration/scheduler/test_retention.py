@@ -24,7 +24,7 @@ from taskgate.model import TaskRow
 from taskgate.results import FolderResults, ResultNotFound
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from taskgate_client import cli as cli_module
+from taskgate_api import cli
 from taskgate_client import connect_async
 from tests.support.factories import Claim, insert_task, moved, put_in
 from tests.support.queries import db_now
@@ -290,6 +290,6 @@ async def _cli(argv: list[str], port: int, key: str, cwd: Path) -> tuple[int, st
 
 
 def test_purge_ages_parse() -> None:
-    assert [cli_module._age(t) for t in ("3600", "90m", "12h", "30d", "1.5h")] == [3600, 5400, 43200, 2592000, 5400]
+    assert [cli.age(t) for t in ("3600", "90m", "12h", "30d", "1.5h")] == [3600, 5400, 43200, 2592000, 5400]
     with pytest.raises(Exception, match="not an age"):
-        cli_module._age("soon")
+        cli.age("soon")

@@ -26,8 +26,8 @@ from taskgate.model import TaskRow
 from taskgate.runtime import Backends, connect
 from taskgate.states import Status
 from taskgate.store import Rejection
-from taskgate.v1 import task_pb2
 from taskgate.wire import dispatch
+from taskgate_api.v1 import task_pb2
 from tests.support.factories import MEM_RESULT, claimed, put_in
 from tests.support.harness import wait_for
 from tests.support.queries import db_now, dispatches, row

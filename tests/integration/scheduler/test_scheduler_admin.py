@@ -16,7 +16,7 @@ from taskgate import ids, store
 from taskgate.model import TaskRow
 from taskgate.states import Status
 from taskgate.store import admin as admin_store
-from taskgate.v1 import admin_pb2, task_pb2
+from taskgate_api.v1 import admin_pb2, task_pb2
 from taskgate_client.repair import repair
 from tests.support.factories import claimed, dead, insert_task, put_in, sleepy_settings
 from tests.support.harness import wait_for

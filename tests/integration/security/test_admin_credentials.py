@@ -17,7 +17,7 @@ from google.protobuf.duration_pb2 import Duration
 from taskgate import auth
 from taskgate.config import Settings
 from taskgate.runtime import Backends
-from taskgate.v1 import admin_pb2, events_pb2, gateway_pb2
+from taskgate_api.v1 import admin_pb2, events_pb2, gateway_pb2
 from tests.support.harness import ApiStack, api_stack, bearer, wait_for
 
 

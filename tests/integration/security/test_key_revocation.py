@@ -16,7 +16,7 @@ from taskgate import auth
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.store import tenants
-from taskgate.v1 import admin_pb2, events_pb2, events_pb2_grpc, gateway_pb2
+from taskgate_api.v1 import admin_pb2, events_pb2, events_pb2_grpc, gateway_pb2
 from taskgate_local.embedded import free_port
 from tests.support.factories import insert_task
 from tests.support.harness import ApiStack, api_stack, bearer, wait_for

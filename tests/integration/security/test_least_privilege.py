@@ -26,7 +26,7 @@ from services.worker.service import start as start_worker
 from taskgate import auth, bus, migrate, natsauth
 from taskgate.config import ModelSpec, Settings
 from taskgate.states import Priority, Status
-from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_local.embedded import EmbeddedNats
 from tests.support.harness import ROOT, wait_for
 

@@ -19,7 +19,7 @@ from taskgate import auth, bus
 from taskgate.config import Settings
 from taskgate.runtime import Backends, connect
 from taskgate.server import READINESS, PlaintextRefused, is_loopback
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedNats
 from tests.support.harness import LocalCA, make_local_ca
 

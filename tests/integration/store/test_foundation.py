@@ -14,7 +14,7 @@ import pytest
 from taskgate import store
 from taskgate.migrate import migrate
 from taskgate.runtime import Backends
-from taskgate_local import protopath
+from taskgate_local import protogen
 from tests.support.factories import insert_task
 from tests.support.harness import ROOT
 
@@ -49,17 +49,22 @@ async def test_schema_refuses_rows_that_break_the_rules(backends: Backends) -> N
 
 
 def test_generated_code_is_current(tmp_path: Path) -> None:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "protos/taskgate/v1").glob("*.proto"))
-    subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-Iprotos", f"-I{protopath.include_dir()}", f"--python_out={tmp_path}",
-         f"--grpc_python_out={tmp_path}", f"--mypy_out={tmp_path}", f"--mypy_grpc_out={tmp_path}", *protos],
-        cwd=ROOT, env=env, check=True, capture_output=True,
-    )
-    made = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.py*"))
+    made = protogen.generate(tmp_path)
     assert made, "protoc produced nothing"
-    for rel in made:
-        assert (ROOT / rel).read_text() == (tmp_path / rel).read_text(), f"{rel} is stale: run `make proto`"
+    committed = sorted(p.name for pattern in protogen.GENERATED for p in protogen.TARGET.glob(pattern))
+    assert committed == sorted(p.name for p in made), "generated modules differ from protos/: run `make proto`"
+    for path in made:
+        assert (protogen.TARGET / path.name).read_text() == path.read_text(), f"{path.name} is stale: run `make proto`"
+
+
+def test_the_generated_modules_live_in_taskgate_api_and_keep_the_wire_names() -> None:
+    from taskgate_api.v1 import admin_pb2, gateway_pb2_grpc, task_pb2
+
+    assert task_pb2.Task.__module__ == "taskgate_api.v1.task_pb2"  # pickling and reprs find the class where it is
+    assert task_pb2.DESCRIPTOR.name == "taskgate/v1/task.proto" and task_pb2.DESCRIPTOR.package == "taskgate.v1"
+    assert admin_pb2.DESCRIPTOR.services_by_name["TaskAdmin"].full_name == "taskgate.v1.TaskAdmin"
+    assert gateway_pb2_grpc.TaskGatewayStub.__module__ == "taskgate_api.v1.gateway_pb2_grpc"
+    assert "taskgate.v1" not in sys.modules, "a generated module imported the old package"
 
 
 @pytest.mark.parametrize(

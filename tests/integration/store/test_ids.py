@@ -14,7 +14,7 @@ from services.submit.service import SubmitHandle
 from taskgate import ids
 from taskgate.config import Settings
 from taskgate.runtime import Backends
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
 from taskgate_client import AsyncTaskgateClient, ClientConfig
 from tests.support import factories
 from tests.support.harness import Cluster, details_of, wait_for

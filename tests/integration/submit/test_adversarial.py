@@ -35,7 +35,7 @@ from taskgate import auth, results, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate.states import Priority
-from taskgate.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from tests.support import factories
 from tests.support.factories import Claim, Metadata, insert_task, moved
 from tests.support.harness import details_of, wait_for

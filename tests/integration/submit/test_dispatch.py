@@ -21,7 +21,7 @@ from taskgate.dispatcher import Dispatcher, dispatch_pass
 from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store.workers import Verdict
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.factories import claim, insert_task, key_for
 from tests.support.harness import wait_for
 

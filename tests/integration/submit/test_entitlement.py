@@ -13,7 +13,7 @@ from services.submit.service import SubmitHandle
 from taskgate.runtime import Backends
 from taskgate.states import Priority
 from taskgate.store import tenants
-from taskgate.v1 import gateway_pb2, task_pb2
+from taskgate_api.v1 import gateway_pb2, task_pb2
 from taskgate_client import connect_async
 from taskgate_client.errors import TaskgateError
 from tests.support.factories import key_for

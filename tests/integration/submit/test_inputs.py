@@ -23,7 +23,7 @@ from taskgate import images, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.results import ResultNotFound, result_store
 from taskgate.runtime import Backends
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.factories import Metadata, key_for
 from tests.support.harness import LocalCA, details_of, make_local_ca
 from tests.support.webhooks import Received, Reply, WebhookReceiver

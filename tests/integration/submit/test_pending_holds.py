@@ -18,7 +18,7 @@ from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import CancelMode
 from taskgate.store import workers as registry
-from taskgate.v1 import gateway_pb2
+from taskgate_api.v1 import gateway_pb2
 from tests.support.factories import claimed, insert_task, key_for
 from tests.support.harness import wait_for
 from tests.support.queries import row

@@ -17,7 +17,7 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import workers as registry
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.factories import key_for
 from tests.support.harness import WorkerFactory, trailing_details, wait_for
 from tests.support.queries import db_now

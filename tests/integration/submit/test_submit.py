@@ -33,7 +33,7 @@ from taskgate.results import ObjectStoreResults
 from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
 from taskgate.store import get_task
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_local.embedded import EmbeddedNats, free_port
 from tests.support.factories import Claim, Metadata, Step, insert_task, key_for, moved
 from tests.support.harness import ROOT, details_of, wait_for

@@ -13,7 +13,7 @@ from services.submit.validation import check_callback_url
 from taskgate import store
 from taskgate.config import Settings
 from taskgate.runtime import Backends
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from tests.support.factories import key_for
 from tests.support.harness import info_of, outcome, violations
 

@@ -17,7 +17,7 @@ from services.submit.service import SubmitHandle
 from taskgate import auth
 from taskgate import bus as busmod
 from taskgate.runtime import Backends
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
 from taskgate_client import (
     AlreadyExists,
     InvalidArgument,

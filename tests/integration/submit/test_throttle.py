@@ -11,10 +11,11 @@ import pytest
 from google.rpc import error_details_pb2
 
 from services.notifier.service import start as start_notifier
-from taskgate import auth, throttle
+from taskgate import auth
 from taskgate.config import Settings
 from taskgate.runtime import Backends
-from taskgate.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from taskgate_api import reasons
+from taskgate_api.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.support.harness import bearer, trailing_details, wait_for
 
 
@@ -45,7 +46,7 @@ async def test_a_tenant_past_its_call_rate_is_refused_and_another_tenant_is_not(
         await stub.ListTasks(gateway_pb2.ListTasksRequest(), metadata=bearer(greedy))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     reason, delay = refusal(refused.value)
-    assert reason == throttle.RATE_LIMITED and delay == pytest.approx(10.0)  # one token comes back in 1 / rate
+    assert reason == reasons.TENANT_RATE_LIMITED and delay == pytest.approx(10.0)  # one token comes back in 1 / rate
     with pytest.raises(grpc.aio.AioRpcError) as also_refused:  # another method, the same tenant's bucket
         await stub.GetTask(gateway_pb2.GetTaskRequest(task_id="1"), metadata=bearer(greedy))
     assert also_refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -78,7 +79,7 @@ async def test_open_streams_are_capped_per_tenant_and_per_process_and_a_closed_o
                     await call.read()
                 assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 reason, delay = refusal(exc.value)
-                assert reason == throttle.TOO_MANY_STREAMS and delay is not None
+                assert reason == reasons.TOO_MANY_STREAMS and delay is not None
                 return exc.value.details() or ""
 
             held = [await opened(first), await opened(first)]

@@ -17,7 +17,7 @@ from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
 from taskgate.store import TaskError
-from taskgate.v1 import task_pb2
+from taskgate_api.v1 import task_pb2
 from tests.support.factories import claimed, insert_task
 from tests.support.harness import wait_for
 

@@ -44,7 +44,7 @@ from taskgate.families import FAMILIES, IMAGE_TO_VIDEO, TEXT_TO_VIDEO
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from taskgate.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_local import tinymodel
 from tests.support import factories, harness
 

@@ -28,8 +28,8 @@ from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
 from taskgate.store import CancelMode, Rejection, ResultRef, TaskError
 from taskgate.store import workers as registry
-from taskgate.v1 import worker_pb2, worker_pb2_grpc
 from taskgate.wire import cancel
+from taskgate_api.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.factories import SLEEPY, claimed, insert_task, key_for, params, publish, sleepy_settings, submit, with_
 from tests.support.harness import ROOT, stored_objects, wait_for
 from tests.support.harness import WorkerFactory as Factory

@@ -5,7 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from taskgate.v1 import events_pb2 as _events_pb2
+from taskgate_api.v1 import events_pb2 as _events_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

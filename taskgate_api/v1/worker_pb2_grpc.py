@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from taskgate.v1 import events_pb2 as taskgate_dot_v1_dot_events__pb2
+from taskgate_api.v1 import worker_pb2 as taskgate_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,15 +18,15 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in taskgate/v1/events_pb2_grpc.py depends on'
+        + ' but the generated code in taskgate_api/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class TaskEventsStub:
-    """Server-streaming status subscriptions (notifier).
+class WorkerControlStub:
+    """Per-worker control plane.
     """
 
     def __init__(self, channel):
@@ -35,63 +35,62 @@ class TaskEventsStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.WatchTask = channel.unary_stream(
-                '/taskgate.v1.TaskEvents/WatchTask',
-                request_serializer=taskgate_dot_v1_dot_events__pb2.WatchTaskRequest.SerializeToString,
-                response_deserializer=taskgate_dot_v1_dot_events__pb2.WatchTaskResponse.FromString,
+        self.GetStatus = channel.unary_unary(
+                '/taskgate.v1.WorkerControl/GetStatus',
+                request_serializer=taskgate_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_worker__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
-        self.WatchTasks = channel.unary_stream(
-                '/taskgate.v1.TaskEvents/WatchTasks',
-                request_serializer=taskgate_dot_v1_dot_events__pb2.WatchTasksRequest.SerializeToString,
-                response_deserializer=taskgate_dot_v1_dot_events__pb2.WatchTasksResponse.FromString,
+        self.Drain = channel.unary_unary(
+                '/taskgate.v1.WorkerControl/Drain',
+                request_serializer=taskgate_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
 
 
-class TaskEventsServicer:
-    """Server-streaming status subscriptions (notifier).
+class WorkerControlServicer:
+    """Per-worker control plane.
     """
 
-    def WatchTask(self, request, context):
-        """The current snapshot, then every later event until the task is terminal.
+    def GetStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Stop taking work; running tasks finish within the grace period, then are released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def WatchTasks(self, request, context):
-        """Every event of the caller's tasks, resumable with a cursor.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
-
-def add_TaskEventsServicer_to_server(servicer, server):
+def add_WorkerControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'WatchTask': grpc.unary_stream_rpc_method_handler(
-                    servicer.WatchTask,
-                    request_deserializer=taskgate_dot_v1_dot_events__pb2.WatchTaskRequest.FromString,
-                    response_serializer=taskgate_dot_v1_dot_events__pb2.WatchTaskResponse.SerializeToString,
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=taskgate_dot_v1_dot_worker__pb2.GetStatusRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_worker__pb2.GetStatusResponse.SerializeToString,
             ),
-            'WatchTasks': grpc.unary_stream_rpc_method_handler(
-                    servicer.WatchTasks,
-                    request_deserializer=taskgate_dot_v1_dot_events__pb2.WatchTasksRequest.FromString,
-                    response_serializer=taskgate_dot_v1_dot_events__pb2.WatchTasksResponse.SerializeToString,
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=taskgate_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'taskgate.v1.TaskEvents', rpc_method_handlers)
+            'taskgate.v1.WorkerControl', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('taskgate.v1.TaskEvents', rpc_method_handlers)
+    server.add_registered_method_handlers('taskgate.v1.WorkerControl', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class TaskEvents:
-    """Server-streaming status subscriptions (notifier).
+class WorkerControl:
+    """Per-worker control plane.
     """
 
     @staticmethod
-    def WatchTask(request,
+    def GetStatus(request,
             target,
             options=(),
             channel_credentials=None,
@@ -101,12 +100,12 @@ class TaskEvents:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
-            '/taskgate.v1.TaskEvents/WatchTask',
-            taskgate_dot_v1_dot_events__pb2.WatchTaskRequest.SerializeToString,
-            taskgate_dot_v1_dot_events__pb2.WatchTaskResponse.FromString,
+            '/taskgate.v1.WorkerControl/GetStatus',
+            taskgate_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
+            taskgate_dot_v1_dot_worker__pb2.GetStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -118,7 +117,7 @@ class TaskEvents:
             _registered_method=True)
 
     @staticmethod
-    def WatchTasks(request,
+    def Drain(request,
             target,
             options=(),
             channel_credentials=None,
@@ -128,12 +127,12 @@ class TaskEvents:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
-            '/taskgate.v1.TaskEvents/WatchTasks',
-            taskgate_dot_v1_dot_events__pb2.WatchTasksRequest.SerializeToString,
-            taskgate_dot_v1_dot_events__pb2.WatchTasksResponse.FromString,
+            '/taskgate.v1.WorkerControl/Drain',
+            taskgate_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            taskgate_dot_v1_dot_worker__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

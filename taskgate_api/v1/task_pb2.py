@@ -29,7 +29,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16taskgate/v1/ta
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'taskgate.v1.task_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'taskgate_api.v1.task_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TASK_METADATAENTRY']._loaded_options = None

@@ -7,7 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
-from taskgate.v1 import task_pb2 as _task_pb2
+from taskgate_api.v1 import task_pb2 as _task_pb2
 import builtins as _builtins
 import sys
 import typing as _typing

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from taskgate.v1 import worker_pb2 as taskgate_dot_v1_dot_worker__pb2
+from taskgate_api.v1 import events_pb2 as taskgate_dot_v1_dot_events__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,15 +18,15 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in taskgate/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in taskgate_api/v1/events_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class WorkerControlStub:
-    """Per-worker control plane.
+class TaskEventsStub:
+    """Server-streaming status subscriptions (notifier).
     """
 
     def __init__(self, channel):
@@ -35,62 +35,63 @@ class WorkerControlStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.GetStatus = channel.unary_unary(
-                '/taskgate.v1.WorkerControl/GetStatus',
-                request_serializer=taskgate_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
-                response_deserializer=taskgate_dot_v1_dot_worker__pb2.GetStatusResponse.FromString,
+        self.WatchTask = channel.unary_stream(
+                '/taskgate.v1.TaskEvents/WatchTask',
+                request_serializer=taskgate_dot_v1_dot_events__pb2.WatchTaskRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_events__pb2.WatchTaskResponse.FromString,
                 _registered_method=True)
-        self.Drain = channel.unary_unary(
-                '/taskgate.v1.WorkerControl/Drain',
-                request_serializer=taskgate_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
-                response_deserializer=taskgate_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+        self.WatchTasks = channel.unary_stream(
+                '/taskgate.v1.TaskEvents/WatchTasks',
+                request_serializer=taskgate_dot_v1_dot_events__pb2.WatchTasksRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_events__pb2.WatchTasksResponse.FromString,
                 _registered_method=True)
 
 
-class WorkerControlServicer:
-    """Per-worker control plane.
+class TaskEventsServicer:
+    """Server-streaming status subscriptions (notifier).
     """
 
-    def GetStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def WatchTask(self, request, context):
+        """The current snapshot, then every later event until the task is terminal.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Drain(self, request, context):
-        """Stop taking work; running tasks finish within the grace period, then are released.
+    def WatchTasks(self, request, context):
+        """Every event of the caller's tasks, resumable with a cursor.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_WorkerControlServicer_to_server(servicer, server):
+def add_TaskEventsServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'GetStatus': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetStatus,
-                    request_deserializer=taskgate_dot_v1_dot_worker__pb2.GetStatusRequest.FromString,
-                    response_serializer=taskgate_dot_v1_dot_worker__pb2.GetStatusResponse.SerializeToString,
+            'WatchTask': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchTask,
+                    request_deserializer=taskgate_dot_v1_dot_events__pb2.WatchTaskRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_events__pb2.WatchTaskResponse.SerializeToString,
             ),
-            'Drain': grpc.unary_unary_rpc_method_handler(
-                    servicer.Drain,
-                    request_deserializer=taskgate_dot_v1_dot_worker__pb2.DrainRequest.FromString,
-                    response_serializer=taskgate_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            'WatchTasks': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchTasks,
+                    request_deserializer=taskgate_dot_v1_dot_events__pb2.WatchTasksRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_events__pb2.WatchTasksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'taskgate.v1.WorkerControl', rpc_method_handlers)
+            'taskgate.v1.TaskEvents', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('taskgate.v1.WorkerControl', rpc_method_handlers)
+    server.add_registered_method_handlers('taskgate.v1.TaskEvents', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class WorkerControl:
-    """Per-worker control plane.
+class TaskEvents:
+    """Server-streaming status subscriptions (notifier).
     """
 
     @staticmethod
-    def GetStatus(request,
+    def WatchTask(request,
             target,
             options=(),
             channel_credentials=None,
@@ -100,12 +101,12 @@ class WorkerControl:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
-            '/taskgate.v1.WorkerControl/GetStatus',
-            taskgate_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
-            taskgate_dot_v1_dot_worker__pb2.GetStatusResponse.FromString,
+            '/taskgate.v1.TaskEvents/WatchTask',
+            taskgate_dot_v1_dot_events__pb2.WatchTaskRequest.SerializeToString,
+            taskgate_dot_v1_dot_events__pb2.WatchTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -117,7 +118,7 @@ class WorkerControl:
             _registered_method=True)
 
     @staticmethod
-    def Drain(request,
+    def WatchTasks(request,
             target,
             options=(),
             channel_credentials=None,
@@ -127,12 +128,12 @@ class WorkerControl:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
-            '/taskgate.v1.WorkerControl/Drain',
-            taskgate_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
-            taskgate_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            '/taskgate.v1.TaskEvents/WatchTasks',
+            taskgate_dot_v1_dot_events__pb2.WatchTasksRequest.SerializeToString,
+            taskgate_dot_v1_dot_events__pb2.WatchTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,
