@@ -24,7 +24,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _nats_binary() -> str:
+def nats_binary() -> str:
     here = Path(sys.executable).parent / "nats-server"
     if here.exists():
         return str(here)
@@ -65,7 +65,7 @@ class EmbeddedNats:
             self.port = free_port()
         log_file = open(self.store_dir / "nats.log", "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
-            [_nats_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir), *self.args],
+            [nats_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir), *self.args],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,

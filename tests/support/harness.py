@@ -378,7 +378,8 @@ class Cluster:
 
 @dataclass(frozen=True)
 class LocalCA:
-    """A certificate authority made for one test run, and a server certificate it signed for localhost/127.0.0.1."""
+    """A certificate authority made for one test run, and a server certificate it signed (for localhost/127.0.0.1
+    unless asked for other names)."""
 
     ca_file: Path
     cert_file: Path
@@ -390,8 +391,9 @@ class LocalCA:
         return context
 
 
-def make_local_ca(folder: Path) -> LocalCA:
-    """A CA and a localhost server certificate made with the openssl command (skips the test without it)."""
+def make_local_ca(folder: Path, names: str = "DNS:localhost,IP:127.0.0.1") -> LocalCA:
+    """A CA and a server certificate for `names` (subjectAltName) made with the openssl command (skips the test
+    without it)."""
     if shutil.which("openssl") is None:
         import pytest  # the harness also serves the benchmarks, which need no pytest
 
@@ -403,7 +405,7 @@ def make_local_ca(folder: Path) -> LocalCA:
     run(["openssl", "req", "-x509", *ec, "-days", "2", "-subj", "/CN=taskgate test CA", "-keyout", ca_key, "-out", ca])
     run(["openssl", "req", *ec, "-subj", "/CN=localhost", "-keyout", key, "-out", csr])
     extensions = folder / "server.ext"
-    extensions.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    extensions.write_text(f"subjectAltName={names}\nbasicConstraints=CA:FALSE\n")
     run(["openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2",
          "-extfile", extensions, "-out", cert])
     return LocalCA(ca, cert, key)

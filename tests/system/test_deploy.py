@@ -1,5 +1,6 @@
 """deploy/: alert rules and the dashboard name metrics the code exports; the kustomize overlays render, validate
-against the Kubernetes schema and agree with the code (ports, probes, settings, images, grace periods)."""
+against the Kubernetes schema and agree with the code (ports, probes, settings, images, grace periods, each pod's own
+NATS user and database role, TLS to both backends)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote_plus, urlsplit
+from urllib.parse import parse_qs, quote_plus, urlsplit
 
 import kubernetes_validate
 import promql_parser
@@ -23,13 +24,13 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from taskgate import bus, migrate, server, telemetry, tracing
+from taskgate import bus, migrate, natsauth, server, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.states import Priority, Status
 from taskgate_api.v1 import admin_pb2, events_pb2, gateway_pb2, worker_pb2
 from taskgate_client.config import ClientConfig
-from taskgate_local.embedded import EmbeddedNats
-from tests.support.harness import ROOT
+from taskgate_local.embedded import EmbeddedNats, nats_binary
+from tests.support.harness import ROOT, make_local_ca
 
 DEPLOY = ROOT / "deploy"
 ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
@@ -405,8 +406,12 @@ def check_custom_resource(obj: Obj, objs: tuple[Obj, ...]) -> None:
     elif kind == "Certificate":
         assert spec["secretName"] and spec["issuerRef"]["name"] and spec["issuerRef"]["group"] == "cert-manager.io"
         assert {"server auth", "client auth"} <= set(spec["usages"]), "one certificate serves and calls"
-        grpc_services = {s["metadata"]["name"] for s in of_kind(objs, "Service")} & {f"taskgate-{n}" for n in SERVED}
-        assert grpc_services and grpc_services <= set(spec["dnsNames"]) and "taskgate-worker" in spec["dnsNames"]
+        if obj["metadata"]["name"] == "taskgate-nats":  # clients reach the Service, the servers each other by pod name
+            headless = named(objs, "StatefulSet", "taskgate-nats")["spec"]["serviceName"]
+            assert {"taskgate-nats", f"*.{headless}"} <= set(spec["dnsNames"]), spec["dnsNames"]
+        else:
+            grpc_services = {s["metadata"]["name"] for s in of_kind(objs, "Service")} & {f"taskgate-{n}" for n in SERVED}
+            assert grpc_services and grpc_services <= set(spec["dnsNames"]) and "taskgate-worker" in spec["dnsNames"]
     elif kind == "ExternalSecret":
         assert spec["secretStoreRef"]["name"] and spec["secretStoreRef"]["kind"] in {"SecretStore", "ClusterSecretStore"}
         assert spec["target"]["name"] and spec["data"]
@@ -428,6 +433,7 @@ def secrets_provided(objs: tuple[Obj, ...]) -> dict[str, set[str]]:
         out[certificate["spec"]["secretName"]] = {"tls.crt", "tls.key", "ca.crt"}
     for cluster in of_kind(objs, "Cluster"):
         out[f"{cluster['metadata']['name']}-app"] = {"username", "password", "host", "port", "dbname", "uri", "jdbc-uri", "pgpass"}
+        out[f"{cluster['metadata']['name']}-ca"] = {"ca.crt", "ca.key"}  # CloudNativePG's CA (its server certificates)
     return out
 
 
@@ -753,25 +759,208 @@ def test_config_changes_roll_the_pods(tmp_path: Path) -> None:
     assert {c["metadata"]["name"] for c in of_kind(rendered("prod"), "ConfigMap")} >= {before}
 
 
-def test_the_nats_token_is_escaped_into_its_url_and_reaches_nats_intact(tmp_path: Path) -> None:
-    template = named(rendered("prod"), "ExternalSecret", "taskgate-secrets")["spec"]["target"]["template"]["data"]
-    assert "{{ .nats_token | urlquery }}@" in template["TASKGATE_NATS_URL"]
-    token = "t0k/en@with:odd%chars+?#"
-    server = EmbeddedNats(tmp_path / "nats", args=("--auth", token)).start()
+# ---------------------------------------------------------------- backends: each pod's own user, TLS verified
+
+GRANTS = ROOT / "taskgate" / "sql" / "functions" / "grants.sql"
+BACKEND_CLIENTS = {"submit", "scheduler", "worker", "notifier", "migrate"}  # the HTTP face reaches neither backend
+NATS_URL_TEMPLATE = re.compile(
+    r"^(?P<scheme>[a-z]+)://(?P<user>[^:@/]+):\{\{ \.(?P<key>\w+) \| urlquery \}\}@(?P<host>[^:/@]+):(?P<port>\d+)$"
+)
+
+
+def nats_user_for(service: str) -> str:
+    """The natsauth role a workload connects as: its own service's, the migrate step's `admin`."""
+    return "admin" if service == "migrate" else service
+
+
+def granted_groups() -> set[str]:
+    """The group roles grants.sql gives rows to."""
+    listed = re.search(r"FOREACH service IN ARRAY ARRAY\[([^\]]*)\]", GRANTS.read_text())
+    assert listed is not None, "grants.sql's list of service roles moved"
+    return set(re.findall(r"'(\w+)'", listed.group(1)))
+
+
+def env_ref(container: Obj, name: str) -> Obj:
+    return next(var for var in container.get("env", []) if var["name"] == name)
+
+
+def external_secret(objs: tuple[Obj, ...], target: str) -> Obj:
+    return next(e for e in of_kind(objs, "ExternalSecret") if e["spec"]["target"]["name"] == target)
+
+
+def remote_property(ext: Obj, secret_key: str) -> str:
+    return str(next(d["remoteRef"]["property"] for d in ext["spec"]["data"] if d["secretKey"] == secret_key))
+
+
+def nats_url_of(objs: tuple[Obj, ...], container: Obj) -> str:
+    """TASKGATE_NATS_URL as written: a kustomize Secret's value, or the ExternalSecret's template."""
+    ref = env_ref(container, "TASKGATE_NATS_URL")["valueFrom"]["secretKeyRef"]
+    if any(e["spec"]["target"]["name"] == ref["name"] for e in of_kind(objs, "ExternalSecret")):
+        return str(external_secret(objs, ref["name"])["spec"]["target"]["template"]["data"][ref["key"]])
+    values = secret_values(objs, ref["name"])
+    assert values is not None, ref
+    return values[ref["key"]]
+
+
+def mounted_secret_file(workload: Obj, container: Obj, path: Path) -> tuple[str, str]:
+    """(Secret, key) a file in a container comes from; fails when no Secret volume mounted there holds it."""
+    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    assert str(path.parent) in mounts, f"{workload['metadata']['name']}: {path} is not on a mounted volume"
+    volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mounts[str(path.parent)])
+    assert "secret" in volume, f"{path}: not from a Secret"
+    items = {i["path"]: i["key"] for i in volume["secret"].get("items", [])}
+    return volume["secret"]["secretName"], items.get(path.name, path.name)
+
+
+def test_prod_nats_servers_carry_the_generated_authorization_and_tls(tmp_path: Path) -> None:
+    objs = rendered("prod")
+    [authorization] = [c for c in of_kind(objs, "ConfigMap") if c["metadata"]["name"].startswith("taskgate-nats-authorization")]
+    assert authorization["data"]["authorization.conf"] == natsauth.authorization(), "generated by taskgate.natsauth, not copied"
+    nats = named(objs, "StatefulSet", "taskgate-nats")
+    [container] = pod_spec(nats)["containers"]
+    assert container["args"] == ["--config", "/etc/nats/nats.conf"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec(nats)["volumes"]}
+    assert mounts["config"] == "/etc/nats"
+    sources = [s["configMap"]["name"] for s in volumes["config"]["projected"]["sources"]]
+    assert sources == ["taskgate-nats-config", authorization["metadata"]["name"]]
+    conf = named(objs, "ConfigMap", "taskgate-nats-config")["data"]["nats.conf"]
+    assert "include ./authorization.conf" in conf and "token" not in conf
+    # every password the block names is in the server's environment, from the Secret the ExternalSecret fills
+    provided = secrets_provided(objs)
+    env_secrets = [s["secretRef"]["name"] for s in container.get("envFrom", []) if "secretRef" in s]
+    in_env = set().union(*(provided[name] for name in env_secrets))
+    for role in natsauth.ROLES:
+        assert natsauth.password_variable(role) in in_env, role
+    # TLS for clients and routes, with the files of the NATS certificate
+    certificate = named(objs, "Certificate", "taskgate-nats")
+    files = re.findall(r"(?:cert_file|key_file|ca_file): (\S+)", conf)
+    assert len(files) == 6 and "verify: true" in conf, "a tls block for clients and one for the routes"
+    for file in map(Path, files):
+        assert mounted_secret_file(nats, container, file) == (certificate["spec"]["secretName"], file.name)
+    # nats-server itself accepts the configuration (the test CA's files in place of the certificate's)
+    ca = make_local_ca(tmp_path / "pki")
+    local = {"tls.crt": ca.cert_file, "tls.key": ca.key_file, "ca.crt": ca.ca_file}
+    conf = re.sub(r"/etc/nats-tls/(\S+)", lambda m: str(local[m.group(1)]), conf)
+    conf = conf.replace("/data", str(tmp_path / "data")).replace("/var/run/nats", str(tmp_path))
+    (tmp_path / "nats.conf").write_text(conf)
+    (tmp_path / "authorization.conf").write_text(authorization["data"]["authorization.conf"])
+    env = {"POD_NAME": "taskgate-nats-0", **{natsauth.password_variable(r): f"pw-{r}" for r in natsauth.ROLES}}
+    checked = subprocess.run([nats_binary(), "-c", str(tmp_path / "nats.conf"), "-t"], capture_output=True, text=True,
+                             env={**os.environ, **env}, timeout=30, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_backends_are_reached_over_verified_tls_unless_the_overlay_declares_plaintext(overlay: str) -> None:
+    objs = rendered(overlay)
+    nats_certificates = [c for c in of_kind(objs, "Certificate") if c["metadata"]["name"] == "taskgate-nats"]
+    clusters = of_kind(objs, "Cluster")
+    seen = set()
+    for workload, container, name in taskgate_containers(objs):
+        if name not in BACKEND_CLIENTS:
+            continue
+        seen.add(name)
+        where = f"{overlay} {workload['metadata']['name']}"
+        settings = settings_for(container_env(objs, container))
+        database, nats_url = urlsplit(settings.database_url or ""), urlsplit(nats_url_of(objs, container))
+        sslmode = parse_qs(database.query).get("sslmode", [None])[0]
+        if settings.grpc_allow_plaintext:  # a throwaway cluster that says so: every hop plaintext, each one explicit
+            assert overlay == "dev", where
+            assert sslmode == "disable", f"{where}: sslmode must be stated (asyncpg's default 'prefer' verifies nothing)"
+            assert nats_url.scheme == "nats" and settings.nats_tls_ca_file is None, where
+            continue
+        # PostgreSQL: verify-full against CloudNativePG's CA, mounted alone (its key stays out of the pod)
+        [cluster] = clusters
+        assert sslmode == "verify-full", f"{where}: {settings.database_url}"
+        assert database.hostname == f"{cluster['metadata']['name']}-rw", where  # a name its server certificate carries
+        rootcert = Path(parse_qs(database.query)["sslrootcert"][0])
+        assert mounted_secret_file(workload, container, rootcert) == (f"{cluster['metadata']['name']}-ca", "ca.crt"), where
+        # NATS: tls:// to a name the NATS certificate carries, verified against its CA (the ca.crt alone)
+        [certificate] = nats_certificates
+        assert nats_url.scheme == "tls" and nats_url.hostname in certificate["spec"]["dnsNames"], f"{where}: {nats_url}"
+        assert settings.nats_tls_ca_file is not None, where
+        secret, key = mounted_secret_file(workload, container, settings.nats_tls_ca_file)
+        assert (secret, key) == (certificate["spec"]["secretName"], "ca.crt"), where
+        for volume in pod_spec(workload)["volumes"]:
+            items = volume.get("secret", {}).get("items")
+            if volume.get("secret", {}).get("secretName") in {secret, f"{cluster['metadata']['name']}-ca"}:
+                assert items and {i["key"] for i in items} == {"ca.crt"}, f"{where}: mounts more than the CA"
+    assert seen == BACKEND_CLIENTS, f"{overlay}: {sorted(seen)}"
+
+
+def test_prod_gives_each_pod_its_own_nats_user_and_database_role() -> None:
+    objs = rendered("prod")
+    [cluster] = of_kind(objs, "Cluster")
+    owner = cluster["spec"]["bootstrap"]["initdb"]["owner"]
+    roles = {r["name"]: r for r in cluster["spec"]["managed"]["roles"]}
+    server_passwords = external_secret(objs, "taskgate-nats-auth")
+    server_template = server_passwords["spec"]["target"]["template"]["data"]
+    groups = granted_groups()
+    nats_users: dict[str, str] = {}
+    db_roles: dict[str, str] = {}
+    for workload, container, name in taskgate_containers(objs):
+        if name not in BACKEND_CLIENTS:
+            assert not {v["name"] for v in container.get("env", [])} & {"TASKGATE_NATS_URL", "TASKGATE_DATABASE_URL", "PGPASSWORD"}
+            continue
+        where = workload["metadata"]["name"]
+        settings = settings_for(container_env(objs, container))
+        # NATS: the user natsauth defines for this service, its password the one the servers hold for that user
+        found = NATS_URL_TEMPLATE.match(nats_url_of(objs, container))
+        assert found is not None, f"{where}: {nats_url_of(objs, container)}"
+        user = found["user"]
+        assert user == nats_user_for(name) and user in natsauth.ROLES, f"{where} connects to NATS as {user!r}"
+        ref = env_ref(container, "TASKGATE_NATS_URL")["valueFrom"]["secretKeyRef"]
+        own = external_secret(objs, ref["name"])
+        server_key = re.fullmatch(r"\{\{ \.(\w+) \}\}", server_template[natsauth.password_variable(user)])
+        assert server_key is not None
+        assert remote_property(own, found["key"]) == remote_property(server_passwords, server_key[1]), where
+        nats_users[where] = user
+        # PostgreSQL: the URL names the role, PGPASSWORD (which asyncpg reads) holds its password
+        database = urlsplit(settings.database_url or "")
+        assert database.username and database.password is None, f"{where}: the password belongs in PGPASSWORD"
+        password = env_ref(container, "PGPASSWORD")["valueFrom"]["secretKeyRef"]
+        db_roles[where] = database.username
+        if name == "migrate":  # the owner: migrations, grants, streams
+            assert database.username == owner, where
+            assert password == {"name": f"{cluster['metadata']['name']}-app", "key": "password"}, where
+            continue
+        assert not settings.setup_on_start, f"{where}: only the migrate Job migrates and declares streams"
+        role = roles[database.username]
+        assert role["login"] and role.get("ensure", "present") == "present", where
+        assert role["inRoles"] == [f"taskgate_{name}"] and role["inRoles"][0] in groups, f"{where}: {role['inRoles']}"
+        assert roles[role["inRoles"][0]]["login"] is False, "a group role logs in as nobody"
+        assert role["passwordSecret"]["name"] == password["name"] and password["key"] == "password", where
+        template = external_secret(objs, password["name"])["spec"]["target"]["template"]
+        assert template["type"] == "kubernetes.io/basic-auth" and template["data"]["username"] == database.username, where
+    assert sorted(nats_users.values()) == sorted(nats_user_for(n) for n in BACKEND_CLIENTS), nats_users
+    assert len(set(db_roles.values())) == len(db_roles), f"one database role per workload: {db_roles}"
+    assert [w for w, r in db_roles.items() if r == owner] == ["taskgate-migrate"], "the owner is the migrate Job's alone"
+
+
+def test_a_services_nats_password_is_escaped_into_its_url_and_reaches_nats_intact_over_tls(tmp_path: Path) -> None:
+    template = named(rendered("prod"), "ExternalSecret", "taskgate-submit-credentials")["spec"]["target"]["template"]["data"]
+    found = NATS_URL_TEMPLATE.match(template["TASKGATE_NATS_URL"])
+    assert found is not None and found["scheme"] == "tls", template["TASKGATE_NATS_URL"]
+    password = "p4ss/en@with:odd%chars+?#"
+    ca = make_local_ca(tmp_path / "pki")
+    args = ("--user", found["user"], "--pass", password, "--tls", "--tlscert", str(ca.cert_file), "--tlskey", str(ca.key_file))
+    server = EmbeddedNats(tmp_path / "nats", args=args).start()
     try:
         # the ExternalSecret's urlquery is Go's url.QueryEscape: quote_plus with nothing safe
-        escaped = server.url.replace("nats://", f"nats://{quote_plus(token, safe='')}@")
+        url = f"tls://{found['user']}:{quote_plus(password, safe='')}@localhost:{server.port}"
 
-        async def connects(url: str) -> bool:
+        async def connects(url: str, ca_file: Path) -> bool:
             try:
-                connected = await asyncio.wait_for(bus.connect(url, "token-check"), 10)
+                connected = await asyncio.wait_for(bus.connect(url, "password-check", tls_ca_file=ca_file), 10)
             except Exception:
                 return False
             await connected.nc.close()
             return True
 
-        assert asyncio.run(connects(escaped))
-        assert not asyncio.run(connects(server.url.replace("nats://", "nats://wrong@")))
+        assert asyncio.run(connects(url, ca.ca_file))
+        assert not asyncio.run(connects(url.replace(quote_plus(password, safe=""), "wrong"), ca.ca_file))
+        assert not asyncio.run(connects(url, make_local_ca(tmp_path / "foreign").ca_file)), "a foreign CA must not verify"
     finally:
         server.stop()
 
