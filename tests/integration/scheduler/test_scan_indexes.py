@@ -27,7 +27,7 @@ SELECT i, 'tenant-' || (i % 50), 'k-' || i, md5(i::text), 'text-to-video', m, 'p
        CASE WHEN s IN ('PROCESSING', 'SUCCEEDED', 'FAILED') THEN 1 ELSE 0 END,
        CASE WHEN s = 'FAILED' THEN 3 ELSE 0 END, 3,
        CASE WHEN s = 'PROCESSING' THEN 'w' || (i % 7) END,
-       CASE WHEN s = 'PROCESSING' THEN now() + make_interval(secs => (i % 20) - 5) END,
+       CASE WHEN s = 'PROCESSING' THEN now() + make_interval(mins => (i % 20) - 5) END,  -- a quarter lapsed, the rest live for minutes
        CASE WHEN s IN ('PROCESSING', 'SUCCEEDED', 'FAILED') THEN t END,
        CASE WHEN s <> 'CREATED' THEN t END,
        CASE WHEN s IN ('SUCCEEDED', 'FAILED', 'CANCELED') THEN t END,
