@@ -341,6 +341,7 @@ def secret_values(objs: tuple[Obj, ...], name: str) -> dict[str, str] | None:
 PLACEHOLDERS = {
     "TASKGATE_DATABASE_URL": "postgresql://taskgate:secret@db:5432/taskgate",
     "TASKGATE_NATS_URL": "nats://token@nats:4222",
+    "TASKGATE_SECRETS_KEYS": '["MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="]',  # a JSON list of Fernet keys
 }
 
 
@@ -972,3 +973,20 @@ def test_deploy_readme_states_minimum_versions_and_the_first_admin_key() -> None
         assert re.search(rf"{component}[^|\n]*\| *≥ *{version}", text), f"no minimum version for {component}"
     first_key = text[text.index("### The first admin key"):]
     assert "taskgate-keys create" in first_key and "--admin" in first_key and "kubectl" in first_key
+
+
+def test_prod_seals_webhook_secrets_with_keys_only_the_sealing_services_hold() -> None:
+    objs = rendered("prod")
+    provided = secrets_provided(objs)
+    holders = set()
+    for workload, container, name in taskgate_containers(objs):
+        refs = [v for v in container.get("env", []) if v["name"] == "TASKGATE_SECRETS_KEYS"]
+        if not refs:
+            continue
+        holders.add(name)
+        ref = refs[0]["valueFrom"]["secretKeyRef"]
+        assert ref["key"] in provided.get(ref["name"], set()), workload["metadata"]["name"]
+        assert remote_property(external_secret(objs, ref["name"]), "webhook_secrets_keys") == "webhook_secrets_keys"
+    # the services that seal (submit's and the scheduler's rotation) or open (the notifier's signing) a secret; never
+    # the worker, the HTTP face or the migrate Job
+    assert holders == {"submit", "scheduler", "notifier"}
