@@ -148,7 +148,7 @@ class _Parsed:
     retry_delay: float | None = None
 
 
-def _details(status: status_pb2.Status) -> list[object]:
+def details_of(status: status_pb2.Status) -> list[object]:
     """The google.rpc detail types the gateway sends, unpacked from a status."""
     out: list[object] = []
     for anyp in status.details:
@@ -170,7 +170,7 @@ def _parse_details(exc: grpc.RpcError) -> _Parsed:
 
 def _parse_status(status: status_pb2.Status) -> _Parsed:
     out = _Parsed()
-    for detail in _details(status):
+    for detail in details_of(status):
         if isinstance(detail, error_details_pb2.ErrorInfo):
             out.reason, out.domain, out.metadata = detail.reason, detail.domain, dict(detail.metadata)
         elif isinstance(detail, error_details_pb2.BadRequest):

@@ -28,6 +28,7 @@ from grpc_status import rpc_status
 from taskgate import auth
 from taskgate.config import Settings
 from taskgate_api.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc
+from taskgate_client.errors import details_of as details_of  # what a client reads; tests import it from here
 from taskgate_local.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedStack, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,18 +126,6 @@ async def stored_objects(bus: Any, prefix: str = "") -> list[str]:
     except NotFoundError:  # an empty bucket
         return []
     return sorted(o.name for o in found if o.name.startswith(prefix))
-
-
-def details_of(status: status_pb2.Status) -> list[object]:
-    """The known detail types of a google.rpc.Status, unpacked (what a client reads)."""
-    out: list[object] = []
-    for anyp in status.details:
-        for cls in (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo):
-            if anyp.Is(cls.DESCRIPTOR):
-                msg = cls()
-                anyp.Unpack(msg)
-                out.append(msg)
-    return out
 
 
 def trailing_details(exc: grpc.aio.AioRpcError) -> list[object]:
