@@ -142,6 +142,11 @@ async def cmd_submit(client: AsyncTaskgateClient, args: argparse.Namespace, out:
         start_after=args.start_after,
         max_queue_seconds=args.max_queue_seconds,
     )
+    return await _submitted(client, out, task, args)
+
+
+async def _submitted(client: AsyncTaskgateClient, out: Output, task: Task, args: argparse.Namespace) -> int:
+    """A new task: printed, or with --wait followed until it ends."""
     if not args.wait:
         print_task(out, task)
         return EXIT_OK
@@ -196,12 +201,7 @@ async def cmd_cancel(client: AsyncTaskgateClient, args: argparse.Namespace, out:
 
 async def cmd_regenerate(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
     task = await client.regenerate(args.task_id, seed=args.seed)
-    if not args.wait:
-        print_task(out, task)
-        return EXIT_OK
-    if not out.json:
-        out.err.write(f"submitted {task.task_id}\n")
-    return await _finish(client, out, task, args.wait_timeout)
+    return await _submitted(client, out, task, args)
 
 
 async def cmd_result(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
