@@ -152,11 +152,25 @@ async def _log_error(error: Exception) -> None:
     log.warning("nats error", extra={"error": repr(error)})
 
 
+STREAM_NAME_IN_USE = 10058  # JSStreamNameExistErr: declared before with another configuration, so update it
+NO_PEERS_FOR_PLACEMENT = 10005  # JSClusterNoPeersErr: a cluster whose nodes have not all joined yet, so retry
+
+
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Creates the stream, or updates it when it exists; any other refusal is the caller's to see."""
     try:
         await js.add_stream(config)
-    except BadRequestError:
+    except BadRequestError as exc:
+        if exc.err_code != STREAM_NAME_IN_USE:
+            raise
         await js.update_stream(config)
+
+
+def _not_ready(exc: Exception) -> bool:
+    """A JetStream that will answer soon: no answer, no leader yet, or a cluster still gathering its peers."""
+    if isinstance(exc, (NatsTimeoutError, NoRespondersError, ServiceUnavailableError)):
+        return True
+    return isinstance(exc, BadRequestError) and exc.err_code == NO_PEERS_FOR_PLACEMENT
 
 
 DECLARE_SECONDS = 60.0
@@ -165,8 +179,8 @@ DECLARE_SECONDS = 60.0
 async def declare(bus: Bus, settings: Settings, within: float = DECLARE_SECONDS) -> None:
     """Creates (or updates) every stream, durable consumer and bucket; safe to run from every replica.
 
-    A JetStream API that times out or has no leader yet (a cluster electing one, or busy with every replica declaring
-    at once) is retried with backoff for `within` seconds rather than failing the service's start.
+    A JetStream API that times out, has no leader yet (a cluster electing one, or busy with every replica declaring
+    at once) or cannot place a stream's replicas yet (a cluster whose nodes are still joining) is retried with backoff for `within` seconds rather than failing the service's start.
     """
     deadline = time.monotonic() + within
     delay = 0.5
@@ -174,8 +188,8 @@ async def declare(bus: Bus, settings: Settings, within: float = DECLARE_SECONDS)
         try:
             await _declare_once(bus, settings)
             return
-        except (NatsTimeoutError, NoRespondersError, ServiceUnavailableError) as exc:
-            if time.monotonic() + delay > deadline:
+        except (NatsTimeoutError, NoRespondersError, ServiceUnavailableError, BadRequestError) as exc:
+            if not _not_ready(exc) or time.monotonic() + delay > deadline:
                 raise
             log.warning("JetStream declare did not answer; retrying", extra={"error": type(exc).__name__, "retry_in": delay})
             await asyncio.sleep(delay)
