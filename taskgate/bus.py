@@ -180,7 +180,8 @@ async def declare(bus: Bus, settings: Settings, within: float = DECLARE_SECONDS)
     """Creates (or updates) every stream, durable consumer and bucket; safe to run from every replica.
 
     A JetStream API that times out, has no leader yet (a cluster electing one, or busy with every replica declaring
-    at once) or cannot place a stream's replicas yet (a cluster whose nodes are still joining) is retried with backoff for `within` seconds rather than failing the service's start.
+    at once) or cannot place a stream's replicas yet (a cluster whose nodes are still joining) is retried with backoff
+    for `within` seconds rather than failing the service's start.
     """
     deadline = time.monotonic() + within
     delay = 0.5
