@@ -318,6 +318,9 @@ async def test_sign_in_needs_an_admin_key_and_actions_need_the_csrf_token(stack:
         nonce = re.search(r"script-src 'nonce-([^']+)'", page.headers["content-security-policy"])
         assert nonce is not None and f'<script nonce="{nonce.group(1)}">' in page.text
 
+        # a FAILED task to act on, made first: its claim is the real (fair) one, which takes its level's oldest task
+        failed = await failed_task(backends)
+
         # user data is escaped wherever it shows
         async with httpx.AsyncClient(base_url=stack.url, headers=stack.headers(), timeout=20) as api:
             await submit(api, model_id="later", prompt="<img src=x onerror=alert(1)> & \"quotes\"")
@@ -327,7 +330,6 @@ async def test_sign_in_needs_an_admin_key_and_actions_need_the_csrf_token(stack:
         assert "&lt;img src=x onerror=alert(1)&gt; &amp; &#34;quotes&#34;" in waiting and "<img" not in waiting
 
         # actions: the CSRF token, a JSON body and the same origin, or nothing happens
-        failed = await failed_task(backends)
         body = {"task_id": str(failed)}
         no_token = await web.post("/dashboard/actions/replay", json=body)
         assert no_token.status_code == 403 and "CSRF" in no_token.json()["message"]
