@@ -18,7 +18,7 @@ import time
 
 import asyncpg
 
-from taskgate import errors
+from taskgate import errors, loops
 from taskgate.store import nodes
 
 log = logging.getLogger("taskgate.ids")
@@ -114,20 +114,22 @@ class LeasedIds:
         log.info("id node leased", extra={"node": node, "lease_seconds": self._seconds})
 
     async def _keep(self) -> None:
-        """Renews four times per lease; a number lost to another holder is replaced by a fresh lease."""
-        while True:
-            await asyncio.sleep(self._seconds / 4)
-            try:
-                assert self._node is not None
-                began = time.monotonic()
-                if await nodes.renew(self._pool, node=self._node, holder=self._holder, seconds=self._seconds):
-                    self._valid_until = began + self._seconds
-                else:
-                    log.warning("id node lease lost; leasing another", extra={"node": self._node})
-                    self._generator, self._valid_until = None, 0.0
-                    await self._lease()
-            except Exception as exc:  # the database may be back next period; next() refuses once the lease lapses
-                log.warning("id node lease not renewed", extra={"node": self._node, "error": type(exc).__name__})
+        """Renews four times per lease; a number lost to another holder is replaced by a fresh lease. A failed renewal
+        is logged and tried again next period (the database may be back); next() refuses once the lease lapses."""
+        await loops.repeat(
+            self._renew, every=self._seconds / 4, wait_first=True, log=log, failed="id node lease not renewed",
+            extra=lambda: {"node": self._node},
+        )
+
+    async def _renew(self) -> None:
+        assert self._node is not None
+        began = time.monotonic()
+        if await nodes.renew(self._pool, node=self._node, holder=self._holder, seconds=self._seconds):
+            self._valid_until = began + self._seconds
+        else:
+            log.warning("id node lease lost; leasing another", extra={"node": self._node})
+            self._generator, self._valid_until = None, 0.0
+            await self._lease()
 
 
 _default: IdGenerator | None = None

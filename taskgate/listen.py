@@ -10,7 +10,7 @@ from typing import Any
 
 import asyncpg
 
-from taskgate.waiting import cancelling
+from taskgate import loops
 
 log = logging.getLogger("taskgate.listen")
 
@@ -33,35 +33,31 @@ class Listener:
             handler(payload)
 
     async def run(self) -> None:
-        """Listens until cancelled."""
-        while True:
-            lost = asyncio.Event()
-            try:
-                conn = await asyncpg.connect(self._dsn)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                log.warning("listen connection failed", extra={"error": type(exc).__name__})
-                await asyncio.sleep(self._retry)
-                continue
-            self._conn = conn
-            try:
-                conn.add_termination_listener(lambda _c, lost=lost: lost.set())
-                for channel in self._handlers:
-                    await conn.add_listener(channel, self._on_notify)
-                self.connected.set()
-                for handler in self._handlers.values():
-                    handler(None)
-                await lost.wait()
-                log.warning("listen connection lost")
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                if cancelling():
-                    raise asyncio.CancelledError from exc
-                log.warning("listen connection failed", extra={"error": type(exc).__name__})
-            finally:
-                self.connected.clear()
-                self._conn = None
-                with contextlib.suppress(Exception):
-                    conn.terminate()
-            await asyncio.sleep(self._retry)
+        """Listens until cancelled, connecting again `retry_seconds` after a connection failed or was lost."""
+        await loops.repeat(
+            self._listen, every=self._retry, log=log, failed="listen connection failed",
+            survives=(OSError, asyncpg.PostgresError, asyncpg.InterfaceError),
+        )
+
+    async def _listen(self) -> None:
+        """One connection's life: connects, listens, and returns once the connection is lost."""
+        conn = await asyncpg.connect(self._dsn)
+        lost = asyncio.Event()
+        self._conn = conn
+        try:
+            conn.add_termination_listener(lambda _c: lost.set())
+            for channel in self._handlers:
+                await conn.add_listener(channel, self._on_notify)
+            self.connected.set()
+            for handler in self._handlers.values():
+                handler(None)
+            await lost.wait()
+            log.warning("listen connection lost")
+        finally:
+            self.connected.clear()
+            self._conn = None
+            with contextlib.suppress(Exception):
+                conn.terminate()
 
     def terminate(self) -> None:
         """Drops the connection at once (crash tests)."""

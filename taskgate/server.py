@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from nats.errors import Error as NatsError
 
-from taskgate import errors, telemetry, text, tracing
+from taskgate import errors, loops, telemetry, text, tracing
 from taskgate.bus import Bus
 from taskgate.config import Settings
 from taskgate.runtime import stop_tasks
@@ -270,12 +270,10 @@ class Health:
             await self.servicer.set(name, SERVING if ready else NOT_SERVING)
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.health_check_seconds)
-            try:
-                await self.check()
-            except Exception:
-                log.exception("health check failed")
+        await loops.repeat(
+            self.check, every=self.settings.health_check_seconds, wait_first=True, log=log, failed="health check failed",
+            level=logging.ERROR, traceback=True,
+        )
 
     async def start(self) -> None:
         await self.check()

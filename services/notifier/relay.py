@@ -15,10 +15,10 @@ from opentelemetry.trace import Span, SpanKind
 
 from services.notifier import outbox
 from taskgate import bus as busmod
-from taskgate import telemetry, tracing
+from taskgate import loops, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.store import events as event_store
-from taskgate.waiting import cancelling, woken
+from taskgate.waiting import cancelling
 from taskgate.wire import events as event_wire
 
 log = logging.getLogger("taskgate.notifier.relay")
@@ -51,6 +51,7 @@ class EventRelay:
         self._on_deliveries = on_deliveries
         self.wake = asyncio.Event()
         self._signals = signals or TestSignals()
+        self._lag_due = 0.0  # the event loop's time: when the relay lag gauge is read next
 
     def notify(self) -> None:
         """Wakes the relay (a NOTIFY arrived or a reconnect may have missed some)."""
@@ -58,23 +59,20 @@ class EventRelay:
 
     async def run(self) -> None:
         """Relays on every wake-up and on a catch-up period, until cancelled."""
-        interval = self._settings.relay_scan_interval_seconds
+        await loops.repeat(
+            self._pass, every=self._settings.relay_scan_interval_seconds, wake=self.wake, log=log, failed="relay pass failed",
+            survives=(OSError, asyncpg.PostgresError, asyncpg.InterfaceError, nats.errors.Error),
+        )
+
+    async def _pass(self) -> None:
+        """Relays until a pass comes back short of a full batch; the relay lag gauge once per scan period, not per pass
+        (under load a pass per NOTIFY made it a round trip per event)."""
+        while await self.relay_once() >= self._settings.relay_batch_size:
+            pass
         loop = asyncio.get_running_loop()
-        lag_due = 0.0
-        while True:
-            self.wake.clear()
-            try:
-                while await self.relay_once() >= self._settings.relay_batch_size:
-                    pass
-                # once per scan period, not per pass: under load a pass per NOTIFY made this a round trip per event
-                if loop.time() >= lag_due:
-                    telemetry.RELAY_LAG.set(await event_store.relay_lag(self._pool))
-                    lag_due = loop.time() + interval
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, nats.errors.Error) as exc:
-                if cancelling():
-                    raise asyncio.CancelledError from exc
-                log.warning("relay pass failed", extra={"error": f"{type(exc).__name__}: {exc}"[:300]})
-            await woken(self.wake, interval)
+        if loop.time() >= self._lag_due:
+            telemetry.RELAY_LAG.set(await event_store.relay_lag(self._pool))
+            self._lag_due = loop.time() + self._settings.relay_scan_interval_seconds
 
     async def relay_once(self) -> int:
         """One pass over the oldest unpublished events; returns how many it relayed."""

@@ -14,12 +14,12 @@ import asyncpg
 import httpx
 
 from services.notifier.outbox import iso
-from taskgate import auth, eta, netguard, results, telemetry, tracing
+from taskgate import auth, eta, loops, netguard, results, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.sealing import Sealer
 from taskgate.states import CallbackStatus, Status
 from taskgate.store import callbacks as outbox_store
-from taskgate.waiting import cancelling, woken
+from taskgate.waiting import cancelling
 from taskgate_api import webhook_signing
 
 log = logging.getLogger("taskgate.notifier.webhook")
@@ -82,20 +82,17 @@ class WebhookSender:
 
     async def run(self) -> None:
         """Claims and sends due deliveries on every wake-up, at retry times, and on a safety-net period."""
-        while True:
-            self.wake.clear()
-            try:
-                await self._claim_and_send()
-                next_due = await outbox_store.seconds_to_next_due(self._pool)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                if cancelling():
-                    raise asyncio.CancelledError from exc
-                log.warning("webhook scan failed", extra={"error": f"{type(exc).__name__}: {exc}"[:ERROR_EXCERPT]})
-                next_due = None
-            wait = self._settings.webhook_scan_interval_seconds
-            if next_due is not None:
-                wait = min(wait, max(next_due, 0.005))
-            await woken(self.wake, wait)
+        await loops.repeat(
+            self._pass, every=self._settings.webhook_scan_interval_seconds, wake=self.wake, log=log, failed="webhook scan failed",
+            survives=(OSError, asyncpg.PostgresError, asyncpg.InterfaceError),
+        )
+
+    async def _pass(self) -> float:
+        """Claims and sends what is due; the seconds until the next delivery is due (at most the scan interval)."""
+        await self._claim_and_send()
+        next_due = await outbox_store.seconds_to_next_due(self._pool)
+        wait = self._settings.webhook_scan_interval_seconds
+        return wait if next_due is None else min(wait, max(next_due, 0.005))
 
     @property
     def _inflight(self) -> set[asyncio.Task[None]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -32,7 +31,7 @@ from services.scheduler.scans import (
     count,
 )
 from taskgate import bus as busmod
-from taskgate import runtime, server, telemetry
+from taskgate import loops, runtime, server, telemetry
 from taskgate.config import Settings
 from taskgate.store import maintenance
 from taskgate_api.v1 import admin_pb2_grpc
@@ -104,17 +103,18 @@ class Scheduler:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scans every scan_interval_seconds (at once again while batches come back full) until `stop` is set."""
-        while not stop.is_set():
-            report = await self.run_once()
-            try:
-                await self.refresh_gauges()
-            except Exception as exc:  # stale gauges are better than a stopped loop
-                log.warning("gauges failed", extra={"error": type(exc).__name__})
-            if report.full and not report.failed:
-                await asyncio.sleep(0)
-                continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.settings.scan_interval_seconds)
+        # each scan's failure is its own (run_once logs it) and the gauges' too: anything else ends the loop
+        await loops.repeat(self._pass, every=self.settings.scan_interval_seconds, stop=stop, log=log, failed="scan pass failed",
+                           survives=())
+
+    async def _pass(self) -> float | None:
+        """One pass of every scan, then the gauges; 0 (the next pass at once) when a batch came back full."""
+        report = await self.run_once()
+        try:
+            await self.refresh_gauges()
+        except Exception as exc:  # stale gauges are better than a stopped loop
+            log.warning("gauges failed", extra={"error": type(exc).__name__})
+        return 0.0 if report.full and not report.failed else None
 
 
 @dataclass

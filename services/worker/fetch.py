@@ -14,8 +14,8 @@ from nats.aio.msg import Msg
 
 from services.worker.consumer import Level, Puller, Weighted, make_levels
 from taskgate import bus as busmod
+from taskgate import loops
 from taskgate.config import Settings
-from taskgate.waiting import cancelling
 
 log = logging.getLogger("taskgate.worker")
 
@@ -61,7 +61,7 @@ class Fetcher:
         self.slots = [Slot(i) for i in range(slots)]
         self.levels = make_levels(models, settings.priority_weights)
         self.puller = Puller(bus.nc, self.levels, self._on_delivery, settings.worker_fetch_linger_seconds)
-        self.draining = False
+        self._draining = asyncio.Event()
         self._start = start
         self._spawn = spawn
         self._changed = changed  # free slots or draining changed: the gauges follow
@@ -77,9 +77,13 @@ class Fetcher:
                     await busmod.ensure_task_consumer(self.bus, self.settings, model_id, level.priority)
         await self.puller.start()
 
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
     def stop(self) -> None:
         """Takes no more messages: the loop hands back what it holds and ends."""
-        self.draining = True
+        self._draining.set()
         self._wake.set()
 
     async def close(self) -> None:
@@ -103,18 +107,12 @@ class Fetcher:
         self._capped_until[model_id] = time.monotonic() + delay
 
     async def loop(self) -> None:
-        """Takes messages until draining, then hands back the ones it holds."""
-        while not self.draining:
-            self._wake.clear()
-            try:
-                await self._once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if cancelling():  # a client library reported our cancellation as its own error
-                    raise asyncio.CancelledError from exc
-                log.exception("dispatch failed", extra={"worker": self.worker_id})
-                await asyncio.sleep(self.settings.worker_fetch_linger_seconds)
+        """Takes messages until draining (a failed pass logged, the next a linger later), then hands back the ones it
+        holds."""
+        await loops.repeat(
+            self._pass, every=self.settings.worker_fetch_linger_seconds, stop=self._draining, log=log, failed="dispatch failed",
+            extra=lambda: {"worker": self.worker_id}, level=logging.ERROR, traceback=True,
+        )
         for _, msg in self._ready:
             await _bounce(msg)
         self._ready.clear()
@@ -129,6 +127,11 @@ class Fetcher:
             else:
                 self._ready.append((level, msg))
         self._wake.set()  # this level's pull is spent: the loop opens the next one at once, not when another expires
+
+    async def _pass(self) -> float:
+        self._wake.clear()
+        await self._once()
+        return 0.0
 
     async def _once(self) -> None:
         ready, self._ready = self._ready, []

@@ -14,11 +14,10 @@ import asyncpg
 from services.worker.consumer import Level
 from services.worker.run import ACTOR, Run
 from taskgate import bus as busmod
-from taskgate import telemetry
+from taskgate import loops, telemetry
 from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.store import workers
-from taskgate.waiting import cancelling, woken
 
 log = logging.getLogger("taskgate.worker")
 
@@ -62,6 +61,7 @@ class Heartbeat:
         self._wake = asyncio.Event()
         self._armed = False  # the loop already waits to write progress: a new step need not wake it
         self._next_write = 0.0  # monotonic: a progress write waits progress_interval_seconds after the last one
+        self._next_beat = 0.0  # monotonic: when the next full beat is due
 
     def progressed(self) -> None:
         """A run has new progress to write: wakes the loop, unless it already waits to write some."""
@@ -70,32 +70,30 @@ class Heartbeat:
 
     async def loop(self) -> None:
         """Beats until cancelled, writing due progress in between; a failed statement is logged and the next tried."""
+        self._next_beat = time.monotonic() + self.settings.heartbeat_seconds
+        await loops.repeat(
+            self._due, every=0.0, wake=self._wake, log=log, failed="heartbeat failed", extra=lambda: {"worker": self.worker_id},
+            traceback=True,
+        )
+
+    async def _due(self) -> float:
+        """The beat or the progress write that is due, if one is; the seconds until the next one is due."""
         beat_every = self.settings.heartbeat_seconds
-        next_beat = time.monotonic() + beat_every
-        while True:
-            self._wake.clear()
-            due = [at for run in self.runs.values() if (at := run.progress_at(self.settings.progress_interval_seconds)) is not None]
-            self._armed = bool(due)
-            write_at = max(min(due), self._next_write) if due else None
-            beat_at = next_beat
-            if write_at is not None and abs(write_at - beat_at) <= beat_every / 4:
-                beat_at = write_at  # a beat and a progress write close together go as one statement
-            at = beat_at if write_at is None else min(beat_at, write_at)
-            now = time.monotonic()
-            if at > now:
-                await woken(self._wake, at - now)
-                continue
-            full = now >= beat_at
-            if full:
-                next_beat = now + beat_every
-            try:
-                await self.beat(full=full)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if cancelling():
-                    raise asyncio.CancelledError from exc
-                log.warning("heartbeat failed", extra={"worker": self.worker_id}, exc_info=True)
+        due = [at for run in self.runs.values() if (at := run.progress_at(self.settings.progress_interval_seconds)) is not None]
+        self._armed = bool(due)
+        write_at = max(min(due), self._next_write) if due else None
+        beat_at = self._next_beat
+        if write_at is not None and abs(write_at - beat_at) <= beat_every / 4:
+            beat_at = write_at  # a beat and a progress write close together go as one statement
+        at = beat_at if write_at is None else min(beat_at, write_at)
+        now = time.monotonic()
+        if at > now:
+            return at - now
+        full = now >= beat_at
+        if full:
+            self._next_beat = now + beat_every
+        await self.beat(full=full)
+        return 0.0
 
     async def beat(self, *, full: bool = True) -> None:
         """One statement: with `full`, every running attempt's renewal and the registry row, else only the attempts
