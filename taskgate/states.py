@@ -47,7 +47,7 @@ class CallbackStatus(StrEnum):
         return task_pb2.CallbackStatus.Value(f"CALLBACK_STATUS_{self.value}")
 
 
-# from -> the callback states it may move to (taskgate.store.callbacks refuses any other). PENDING -> PENDING is a
+# from -> the callback states it may move to (taskgate.store.webhooks refuses any other). PENDING -> PENDING is a
 # retry scheduled, or a redelivery mid-round; a redelivery starts a new round (DELIVERED/FAILED -> PENDING). NONE
 # is final: a task with it has no URL, or its terminal event asked for no webhook, so it has none to redeliver.
 CALLBACK_LEGAL: dict[CallbackStatus, frozenset[CallbackStatus]] = {

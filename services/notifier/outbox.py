@@ -10,7 +10,7 @@ import asyncpg
 
 from taskgate import tracing
 from taskgate.states import CallbackStatus, Status
-from taskgate.store import callbacks as outbox_store
+from taskgate.store import webhooks as webhook_store
 from taskgate.store.events import RelayEvent
 
 TERMINAL_WITH_WEBHOOK = frozenset({Status.SUCCEEDED, Status.FAILED, Status.TIMEOUT})
@@ -32,7 +32,7 @@ def event_type(to_status: Status, callback_events: Sequence[str] | None) -> str 
     if to_status is Status.CANCELED:
         return "task.canceled" if "CANCELED" in wanted else None
     if to_status is Status.PROCESSING and "PROGRESS" in wanted:
-        return outbox_store.PROGRESS_TYPE
+        return webhook_store.PROGRESS_TYPE
     return None
 
 
@@ -84,7 +84,7 @@ def payload(row: RelayEvent, kind: str) -> dict[str, Any]:
     }
 
 
-def plan(row: RelayEvent, trace_context: tracing.Carrier | None = None) -> outbox_store.NewDelivery | None:
+def plan(row: RelayEvent, trace_context: tracing.Carrier | None = None) -> webhook_store.NewDelivery | None:
     """The delivery one relayed event creates, if its task has a callback URL and the event qualifies; its webhook
     continues `trace_context` (the relay span's)."""
     url = row.callback_url
@@ -94,7 +94,7 @@ def plan(row: RelayEvent, trace_context: tracing.Carrier | None = None) -> outbo
     kind = event_type(event.to_status, row.callback_events)
     if kind is None:
         return None
-    return outbox_store.NewDelivery(
+    return webhook_store.NewDelivery(
         task_id=event.task_id,
         event_id=event.id,
         user_id=event.user_id,
@@ -118,13 +118,13 @@ async def write(
     contexts = list(traces) or [None] * len(rows)
     deliveries = [d for d in (plan(r, t) for r, t in zip(rows, contexts, strict=True)) if d is not None]
     if deliveries:
-        await outbox_store.insert_deliveries(conn, deliveries, first_delay=first_delay)
-    with_webhook = {d.task_id for d in deliveries if d.event_type != outbox_store.PROGRESS_TYPE}
+        await webhook_store.insert_deliveries(conn, deliveries, first_delay=first_delay)
+    with_webhook = {d.task_id for d in deliveries if d.event_type != webhook_store.PROGRESS_TYPE}
     silent = [
         r.event.task_id
         for r in rows
         if r.callback_url and r.event.to_status.terminal and r.event.task_id not in with_webhook
     ]
     if silent:
-        await outbox_store.move_status(conn, silent, to=CallbackStatus.NONE)
+        await webhook_store.move_status(conn, silent, to=CallbackStatus.NONE)
     return len(deliveries)

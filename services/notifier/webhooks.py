@@ -18,7 +18,7 @@ from taskgate import auth, eta, loops, netguard, results, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.sealing import Sealer
 from taskgate.states import CallbackStatus, Status
-from taskgate.store import callbacks as outbox_store
+from taskgate.store import webhooks as webhook_store
 from taskgate.waiting import cancelling
 from taskgate_api import webhook_signing
 
@@ -58,7 +58,7 @@ class WebhookSender:
         self.wake = asyncio.Event()
         self._lanes: dict[bool, set[asyncio.Task[None]]] = {False: set(), True: set()}  # progress? -> in flight
         self._sealer = Sealer.of(settings)
-        self._fairness = outbox_store.Fairness(
+        self._fairness = webhook_store.Fairness(
             per_destination=settings.webhook_concurrency_per_destination,
             breaker_failures=settings.webhook_breaker_failures,
             breaker_seconds=settings.webhook_breaker_seconds,
@@ -90,7 +90,7 @@ class WebhookSender:
     async def _pass(self) -> float:
         """Claims and sends what is due; the seconds until the next delivery is due (at most the scan interval)."""
         await self._claim_and_send()
-        next_due = await outbox_store.seconds_to_next_due(self._pool)
+        next_due = await webhook_store.seconds_to_next_due(self._pool)
         wait = self._settings.webhook_scan_interval_seconds
         return wait if next_due is None else min(wait, max(next_due, 0.005))
 
@@ -103,7 +103,7 @@ class WebhookSender:
         for progress, size in sizes.items():
             lane = self._lanes[progress]
             while (free := size - len(lane)) > 0:
-                rows = await outbox_store.claim_due(
+                rows = await webhook_store.claim_due(
                     self._pool, limit=free, owner=self._owner, lease_seconds=self.lease_seconds, progress=progress,
                     fairness=self._fairness,
                 )
@@ -121,7 +121,7 @@ class WebhookSender:
         if not task.cancelled() and task.exception() is not None:
             log.error("webhook delivery crashed", exc_info=task.exception())
 
-    async def _deliver(self, delivery: outbox_store.Delivery) -> None:
+    async def _deliver(self, delivery: webhook_store.LeasedWebhook) -> None:
         attempt_no = delivery.attempts + 1
         round_no = delivery.attempts - delivery.round_start + 1
         payload = await self._with_eta(self._with_link(delivery.payload), delivery)
@@ -144,7 +144,7 @@ class WebhookSender:
             status, delay, outcome = CallbackStatus.DELIVERED, 0.0, "delivered"
         elif attempt.status_code == 410:
             status, delay, outcome = CallbackStatus.FAILED, 0.0, "gone"
-        elif delivery.event_type == outbox_store.PROGRESS_TYPE:
+        elif delivery.event_type == webhook_store.PROGRESS_TYPE:
             status, delay, outcome = CallbackStatus.FAILED, 0.0, "dropped"  # progress is not retried: a newer one follows
         elif round_no < len(schedule):
             jitter = self._settings.webhook_jitter
@@ -152,11 +152,11 @@ class WebhookSender:
             status, outcome = CallbackStatus.PENDING, "retry"
         else:
             status, delay, outcome = CallbackStatus.FAILED, 0.0, "exhausted"
-        recorded = await outbox_store.record(
+        recorded = await webhook_store.record(
             self._pool,
             delivery,
             owner=self._owner,
-            outcome=outbox_store.AttemptOutcome(
+            outcome=webhook_store.AttemptOutcome(
                 status=status,
                 delay_seconds=delay,
                 status_code=attempt.status_code,
@@ -194,21 +194,21 @@ class WebhookSender:
         """Feeds the destination's breaker: a failure counts towards opening it, an answer closes it."""
         try:
             if attempt.result in FAILING:
-                opened = await outbox_store.destination_failed(self._pool, destination, self._fairness)
+                opened = await webhook_store.destination_failed(self._pool, destination, self._fairness)
                 if opened is not None:
                     telemetry.CALLBACK_BREAKER_OPENED.inc()
                     log.warning("webhook destination failing: breaker open", extra={"destination": destination,
                                                                                    "open_until": iso(opened)})
             elif attempt.status_code is not None:
-                await outbox_store.destination_answered(self._pool, destination)
+                await webhook_store.destination_answered(self._pool, destination)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:  # advisory: the attempt is recorded
             log.warning("breaker update failed", extra={"error": f"{type(exc).__name__}: {exc}"[:ERROR_EXCERPT]})
 
-    async def _with_eta(self, payload: dict[str, Any], delivery: outbox_store.Delivery) -> dict[str, Any]:
+    async def _with_eta(self, payload: dict[str, Any], delivery: webhook_store.LeasedWebhook) -> dict[str, Any]:
         """The payload with data.estimated_start and estimated_finish (null unless known): a progress webhook's ETA as
         of this attempt, while the task still runs."""
         start = finish = None
-        if delivery.event_type == outbox_store.PROGRESS_TYPE:
+        if delivery.event_type == webhook_store.PROGRESS_TYPE:
             estimate = await eta.current(self._pool, delivery.task_id, Status.PROCESSING, self._settings)
             if estimate is not None:
                 start, finish = estimate.start, estimate.finish

@@ -26,8 +26,8 @@ from taskgate.sealing import Sealer
 from taskgate.states import UNFINISHED, CallbackStatus, Status
 from taskgate.store import admin as admin_store
 from taskgate.store import admins as admin_audit
-from taskgate.store import callbacks as callback_store
 from taskgate.store import maintenance, tenants, usage
+from taskgate.store import webhooks as webhook_store
 from taskgate.store import workers as worker_store
 from taskgate.throttle import Throttle
 from taskgate_api.v1 import admin_pb2, admin_pb2_grpc, task_pb2
@@ -272,7 +272,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         await self._audit(who, "RedeliverCallback", request, target=str(task_id))
         if await store.get_task(self.pool, task_id) is None:
             raise errors.not_found()
-        reset = await callback_store.redeliver(self.pool, task_id)
+        reset = await webhook_store.redeliver(self.pool, task_id)
         return admin_pb2.RedeliverCallbackResponse(
             deliveries=[
                 admin_pb2.CallbackDelivery(

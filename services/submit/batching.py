@@ -16,7 +16,7 @@ import grpc
 from taskgate import errors
 from taskgate.dispatcher import Dispatcher
 from taskgate.store import Conn, submissions
-from taskgate.store.submissions import Admission, Candidate, Verdict
+from taskgate.store.submissions import Admission, AdmitVerdict, Candidate
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -128,5 +128,5 @@ class Submitter:
         admissions = await submissions.admit(
             self._pool, items, default_max_pending=self._default_max_pending, history=self._history, within=self._db_timeout
         )
-        self._dispatcher.hand(a.task for a in admissions if a.verdict is Verdict.CREATED and a.task is not None)
+        self._dispatcher.hand(a.task for a in admissions if a.verdict is AdmitVerdict.CREATED and a.task is not None)
         return admissions

@@ -26,7 +26,7 @@ from taskgate.sealing import Sealer
 from taskgate.server import Health, Probes, mark_not_serving, start_server
 from taskgate.states import Status
 from taskgate.store import submissions
-from taskgate.store.submissions import Admission, Candidate, NewTask, Verdict
+from taskgate.store.submissions import Admission, AdmitVerdict, Candidate, NewTask
 from taskgate.throttle import Throttle
 from taskgate.wire import cancel
 from taskgate_api import reasons
@@ -295,20 +295,20 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         if isinstance(admission, BaseException):
             raise admission
         verdict = admission.verdict
-        if verdict is Verdict.RATE_LIMITED:
+        if verdict is AdmitVerdict.RATE_LIMITED:
             assert candidate.per_minute is not None and admission.retry_after is not None
             raise rate_limited(candidate.per_minute, admission.retry_after)
-        if verdict is Verdict.NO_TENANT:
+        if verdict is AdmitVerdict.NO_TENANT:
             raise errors.unauthenticated("the key's tenant no longer exists")
-        if verdict is Verdict.TOO_MANY_PENDING:
+        if verdict is AdmitVerdict.TOO_MANY_PENDING:
             assert admission.pending_limit is not None
             raise too_many_pending(admission.pending_limit)
-        if verdict is Verdict.QUOTA_EXCEEDED:
+        if verdict is AdmitVerdict.QUOTA_EXCEEDED:
             assert admission.budget is not None and admission.retry_after is not None
             raise quota_exceeded(admission.budget, admission.retry_after)
         task = admission.task
         assert task is not None, verdict
-        if verdict is Verdict.EXISTING:
+        if verdict is AdmitVerdict.EXISTING:
             return self._replay(task, sub), False
         telemetry.TASKS_SUBMITTED.labels(task.model_id, task.task_type).inc()
         log.info(

@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 
 from services.worker.consumer import Level
 from services.worker.run import ACTOR
-from services.worker.settle import Action, Fate, Step
+from services.worker.settle import Fate, MessageAction, Step
 from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.store import ResultRef, workers
@@ -57,7 +57,7 @@ class Claimer:
         task_id = dispatch.task_id_of(msg.data)
         if task_id is None:
             log.warning("undecodable dispatch message dropped", extra={"consumer": level.consumer})
-            return Declined(None, Step(Action.TERM, None))
+            return Declined(None, Step(MessageAction.TERM, None))
         retry_in = self.settings.worker_cap_retry_seconds
         try:
             async with self._connection() as conn:
@@ -75,18 +75,18 @@ class Claimer:
                 )
         except Exception:
             log.warning("claim failed; message redelivered later", extra={"task_id": str(task_id)}, exc_info=True)
-            return Declined(task_id, Step(Action.NAK, None, delay=retry_in))
+            return Declined(task_id, Step(MessageAction.NAK, None, delay=retry_in))
         current = got.task
         match got.verdict:
             case Verdict.CLAIMED:
                 assert current is not None
                 return Claimed(current, got.reusable)
             case Verdict.CAPPED:
-                return Declined(task_id, Step(Action.NAK, Fate.CAPPED, delay=retry_in))
+                return Declined(task_id, Step(MessageAction.NAK, Fate.CAPPED, delay=retry_in))
             case Verdict.EARLY:  # the message comes back when the level's first task is due
-                return Declined(task_id, Step(Action.NAK, Fate.WAITING, delay=max(got.wait_seconds or 0.0, 0.001)))
+                return Declined(task_id, Step(MessageAction.NAK, Fate.WAITING, delay=max(got.wait_seconds or 0.0, 0.001)))
             case Verdict.BUSY:
-                return Declined(task_id, Step(Action.NAK, Fate.WAITING, delay=retry_in))
+                return Declined(task_id, Step(MessageAction.NAK, Fate.WAITING, delay=retry_in))
             case Verdict.NOT_FOUND:
                 return _drop(task_id, "no such task")
             case Verdict.OTHER_MODEL:
@@ -133,7 +133,7 @@ class Claimer:
 def _drop(task_id: int, why: str, **extra: Any) -> Declined:
     """A message this worker will not run: acked, with one log line."""
     log.info("message dropped", extra={"task_id": str(task_id), "why": why, **extra})
-    return Declined(task_id, Step(Action.ACK, Fate.REFUSED))
+    return Declined(task_id, Step(MessageAction.ACK, Fate.REFUSED))
 
 
 def _usable(conn: asyncpg.Connection) -> bool:

@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from services.worker import runner as runmod
 from services.worker.retry import PermanentError, RetryableError, persist
 from services.worker.run import ACTOR, Halt, Run
-from services.worker.settle import Action, Fate, Produced, Released, Step, decide
+from services.worker.settle import Fate, MessageAction, Produced, Released, Step, decide
 from taskgate import bus as busmod
 from taskgate import results, store, tracing
 from taskgate.config import Settings
@@ -29,11 +29,11 @@ Report = Callable[[Run, Step], None]
 
 async def act(msg: Msg, step: Step) -> None:
     """Does what the step says with the message (keeping an output for reuse is the caller's part)."""
-    if step.action is Action.ACK:
+    if step.action is MessageAction.ACK:
         await msg.ack()
-    elif step.action is Action.NAK:
+    elif step.action is MessageAction.NAK:
         await msg.nak(delay=step.delay)
-    elif step.action is Action.TERM:
+    elif step.action is MessageAction.TERM:
         await msg.term()
 
 
@@ -137,7 +137,7 @@ class Finisher:
         )
         produced = Produced(result.uri, reused=result.reused)
         step = decide(out.task, attempt=run.attempt, run=produced)
-        if step.action is Action.KEEP_REUSABLE:
+        if step.action is MessageAction.KEEP_REUSABLE:
             kept = await self._persist(
                 "reusable", run, lambda: workers.keep_reusable(self.pool, task.id, attempt=task.attempt, result=result)
             )

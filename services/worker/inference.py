@@ -23,12 +23,9 @@ from taskgate import families, tracing
 from taskgate.config import ModelSpec
 
 from .encoding import CONTENT_TYPE_MP4, encode_mp4
+from .runner import RunAborted
 
 _MISSING = object()
-
-
-class InferenceAborted(Exception):
-    """Raised inside a run when its caller asked to stop; the pipeline stays usable."""
 
 
 @dataclass(frozen=True)
@@ -95,19 +92,6 @@ def pick_device() -> tuple[str, torch.dtype]:
     if torch.cuda.is_available():
         return "cuda", torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return "cpu", torch.float32
-
-
-def classify(exc: BaseException) -> tuple[bool, str]:
-    """(retryable, error_code) for an exception raised while loading or running a pipeline."""
-    if isinstance(exc, InferenceAborted):
-        return False, "ABORTED"
-    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower():
-        return True, "CUDA_OOM"
-    if isinstance(exc, OSError | ConnectionError | TimeoutError):
-        return True, "TRANSIENT_IO"
-    if isinstance(exc, ValueError | TypeError):
-        return False, "INVALID_PARAMETERS"
-    return False, "PIPELINE_ERROR"
 
 
 def _to_uint8_frames(output: Any) -> np.ndarray:
@@ -439,7 +423,7 @@ class VideoPipeline:
         should_abort: Callable[[], bool],
     ) -> GeneratedVideo:
         """Run one request to an MP4 (render, then encode); on_step(done, total) after each step; raises
-        InferenceAborted when should_abort()."""
+        RunAborted when should_abort()."""
         return self.encode(self.render(req, on_step, should_abort))
 
     def render(
@@ -460,7 +444,7 @@ class VideoPipeline:
             raise ValueError(f"num_frames - 1 must be a multiple of {step}, got {req.num_frames}")
         self._check_image(req)
         if should_abort():
-            raise InferenceAborted("aborted before the first step")
+            raise RunAborted("aborted before the first step")
         began = time.time_ns()
 
         seed = req.resolved_seed()
@@ -474,13 +458,13 @@ class VideoPipeline:
         def after_step(pipe: Any, step: int, _timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
             on_step(step + 1, total_steps(pipe))
             if should_abort():
-                raise InferenceAborted(f"aborted after step {step + 1}")
+                raise RunAborted(f"aborted after step {step + 1}")
             return callback_kwargs
 
         def legacy_step(step: int, _timestep: Any, _latents: Any) -> None:
             on_step(step + 1, steps)
             if should_abort():
-                raise InferenceAborted(f"aborted after step {step + 1}")
+                raise RunAborted(f"aborted after step {step + 1}")
 
         wanted: dict[str, Any] = {
             "prompt": req.prompt,

@@ -64,7 +64,7 @@ def backoff(settings: Settings, retry_count: int) -> float:
     return min(settings.retry_backoff_max_seconds, base * jitter)
 
 
-def classify(exc: BaseException, *, task: TaskRow, settings: Settings) -> RetryableError | PermanentError:
+def failure_of(exc: BaseException, *, task: TaskRow, settings: Settings) -> RetryableError | PermanentError:
     """What a run's failure means for its task: retried after a backoff while retries remain, else failed."""
     retryable, code = runmod.classify(exc)
     message = f"{type(exc).__name__}: {exc}"[:ERROR_MSG_CHARS]

@@ -20,7 +20,7 @@ from services.worker import retry, settle
 from services.worker import runner as runmod
 from services.worker.devices import Devices
 from services.worker.fetch import SlotHold
-from services.worker.settle import Action, Step
+from services.worker.settle import MessageAction, Step
 from taskgate import results, store, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.model import TaskRow
@@ -76,7 +76,7 @@ class Run:
     def owns_message(self) -> bool:
         """False once the message is another attempt's (the task was taken over) or nobody's (a crash)."""
         stop = self.stopped_by
-        return not (stop is Halt.KILLED or (isinstance(stop, Step) and stop.action is Action.NOTHING))
+        return not (stop is Halt.KILLED or (isinstance(stop, Step) and stop.action is MessageAction.NOTHING))
 
     def stop(self, reason: Step | Halt) -> None:
         """Asks the run to stop at its next step; the first reason wins."""
@@ -153,7 +153,7 @@ class Attempts:
         except Exception as exc:
             if run.stopped_by is not None:
                 raise runmod.RunAborted(str(exc)) from exc
-            failure = retry.classify(exc, task=task, settings=self.settings)
+            failure = retry.failure_of(exc, task=task, settings=self.settings)
             log.warning(
                 "run failed",
                 extra={
@@ -201,7 +201,7 @@ class Attempts:
             row = await store.get_task(self.pool, run.task.id)
         step = settle.decide(row, attempt=run.attempt, run=settle.Running())
         if step.fate is None:
-            run.soft_canceled = run.soft_canceled or step.action is Action.KEEP_REUSABLE
+            run.soft_canceled = run.soft_canceled or step.action is MessageAction.KEEP_REUSABLE
             return
         if step.fate is settle.Fate.LOST:
             log.warning("lease lost", extra={"task_id": str(run.task.id), "attempt": run.attempt, "why": why})

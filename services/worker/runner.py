@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ ShouldAbort = Callable[[], bool]
 
 
 class RunAborted(Exception):
-    """The run stopped at a step boundary because its abort flag was set."""
+    """The run stopped at a step boundary because its abort flag was set (a diffusers pipeline stays usable)."""
 
 
 class InputMissing(Exception):
@@ -89,15 +88,16 @@ class ModelRunner(Protocol):
 
 
 def classify(exc: BaseException) -> tuple[bool, str]:
-    """(retryable, error_code) of a run's failure."""
+    """(retryable, error_code) of a run's failure: loading, rendering or encoding, of any model."""
     if isinstance(exc, InjectedFailure):
         return exc.retryable, exc.code
     if isinstance(exc, InputMissing):
         return False, "INPUT_MISSING"
-    inference = sys.modules.get("services.worker.inference")
-    if inference is not None:  # only loaded when a diffusers model is served
-        retryable, code = inference.classify(exc)
-        return bool(retryable), str(code)
+    if isinstance(exc, RunAborted):
+        return False, "ABORTED"
+    # torch.cuda.OutOfMemoryError, known by name (this module never imports torch), or an error saying the same
+    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
+        return True, "CUDA_OOM"
     if isinstance(exc, OSError | ConnectionError | TimeoutError):
         return True, "TRANSIENT_IO"
     if isinstance(exc, ValueError | TypeError):
@@ -212,10 +212,7 @@ class DiffusersRunner:
             seed=None if seed is None else int(seed),
             image=None if inp.image is None else self._fitted(inp.image, width, height),
         )
-        try:
-            return Rendered(inp, self.pipeline.render(request, on_step, should_abort))
-        except inference.InferenceAborted as exc:
-            raise RunAborted(str(exc)) from exc
+        return Rendered(inp, self.pipeline.render(request, on_step, should_abort))
 
     def _fitted(self, png: bytes, width: int, height: int) -> Any:
         """The stored canonical PNG as an RGB image of exactly width x height, fitted the model's way (image_fit)."""

@@ -16,7 +16,7 @@ from taskgate.states import Status
 from taskgate.store import CancelMode
 
 
-class Action(enum.Enum):
+class MessageAction(enum.Enum):
     """What is done with the dispatch message."""
 
     ACK = "ack"  # this message needs no further run
@@ -51,7 +51,7 @@ class Fate(enum.StrEnum):
 class Step:
     """What happens next: the message's action, how the handling ended (None: it has not), the nak's delay."""
 
-    action: Action
+    action: MessageAction
     fate: Fate | None
     delay: float | None = None
     error_code: str | None = None
@@ -84,31 +84,31 @@ def decide(row: TaskRow | None, *, attempt: int, run: RunOutcome) -> Step:
     running = isinstance(run, Running)
     if row is None or row.attempt != attempt:
         if running:
-            return Step(Action.NOTHING, Fate.LOST)  # the message belongs to whoever holds the task now
-        return Step(Action.ACK, Fate.GONE) if row is None else Step(Action.NOTHING, Fate.FENCED)
+            return Step(MessageAction.NOTHING, Fate.LOST)  # the message belongs to whoever holds the task now
+        return Step(MessageAction.ACK, Fate.GONE) if row is None else Step(MessageAction.NOTHING, Fate.FENCED)
     written = _written(row, run)
     if written is not None:
         return written
     if row.status is Status.CANCELED and row.cancel_mode == CancelMode.SOFT:
         if running:
-            return Step(Action.KEEP_REUSABLE, None)  # finish: the output becomes reusable
+            return Step(MessageAction.KEEP_REUSABLE, None)  # finish: the output becomes reusable
         if isinstance(run, Produced) and run.keepable and not run.reused:
-            return Step(Action.KEEP_REUSABLE, Fate.SOFT_CANCELED)
+            return Step(MessageAction.KEEP_REUSABLE, Fate.SOFT_CANCELED)
     if row.status.terminal:
-        return Step(Action.ACK, Fate.CANCELED if row.status is Status.CANCELED else Fate.TERMINAL)
+        return Step(MessageAction.ACK, Fate.CANCELED if row.status is Status.CANCELED else Fate.TERMINAL)
     if row.status is Status.PROCESSING:
-        return Step(Action.NOTHING, None if running else Fate.REFUSED)
-    return Step(Action.NAK, Fate.REQUEUED)
+        return Step(MessageAction.NOTHING, None if running else Fate.REFUSED)
+    return Step(MessageAction.NAK, Fate.REQUEUED)
 
 
 def _written(row: TaskRow, run: RunOutcome) -> Step | None:
     """The step when the row (of this attempt) shows the final write the run asked for, else None."""
     if isinstance(run, Produced) and row.status is Status.SUCCEEDED and row.result_uri == run.uri:
-        return Step(Action.ACK, Fate.REUSED if run.reused else Fate.SUCCEEDED)
+        return Step(MessageAction.ACK, Fate.REUSED if run.reused else Fate.SUCCEEDED)
     if isinstance(run, RetryableError) and row.status is Status.QUEUED and row.retry_count == run.retry:
-        return Step(Action.NAK, Fate.RETRIED, delay=run.delay, error_code=run.code)
+        return Step(MessageAction.NAK, Fate.RETRIED, delay=run.delay, error_code=run.code)
     if isinstance(run, PermanentError) and row.status is Status.FAILED and row.error_code == run.code:
-        return Step(Action.ACK, Fate.DEAD if run.dead_letter else Fate.FAILED, error_code=run.code)
+        return Step(MessageAction.ACK, Fate.DEAD if run.dead_letter else Fate.FAILED, error_code=run.code)
     if isinstance(run, Released) and row.status is Status.QUEUED:
-        return Step(Action.NAK, Fate.RELEASED)
+        return Step(MessageAction.NAK, Fate.RELEASED)
     return None

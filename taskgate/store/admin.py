@@ -184,7 +184,7 @@ async def replay_tasks(db: Conn, replays: Sequence[tuple[NewTask, int]]) -> list
 
 
 @dataclass(frozen=True, slots=True)
-class Delivery:
+class WebhookRecord:
     """A webhook delivery as operators list it: where it goes, how far it got and why it failed last."""
 
     id: int
@@ -202,14 +202,14 @@ class Delivery:
     last_attempt_at: datetime | None
 
 
-async def deliveries(db: Conn, *, status: CallbackStatus | None, before: Cursor | None, limit: int) -> list[Delivery]:
+async def deliveries(db: Conn, *, status: CallbackStatus | None, before: Cursor | None, limit: int) -> list[WebhookRecord]:
     """Webhook deliveries in `status` (None: all), newest first; keyset-paged on (created_at, id) by `before`."""
     rows = await db.fetch(
         sql.query("admin_deliveries"), status.value if status else None, before.at if before else None,
         before.task_id if before else None, limit,
     )
     return [
-        Delivery(
+        WebhookRecord(
             r["id"], r["task_id"], r["user_id"], r["webhook_id"], r["event_type"], r["url"], CallbackStatus(r["status"]),
             r["attempts"], r["last_status_code"], r["last_error"], r["created_at"], r["next_attempt_at"], r["last_attempt_at"],
         )

@@ -22,7 +22,7 @@ from taskgate.store.pool import Conn
 from taskgate.store.tasks import applied
 
 
-class Verdict(enum.StrEnum):
+class AdmitVerdict(enum.StrEnum):
     """What `admit` did with a submission."""
 
     CREATED = "created"
@@ -119,7 +119,7 @@ class Admission:
     """The verdict, the task (created or existing), seconds until a slot frees (rate limited) or the budget's window
     resets (quota exceeded), the pending limit, and what did not fit the budget."""
 
-    verdict: Verdict
+    verdict: AdmitVerdict
     task: TaskRow | None
     retry_after: float | None
     pending_limit: int | None
@@ -139,15 +139,15 @@ async def admit(
     )
     out = []
     for rec in rows:
-        verdict = Verdict(rec["outcome"])
+        verdict = AdmitVerdict(rec["outcome"])
         retry_after = rec["retry_after"]
         pending_limit = rec["pending_limit"]
         budget = None
-        if verdict is Verdict.QUOTA_EXCEEDED:
+        if verdict is AdmitVerdict.QUOTA_EXCEEDED:
             budget = Budget(rec["budget_window"], float(rec["budget_left"]), float(rec["gpu_estimate"]))
         out.append(Admission(
             verdict=verdict,
-            task=TaskRow.from_record(rec) if verdict in (Verdict.CREATED, Verdict.EXISTING) else None,
+            task=TaskRow.from_record(rec) if verdict in (AdmitVerdict.CREATED, AdmitVerdict.EXISTING) else None,
             retry_after=float(retry_after) if retry_after is not None else None,
             pending_limit=int(pending_limit) if pending_limit is not None else None,
             budget=budget,

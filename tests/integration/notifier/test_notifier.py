@@ -18,7 +18,7 @@ from taskgate import bus as busmod
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import CALLBACK_LEGAL, CallbackStatus, Status
-from taskgate.store import callbacks as outbox_store
+from taskgate.store import webhooks as outbox_store
 from taskgate_api.v1 import events_pb2, task_pb2
 from tests.support.factories import RESULT, claimed, insert_task
 from tests.support.harness import bearer, error_info, wait_for

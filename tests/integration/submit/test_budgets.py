@@ -14,7 +14,7 @@ from google.rpc import error_details_pb2
 from taskgate import auth, ids, store
 from taskgate.runtime import Backends
 from taskgate.store import submissions, tenants
-from taskgate.store.submissions import Admission, Candidate, History, NewTask, Verdict
+from taskgate.store.submissions import Admission, Candidate, History, NewTask, AdmitVerdict
 from taskgate_api.v1 import gateway_pb2
 from tests.support.factories import claimed, key_for
 from tests.support.harness import info_of, outcome
@@ -59,8 +59,8 @@ async def test_the_day_budget_refuses_what_does_not_fit_until_midnight_utc(backe
     )
     # one by one: 40 + 40 fit, the third 40 does not (20 left) and reserves nothing, so a smaller size's 10 after it
     # fits (an estimate is per model, task type and size class)
-    assert [a.verdict for a in got] == [Verdict.CREATED, Verdict.CREATED, Verdict.QUOTA_EXCEEDED, Verdict.CREATED,
-                                        Verdict.QUOTA_EXCEEDED]
+    assert [a.verdict for a in got] == [AdmitVerdict.CREATED, AdmitVerdict.CREATED, AdmitVerdict.QUOTA_EXCEEDED, AdmitVerdict.CREATED,
+                                        AdmitVerdict.QUOTA_EXCEEDED]
     refused = got[2]
     assert refused.budget is not None and (refused.budget.window, refused.budget.left, refused.budget.estimate) == ("day", 20.0, 40.0)
     assert refused.retry_after == pytest.approx(3600.0)  # until 00:00 UTC
@@ -70,27 +70,27 @@ async def test_the_day_budget_refuses_what_does_not_fit_until_midnight_utc(backe
 
     # an accepted request retried while over budget gets its task; a new one is still refused
     again = await admit(backends, candidate("metered", "k1"), candidate("metered", "k5"), now=LATE)
-    assert [a.verdict for a in again] == [Verdict.EXISTING, Verdict.QUOTA_EXCEEDED]
+    assert [a.verdict for a in again] == [AdmitVerdict.EXISTING, AdmitVerdict.QUOTA_EXCEEDED]
     assert again[0].task is not None and again[0].task.id == got[0].task.id  # type: ignore[union-attr]
 
     # the day resets at midnight UTC: the refused one fits now, charged to its own day
     after = await admit(backends, candidate("metered", "k3"), now=NEXT_DAY)
-    assert after[0].verdict is Verdict.CREATED
+    assert after[0].verdict is AdmitVerdict.CREATED
     assert await charged(backends, "metered") == {"2026-03-10": 90.0, "2026-03-11": 40.0}
 
 
 async def test_the_month_budget_counts_every_day_of_the_month(backends: Backends) -> None:
     await budget(backends, "monthly", day=100.0, month=120.0)
     assert [a.verdict for a in await admit(backends, candidate("monthly", "a"), candidate("monthly", "b"), now=LATE)] == [
-        Verdict.CREATED, Verdict.CREATED]
+        AdmitVerdict.CREATED, AdmitVerdict.CREATED]
     [next_day] = await admit(backends, candidate("monthly", "c"), now=NEXT_DAY)
-    assert next_day.verdict is Verdict.CREATED  # 120 of 120 this month, 40 of 100 this day
+    assert next_day.verdict is AdmitVerdict.CREATED  # 120 of 120 this month, 40 of 100 this day
     [over] = await admit(backends, candidate("monthly", "e"), now=NEXT_DAY)
-    assert over.verdict is Verdict.QUOTA_EXCEEDED and over.budget is not None
+    assert over.verdict is AdmitVerdict.QUOTA_EXCEEDED and over.budget is not None
     assert (over.budget.window, over.budget.left) == ("month", 0.0)
     assert over.retry_after == pytest.approx((datetime(2026, 4, 1, tzinfo=UTC) - NEXT_DAY).total_seconds())
     [april] = await admit(backends, candidate("monthly", "e"), now=datetime(2026, 4, 1, 0, 0, 1, tzinfo=UTC))
-    assert april.verdict is Verdict.CREATED
+    assert april.verdict is AdmitVerdict.CREATED
 
 
 async def test_the_charge_is_settled_to_the_measured_seconds_and_a_cancel_releases_it(backends: Backends) -> None:
@@ -116,7 +116,7 @@ async def test_the_charge_is_settled_to_the_measured_seconds_and_a_cancel_releas
 async def test_a_tenant_without_a_budget_reserves_nothing(backends: Backends) -> None:
     await auth.create_key(backends.pool, backends.settings.api_key_pepper, "free")
     [free] = await admit(backends, candidate("free", "k", estimate=1e9), now=LATE)
-    assert free.verdict is Verdict.CREATED and free.task is not None and free.task.gpu_reserved == 0
+    assert free.verdict is AdmitVerdict.CREATED and free.task is not None and free.task.gpu_reserved == 0
     assert await backends.pool.fetchval("SELECT count(*) FROM budget_charge") == 0
 
 

@@ -16,7 +16,7 @@ from taskgate.config import Settings
 from taskgate.migrate import migrate
 from taskgate.runtime import Backends
 from taskgate.store import submissions
-from taskgate.store.submissions import Admission, Candidate, NewTask, Verdict
+from taskgate.store.submissions import Admission, Candidate, NewTask, AdmitVerdict
 from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.factories import claimed, insert_task, key_for
 from tests.support.harness import info_of, outcome, wait_for
@@ -30,7 +30,7 @@ def new_task(tenant: str, key: str, request: str = "r") -> NewTask:
     )
 
 
-def summary(admission: Admission) -> tuple[Verdict, str | None]:
+def summary(admission: Admission) -> tuple[AdmitVerdict, str | None]:
     return admission.verdict, admission.task.idempotency_key if admission.task else None
 
 
@@ -51,7 +51,7 @@ async def test_a_batch_is_admitted_as_one_by_one_would_be(backends: Backends) ->
         await auth.create_key(pool, pepper, f"{run}-a", max_pending=2)
         await auth.create_key(pool, pepper, f"{run}-b", max_pending=5)
         old = await submissions.admit(pool, [Candidate(new_task(f"{run}-b", "old", "kept"), None)], default_max_pending=5)
-        assert old[0].verdict is Verdict.CREATED
+        assert old[0].verdict is AdmitVerdict.CREATED
 
     def candidates(run: str) -> list[Candidate]:
         return [Candidate(new_task(f"{run}-{t}", key, request), per_minute) for t, key, request, per_minute in BATCH]
@@ -60,9 +60,9 @@ async def test_a_batch_is_admitted_as_one_by_one_would_be(backends: Backends) ->
     single = [(await submissions.admit(pool, [c], default_max_pending=5))[0] for c in candidates("single")]
     assert [summary(a) for a in batch] == [summary(a) for a in single]
     assert [a.verdict for a in batch] == [
-        Verdict.CREATED, Verdict.EXISTING, Verdict.EXISTING, Verdict.CREATED, Verdict.TOO_MANY_PENDING,
-        Verdict.EXISTING, Verdict.RATE_LIMITED, Verdict.TOO_MANY_PENDING,
-        Verdict.CREATED, Verdict.EXISTING, Verdict.NO_TENANT,
+        AdmitVerdict.CREATED, AdmitVerdict.EXISTING, AdmitVerdict.EXISTING, AdmitVerdict.CREATED, AdmitVerdict.TOO_MANY_PENDING,
+        AdmitVerdict.EXISTING, AdmitVerdict.RATE_LIMITED, AdmitVerdict.TOO_MANY_PENDING,
+        AdmitVerdict.CREATED, AdmitVerdict.EXISTING, AdmitVerdict.NO_TENANT,
     ]
     # copies of a key answer with the first copy's task (the service compares the requests: ALREADY_EXISTS)
     assert batch[0].task is not None and batch[1].task == batch[0].task == batch[2].task

@@ -29,13 +29,7 @@ from PIL import Image
 from services.worker import runner as runmod
 from services.worker.devices import Devices
 from services.worker.encoding import decode_mp4_info
-from services.worker.inference import (
-    GenerationRequest,
-    InferenceAborted,
-    LoadOptions,
-    VideoPipeline,
-    classify,
-)
+from services.worker.inference import GenerationRequest, LoadOptions, VideoPipeline
 from services.worker.retry import PermanentError, RetryableError
 from services.worker.run import Attempts, Run
 from taskgate import images, results, store
@@ -227,7 +221,7 @@ def test_on_step_reports_each_step(i2v: VideoPipeline) -> None:
 def test_a_hard_cancel_stops_within_one_step_and_the_pipeline_still_works(i2v: VideoPipeline) -> None:
     baseline = i2v.generate(_request(seed=3), _no_steps, _never)
     steps: list[int] = []
-    with pytest.raises(InferenceAborted):
+    with pytest.raises(runmod.RunAborted):
         i2v.generate(_request(seed=3, num_inference_steps=4), lambda done, _total: steps.append(done), lambda: len(steps) >= 1)
     assert steps == [1]
     assert i2v.generate(_request(seed=3), _no_steps, _never).sha256 == baseline.sha256
@@ -238,7 +232,7 @@ def test_an_image_pipeline_without_an_image_or_with_a_wrong_sized_one_is_refused
     for request, why in ((_request(image=None), "the request has none"), (_request(image=_picture(64, 32)), "must be fitted")):
         with pytest.raises(ValueError, match=why) as caught:
             i2v.generate(request, lambda done, _total: steps.append(done), _never)
-        assert classify(caught.value) == (False, "INVALID_PARAMETERS")
+        assert runmod.classify(caught.value) == (False, "INVALID_PARAMETERS")
     assert steps == [], "refused before any step"
 
 
@@ -249,7 +243,7 @@ def test_a_text_pipeline_given_an_image_is_refused(i2v: VideoPipeline) -> None:
     assert not text.takes_image
     with pytest.raises(ValueError, match="takes no image") as caught:
         text.generate(_request(), _no_steps, _never)
-    assert classify(caught.value) == (False, "INVALID_PARAMETERS")
+    assert runmod.classify(caught.value) == (False, "INVALID_PARAMETERS")
     assert decode_mp4_info(text.generate(_request(image=None), _no_steps, _never).data) == (9, 32, 32)
 
 

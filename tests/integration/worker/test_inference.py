@@ -26,13 +26,12 @@ from services.worker.encoding import decode_mp4_info, encode_mp4
 from services.worker.inference import (
     GeneratedVideo,
     GenerationRequest,
-    InferenceAborted,
     LoadOptions,
     VideoPipeline,
-    classify,
     pick_device,
     resolve_dtype,
 )
+from services.worker.runner import RunAborted, classify
 from taskgate.families import FAMILIES, TEXT_TO_VIDEO
 from taskgate_local import tinymodel
 
@@ -173,7 +172,7 @@ def test_on_step_reports_each_step(video_pipeline: VideoPipeline) -> None:
 def test_abort_stops_after_the_step_and_pipeline_still_works(video_pipeline: VideoPipeline) -> None:
     baseline = video_pipeline.generate(_request(seed=3), _no_steps, _never)
     steps: list[int] = []
-    with pytest.raises(InferenceAborted):
+    with pytest.raises(RunAborted):
         video_pipeline.generate(
             _request(seed=3, num_inference_steps=4),
             lambda done, _total: steps.append(done),
@@ -186,7 +185,7 @@ def test_abort_stops_after_the_step_and_pipeline_still_works(video_pipeline: Vid
 
 def test_abort_before_start_runs_no_step(video_pipeline: VideoPipeline) -> None:
     steps: list[int] = []
-    with pytest.raises(InferenceAborted):
+    with pytest.raises(RunAborted):
         video_pipeline.generate(_request(), lambda done, _total: steps.append(done), lambda: True)
     assert steps == []
 
@@ -313,6 +312,7 @@ def test_pick_device() -> None:
     ("exc", "expected"),
     [
         (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), (True, "CUDA_OOM")),
+        (torch.cuda.OutOfMemoryError("allocation failed"), (True, "CUDA_OOM")),
         (RuntimeError("CUDA error: out of memory"), (True, "CUDA_OOM")),
         (OSError("disk went away"), (True, "TRANSIENT_IO")),
         (FileNotFoundError("model_index.json"), (True, "TRANSIENT_IO")),
@@ -322,7 +322,7 @@ def test_pick_device() -> None:
         (TypeError("unexpected keyword"), (False, "INVALID_PARAMETERS")),
         (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), (False, "PIPELINE_ERROR")),
         (KeyError("x"), (False, "PIPELINE_ERROR")),
-        (InferenceAborted("stop"), (False, "ABORTED")),
+        (RunAborted("stop"), (False, "ABORTED")),
     ],
 )
 def test_classify(exc: BaseException, expected: tuple[bool, str]) -> None:

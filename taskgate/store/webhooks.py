@@ -56,7 +56,7 @@ class NewDelivery:
 
 
 @dataclass(frozen=True, slots=True)
-class Delivery:
+class LeasedWebhook:
     """An outbox row this sender holds the lease of: one webhook to send now."""
 
     id: int
@@ -118,7 +118,7 @@ class Fairness:
 
 async def claim_due(
     db: Conn, *, limit: int, owner: str, lease_seconds: float, progress: bool, fairness: Fairness
-) -> list[Delivery]:
+) -> list[LeasedWebhook]:
     """Due deliveries of one lane (progress webhooks, or the terminal ones), round-robin across destinations under
     their caps and breakers, leased to `owner` so no other sender sends them meanwhile; at most `limit`."""
     rows = await db.fetch(
@@ -126,7 +126,7 @@ async def claim_due(
         fairness.breaker_failures,
     )
     return [
-        Delivery(
+        LeasedWebhook(
             id=r["id"],
             task_id=r["task_id"],
             user_id=r["user_id"],
@@ -164,7 +164,7 @@ async def seconds_to_next_due(db: Conn) -> float | None:
     return float(value) if value is not None else None
 
 
-async def record(db: Conn, delivery: Delivery, *, owner: str, outcome: AttemptOutcome) -> bool:
+async def record(db: Conn, delivery: LeasedWebhook, *, owner: str, outcome: AttemptOutcome) -> bool:
     """Writes the outcome under the lease, the attempt's log row and the task's callback status, in one transaction.
 
     False when the lease was lost (expired, or the row was redelivered and taken by another sender): nothing written.
