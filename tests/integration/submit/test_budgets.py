@@ -14,7 +14,7 @@ from google.rpc import error_details_pb2
 from taskgate import auth, ids, store
 from taskgate.runtime import Backends
 from taskgate.store import submissions, tenants
-from taskgate.store.submissions import Admission, Candidate, History, NewTask, AdmitVerdict
+from taskgate.store.submissions import Admission, AdmitVerdict, Candidate, History, NewTask
 from taskgate_api.v1 import gateway_pb2
 from tests.support.factories import claimed, key_for
 from tests.support.harness import info_of, outcome

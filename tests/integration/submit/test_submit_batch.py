@@ -16,7 +16,7 @@ from taskgate.config import Settings
 from taskgate.migrate import migrate
 from taskgate.runtime import Backends
 from taskgate.store import submissions
-from taskgate.store.submissions import Admission, Candidate, NewTask, AdmitVerdict
+from taskgate.store.submissions import Admission, AdmitVerdict, Candidate, NewTask
 from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.factories import claimed, insert_task, key_for
 from tests.support.harness import info_of, outcome, wait_for
