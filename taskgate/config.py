@@ -391,12 +391,18 @@ class Settings(BaseSettings):
     )
     worker_models: list[str] = Field(default_factory=list, description="Models this worker serves; empty = all.")
     drain_grace_seconds: float = Field(default=30.0, ge=0, description="SIGTERM: time running tasks get to finish.")
+    drain_stop_seconds: float = Field(
+        default=30.0, ge=0, description="After the grace: time stopped tasks get to release; any left then are abandoned (leases expire)."
+    )
     progress_interval_seconds: float = Field(default=1.0, ge=0, description="Minimum time between progress writes.")
     priority_weights: tuple[int, int, int] = Field(default=(6, 3, 1), description="Fetch weights HIGH, NORMAL, LOW.")
     result_store: Literal["objectstore", "fs", "s3"] = Field(
         default="objectstore", description="JetStream object store, a folder (fs), or an S3-compatible bucket (s3)."
     )
     result_dir: Path | None = Field(default=None, description="Folder for result_store=fs; default state_dir/results.")
+    result_stall_seconds: float = Field(
+        default=30.0, gt=0, description="A result store read that receives nothing for this long fails (retryable) instead of waiting on."
+    )
     s3_bucket: str = Field(default="taskgate-results", description="Bucket of result_store=s3 (it must exist).")
     s3_prefix: str = Field(default="results/", description="Key prefix of outputs in the bucket.")
     s3_endpoint_url: str | None = Field(default=None, description="S3 API endpoint; unset = AWS for s3_region.")

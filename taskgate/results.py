@@ -5,6 +5,7 @@ options. Only the S3 store gives outputs a download URL (a presigned GET) that w
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 from collections.abc import AsyncIterator, Callable
@@ -14,10 +15,11 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import boto3
+import nats.errors
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from nats.js.errors import NotFoundError, ObjectNotFoundError
-from nats.js.object_store import ObjectStore
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TYPE, ObjectStore
 
 from taskgate import bus as busmod
 from taskgate.config import Settings
@@ -71,9 +73,10 @@ class ResultStoreUnavailable(OSError):
 class ObjectStoreResults:
     """Outputs in the JetStream object store bucket `taskgate-results`: uri nats-os://<bucket>/<name>."""
 
-    def __init__(self, bus: busmod.Bus, bucket: str = busmod.RESULTS_BUCKET) -> None:
+    def __init__(self, bus: busmod.Bus, bucket: str = busmod.RESULTS_BUCKET, *, stall_seconds: float = 30.0) -> None:
         self._bus = bus
         self._bucket = bucket
+        self._stall = stall_seconds
         self._handle: ObjectStore | None = None
 
     async def _store(self) -> ObjectStore:
@@ -96,14 +99,37 @@ class ObjectStoreResults:
         return uri[len(prefix) :]
 
     async def read(self, uri: str) -> AsyncIterator[bytes]:
+        """The object's bytes once its digest is checked. nats-py's ObjectStore.get waits without bound for a chunk that
+        never comes (its ordered consumer has no heartbeat; the Go and JS clients reset a stalled one): this reads the
+        same chunks, with a heartbeat, and raises ResultStoreUnavailable (retryable) once none arrives for
+        `stall_seconds`."""
         store = await self._store()
         try:
-            result = await store.get(self._name(uri))
+            info = await store.get_info(self._name(uri))
         except (ObjectNotFoundError, NotFoundError) as exc:
             raise ResultNotFound(uri) from exc
-        data = result.data or b""
+        data = bytearray()
+        if info.size:
+            subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self._bucket, obj=info.nuid)
+            sub = await self._bus.js.subscribe(subject, ordered_consumer=True, idle_heartbeat=max(0.1, self._stall / 4))
+            try:
+                while True:
+                    try:
+                        msg = await sub.next_msg(timeout=self._stall)
+                    except nats.errors.TimeoutError as exc:
+                        stalled = f"{uri}: no chunk for {self._stall:g} s ({len(data)} of {info.size} bytes read)"
+                        raise ResultStoreUnavailable(stalled) from exc
+                    data += msg.data
+                    if msg.metadata.num_pending == 0:
+                        break
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        expected = base64.urlsafe_b64decode((info.digest or "").replace(OBJ_DIGEST_TYPE, "").replace(OBJ_DIGEST_TYPE.upper(), ""))
+        if len(data) != (info.size or 0) or hashlib.sha256(data).digest() != expected:
+            raise ResultStoreUnavailable(f"{uri}: read {len(data)} bytes that do not match the stored digest")
         for offset in range(0, len(data), CHUNK):
-            yield data[offset : offset + CHUNK]
+            yield bytes(data[offset : offset + CHUNK])
 
     async def delete(self, uri: str) -> None:
         store = await self._store()
@@ -166,7 +192,7 @@ def _s3_client(settings: Settings, endpoint_url: str | None) -> Any:
         s3={"addressing_style": settings.s3_addressing_style},
         retries={"mode": "standard", "max_attempts": 3},
         connect_timeout=5,
-        read_timeout=30,
+        read_timeout=settings.result_stall_seconds,
     )
     return boto3.session.Session().client(
         "s3",
@@ -257,7 +283,7 @@ def result_store(settings: Settings, bus: busmod.Bus) -> ResultStore:
         return FolderResults(settings.result_dir or settings.state_dir / "results")
     if settings.result_store == "s3":
         return S3Results(settings)
-    return ObjectStoreResults(bus)
+    return ObjectStoreResults(bus, stall_seconds=settings.result_stall_seconds)
 
 
 def add_link(store: ResultStore, result: task_pb2.TaskResult) -> None:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from taskgate import telemetry
@@ -38,21 +37,13 @@ class Devices:
         self.busy_seconds = 0.0  # every lane's, summed: a worker's device-busy fraction is this over wall time x lanes
         self._waiting: deque[tuple[Collection[str], asyncio.Future[Lane]]] = deque()
 
-    @contextlib.asynccontextmanager
-    async def use(self, devices: Collection[str]) -> AsyncIterator[Lane]:
-        """Holds the first free lane on one of `devices` (waiting behind earlier callers) while the block runs."""
-        lane = await self._acquire(devices)
-        try:
-            yield lane
-        finally:
-            self._release(lane)
-
     def close(self) -> None:
         """Stops the lanes' threads (a phase in flight runs on; nothing new starts)."""
         for lane in self.lanes:
             lane.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _acquire(self, devices: Collection[str]) -> Lane:
+    async def acquire(self, devices: Collection[str]) -> Lane:
+        """The first free lane on one of `devices`, after the earlier callers; hand it back with release()."""
         for lane in self.lanes:
             if lane.busy_since is None and lane.device in devices:
                 lane.busy_since = time.monotonic()
@@ -66,10 +57,10 @@ class Devices:
             if entry in self._waiting:
                 self._waiting.remove(entry)
             elif handed.done() and not handed.cancelled():
-                self._release(handed.result())  # handed over just as the waiter was cancelled: pass it on
+                self.release(handed.result())  # handed over just as the waiter was cancelled: pass it on
             raise
 
-    def _release(self, lane: Lane) -> None:
+    def release(self, lane: Lane) -> None:
         now = time.monotonic()
         if lane.busy_since is not None:
             busy = now - lane.busy_since

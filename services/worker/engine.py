@@ -163,8 +163,14 @@ class Worker:
             await self._wait_report(deadline - time.monotonic())
         for run in list(self.runs.values()):
             run.stop(Halt.DRAIN)
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
+        # a stopped run releases its task at its next step; one that does not within drain_stop_seconds (a device
+        # phase stuck in the driver, a backend that never answers) is abandoned as a crash would be: its lease expires
+        stop_by = time.monotonic() + self.settings.drain_stop_seconds
+        while self._tasks and (left := stop_by - time.monotonic()) > 0:
+            await asyncio.wait(set(self._tasks), timeout=left)
+        if self._tasks:
+            log.error("runs still stopping after the drain; abandoned", extra={"worker": self.worker_id, "tasks": len(self._tasks)})
+            await runtime.stop_tasks(list(self._tasks))
 
     async def close(self) -> None:
         """After a drain: stops the loops, unsubscribes, removes the registry row."""

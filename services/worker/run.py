@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import enum
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import asyncpg
 from nats.aio.msg import Msg
@@ -29,6 +31,7 @@ from taskgate.server import BACKEND_ERRORS
 log = logging.getLogger("taskgate.worker")
 
 ACTOR = "worker"
+T = TypeVar("T")
 
 
 class Halt(enum.Enum):
@@ -45,7 +48,8 @@ class Run:
     task: TaskRow
     msg: Msg
     hold: SlotHold
-    abort: threading.Event = field(default_factory=threading.Event)
+    abort: threading.Event = field(default_factory=threading.Event)  # the device phase's thread looks at it each step
+    halted: asyncio.Event = field(default_factory=asyncio.Event)  # the same, for what the run awaits on the loop
     stopped_by: Step | Halt | None = None
     steps_at_abort: int | None = None
     soft_canceled: bool = False
@@ -84,6 +88,24 @@ class Run:
             self.stopped_by = reason
             self.steps_at_abort = self.steps_done
         self.abort.set()
+        self.halted.set()
+
+    async def unless_stopped(self, work: Awaitable[T]) -> T:
+        """`work`'s result, or RunAborted (with `work` cancelled) once the run is stopped first: a store read or a wait
+        for a device never keeps a stopped run, or a draining worker, waiting."""
+        doing = asyncio.ensure_future(work)
+        halted = asyncio.ensure_future(self.halted.wait())
+        try:
+            await asyncio.wait({doing, halted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            halted.cancel()
+            if not doing.done():
+                doing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await doing
+        if doing.cancelled():
+            raise runmod.RunAborted(f"stopped ({self.stopped_by}) while waiting")
+        return doing.result()
 
     def progress_pending(self) -> bool:
         """Whether it has progress not yet written that a write may still carry (the final transition writes 100)."""
@@ -136,9 +158,10 @@ class Attempts:
         # the threads run in a copy of this context: the phase spans they open are children of the attempt's
         try:
             # read before a device is taken: a slow store holds this slot only, never a device
-            image = await self._input_image(task)
+            image = await run.unless_stopped(self._input_image(task))
             inp = runmod.RunInput(task.id, task.attempt, task.prompt, dict(task.request_payload), image)
-            async with self.devices.use({d for m, d in self.runners if m == task.model_id}) as lane:
+            lane = await run.unless_stopped(self.devices.acquire({d for m, d in self.runners if m == task.model_id}))
+            try:
                 model_runner = self.runners[(task.model_id, lane.device)]
                 held = time.monotonic()
                 try:
@@ -147,6 +170,8 @@ class Attempts:
                     )
                 finally:  # a failed or aborted device phase held the device too
                     run.device_seconds += time.monotonic() - held
+            finally:
+                self.devices.release(lane)
             output = await loop.run_in_executor(self.encoders, contextvars.copy_context().run, model_runner.encode, rendered)
         except runmod.RunAborted:
             raise

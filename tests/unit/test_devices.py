@@ -15,9 +15,12 @@ async def test_a_device_serves_one_caller_at_a_time_in_arrival_order() -> None:
     release = {name: asyncio.Event() for name in "abcd"}
 
     async def use(name: str, allowed: set[str]) -> None:
-        async with devices.use(allowed) as lane:
+        lane = await devices.acquire(allowed)
+        try:
             order.append(f"{name}@{lane.device}")
             await release[name].wait()
+        finally:
+            devices.release(lane)
 
     tasks = [asyncio.create_task(use("a", {"cuda:0", "cuda:1"})), asyncio.create_task(use("b", {"cuda:0", "cuda:1"}))]
     await wait_for(lambda: len(order) == 2)
@@ -43,19 +46,21 @@ async def test_a_cancelled_waiter_passes_the_device_on() -> None:
     done = asyncio.Event()
 
     async def hold() -> None:
-        async with devices.use({"cpu"}):
-            held.set()
-            await done.wait()
+        lane = await devices.acquire({"cpu"})
+        held.set()
+        await done.wait()
+        devices.release(lane)
 
     holder = asyncio.create_task(hold())
     await held.wait()
-    waiter = asyncio.create_task(asyncio.wait_for(devices.use({"cpu"}).__aenter__(), 10))
+    waiter = asyncio.create_task(asyncio.wait_for(devices.acquire({"cpu"}), 10))
     await asyncio.sleep(0)
     waiter.cancel()
     done.set()
     await holder
-    async with devices.use({"cpu"}) as lane:  # free again: the cancelled waiter did not keep it
-        assert lane.device == "cpu"
+    lane = await asyncio.wait_for(devices.acquire({"cpu"}), 10)  # free again: the cancelled waiter did not keep it
+    assert lane.device == "cpu"
+    devices.release(lane)
     devices.close()
 
 

@@ -3,6 +3,7 @@ the CPU, the runner fitting a stored input to the frame, and an attempt reading 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -31,7 +32,8 @@ from services.worker.devices import Devices
 from services.worker.encoding import decode_mp4_info
 from services.worker.inference import GenerationRequest, LoadOptions, VideoPipeline
 from services.worker.retry import PermanentError, RetryableError
-from services.worker.run import Attempts, Run
+from services.worker.run import Attempts, Halt, Run
+from services.worker.runner import RunAborted
 from taskgate import images, results, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.families import FAMILIES, IMAGE_TO_VIDEO, TEXT_TO_VIDEO
@@ -400,6 +402,41 @@ async def test_a_store_outage_is_ridden_out_for_a_lease_then_retried(folder_stor
     with pytest.raises(RetryableError) as caught:
         await attempts_for(_Flaky(folder_store, failures=1000)).perform(_run(_task(payload)))
     assert caught.value.code == "TRANSIENT_IO" and caught.value.retry == 1
+
+
+class _Hung:
+    """A result store whose reads never answer (a stalled connection), and which says when one began."""
+
+    def __init__(self) -> None:
+        self.reading = asyncio.Event()
+
+    async def read(self, uri: str) -> AsyncIterator[bytes]:
+        self.reading.set()
+        await asyncio.Event().wait()
+        yield b""
+
+
+async def test_a_stopped_run_does_not_wait_for_its_input_or_a_device(folder_store: results.FolderResults, attempts_for: Any) -> None:
+    """A drain (or a cancel) stops a run stuck in a store read, or queued for a held device, at once."""
+    payload = {"image": await _stored(folder_store, _canonical(_picture()))}
+    hung = _Hung()
+    run = _run(_task(payload))
+    performing = asyncio.create_task(attempts_for(hung).perform(run))
+    await hung.reading.wait()
+    run.stop(Halt.DRAIN)
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(performing, 10)
+
+    attempts = attempts_for()
+    lane = await attempts.devices.acquire({"cpu"})  # another run holds the only device
+    queued = _run(_task({"num_inference_steps": 1}))
+    performing = asyncio.create_task(attempts.perform(queued))
+    await harness.wait_for(lambda: len(attempts.devices._waiting) == 1)
+    queued.stop(Halt.DRAIN)
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(performing, 10)
+    assert not attempts.devices._waiting  # it left the queue: the device goes to the next caller, not to it
+    attempts.devices.release(lane)
 
 
 async def test_a_malformed_image_reference_is_invalid(attempts_for: Any) -> None:
