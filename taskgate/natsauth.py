@@ -31,16 +31,13 @@ class Permissions:
     subscribe: tuple[str, ...] = (REPLIES,)
 
 
-# Reading an output back: its meta, then its chunks through an ordered consumer.
+# Reading an output back: its description, then its chunks, one direct get each (taskgate.results).
 RESULTS_READ = (
     "$JS.API.STREAM.NAMES",  # nats-py finds the bucket's stream by a chunk's subject
     f"$JS.API.STREAM.INFO.{OBJECTS}",
     f"$JS.API.STREAM.MSG.GET.{OBJECTS}",
-    f"$JS.API.DIRECT.GET.{OBJECTS}.>",
-    f"$JS.API.CONSUMER.CREATE.{OBJECTS}",
-    f"$JS.API.CONSUMER.CREATE.{OBJECTS}.>",
-    f"$JS.API.CONSUMER.DELETE.{OBJECTS}.>",
-    f"$JS.FC.{OBJECTS}.>",
+    f"$JS.API.DIRECT.GET.{OBJECTS}",  # the next chunk after a sequence
+    f"$JS.API.DIRECT.GET.{OBJECTS}.>",  # the last description by its subject
 )
 # Storing (or deleting) an output: chunks, then its meta; an overwrite or a delete purges the old chunks.
 RESULTS_WRITE = (f"$O.{bus.RESULTS_BUCKET}.>", f"$JS.API.STREAM.PURGE.{OBJECTS}", *RESULTS_READ)

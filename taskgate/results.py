@@ -77,6 +77,7 @@ class ObjectStoreResults:
         self._bus = bus
         self._bucket = bucket
         self._stall = stall_seconds
+        self._stream = f"OBJ_{bucket}"
         self._handle: ObjectStore | None = None
 
     async def _store(self) -> ObjectStore:
@@ -99,34 +100,37 @@ class ObjectStoreResults:
         return uri[len(prefix) :]
 
     async def read(self, uri: str) -> AsyncIterator[bytes]:
-        """The object's bytes once its digest is checked. nats-py's ObjectStore.get waits without bound for a chunk that
-        never comes (its ordered consumer has no heartbeat; the Go and JS clients reset a stalled one): this reads the
-        same chunks, with a heartbeat, and raises ResultStoreUnavailable (retryable) once none arrives for
-        `stall_seconds`."""
+        """The object's bytes once its digest is checked, its chunks read one direct get at a time.
+
+        Not nats-py's ObjectStore.get: its ordered consumer loses a chunk pushed before the client's subscription is
+        in place and then waits for it for ever (it checks heartbeats for a gap only after a first chunk arrived). A
+        direct get per chunk has no consumer to race, leaves nothing behind, and each is bounded: a chunk that does
+        not come within `stall_seconds` (or the JetStream request timeout) raises ResultStoreUnavailable (retryable).
+        """
         store = await self._store()
         try:
-            info = await store.get_info(self._name(uri))
+            info = await asyncio.wait_for(store.get_info(self._name(uri)), self._stall)
         except (ObjectNotFoundError, NotFoundError) as exc:
             raise ResultNotFound(uri) from exc
+        except (TimeoutError, nats.errors.TimeoutError) as exc:
+            raise ResultStoreUnavailable(f"{uri}: no description within {self._stall:g} s") from exc
+        size = info.size or 0
+        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self._bucket, obj=info.nuid)
         data = bytearray()
-        if info.size:
-            subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self._bucket, obj=info.nuid)
-            sub = await self._bus.js.subscribe(subject, ordered_consumer=True, idle_heartbeat=max(0.1, self._stall / 4))
+        seq = 0
+        while len(data) < size:
             try:
-                while True:
-                    try:
-                        msg = await sub.next_msg(timeout=self._stall)
-                    except nats.errors.TimeoutError as exc:
-                        stalled = f"{uri}: no chunk for {self._stall:g} s ({len(data)} of {info.size} bytes read)"
-                        raise ResultStoreUnavailable(stalled) from exc
-                    data += msg.data
-                    if msg.metadata.num_pending == 0:
-                        break
-            finally:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+                chunk = await asyncio.wait_for(
+                    self._bus.js.get_msg(self._stream, seq=seq + 1, subject=subject, direct=True, next=True), self._stall
+                )
+            except NotFoundError as exc:  # its description is there, its chunks are not (a delete under way)
+                raise ResultNotFound(f"{uri}: {len(data)} of {size} bytes, then no more chunks") from exc
+            except (TimeoutError, nats.errors.TimeoutError) as exc:
+                raise ResultStoreUnavailable(f"{uri}: no chunk within {self._stall:g} s ({len(data)} of {size} bytes read)") from exc
+            seq = chunk.seq or seq + 1
+            data += chunk.data or b""
         expected = base64.urlsafe_b64decode((info.digest or "").replace(OBJ_DIGEST_TYPE, "").replace(OBJ_DIGEST_TYPE.upper(), ""))
-        if len(data) != (info.size or 0) or hashlib.sha256(data).digest() != expected:
+        if len(data) != size or hashlib.sha256(data).digest() != expected:
             raise ResultStoreUnavailable(f"{uri}: read {len(data)} bytes that do not match the stored digest")
         for offset in range(0, len(data), CHUNK):
             yield bytes(data[offset : offset + CHUNK])

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 
 from taskgate import telemetry
@@ -36,6 +37,15 @@ class Devices:
         ]
         self.busy_seconds = 0.0  # every lane's, summed: a worker's device-busy fraction is this over wall time x lanes
         self._waiting: deque[tuple[Collection[str], asyncio.Future[Lane]]] = deque()
+
+    @contextlib.asynccontextmanager
+    async def use(self, devices: Collection[str]) -> AsyncIterator[Lane]:
+        """acquire() and release() around a block (scripts/gpu_check.py's saturated queue)."""
+        lane = await self.acquire(devices)
+        try:
+            yield lane
+        finally:
+            self.release(lane)
 
     def close(self) -> None:
         """Stops the lanes' threads (a phase in flight runs on; nothing new starts)."""
