@@ -63,7 +63,7 @@ async def test_a_server_that_stops_answering_fails_a_read_retryably_within_the_s
         server.proc.send_signal(signal.SIGSTOP)  # alive, connected, silent
         try:
             began = time.monotonic()
-            with pytest.raises(results.ResultStoreUnavailable, match="within 0.5 s"):
+            with pytest.raises(results.ResultStoreUnavailable, match=r"within 0\.5 s"):
                 await asyncio.wait_for(_read(store, put.uri), 20)
             assert time.monotonic() - began < 5
         finally:
