@@ -102,10 +102,11 @@ class ObjectStoreResults:
     async def read(self, uri: str) -> AsyncIterator[bytes]:
         """The object's bytes once its digest is checked, its chunks read one direct get at a time.
 
-        Not nats-py's ObjectStore.get: its ordered consumer loses a chunk pushed before the client's subscription is
-        in place and then waits for it for ever (it checks heartbeats for a gap only after a first chunk arrived). A
-        direct get per chunk has no consumer to race, leaves nothing behind, and each is bounded: a chunk that does
-        not come within `stall_seconds` (or the JetStream request timeout) raises ResultStoreUnavailable (retryable).
+        Not nats-py's ObjectStore.get: it waits without bound for a chunk its ordered consumer does not receive (seen
+        in CI: a worker's input read that never returned; its heartbeat check looks for a gap only once a first chunk
+        has arrived). A direct get per chunk has no consumer to lose messages or clean up, and each is bounded: a
+        chunk that does not come within `stall_seconds` (or the JetStream request timeout) raises
+        ResultStoreUnavailable (retryable).
         """
         store = await self._store()
         try:
