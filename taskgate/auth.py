@@ -26,6 +26,7 @@ from taskgate.store.admins import Admin as Admin  # re-exported: TaskAdmin names
 from taskgate.store.pool import Conn
 from taskgate.store.tenants import Principal as Principal  # re-exported: services name the caller taskgate.auth.Principal
 from taskgate.throttle import Throttle
+from taskgate.waiting import Interrupted, unless
 from taskgate_api import reasons
 
 T = TypeVar("T")
@@ -141,15 +142,10 @@ class Session:
         revoked = asyncio.ensure_future(self.revoked.wait())
         try:
             while True:
-                step = asyncio.ensure_future(anext(stream))
-                await asyncio.wait((step, revoked), return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await step
-                    raise errors.unauthenticated("the API key was revoked")
                 try:
-                    item = step.result()
+                    item = await unless(revoked, anext(stream))
+                except Interrupted:
+                    raise errors.unauthenticated("the API key was revoked") from None
                 except StopAsyncIteration:
                     return
                 yield item

@@ -1,9 +1,34 @@
-"""Waiting in background loops without ever losing a cancellation (shared by every service)."""
+"""Waiting in background loops without ever losing a cancellation, and awaiting work that a stop cuts short (shared
+by every service)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Interrupted(Exception):
+    """The stop came before the work finished; the work was cancelled."""
+
+
+async def unless(stop: asyncio.Future[Any], work: Awaitable[T]) -> T:
+    """`work`'s result (or its error), or Interrupted once `stop` is done first: `work` is then cancelled and awaited,
+    so nothing of it runs on. `stop` is the caller's (say `ensure_future(event.wait())`), reused across calls."""
+    doing = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait((doing, stop), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not doing.done():
+            doing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await doing
+    if doing.cancelled():
+        raise Interrupted
+    return doing.result()
 
 
 async def woken(event: asyncio.Event, seconds: float) -> bool:

@@ -52,12 +52,19 @@ class Devices:
         for lane in self.lanes:
             lane.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def acquire(self, devices: Collection[str]) -> Lane:
-        """The first free lane on one of `devices`, after the earlier callers; hand it back with release()."""
+    def take(self, devices: Collection[str]) -> Lane | None:
+        """A free lane on one of `devices`, held now; None when all are busy (then acquire() waits in line)."""
         for lane in self.lanes:
             if lane.busy_since is None and lane.device in devices:
                 lane.busy_since = time.monotonic()
                 return lane
+        return None
+
+    async def acquire(self, devices: Collection[str]) -> Lane:
+        """The first free lane on one of `devices`, after the earlier callers; hand it back with release()."""
+        lane = self.take(devices)
+        if lane is not None:
+            return lane
         handed: asyncio.Future[Lane] = asyncio.get_running_loop().create_future()
         entry = (devices, handed)
         self._waiting.append(entry)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import contextvars
 import enum
 import hashlib
@@ -27,6 +26,7 @@ from taskgate import results, store, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.server import BACKEND_ERRORS
+from taskgate.waiting import Interrupted, unless
 
 log = logging.getLogger("taskgate.worker")
 
@@ -93,19 +93,13 @@ class Run:
     async def unless_stopped(self, work: Awaitable[T]) -> T:
         """`work`'s result, or RunAborted (with `work` cancelled) once the run is stopped first: a store read or a wait
         for a device never keeps a stopped run, or a draining worker, waiting."""
-        doing = asyncio.ensure_future(work)
         halted = asyncio.ensure_future(self.halted.wait())
         try:
-            await asyncio.wait({doing, halted}, return_when=asyncio.FIRST_COMPLETED)
+            return await unless(halted, work)
+        except Interrupted:
+            raise runmod.RunAborted(f"stopped ({self.stopped_by}) while waiting") from None
         finally:
             halted.cancel()
-            if not doing.done():
-                doing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await doing
-        if doing.cancelled():
-            raise runmod.RunAborted(f"stopped ({self.stopped_by}) while waiting")
-        return doing.result()
 
     def progress_pending(self) -> bool:
         """Whether it has progress not yet written that a write may still carry (the final transition writes 100)."""
@@ -158,9 +152,12 @@ class Attempts:
         # the threads run in a copy of this context: the phase spans they open are children of the attempt's
         try:
             # read before a device is taken: a slow store holds this slot only, never a device
-            image = await run.unless_stopped(self._input_image(task))
+            image = await self._input_image(run)
             inp = runmod.RunInput(task.id, task.attempt, task.prompt, dict(task.request_payload), image)
-            lane = await run.unless_stopped(self.devices.acquire({d for m, d in self.runners if m == task.model_id}))
+            devices = {d for m, d in self.runners if m == task.model_id}
+            lane = self.devices.take(devices)
+            if lane is None:  # all busy: wait in line, unless the run is stopped meanwhile
+                lane = await run.unless_stopped(self.devices.acquire(devices))
             try:
                 model_runner = self.runners[(task.model_id, lane.device)]
                 held = time.monotonic()
@@ -193,10 +190,11 @@ class Attempts:
         telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
         return output
 
-    async def _input_image(self, task: TaskRow) -> bytes | None:
+    async def _input_image(self, run: Run) -> bytes | None:
         """The canonical PNG the task's params name under "image", read whole from the result store; None without one.
         Riding out a store outage of up to a lease, it then raises ResultStoreUnavailable (retryable); a missing
-        object, or one whose bytes are not its sha256's, raises InputMissing (final)."""
+        object, or one whose bytes are not its sha256's, raises InputMissing (final); a stopped run stops reading."""
+        task = run.task
         ref = task.request_payload.get("image")
         if ref is None:
             return None
@@ -209,7 +207,7 @@ class Attempts:
 
         with tracing.span("input", attributes={"taskgate.input_sha256": sha256}):
             try:
-                data = await retry.persist(self.settings.lease_seconds, "input", task.id, read)
+                data = await run.unless_stopped(retry.persist(self.settings.lease_seconds, "input", task.id, read))
             except results.ResultNotFound as exc:
                 raise runmod.InputMissing(f"input image {sha256} is no longer in the result store") from exc
             except BACKEND_ERRORS as exc:  # a NATS error is no OSError: made one, so it classifies as retryable
