@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -18,8 +19,42 @@ from taskgate.stackfile import SERVERS_FILE, write_stack_urls
 log = logging.getLogger("taskgate_local.embedded")
 
 
+# Ports free_port handed out in this process: never twice, though nothing holds them between the choice and the bind.
+_GIVEN: set[int] = set()
+_LOWEST = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere IANA's 49152 is higher still
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port nothing listens on now, for a server started later, chosen below the kernel's ephemeral range.
+
+    A port from bind(0) lies inside that range; between the choice and the server's bind an outgoing connection
+    or another listener on port 0 can take it (seen in CI: `make run`'s submit port taken while the models were
+    built). No outgoing connection and no port-0 bind takes a port below the range; a walk from a random start, each
+    port checked by a bind and never repeated in this process, leaves only another process's choice of the same port.
+    """
+    low = _ephemeral_low()
+    if low - _LOWEST >= 1000:
+        size = low - _LOWEST
+        start = random.SystemRandom().randrange(size)  # not `random`: pytest-randomly reseeds it in every test
+        for step in range(size):
+            port = _LOWEST + (start + step) % size
+            if port in _GIVEN:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _GIVEN.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: the kernel's choice
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
