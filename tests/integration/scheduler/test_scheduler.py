@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -28,6 +27,7 @@ from taskgate.states import Status
 from taskgate.store import Rejection
 from taskgate.wire import dispatch
 from taskgate_api.v1 import task_pb2
+from taskgate_local.embedded import free_port
 from tests.support.factories import MEM_RESULT, claimed, put_in
 from tests.support.harness import wait_for
 from tests.support.queries import db_now, dispatches, row
@@ -304,9 +304,7 @@ async def test_scan_loop_recovers_a_dead_workers_task_within_lease_plus_interval
 
 
 async def test_runs_as_its_own_process_and_stops_on_sigterm(settings: Settings) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {
         **os.environ,
         "TASKGATE_DATABASE_URL": settings.database_url or "",
