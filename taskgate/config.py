@@ -456,6 +456,9 @@ class Settings(BaseSettings):
     )
     stream_keepalive_seconds: float = Field(default=15.0, gt=0, description="Keep-alive period on idle WatchTask/WatchTasks streams.")
     stream_buffer_size: int = Field(default=1000, ge=1, description="Events buffered per slow subscriber.")
+    event_feed_heartbeat_seconds: float = Field(
+        default=5.0, gt=0, description="The notifier's live event feed: heartbeat period; two missed ones recreate its consumer."
+    )
     relay_batch_size: int = Field(default=500, ge=1, description="Events one relay pass publishes and records.")
     relay_scan_interval_seconds: float = Field(default=1.0, gt=0, description="Relay catch-up scan period (NOTIFY wakes it sooner).")
     relay_publish_timeout_seconds: float = Field(default=5.0, gt=0, description="Wait for JetStream acks of one relay pass.")

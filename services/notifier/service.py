@@ -96,7 +96,7 @@ async def start(
     outputs = results.result_store(settings, b.bus)
     sender = WebhookSender(settings, b.pool, owner, outputs=outputs)
     relay = EventRelay(settings, b.pool, b.bus, on_deliveries=sender.notify, signals=signals)
-    hub = EventHub(b.bus)
+    hub = EventHub(b.bus, settings.event_feed_heartbeat_seconds)
     await hub.start()
     throttle = Throttle.of(settings)
     authenticator = Authenticator(

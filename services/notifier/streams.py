@@ -15,7 +15,7 @@ import grpc
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from taskgate import bus as busmod
 from taskgate import errors, eta, ids, results, store
@@ -194,22 +194,37 @@ class Estimates:
 class EventHub:
     """Fans one ordered JetStream consumer of every task event out to the streams of this process."""
 
-    def __init__(self, bus: busmod.Bus) -> None:
+    def __init__(self, bus: busmod.Bus, heartbeat_seconds: float = 5.0) -> None:
         self._bus = bus
+        self._heartbeat = heartbeat_seconds
         self._by_task: dict[int, set[Subscriber]] = defaultdict(set)
         self._by_user: dict[str, set[Subscriber]] = defaultdict(set)
         self._sub: Any = None
+        self._start = 0  # the stream sequence the feed starts at: nothing before it is this process's live news
         self.closing = False
 
     async def start(self) -> None:
-        """Subscribes from the stream's end; ordered consumers recover from gaps by themselves."""
+        """Subscribes from the stream's end; the ordered consumer recovers from gaps and a lost consumer by itself.
+
+        It starts at the sequence after the stream's last rather than with DeliverPolicy.NEW: nats-py recreates a lost
+        consumer (two missed heartbeats: a NATS restart, a deleted consumer) from the sequence after the last one it
+        delivered, which before the first delivery is 0, i.e. the whole stream, seven days of every tenant's events,
+        replayed into this process's streams (shown by test_a_lost_feed_resumes_where_it_started). So the library's
+        resume point is set to the start, and anything from before it that arrives all the same is dropped.
+        """
+        last = (await self._bus.js.stream_info(busmod.EVENTS_STREAM)).state.last_seq
+        self._start = last + 1
         self._sub = await self._bus.js.subscribe(
             busmod.EVENT_SUBJECTS,
             stream=busmod.EVENTS_STREAM,
             cb=self._on_message,
             ordered_consumer=True,
-            deliver_policy=DeliverPolicy.NEW,
+            idle_heartbeat=self._heartbeat,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._start),
         )
+        resume = getattr(getattr(self._sub, "_sub", None), "_jsi", None)  # nats-py's ordered-consumer state
+        if resume is not None and getattr(resume, "_sseq", None) == 0:
+            resume._sseq = last
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -218,6 +233,8 @@ class EventHub:
             self._sub = None
 
     async def _on_message(self, msg: Msg) -> None:
+        if msg.metadata.sequence.stream < self._start:
+            return  # a recreated consumer replaying from before this process started (see start)
         event = event_wire.decode(msg.data)
         if event is None:
             log.error("undecodable event on the event stream", extra={"subject": msg.subject})
