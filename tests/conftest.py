@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import getpass
 import io
 import itertools
 import os
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
@@ -18,6 +21,7 @@ import asyncpg
 import grpc
 import nats
 import pytest
+from _pytest.pathlib import make_numbered_dir_with_cleanup
 
 from services.notifier import service as notifier_service
 from services.scheduler import service as scheduler_service
@@ -58,8 +62,29 @@ def _dump_asyncio_tasks(_signum: int, _frame: FrameType | None) -> None:
         sys.__stderr__.write(out.getvalue())
 
 
+KEEP_RUNS = 3  # as pytest keeps its own
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)
+    if config.option.basetemp is None:
+        config.option.basetemp = str(_run_folder())
+
+
+def _run_folder() -> Path:
+    """This session's temporary folder, numbered as pytest numbers its own, under /tmp/taskgate-tests-<user>.
+
+    Not under /tmp/pytest-of-<user>: every new pytest session resets that folder to mode 0700, and an embedded
+    PostgreSQL beneath it, running as its own user when we are root, then loses its data directory and stops ('could
+    not stat data directory'): seen when `pytest tests/unit` ran while `make test` did."""
+    root = Path(tempfile.gettempdir()) / f"taskgate-tests-{getpass.getuser()}"
+    root.mkdir(exist_ok=True)
+    root.chmod(0o755)
+    lock_timeout = 3 * 24 * 3600.0  # a crashed session's folder is anybody's after three days
+    return make_numbered_dir_with_cleanup(
+        root=root, prefix="run-", mode=0o755, keep=KEEP_RUNS, lock_timeout=lock_timeout, register=atexit.register
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
