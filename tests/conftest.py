@@ -82,9 +82,12 @@ def _run_folder() -> Path:
     root.mkdir(exist_ok=True)
     root.chmod(0o755)
     lock_timeout = 3 * 24 * 3600.0  # a crashed session's folder is anybody's after three days
-    return make_numbered_dir_with_cleanup(
+    numbered = make_numbered_dir_with_cleanup(
         root=root, prefix="run-", mode=0o755, keep=KEEP_RUNS, lock_timeout=lock_timeout, register=atexit.register
     )
+    # pytest empties a given --basetemp; a folder inside keeps the numbered one's lock, which stops a later session's
+    # clean-up from deleting it while this one runs
+    return numbered / "session"
 
 
 @pytest.hookimpl(hookwrapper=True)
