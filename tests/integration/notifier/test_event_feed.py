@@ -43,7 +43,8 @@ async def test_a_lost_feed_resumes_where_it_started(backends: Backends) -> None:
             return bool(again)
 
         await wait_for(recreated, within=10)
-        assert [c.config.opt_start_seq for c in again] == [start]  # not 1: the old events are not even sent
+        # not 1: the old events are not even sent (a set: on a loaded machine a late heartbeat may recreate it twice)
+        assert {c.config.opt_start_seq for c in again} == {start}
         await publish(backends, 4)
         first = await asyncio.wait_for(sub.next(), timeout=10)
         assert first is not None and first.version == 4
