@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
 import asyncpg
@@ -343,6 +343,21 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self.keepalive = Keepalive(settings.stream_keepalive_seconds)
         self.estimates = Estimates(pool, settings)
 
+    async def _quiet_check(self, read: Awaitable[list[event_store.Event]]) -> list[event_store.Event]:
+        """The events a quiet stream has not had, read from the table; none when the read fails (the keep-alive goes
+        out all the same, and the next quiet period asks again).
+
+        PostgreSQL is the truth and the live feed a hint: an event the feed never brings (the relay stopped, a NATS
+        node lost its unsynced writes) would otherwise be sent only when a later event of the task shows the gap, and a
+        lost terminal event never, leaving the stream, and an SDK's wait(), open for ever. The cost is one indexed
+        read per quiet stream per keep-alive period (stream_keepalive_seconds), none while events flow.
+        """
+        try:
+            return await read
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
+            log.warning("a quiet stream's check of the event table failed", exc_info=True)
+            return []
+
     def _linked(self, event: task_pb2.TaskEvent) -> task_pb2.TaskEvent:
         """A terminal event with a result gets a fresh download URL (a replayed one would carry a stale URL)."""
         return results.linked_event(self._outputs, event) if self._outputs is not None else event
@@ -400,7 +415,13 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     live = await sub.next()
                 except (Overflow, Closing) as exc:
                     raise ended(exc, f"after_version={last}", last_version=str(last)) from None
-                if live is None:
+                if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
+                    for row in await self._quiet_check(event_store.task_events(self._pool, task_id, after_version=last)):
+                        event = event_wire.message(row)
+                        yield events_pb2.WatchTaskResponse(event=self._linked(event))
+                        last = event.version
+                        if event_wire.is_terminal(event):
+                            return
                     yield events_pb2.WatchTaskResponse(keepalive=events_pb2.KeepAlive())
                     continue
                 if live.version <= last:
@@ -485,7 +506,19 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     live = await sub.next()
                 except (Overflow, Closing) as exc:
                     raise ended(exc, f"cursor={cursor}", cursor=str(cursor)) from None
-                if live is None:
+                if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
+                    after = cursor
+                    while True:
+                        rows = await self._quiet_check(
+                            event_store.user_events_after(self._pool, tenant, after_id=after, limit=REPLAY_PAGE)
+                        )
+                        for row in rows:
+                            event = event_wire.message(row)
+                            if fresh(event) and (out := response(event)) is not None:
+                                yield out
+                        if len(rows) < REPLAY_PAGE:
+                            break
+                        after = rows[-1].id
                     yield events_pb2.WatchTasksResponse(keepalive=events_pb2.KeepAlive(), cursor=str(cursor))
                     continue
                 known = versions.get(live.task_id)

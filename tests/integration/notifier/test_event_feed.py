@@ -1,17 +1,23 @@
-"""The notifier's live event feed (EventHub) against real NATS: a lost consumer is recreated where the feed started,
-never from the stream's first event."""
+"""The notifier's live event feed against real NATS and PostgreSQL: a lost consumer is recreated where the feed
+started, never from the stream's first event; a quiet stream gets from the table what the feed never brought."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import grpc
 from nats.js.api import ConsumerInfo
 
 from services.notifier.streams import EventHub
 from taskgate import bus as busmod
+from taskgate.config import Settings
 from taskgate.runtime import Backends
-from taskgate_api.v1 import task_pb2
-from tests.support.harness import wait_for
+from taskgate.states import Status
+from taskgate_api.v1 import events_pb2, task_pb2
+from tests.support.factories import insert_task
+from tests.support.harness import bearer, wait_for
+from tests.support.notifier import events_stub, fast, run_to
 
 TASK = 7
 TENANT = "tenant-feed"
@@ -51,3 +57,37 @@ async def test_a_lost_feed_resumes_where_it_started(backends: Backends) -> None:
     finally:
         hub.drop(sub)
         await hub.stop()
+
+
+async def test_quiet_streams_get_from_the_table_what_the_feed_never_brought(
+    backends: Backends, settings: Settings, api_key: str, notifier_factory: Any
+) -> None:
+    handle = await notifier_factory(fast(settings, stream_keepalive_seconds=0.3))
+    (relay,) = [loop for loop in handle.tasks if loop.get_name() == "notifier-relay"]
+    relay.cancel()  # from now on the feed brings nothing: every event stays in the table only
+    task = await insert_task(backends.pool)
+    async with events_stub(handle) as stub:
+        one = stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id)), metadata=bearer(api_key))
+        many = stub.WatchTasks(events_pb2.WatchTasksRequest(), metadata=bearer(api_key))
+        assert (await one.read()).WhichOneof("kind") == "snapshot"
+        assert (await many.read()).WhichOneof("kind") == "keepalive"  # caught up: live from here
+        await run_to(backends.pool, task.id, Status.SUCCEEDED, progress_steps=[50])
+        final = await backends.pool.fetchval("SELECT version FROM task WHERE id = $1", task.id)
+
+        sent = []
+        async with asyncio.timeout(10):
+            while (msg := await one.read()) is not grpc.aio.EOF:  # the stream ends after the terminal event
+                sent.append(msg)
+        events = [msg.event for msg in sent if msg.WhichOneof("kind") == "event"]
+        assert [e.version for e in events] == list(range(task.version + 1, final + 1))
+        assert events[-1].to_status == task_pb2.TASK_STATUS_SUCCEEDED
+
+        seen: list[int] = []
+        async with asyncio.timeout(10):
+            while seen[-1:] != [final]:
+                msg = await many.read()
+                assert msg is not grpc.aio.EOF
+                if msg.WhichOneof("kind") == "event" and msg.event.task_id == str(task.id):
+                    seen.append(msg.event.version)
+        assert seen == list(range(task.version + 1, final + 1))
+        many.cancel()
