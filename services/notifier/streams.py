@@ -7,8 +7,8 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import AsyncIterator, Awaitable, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 import asyncpg
 import grpc
@@ -30,6 +30,7 @@ from taskgate_api import reasons
 from taskgate_api.v1 import events_pb2, events_pb2_grpc, task_pb2
 
 log = logging.getLogger("taskgate.notifier.streams")
+K = TypeVar("K", int, str)
 
 SERVICE_NAME = "taskgate.v1.TaskEvents"
 SERVICE = "events"  # the throttle's label for this service
@@ -191,6 +192,40 @@ class Estimates:
                         answer.set_result(estimate)
 
 
+class Newest(Generic[K]):
+    """The newest thing each quiet stream could have missed (a task's version, a tenant's last event id), asked by
+    every stream one keep-alive tick wakes and read for all of them in one statement: the asks made while a read is
+    pending go together in the next. 10,000 quiet streams cost one statement per tick, not 10,000 (the streams
+    benchmark, 10,000 idle WatchTask streams: with a read each, a burst's terminal events took 940 ms at p50, not 24)."""
+
+    def __init__(self, read: Callable[[list[K]], Awaitable[dict[K, int]]]) -> None:
+        self._read_many: Callable[[list[K]], Awaitable[dict[K, int]]] = read
+        self._asked: dict[K, asyncio.Future[int | None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def of(self, key: K) -> int | None:
+        """The newest value for `key`; None when there is none or the read failed (the next quiet period asks again)."""
+        answer = self._asked.get(key)
+        if answer is None:
+            answer = self._asked[key] = asyncio.get_running_loop().create_future()
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.create_task(self._read(), name="notifier-newest")
+        return await asyncio.shield(answer)  # a stream that ends while waiting must not cancel the others' answer
+
+    async def _read(self) -> None:
+        while self._asked:
+            asked, self._asked = self._asked, {}
+            found: dict[K, int] = {}
+            try:
+                found = await self._read_many(list(asked))
+            except Exception:  # whatever it was, every asker gets None and the next tick asks again
+                log.warning("quiet streams' check of the event table failed", exc_info=True)
+            finally:  # answered even when cancelled: no stream waits on a read that will never end
+                for key, answer in asked.items():
+                    if not answer.done():
+                        answer.set_result(found.get(key))
+
+
 class EventHub:
     """Fans one ordered JetStream consumer of every task event out to the streams of this process."""
 
@@ -342,6 +377,8 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self._outputs = outputs
         self.keepalive = Keepalive(settings.stream_keepalive_seconds)
         self.estimates = Estimates(pool, settings)
+        self.task_versions: Newest[int] = Newest(lambda ids: event_store.task_versions(pool, ids))
+        self.tenant_events: Newest[str] = Newest(lambda users: event_store.last_event_ids(pool, users))
 
     async def _quiet_check(self, read: Awaitable[list[event_store.Event]]) -> list[event_store.Event]:
         """The events a quiet stream has not had, read from the table; none when the read fails (the keep-alive goes
@@ -349,8 +386,8 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
 
         PostgreSQL is the truth and the live feed a hint: an event the feed never brings (the relay stopped, a NATS
         node lost its unsynced writes) would otherwise be sent only when a later event of the task shows the gap, and a
-        lost terminal event never, leaving the stream, and an SDK's wait(), open for ever. The cost is one indexed
-        read per quiet stream per keep-alive period (stream_keepalive_seconds), none while events flow.
+        lost terminal event never, leaving the stream, and an SDK's wait(), open for ever. The cost: per keep-alive
+        tick, one statement for all the quiet streams (Newest), and a read of the events for a stream that is behind.
         """
         try:
             return await read
@@ -416,7 +453,11 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 except (Overflow, Closing) as exc:
                     raise ended(exc, f"after_version={last}", last_version=str(last)) from None
                 if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
-                    for row in await self._quiet_check(event_store.task_events(self._pool, task_id, after_version=last)):
+                    newest = await self.task_versions.of(task_id)
+                    missed = [] if newest is None or newest <= last else await self._quiet_check(
+                        event_store.task_events(self._pool, task_id, after_version=last, up_to_version=newest)
+                    )
+                    for row in missed:
                         event = event_wire.message(row)
                         yield events_pb2.WatchTaskResponse(event=self._linked(event))
                         last = event.version
@@ -507,8 +548,9 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 except (Overflow, Closing) as exc:
                     raise ended(exc, f"cursor={cursor}", cursor=str(cursor)) from None
                 if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
+                    newest = await self.tenant_events.of(tenant)
                     after = cursor
-                    while True:
+                    while newest is not None and newest > after:
                         rows = await self._quiet_check(
                             event_store.user_events_after(self._pool, tenant, after_id=after, limit=REPLAY_PAGE)
                         )

@@ -154,3 +154,15 @@ async def relayed_at(db: Conn, *, event_id: int, user_id: str) -> datetime | Non
 async def last_event_id(db: Conn, user_id: str) -> int:
     """The newest event id of a tenant (0 when none): the cursor of "from now"."""
     return int(await db.fetchval(sql.query("stream_user_last_event"), user_id))
+
+
+async def task_versions(db: Conn, task_ids: Sequence[int]) -> dict[int, int]:
+    """The version of each of these tasks that exists."""
+    rows = await db.fetch(sql.query("stream_task_versions"), list(task_ids))
+    return {int(r["id"]): int(r["version"]) for r in rows}
+
+
+async def last_event_ids(db: Conn, user_ids: Sequence[str]) -> dict[str, int]:
+    """The newest event id of each of these tenants (0 when none)."""
+    rows = await db.fetch(sql.query("stream_users_last_events"), list(user_ids))
+    return {str(r["user_id"]): int(r["last_id"]) for r in rows}

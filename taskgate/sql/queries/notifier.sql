@@ -179,3 +179,12 @@ WHERE e.id = $1 AND e.user_id = $2 AND NOT EXISTS (SELECT 1 FROM event_outbox o 
 -- name: stream_user_last_event
 -- The newest event id of a tenant (0 when none): the cursor of "from now". $1 user.
 SELECT COALESCE(max(id), 0) FROM task_event WHERE user_id = $1;
+
+-- name: stream_task_versions
+-- The version of each task that exists, for the quiet WatchTask streams of one keep-alive tick. $1 task ids.
+SELECT id, version FROM task WHERE id = ANY($1::bigint[]);
+
+-- name: stream_users_last_events
+-- The newest event id of each tenant (0 when none), for the quiet WatchTasks streams of one keep-alive tick. $1 users.
+SELECT u AS user_id, COALESCE((SELECT max(e.id) FROM task_event e WHERE e.user_id = u), 0) AS last_id
+FROM unnest($1::text[]) AS u;
