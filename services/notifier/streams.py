@@ -37,6 +37,8 @@ SERVICE = "events"  # the throttle's label for this service
 REPLAY_PAGE = 500
 MAX_CURSOR = 2**63 - 1  # cursors are event ids
 TRACKED_TASKS = 100_000  # per WatchTasks stream: tasks whose last version is remembered for de-duplication
+# what a quiet stream's read of the table may fail with: the keep-alive goes out, the next quiet period reads again
+QUIET_READ_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 SHUTDOWN_RETRY_MS = 200  # what a stream ended by a shutdown tells its client to wait before resuming
 
 
@@ -391,9 +393,16 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         """
         try:
             return await read
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
+        except QUIET_READ_ERRORS:
             log.warning("a quiet stream's check of the event table failed", exc_info=True)
             return []
+
+    async def _tenant_events_after(self, tenant: str, after: int) -> AsyncIterator[event_store.Event]:
+        """A tenant's events after an event id, in id order, a page at a time until none is left."""
+        while rows := await event_store.user_events_after(self._pool, tenant, after_id=after, limit=REPLAY_PAGE):
+            for row in rows:
+                yield row
+            after = rows[-1].id
 
     def _linked(self, event: task_pb2.TaskEvent) -> task_pb2.TaskEvent:
         """A terminal event with a result gets a fresh download URL (a replayed one would carry a stale URL)."""
@@ -519,25 +528,22 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 cursor = max(cursor, event.event_id)
                 return True
 
-            def response(event: task_pb2.TaskEvent) -> events_pb2.WatchTasksResponse | None:
-                if wanted and event.to_status not in wanted:
+            def send(event: task_pb2.TaskEvent) -> events_pb2.WatchTasksResponse | None:
+                """The response for an event this stream has not sent (recorded by fresh) and whose status it wants."""
+                if not fresh(event) or (wanted and event.to_status not in wanted):
                     return None
                 return events_pb2.WatchTasksResponse(event=self._linked(event), cursor=str(cursor))
 
             if request.cursor:
                 relayed_at = await event_store.relayed_at(self._pool, event_id=cursor, user_id=tenant)
                 history = await event_store.user_events_lookback(self._pool, tenant, cursor=cursor, relayed_at=relayed_at)
-                after = cursor
-                while True:
-                    for row in history:
-                        event = event_wire.message(row)
-                        if fresh(event) and (out := response(event)) is not None:
-                            yield out
-                    if history and history[-1].id > after:
-                        after = history[-1].id
-                    history = await event_store.user_events_after(self._pool, tenant, after_id=after, limit=REPLAY_PAGE)
-                    if not history:
-                        break
+                after = max(cursor, history[-1].id) if history else cursor
+                for row in history:
+                    if (out := send(event_wire.message(row))) is not None:
+                        yield out
+                async for row in self._tenant_events_after(tenant, after):
+                    if (out := send(event_wire.message(row))) is not None:
+                        yield out
             else:
                 cursor = await event_store.last_event_id(self._pool, tenant)
             # Caught up: this keep-alive tells the client the stream is live and where it would resume.
@@ -549,18 +555,13 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     raise ended(exc, f"cursor={cursor}", cursor=str(cursor)) from None
                 if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
                     newest = await self.tenant_events.of(tenant)
-                    after = cursor
-                    while newest is not None and newest > after:
-                        rows = await self._quiet_check(
-                            event_store.user_events_after(self._pool, tenant, after_id=after, limit=REPLAY_PAGE)
-                        )
-                        for row in rows:
-                            event = event_wire.message(row)
-                            if fresh(event) and (out := response(event)) is not None:
-                                yield out
-                        if len(rows) < REPLAY_PAGE:
-                            break
-                        after = rows[-1].id
+                    if newest is not None and newest > cursor:
+                        try:
+                            async for row in self._tenant_events_after(tenant, cursor):
+                                if (out := send(event_wire.message(row))) is not None:
+                                    yield out
+                        except QUIET_READ_ERRORS:
+                            log.warning("a quiet stream's check of the event table failed", exc_info=True)
                     yield events_pb2.WatchTasksResponse(keepalive=events_pb2.KeepAlive(), cursor=str(cursor))
                     continue
                 known = versions.get(live.task_id)
@@ -569,10 +570,9 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                         self._pool, int(live.task_id), after_version=known, up_to_version=live.version - 1
                     )
                     for row in rows:
-                        event = event_wire.message(row)
-                        if fresh(event) and (out := response(event)) is not None:
+                        if (out := send(event_wire.message(row))) is not None:
                             yield out
-                if fresh(live) and (out := response(live)) is not None:
+                if (out := send(live)) is not None:
                     yield out
         finally:
             self.keepalive.discard(sub)
