@@ -36,11 +36,13 @@ log = logging.getLogger("taskgate.bus")
 TASKS_STREAM = "TASKS"
 EVENTS_STREAM = "TASK_EVENTS"
 DEAD_STREAM = "TASK_DEAD_LETTERS"
+OUTPUT_STREAM = "TASK_OUTPUT"  # partial output of running tasks (taskgate/output.py), one subject per task
 RESULTS_BUCKET = "taskgate-results"
 
 TASK_SUBJECTS = "taskgate.tasks.>"
 EVENT_SUBJECTS = "taskgate.events.>"
 DEAD_SUBJECTS = "taskgate.dead.>"
+OUTPUT_SUBJECTS = "taskgate.output.>"
 CANCEL_SUBJECT = "taskgate.control.cancel"  # core NATS: a hint to the worker running a task
 
 PRIORITY_NAMES = {Priority.HIGH: "high", Priority.NORMAL: "normal", Priority.LOW: "low"}
@@ -60,6 +62,11 @@ def task_subject(model_id: str, priority: int) -> str:
 
 def event_subject(user_id: str, task_id: int) -> str:
     return f"taskgate.events.{check_token(user_id)}.{task_id}"
+
+
+def output_subject(user_id: str, task_id: int) -> str:
+    """The subject of one task's partial output (the tenant first, as events, so permissions can be per tenant)."""
+    return f"taskgate.output.{check_token(user_id)}.{task_id}"
 
 
 def dead_subject(model_id: str) -> str:
@@ -230,6 +237,18 @@ async def _declare_once(bus: Bus, settings: Settings) -> None:
             subjects=[DEAD_SUBJECTS],
             storage=StorageType.FILE,
             max_age=30 * 24 * 3600.0,
+            num_replicas=replicas,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=OUTPUT_STREAM,
+            subjects=[OUTPUT_SUBJECTS],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=settings.output_max_age_seconds,
+            duplicate_window=120.0,  # a chunk published twice (a retried publish) is stored once: Nats-Msg-Id
             num_replicas=replicas,
         ),
     )

@@ -175,6 +175,17 @@ class Settings(BaseSettings):
         "attempt) before it exits.",
     )
     stream_replicas: int = Field(default=1, ge=1, le=5, description="Replicas of each JetStream stream (3 in a 3-node NATS cluster).")
+    output_max_age_seconds: float = Field(
+        default=86400.0,
+        gt=0,
+        description="How long a task's partial output (text deltas, previews, log lines) stays in the TASK_OUTPUT stream for "
+        "streams to resume from; the finished result itself is kept by the result store's retention.",
+    )
+    output_coalesce_seconds: float = Field(
+        default=0.05,
+        ge=0,
+        description="A running task's text deltas are gathered for this long into one output chunk (one NATS message).",
+    )
 
     # gRPC and metrics endpoints
     grpc_host: str = Field(default="127.0.0.1", description="Address the gRPC servers bind ('0.0.0.0' in a cluster).")

@@ -20,6 +20,7 @@ from taskgate import bus
 REPLIES = "_INBOX.>"  # request replies and push deliveries (nats-py's inbox prefix)
 TASKS = bus.TASKS_STREAM
 EVENTS = bus.EVENTS_STREAM
+OUTPUT = bus.OUTPUT_STREAM
 OBJECTS = f"OBJ_{bus.RESULTS_BUCKET}"  # the results bucket's stream
 
 
@@ -57,7 +58,9 @@ ROLES: Mapping[str, Permissions] = {
         publish=(
             f"$JS.API.CONSUMER.MSG.NEXT.{TASKS}.>", f"$JS.ACK.{TASKS}.>", f"$JS.API.CONSUMER.INFO.{TASKS}.>",
             f"$JS.API.CONSUMER.CREATE.{TASKS}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{TASKS}.>",
-            f"$JS.API.STREAM.INFO.{TASKS}", bus.DEAD_SUBJECTS, *RESULTS_WRITE,
+            f"$JS.API.STREAM.INFO.{TASKS}", bus.DEAD_SUBJECTS, bus.OUTPUT_SUBJECTS, *RESULTS_WRITE,
+            f"$JS.API.STREAM.INFO.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
+            f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>",
         ),
         subscribe=(REPLIES, bus.CANCEL_SUBJECT),
     ),
@@ -67,6 +70,9 @@ ROLES: Mapping[str, Permissions] = {
             bus.EVENT_SUBJECTS, f"$JS.API.STREAM.INFO.{EVENTS}", f"$JS.API.CONSUMER.CREATE.{EVENTS}",
             f"$JS.API.CONSUMER.CREATE.{EVENTS}.>", f"$JS.API.CONSUMER.DELETE.{EVENTS}.>",
             f"$JS.API.CONSUMER.INFO.{EVENTS}.>", f"$JS.FC.{EVENTS}.>", *RESULTS_READ,
+            f"$JS.API.STREAM.INFO.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
+            f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.API.CONSUMER.INFO.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>",
+            f"$JS.API.DIRECT.GET.{OUTPUT}", f"$JS.API.DIRECT.GET.{OUTPUT}.>",
         ),
     ),
     # the migrate step and operators: streams, consumers and buckets declared, changed or purged

@@ -25,18 +25,26 @@ class WatchTaskRequest(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     AFTER_VERSION_FIELD_NUMBER: _builtins.int
+    INCLUDE_OUTPUT_FIELD_NUMBER: _builtins.int
+    AFTER_OUTPUT_SEQUENCE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     after_version: _builtins.int
     """Resume: only events with a higher version are sent (0 = from the snapshot)."""
+    include_output: _builtins.bool
+    """Also stream the task's partial output (text deltas, previews, log lines) as `output` messages, in order."""
+    after_output_sequence: _builtins.int
+    """Resume the output: only chunks with a higher sequence are sent (0 = from the task's first chunk)."""
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         after_version: _builtins.int = ...,
+        include_output: _builtins.bool = ...,
+        after_output_sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_version", b"after_version", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_output_sequence", b"after_output_sequence", "after_version", b"after_version", "include_output", b"include_output", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -64,24 +72,30 @@ class WatchTaskResponse(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     EVENT_FIELD_NUMBER: _builtins.int
     KEEPALIVE_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def snapshot(self) -> _task_pb2.Task: ...
     @_builtins.property
     def event(self) -> _task_pb2.TaskEvent: ...
     @_builtins.property
     def keepalive(self) -> Global___KeepAlive: ...
+    @_builtins.property
+    def output(self) -> _task_pb2.OutputChunk:
+        """only when include_output was asked"""
+
     def __init__(
         self,
         *,
         snapshot: _task_pb2.Task | None = ...,
         event: _task_pb2.TaskEvent | None = ...,
         keepalive: Global___KeepAlive | None = ...,
+        output: _task_pb2.OutputChunk | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "snapshot", b"snapshot"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "output", b"output", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "output", b"output", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["snapshot", "event", "keepalive"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["snapshot", "event", "keepalive", "output"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

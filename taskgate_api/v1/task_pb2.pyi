@@ -102,6 +102,32 @@ CALLBACK_STATUS_FAILED: CallbackStatus.ValueType  # 4
 """schedule exhausted or receiver answered 410"""
 Global___CallbackStatus: _TypeAlias = CallbackStatus  # noqa: Y015
 
+class _OutputKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OutputKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OutputKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OUTPUT_KIND_UNSPECIFIED: _OutputKind.ValueType  # 0
+    OUTPUT_KIND_TEXT: _OutputKind.ValueType  # 1
+    """a text delta: `text`, starting at `offset` of the attempt's text"""
+    OUTPUT_KIND_PREVIEW: _OutputKind.ValueType  # 2
+    """a preview image of a running generation, stored in the result store at `uri`"""
+    OUTPUT_KIND_LOG: _OutputKind.ValueType  # 3
+    """a worker log line about the task (model load, warm-up, a phase's time): `text`"""
+
+class OutputKind(_OutputKind, metaclass=_OutputKindEnumTypeWrapper):
+    """What a partial-output chunk carries."""
+
+OUTPUT_KIND_UNSPECIFIED: OutputKind.ValueType  # 0
+OUTPUT_KIND_TEXT: OutputKind.ValueType  # 1
+"""a text delta: `text`, starting at `offset` of the attempt's text"""
+OUTPUT_KIND_PREVIEW: OutputKind.ValueType  # 2
+"""a preview image of a running generation, stored in the result store at `uri`"""
+OUTPUT_KIND_LOG: OutputKind.ValueType  # 3
+"""a worker log line about the task (model load, warm-up, a phase's time): `text`"""
+Global___OutputKind: _TypeAlias = OutputKind  # noqa: Y015
+
 @_typing.final
 class VideoParams(_message.Message):
     """Typed parameters of a text-to-video request."""
@@ -546,6 +572,63 @@ class TaskDispatch(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskDispatch: _TypeAlias = TaskDispatch  # noqa: Y015
+
+@_typing.final
+class OutputChunk(_message.Message):
+    """A task's partial output while it runs. Carried by the TASK_OUTPUT JetStream stream, one subject per task
+    (taskgate/output.py): durable for the stream's age limit, resumable by `sequence`, never a PostgreSQL row.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    URI_FIELD_NUMBER: _builtins.int
+    CONTENT_TYPE_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    attempt: _builtins.int
+    """a new attempt's text starts again at offset 0 (or at the offset it resumed from)"""
+    kind: Global___OutputKind.ValueType
+    text: _builtins.str
+    offset: _builtins.int
+    """TEXT: characters of this attempt's text before `text` (a reader drops what it already has)"""
+    uri: _builtins.str
+    """PREVIEW"""
+    content_type: _builtins.str
+    """PREVIEW"""
+    step: _builtins.int
+    """PREVIEW: the denoising step it shows"""
+    sequence: _builtins.int
+    """the stream's sequence of this chunk: the resume point (set by readers, 0 when published)"""
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        kind: Global___OutputKind.ValueType = ...,
+        text: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        uri: _builtins.str = ...,
+        content_type: _builtins.str = ...,
+        step: _builtins.int = ...,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        sequence: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "attempt", b"attempt", "content_type", b"content_type", "kind", b"kind", "offset", b"offset", "sequence", b"sequence", "step", b"step", "task_id", b"task_id", "text", b"text", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutputChunk: _TypeAlias = OutputChunk  # noqa: Y015
 
 @_typing.final
 class CancelSignal(_message.Message):

@@ -1,0 +1,80 @@
+"""A running task's partial output: text deltas, preview frames and log lines, carried by JetStream, not PostgreSQL.
+
+One subject per task (`bus.output_subject`) in the TASK_OUTPUT stream, kept for `output_max_age_seconds`. The worker
+publishes chunks (text gathered for `output_coalesce_seconds` into one), each with a Nats-Msg-Id naming its task,
+attempt, kind and position, so a repeated publish is stored once; readers (WatchTask, SSE, the SDK) follow a task's
+subject from a stream sequence, which is the resume point a client hands back. PostgreSQL stays the truth for the
+task's state and its final result; a chunk lost to a crash is made good by the next attempt or the final result.
+
+A text chunk says where it starts in its attempt's text (`offset`): a reader keeps, per attempt, the characters it
+has and drops any overlap, so a chunk seen twice never doubles text; a chunk of a newer attempt starts that
+attempt's text (from 0, or from where it resumed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from taskgate import bus as busmod
+from taskgate_api.v1 import task_pb2
+
+TEXT = task_pb2.OUTPUT_KIND_TEXT
+PREVIEW = task_pb2.OUTPUT_KIND_PREVIEW
+LOG = task_pb2.OUTPUT_KIND_LOG
+_KIND_NAMES: dict[int, str] = {TEXT: "text", PREVIEW: "preview", LOG: "log"}
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One piece of partial output as the worker publishes it (`position`: a text chunk's offset, a preview's
+    step, a log line's number in its attempt: what makes its message id unique)."""
+
+    task_id: int
+    attempt: int
+    kind: int
+    text: str = ""
+    offset: int = 0
+    uri: str = ""
+    content_type: str = ""
+    step: int = 0
+
+    def position(self) -> int:
+        return self.step if self.kind == PREVIEW else self.offset
+
+
+def encode(chunk: Chunk, at: Timestamp | None = None) -> bytes:
+    """The OutputChunk message of a chunk (its sequence is the stream's, known only once stored)."""
+    msg = task_pb2.OutputChunk(
+        task_id=str(chunk.task_id), attempt=chunk.attempt, kind=task_pb2.OutputKind.ValueType(chunk.kind),
+        text=chunk.text, offset=chunk.offset, uri=chunk.uri, content_type=chunk.content_type, step=chunk.step,
+    )
+    if at is None:
+        msg.at.GetCurrentTime()
+    else:
+        msg.at.CopyFrom(at)
+    return msg.SerializeToString()
+
+
+def decode(data: bytes, sequence: int) -> task_pb2.OutputChunk | None:
+    """The chunk a stored message holds, with its stream sequence set; None when it is not one."""
+    try:
+        msg = task_pb2.OutputChunk.FromString(data)
+    except Exception:  # protobuf raises DecodeError and, on some inputs, other errors
+        return None
+    msg.sequence = sequence
+    return msg
+
+
+def message_id(chunk: Chunk) -> str:
+    """Nats-Msg-Id: the same chunk published twice inside the duplicate window is stored once."""
+    return f"{chunk.task_id}.a{chunk.attempt}.{_KIND_NAMES.get(chunk.kind, 'x')}{chunk.position()}"
+
+
+async def publish(bus: busmod.Bus, user_id: str, chunk: Chunk) -> int:
+    """Stores one chunk on its task's subject and answers its stream sequence (NATS errors are the caller's)."""
+    ack = await bus.js.publish(
+        busmod.output_subject(user_id, chunk.task_id), encode(chunk), headers={"Nats-Msg-Id": message_id(chunk)}
+    )
+    return int(ack.seq)
