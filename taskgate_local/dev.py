@@ -26,6 +26,7 @@ from taskgate.sealing import Sealer
 from taskgate.stackfile import local_stack_urls
 from taskgate.store import admins, tenants
 from taskgate_client import connect_async
+from taskgate_client.errors import ResourceExhausted, TaskgateError
 from taskgate_client.local import LocalStack
 from taskgate_client.progress import follow
 from taskgate_local import embedded, tinymodel
@@ -410,6 +411,20 @@ async def run_demo(console: Console, details: LocalStack, settings: Settings, pr
     return target
 
 
+async def demo_beside(console: Console, details: LocalStack, settings: Settings, prompt: str) -> None:
+    """The demo of a stack that stays up: whatever stops it (the demo tenant's earlier tasks still unfinished from a
+    run that was stopped, a failed task, a timeout) is reported, and the stack keeps running."""
+    try:
+        await run_demo(console, details, settings, prompt)
+    except ResourceExhausted as exc:
+        console.say(
+            f"the demo task was not submitted: {exc.message} (the demo tenant's tasks from an earlier run are still "
+            "unfinished; `taskgate list` shows them). The stack keeps running."
+        )
+    except (StartError, TaskgateError, TimeoutError) as exc:
+        console.say(f"the demo did not finish: {exc}. The stack keeps running.")
+
+
 def next_steps(console: Console, details: LocalStack, state_dir: Path) -> None:
     """What to try next, in another terminal."""
     console.say()
@@ -482,8 +497,10 @@ async def _start_and_demo(dev: DevStack, settings: Settings, *, demo: bool, prom
     dev.keep_running()
     path = details.save(dev.state_dir)
     dev.console.say(f"saved connection details for the CLI in {path}")
-    if demo:
+    if demo and demo_only:
         await run_demo(dev.console, details, settings, prompt)
+    elif demo:
+        await demo_beside(dev.console, details, settings, prompt)
     if not demo_only:
         next_steps(dev.console, details, dev.state_dir)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -16,7 +17,10 @@ import httpx
 import psutil
 import pytest
 
+from taskgate.config import Settings
+from taskgate.runtime import Backends
 from taskgate_client.local import LocalStack
+from tests.support import factories
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # its own waits allow a slow first build
 
@@ -165,3 +169,46 @@ def test_make_run_demo_then_a_second_run_reuses_the_state_and_stops_on_ctrl_c(tm
     assert frames_of(video) == (17, 64, 64)
     assert out.rstrip().endswith("stopped.")
     assert tree.leftovers() == []
+
+
+async def test_make_run_keeps_the_stack_up_when_the_demo_tenant_still_holds_unfinished_tasks(
+    tmp_path: Path, settings: Settings, backends: Backends
+) -> None:
+    """Runs stopped with tasks unfinished leave the demo tenant at its pending limit: the demo is refused, make run
+    says so and keeps serving (it used to stop every service and exit 1)."""
+    for _ in range(settings.max_pending_per_tenant):
+        task = await factories.insert_task(backends.pool, user_id="demo")
+        await factories.claimed(backends.pool, task.id, worker_id="gone", lease_seconds=3600)  # a run stopped mid-task
+    env = dev_env(tmp_path / "state")
+    env.update({"TASKGATE_DATABASE_URL": settings.database_url or "", "TASKGATE_NATS_URL": settings.nats_url or "",
+                "TASKGATE_HTTP_PORT": "0", "TASKGATE_HTTP_METRICS_PORT": "0"})
+    await asyncio.to_thread(run_with_a_refused_demo, tmp_path, env)
+
+
+def run_with_a_refused_demo(tmp_path: Path, env: dict[str, str]) -> None:
+    tmp_path.chmod(0o755)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "taskgate_local.dev"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+    reader = threading.Thread(target=read_lines, args=(run, lines, ready), daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(420) and run.poll() is None, "".join(lines)
+        out = "".join(lines)
+        assert "the demo task was not submitted: at most 3 unfinished tasks per tenant" in out, out
+        assert "The stack keeps running." in out
+        saved = LocalStack.load(tmp_path / "state")
+        assert saved is not None
+        made = httpx.post(f"{saved.http_address}/v1/tasks", headers={"authorization": f"Bearer {saved.api_key}"},
+                          json={"prompt": "still serving"}, timeout=30)
+        assert made.status_code == 429, made.text  # the gateway answers: the stack is up, the tenant still full
+        run.send_signal(signal.SIGINT)
+        run.wait(120)
+    finally:
+        run.kill()
+        reader.join(10)
+    out = "".join(lines)
+    assert run.returncode == 0, out
+    assert out.rstrip().endswith("stopped.")
