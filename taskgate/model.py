@@ -71,6 +71,7 @@ class TaskRow:
     start_after: datetime | None = None  # asked for at submission: no claim before it
     max_queue_seconds: float | None = None  # asked for at submission: the queue's TTL
     queue_expires_at: datetime | None = None  # when a task still waiting ends TIMEOUT QUEUE_TTL_EXPIRED
+    end_user: str = ""  # the tenant's own user it was submitted for ('': the tenant itself)
 
     @classmethod
     def from_record(cls, rec: Any) -> TaskRow:
@@ -125,6 +126,7 @@ class TaskRow:
             result_reused=self.result_reused,
             replay_of=str(self.replay_of) if self.replay_of is not None else "",
             usage=task_pb2.TaskUsage(gpu_seconds=self.device_seconds, slot_seconds=self.slot_seconds),
+            end_user=self.end_user,
         )
         image = p.get("image")
         if isinstance(image, dict):

@@ -119,6 +119,7 @@ def submit_request(
     image: gateway_pb2.ImageInput | None = None,
     start_after: datetime | None = None,
     max_queue_seconds: float | None = None,
+    end_user: str | None = None,
 ) -> gateway_pb2.SubmitTaskRequest:
     """The SubmitTaskRequest for submit()'s arguments; a fresh idempotency key unless one is given. The task type
     defaults to image-to-video with an image, text-to-video without."""
@@ -144,6 +145,7 @@ def submit_request(
         callback_events=list(callback_events),
         metadata=dict(metadata or {}),
         image=image,
+        end_user=end_user or "",
     )
     if max_retries is not None:
         request.max_retries = max_retries
@@ -347,6 +349,7 @@ class AsyncTaskgateClient:
         image: ImageSource | None = None,
         start_after: datetime | None = None,
         max_queue_seconds: float | None = None,
+        end_user: str | None = None,
     ) -> AsyncTaskHandle:
         """Submits a task and returns its handle. Unset parameters take the model's defaults.
 
@@ -355,14 +358,15 @@ class AsyncTaskgateClient:
         Without `idempotency_key` a fresh one is generated once per call, so the built-in retries never create
         a second task; pass your own to make retries across processes safe as well. `start_after` delays the start
         (no worker takes the task before it); `max_queue_seconds` is its queue TTL: a task no worker took in time ends
-        TIMEOUT with error_code QUEUE_TTL_EXPIRED instead of running late.
+        TIMEOUT with error_code QUEUE_TTL_EXPIRED instead of running late. `end_user`: your own user the task is for
+        (opaque, at most 128 bytes); its limits, idempotency keys, fair share and usage are its own inside yours.
         """
         request = submit_request(
             prompt, model, frames=frames, width=width, height=height, steps=steps, guidance=guidance, fps=fps, seed=seed,
             negative_prompt=negative_prompt, priority=priority, idempotency_key=idempotency_key,
             callback_url=callback_url, callback_events=callback_events, metadata=metadata, max_retries=max_retries,
             task_type=task_type, image=await self._image_input(image), start_after=start_after,
-            max_queue_seconds=max_queue_seconds,
+            max_queue_seconds=max_queue_seconds, end_user=end_user,
         )
         response = await self._call(
             lambda: self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)

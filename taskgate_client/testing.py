@@ -223,7 +223,7 @@ class FakeTaskgate:
         clock's next midnight. The fake's budget never resets and measures nothing: every task costs its estimate."""
         self.gpu_seconds_per_task = gpu_seconds_per_task
         self._tasks: dict[int, _Entry] = {}
-        self._keys: dict[str, int] = {}
+        self._keys: dict[tuple[str, str], int] = {}  # (end user, key): keys are each end user's own
         self._log: list[task_pb2.TaskEvent] = []
         self._ticks = 0
         self._failures: dict[str, list[grpc.aio.AioRpcError]] = {}
@@ -516,11 +516,11 @@ class FakeTaskgate:
         fingerprint = json.dumps(
             [request.task_type or "text-to-video", model, request.prompt, params, request.priority or task_pb2.PRIORITY_NORMAL,
              request.callback_url, sorted(request.callback_events), dict(sorted(request.metadata.items())),
-             request.max_retries if request.HasField("max_retries") else 3],
+             request.max_retries if request.HasField("max_retries") else 3, request.end_user],
             sort_keys=True,
         )
         key = request.idempotency_key or hashlib.sha256(fingerprint.encode()).hexdigest()
-        existing = self._keys.get(key)
+        existing = self._keys.get((request.end_user, key))
         if existing is not None:
             entry = self._tasks[existing]
             if entry.fingerprint != fingerprint:
@@ -577,6 +577,7 @@ class FakeTaskgate:
             callback_url=request.callback_url,
             callback_events=sorted(request.callback_events),
             metadata=dict(request.metadata),
+            end_user=request.end_user,
         )
         # recorded as asked; the fake's clock runs tasks when the test says, so it neither delays nor expires them
         if request.HasField("start_after"):
@@ -588,7 +589,7 @@ class FakeTaskgate:
         task.created_at.CopyFrom(_ts(START + timedelta(seconds=self._ticks + 1)))
         entry = _Entry(task, fingerprint)
         self._tasks[task_id] = entry
-        self._keys[key] = task_id
+        self._keys[(request.end_user, key)] = task_id
         self._move(entry, Status.CREATED, reason="submitted", actor="submit")
         answer = gateway_pb2.SubmitTaskResponse(task=self._copy(task, position=True), created=True)
         self._move(entry, Status.QUEUED, reason="dispatched", actor="submit")  # as the real dispatcher, after the answer

@@ -39,6 +39,7 @@ class SubmitOptions(TypedDict, total=False):
     image: ImageSource | None
     start_after: datetime | None
     max_queue_seconds: float | None
+    end_user: str | None
 
 
 class SubmitItem(SubmitOptions, total=False):
@@ -185,6 +186,8 @@ class Task:
     """Asked for at submission: its queue TTL (TIMEOUT QUEUE_TTL_EXPIRED when no worker took it in time)."""
     queue_expires_at: datetime | None = None
     """When the task, still waiting, ends TIMEOUT QUEUE_TTL_EXPIRED (with max_queue_seconds)."""
+    end_user: str = ""
+    """The tenant's own user the task was submitted for ('': the tenant itself)."""
 
     @property
     def terminal(self) -> bool:
@@ -241,6 +244,7 @@ class Task:
             start_after=_time(msg, "start_after"),
             max_queue_seconds=msg.max_queue_seconds or None,
             queue_expires_at=_time(msg, "queue_expires_at"),
+            end_user=msg.end_user,
         )
 
     def to_dict(self) -> dict[str, object]:

@@ -71,6 +71,7 @@ def payload(row: RelayEvent, kind: str) -> dict[str, Any]:
             "progress": event.progress,
             "attempt": event.attempt,
             "model_id": event.model_id,
+            "end_user": event.end_user,  # '': the tenant itself
             "result": result,
             "error": error if status in (Status.FAILED, Status.TIMEOUT) else None,
             "metadata": row.metadata,

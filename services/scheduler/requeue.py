@@ -126,6 +126,7 @@ def replay_of(source: TaskRow, new_id: int) -> NewTask:
         callback_events=source.callback_events,
         trace_context=tracing.carrier(),
         max_queue_seconds=source.max_queue_seconds,  # its own TTL again, from now (its start_after has passed)
+        end_user=source.end_user,
     )
 
 

@@ -36,7 +36,15 @@ from .batching import MAX_BATCH, Submitter, deadline_exceeded
 from .cache import TerminalCache
 from .inputs import InputImages
 from .ratelimit import quota_exceeded, rate_limited, too_many_pending
-from .validation import Submission, check_priority, key_problem, moment, regenerate_request, validate
+from .validation import (
+    Submission,
+    check_priority,
+    end_user_problem,
+    key_problem,
+    moment,
+    regenerate_request,
+    validate,
+)
 
 log = logging.getLogger("taskgate.submit")
 
@@ -146,11 +154,15 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
         async def take_slots(indices: list[int]) -> list[int]:
             """The items that got a rate slot; replays of a key take none, the others answer RATE_LIMITED."""
-            # a key validation will refuse is looked up as none (its item takes a slot, then answers the field)
-            keys = [items[i].idempotency_key if key_problem(items[i].idempotency_key, self._settings) is None else ""
-                    for i in indices]
+            # a key (or end user) validation will refuse is looked up as none (its item takes a slot, then answers
+            # the field)
+            sound = [i for i in indices if key_problem(items[i].idempotency_key, self._settings) is None
+                     and end_user_problem(items[i].end_user) is None]
+            keys = [items[i].idempotency_key if i in sound else "" for i in indices]
+            end_users = [items[i].end_user if i in sound else "" for i in indices]
             taken = await submissions.take_rate_slots(
-                self._pool, who.tenant_id, per_minute=per_minute, keys=keys, within=self._budget(context)
+                self._pool, who.tenant_id, per_minute=per_minute, keys=keys, end_users=end_users,
+                within=self._budget(context),
             )
             for i, slot in zip(indices, taken, strict=True):
                 if slot.retry_after is not None:
@@ -191,7 +203,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
                 # an accepted request retried after the tenant's entitlement changed still gets its task: the
                 # idempotent answer comes before any refusal
                 existing = await submissions.task_by_key(
-                    self._pool, who.tenant_id, sub.idempotency_key, within=self._budget(context)
+                    self._pool, who.tenant_id, sub.idempotency_key, end_user=sub.end_user, within=self._budget(context)
                 )
                 del subs[i]
                 if existing is not None and sub.same_request(existing):
@@ -288,6 +300,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             trace_context=tracing.carrier(),  # this call's span: the task's later spans continue its trace
             start_after=sub.start_after,
             max_queue_seconds=sub.max_queue_seconds,
+            end_user=sub.end_user,
         )
 
     def _settle(self, candidate: Candidate, sub: Submission, admission: Admission | BaseException) -> tuple[TaskRow, bool]:

@@ -29,6 +29,7 @@ IMAGE_TASK_TYPES = frozenset({"image-to-video"})  # task types whose requests ca
 CALLBACK_EVENTS = frozenset({"CANCELED", "PROGRESS"})
 MAX_SEED = 2**63 - 1
 _RANDOM_SEEDS = 2**32  # a seed every backend (torch, numpy) accepts
+MAX_END_USER_BYTES = 128  # the task table's check (migrations/0032_end_users.sql)
 
 # Control characters other than newline and tab.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -53,6 +54,7 @@ class Submission:
     image: Checked | None = None  # image-to-video: checked, not yet kept (the payload then holds its sha256 alone)
     start_after: datetime | None = None  # a delayed start (scheduling, not the request: not in its hash)
     max_queue_seconds: float | None = None  # the queue's TTL (scheduling, not the request)
+    end_user: str = ""  # the tenant's own user ('': the tenant itself); in the request hash and the key's scope
 
     def with_image(self, stored: StoredInput) -> Submission:
         """This submission once its image is kept: the payload names where the worker finds it."""
@@ -107,12 +109,20 @@ def regenerate_request(
         callback_events=source.callback_events,
         metadata=source.metadata,
         max_retries=source.max_retries,
+        end_user=source.end_user,  # the same person's task again
     )
 
 
-def request_hash(tenant: str, task_type: str, model_id: str, prompt: str, params: dict[str, Any]) -> str:
-    """sha256 of what determines the output; `params` carries the seed the client gave (None if it gave none)."""
-    canonical = json.dumps([tenant, task_type, model_id, prompt, params], sort_keys=True, separators=(",", ":"))
+def request_hash(
+    tenant: str, task_type: str, model_id: str, prompt: str, params: dict[str, Any], end_user: str = ""
+) -> str:
+    """sha256 of what determines the output; `params` carries the seed the client gave (None if it gave none). An
+    end user's requests hash apart from another's (two people sending one prompt get two tasks); the tenant's own
+    hash as they always did."""
+    fields: list[Any] = [tenant, task_type, model_id, prompt, params]
+    if end_user:
+        fields.append({"end_user": end_user})
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -211,6 +221,15 @@ def moment(request: Message, name: str, bad: list[tuple[str, str]]) -> datetime 
     return found
 
 
+def end_user_problem(end_user: str) -> str | None:
+    """What is wrong with an end user id, or None (checked before it scopes any lookup)."""
+    if len(end_user.encode(errors="surrogatepass")) > MAX_END_USER_BYTES:
+        return f"longer than {MAX_END_USER_BYTES} bytes as UTF-8"
+    if end_user and (not end_user.isprintable() or end_user != end_user.strip()):
+        return "must be printable, without surrounding spaces"
+    return text.unstorable(end_user)
+
+
 def key_problem(key: str, settings: Settings) -> str | None:
     """What is wrong with an idempotency key, or None (checked before the key is looked up anywhere)."""
     if len(key) > settings.max_idempotency_key_chars:
@@ -267,6 +286,9 @@ async def validate(
     key = req.idempotency_key
     if (why := key_problem(key, settings)) is not None:
         bad.append(("idempotency_key", why))
+    end_user = req.end_user
+    if (why := end_user_problem(end_user)) is not None:
+        bad.append(("end_user", why))
 
     max_retries = req.max_retries if req.HasField("max_retries") else settings.max_retries
     if not 0 <= max_retries <= settings.max_task_retries:
@@ -308,7 +330,7 @@ async def validate(
     if bad:
         raise errors.invalid_argument(bad)
 
-    digest = request_hash(tenant, task_type, model_id, prompt, params)
+    digest = request_hash(tenant, task_type, model_id, prompt, params, end_user)
     if params["seed"] is None:
         params["seed"] = secrets.randbelow(_RANDOM_SEEDS)  # stored, so the task can be reproduced
     return Submission(
@@ -327,4 +349,5 @@ async def validate(
         image=image,
         start_after=start_after,
         max_queue_seconds=max_queue_seconds,
+        end_user=end_user,
     )

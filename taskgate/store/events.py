@@ -43,6 +43,7 @@ class Event:
     result_size: int | None
     result_sha256: str | None
     result_content_type: str | None
+    end_user: str = ""  # the tenant's own user the task was submitted for ('': the tenant itself)
 
     @classmethod
     def from_record(cls, rec: Any) -> Event:
@@ -67,6 +68,7 @@ class Event:
             result_size=rec["result_size"],
             result_sha256=rec["result_sha256"],
             result_content_type=rec["result_content_type"],
+            end_user=rec.get("end_user") or "",
         )
 
 

@@ -54,10 +54,11 @@ class NewTask:
     trace_context: dict[str, str] | None = None  # W3C headers of the submitting call's span (tracing on)
     start_after: datetime | None = None  # no claim before it
     max_queue_seconds: float | None = None  # the queue's TTL: TIMEOUT QUEUE_TTL_EXPIRED if it waits longer
+    end_user: str = ""  # the tenant's own user the task is for ('': the tenant itself); keys are scoped to it
 
 
 
-# The insert's columns by name, in the order the submit queries number their parameters ($1..$16, `p_<name> => $n`
+# The insert's columns by name, in the order the submit queries number their parameters ($1..$19, `p_<name> => $n`
 # in sql/queries/submit.sql; test_submit_batch checks that the two agree): the one place a field meets its column.
 COLUMNS: dict[str, Callable[[NewTask], object]] = {
     "id": lambda t: t.id,
@@ -78,6 +79,7 @@ COLUMNS: dict[str, Callable[[NewTask], object]] = {
     "trace_context": lambda t: t.trace_context,
     "start_after": lambda t: t.start_after,
     "max_queue_seconds": lambda t: t.max_queue_seconds,
+    "end_user": lambda t: t.end_user,
 }
 
 
@@ -189,20 +191,24 @@ class Slot:
 
 
 async def take_rate_slots(
-    db: Conn, tenant: str, *, per_minute: int, keys: Sequence[str], within: float | None = None
+    db: Conn, tenant: str, *, per_minute: int, keys: Sequence[str], end_users: Sequence[str] | None = None,
+    within: float | None = None,
 ) -> list[Slot]:
-    """Counts submissions (one per idempotency key given, '' for none) in the tenant's minute window, in one round
-    trip; a key that already names a task takes none."""
-    rows = await db.fetch(sql.query("submit_take_rate_slots"), tenant, per_minute, list(keys), timeout=within)
+    """Counts submissions (one per idempotency key given, '' for none, each of its end user: '' the tenant) in the
+    tenant's minute window, in one round trip; a key that already names a task of that end user takes none."""
+    eus = list(end_users) if end_users is not None else [""] * len(keys)
+    rows = await db.fetch(sql.query("submit_take_rate_slots"), tenant, per_minute, list(keys), eus, timeout=within)
     return [
         Slot(float(r["retry_after"]) if r["retry_after"] is not None else None, r["replay"])
         for r in rows
     ]
 
 
-async def task_by_key(db: Conn, tenant: str, key: str, *, within: float | None = None) -> TaskRow | None:
-    """The tenant's task holding idempotency key `key`, or None."""
-    rec = await db.fetchrow(sql.query("submit_task_by_key"), tenant, key, timeout=within)
+async def task_by_key(
+    db: Conn, tenant: str, key: str, *, end_user: str = "", within: float | None = None
+) -> TaskRow | None:
+    """The task holding idempotency key `key` for the tenant's `end_user` ('': the tenant itself), or None."""
+    rec = await db.fetchrow(sql.query("submit_task_by_key"), tenant, key, end_user, timeout=within)
     return None if rec is None else TaskRow.from_record(rec)
 
 

@@ -34,6 +34,7 @@ def message(event: Event) -> task_pb2.TaskEvent:
         reason=event.reason or "",
         actor=event.actor,
         event_id=event.id,
+        end_user=event.end_user,
     )
     if event.from_status is not None:
         msg.from_status = event.from_status.to_proto()

@@ -145,6 +145,7 @@ class SubmitTaskRequest(_message.Message):
     IMAGE_FIELD_NUMBER: _builtins.int
     START_AFTER_FIELD_NUMBER: _builtins.int
     MAX_QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
+    END_USER_FIELD_NUMBER: _builtins.int
     task_type: _builtins.str
     """default "text-to-video" """
     model_id: _builtins.str
@@ -158,6 +159,11 @@ class SubmitTaskRequest(_message.Message):
     max_queue_seconds: _builtins.float
     """The queue's TTL: a task no worker took within this many seconds (counted from start_after when later) ends
     TIMEOUT with error_code QUEUE_TTL_EXPIRED instead of running late. Unset: no TTL of its own.
+    """
+    end_user: _builtins.str
+    """The caller's own user this task is for: an opaque id of at most 128 bytes (UTF-8, printable). Its limits
+    (max_pending_per_end_user, submissions per minute), idempotency keys, fair share and usage are its own, inside
+    the tenant's. Empty: the tenant itself.
     """
     @_builtins.property
     def params(self) -> _task_pb2.VideoParams: ...
@@ -191,10 +197,11 @@ class SubmitTaskRequest(_message.Message):
         image: Global___ImageInput | None = ...,
         start_after: _timestamp_pb2.Timestamp | None = ...,
         max_queue_seconds: _builtins.float | None = ...,
+        end_user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds", "_max_retries", b"_max_retries", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "params", b"params", "start_after", b"start_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds", "_max_retries", b"_max_retries", "callback_events", b"callback_events", "callback_url", b"callback_url", "idempotency_key", b"idempotency_key", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "prompt", b"prompt", "start_after", b"start_after", "task_type", b"task_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds", "_max_retries", b"_max_retries", "callback_events", b"callback_events", "callback_url", b"callback_url", "end_user", b"end_user", "idempotency_key", b"idempotency_key", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "prompt", b"prompt", "start_after", b"start_after", "task_type", b"task_type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_queue_seconds: _TypeAlias = _typing.Literal["max_queue_seconds"]  # noqa: Y015
     _WhichOneofArgType__max_queue_seconds: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds"]  # noqa: Y015

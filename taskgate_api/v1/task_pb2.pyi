@@ -319,6 +319,7 @@ class Task(_message.Message):
     START_AFTER_FIELD_NUMBER: _builtins.int
     MAX_QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
     QUEUE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    END_USER_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """64-bit time-ordered id, decimal"""
     user_id: _builtins.str
@@ -347,6 +348,8 @@ class Task(_message.Message):
     """the FAILED or TIMEOUT task an operator replayed as this one (RequeueTasks replay_finished)"""
     max_queue_seconds: _builtins.float
     """asked for at submission: the queue's TTL (0: none)"""
+    end_user: _builtins.str
+    """the tenant's own user it was submitted for (empty: the tenant itself)"""
     @_builtins.property
     def params(self) -> Global___VideoParams: ...
     @_builtins.property
@@ -429,10 +432,11 @@ class Task(_message.Message):
         start_after: _timestamp_pb2.Timestamp | None = ...,
         max_queue_seconds: _builtins.float = ...,
         queue_expires_at: _timestamp_pb2.Timestamp | None = ...,
+        end_user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "image", b"image", "params", b"params", "queue_expires_at", b"queue_expires_at", "queued_at", b"queued_at", "result", b"result", "start_after", b"start_after", "started_at", b"started_at", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_expires_at", b"queue_expires_at", "queue_position", b"queue_position", "queued_at", b"queued_at", "replay_of", b"replay_of", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "start_after", b"start_after", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "usage", b"usage", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "end_user", b"end_user", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_expires_at", b"queue_expires_at", "queue_position", b"queue_position", "queued_at", b"queued_at", "replay_of", b"replay_of", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "start_after", b"start_after", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "usage", b"usage", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -488,6 +492,7 @@ class TaskEvent(_message.Message):
     MODEL_ID_FIELD_NUMBER: _builtins.int
     ESTIMATED_START_FIELD_NUMBER: _builtins.int
     ESTIMATED_FINISH_FIELD_NUMBER: _builtins.int
+    END_USER_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     user_id: _builtins.str
     version: _builtins.int
@@ -503,6 +508,8 @@ class TaskEvent(_message.Message):
     event_id: _builtins.int
     """global, increasing; the WatchTasks cursor"""
     model_id: _builtins.str
+    end_user: _builtins.str
+    """the task's end user (empty: the tenant itself)"""
     @_builtins.property
     def at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -534,10 +541,11 @@ class TaskEvent(_message.Message):
         model_id: _builtins.str = ...,
         estimated_start: _timestamp_pb2.Timestamp | None = ...,
         estimated_finish: _timestamp_pb2.Timestamp | None = ...,
+        end_user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "at", b"at", "attempt", b"attempt", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "event_id", b"event_id", "from_status", b"from_status", "model_id", b"model_id", "progress", b"progress", "reason", b"reason", "result", b"result", "task_id", b"task_id", "to_status", b"to_status", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "at", b"at", "attempt", b"attempt", "end_user", b"end_user", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "event_id", b"event_id", "from_status", b"from_status", "model_id", b"model_id", "progress", b"progress", "reason", b"reason", "result", b"result", "task_id", b"task_id", "to_status", b"to_status", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -55,6 +55,7 @@ def print_task(out: Output, task: Task) -> None:
             ("task type", task.task_type if task.image is not None else ""),
             ("image", f"{task.image.width}x{task.image.height}, sha256 {task.image.sha256[:16]}…" if task.image else ""),
             ("prompt", short(task.prompt, 80)),
+            ("end user", task.end_user),
             ("priority", task.priority),
             ("attempt", task.attempt or ""),
             ("created", task.created_at),

@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--negative-prompt", default="")
     p.add_argument("--priority", choices=["low", "normal", "high"], default="normal")
     p.add_argument("--idempotency-key", help="same key + same request returns the existing task (default: a new uuid)")
+    p.add_argument("--end-user", metavar="ID",
+                   help="your own user the task is for (opaque, at most 128 bytes): its own limits, keys and usage")
     p.add_argument("--callback-url", help="webhook URL for terminal events")
     p.add_argument("--callback-event", action="append", default=[], choices=["CANCELED", "PROGRESS"], help="extra webhook events")
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")

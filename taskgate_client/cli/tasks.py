@@ -141,6 +141,7 @@ async def cmd_submit(client: AsyncTaskgateClient, args: argparse.Namespace, out:
         image=image,
         start_after=args.start_after,
         max_queue_seconds=args.max_queue_seconds,
+        end_user=args.end_user,
     )
     return await _submitted(client, out, task, args)
 

@@ -53,20 +53,20 @@ CREATE OR REPLACE FUNCTION insert_tasks(
     p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[],
     p_trace_context jsonb[], p_start_after timestamptz[] DEFAULT NULL, p_max_queue_seconds float8[] DEFAULT NULL,
     p_admit boolean[] DEFAULT NULL, p_replay_of bigint[] DEFAULT NULL,
-    p_gpu_reserved float8[] DEFAULT NULL, p_budget_day date[] DEFAULT NULL
+    p_gpu_reserved float8[] DEFAULT NULL, p_budget_day date[] DEFAULT NULL, p_end_user text[] DEFAULT NULL
 ) RETURNS SETOF task
 LANGUAGE sql VOLATILE AS $$
     INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
                       request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
                       callback_status, last_actor, trace_context, replay_of, gpu_reserved, budget_day,
-                      start_after, not_before, max_queue_seconds, queue_expires_at)
+                      start_after, not_before, max_queue_seconds, queue_expires_at, end_user)
     SELECT i.id, i.user_id, i.idempotency_key, i.idempotency_derived, i.request_hash, i.task_type, i.model_id, i.prompt,
            i.request_payload, i.metadata, i.priority, i.queue_name, i.max_retries, i.callback_url,
            coalesce(string_to_array(nullif(i.callback_events, ''), ','), '{}'),
            CASE WHEN i.callback_url IS NULL THEN 'NONE' ELSE 'PENDING' END, 'submit', i.trace_context, i.replay_of,
            coalesce(i.gpu_reserved, 0), i.budget_day,
            i.start_after, CASE WHEN i.start_after > now() THEN i.start_after END, i.max_queue_seconds,
-           greatest(now(), i.start_after) + make_interval(secs => i.max_queue_seconds)
+           greatest(now(), i.start_after) + make_interval(secs => i.max_queue_seconds), coalesce(i.end_user, '')
     FROM unnest(p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type, p_model_id,
                 p_prompt, p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries, p_callback_url,
                 p_callback_events, p_trace_context,
@@ -75,12 +75,13 @@ LANGUAGE sql VOLATILE AS $$
                 coalesce(p_admit, array_fill(true, ARRAY[cardinality(p_id)])),
                 coalesce(p_replay_of, array_fill(NULL::bigint, ARRAY[cardinality(p_id)])),
                 coalesce(p_gpu_reserved, array_fill(NULL::float8, ARRAY[cardinality(p_id)])),
-                coalesce(p_budget_day, array_fill(NULL::date, ARRAY[cardinality(p_id)])))
+                coalesce(p_budget_day, array_fill(NULL::date, ARRAY[cardinality(p_id)])),
+                coalesce(p_end_user, array_fill(''::text, ARRAY[cardinality(p_id)])))
          AS i(id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
               request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
-              trace_context, start_after, max_queue_seconds, admit, replay_of, gpu_reserved, budget_day)
+              trace_context, start_after, max_queue_seconds, admit, replay_of, gpu_reserved, budget_day, end_user)
     WHERE i.admit
-    ON CONFLICT (user_id, idempotency_key) DO NOTHING
+    ON CONFLICT (user_id, end_user, idempotency_key) DO NOTHING
     RETURNING *;
 $$;
 
@@ -103,7 +104,8 @@ CREATE OR REPLACE FUNCTION submit_tasks(
     p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[],
     p_trace_context jsonb[], p_start_after timestamptz[], p_max_queue_seconds float8[], p_per_minute integer[],
     p_default_max_pending integer, p_gpu_estimate float8[] DEFAULT NULL,
-    p_history_seconds float8 DEFAULT 86400, p_history_runs integer DEFAULT 20, p_now timestamptz DEFAULT NULL
+    p_history_seconds float8 DEFAULT 86400, p_history_runs integer DEFAULT 20, p_now timestamptz DEFAULT NULL,
+    p_end_user text[] DEFAULT NULL
 )
 RETURNS TABLE (ord integer, outcome text, retry_after float8, pending_limit integer, budget_window text,
                budget_left float8, gpu_estimate float8, task_row task)
@@ -121,6 +123,7 @@ DECLARE
     month_left float8[];
     pending_left bigint[];
     v_n integer := cardinality(p_id);
+    v_end_user text[] := coalesce(p_end_user, array_fill(''::text, ARRAY[cardinality(p_id)]));  -- '': the tenant
     v_t integer;
     v_owner integer;
     v_est float8;
@@ -141,16 +144,18 @@ DECLARE
 BEGIN
     -- 0. the items that still need a rate slot and whose key already names a task: replays, which take none
     SELECT array_agg(i.per_minute IS NOT NULL
-                     AND EXISTS (SELECT 1 FROM task e WHERE e.user_id = i.user_id AND e.idempotency_key = i.key)
+                     AND EXISTS (SELECT 1 FROM task e WHERE e.user_id = i.user_id AND e.end_user = i.end_user
+                                                        AND e.idempotency_key = i.key)
                      ORDER BY i.ord)
     INTO seen
-    FROM unnest(p_user_id, p_idempotency_key, p_per_minute) WITH ORDINALITY i(user_id, key, per_minute, ord);
+    FROM unnest(p_user_id, v_end_user, p_idempotency_key, p_per_minute) WITH ORDINALITY i(user_id, end_user, key, per_minute, ord);
 
     -- 1. rate slots: each tenant's new keys in array order take what is left of its minute window
     FOR r IN
         SELECT c.user_id AS tenant, count(*)::integer AS n, min(c.per_minute) AS per_minute
-        FROM (SELECT DISTINCT ON (i.user_id, i.key) i.user_id, i.per_minute
-              FROM unnest(p_user_id, p_idempotency_key, p_per_minute, seen) i(user_id, key, per_minute, seen)
+        FROM (SELECT DISTINCT ON (i.user_id, i.end_user, i.key) i.user_id, i.per_minute
+              FROM unnest(p_user_id, v_end_user, p_idempotency_key, p_per_minute, seen)
+                   i(user_id, end_user, key, per_minute, seen)
               WHERE i.per_minute IS NOT NULL AND NOT i.seen) c
         GROUP BY c.user_id ORDER BY c.user_id
     LOOP
@@ -177,28 +182,28 @@ BEGIN
 
     -- 3. each item's verdict: key already used, rate slot, tenant, then the pending limit over the batch's new keys
     WITH raw AS (
-        SELECT i.id, i.user_id, i.key, i.ord, i.per_minute, i.seen
-        FROM unnest(p_id, p_user_id, p_idempotency_key, p_per_minute, seen)
-             WITH ORDINALITY i(id, user_id, key, per_minute, seen, ord)
+        SELECT i.id, i.user_id, i.end_user, i.key, i.ord, i.per_minute, i.seen
+        FROM unnest(p_id, p_user_id, v_end_user, p_idempotency_key, p_per_minute, seen)
+             WITH ORDINALITY i(id, user_id, end_user, key, per_minute, seen, ord)
     ), counted AS (  -- the items step 1 counted (each new key's first copy), ranked per tenant
-        SELECT c.user_id, c.key, row_number() OVER (PARTITION BY c.user_id ORDER BY c.ord) AS rank
-        FROM (SELECT raw.*, row_number() OVER (PARTITION BY raw.user_id, raw.key ORDER BY raw.ord) AS nth
+        SELECT c.user_id, c.end_user, c.key, row_number() OVER (PARTITION BY c.user_id ORDER BY c.ord) AS rank
+        FROM (SELECT raw.*, row_number() OVER (PARTITION BY raw.user_id, raw.end_user, raw.key ORDER BY raw.ord) AS nth
               FROM raw WHERE raw.per_minute IS NOT NULL AND NOT raw.seen) c
         WHERE c.nth = 1
     ), item AS (
-        SELECT raw.id, raw.user_id, raw.key, raw.ord,
+        SELECT raw.id, raw.user_id, raw.end_user, raw.key, raw.ord,
                raw.per_minute IS NULL OR raw.seen OR cn.rank <= coalesce(s.n, 0) AS slotted
         FROM raw
-        LEFT JOIN counted cn ON cn.user_id = raw.user_id AND cn.key = raw.key
+        LEFT JOIN counted cn ON cn.user_id = raw.user_id AND cn.end_user = raw.end_user AND cn.key = raw.key
         LEFT JOIN unnest(slot_tenants, slot_counts) s(tenant, n) ON s.tenant = raw.user_id
     ), known AS (
         SELECT item.*, l.lim, l.pending, e.id AS existing_id
         FROM item
         LEFT JOIN unnest(tenants, limits, pendings) l(tenant, lim, pending) ON l.tenant = item.user_id
-        LEFT JOIN task e ON e.user_id = item.user_id AND e.idempotency_key = item.key
+        LEFT JOIN task e ON e.user_id = item.user_id AND e.end_user = item.end_user AND e.idempotency_key = item.key
     ), owner AS (  -- the first copy of each new key, ranked among its tenant's new keys
-        SELECT c.user_id, c.key, c.id, row_number() OVER (PARTITION BY c.user_id ORDER BY c.ord) AS rank
-        FROM (SELECT k.*, row_number() OVER (PARTITION BY k.user_id, k.key ORDER BY k.ord) AS nth
+        SELECT c.user_id, c.end_user, c.key, c.id, row_number() OVER (PARTITION BY c.user_id ORDER BY c.ord) AS rank
+        FROM (SELECT k.*, row_number() OVER (PARTITION BY k.user_id, k.end_user, k.key ORDER BY k.ord) AS nth
               FROM known k WHERE k.slotted AND k.lim IS NOT NULL AND k.existing_id IS NULL) c
         WHERE c.nth = 1
     )
@@ -210,7 +215,7 @@ BEGIN
                           ELSE 'copy' END ORDER BY k.ord),
            array_agg(coalesce(k.existing_id, o.id) ORDER BY k.ord)
     INTO v_outcomes, v_refs
-    FROM known k LEFT JOIN owner o ON o.user_id = k.user_id AND o.key = k.key;
+    FROM known k LEFT JOIN owner o ON o.user_id = k.user_id AND o.end_user = k.end_user AND o.key = k.key;
 
     -- 3b. budgets: the verdicts of a budgeted tenant's items again, one by one in array order, so that an item refused
     -- for its budget takes neither a pending place nor GPU-seconds from the items after it; a later copy of a key
@@ -291,7 +296,8 @@ BEGIN
                       FROM unnest(v_outcomes, v_estimates) WITH ORDINALITY v(o, e, k) ORDER BY k) END,
             CASE WHEN v_estimates IS NOT NULL THEN
                 ARRAY(SELECT CASE WHEN o = 'admit' AND e IS NOT NULL THEN v_day END
-                      FROM unnest(v_outcomes, v_estimates) WITH ORDINALITY v(o, e, k) ORDER BY k) END)
+                      FROM unnest(v_outcomes, v_estimates) WITH ORDINALITY v(o, e, k) ORDER BY k) END,
+            v_end_user)
     ), charged AS (
         INSERT INTO budget_charge AS c (tenant_id, day, seconds)
         SELECT ins.user_id, ins.budget_day, sum(ins.gpu_reserved) FROM ins WHERE ins.budget_day IS NOT NULL
@@ -314,9 +320,11 @@ BEGIN
            CASE WHEN i.outcome = 'quota_exceeded' THEN v_estimates[i.ord::integer] END,
            CASE WHEN i.outcome IN ('admit', 'copy', 'existing') THEN
                coalesce((SELECT t FROM task t WHERE t.id = i.ref),
-                        (SELECT t FROM task t WHERE t.user_id = i.user_id AND t.idempotency_key = i.key))
+                        (SELECT t FROM task t WHERE t.user_id = i.user_id AND t.end_user = i.end_user
+                                                AND t.idempotency_key = i.key))
            END
-    FROM unnest(p_user_id, p_idempotency_key, v_outcomes, v_refs) WITH ORDINALITY i(user_id, key, outcome, ref, ord)
+    FROM unnest(p_user_id, v_end_user, p_idempotency_key, v_outcomes, v_refs)
+         WITH ORDINALITY i(user_id, end_user, key, outcome, ref, ord)
     LEFT JOIN unnest(tenants, limits) l(tenant, lim) ON l.tenant = i.user_id
     ORDER BY i.ord;
 END;

@@ -18,17 +18,17 @@ BEGIN
         WITH pairs AS MATERIALIZED (
             SELECT n.id, n.user_id, n.model_id, n.version, o.version AS old_version, o.status AS old_status, n.status,
                    n.last_actor, n.last_reason, n.progress, n.attempt, n.worker_id, n.error_code, n.error_msg,
-                   n.result_uri, n.result_size, n.result_sha256, n.result_content_type,
+                   n.result_uri, n.result_size, n.result_sha256, n.result_content_type, n.end_user,
                    task_holds_pending(n.status, n.lease_expires_at)::int
                        - task_holds_pending(o.status, o.lease_expires_at)::int AS pending_delta
             FROM old_rows o JOIN new_rows n ON n.id = o.id
         ), events AS (
             INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason,
                                     progress, attempt, worker_id, error_code, error_msg, result_uri, result_size,
-                                    result_sha256, result_content_type)
+                                    result_sha256, result_content_type, end_user)
             SELECT p.id, p.user_id, p.model_id, p.version, p.old_status, p.status, p.last_actor, p.last_reason,
                    p.progress, p.attempt, p.worker_id, p.error_code, p.error_msg, p.result_uri, p.result_size,
-                   p.result_sha256, p.result_content_type
+                   p.result_sha256, p.result_content_type, p.end_user
             FROM pairs p
             WHERE p.version = p.old_version + 1  -- every changed version, once the checks below have passed
             ORDER BY p.id
@@ -66,10 +66,10 @@ BEGIN
         WITH events AS (
             INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_status, actor, reason, progress,
                                     attempt, worker_id, error_code, error_msg, result_uri, result_size, result_sha256,
-                                    result_content_type)
+                                    result_content_type, end_user)
             SELECT n.id, n.user_id, n.model_id, n.version, NULL, n.status, n.last_actor, n.last_reason, n.progress,
                    n.attempt, n.worker_id, n.error_code, n.error_msg, n.result_uri, n.result_size, n.result_sha256,
-                   n.result_content_type
+                   n.result_content_type, n.end_user
             FROM new_rows n
             ORDER BY n.id
             RETURNING id

@@ -228,14 +228,15 @@ FOR UPDATE OF t SKIP LOCKED;
 -- name: admin_replay_tasks
 -- Replays of FAILED or TIMEOUT tasks: new tasks in CREATED, each naming its source, inserted by the one author of
 -- task rows (functions/submit_fast_path.sql) without the tenants' rate and pending limits (an operator's act), and
--- each source's dead letter (if it has one) given its replay, in one statement. $1..$18 the columns as for
--- submit_insert_tasks, $19 the source task ids. No row for an item whose idempotency key is taken.
+-- each source's dead letter (if it has one) given its replay, in one statement. $1..$19 the columns as for
+-- submit_insert_tasks, $20 the source task ids. No row for an item whose idempotency key is taken.
 WITH made AS MATERIALIZED (
     SELECT * FROM insert_tasks(
         p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
         p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
         p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
-        p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18, p_replay_of => $19)
+        p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18, p_end_user => $19,
+        p_replay_of => $20)
 ), linked AS (
     UPDATE dead_letter d SET replayed_as = m.id, replayed_at = now()
     FROM made m WHERE d.task_id = m.replay_of

@@ -4,11 +4,11 @@
 -- Counts submissions in the tenant's minute window, as far as it has room, in one statement; one whose idempotency
 -- key already names a task of the tenant (a replay) takes no slot. $1 tenant, $2 allowed per minute, $3 each
 -- submission's key ('': none given). One row per submission, in order: replay, and retry_after (NULL when counted
--- or a replay).
+-- or a replay). $4 each submission's end user ('': the tenant), whose keys are its own.
 WITH item AS (
     SELECT k.ord, e.id IS NOT NULL AS replay
-    FROM unnest($3::text[]) WITH ORDINALITY k(key, ord)
-    LEFT JOIN task e ON k.key <> '' AND e.user_id = $1 AND e.idempotency_key = k.key
+    FROM unnest($3::text[], $4::text[]) WITH ORDINALITY k(key, end_user, ord)
+    LEFT JOIN task e ON k.key <> '' AND e.user_id = $1 AND e.end_user = k.end_user AND e.idempotency_key = k.key
 ), fresh AS (
     SELECT item.ord, row_number() OVER (ORDER BY item.ord) AS n FROM item WHERE NOT item.replay
 ), slots AS (
@@ -21,27 +21,27 @@ ORDER BY item.ord;
 
 -- name: submit_insert_tasks
 -- New tasks in CREATED without the limits (functions/submit_fast_path.sql): test rows. No row for an item whose
--- idempotency key is taken. $1..$18 the columns, one array element per task (submissions.NewTask.COLUMNS).
+-- idempotency key is taken. $1..$19 the columns, one array element per task (submissions.NewTask.COLUMNS).
 SELECT * FROM insert_tasks(
     p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
     p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
     p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
-    p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18);
+    p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18, p_end_user => $19);
 
 -- name: submit_tasks
 -- A batch of submissions in one round trip (functions/submit_fast_path.sql): rate slots, tenant locks, idempotent
--- lookups, pending limits, budgets, one insert. $1..$18 the columns as for submit_insert_tasks, $19 each item's
--- per-minute limit (NULL: its slot is already taken), $20 default max pending, $21 each item's model's GPU-seconds
--- estimate without history, $22 and $23 the history an estimate reads (seconds, runs), $24 the budgets' clock (NULL:
+-- lookups, pending limits, budgets, one insert. $1..$19 the columns as for submit_insert_tasks, $20 each item's
+-- per-minute limit (NULL: its slot is already taken), $21 default max pending, $22 each item's model's GPU-seconds
+-- estimate without history, $23 and $24 the history an estimate reads (seconds, runs), $25 the budgets' clock (NULL:
 -- now). One row per item, in order.
 SELECT f.ord, f.outcome, f.retry_after, f.pending_limit, f.budget_window, f.budget_left, f.gpu_estimate, (f.task_row).*
 FROM submit_tasks(
     p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
     p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
     p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
-    p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18, p_per_minute => $19,
-    p_default_max_pending => $20, p_gpu_estimate => $21, p_history_seconds => $22, p_history_runs => $23,
-    p_now => $24) f;
+    p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18, p_end_user => $19,
+    p_per_minute => $20, p_default_max_pending => $21, p_gpu_estimate => $22, p_history_seconds => $23,
+    p_history_runs => $24, p_now => $25) f;
 
 -- name: submit_queue_created
 -- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (history: one trigger run for the pass).
@@ -92,5 +92,6 @@ UPDATE task_input SET last_used_at = now() WHERE user_id = $1 AND sha256 = $2
 RETURNING *;
 
 -- name: submit_task_by_key
--- The tenant's task holding an idempotency key, if any (the request a refusal must not hide). $1 user, $2 key.
-SELECT * FROM task WHERE user_id = $1 AND idempotency_key = $2;
+-- The tenant's task holding an idempotency key for one of its end users, if any (the request a refusal must not
+-- hide). $1 user, $2 key, $3 end user ('': the tenant).
+SELECT * FROM task WHERE user_id = $1 AND end_user = $3 AND idempotency_key = $2;
