@@ -212,6 +212,9 @@ class Settings(BaseSettings):
     http_admin_target: str | None = Field(
         default=None, description="gRPC target of TaskAdmin for the HTTP service (dashboard); default: grpc_host:scheduler_port."
     )
+    http_json_max_depth: int = Field(
+        default=32, ge=2, le=500, description="HTTP service: how deep a JSON request body may nest (deeper: 400 on body)."
+    )
     http_call_timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of each gRPC call the HTTP service makes.")
     http_shutdown_grace_seconds: float = Field(default=5.0, ge=0, description="SIGTERM: time open HTTP requests get to finish.")
     tls_cert_file: Path | None = Field(default=None, description="Server certificate (PEM); enables TLS.")

@@ -30,6 +30,7 @@ from starlette.routing import BaseRoute, Route
 from taskgate.config import Settings
 from taskgate_api.v1 import events_pb2, gateway_pb2, task_pb2
 
+from .inputs import BadInput, integer, json_body
 from .upstream import Upstream, credentials, error_response, invalid, rpc_error_response, status_code_of, to_json
 
 log = logging.getLogger("taskgate.http")
@@ -38,7 +39,7 @@ POLL_HEADER = "x-suggested-poll-interval"  # seconds until the next GET is worth
 RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL})
 UPLOAD_PART = 1024 * 1024
 MAX_RESUMES = 20  # upstream drops in a row an SSE stream rides out (about 30 s of backoff) before it ends with an error
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
 
 
 class BodyTooLarge(Exception):
@@ -136,11 +137,11 @@ class Api:
         if not raw.strip() and optional:
             return message
         try:
-            data = json.loads(raw)
+            data = json_body(raw, self.settings.http_json_max_depth)
             if not isinstance(data, dict):
                 raise ValueError("must be a JSON object")
             json_format.ParseDict(data, message)
-        except (ValueError, json_format.ParseError) as exc:
+        except (ValueError, RecursionError, json_format.ParseError) as exc:
             raise _Answer(invalid([("body", str(exc) or "not valid JSON")])) from None
         return message
 
@@ -204,9 +205,9 @@ class Api:
                     req.statuses.append(value)  # type: ignore[arg-type]
         if "page_size" in query:
             try:
-                req.page_size = int(query["page_size"])
-            except ValueError:
-                bad.append(("page_size", "must be an integer"))
+                req.page_size = integer(query["page_size"], "page_size", high=2**31 - 1)
+            except BadInput as exc:
+                bad.append((exc.field, exc.description))
         for name in ("created_after", "created_before"):
             if name in query:
                 moment = _when(query[name])
@@ -289,10 +290,14 @@ class Api:
             if match is None or (not first_byte and not last_byte):
                 call.cancel()
                 return Response(status_code=416, headers={"content-range": f"bytes */{size}"})
-            if first_byte:
-                start, end = int(first_byte), min(int(last_byte), size - 1) if last_byte else size - 1
-            else:  # the last N bytes
-                start, end = max(size - int(last_byte), 0), size - 1
+            try:
+                if first_byte:
+                    start = integer(first_byte, "Range")
+                    end = min(integer(last_byte, "Range"), size - 1) if last_byte else size - 1
+                else:  # the last N bytes
+                    start, end = max(size - integer(last_byte, "Range"), 0), size - 1
+            except BadInput:
+                start, end = 1, 0  # past any int64 offset: unsatisfiable
             if start > end or start >= size:
                 call.cancel()
                 return Response(status_code=416, headers={"content-range": f"bytes */{size}"})
@@ -346,11 +351,13 @@ class Api:
     async def task_events(self, request: Request) -> Response:
         """WatchTask as SSE: the snapshot (event `snapshot`), then each transition (event `transition`), id = version."""
         task_id = request.path_params["task_id"]
-        after = request.headers.get("last-event-id") or request.query_params.get("after_version") or "0"
-        if not after.isdigit() or int(after) >= 2**63:
-            return invalid([("Last-Event-ID", "must be a version this stream sent (a non-negative integer)")])
+        header = request.headers.get("last-event-id")
+        name, after = ("Last-Event-ID", header) if header else ("after_version", request.query_params.get("after_version") or "0")
+        try:
+            last = integer(after, name)
+        except BadInput as exc:
+            return invalid([(exc.field, f"must be a version this stream sent: {exc.description}")])
         md = credentials(request)
-        last = int(after)
 
         def open_stream(since: int) -> Any:
             return self.upstream.events.WatchTask(events_pb2.WatchTaskRequest(task_id=task_id, after_version=since), metadata=md)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import secrets
 import time
@@ -37,6 +36,7 @@ from taskgate.config import Settings
 from taskgate_api.v1 import admin_pb2, task_pb2, worker_pb2, worker_pb2_grpc
 
 from . import dashboard_page
+from .inputs import BadInput, integer, json_body
 from .upstream import Upstream
 
 log = logging.getLogger("taskgate.http.dashboard")
@@ -361,6 +361,14 @@ def _is_key(value: str) -> bool:
     return 0 < len(value) <= KEY_CHARS and value.isascii() and value.isprintable()
 
 
+def _is_task_id(value: object) -> bool:
+    """A task id as the gateway spells one: ASCII digits, within int64."""
+    try:
+        return isinstance(value, str) and integer(value, "task_id") >= 0
+    except BadInput:
+        return False
+
+
 async def _body(request: Request) -> bytes:
     received = bytearray()
     async for chunk in request.stream():
@@ -566,13 +574,13 @@ class Dashboard:
             return self._json({"ok": False, "message": "no such action"}, 404)
         handler, field_name = actions[request.path_params["action"]]
         try:
-            body = json.loads(await _body(request))
+            body = json_body(await _body(request), self.settings.http_json_max_depth)
         except Refused as refused:
             return refused.response
-        except ValueError:
-            body = None
+        except BadInput as exc:
+            return self._json({"ok": False, "message": f"{exc.field}: {exc.description}"}, 400)
         target = body.get(field_name) if isinstance(body, dict) else None
-        if field_name == "task_id" and (not isinstance(target, str) or not target.isdecimal() or len(target) > 20):
+        if field_name == "task_id" and not _is_task_id(target):
             return self._json({"ok": False, "message": "task_id: a task id (decimal digits) is required"}, 400)
         if field_name == "worker_id" and (not isinstance(target, str) or not 0 < len(target) <= 256 or not target.isprintable()):
             return self._json({"ok": False, "message": "worker_id: a worker id is required"}, 400)
