@@ -19,7 +19,7 @@ import asyncpg
 import grpc
 
 from taskgate import errors
-from taskgate.listen import Listener
+from taskgate.listen import Handler, Listener
 from taskgate.sealing import Sealer
 from taskgate.store import admins, tenants
 from taskgate.store.admins import Admin as Admin  # re-exported: TaskAdmin names its caller taskgate.auth.Admin
@@ -181,9 +181,10 @@ class Authenticator:
         self._generation = 0  # counts revocations: a lookup that began before one does not cache its answer
         self._rechecks: set[asyncio.Task[None]] = set()
 
-    def listener(self, dsn: str) -> Listener:
-        """A listener of key revocations for this authenticator (run it as a task for the service's life)."""
-        return Listener(dsn, {REVOKED_CHANNEL: self.revoked})
+    def listener(self, dsn: str, also: dict[str, Handler] | None = None) -> Listener:
+        """A listener of key revocations for this authenticator (run it as a task for the service's life), and of the
+        channels in `also` on the same connection."""
+        return Listener(dsn, {REVOKED_CHANNEL: self.revoked, **(also or {})})
 
     def revoked(self, digest: str | None) -> None:
         """A key was revoked (its hash), or (None) revocations may have been missed: forget what is cached, end the

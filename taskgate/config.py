@@ -274,6 +274,10 @@ class Settings(BaseSettings):
         default_factory=dict, description="Model registry as JSON; default: wan-tiny and ltx-i2v-tiny under state_dir."
     )
     result_cache_size: int = Field(default=10000, ge=0, description="Terminal tasks kept in the submit service's cache.")
+    result_cache_seconds: float = Field(
+        default=300.0, gt=0,
+        description="How long the submit service's cache keeps a terminal task (deletions also reach it by NOTIFY).",
+    )
     max_fps: int = Field(default=60, ge=1, description="Largest frames-per-second a request may ask for.")
     max_task_retries: int = Field(default=10, ge=0, description="Largest max_retries a request may ask for.")
     max_start_delay_seconds: float = Field(

@@ -33,7 +33,7 @@ from taskgate_api import reasons
 from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 
 from .batching import MAX_BATCH, Submitter, deadline_exceeded
-from .cache import TerminalCache
+from .cache import FORGOTTEN_CHANNEL, TerminalCache
 from .inputs import InputImages
 from .ratelimit import quota_exceeded, rate_limited, too_many_pending
 from .validation import (
@@ -87,10 +87,11 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             backends.pool, settings.api_key_pepper, settings.api_key_cache_seconds, throttle=Throttle.of(settings),
             service="submit",
         )
-        self.revocations = self._auth.listener(backends.database_url)
+        self._cache = TerminalCache(settings.result_cache_size, settings.result_cache_seconds)
+        # one connection hears revoked keys and forgotten tasks (deleted, or their output expired)
+        self.revocations = self._auth.listener(backends.database_url, {FORGOTTEN_CHANNEL: self._cache.forget})
         self._pages = paging.Pager(settings.api_key_pepper)
         self._sealer = Sealer.of(settings)
-        self._cache = TerminalCache(settings.result_cache_size)
         self._results = result_store(settings, backends.bus)
         self.inputs = InputImages(backends.pool, self._results, settings)
         self.ids = ids.LeasedIds(backends.pool, lease_seconds=settings.id_node_lease_seconds, fixed_node=settings.id_node)
