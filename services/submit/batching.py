@@ -55,7 +55,7 @@ class Batcher(Generic[In, Out]):
             async with asyncio.timeout_at(deadline):
                 results = await asyncio.gather(*futures, return_exceptions=True)
         except TimeoutError:
-            raise deadline_exceeded() from None
+            raise deadline_exceeded(maybe_admitted=True) from None  # its batch may be running, or have committed
         for result in results:
             if isinstance(result, asyncio.CancelledError):  # the batcher itself was stopped
                 raise result
@@ -99,9 +99,17 @@ class Batcher(Generic[In, Out]):
             self._queue.clear()
 
 
-def deadline_exceeded() -> errors.ApiError:
-    """DEADLINE_EXCEEDED for a call whose deadline passes before its submission was admitted."""
-    return errors.ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before its submission was admitted")
+NOT_ADMITTED = "the call's deadline passed before its submission joined a batch: this call admitted nothing; retry"
+MAYBE_ADMITTED = (
+    "the call's deadline passed while its submission was being admitted: it may have been admitted; "
+    "retry with the same idempotency key"
+)
+
+
+def deadline_exceeded(*, maybe_admitted: bool = False) -> errors.ApiError:
+    """DEADLINE_EXCEEDED saying only what is known: before a call joins a batch nothing of it was admitted; once its
+    batch's statement runs, the commit may land after the caller left (a retry with the key finds the task)."""
+    return errors.ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, MAYBE_ADMITTED if maybe_admitted else NOT_ADMITTED)
 
 
 class Submitter:
