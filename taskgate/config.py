@@ -258,8 +258,18 @@ class Settings(BaseSettings):
     )
 
     # Submission limits
-    max_pending_per_tenant: int = Field(default=3, ge=1, description="Unfinished tasks a tenant may hold.")
-    submits_per_minute: int = Field(default=30, ge=1, description="Submissions a tenant may make per minute.")
+    max_pending_per_tenant: int = Field(
+        default=100, ge=1, description="Unfinished tasks a tenant may hold, its end users' together."
+    )
+    submits_per_minute: int = Field(
+        default=600, ge=1, description="Submissions a tenant may make per minute, its end users' together."
+    )
+    max_pending_per_end_user: int = Field(
+        default=3, ge=1, description="Unfinished tasks one end user of a tenant may hold (inside the tenant's limit)."
+    )
+    submits_per_minute_per_end_user: int = Field(
+        default=30, ge=1, description="Submissions one end user of a tenant may make per minute (inside the tenant's)."
+    )
     tenant_calls_per_second: float = Field(
         default=200.0, ge=0, description="RPCs a tenant may make per second on each process (a token bucket); 0 = no limit."
     )

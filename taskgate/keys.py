@@ -94,6 +94,8 @@ async def tenant(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
             conn, args.tenant, max_pending=args.max_pending, submits_per_minute=args.submits_per_minute,
             max_priority=args.max_priority, share_weight=args.share_weight,
             gpu_seconds_per_day=args.gpu_seconds_per_day, gpu_seconds_per_month=args.gpu_seconds_per_month,
+            max_pending_per_end_user=args.max_pending_per_end_user,
+            submits_per_minute_per_end_user=args.submits_per_minute_per_end_user,
         )
     if changed is None:
         raise CliError(f"no tenant {args.tenant!r}", EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND], "create it with `taskgate-keys create`")
@@ -105,6 +107,8 @@ async def tenant(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
         "share_weight": changed.share_weight,
         "gpu_seconds_per_day": changed.gpu_seconds_per_day,
         "gpu_seconds_per_month": changed.gpu_seconds_per_month,
+        "max_pending_per_end_user": changed.max_pending_per_end_user,
+        "submits_per_minute_per_end_user": changed.submits_per_minute_per_end_user,
     }
     if out.json:
         out.document(doc)
@@ -230,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpu-seconds-per-day", type=_budget, metavar="N", help="the tenant's GPU-second budget per UTC day (0: none)")
     p.add_argument("--gpu-seconds-per-month", type=_budget, metavar="N", help="its budget per UTC month (0: none)")
+    p.add_argument("--max-pending-per-end-user", type=_positive, metavar="N",
+                   help="unfinished tasks each of the tenant's end users may hold (default: the global setting)")
+    p.add_argument("--submits-per-minute-per-end-user", type=_positive, metavar="N",
+                   help="submissions each of the tenant's end users may make per minute (default: the global setting)")
     p = add("revoke", revoke, "revoke keys by the prefix `list` shows")
     p.add_argument("prefix")
     add("list", list_keys, "list keys (prefixes only)")

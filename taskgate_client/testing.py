@@ -535,7 +535,7 @@ class FakeTaskgate:
             raise rpc_error(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"at most {self.max_pending} unfinished tasks per tenant; wait for one to finish",
-                _info(reasons.TOO_MANY_PENDING_TASKS, limit=str(self.max_pending)),
+                _info(reasons.TOO_MANY_PENDING_TASKS, limit=str(self.max_pending), scope="tenant"),
             )
         if self.gpu_seconds_per_day is not None:
             spent = self.gpu_seconds_per_task * sum(

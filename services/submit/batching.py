@@ -118,11 +118,12 @@ class Submitter:
 
     def __init__(
         self, pool: Conn, dispatcher: Dispatcher, *, default_max_pending: int, db_timeout: float,
-        history: submissions.History,
+        history: submissions.History, end_users: submissions.EndUserLimits,
     ) -> None:
         self._pool = pool
         self._dispatcher = dispatcher
         self._default_max_pending = default_max_pending
+        self._end_users = end_users
         self._db_timeout = db_timeout
         self._history = history
         self._admissions: Batcher[Candidate, Admission] = Batcher(self._admit, max_size=MAX_BATCH)
@@ -134,7 +135,8 @@ class Submitter:
 
     async def _admit(self, items: list[Candidate]) -> list[Admission]:
         admissions = await submissions.admit(
-            self._pool, items, default_max_pending=self._default_max_pending, history=self._history, within=self._db_timeout
+            self._pool, items, default_max_pending=self._default_max_pending, history=self._history,
+            end_users=self._end_users, within=self._db_timeout
         )
         self._dispatcher.hand(a.task for a in admissions if a.verdict is AdmitVerdict.CREATED and a.task is not None)
         return admissions

@@ -6,15 +6,22 @@ from taskgate import errors, telemetry
 from taskgate.store.submissions import Budget
 from taskgate_api import reasons
 
+# Which limit refused a submission (ErrorInfo metadata `scope`): the end user's own, or its tenant's in all.
+END_USER = "end_user"
+TENANT = "tenant"
 
-def rate_limited(per_minute: int, retry_after: float) -> errors.ApiError:
-    """RESOURCE_EXHAUSTED with RetryInfo for a tenant whose minute window is full."""
+
+def rate_limited(per_minute: int, retry_after: float, scope: str = TENANT) -> errors.ApiError:
+    """RESOURCE_EXHAUSTED with RetryInfo for an end user's or a tenant's full minute window (ErrorInfo metadata
+    `scope`: which one, `limit`: its allowance)."""
     telemetry.SUBMIT_REJECTIONS.labels(reasons.RATE_LIMITED).inc()
+    whose = "per end user" if scope == END_USER else "for this tenant"
     return errors.resource_exhausted(
         reasons.RATE_LIMITED,
-        f"more than {per_minute} submissions this minute",
+        f"more than {per_minute} submissions this minute {whose}",
         retry_after=max(retry_after, 0.001),
         limit=str(per_minute),
+        scope=scope,
     )
 
 
@@ -33,9 +40,12 @@ def quota_exceeded(budget: Budget, retry_after: float) -> errors.ApiError:
     )
 
 
-def too_many_pending(limit: int) -> errors.ApiError:
-    """RESOURCE_EXHAUSTED for a tenant already holding `limit` unfinished tasks."""
+def too_many_pending(limit: int, scope: str = TENANT) -> errors.ApiError:
+    """RESOURCE_EXHAUSTED for an end user (scope 'end_user') or a tenant (scope 'tenant') already holding `limit`
+    unfinished tasks. No RetryInfo: when a place frees depends on a task finishing, which no clock says."""
     telemetry.SUBMIT_REJECTIONS.labels(reasons.TOO_MANY_PENDING_TASKS).inc()
+    whose = "per end user" if scope == END_USER else "per tenant"
     return errors.resource_exhausted(
-        reasons.TOO_MANY_PENDING_TASKS, f"at most {limit} unfinished tasks per tenant; wait for one to finish", limit=str(limit)
+        reasons.TOO_MANY_PENDING_TASKS, f"at most {limit} unfinished tasks {whose}; wait for one to finish",
+        limit=str(limit), scope=scope,
     )

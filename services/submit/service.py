@@ -35,7 +35,7 @@ from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 from .batching import MAX_BATCH, Submitter, deadline_exceeded
 from .cache import FORGOTTEN_CHANNEL, TerminalCache
 from .inputs import InputImages
-from .ratelimit import quota_exceeded, rate_limited, too_many_pending
+from .ratelimit import TENANT, quota_exceeded, rate_limited, too_many_pending
 from .validation import (
     Submission,
     check_priority,
@@ -99,10 +99,14 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             backends.pool, backends.bus, actor=ACTOR, ack_timeout=settings.submit_publish_timeout_seconds,
             db_timeout=settings.submit_db_timeout_seconds, max_batch=MAX_BATCH,
         )
+        self._end_user_limits = submissions.EndUserLimits(
+            settings.max_pending_per_end_user, settings.submits_per_minute_per_end_user
+        )
         self._submitter = Submitter(
             backends.pool, self.dispatcher, default_max_pending=settings.max_pending_per_tenant,
             db_timeout=settings.submit_db_timeout_seconds,
             history=submissions.History(settings.eta_history_seconds, settings.eta_history_runs),
+            end_users=self._end_user_limits,
         )
 
     def _budget(self, context: Context, cap: float | None = None) -> float:
@@ -163,11 +167,11 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             end_users = [items[i].end_user if i in sound else "" for i in indices]
             taken = await submissions.take_rate_slots(
                 self._pool, who.tenant_id, per_minute=per_minute, keys=keys, end_users=end_users,
-                within=self._budget(context),
+                per_end_user=self._end_user_limits.per_minute, within=self._budget(context),
             )
             for i, slot in zip(indices, taken, strict=True):
                 if slot.retry_after is not None:
-                    answers[i] = rate_limited(per_minute, slot.retry_after)
+                    answers[i] = rate_limited(slot.limit or per_minute, slot.retry_after, slot.scope or TENANT)
                 elif slot.replay:
                     replays.add(i)
             return [i for i, slot in zip(indices, taken, strict=True) if slot.retry_after is None and not slot.replay]
@@ -311,12 +315,12 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         verdict = admission.verdict
         if verdict is AdmitVerdict.RATE_LIMITED:
             assert candidate.per_minute is not None and admission.retry_after is not None
-            raise rate_limited(candidate.per_minute, admission.retry_after)
+            raise rate_limited(admission.rate_limit or candidate.per_minute, admission.retry_after, admission.scope or TENANT)
         if verdict is AdmitVerdict.NO_TENANT:
             raise errors.unauthenticated("the key's tenant no longer exists")
         if verdict is AdmitVerdict.TOO_MANY_PENDING:
             assert admission.pending_limit is not None
-            raise too_many_pending(admission.pending_limit)
+            raise too_many_pending(admission.pending_limit, admission.scope or TENANT)
         if verdict is AdmitVerdict.QUOTA_EXCEEDED:
             assert admission.budget is not None and admission.retry_after is not None
             raise quota_exceeded(admission.budget, admission.retry_after)

@@ -117,27 +117,40 @@ class History:
 
 
 @dataclass(frozen=True, slots=True)
+class EndUserLimits:
+    """The limits of each end user of a tenant that sets none of its own (tenant.max_pending_per_end_user,
+    tenant.submits_per_minute_per_end_user)."""
+
+    max_pending: int = 3
+    per_minute: int = 30
+
+
+@dataclass(frozen=True, slots=True)
 class Admission:
     """The verdict, the task (created or existing), seconds until a slot frees (rate limited) or the budget's window
-    resets (quota exceeded), the pending limit, and what did not fit the budget."""
+    resets (quota exceeded), the pending limit (the refusing scope's, for TOO_MANY_PENDING), what did not fit the
+    budget, and for a refusal by a limit its scope ('end_user' or 'tenant') and, when rate limited, its per-minute
+    allowance."""
 
     verdict: AdmitVerdict
     task: TaskRow | None
     retry_after: float | None
     pending_limit: int | None
     budget: Budget | None = None
+    scope: str | None = None
+    rate_limit: int | None = None
 
 
 async def admit(
     db: Conn, batch: Sequence[Candidate], *, default_max_pending: int, history: History = History(),
-    now: datetime | None = None, within: float | None = None,
+    end_users: EndUserLimits = EndUserLimits(), now: datetime | None = None, within: float | None = None,
 ) -> list[Admission]:
     """Admits a batch in one statement; one Admission per candidate, in order, as if admitted one by one. `now`: the
     budgets' clock (None: the database's)."""
     rows = await db.fetch(
         sql.query("submit_tasks"), *columns([c.new for c in batch]), [c.per_minute for c in batch], default_max_pending,
-        [c.gpu_estimate for c in batch], history.seconds, history.runs, now,
-        timeout=within,
+        [c.gpu_estimate for c in batch], history.seconds, history.runs, now, end_users.max_pending,
+        end_users.per_minute, timeout=within,
     )
     out = []
     for rec in rows:
@@ -153,6 +166,8 @@ async def admit(
             retry_after=float(retry_after) if retry_after is not None else None,
             pending_limit=int(pending_limit) if pending_limit is not None else None,
             budget=budget,
+            scope=rec["limit_scope"],
+            rate_limit=rec["rate_limit"],
         ))
     assert len(out) == len(batch)
     return out
@@ -183,23 +198,29 @@ async def queue_created(
 
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """One submission's rate slot: `retry_after` (seconds until the window ends) when refused; `replay` when its key
-    already names a task (no slot taken)."""
+    """One submission's rate slot: `retry_after` (seconds until the window ends), `scope` ('end_user' or 'tenant')
+    and `limit` (that scope's per-minute allowance) when refused; `replay` when its key already names a task (no slot
+    taken)."""
 
     retry_after: float | None
     replay: bool = False
+    scope: str | None = None
+    limit: int | None = None
 
 
 async def take_rate_slots(
     db: Conn, tenant: str, *, per_minute: int, keys: Sequence[str], end_users: Sequence[str] | None = None,
-    within: float | None = None,
+    per_end_user: int = EndUserLimits().per_minute, within: float | None = None,
 ) -> list[Slot]:
     """Counts submissions (one per idempotency key given, '' for none, each of its end user: '' the tenant) in the
-    tenant's minute window, in one round trip; a key that already names a task of that end user takes none."""
+    end users' and the tenant's minute windows, in one round trip; a key that already names a task of that end user
+    takes none. `per_end_user`: each end user's allowance unless the tenant sets its own."""
     eus = list(end_users) if end_users is not None else [""] * len(keys)
-    rows = await db.fetch(sql.query("submit_take_rate_slots"), tenant, per_minute, list(keys), eus, timeout=within)
+    rows = await db.fetch(
+        sql.query("submit_take_rate_slots"), tenant, per_minute, list(keys), eus, per_end_user, timeout=within
+    )
     return [
-        Slot(float(r["retry_after"]) if r["retry_after"] is not None else None, r["replay"])
+        Slot(float(r["retry_after"]) if r["retry_after"] is not None else None, r["replay"], r["scope"], r["rate_limit"])
         for r in rows
     ]
 

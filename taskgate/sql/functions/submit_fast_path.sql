@@ -16,24 +16,68 @@
 -- (also called alone, for the slots taken before a callback URL is resolved); insert_tasks is the one author of task
 -- rows (test rows and an operator's replays call it directly, without the limits).
 
--- Counts up to p_count submissions in the tenant's current one-minute window, as far as it has room, and drops the
--- tenant's old windows. Returns how many were counted.
-CREATE OR REPLACE FUNCTION take_rate_slots(p_tenant text, p_per_minute integer, p_count integer) RETURNS integer
+-- The one rate rule: each submission, in order, of one tenant's end users ('' for the tenant itself) takes a place
+-- in its end user's current one-minute window (up to p_per_end_user) and in the tenant's (up to p_per_minute); the
+-- end user's own limit is checked first. Under the tenant window's row lock, then its end users' in name order (one
+-- order on every replica: no deadlock). Drops the tenant's old windows. Returns one element per submission: NULL
+-- when counted, else the limit that refused it ('end_user' or 'tenant').
+CREATE OR REPLACE FUNCTION take_rate_slots_each(p_tenant text, p_per_minute integer, p_end_users text[],
+                                                p_per_end_user integer) RETURNS text[]
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     w timestamptz := date_trunc('minute', now());
     used integer;
-    got integer;
+    got integer := 0;
+    names text[];
+    counts integer[];
+    k integer;
+    e text;
+    verdicts text[] := '{}';
 BEGIN
     DELETE FROM rate_window WHERE tenant_id = p_tenant AND window_start < w - interval '10 minutes';
     INSERT INTO rate_window (tenant_id, window_start, count) VALUES (p_tenant, w, 0) ON CONFLICT DO NOTHING;
     SELECT rw.count INTO used FROM rate_window rw WHERE rw.tenant_id = p_tenant AND rw.window_start = w FOR UPDATE;
-    got := greatest(least(p_count, p_per_minute - used), 0);
+    names := ARRAY(SELECT DISTINCT u FROM unnest(p_end_users) u WHERE u <> '' ORDER BY 1);
+    IF cardinality(names) > 0 THEN
+        DELETE FROM end_user_rate_window ew WHERE ew.tenant_id = p_tenant AND ew.window_start < w;
+        INSERT INTO end_user_rate_window (tenant_id, end_user, window_start, count)
+        SELECT p_tenant, u, w, 0 FROM unnest(names) u ORDER BY u ON CONFLICT DO NOTHING;
+        SELECT array_agg(x.count ORDER BY x.end_user) INTO counts
+        FROM (SELECT ew.end_user, ew.count FROM end_user_rate_window ew
+              WHERE ew.tenant_id = p_tenant AND ew.window_start = w AND ew.end_user = ANY(names)
+              ORDER BY ew.end_user FOR UPDATE) x;
+    END IF;
+    FOREACH e IN ARRAY p_end_users LOOP
+        k := CASE WHEN e <> '' THEN array_position(names, e) END;
+        IF k IS NOT NULL AND counts[k] >= p_per_end_user THEN
+            verdicts := array_append(verdicts, 'end_user');
+        ELSIF used + got >= p_per_minute THEN
+            verdicts := array_append(verdicts, 'tenant');
+        ELSE
+            verdicts := array_append(verdicts, NULL::text);
+            got := got + 1;
+            IF k IS NOT NULL THEN
+                counts[k] := counts[k] + 1;
+            END IF;
+        END IF;
+    END LOOP;
     IF got > 0 THEN
         UPDATE rate_window rw SET count = rw.count + got WHERE rw.tenant_id = p_tenant AND rw.window_start = w;
+        UPDATE end_user_rate_window ew SET count = c.n
+        FROM unnest(names, counts) c(end_user, n)
+        WHERE ew.tenant_id = p_tenant AND ew.window_start = w AND ew.end_user = c.end_user AND ew.count <> c.n;
     END IF;
-    RETURN got;
+    RETURN verdicts;
 END;
+$$;
+
+-- Counts up to p_count of the tenant's own submissions (no end user: an input upload) in its current minute
+-- window, by the one rate rule above. Returns how many were counted.
+CREATE OR REPLACE FUNCTION take_rate_slots(p_tenant text, p_per_minute integer, p_count integer) RETURNS integer
+LANGUAGE sql VOLATILE AS $$
+    SELECT count(*)::integer
+    FROM unnest(take_rate_slots_each(p_tenant, p_per_minute, array_fill(''::text, ARRAY[p_count]), 1)) v
+    WHERE v IS NULL;
 $$;
 
 -- Seconds until the current rate window ends (what a rate-limited submission waits).
@@ -105,10 +149,11 @@ CREATE OR REPLACE FUNCTION submit_tasks(
     p_trace_context jsonb[], p_start_after timestamptz[], p_max_queue_seconds float8[], p_per_minute integer[],
     p_default_max_pending integer, p_gpu_estimate float8[] DEFAULT NULL,
     p_history_seconds float8 DEFAULT 86400, p_history_runs integer DEFAULT 20, p_now timestamptz DEFAULT NULL,
-    p_end_user text[] DEFAULT NULL
+    p_end_user text[] DEFAULT NULL, p_default_max_pending_per_end_user integer DEFAULT 3,
+    p_default_per_minute_per_end_user integer DEFAULT 30
 )
 RETURNS TABLE (ord integer, outcome text, retry_after float8, pending_limit integer, budget_window text,
-               budget_left float8, gpu_estimate float8, task_row task)
+               budget_left float8, gpu_estimate float8, limit_scope text, rate_limit integer, task_row task)
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
 DECLARE
@@ -133,8 +178,16 @@ DECLARE
     v_windows text[];
     v_lefts float8[];
     v_retry float8[];
+    slot_ords bigint[] := '{}';
+    slot_refusals text[] := '{}';
     slot_tenants text[] := '{}';
-    slot_counts integer[] := '{}';
+    slot_per_end_user integer[] := '{}';
+    eu_limits integer[];
+    eu_keys text[];
+    eu_pendings bigint[];
+    eu_left bigint[];
+    v_scopes text[];
+    v_e integer;
     tenants text[];
     limits integer[];
     pendings bigint[];
@@ -150,26 +203,35 @@ BEGIN
     INTO seen
     FROM unnest(p_user_id, v_end_user, p_idempotency_key, p_per_minute) WITH ORDINALITY i(user_id, end_user, key, per_minute, ord);
 
-    -- 1. rate slots: each tenant's new keys in array order take what is left of its minute window
+    -- 1. rate slots: each tenant's new keys in array order take what is left of their end users' and its minute
+    -- windows (the end users' allowance: the tenant's own, else p_default_per_minute_per_end_user)
     FOR r IN
-        SELECT c.user_id AS tenant, count(*)::integer AS n, min(c.per_minute) AS per_minute
-        FROM (SELECT DISTINCT ON (i.user_id, i.end_user, i.key) i.user_id, i.per_minute
+        SELECT c.user_id AS tenant, min(c.per_minute) AS per_minute, array_agg(c.end_user ORDER BY c.ord) AS end_users,
+               array_agg(c.ord ORDER BY c.ord) AS ords,
+               coalesce(min(tn.submits_per_minute_per_end_user), p_default_per_minute_per_end_user) AS per_end_user
+        FROM (SELECT DISTINCT ON (i.user_id, i.end_user, i.key) i.user_id, i.end_user, i.per_minute, i.ord
               FROM unnest(p_user_id, v_end_user, p_idempotency_key, p_per_minute, seen)
-                   i(user_id, end_user, key, per_minute, seen)
-              WHERE i.per_minute IS NOT NULL AND NOT i.seen) c
+                   WITH ORDINALITY i(user_id, end_user, key, per_minute, seen, ord)
+              WHERE i.per_minute IS NOT NULL AND NOT i.seen
+              ORDER BY i.user_id, i.end_user, i.key, i.ord) c
+        LEFT JOIN tenant tn ON tn.id = c.user_id
         GROUP BY c.user_id ORDER BY c.user_id
     LOOP
+        slot_ords := slot_ords || r.ords;
+        slot_refusals := slot_refusals || take_rate_slots_each(r.tenant, r.per_minute, r.end_users, r.per_end_user);
         slot_tenants := slot_tenants || r.tenant;
-        slot_counts := slot_counts || take_rate_slots(r.tenant, r.per_minute, r.n);
+        slot_per_end_user := slot_per_end_user || r.per_end_user;
     END LOOP;
 
-    -- 2. tenant locks, in one order on every replica; the limit that applies and the tenant's unfinished tasks; a
+    -- 2. tenant locks, in one order on every replica; the limits that apply and the tenant's unfinished tasks; a
     -- tenant's budgets and what its day's and month's charges leave (read only for a tenant with a budget)
     SELECT array_agg(l.id), array_agg(l.lim), array_agg(coalesce(p.pending, 0)), array_agg(l.per_day),
-           array_agg(l.per_month), array_agg(l.per_day - u.day_used), array_agg(l.per_month - u.month_used)
-    INTO tenants, limits, pendings, per_days, per_months, day_left, month_left
+           array_agg(l.per_month), array_agg(l.per_day - u.day_used), array_agg(l.per_month - u.month_used),
+           array_agg(l.eu_lim)
+    INTO tenants, limits, pendings, per_days, per_months, day_left, month_left, eu_limits
     FROM (SELECT tn.id, coalesce(tn.max_pending, p_default_max_pending) AS lim, tn.gpu_seconds_per_day AS per_day,
-                 tn.gpu_seconds_per_month AS per_month
+                 tn.gpu_seconds_per_month AS per_month,
+                 coalesce(tn.max_pending_per_end_user, p_default_max_pending_per_end_user) AS eu_lim
           FROM tenant tn WHERE tn.id = ANY(p_user_id) ORDER BY tn.id FOR UPDATE) l
     LEFT JOIN tenant_pending p ON p.tenant_id = l.id
     LEFT JOIN LATERAL (
@@ -180,41 +242,71 @@ BEGIN
           AND c.tenant_id = l.id AND c.day >= v_month AND c.day < (v_month + interval '1 month')::date
     ) u ON true;
 
-    -- 3. each item's verdict: key already used, rate slot, tenant, then the pending limit over the batch's new keys
+    -- 2b. each end user's unfinished tasks, counted under its tenant's lock (so exact across replicas): the partial
+    -- index task_end_user_pending_idx holds only unfinished tasks (the predicate of task_holds_pending)
+    SELECT array_agg(b.user_id || '/' || b.end_user), array_agg(n.pending)
+    INTO eu_keys, eu_pendings
+    FROM (SELECT DISTINCT u.user_id, u.end_user FROM unnest(p_user_id, v_end_user) u(user_id, end_user)
+          WHERE u.end_user <> '' AND u.user_id = ANY(tenants)) b
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS pending FROM task t
+        WHERE t.user_id = b.user_id AND t.end_user = b.end_user
+          AND (t.status IN ('CREATED', 'QUEUED', 'PROCESSING') OR (t.status = 'CANCELED' AND t.lease_expires_at IS NOT NULL))
+    ) n;
+
+    -- 3. each item's verdict: key already used, rate slot, tenant, then the pending limits over the batch's new keys
+    -- (the end user's first, then the tenant's; an item its end user's limit refuses takes no place of the tenant's)
     WITH raw AS (
         SELECT i.id, i.user_id, i.end_user, i.key, i.ord, i.per_minute, i.seen
         FROM unnest(p_id, p_user_id, v_end_user, p_idempotency_key, p_per_minute, seen)
              WITH ORDINALITY i(id, user_id, end_user, key, per_minute, seen, ord)
-    ), counted AS (  -- the items step 1 counted (each new key's first copy), ranked per tenant
-        SELECT c.user_id, c.end_user, c.key, row_number() OVER (PARTITION BY c.user_id ORDER BY c.ord) AS rank
-        FROM (SELECT raw.*, row_number() OVER (PARTITION BY raw.user_id, raw.end_user, raw.key ORDER BY raw.ord) AS nth
-              FROM raw WHERE raw.per_minute IS NOT NULL AND NOT raw.seen) c
-        WHERE c.nth = 1
+    ), counted AS (  -- the items step 1 counted: each new key's first copy
+        SELECT DISTINCT ON (raw.user_id, raw.end_user, raw.key) raw.user_id, raw.end_user, raw.key, raw.ord AS first_ord
+        FROM raw WHERE raw.per_minute IS NOT NULL AND NOT raw.seen
+        ORDER BY raw.user_id, raw.end_user, raw.key, raw.ord
     ), item AS (
         SELECT raw.id, raw.user_id, raw.end_user, raw.key, raw.ord,
-               raw.per_minute IS NULL OR raw.seen OR cn.rank <= coalesce(s.n, 0) AS slotted
+               CASE WHEN raw.per_minute IS NOT NULL AND NOT raw.seen THEN s.refusal END AS rate_scope
         FROM raw
         LEFT JOIN counted cn ON cn.user_id = raw.user_id AND cn.end_user = raw.end_user AND cn.key = raw.key
-        LEFT JOIN unnest(slot_tenants, slot_counts) s(tenant, n) ON s.tenant = raw.user_id
+        LEFT JOIN unnest(slot_ords, slot_refusals) s(ord, refusal) ON s.ord = cn.first_ord
     ), known AS (
-        SELECT item.*, l.lim, l.pending, e.id AS existing_id
+        SELECT item.*, item.rate_scope IS NULL AS slotted, l.lim, l.pending, l.eu_lim,
+               coalesce(ep.pending, 0) AS eu_pending, e.id AS existing_id
         FROM item
-        LEFT JOIN unnest(tenants, limits, pendings) l(tenant, lim, pending) ON l.tenant = item.user_id
+        LEFT JOIN unnest(tenants, limits, pendings, eu_limits) l(tenant, lim, pending, eu_lim) ON l.tenant = item.user_id
+        LEFT JOIN unnest(eu_keys, eu_pendings) ep(k, pending) ON ep.k = item.user_id || '/' || item.end_user
         LEFT JOIN task e ON e.user_id = item.user_id AND e.end_user = item.end_user AND e.idempotency_key = item.key
-    ), owner AS (  -- the first copy of each new key, ranked among its tenant's new keys
-        SELECT c.user_id, c.end_user, c.key, c.id, row_number() OVER (PARTITION BY c.user_id ORDER BY c.ord) AS rank
+    ), firsts AS (  -- the first copy of each new key that got its slot; within its end user's limit or not
+        SELECT c.*, c.end_user = '' OR row_number() OVER (PARTITION BY c.user_id, c.end_user ORDER BY c.ord)
+                                        <= c.eu_lim - c.eu_pending AS eu_ok
         FROM (SELECT k.*, row_number() OVER (PARTITION BY k.user_id, k.end_user, k.key ORDER BY k.ord) AS nth
               FROM known k WHERE k.slotted AND k.lim IS NOT NULL AND k.existing_id IS NULL) c
         WHERE c.nth = 1
+    ), admitted AS (  -- within its end user's limit and then ranked among its tenant's such keys
+        SELECT f.*, f.eu_ok AND row_number() OVER (PARTITION BY f.user_id, f.eu_ok ORDER BY f.ord)
+                                <= f.lim - f.pending AS admit
+        FROM firsts f
+    ), owner AS (  -- which limit refused a key: its end user's when the places admitted before it fill it
+        SELECT a.*, CASE WHEN a.admit THEN NULL
+                         WHEN a.end_user <> '' AND a.eu_pending + coalesce(sum(a.admit::int) OVER (
+                                  PARTITION BY a.user_id, a.end_user ORDER BY a.ord
+                                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) >= a.eu_lim THEN 'end_user'
+                         ELSE 'tenant' END AS scope
+        FROM admitted a
     )
     SELECT array_agg(CASE WHEN k.existing_id IS NOT NULL AND k.lim IS NOT NULL THEN 'existing'
                           WHEN NOT k.slotted THEN 'rate_limited'
                           WHEN k.lim IS NULL THEN 'no_tenant'
-                          WHEN o.rank > k.lim - k.pending THEN 'too_many_pending'
+                          WHEN NOT o.admit THEN 'too_many_pending'
                           WHEN o.id = k.id THEN 'admit'
                           ELSE 'copy' END ORDER BY k.ord),
-           array_agg(coalesce(k.existing_id, o.id) ORDER BY k.ord)
-    INTO v_outcomes, v_refs
+           array_agg(coalesce(k.existing_id, o.id) ORDER BY k.ord),
+           array_agg(CASE WHEN k.existing_id IS NOT NULL AND k.lim IS NOT NULL THEN NULL
+                          WHEN NOT k.slotted THEN k.rate_scope
+                          WHEN k.lim IS NULL THEN NULL
+                          ELSE o.scope END ORDER BY k.ord)
+    INTO v_outcomes, v_refs, v_scopes
     FROM known k LEFT JOIN owner o ON o.user_id = k.user_id AND o.end_user = k.end_user AND o.key = k.key;
 
     -- 3b. budgets: the verdicts of a budgeted tenant's items again, one by one in array order, so that an item refused
@@ -227,11 +319,13 @@ BEGIN
         v_retry := array_fill(NULL::float8, ARRAY[v_n]);
         pending_left := ARRAY(SELECT l.lim - l.pending FROM unnest(limits, pendings) WITH ORDINALITY l(lim, pending, k)
                               ORDER BY l.k);
+        eu_left := ARRAY(SELECT eu_limits[array_position(tenants, split_part(e.key, '/', 1))] - e.pending
+                         FROM unnest(eu_keys, eu_pendings) WITH ORDINALITY e(key, pending, k) ORDER BY e.k);
         FOR r IN
-            SELECT i.k::integer AS k, i.id, i.user_id, i.model_id, i.task_type, i.payload, i.dflt
-            FROM unnest(p_id, p_user_id, p_model_id, p_task_type, p_request_payload,
+            SELECT i.k::integer AS k, i.id, i.user_id, i.end_user, i.model_id, i.task_type, i.payload, i.dflt
+            FROM unnest(p_id, p_user_id, v_end_user, p_model_id, p_task_type, p_request_payload,
                         coalesce(p_gpu_estimate, array_fill(NULL::float8, ARRAY[v_n])))
-                 WITH ORDINALITY i(id, user_id, model_id, task_type, payload, dflt, k)
+                 WITH ORDINALITY i(id, user_id, end_user, model_id, task_type, payload, dflt, k)
             WHERE v_outcomes[i.k] IN ('admit', 'copy', 'too_many_pending')
             ORDER BY i.k
         LOOP
@@ -244,12 +338,21 @@ BEGIN
                 v_lefts[r.k] := v_lefts[v_owner];
                 v_estimates[r.k] := v_estimates[v_owner];
                 v_retry[r.k] := v_retry[v_owner];
+                v_scopes[r.k] := v_scopes[v_owner];
+                CONTINUE;
+            END IF;
+            v_e := CASE WHEN r.end_user <> '' THEN array_position(eu_keys, r.user_id || '/' || r.end_user) END;
+            IF v_e IS NOT NULL AND eu_left[v_e] <= 0 THEN
+                v_outcomes[r.k] := 'too_many_pending';
+                v_scopes[r.k] := 'end_user';
                 CONTINUE;
             END IF;
             IF pending_left[v_t] <= 0 THEN
                 v_outcomes[r.k] := 'too_many_pending';
+                v_scopes[r.k] := 'tenant';
                 CONTINUE;
             END IF;
+            v_scopes[r.k] := NULL;
             v_class := r.model_id || '/' || r.task_type || '/' || task_size_class(r.payload);
             v_est := (known_estimates ->> v_class)::float8;
             IF v_est IS NULL THEN
@@ -278,6 +381,9 @@ BEGIN
             ELSE
                 v_outcomes[r.k] := 'admit';
                 pending_left[v_t] := pending_left[v_t] - 1;
+                IF v_e IS NOT NULL THEN
+                    eu_left[v_e] := eu_left[v_e] - 1;
+                END IF;
                 day_left[v_t] := day_left[v_t] - v_est;
                 month_left[v_t] := month_left[v_t] - v_est;
             END IF;
@@ -314,18 +420,25 @@ BEGIN
                 ELSE i.outcome END,
            CASE WHEN i.outcome = 'rate_limited' THEN rate_window_left()
                 WHEN i.outcome = 'quota_exceeded' THEN v_retry[i.ord::integer] END,
-           CASE WHEN i.outcome NOT IN ('rate_limited', 'no_tenant') THEN l.lim END,
+           CASE WHEN i.outcome IN ('rate_limited', 'no_tenant') THEN NULL
+                WHEN i.outcome = 'too_many_pending' AND i.scope = 'end_user' THEN l.eu_lim
+                ELSE l.lim END,
            CASE WHEN i.outcome = 'quota_exceeded' THEN v_windows[i.ord::integer] END,
            CASE WHEN i.outcome = 'quota_exceeded' THEN v_lefts[i.ord::integer] END,
            CASE WHEN i.outcome = 'quota_exceeded' THEN v_estimates[i.ord::integer] END,
+           CASE WHEN i.outcome IN ('rate_limited', 'too_many_pending') THEN i.scope END,
+           CASE WHEN i.outcome <> 'rate_limited' THEN NULL
+                WHEN i.scope = 'end_user' THEN sl.per_end_user
+                ELSE p_per_minute[i.ord::integer] END,
            CASE WHEN i.outcome IN ('admit', 'copy', 'existing') THEN
                coalesce((SELECT t FROM task t WHERE t.id = i.ref),
                         (SELECT t FROM task t WHERE t.user_id = i.user_id AND t.end_user = i.end_user
                                                 AND t.idempotency_key = i.key))
            END
-    FROM unnest(p_user_id, v_end_user, p_idempotency_key, v_outcomes, v_refs)
-         WITH ORDINALITY i(user_id, end_user, key, outcome, ref, ord)
-    LEFT JOIN unnest(tenants, limits) l(tenant, lim) ON l.tenant = i.user_id
+    FROM unnest(p_user_id, v_end_user, p_idempotency_key, v_outcomes, v_refs, v_scopes)
+         WITH ORDINALITY i(user_id, end_user, key, outcome, ref, scope, ord)
+    LEFT JOIN unnest(tenants, limits, eu_limits) l(tenant, lim, eu_lim) ON l.tenant = i.user_id
+    LEFT JOIN unnest(slot_tenants, slot_per_end_user) sl(tenant, per_end_user) ON sl.tenant = i.user_id
     ORDER BY i.ord;
 END;
 $$;

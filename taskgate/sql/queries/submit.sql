@@ -1,21 +1,29 @@
 -- The submit service's queries: rate limits, idempotent inserts, queue positions and listings.
 
 -- name: submit_take_rate_slots
--- Counts submissions in the tenant's minute window, as far as it has room, in one statement; one whose idempotency
--- key already names a task of the tenant (a replay) takes no slot. $1 tenant, $2 allowed per minute, $3 each
--- submission's key ('': none given). One row per submission, in order: replay, and retry_after (NULL when counted
--- or a replay). $4 each submission's end user ('': the tenant), whose keys are its own.
+-- Counts submissions in the tenant's and their end users' minute windows, as far as they have room, in one statement
+-- (the one rate rule: take_rate_slots_each); one whose idempotency key already names a task of its end user (a
+-- replay) takes no slot. $1 tenant, $2 allowed per minute, $3 each submission's key ('': none given), $4 each one's
+-- end user ('': the tenant), $5 the default allowed per minute per end user (the tenant's own overrides it). One row
+-- per submission, in order: replay, retry_after (NULL when counted or a replay), scope (the limit that refused it:
+-- 'end_user' or 'tenant') and rate_limit (that limit's submissions per minute).
 WITH item AS (
-    SELECT k.ord, e.id IS NOT NULL AS replay
+    SELECT k.ord, k.end_user, e.id IS NOT NULL AS replay
     FROM unnest($3::text[], $4::text[]) WITH ORDINALITY k(key, end_user, ord)
     LEFT JOIN task e ON k.key <> '' AND e.user_id = $1 AND e.end_user = k.end_user AND e.idempotency_key = k.key
 ), fresh AS (
-    SELECT item.ord, row_number() OVER (ORDER BY item.ord) AS n FROM item WHERE NOT item.replay
+    SELECT item.ord, item.end_user, row_number() OVER (ORDER BY item.ord) AS n FROM item WHERE NOT item.replay
+), per_end_user AS (
+    SELECT coalesce((SELECT t.submits_per_minute_per_end_user FROM tenant t WHERE t.id = $1), $5::integer) AS lim
 ), slots AS (
-    SELECT take_rate_slots($1, $2, (SELECT count(*)::integer FROM fresh)) AS got
+    SELECT take_rate_slots_each($1, $2, ARRAY(SELECT f.end_user FROM fresh f ORDER BY f.ord), p.lim) AS verdicts,
+           p.lim
+    FROM per_end_user p
 )
 SELECT item.replay,
-       CASE WHEN item.replay OR f.n <= s.got THEN NULL ELSE rate_window_left() END AS retry_after
+       CASE WHEN s.verdicts[f.n] IS NOT NULL THEN rate_window_left() END AS retry_after,
+       s.verdicts[f.n] AS scope,
+       CASE s.verdicts[f.n] WHEN 'end_user' THEN s.lim WHEN 'tenant' THEN $2 END AS rate_limit
 FROM item LEFT JOIN fresh f ON f.ord = item.ord CROSS JOIN slots s
 ORDER BY item.ord;
 
@@ -33,15 +41,18 @@ SELECT * FROM insert_tasks(
 -- lookups, pending limits, budgets, one insert. $1..$19 the columns as for submit_insert_tasks, $20 each item's
 -- per-minute limit (NULL: its slot is already taken), $21 default max pending, $22 each item's model's GPU-seconds
 -- estimate without history, $23 and $24 the history an estimate reads (seconds, runs), $25 the budgets' clock (NULL:
--- now). One row per item, in order.
-SELECT f.ord, f.outcome, f.retry_after, f.pending_limit, f.budget_window, f.budget_left, f.gpu_estimate, (f.task_row).*
+-- now), $26 and $27 the defaults of max pending and submissions per minute per end user (a tenant's own override
+-- them). One row per item, in order.
+SELECT f.ord, f.outcome, f.retry_after, f.pending_limit, f.budget_window, f.budget_left, f.gpu_estimate, f.limit_scope,
+       f.rate_limit, (f.task_row).*
 FROM submit_tasks(
     p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
     p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
     p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
     p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18, p_end_user => $19,
     p_per_minute => $20, p_default_max_pending => $21, p_gpu_estimate => $22, p_history_seconds => $23,
-    p_history_runs => $24, p_now => $25) f;
+    p_history_runs => $24, p_now => $25, p_default_max_pending_per_end_user => $26,
+    p_default_per_minute_per_end_user => $27) f;
 
 -- name: submit_queue_created
 -- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (history: one trigger run for the pass).

@@ -170,8 +170,12 @@ async def test_keys_tenant_priority_and_unstorable_names(cli: Cli) -> None:
     lowered = await cli.keys("tenant", "--tenant", "vip", "--max-priority", "NORMAL", "--max-pending", "7", "--json")
     assert lowered.code == 0 and lowered.json() == {
         "tenant": "vip", "max_pending": 7, "submits_per_minute": None, "max_priority": "NORMAL", "share_weight": 1.0,
-        "gpu_seconds_per_day": None, "gpu_seconds_per_month": None,
+        "gpu_seconds_per_day": None, "gpu_seconds_per_month": None, "max_pending_per_end_user": None,
+        "submits_per_minute_per_end_user": None,
     }
+    per_person = await cli.keys("tenant", "--tenant", "vip", "--max-pending-per-end-user", "5",
+                                "--submits-per-minute-per-end-user", "12", "--json")
+    assert (per_person.json()["max_pending_per_end_user"], per_person.json()["submits_per_minute_per_end_user"]) == (5, 12)
     weighted = await cli.keys("tenant", "--tenant", "vip", "--share-weight", "2.5", "--json")
     assert weighted.code == 0 and weighted.json()["share_weight"] == 2.5 and weighted.json()["max_pending"] == 7
     assert (await cli.keys("tenant", "--tenant", "vip", "--share-weight", "0")).code != 0

@@ -3,14 +3,19 @@ each end user's own; a request without one belongs to the tenant itself, as befo
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2
 
+from services.submit.service import start
+from taskgate.config import Settings
 from taskgate.runtime import Backends
-from taskgate_api.v1 import gateway_pb2, task_pb2
-from tests.support.factories import key_for
-from tests.support.harness import outcome, violations
+from taskgate.store import tenants
+from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+from tests.support.factories import Metadata, key_for
+from tests.support.harness import info_of, outcome, violations
 
 
 async def test_the_end_user_is_stored_returned_and_recorded_in_the_history(stub: Any, backends: Backends) -> None:
@@ -75,3 +80,85 @@ async def test_a_bad_end_user_is_refused_naming_the_field(stub: Any, backends: B
     ok = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="p", end_user="é" * 64), metadata=md, timeout=5)
     assert ok.task.end_user == "é" * 64  # 128 bytes as UTF-8: the longest allowed
     assert await backends.pool.fetchval("SELECT count(*) FROM task") == 1
+
+
+# Limits per end user, inside the tenant's, exact across submit replicas
+
+
+async def _burst(settings: Settings, requests: list[tuple[Metadata, gateway_pb2.SubmitTaskRequest]]) -> list[Any]:
+    """Every request sent at once, alternately to two submit replicas; (code, details, response) each, in order."""
+    replicas = [await start(settings), await start(settings)]  # each with its own pool and NATS connection
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
+    try:
+        stubs = [gateway_pb2_grpc.TaskGatewayStub(c) for c in channels]
+        return list(await asyncio.gather(*(
+            outcome(stubs[i % 2].SubmitTask(request, metadata=md, timeout=20))
+            for i, (md, request) in enumerate(requests)
+        )))
+    finally:
+        for channel in channels:
+            await channel.close()
+        for replica in replicas:
+            await replica.stop(0)
+
+
+async def test_two_replicas_admit_exactly_three_per_end_user_and_the_tenants_total(
+    settings: Settings, backends: Backends
+) -> None:
+    assert settings.max_pending_per_end_user == 3 and settings.max_pending_per_tenant > 3  # a backend is not capped at 3
+    md = await key_for(backends, max_pending=10)
+    people = ["ann", "bob", "cy", "di"]
+    results = await _burst(settings, [
+        (md, gateway_pb2.SubmitTaskRequest(prompt=f"job {n}", end_user=people[n % 4])) for n in range(32)
+    ])
+    admitted = [r for code, _, r in results if code == grpc.StatusCode.OK]
+    refused = [d for code, d, _ in results if code != grpc.StatusCode.OK]
+    assert len(admitted) == 10 and len(refused) == 22  # the tenant's total, across its end users
+    assert all(info_of(d).reason == "TOO_MANY_PENDING_TASKS" for d in refused)
+    scopes = [info_of(d).metadata["scope"] for d in refused]
+    assert set(scopes) == {"end_user", "tenant"}
+    assert {info_of(d).metadata["limit"] for d in refused if info_of(d).metadata["scope"] == "end_user"} == {"3"}
+    assert {info_of(d).metadata["limit"] for d in refused if info_of(d).metadata["scope"] == "tenant"} == {"10"}
+    per_person = dict(await backends.pool.fetch("SELECT end_user, count(*) FROM task GROUP BY end_user"))
+    assert sum(per_person.values()) == 10 and max(per_person.values()) == 3
+
+    # one end user alone, on two replicas: exactly three
+    other = await key_for(backends, "tenant-b")
+    results = await _burst(settings, [
+        (other, gateway_pb2.SubmitTaskRequest(prompt=f"mine {n}", end_user="eve")) for n in range(20)
+    ])
+    assert [code for code, _, _ in results].count(grpc.StatusCode.OK) == 3
+    assert {info_of(d).metadata["scope"] for code, d, _ in results if code != grpc.StatusCode.OK} == {"end_user"}
+    assert await backends.pool.fetchval("SELECT count(*) FROM task WHERE user_id = 'tenant-b'") == 3
+
+
+async def test_a_tenants_own_overrides_and_the_per_minute_limit_per_end_user(stub: Any, backends: Backends) -> None:
+    md = await key_for(backends, max_pending=50)
+    changed = await tenants.update_tenant(
+        backends.pool, "tenant-a", max_pending=None, submits_per_minute=None, max_priority=None,
+        max_pending_per_end_user=5, submits_per_minute_per_end_user=2,
+    )
+    assert changed is not None and changed.max_pending_per_end_user == 5
+
+    async def ask(end_user: str, n: int) -> tuple[grpc.StatusCode, list[Any], Any]:
+        request = gateway_pb2.SubmitTaskRequest(prompt=f"p{n}", end_user=end_user)
+        return await outcome(stub.SubmitTask(request, metadata=md, timeout=5))
+
+    # two go through, the third waits for the next minute (a boundary passing between the calls is allowed for)
+    first = [await ask("ann", n) for n in range(3)]
+    assert [c for c, _, _ in first][:2] == [grpc.StatusCode.OK] * 2
+    code, details, _ = first[2]
+    if code == grpc.StatusCode.OK:  # a minute boundary passed between the calls: once more, inside one minute
+        code, details, _ = await ask("ann", 3)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and info_of(details).reason == "RATE_LIMITED"
+    assert info_of(details).metadata["scope"] == "end_user" and info_of(details).metadata["limit"] == "2"
+    retry = next(d for d in details if isinstance(d, error_details_pb2.RetryInfo))
+    assert 0 < retry.retry_delay.ToTimedelta().total_seconds() <= 60
+    other = await ask("bob", 0)  # another end user of the same tenant is not held back
+    assert other[0] == grpc.StatusCode.OK
+    assert await backends.pool.fetchval("SELECT count(*) FROM task WHERE end_user = 'ann'") >= 2
+    # the tenant's own overrides: five unfinished tasks each (the per-minute limit lifted for this part)
+    await tenants.update_tenant(backends.pool, "tenant-a", max_pending=None, submits_per_minute=None, max_priority=None,
+                                submits_per_minute_per_end_user=1000)
+    codes = [(await ask("cy", n))[0] for n in range(7)]
+    assert codes == [grpc.StatusCode.OK] * 5 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2

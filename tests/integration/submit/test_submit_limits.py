@@ -21,8 +21,8 @@ from tests.support.harness import info_of, outcome, violations
 
 
 async def test_two_replicas_admit_exactly_max_pending(settings: Settings, backends: Backends) -> None:
-    assert settings.max_pending_per_tenant == 3
-    md = await key_for(backends)
+    """The tenant itself (no end user) is held to its own limit, exactly, across replicas."""
+    md = await key_for(backends, max_pending=3)
     replicas = [await start(settings), await start(settings)]  # each with its own pool and NATS connection
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
     try:
@@ -41,6 +41,7 @@ async def test_two_replicas_admit_exactly_max_pending(settings: Settings, backen
     refused = [d for code, d, _ in results if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(accepted) == 3 and len(refused) == 17
     assert all(info_of(d).reason == "TOO_MANY_PENDING_TASKS" for d in refused)
+    assert {info_of(d).metadata["scope"] for d in refused} == {"tenant"}
     assert await backends.pool.fetchval("SELECT count(*) FROM task") == 3
 
 
