@@ -297,6 +297,24 @@ class Settings(BaseSettings):
         default=7 * 86400.0, gt=0, description="Largest max_queue_seconds (a request's own queue TTL) accepted."
     )
     max_idempotency_key_chars: int = Field(default=256, ge=1, description="Longest client idempotency key.")
+    file_max_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1, description="Largest file a tenant may upload (a batch's JSONL input), bytes."
+    )
+    batch_max_lines: int = Field(default=50_000, ge=1, description="Most lines (tasks) one batch's input may hold.")
+    batch_chunk_lines: int = Field(
+        default=500, ge=1, le=1000, description="Lines a batch's ingest submits per statement (one SubmitTasks each)."
+    )
+    batch_lease_seconds: float = Field(
+        default=30.0, gt=0,
+        description="How long a batch's ingest or finalizer holds it without progress before the next read resumes it.",
+    )
+    batch_max_window_seconds: float = Field(
+        default=7 * 86400.0, gt=0, description="Longest completion window a batch may ask for (its lines' queue TTL)."
+    )
+    openai_windows: dict[str, float] = Field(
+        default_factory=lambda: {"1h": 3600.0, "24h": 86400.0},
+        description="OpenAI face: the completion windows a batch may name, in seconds (its lines' max_queue_seconds).",
+    )
     max_callback_url_chars: int = Field(default=2048, ge=16, description="Longest callback URL.")
     callback_resolve_timeout_seconds: float = Field(default=2.0, gt=0, description="DNS lookup of a callback host (SSRF guard).")
     input_formats: list[InputFormat] = Field(

@@ -30,8 +30,9 @@ from taskgate.store.submissions import Admission, AdmitVerdict, Candidate, NewTa
 from taskgate.throttle import Throttle
 from taskgate.wire import cancel
 from taskgate_api import reasons
-from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import batches_pb2, gateway_pb2, gateway_pb2_grpc, task_pb2
 
+from .batches import Batches, BatchSignals, file_proto
 from .batching import MAX_BATCH, Submitter, deadline_exceeded
 from .cache import FORGOTTEN_CHANNEL, TerminalCache
 from .inputs import InputImages
@@ -71,6 +72,13 @@ def _margin(remaining: float) -> float:
     return min(max(remaining * 0.2, 0.05), 0.5)
 
 
+class _Unhurried:
+    """The deadline side of a call context for submissions the gateway makes itself (a batch's lines): none."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
 def _prompt_fingerprint(prompt: str) -> dict[str, object]:
     """What a log line may say about a prompt: its length and a hash prefix, never the text."""
     return {"prompt_chars": len(prompt), "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()[:12]}
@@ -79,7 +87,7 @@ def _prompt_fingerprint(prompt: str) -> dict[str, object]:
 class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     """The TaskGateway servicer over one pool and one bus."""
 
-    def __init__(self, settings: Settings, backends: Backends) -> None:
+    def __init__(self, settings: Settings, backends: Backends, batch_signals: BatchSignals | None = None) -> None:
         self._settings = settings
         self._pool = backends.pool
         self._bus = backends.bus
@@ -107,6 +115,11 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             db_timeout=settings.submit_db_timeout_seconds,
             history=submissions.History(settings.eta_history_seconds, settings.eta_history_runs),
             end_users=self._end_user_limits,
+        )
+        self.batches = Batches(
+            backends.pool, self._results, settings, self.ids.next,
+            submit=lambda who, items: self._submit(who, items, _Unhurried()),
+            cancel_task=self._hard_cancel, text_of=self._text_of, signals=batch_signals or BatchSignals(),
         )
 
     def _budget(self, context: Context, cap: float | None = None) -> float:
@@ -486,6 +499,62 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         self._cache.put(current)
         return gateway_pb2.CancelTaskResponse(task=current.to_proto())
 
+    async def _hard_cancel(self, task_id: int) -> None:
+        """Stops one task of a batch being cancelled (its worker told when it runs), as a hard CancelTask would."""
+        out = await store.cancel(self._pool, task_id, mode=store.CancelMode.HARD, actor=ACTOR, reason="batch cancelled")
+        if out.task is None:
+            return
+        if out.applied and out.from_status is Status.PROCESSING:
+            await cancel.send(self._bus, out.task.id, hard=True, reason="batch cancelled", trace_context=out.task.trace_context)
+        self._cache.put(out.task)
+
+    async def _text_of(self, task: TaskRow) -> str | None:
+        """A SUCCEEDED chat task's whole answer (its stored result), for a batch's output file; None for others."""
+        if task.task_type != "chat" or task.result_uri is None:
+            return None
+        got = bytearray()
+        try:
+            async for data in self._results.read(task.result_uri):
+                got += data
+        except ResultNotFound:
+            return None
+        return got.decode(errors="replace")
+
+    # Files and batches (services/submit/batches.py)
+
+    async def UploadFile(
+        self, request_iterator: AsyncIterator[batches_pb2.UploadFileRequest], context: Context
+    ) -> batches_pb2.StoredFile:
+        who = await self._principal(context)
+        return await self.batches.upload(who.tenant_id, request_iterator)
+
+    async def GetFile(self, request: batches_pb2.GetFileRequest, context: Context) -> batches_pb2.StoredFile:
+        who = await self._principal(context)
+        return file_proto(await self.batches.file(who.tenant_id, request.file_id))
+
+    async def ListFiles(self, request: batches_pb2.ListFilesRequest, context: Context) -> batches_pb2.ListFilesResponse:
+        who = await self._principal(context)
+        return await self.batches.files(who.tenant_id, request)
+
+    async def GetFileContent(
+        self, request: batches_pb2.GetFileRequest, context: Context
+    ) -> AsyncIterator[batches_pb2.FileChunk]:
+        who = await self._principal(context)
+        async for chunk in self.batches.content(who.tenant_id, request.file_id):
+            yield chunk
+
+    async def CreateBatch(self, request: batches_pb2.CreateBatchRequest, context: Context) -> batches_pb2.Batch:
+        return await self.batches.create(await self._principal(context), request)
+
+    async def GetBatch(self, request: batches_pb2.GetBatchRequest, context: Context) -> batches_pb2.Batch:
+        return await self.batches.get(await self._principal(context), request.batch_id)
+
+    async def ListBatches(self, request: batches_pb2.ListBatchesRequest, context: Context) -> batches_pb2.ListBatchesResponse:
+        return await self.batches.listing(await self._principal(context), request)
+
+    async def CancelBatch(self, request: batches_pb2.CancelBatchRequest, context: Context) -> batches_pb2.Batch:
+        return await self.batches.cancel(await self._principal(context), request.batch_id)
+
     async def GetTaskResult(
         self, request: gateway_pb2.GetTaskResultRequest, context: Context
     ) -> AsyncIterator[gateway_pb2.ResultChunk]:
@@ -544,6 +613,7 @@ class SubmitHandle:
             await mark_not_serving(self.health)
             grace = self.settings.submit_shutdown_grace_seconds if grace is None else grace
             await self.server.stop(grace)
+            await self.gateway.batches.close()  # an ingest stopped here is resumed by the next read of its batch
             await self.gateway.dispatcher.close(grace)  # what it could not dispatch stays CREATED for the scan
         finally:
             await stop_tasks([self.listening])
@@ -553,12 +623,14 @@ class SubmitHandle:
                 await self.backends.close()
 
 
-async def start(settings: Settings, backends: Backends | None = None) -> SubmitHandle:
+async def start(
+    settings: Settings, backends: Backends | None = None, *, batch_signals: BatchSignals | None = None
+) -> SubmitHandle:
     """Starts the gateway on settings.submit_port (0 = ephemeral), connecting its own backends unless given."""
     owns = backends is None
     if backends is None:
         backends = await connect(settings, "submit")
-    gateway = Gateway(settings, backends)
+    gateway = Gateway(settings, backends, batch_signals)
 
     def register(server: grpc.aio.Server) -> Iterable[str]:
         gateway_pb2_grpc.add_TaskGatewayServicer_to_server(gateway, server)

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from taskgate_api.v1 import batches_pb2 as taskgate_dot_v1_dot_batches__pb2
 from taskgate_api.v1 import gateway_pb2 as taskgate_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -81,6 +82,46 @@ class TaskGatewayStub:
                 request_serializer=taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretResponse.FromString,
                 _registered_method=True)
+        self.UploadFile = channel.stream_unary(
+                '/taskgate.v1.TaskGateway/UploadFile',
+                request_serializer=taskgate_dot_v1_dot_batches__pb2.UploadFileRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_batches__pb2.StoredFile.FromString,
+                _registered_method=True)
+        self.GetFile = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/GetFile',
+                request_serializer=taskgate_dot_v1_dot_batches__pb2.GetFileRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_batches__pb2.StoredFile.FromString,
+                _registered_method=True)
+        self.ListFiles = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/ListFiles',
+                request_serializer=taskgate_dot_v1_dot_batches__pb2.ListFilesRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_batches__pb2.ListFilesResponse.FromString,
+                _registered_method=True)
+        self.GetFileContent = channel.unary_stream(
+                '/taskgate.v1.TaskGateway/GetFileContent',
+                request_serializer=taskgate_dot_v1_dot_batches__pb2.GetFileRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_batches__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.CreateBatch = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/CreateBatch',
+                request_serializer=taskgate_dot_v1_dot_batches__pb2.CreateBatchRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_batches__pb2.Batch.FromString,
+                _registered_method=True)
+        self.GetBatch = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/GetBatch',
+                request_serializer=taskgate_dot_v1_dot_batches__pb2.GetBatchRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_batches__pb2.Batch.FromString,
+                _registered_method=True)
+        self.ListBatches = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/ListBatches',
+                request_serializer=taskgate_dot_v1_dot_batches__pb2.ListBatchesRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_batches__pb2.ListBatchesResponse.FromString,
+                _registered_method=True)
+        self.CancelBatch = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/CancelBatch',
+                request_serializer=taskgate_dot_v1_dot_batches__pb2.CancelBatchRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_batches__pb2.Batch.FromString,
+                _registered_method=True)
 
 
 class TaskGatewayServicer:
@@ -150,6 +191,58 @@ class TaskGatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadFile(self, request_iterator, context):
+        """Files of the caller's tenant in the result store: a batch's JSONL input (sent in parts), its output and errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetFile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListFiles(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetFileContent(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateBatch(self, request, context):
+        """A batch from an input file: each line submitted as one task (SubmitTasks' rules, in chunks, once per line even
+        across a crashed ingest), its counts following its tasks, its output and error files written when they finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBatches(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelBatch(self, request, context):
+        """Stops the ingest and hard-cancels the unfinished tasks; the batch ends "cancelled" with the files of what ran.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TaskGatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +290,46 @@ def add_TaskGatewayServicer_to_server(servicer, server):
                     servicer.RotateWebhookSecret,
                     request_deserializer=taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretResponse.SerializeToString,
+            ),
+            'UploadFile': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadFile,
+                    request_deserializer=taskgate_dot_v1_dot_batches__pb2.UploadFileRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_batches__pb2.StoredFile.SerializeToString,
+            ),
+            'GetFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetFile,
+                    request_deserializer=taskgate_dot_v1_dot_batches__pb2.GetFileRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_batches__pb2.StoredFile.SerializeToString,
+            ),
+            'ListFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFiles,
+                    request_deserializer=taskgate_dot_v1_dot_batches__pb2.ListFilesRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_batches__pb2.ListFilesResponse.SerializeToString,
+            ),
+            'GetFileContent': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetFileContent,
+                    request_deserializer=taskgate_dot_v1_dot_batches__pb2.GetFileRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_batches__pb2.FileChunk.SerializeToString,
+            ),
+            'CreateBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateBatch,
+                    request_deserializer=taskgate_dot_v1_dot_batches__pb2.CreateBatchRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_batches__pb2.Batch.SerializeToString,
+            ),
+            'GetBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBatch,
+                    request_deserializer=taskgate_dot_v1_dot_batches__pb2.GetBatchRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_batches__pb2.Batch.SerializeToString,
+            ),
+            'ListBatches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBatches,
+                    request_deserializer=taskgate_dot_v1_dot_batches__pb2.ListBatchesRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_batches__pb2.ListBatchesResponse.SerializeToString,
+            ),
+            'CancelBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelBatch,
+                    request_deserializer=taskgate_dot_v1_dot_batches__pb2.CancelBatchRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_batches__pb2.Batch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +577,222 @@ class TaskGateway:
             '/taskgate.v1.TaskGateway/RotateWebhookSecret',
             taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretRequest.SerializeToString,
             taskgate_dot_v1_dot_gateway__pb2.TaskGatewayRotateWebhookSecretResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadFile(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/taskgate.v1.TaskGateway/UploadFile',
+            taskgate_dot_v1_dot_batches__pb2.UploadFileRequest.SerializeToString,
+            taskgate_dot_v1_dot_batches__pb2.StoredFile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/GetFile',
+            taskgate_dot_v1_dot_batches__pb2.GetFileRequest.SerializeToString,
+            taskgate_dot_v1_dot_batches__pb2.StoredFile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/ListFiles',
+            taskgate_dot_v1_dot_batches__pb2.ListFilesRequest.SerializeToString,
+            taskgate_dot_v1_dot_batches__pb2.ListFilesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFileContent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/GetFileContent',
+            taskgate_dot_v1_dot_batches__pb2.GetFileRequest.SerializeToString,
+            taskgate_dot_v1_dot_batches__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/CreateBatch',
+            taskgate_dot_v1_dot_batches__pb2.CreateBatchRequest.SerializeToString,
+            taskgate_dot_v1_dot_batches__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/GetBatch',
+            taskgate_dot_v1_dot_batches__pb2.GetBatchRequest.SerializeToString,
+            taskgate_dot_v1_dot_batches__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/ListBatches',
+            taskgate_dot_v1_dot_batches__pb2.ListBatchesRequest.SerializeToString,
+            taskgate_dot_v1_dot_batches__pb2.ListBatchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/CancelBatch',
+            taskgate_dot_v1_dot_batches__pb2.CancelBatchRequest.SerializeToString,
+            taskgate_dot_v1_dot_batches__pb2.Batch.FromString,
             options,
             channel_credentials,
             insecure,

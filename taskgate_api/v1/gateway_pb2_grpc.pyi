@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from taskgate_api.v1 import batches_pb2 as _batches_pb2
 from taskgate_api.v1 import gateway_pb2 as _gateway_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -55,6 +56,19 @@ class TaskGatewayStub:
     """A new webhook secret for the caller's own tenant, shown once; the current ones keep signing every webhook (one
     signature each) until the overlap ends, so a receiver verifies with either while it switches.
     """
+    UploadFile: _grpc.StreamUnaryMultiCallable[_batches_pb2.UploadFileRequest, _batches_pb2.StoredFile]
+    """Files of the caller's tenant in the result store: a batch's JSONL input (sent in parts), its output and errors."""
+    GetFile: _grpc.UnaryUnaryMultiCallable[_batches_pb2.GetFileRequest, _batches_pb2.StoredFile]
+    ListFiles: _grpc.UnaryUnaryMultiCallable[_batches_pb2.ListFilesRequest, _batches_pb2.ListFilesResponse]
+    GetFileContent: _grpc.UnaryStreamMultiCallable[_batches_pb2.GetFileRequest, _batches_pb2.FileChunk]
+    CreateBatch: _grpc.UnaryUnaryMultiCallable[_batches_pb2.CreateBatchRequest, _batches_pb2.Batch]
+    """A batch from an input file: each line submitted as one task (SubmitTasks' rules, in chunks, once per line even
+    across a crashed ingest), its counts following its tasks, its output and error files written when they finished.
+    """
+    GetBatch: _grpc.UnaryUnaryMultiCallable[_batches_pb2.GetBatchRequest, _batches_pb2.Batch]
+    ListBatches: _grpc.UnaryUnaryMultiCallable[_batches_pb2.ListBatchesRequest, _batches_pb2.ListBatchesResponse]
+    CancelBatch: _grpc.UnaryUnaryMultiCallable[_batches_pb2.CancelBatchRequest, _batches_pb2.Batch]
+    """Stops the ingest and hard-cancels the unfinished tasks; the batch ends "cancelled" with the files of what ran."""
 
 @_typing.type_check_only
 class TaskGatewayAsyncStub(TaskGatewayStub):
@@ -83,6 +97,19 @@ class TaskGatewayAsyncStub(TaskGatewayStub):
     """A new webhook secret for the caller's own tenant, shown once; the current ones keep signing every webhook (one
     signature each) until the overlap ends, so a receiver verifies with either while it switches.
     """
+    UploadFile: _aio.StreamUnaryMultiCallable[_batches_pb2.UploadFileRequest, _batches_pb2.StoredFile]  # type: ignore[assignment]
+    """Files of the caller's tenant in the result store: a batch's JSONL input (sent in parts), its output and errors."""
+    GetFile: _aio.UnaryUnaryMultiCallable[_batches_pb2.GetFileRequest, _batches_pb2.StoredFile]  # type: ignore[assignment]
+    ListFiles: _aio.UnaryUnaryMultiCallable[_batches_pb2.ListFilesRequest, _batches_pb2.ListFilesResponse]  # type: ignore[assignment]
+    GetFileContent: _aio.UnaryStreamMultiCallable[_batches_pb2.GetFileRequest, _batches_pb2.FileChunk]  # type: ignore[assignment]
+    CreateBatch: _aio.UnaryUnaryMultiCallable[_batches_pb2.CreateBatchRequest, _batches_pb2.Batch]  # type: ignore[assignment]
+    """A batch from an input file: each line submitted as one task (SubmitTasks' rules, in chunks, once per line even
+    across a crashed ingest), its counts following its tasks, its output and error files written when they finished.
+    """
+    GetBatch: _aio.UnaryUnaryMultiCallable[_batches_pb2.GetBatchRequest, _batches_pb2.Batch]  # type: ignore[assignment]
+    ListBatches: _aio.UnaryUnaryMultiCallable[_batches_pb2.ListBatchesRequest, _batches_pb2.ListBatchesResponse]  # type: ignore[assignment]
+    CancelBatch: _aio.UnaryUnaryMultiCallable[_batches_pb2.CancelBatchRequest, _batches_pb2.Batch]  # type: ignore[assignment]
+    """Stops the ingest and hard-cancels the unfinished tasks; the batch ends "cancelled" with the files of what ran."""
 
 class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
     """The front door: internal backends submit and follow tasks here.
@@ -162,5 +189,66 @@ class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
         """A new webhook secret for the caller's own tenant, shown once; the current ones keep signing every webhook (one
         signature each) until the overlap ends, so a receiver verifies with either while it switches.
         """
+
+    @_abc_1.abstractmethod
+    def UploadFile(
+        self,
+        request_iterator: _MaybeAsyncIterator[_batches_pb2.UploadFileRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_batches_pb2.StoredFile, _abc.Awaitable[_batches_pb2.StoredFile]]:
+        """Files of the caller's tenant in the result store: a batch's JSONL input (sent in parts), its output and errors."""
+
+    @_abc_1.abstractmethod
+    def GetFile(
+        self,
+        request: _batches_pb2.GetFileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_batches_pb2.StoredFile, _abc.Awaitable[_batches_pb2.StoredFile]]: ...
+
+    @_abc_1.abstractmethod
+    def ListFiles(
+        self,
+        request: _batches_pb2.ListFilesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_batches_pb2.ListFilesResponse, _abc.Awaitable[_batches_pb2.ListFilesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetFileContent(
+        self,
+        request: _batches_pb2.GetFileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_batches_pb2.FileChunk], _abc.AsyncIterator[_batches_pb2.FileChunk]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateBatch(
+        self,
+        request: _batches_pb2.CreateBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_batches_pb2.Batch, _abc.Awaitable[_batches_pb2.Batch]]:
+        """A batch from an input file: each line submitted as one task (SubmitTasks' rules, in chunks, once per line even
+        across a crashed ingest), its counts following its tasks, its output and error files written when they finished.
+        """
+
+    @_abc_1.abstractmethod
+    def GetBatch(
+        self,
+        request: _batches_pb2.GetBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_batches_pb2.Batch, _abc.Awaitable[_batches_pb2.Batch]]: ...
+
+    @_abc_1.abstractmethod
+    def ListBatches(
+        self,
+        request: _batches_pb2.ListBatchesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_batches_pb2.ListBatchesResponse, _abc.Awaitable[_batches_pb2.ListBatchesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CancelBatch(
+        self,
+        request: _batches_pb2.CancelBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_batches_pb2.Batch, _abc.Awaitable[_batches_pb2.Batch]]:
+        """Stops the ingest and hard-cancels the unfinished tasks; the batch ends "cancelled" with the files of what ran."""
 
 def add_TaskGatewayServicer_to_server(servicer: TaskGatewayServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
