@@ -115,7 +115,7 @@ async def test_an_ingest_stopped_halfway_resumes_and_creates_each_task_once(
     lines = [{"custom_id": f"c{i}", "request": {"prompt": f"cat {i}", "model_id": "held", "params": SMALL}} for i in range(45)]
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{first.port}") as channel:
-            stub = gateway_pb2_grpc.TaskGatewayStub(channel)  # type: ignore[no-untyped-call]
+            stub = gateway_pb2_grpc.TaskGatewayStub(channel)
             stored = await upload(stub, md, jsonl(lines))
             batch = await stub.CreateBatch(batches_pb2.CreateBatchRequest(
                 input_file_id=stored.id, endpoint="/v1/responses", completion_window="24h", window_seconds=3600,
@@ -130,7 +130,7 @@ async def test_an_ingest_stopped_halfway_resumes_and_creates_each_task_once(
     second = await submit_service.start(settings, backends)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{second.port}") as channel:
-            stub = gateway_pb2_grpc.TaskGatewayStub(channel)  # type: ignore[no-untyped-call]
+            stub = gateway_pb2_grpc.TaskGatewayStub(channel)
 
             async def ingested() -> bool:  # each read tries the lapsed lease; one resumes the ingest
                 got = await stub.GetBatch(batches_pb2.GetBatchRequest(batch_id=batch.id), metadata=md, timeout=5)
