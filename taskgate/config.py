@@ -324,6 +324,14 @@ class Settings(BaseSettings):
         default=20 * 1024 * 1024, ge=1, description="Largest input image UploadInput stores or the gateway fetches from a URL."
     )
     input_max_side: int = Field(default=8192, ge=16, description="Widest and tallest input image UploadInput stores, pixels.")
+    input_max_pixels: int = Field(
+        default=4096 * 4096, ge=256,
+        description="Most pixels an input image may decode to (its sides multiplied), checked from its header before decoding.",
+    )
+    input_decode_pixels: int = Field(
+        default=4096 * 4096, ge=256,
+        description="Pixels a submit process decodes at once over all input images (about 3-12 bytes each); more wait.",
+    )
     input_fetch_timeout_seconds: float = Field(
         default=10.0, gt=0, description="Whole fetch of an input image URL: resolving, connecting, reading."
     )

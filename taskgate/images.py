@@ -9,9 +9,11 @@ never reaches the store as sent.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +39,7 @@ class Limits:
     max_width: int = 4096
     max_height: int = 4096
     max_bytes: int = 10 * 1024 * 1024
+    max_pixels: int = 4096 * 4096  # what decoding may hold: about 3 bytes a pixel, whatever the file's size
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +64,17 @@ def object_name(sha256: str) -> str:
     return f"{PREFIX}{sha256}.png"
 
 
-def canonical(data: bytes, limits: Limits) -> Canonical:
-    """The image in `data`, checked against `limits` and normalised; ImageRefused says why not.
+def pixels(data: bytes, limits: Limits) -> int:
+    """How many pixels decoding `data` would hold, from its header alone (nothing is decoded); ImageRefused for what
+    `canonical` would refuse before decoding (empty, too large as sent or decoded, not an allowed image, animated)."""
+    with _opened(data, limits) as image:
+        return int(image.width * image.height)
 
-    The header is read first and the sides checked before any pixel is decoded, so a tiny file that claims huge
-    sides costs nothing; animated images are refused (no frame is picked silently).
-    """
+
+@contextlib.contextmanager
+def _opened(data: bytes, limits: Limits) -> Iterator[Image.Image]:
+    """The image in `data` opened (its header read, no pixel decoded) and checked against `limits`; every failure of
+    Pillow inside the block is an ImageRefused saying why."""
     if not data:
         raise ImageRefused("is empty")
     if len(data) > limits.max_bytes:
@@ -75,16 +83,16 @@ def canonical(data: bytes, limits: Limits) -> Canonical:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=list(limits.formats))
-            source_format = str(image.format)
             width, height = image.size
             if width > limits.max_width or height > limits.max_height:
                 raise ImageRefused(f"is {width}x{height}; at most {limits.max_width}x{limits.max_height} is allowed")
             if width < 1 or height < 1:
                 raise ImageRefused("has no pixels")
+            if width * height > limits.max_pixels:
+                raise ImageRefused(f"is {width}x{height} = {width * height} pixels; at most {limits.max_pixels} are allowed")
             if getattr(image, "is_animated", False) or getattr(image, "n_frames", 1) > 1:
                 raise ImageRefused("is animated; send a single frame")
-            image.load()
-            upright = ImageOps.exif_transpose(image)
+            yield image
     except ImageRefused:
         raise
     except UnidentifiedImageError:
@@ -93,7 +101,24 @@ def canonical(data: bytes, limits: Limits) -> Canonical:
         raise ImageRefused("decodes to too many pixels") from None
     except (OSError, ValueError, SyntaxError, EOFError, MemoryError) as exc:
         raise ImageRefused(f"cannot be decoded ({type(exc).__name__}: truncated or corrupt)") from None
-    rgb = _rgb(upright)
+
+
+def canonical(data: bytes, limits: Limits) -> Canonical:
+    """The image in `data`, checked against `limits` and normalised; ImageRefused says why not.
+
+    The header is read first and the sides and pixel count checked before any pixel is decoded, so a tiny file that
+    claims huge sides costs nothing; animated images are refused (no frame is picked silently). The decoded pixels are
+    held once (turned upright in place, not copied to RGB when they are RGB already): about 3 bytes a pixel.
+    """
+    with _opened(data, limits) as image:
+        source_format = str(image.format)
+        image.load()
+        ImageOps.exif_transpose(image, in_place=True)
+        upright = image
+    try:
+        rgb = _rgb(upright)
+    except MemoryError:
+        raise ImageRefused("decodes to too many pixels") from None
     out = io.BytesIO()
     rgb.save(out, format="PNG", compress_level=6)
     png = out.getvalue()
@@ -111,11 +136,11 @@ def _rgb(image: Image.Image) -> Image.Image:
     if image.mode == "P" or image.mode == "PA" or (image.mode in ("L", "RGB") and "transparency" in image.info):
         image = image.convert("RGBA")
     if image.mode in ("RGBA", "LA", "La", "RGBa"):
-        rgba = image.convert("RGBA")
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
         flat = Image.new("RGB", rgba.size, _BACKGROUND)
         flat.paste(rgba, mask=rgba.getchannel("A"))
         return flat
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")  # no second copy of what is RGB already
 
 
 def open_canonical(png: bytes) -> Image.Image:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -49,10 +50,54 @@ class Checked:
 
 def _limits(settings: Settings, spec: ModelSpec | None) -> images.Limits:
     """A model's image limits, or the upload limits without a model."""
+    formats, most = tuple(settings.input_formats), settings.input_max_pixels
     if spec is None:
         side = settings.input_max_side
-        return images.Limits(tuple(settings.input_formats), side, side, settings.input_max_bytes)
-    return images.Limits(tuple(settings.input_formats), spec.max_image_width, spec.max_image_height, spec.max_image_bytes)
+        return images.Limits(formats, side, side, settings.input_max_bytes, most)
+    return images.Limits(formats, spec.max_image_width, spec.max_image_height, spec.max_image_bytes, most)
+
+
+class PixelBudget:
+    """The pixels a process may be decoding at once (memory is about 3 to 12 bytes a pixel while an image is checked):
+    a decode waits, first come first served, until its pixels fit, and gives them back when its thread has finished —
+    not when its caller left, since the thread runs on."""
+
+    def __init__(self, total: int) -> None:
+        self._total = total
+        self._free = total
+        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def decode(self, data: bytes, limits: images.Limits) -> images.Canonical:
+        """`images.canonical(data, limits)` on a thread once its pixels fit the budget; ImageRefused as it raises."""
+        need = min(await asyncio.to_thread(images.pixels, data, limits), self._total)  # the header: refusals never wait
+        if self._waiting or self._free < need:
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.append((need, turn))
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():
+                    self._give_back(need)  # granted as the caller left
+                else:
+                    self._waiting.remove((need, turn))
+                    self._wake()  # it may have held back smaller ones behind it
+                raise
+        else:
+            self._free -= need
+        running = asyncio.ensure_future(asyncio.to_thread(images.canonical, data, limits))
+        running.add_done_callback(lambda _: self._give_back(need))
+        return await asyncio.shield(running)
+
+    def _give_back(self, pixels: int) -> None:
+        self._free += pixels
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiting and self._waiting[0][0] <= self._free:
+            need, turn = self._waiting.popleft()
+            if not turn.done():
+                self._free -= need
+                turn.set_result(None)
 
 
 class InputImages:
@@ -63,6 +108,7 @@ class InputImages:
         self._store = store
         self._settings = settings
         self._client: httpx.AsyncClient | None = None
+        self._budget = PixelBudget(settings.input_decode_pixels)
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
@@ -118,7 +164,7 @@ class InputImages:
         else:
             data = image.data
         try:
-            return Checked(new=await asyncio.to_thread(images.canonical, data, limits))
+            return Checked(new=await self._budget.decode(data, limits))
         except images.ImageRefused as exc:
             bad.append((field, str(exc)))
             return None
@@ -145,7 +191,7 @@ class InputImages:
             if len(received) > limits.max_bytes:
                 raise errors.invalid_argument([("data", f"larger than {limits.max_bytes} bytes")])
         try:
-            new = await asyncio.to_thread(images.canonical, bytes(received), limits)
+            new = await self._budget.decode(bytes(received), limits)
         except images.ImageRefused as exc:
             raise errors.invalid_argument([("data", str(exc))]) from None
         stored = await self.keep(tenant, Checked(new=new), within=within)
@@ -180,7 +226,7 @@ class InputImages:
                     if not kind.startswith("image/"):
                         raise FetchRefused(f"answered with content type {kind or 'none'}, not an image")
                     declared = answer.headers.get("content-length", "")
-                    if declared.isdigit() and int(declared) > cap:
+                    if declared.isascii() and declared.isdigit() and int(declared) > cap:
                         raise FetchRefused(f"is {declared} bytes; at most {cap} are allowed")
                     body = bytearray()
                     async for chunk in answer.aiter_raw():
