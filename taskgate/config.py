@@ -487,6 +487,11 @@ class Settings(BaseSettings):
     eta_history_runs: int = Field(
         default=20, ge=1, le=1000, description="Latest successful runs whose median run time an ETA uses."
     )
+    eta_snapshot_seconds: float = Field(
+        default=1.0, ge=0,
+        description="How old the queue snapshot a process answers queue positions and ETAs from may be before it is read"
+        " again (every poll of a level shares it; 0: read for every poll).",
+    )
 
     # Notifier
     webhook_schedule_seconds: list[float] = Field(

@@ -20,6 +20,7 @@ from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator, Principal
 from taskgate.config import Settings
 from taskgate.dispatcher import Dispatcher
 from taskgate.model import TaskRow, timestamp
+from taskgate.queueview import QueueView
 from taskgate.results import ResultNotFound, add_link, result_store
 from taskgate.runtime import Backends, connect, serve_until_signal, stop_tasks
 from taskgate.sealing import Sealer
@@ -100,6 +101,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         self.revocations = self._auth.listener(backends.database_url, {FORGOTTEN_CHANNEL: self._cache.forget})
         self._pages = paging.Pager(settings.api_key_pepper)
         self._sealer = Sealer.of(settings)
+        self._queue = QueueView(backends.pool, settings)
         self._results = result_store(settings, backends.bus)
         self.inputs = InputImages(backends.pool, self._results, settings)
         self.ids = ids.LeasedIds(backends.pool, lease_seconds=settings.id_node_lease_seconds, fixed_node=settings.id_node)
@@ -363,8 +365,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         return await submissions.queue_position(self._pool, task, within=self._budget(context))
 
     async def _estimate(self, task: TaskRow, context: Context) -> eta.Estimate | None:
-        """A QUEUED or PROCESSING task's position and ETA, None when it has neither or moved on since it was read."""
-        return await eta.current(self._pool, task.id, task.status, self._settings, within=self._budget(context))
+        """A QUEUED or PROCESSING task's position and ETA from the process's queue snapshot; None for other states."""
+        return await self._queue.estimate(task, within=self._budget(context))
 
     async def RegenerateTask(
         self, request: gateway_pb2.RegenerateTaskRequest, context: Context

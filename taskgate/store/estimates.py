@@ -4,7 +4,7 @@ among their models (the `eta_inputs` block of sql/queries/eta.sql; taskgate.eta 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -66,3 +66,57 @@ async def eta_inputs(
         )
         for rec in rows
     }
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLevel:
+    """One tenant at one (model, priority) level of a queue snapshot."""
+
+    model_id: str
+    priority: int
+    user_id: str
+    pass_: float | None  # its fair-share pass (None: it has none yet)
+    floor: float | None  # the level's floor (None: nothing claimed there yet)
+    weight: float  # its share weight
+    at: Sequence[int]  # its due QUEUED tasks' queued_at (epoch microseconds), in claim order
+    ids: Sequence[int]  # and their ids, in the same order
+
+
+@dataclass(frozen=True, slots=True)
+class QueueRows:
+    """A queue snapshot as read: the database's now, every level's tenants, and the live workers' (models, slots)."""
+
+    now: datetime
+    tenants: list[TenantLevel]
+    workers: list[tuple[tuple[str, ...], float]]
+
+
+async def queue_snapshot(db: Conn, *, alive_seconds: float, within: float | None = None) -> QueueRows:
+    """The whole due queue, in two statements (this is what a refresh costs, once per period; a poll costs none)."""
+    rows = await db.fetch(sql.query("queue_snapshot_levels"), timeout=within)
+    head = await db.fetchrow(sql.query("queue_snapshot_workers"), alive_seconds, timeout=within)
+    assert head is not None
+    return QueueRows(
+        now=head["now"],
+        tenants=[
+            TenantLevel(
+                model_id=r["model_id"], priority=r["priority"], user_id=r["user_id"],
+                pass_=r["pass"], floor=r["floor"], weight=float(r["weight"]), at=r["at"], ids=r["ids"],
+            )
+            for r in rows
+        ],
+        workers=[(tuple(w["models"]), float(w["slots"])) for w in head["workers"]],
+    )
+
+
+async def run_history(
+    db: Conn, model_id: str, task_type: str, size_class: int, *, window_seconds: float, max_runs: int,
+    within: float | None = None,
+) -> tuple[float | None, int]:
+    """The median run seconds (None: no run in the window) of a model's latest successful runs of one task type and
+    size class, and how many there were; a bounded read of task_recent_runs_idx."""
+    rec = await db.fetchrow(
+        sql.query("eta_run_history"), model_id, task_type, size_class, window_seconds, max_runs, timeout=within
+    )
+    assert rec is not None
+    return (float(rec["run_seconds"]) if rec["run_seconds"] is not None else None), int(rec["runs"])

@@ -358,6 +358,7 @@ def settings_for(state_dir: Path, *, database_url: str | None = None, nats_url: 
         scheduler_metrics_port=0,
         worker_metrics_port=0,
         callback_allow_hosts=["127.0.0.1"],
+        eta_snapshot_seconds=0.0,  # each call reads the queue as it finds it (tests of the shared snapshot set a period)
         models={"wan-tiny": ModelSpec(path=state_dir / "models" / "wan-tiny"), "sleepy": ModelSpec(kind="sleep")},
     )
 

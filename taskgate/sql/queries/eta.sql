@@ -71,3 +71,48 @@ LEFT JOIN LATERAL (
     FROM mine
 ) f ON t.status = 'QUEUED'
 WHERE t.id = ANY($1::bigint[]);
+
+-- name: queue_snapshot_levels
+-- The queue that every poll of a process shares (taskgate/queueview.py), read once per refresh, never per poll: one
+-- row per (model, priority, tenant) with due QUEUED tasks or a fair-share pass: the tenant's pass (NULL: none yet),
+-- its level's floor (NULL: none yet), its share weight, and its due tasks' keys in claim order (queued_at as epoch
+-- microseconds, id: the order worker_claim serves a tenant in).
+WITH due AS (
+    SELECT q.model_id, q.priority, q.user_id,
+           array_agg((extract(epoch FROM q.queued_at) * 1000000)::bigint ORDER BY q.queued_at, q.id) AS at,
+           array_agg(q.id ORDER BY q.queued_at, q.id) AS ids
+    FROM task q
+    WHERE q.status = 'QUEUED' AND (q.not_before IS NULL OR q.not_before <= now())
+    GROUP BY q.model_id, q.priority, q.user_id
+), keyed AS (
+    SELECT coalesce(d.model_id, fs.model_id) AS model_id, coalesce(d.priority, fs.priority) AS priority,
+           coalesce(d.user_id, fs.user_id) AS user_id, fs.pass, d.at, d.ids
+    FROM due d
+    FULL JOIN fair_share fs ON fs.model_id = d.model_id AND fs.priority = d.priority AND fs.user_id = d.user_id
+)
+SELECT k.model_id, k.priority, k.user_id, k.pass, l.floor, coalesce(tn.share_weight, 1) AS weight,
+       coalesce(k.at, '{}') AS at, coalesce(k.ids, '{}') AS ids
+FROM keyed k
+LEFT JOIN fair_level l ON l.model_id = k.model_id AND l.priority = k.priority
+LEFT JOIN tenant tn ON tn.id = k.user_id;
+
+-- name: queue_snapshot_workers
+-- The database's now and the live, not draining workers (their models and slots) of a queue snapshot. $1 seconds a
+-- live worker's heartbeat is within.
+SELECT now() AS now,
+       coalesce((SELECT jsonb_agg(jsonb_build_object('models', w.models, 'slots', w.slots))
+                 FROM worker w
+                 WHERE NOT w.draining AND w.last_heartbeat > now() - make_interval(secs => $1)), '[]'::jsonb) AS workers;
+
+-- name: eta_run_history
+-- The median seconds from start to finish of a model's latest successful runs of one task type and size class within
+-- the window (task_recent_runs_idx; NULL when none) and how many there were. $1 model, $2 task type, $3 size class
+-- (task_size_class), $4 window seconds, $5 most runs read.
+SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds) AS run_seconds, count(*) AS runs
+FROM (SELECT extract(epoch FROM s.finished_at - s.started_at)::float8 AS seconds
+      FROM task s
+      WHERE s.status = 'SUCCEEDED' AND NOT s.result_reused AND s.started_at IS NOT NULL
+        AND s.model_id = $1 AND s.task_type = $2 AND task_size_class(s.request_payload) = $3
+        AND s.finished_at > now() - make_interval(secs => $4)
+      ORDER BY s.finished_at DESC
+      LIMIT $5) h;
