@@ -1,9 +1,11 @@
 -- A worker's claim for one dispatch message, in one statement: the checks, the caps and the guarded claim (the one
 -- claim there is: -> PROCESSING as a new attempt, guarded like the moves of queries/tasks.sql). Run as its own transaction.
 -- The message is a hint for its task's (model, priority) level, not an assignment: it claims the fairest due QUEUED
--- task of that level (stride scheduling over tenants, migration 0024: the lowest pass wins, its oldest task first; a
--- claim advances the tenant's pass by 1 / its share_weight), else its own task while that is still CREATED (the
--- message outran the commit); its own task PROCESSING under a lapsed lease (its worker was lost) is taken over first.
+-- task of that level (stride scheduling over tenants, migration 0024: the lowest pass wins; a claim advances the
+-- tenant's pass by 1 / its share_weight; inside the tenant's turn the same stride over its end users, migration 0034:
+-- the end user with the lowest pass wins, its oldest task first, and its pass grows by 1), else its own task while
+-- that is still CREATED (the message outran the commit); its own task PROCESSING under a lapsed lease (its worker
+-- was lost) is taken over first.
 -- verdict: 'claimed' (claimed is the new attempt, old_status what it left), 'not_found', 'other_model', 'capped';
 -- with nothing to claim in the level: 'finished' (its own task ended), 'refused' (its own task runs under a live
 -- lease, or a takeover would reach p_max_losses), 'early' (the level's QUEUED tasks are not due yet: wait_seconds until the first is) or
@@ -25,6 +27,8 @@ DECLARE
     v_id bigint;
     v_seen boolean := false;
     v_new_floor float8;
+    v_eu record;
+    v_eu_floor float8;
 BEGIN
     -- a claim commits durably (no synchronous_commit=off here): a claim lost in a crash would hand its attempt number
     -- to a second worker, and writes are fenced by that number
@@ -80,7 +84,7 @@ BEGIN
                 FROM tenants s WHERE s.user_id IS NOT NULL
             )
             SELECT s.user_id, GREATEST(coalesce(f.pass, v_floor), v_floor) AS pass,
-                   coalesce(w.share_weight, 1) AS weight
+                   coalesce(w.share_weight, 1) AS weight, coalesce(f.end_user_floor, 0) AS end_user_floor
             FROM tenants s
             CROSS JOIN LATERAL (
                 SELECT q.queued_at, q.id FROM task q
@@ -95,17 +99,58 @@ BEGIN
             ORDER BY 2, h.queued_at, h.id
         LOOP
             v_seen := true;
-            SELECT q.id INTO v_id FROM task q
-            WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
-              AND q.user_id = v_pick.user_id AND (q.not_before IS NULL OR q.not_before <= now())
-              AND (q.queue_expires_at IS NULL OR q.queue_expires_at > now())
-            ORDER BY q.queued_at, q.id LIMIT 1
-            FOR UPDATE SKIP LOCKED;
+            -- inside the tenant's turn: its end users with a due QUEUED task (a skip scan of task_fair_end_user_idx),
+            -- lowest pass first ('' is the tenant's own tasks, one end user among the others)
+            v_eu_floor := v_pick.end_user_floor;
+            FOR v_eu IN
+                WITH RECURSIVE users AS (
+                    (SELECT q.end_user FROM task q
+                     WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
+                       AND q.user_id = v_pick.user_id
+                     ORDER BY q.end_user LIMIT 1)
+                    UNION ALL
+                    SELECT (SELECT q.end_user FROM task q
+                            WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
+                              AND q.user_id = v_pick.user_id AND q.end_user > u.end_user
+                            ORDER BY q.end_user LIMIT 1)
+                    FROM users u WHERE u.end_user IS NOT NULL
+                )
+                SELECT u.end_user, GREATEST(coalesce(e.pass, v_eu_floor), v_eu_floor) AS pass
+                FROM users u
+                CROSS JOIN LATERAL (
+                    SELECT q.queued_at, q.id FROM task q
+                    WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
+                      AND q.user_id = v_pick.user_id AND q.end_user = u.end_user
+                      AND (q.not_before IS NULL OR q.not_before <= now())
+                      AND (q.queue_expires_at IS NULL OR q.queue_expires_at > now())
+                    ORDER BY q.queued_at, q.id LIMIT 1
+                ) h
+                LEFT JOIN end_user_share e ON e.model_id = p_model_id AND e.priority = v_priority
+                                          AND e.user_id = v_pick.user_id AND e.end_user = u.end_user
+                WHERE u.end_user IS NOT NULL
+                ORDER BY 2, h.queued_at, h.id
+            LOOP
+                SELECT q.id INTO v_id FROM task q
+                WHERE q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
+                  AND q.user_id = v_pick.user_id AND q.end_user = v_eu.end_user
+                  AND (q.not_before IS NULL OR q.not_before <= now())
+                  AND (q.queue_expires_at IS NULL OR q.queue_expires_at > now())
+                ORDER BY q.queued_at, q.id LIMIT 1
+                FOR UPDATE SKIP LOCKED;
+                IF v_id IS NOT NULL THEN
+                    INSERT INTO end_user_share AS e (model_id, priority, user_id, end_user, pass)
+                    VALUES (p_model_id, v_priority, v_pick.user_id, v_eu.end_user, v_eu.pass + 1.0)
+                    ON CONFLICT (model_id, priority, user_id, end_user)
+                    DO UPDATE SET pass = GREATEST(e.pass, v_eu_floor) + 1.0;
+                    EXIT;
+                END IF;
+            END LOOP;
             IF v_id IS NOT NULL THEN
-                INSERT INTO fair_share AS f (model_id, priority, user_id, pass)
-                VALUES (p_model_id, v_priority, v_pick.user_id, v_pick.pass + 1.0 / v_pick.weight)
+                INSERT INTO fair_share AS f (model_id, priority, user_id, pass, end_user_floor)
+                VALUES (p_model_id, v_priority, v_pick.user_id, v_pick.pass + 1.0 / v_pick.weight, v_eu.pass)
                 ON CONFLICT (model_id, priority, user_id)
-                DO UPDATE SET pass = GREATEST(f.pass, v_floor) + 1.0 / v_pick.weight;
+                DO UPDATE SET pass = GREATEST(f.pass, v_floor) + 1.0 / v_pick.weight,
+                              end_user_floor = GREATEST(f.end_user_floor, v_eu.pass);
                 v_new_floor := v_pick.pass;
                 EXIT;
             END IF;

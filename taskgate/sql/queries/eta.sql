@@ -4,8 +4,9 @@
 -- For each task: its status, version, progress and priority; the median seconds from start to finish of its model's
 -- latest successful runs of its size class within the window (task_recent_runs_idx; NULL when none) and how many
 -- there were; the database's now. QUEUED tasks also get their place under the real dispatch order: level_position,
--- the claims its (model, priority) level makes up to and including it under fair share (its tenant's due QUEUED
--- tasks up to it, plus each other tenant's due tasks whose stride pass comes first: functions/worker_claim.sql);
+-- the claims its (model, priority) level makes up to and including it under fair share (its tenant's turns up to it,
+-- counted the same way over the tenant's end users, plus each other tenant's due tasks whose stride pass comes first:
+-- functions/worker_claim.sql);
 -- queued_high/normal/low, the due QUEUED tasks of each of its model's levels (the weighted pick shares the model's
 -- slots among them); and slots, the live, not draining workers' slots that serve its model, each worker's slots
 -- shared among its models by the weights of their levels with QUEUED tasks. Only QUEUED and PROCESSING tasks read
@@ -64,7 +65,26 @@ LEFT JOIN LATERAL (
         WHERE q.status = 'QUEUED' AND q.model_id = t.model_id AND q.priority = t.priority
           AND (q.not_before IS NULL OR q.not_before <= now() OR q.id = t.id)
         GROUP BY q.user_id, fs.pass, lv.floor, tn.share_weight
-    ), mine AS (SELECT m.pass + (m.upto - 1) / m.weight AS turn, m.upto FROM tenants m WHERE m.user_id = t.user_id)
+    ), users AS (  -- inside its tenant's turns, the same count over the tenant's end users (stride 1 each)
+        SELECT q.end_user, count(*) AS n,
+               count(*) FILTER (WHERE (q.queued_at, q.id) <= (t.queued_at, t.id)) AS upto,
+               GREATEST(coalesce(es.pass, uf.floor), uf.floor) AS pass
+        FROM task q
+        CROSS JOIN (SELECT coalesce((SELECT x.end_user_floor FROM fair_share x
+                                     WHERE x.model_id = t.model_id AND x.priority = t.priority
+                                       AND x.user_id = t.user_id), 0) AS floor) uf
+        LEFT JOIN end_user_share es ON es.model_id = q.model_id AND es.priority = q.priority AND es.user_id = q.user_id
+                                   AND es.end_user = q.end_user
+        WHERE q.status = 'QUEUED' AND q.model_id = t.model_id AND q.priority = t.priority AND q.user_id = t.user_id
+          AND (q.not_before IS NULL OR q.not_before <= now() OR q.id = t.id)
+        GROUP BY q.end_user, es.pass, uf.floor
+    ), own AS (  -- the tenant's turns up to it: its end user's tasks up to it, and the others' turns that come first
+        SELECT u.upto + coalesce((
+                   SELECT sum(LEAST(o.n, GREATEST(0, floor(u.pass + u.upto - 1 - o.pass) + 1)))
+                   FROM users o WHERE o.end_user <> t.end_user), 0) AS upto
+        FROM users u WHERE u.end_user = t.end_user
+    ), mine AS (SELECT m.pass + (own.upto - 1) / m.weight AS turn, own.upto FROM tenants m CROSS JOIN own
+                WHERE m.user_id = t.user_id)
     SELECT mine.upto + coalesce((
                SELECT sum(LEAST(o.n, GREATEST(0, floor((mine.turn - o.pass) * o.weight) + 1)))
                FROM tenants o WHERE o.user_id <> t.user_id), 0) AS position

@@ -150,3 +150,41 @@ async def test_the_eta_follows_fair_share_and_the_priority_weights_within_thirty
     predicted, observed = (est.start - asked).total_seconds(), (done.started_at - asked).total_seconds()
     assert abs(predicted - observed) <= 0.3 * observed, (predicted, observed)
 
+
+
+async def queued_for(backends: Backends, user_id: str, end_user: str, n: int) -> list[TaskRow]:
+    """`n` QUEUED tasks of one end user of a tenant, oldest first."""
+    tasks = []
+    for i in range(n):
+        task = await insert_task(backends.pool, user_id=user_id, end_user=end_user, model_id=SLEEPY,
+                                 prompt=f"{user_id}/{end_user} {i}")
+        assert (await store.queue(backends.pool, task.id, actor="submit")).applied
+        tasks.append(task)
+    return tasks
+
+
+async def end_user_order(backends: Backends, hint: int, n: int) -> list[str]:
+    """`tenant/end user` of `n` successive claims for messages naming `hint`."""
+    order = []
+    for _ in range(n):
+        got = await registry.claim_for(backends.pool, hint, model_id=SLEEPY, cap=0, worker_id="w", lease_seconds=60, actor="w")
+        assert got.verdict is registry.Verdict.CLAIMED and got.task is not None
+        order.append(f"{got.task.user_id}/{got.task.end_user}")
+    return order
+
+
+async def test_end_users_take_turns_inside_their_tenants_turn(backends: Backends) -> None:
+    hint = await ended(backends)
+    await queued_for(backends, "backend", "heavy", 200)  # one end user's bulk
+    await queued(backends, "other", 3)
+    assert (await end_user_order(backends, hint, 2)) == ["backend/heavy", "other/"]
+    await queued_for(backends, "backend", "light", 2)  # another end user of the same tenant arrives later
+    # tenants alternate; inside backend's turns its end users alternate: light's first task waits behind at most one
+    # of heavy's, however long heavy's bulk
+    order = await end_user_order(backends, hint, 6)
+    assert order == ["backend/light", "other/", "backend/heavy", "other/", "backend/light", "backend/heavy"], order
+    # the queue position follows that order: light's next task would be claimed within a few, not after 198 of heavy's
+    light = await insert_task(backends.pool, user_id="backend", end_user="light", model_id=SLEEPY, prompt="later")
+    assert (await store.queue(backends.pool, light.id, actor="submit")).applied
+    estimate = (await eta.estimates(backends.pool, [light.id], backends.settings))[light.id]
+    assert 1 <= estimate.queue_position <= 2, estimate  # 197 of heavy's tasks are queued in the same level
