@@ -2,7 +2,7 @@
 -- claim there is: -> PROCESSING as a new attempt, guarded like the moves of queries/tasks.sql). Run as its own transaction.
 -- The message is a hint for its task's (model, priority) level, not an assignment: it claims the fairest due QUEUED
 -- task of that level (stride scheduling over tenants, migration 0024: the lowest pass wins; a claim advances the
--- tenant's pass by 1 / its share_weight; inside the tenant's turn the same stride over its end users, migration 0034:
+-- tenant's pass by 1 / its share_weight; inside the tenant's turn the same stride over its end users, migration 0035:
 -- the end user with the lowest pass wins, its oldest task first, and its pass grows by 1), else its own task while
 -- that is still CREATED (the message outran the commit); its own task PROCESSING under a lapsed lease (its worker
 -- was lost) is taken over first.
