@@ -79,6 +79,7 @@ proto: $(STAMP)
 tiny-model: $(STAMP)
 	$(PY) -m taskgate_local.tinymodel
 	$(PY) -m taskgate_local.tinymodel --model ltx-i2v-tiny
+	$(PY) -m taskgate_local.tinylm
 
 ## Runs every family's tiny pipeline on CUDA: seconds per step, peak GPU memory, device-busy fraction (skips without a GPU).
 gpu-check: $(STAMP)

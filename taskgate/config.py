@@ -25,8 +25,14 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: Path | None = Field(default=None, description="Folder holding a diffusers pipeline (save_pretrained).")
-    kind: Literal["diffusers", "sleep"] = Field(default="diffusers", description="'sleep' holds a slot without a GPU.")
+    path: Path | None = Field(
+        default=None,
+        description="Folder holding a diffusers pipeline (save_pretrained), or for 'transformers' a causal LM with its tokenizer.",
+    )
+    kind: Literal["diffusers", "sleep", "transformers"] = Field(
+        default="diffusers",
+        description="'sleep' holds a slot without a GPU; 'transformers' runs chat tasks on an in-process causal LM.",
+    )
     pipeline: str | None = Field(
         default=None,
         description="diffusers pipeline class (model_index.json's _class_name); its family fills the limits and defaults left out.",
@@ -35,7 +41,23 @@ class ModelSpec(BaseModel):
     encode_seconds: float = Field(
         default=0.0, ge=0, description="Test/bench only, 'sleep' kind: a CPU phase after the device phase (as MP4 encoding)."
     )
-    task_types: list[str] = Field(default_factory=lambda: ["text-to-video"], description="Task types this model serves.")
+    task_types: list[str] = Field(
+        default_factory=lambda: ["text-to-video"], description="Task types this model serves (a 'transformers' model: chat)."
+    )
+    max_sequences: int = Field(
+        default=8, ge=1, description="Chat models: sequences generated at once on one loaded model (continuous batching)."
+    )
+    max_input_tokens: int = Field(
+        default=4096, ge=1, description="Chat models: most tokens of a request's input, counted with the model's tokenizer at admission."
+    )
+    max_output_tokens: int = Field(default=2048, ge=1, description="Chat models: largest max_output_tokens a request may ask for.")
+    default_max_output_tokens: int = Field(default=256, ge=1, description="Chat models: max_output_tokens when a request gives none.")
+    default_temperature: float = Field(default=1.0, ge=0, le=2, description="Chat models: temperature when a request gives none.")
+    default_top_p: float = Field(default=1.0, gt=0, le=1, description="Chat models: top_p when a request gives none.")
+    tokenizer: Path | None = Field(
+        default=None,
+        description="Chat models: the folder (or tokenizer.json) the gateway counts input tokens with; default: path.",
+    )
     max_frames: int = Field(default=81, ge=1, description="Most frames a request may ask for.")
     frame_step: int = Field(default=4, ge=1, description="num_frames - 1 must be a multiple of this.")
     max_width: int = Field(default=1280, ge=16, description="Widest frame, pixels.")
@@ -104,6 +126,8 @@ class ModelSpec(BaseModel):
     def _family_defaults(cls, data: Any) -> Any:
         """Fills the limits and defaults an entry leaves out from its pipeline's family."""
         if isinstance(data, dict):
+            if data.get("kind") == "transformers" and "task_types" not in data:
+                data = {**data, "task_types": ["chat"]}
             family = families.family_of(data.get("pipeline"))
             if family is not None:
                 return {**family.spec_defaults(), **data}
@@ -126,6 +150,10 @@ class ModelSpec(BaseModel):
             raise ValueError(f"{self.pipeline}'s attention does not honour attention_backend")
         if family is not None and self.torch_compile == "blocks" and not family.repeated_blocks:
             raise ValueError(f"{self.pipeline} declares no repeated blocks: use torch_compile 'transformer'")
+        if self.default_max_output_tokens > self.max_output_tokens:
+            raise ValueError(
+                f"default_max_output_tokens {self.default_max_output_tokens} is above max_output_tokens {self.max_output_tokens}"
+            )
         clash = sorted(RESERVED_CALL_OPTIONS & set(self.pipeline_options))
         if clash:
             raise ValueError(f"pipeline_options may not set {', '.join(clash)}: taskgate passes them")
@@ -277,6 +305,15 @@ class Settings(BaseSettings):
     max_streams_per_tenant: int = Field(default=100, ge=1, description="WatchTask/WatchTasks streams a tenant may hold open per process.")
     max_streams_per_process: int = Field(default=10000, ge=1, description="Streams one notifier holds open in all.")
     max_prompt_chars: int = Field(default=2000, ge=1, description="Longest prompt accepted, in characters.")
+    max_input_chars: int = Field(
+        default=2 * 1024 * 1024, ge=1,
+        description="Chat tasks: most characters of a request's input (its messages together; the model's max_input_tokens also applies).",
+    )
+    max_stop_sequences: int = Field(default=4, ge=0, description="Chat tasks: most stop strings a request may give.")
+    result_inline_chars: int = Field(
+        default=65536, ge=0,
+        description="Chat tasks: GetTask and webhooks carry the answer inline up to this many characters (GetTaskResult: all).",
+    )
     max_metadata_bytes: int = Field(default=4096, ge=0, description="Size of the metadata map as JSON.")
     callback_allow_hosts: list[str] = Field(default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1'].")
     default_model: str = Field(default="wan-tiny", description="Model used when a request names none.")

@@ -10,6 +10,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from taskgate import chat
 from taskgate.states import CallbackStatus, Status
 from taskgate_api.v1 import task_pb2
 
@@ -72,6 +73,11 @@ class TaskRow:
     max_queue_seconds: float | None = None  # asked for at submission: the queue's TTL
     queue_expires_at: datetime | None = None  # when a task still waiting ends TIMEOUT QUEUE_TTL_EXPIRED
     end_user: str = ""  # the tenant's own user it was submitted for ('': the tenant itself)
+    result_text: str | None = None  # chat: the answer's beginning, up to result_inline_chars when it finished
+    result_chars: int | None = None  # chat: the whole answer's length (the result store holds it all)
+    finish_reason: str | None = None  # chat: why generation ended ("stop", "length")
+    input_tokens: int = 0  # chat: tokens of its input (the finishing attempt's count)
+    output_tokens: int = 0  # chat: tokens its finishing attempt generated
 
     @classmethod
     def from_record(cls, rec: Any) -> TaskRow:
@@ -87,9 +93,32 @@ class TaskRow:
         data["callback_events"] = list(data.get("callback_events") or [])
         return cls(**data)
 
-    def to_proto(self, queue_position: int = 0) -> task_pb2.Task:
+    def _chat_proto(self, queue_position: int) -> task_pb2.Task:
+        """A chat task: its generation parameters (not its messages: an input may be megabytes) and its answer."""
         p = self.request_payload
-        params = task_pb2.VideoParams(
+        msg = self._common_proto(queue_position)
+        msg.chat.CopyFrom(task_pb2.ChatParams(
+            max_output_tokens=int(p.get("max_output_tokens", 0)), temperature=float(p.get("temperature", 0.0)),
+            top_p=float(p.get("top_p", 1.0)), stop=[str(s) for s in p.get("stop", [])],
+        ))
+        if p.get("seed") is not None:
+            msg.chat.seed = int(p["seed"])
+        msg.usage.input_tokens = self.input_tokens or int(p.get(chat.INPUT_TOKENS, 0))
+        msg.usage.output_tokens = self.output_tokens
+        if self.result_text is not None:
+            chars = self.result_chars if self.result_chars is not None else len(self.result_text)
+            msg.text.CopyFrom(task_pb2.TextResult(
+                text=self.result_text, truncated=len(self.result_text) < chars, finish_reason=self.finish_reason or "",
+                chars=chars,
+            ))
+        return msg
+
+    def to_proto(self, queue_position: int = 0) -> task_pb2.Task:
+        if self.task_type == chat.TASK_TYPE:
+            return self._chat_proto(queue_position)
+        p = self.request_payload
+        msg = self._common_proto(queue_position)
+        msg.params.CopyFrom(task_pb2.VideoParams(
             num_frames=int(p.get("num_frames", 0)),
             width=int(p.get("width", 0)),
             height=int(p.get("height", 0)),
@@ -97,16 +126,25 @@ class TaskRow:
             guidance_scale=float(p.get("guidance_scale", 0.0)),
             fps=int(p.get("fps", 0)),
             negative_prompt=str(p.get("negative_prompt", "")),
-        )
+        ))
         if p.get("seed") is not None:
-            params.seed = int(p["seed"])
+            msg.params.seed = int(p["seed"])
+        image = p.get("image")
+        if isinstance(image, dict):
+            msg.image.CopyFrom(task_pb2.InputImage(
+                sha256=str(image["sha256"]), width=int(image["width"]), height=int(image["height"]),
+                size_bytes=int(image.get("size_bytes", 0)), content_type="image/png",
+            ))
+        return msg
+
+    def _common_proto(self, queue_position: int) -> task_pb2.Task:
+        """The fields every task type has."""
         msg = task_pb2.Task(
             id=str(self.id),
             user_id=self.user_id,
             task_type=self.task_type,
             model_id=self.model_id,
             prompt=self.prompt,
-            params=params,
             priority=self.priority,  # type: ignore[arg-type]
             status=self.status.to_proto(),
             progress=self.progress,
@@ -128,12 +166,6 @@ class TaskRow:
             usage=task_pb2.TaskUsage(gpu_seconds=self.device_seconds, slot_seconds=self.slot_seconds),
             end_user=self.end_user,
         )
-        image = p.get("image")
-        if isinstance(image, dict):
-            msg.image.CopyFrom(task_pb2.InputImage(
-                sha256=str(image["sha256"]), width=int(image["width"]), height=int(image["height"]),
-                size_bytes=int(image.get("size_bytes", 0)), content_type="image/png",
-            ))
         if self.result_uri:
             msg.result.CopyFrom(
                 task_pb2.TaskResult(

@@ -31,7 +31,19 @@ from taskgate_client.errors import (
 )
 from taskgate_client.handles import AsyncTaskHandle, TaskHandle
 from taskgate_client.sync import EventStream, TaskgateClient, connect
-from taskgate_client.types import ImageSource, InputImage, Status, SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult
+from taskgate_client.types import (
+    ChatInput,
+    ChatOptions,
+    ImageSource,
+    InputImage,
+    Status,
+    SubmitItem,
+    SubmitOptions,
+    Task,
+    TaskEvent,
+    TaskResult,
+    TextAnswer,
+)
 from taskgate_client.webhooks import WebhookVerificationError, verify_webhook
 
 __all__ = [
@@ -40,6 +52,8 @@ __all__ = [
     "AsyncEventStream",
     "AsyncTaskHandle",
     "AsyncTaskgateClient",
+    "ChatInput",
+    "ChatOptions",
     "ClientConfig",
     "DeadlineExceeded",
     "EventStream",
@@ -62,6 +76,7 @@ __all__ = [
     "TaskResult",
     "TaskgateClient",
     "TaskgateError",
+    "TextAnswer",
     "Unauthenticated",
     "Unavailable",
     "WaitTimeout",

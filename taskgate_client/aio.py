@@ -36,6 +36,9 @@ from taskgate_client.errors import (
 )
 from taskgate_client.handles import AsyncTaskHandle
 from taskgate_client.types import (
+    CHAT,
+    ChatInput,
+    ChatOptions,
     ImageSource,
     InputImage,
     Status,
@@ -153,6 +156,48 @@ def submit_request(
         request.start_after.FromDatetime(start_after if start_after.tzinfo else start_after.astimezone())
     if max_queue_seconds is not None:
         request.max_queue_seconds = max_queue_seconds
+    return request
+
+
+def chat_request(
+    messages: ChatInput,
+    model: str | None = None,
+    *,
+    system: str | None = None,
+    max_output_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    stop: Iterable[str] = (),
+    seed: int | None = None,
+    priority: str | int = "normal",
+    idempotency_key: str | None = None,
+    callback_url: str | None = None,
+    callback_events: Iterable[str] = (),
+    metadata: Mapping[str, str] | None = None,
+    max_retries: int | None = None,
+    start_after: datetime | None = None,
+    max_queue_seconds: float | None = None,
+    end_user: str | None = None,
+) -> gateway_pb2.SubmitTaskRequest:
+    """The SubmitTaskRequest of a chat task: `messages` is the user's one message (a str) or the conversation
+    ({"role": ..., "content": ...} each, oldest first); `system` goes first as a system message."""
+    turns = [{"role": "user", "content": messages}] if isinstance(messages, str) else [dict(m) for m in messages]
+    if system is not None:
+        turns.insert(0, {"role": "system", "content": system})
+    params = task_pb2.ChatParams(
+        messages=[task_pb2.ChatMessage(role=t.get("role", ""), content=t.get("content", "")) for t in turns],
+        stop=list(stop),
+    )
+    for name, value in (("max_output_tokens", max_output_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            setattr(params, name, value)
+    request = submit_request(
+        "", model, priority=priority, idempotency_key=idempotency_key, callback_url=callback_url,
+        callback_events=callback_events, metadata=metadata, max_retries=max_retries, task_type=CHAT,
+        start_after=start_after, max_queue_seconds=max_queue_seconds, end_user=end_user,
+    )
+    request.ClearField("params")
+    request.chat.CopyFrom(params)
     return request
 
 
@@ -368,6 +413,18 @@ class AsyncTaskgateClient:
             task_type=task_type, image=await self._image_input(image), start_after=start_after,
             max_queue_seconds=max_queue_seconds, end_user=end_user,
         )
+        response = await self._call(
+            lambda: self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
+        )
+        return self._handle(Task.from_proto(response.task, created=response.created))
+
+    async def chat(self, messages: ChatInput, model: str | None = None, **options: Unpack[ChatOptions]) -> AsyncTaskHandle:
+        """Submits a chat task (task_type "chat") and returns its handle: `messages` is one user message or the
+        conversation (dicts of role and content, oldest first, ending with the user's); `system` (an option) goes
+        first. Unset options take the model's defaults: `max_output_tokens`, `temperature` (0: greedy), `top_p`,
+        `stop` (strings that end the answer), `seed`; the others are submit()'s. The finished task's `answer` holds
+        the text (inline up to the gateway's size setting; `download` writes it all)."""
+        request = chat_request(messages, model, **options)
         response = await self._call(
             lambda: self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
         )

@@ -18,7 +18,17 @@ from taskgate_client.aio import MAX_SUBMIT_BATCH, AsyncEventStream, AsyncTaskgat
 from taskgate_client.config import ClientConfig, ConnectOptions, make_config
 from taskgate_client.errors import TaskgateError
 from taskgate_client.handles import TaskHandle
-from taskgate_client.types import ImageSource, InputImage, SubmitItem, SubmitOptions, Task, TaskEvent, TaskResult
+from taskgate_client.types import (
+    ChatInput,
+    ChatOptions,
+    ImageSource,
+    InputImage,
+    SubmitItem,
+    SubmitOptions,
+    Task,
+    TaskEvent,
+    TaskResult,
+)
 
 if TYPE_CHECKING:  # 3.11 typing names, in annotations only: the client also runs on 3.10
     from typing import Self, Unpack
@@ -120,6 +130,10 @@ class TaskgateClient:
     def submit(self, prompt: str, model: str | None = None, **options: Unpack[SubmitOptions]) -> TaskHandle:
         """Submits a task and returns its handle; see AsyncTaskgateClient.submit for the parameters."""
         return self._handle(self._runner.run(self._client.submit(prompt, model, **options)))
+
+    def chat(self, messages: ChatInput, model: str | None = None, **options: Unpack[ChatOptions]) -> TaskHandle:
+        """Submits a chat task and returns its handle; see AsyncTaskgateClient.chat for the parameters."""
+        return self._handle(self._runner.run(self._client.chat(messages, model, **options)))
 
     def upload_input(self, image: ImageSource) -> InputImage:
         """Stores an input image for later submissions; see AsyncTaskgateClient.upload_input."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypedDict
@@ -37,6 +37,30 @@ class SubmitOptions(TypedDict, total=False):
     max_retries: int | None
     task_type: str | None
     image: ImageSource | None
+    start_after: datetime | None
+    max_queue_seconds: float | None
+    end_user: str | None
+
+
+CHAT = "chat"  # the task type of text generation
+ChatInput = str | Sequence[Mapping[str, str]]  # one user message, or the conversation's {"role", "content"} dicts
+
+
+class ChatOptions(TypedDict, total=False):
+    """The keyword options of chat(), for the asyncio and the blocking client alike."""
+
+    system: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    stop: Iterable[str]
+    seed: int | None
+    priority: str | int
+    idempotency_key: str | None
+    callback_url: str | None
+    callback_events: Iterable[str]
+    metadata: Mapping[str, str] | None
+    max_retries: int | None
     start_after: datetime | None
     max_queue_seconds: float | None
     end_user: str | None
@@ -85,7 +109,7 @@ def _json_value(value: object) -> object:
         return value.isoformat()
     if isinstance(value, Status):
         return value.value
-    if isinstance(value, TaskResult | InputImage):
+    if isinstance(value, TaskResult | InputImage | TextAnswer):
         return value.to_dict()
     return value
 
@@ -117,6 +141,24 @@ class TaskResult:
         if self.url:
             out["url"] = self.url
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class TextAnswer:
+    """A finished chat task's answer as GetTask carries it: the text (its beginning when `truncated`: the whole of it
+    is the task's result, `download`), why generation ended ("stop" or "length") and its length in characters."""
+
+    text: str
+    truncated: bool
+    finish_reason: str
+    chars: int
+
+    @classmethod
+    def from_proto(cls, msg: task_pb2.TextResult) -> TextAnswer:
+        return cls(msg.text, msg.truncated, msg.finish_reason, msg.chars)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"text": self.text, "truncated": self.truncated, "finish_reason": self.finish_reason, "chars": self.chars}
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +230,12 @@ class Task:
     """When the task, still waiting, ends TIMEOUT QUEUE_TTL_EXPIRED (with max_queue_seconds)."""
     end_user: str = ""
     """The tenant's own user the task was submitted for ('': the tenant itself)."""
+    answer: TextAnswer | None = None
+    """A SUCCEEDED chat task's answer (inline up to the gateway's size setting; `download` gives it all)."""
+    input_tokens: int = 0
+    """A chat task's input tokens, as its model's tokenizer counts them."""
+    output_tokens: int = 0
+    """A chat task's generated tokens."""
 
     @property
     def terminal(self) -> bool:
@@ -197,7 +245,14 @@ class Task:
     @classmethod
     def from_proto(cls, msg: task_pb2.Task, created: bool | None = None) -> Task:
         p = msg.params
+        c = msg.chat
         params: dict[str, object] = {
+            "max_output_tokens": c.max_output_tokens,
+            "temperature": round(c.temperature, 6),
+            "top_p": round(c.top_p, 6),
+            "stop": list(c.stop),
+            "seed": c.seed if c.HasField("seed") else None,
+        } if msg.HasField("chat") else {
             "num_frames": p.num_frames,
             "width": p.width,
             "height": p.height,
@@ -245,6 +300,9 @@ class Task:
             max_queue_seconds=msg.max_queue_seconds or None,
             queue_expires_at=_time(msg, "queue_expires_at"),
             end_user=msg.end_user,
+            answer=TextAnswer.from_proto(msg.text) if msg.HasField("text") else None,
+            input_tokens=msg.usage.input_tokens,
+            output_tokens=msg.usage.output_tokens,
         )
 
     def to_dict(self) -> dict[str, object]:

@@ -249,6 +249,14 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight chat model (taskgate_local.tinylm), built once per session when a test asks for it."""
+    from taskgate_local import tinylm  # late: it imports transformers when building
+
+    return tinylm.build_tiny_lm(tmp_path_factory.mktemp("models") / tinylm.MODEL_NAME, seed=0)
+
+
 @pytest.fixture
 async def cli(settings: Settings, backends: Backends, tmp_path: Path) -> AsyncIterator[Cli]:
     """The CLI's stack: the four services in this process (a worker for sleep models), a tenant and an admin key."""

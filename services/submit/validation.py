@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -14,7 +15,7 @@ from urllib.parse import urlsplit
 
 from google.protobuf.message import Message
 
-from taskgate import errors, netguard, text
+from taskgate import chat, errors, netguard, text
 from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.states import Priority
@@ -33,6 +34,9 @@ MAX_END_USER_BYTES = 128  # the task table's check (migrations/0032_end_users.sq
 
 # Control characters other than newline and tab.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+MAX_STOP_CHARS = 64  # one stop string's length
+MAX_TEMPERATURE = 2.0
+_TEMPLATES = chat.ChatTemplates()  # each chat model's tokenizer, loaded once per process
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,14 @@ def regenerate_request(
 ) -> gateway_pb2.SubmitTaskRequest:
     """A finished task's request again, with a new seed (random unless given), a fresh key unless given, at `priority`."""
     p = source.request_payload
+    key = idempotency_key or f"regenerate-{source.id}-{secrets.token_hex(8)}"
+    if source.task_type == chat.TASK_TYPE:
+        return gateway_pb2.SubmitTaskRequest(
+            task_type=source.task_type, model_id=source.model_id, chat=chat_params(p, seed=seed),
+            priority=priority,  # type: ignore[arg-type]
+            idempotency_key=key, callback_url=source.callback_url or "", callback_events=source.callback_events,
+            metadata=source.metadata, max_retries=source.max_retries, end_user=source.end_user,
+        )
     params = task_pb2.VideoParams(
         num_frames=p["num_frames"], width=p["width"], height=p["height"], num_inference_steps=p["num_inference_steps"],
         guidance_scale=p["guidance_scale"], fps=p["fps"], negative_prompt=p["negative_prompt"],
@@ -104,12 +116,21 @@ def regenerate_request(
         prompt=source.prompt,
         params=params,
         priority=priority,  # type: ignore[arg-type]
-        idempotency_key=idempotency_key or f"regenerate-{source.id}-{secrets.token_hex(8)}",
+        idempotency_key=key,
         callback_url=source.callback_url or "",
         callback_events=source.callback_events,
         metadata=source.metadata,
         max_retries=source.max_retries,
         end_user=source.end_user,  # the same person's task again
+    )
+
+
+def chat_params(payload: dict[str, Any], *, seed: int | None) -> task_pb2.ChatParams:
+    """A stored chat request's parameters as sent, with a new seed (random unless given): a regenerate samples anew."""
+    return task_pb2.ChatParams(
+        messages=[task_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat.messages_of(payload)],
+        max_output_tokens=payload["max_output_tokens"], temperature=payload["temperature"], top_p=payload["top_p"],
+        stop=payload["stop"], seed=seed if seed is not None else secrets.randbelow(_RANDOM_SEEDS),
     )
 
 
@@ -208,6 +229,95 @@ def _check_params(
     }
 
 
+_VIDEO_FIELDS = tuple(f.name for f in task_pb2.VideoParams.DESCRIPTOR.fields)
+
+
+def _refuse_video_params(req: gateway_pb2.SubmitTaskRequest, bad: list[tuple[str, str]]) -> None:
+    """A chat task takes no video parameter: each one set is named (an empty `params` message is no parameter)."""
+    for field, _ in req.params.ListFields():
+        bad.append((f"params.{field.name}", f"task_type {chat.TASK_TYPE} takes no video parameters; use chat"))
+
+
+def _check_chat(
+    req: gateway_pb2.SubmitTaskRequest, spec: ModelSpec, settings: Settings, bad: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """A chat request's conversation and generation parameters, defaults filled from the model spec; each bad value
+    recorded. Text may hold any character PostgreSQL stores (documents and diffs carry tabs, CRs and form feeds)."""
+    c = req.chat
+    messages: list[dict[str, str]] = []
+    if c.messages:
+        if req.prompt:
+            bad.append(("prompt", "give the prompt or chat.messages, not both"))
+        for i, m in enumerate(c.messages):
+            if m.role not in chat.ROLES:
+                bad.append((f"chat.messages[{i}].role", f"must be one of {', '.join(chat.ROLES)}"))
+            text.check(f"chat.messages[{i}].content", [m.content], bad)
+            messages.append({"role": m.role, "content": m.content})
+        if c.messages[-1].role != "user":
+            bad.append((f"chat.messages[{len(c.messages) - 1}].role", "the last message must be the user's"))
+        field = "chat.messages"
+    else:
+        if not req.prompt.strip():
+            bad.append(("prompt", "must not be empty (or give chat.messages)"))
+        text.check("prompt", [req.prompt], bad)
+        messages.append({"role": "user", "content": req.prompt})
+        field = "prompt"
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > settings.max_input_chars:
+        bad.append((field, f"{chars} characters; at most {settings.max_input_chars}"))
+    max_tokens = c.max_output_tokens if c.HasField("max_output_tokens") else spec.default_max_output_tokens
+    if not 1 <= max_tokens <= spec.max_output_tokens:
+        bad.append(("chat.max_output_tokens", f"must be 1..{spec.max_output_tokens}"))
+    temperature = float(c.temperature) if c.HasField("temperature") else spec.default_temperature
+    if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        bad.append(("chat.temperature", f"must be 0..{MAX_TEMPERATURE:g}"))
+    top_p = float(c.top_p) if c.HasField("top_p") else spec.default_top_p
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        bad.append(("chat.top_p", "must be above 0 and at most 1"))
+    stop = list(c.stop)
+    if len(stop) > settings.max_stop_sequences:
+        bad.append(("chat.stop", f"at most {settings.max_stop_sequences} strings"))
+    elif any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        bad.append(("chat.stop", f"each must be 1..{MAX_STOP_CHARS} characters"))
+    else:
+        text.check("chat.stop", stop, bad)
+    if c.HasField("seed") and not 0 <= c.seed <= MAX_SEED:
+        bad.append(("chat.seed", "must not be negative"))
+    return {
+        chat.MESSAGES: messages,
+        "max_output_tokens": max_tokens,
+        # float32 on the wire: round so 0.7 is stored as 0.7
+        "temperature": round(temperature, 4) if math.isfinite(temperature) else 0.0,
+        "top_p": round(top_p, 4) if math.isfinite(top_p) else 1.0,
+        "stop": stop,
+        "seed": int(c.seed) if c.HasField("seed") else None,
+        chat.INPUT_TOKENS: 0,
+        "_field": field,
+    }
+
+
+async def _check_input_tokens(
+    req: gateway_pb2.SubmitTaskRequest, spec: ModelSpec, params: dict[str, Any], bad: list[tuple[str, str]]
+) -> None:
+    """Counts the input with the model's tokenizer (in a thread: a megabyte takes a while) into the payload; over
+    the model's max_input_tokens is a violation naming the input's field."""
+    field = params.pop("_field")
+    where = spec.tokenizer or spec.path
+    if where is None:  # a stand-in ('sleep') chat model without files: nothing to count with
+        return
+    try:
+        template = await asyncio.to_thread(_TEMPLATES.get, where)
+        counted = await asyncio.to_thread(template.count, params[chat.MESSAGES])
+    except chat.TokenizerMissing as exc:
+        raise errors.unavailable(f"the model's tokenizer cannot be read: {exc}", retry_after=5.0) from None
+    except Exception as exc:  # a template that raises on this conversation (raise_exception, a bad role order)
+        bad.append((field, f"the model's chat template refuses it: {exc}"))
+        return
+    params[chat.INPUT_TOKENS] = counted
+    if counted > spec.max_input_tokens:
+        bad.append((field, f"{counted} tokens; model {req.model_id or 'default'} takes at most {spec.max_input_tokens}"))
+
+
 def moment(request: Message, name: str, bad: list[tuple[str, str]]) -> datetime | None:
     """A request's timestamp field as a datetime (None when unset); out of the years 1-9999 (or not normalised) is a
     violation naming the field."""
@@ -253,25 +363,31 @@ async def validate(
     """
     bad: list[tuple[str, str]] = []
     prompt = req.prompt
-    if not prompt.strip():
-        bad.append(("prompt", "must not be empty"))
-    elif len(prompt) > settings.max_prompt_chars:
-        bad.append(("prompt", f"longer than {settings.max_prompt_chars} characters"))
-    elif _CONTROL.search(prompt):
-        bad.append(("prompt", "contains control characters"))
-    else:
-        text.check("prompt", [prompt], bad)
-
     model_id = req.model_id or settings.default_model
     task_type = req.task_type or DEFAULT_TASK_TYPE
+    is_chat = task_type == chat.TASK_TYPE
+    if not is_chat:
+        if not prompt.strip():
+            bad.append(("prompt", "must not be empty"))
+        elif len(prompt) > settings.max_prompt_chars:
+            bad.append(("prompt", f"longer than {settings.max_prompt_chars} characters"))
+        elif _CONTROL.search(prompt):
+            bad.append(("prompt", "contains control characters"))
+        else:
+            text.check("prompt", [prompt], bad)
+
     spec = settings.models.get(model_id)
     params: dict[str, Any] = {}
+    if is_chat:
+        _refuse_video_params(req, bad)
+    elif req.HasField("chat"):
+        bad.append(("chat", f"task_type {task_type} takes no chat parameters; they are task_type {chat.TASK_TYPE}'s"))
     if spec is None:
         bad.append(("model_id", f"unknown model; known: {', '.join(sorted(settings.models))}"))
     else:
         if task_type not in spec.task_types:
             bad.append(("task_type", f"model {model_id} supports {', '.join(spec.task_types)}"))
-        params = _check_params(req, spec, settings, bad)
+        params = _check_chat(req, spec, settings, bad) if is_chat else _check_params(req, spec, settings, bad)
 
     priority = req.priority or Priority.NORMAL
     if priority not in Priority.ALL:
@@ -327,10 +443,20 @@ async def validate(
             if image is not None:  # what the output depends on: the pixels, never where they came from
                 params["image"] = image.sha256
 
+    if not bad and is_chat:
+        assert spec is not None
+        await _check_input_tokens(req, spec, params, bad)
+
     if bad:
         raise errors.invalid_argument(bad)
 
-    digest = request_hash(tenant, task_type, model_id, prompt, params, end_user)
+    if is_chat:  # the whole input is in the payload (and so in the hash); the prompt column shows its last user turn
+        prompt = chat.preview(params[chat.MESSAGES], settings.max_prompt_chars)
+        counted = params.pop(chat.INPUT_TOKENS)
+        digest = request_hash(tenant, task_type, model_id, "", params, end_user)
+        params[chat.INPUT_TOKENS] = counted
+    else:
+        digest = request_hash(tenant, task_type, model_id, prompt, params, end_user)
     if params["seed"] is None:
         params["seed"] = secrets.randbelow(_RANDOM_SEEDS)  # stored, so the task can be reproduced
     return Submission(

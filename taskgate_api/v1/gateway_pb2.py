@@ -29,7 +29,7 @@ from taskgate_api.v1 import batches_pb2 as taskgate_dot_v1_dot_batches__pb2
 from taskgate_api.v1 import task_pb2 as taskgate_dot_v1_dot_task__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19taskgate/v1/gateway.proto\x12\x0btaskgate.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\x1a\x19taskgate/v1/batches.proto\x1a\x16taskgate/v1/task.proto\"S\n%TaskGatewayRotateWebhookSecretRequest\x12*\n\x07overlap\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x91\x01\n&TaskGatewayRotateWebhookSecretResponse\x12\x16\n\x0ewebhook_secret\x18\x01 \x01(\t\x12\x38\n\x14previous_valid_until\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rvalid_secrets\x18\x03 \x01(\x05\"N\n\nImageInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x12\x17\n\rupload_sha256\x18\x03 \x01(\tH\x00\x42\x08\n\x06source\"\x9f\x04\n\x11SubmitTaskRequest\x12\x11\n\ttask_type\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12(\n\x06params\x18\x04 \x01(\x0b\x32\x18.taskgate.v1.VideoParams\x12\'\n\x08priority\x18\x05 \x01(\x0e\x32\x15.taskgate.v1.Priority\x12\x17\n\x0fidempotency_key\x18\x06 \x01(\t\x12\x14\n\x0c\x63\x61llback_url\x18\x07 \x01(\t\x12\x17\n\x0f\x63\x61llback_events\x18\x08 \x03(\t\x12>\n\x08metadata\x18\t \x03(\x0b\x32,.taskgate.v1.SubmitTaskRequest.MetadataEntry\x12\x18\n\x0bmax_retries\x18\n \x01(\x05H\x00\x88\x01\x01\x12&\n\x05image\x18\x0b \x01(\x0b\x32\x17.taskgate.v1.ImageInput\x12/\n\x0bstart_after\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1e\n\x11max_queue_seconds\x18\r \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x08\x65nd_user\x18\x0e \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0e\n\x0c_max_retriesB\x14\n\x12_max_queue_seconds\"F\n\x12SubmitTaskResponse\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.taskgate.v1.Task\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"F\n\x12SubmitTasksRequest\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.taskgate.v1.SubmitTaskRequest\"E\n\x13SubmitTasksResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.taskgate.v1.SubmitTaskResult\"v\n\x10SubmitTaskResult\x12\x33\n\x08response\x18\x01 \x01(\x0b\x32\x1f.taskgate.v1.SubmitTaskResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\x08\n\x06result\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"n\n\x0fGetTaskResponse\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.taskgate.v1.Task\x12:\n\x17suggested_poll_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xcb\x01\n\x10ListTasksRequest\x12)\n\x08statuses\x18\x01 \x03(\x0e\x32\x17.taskgate.v1.TaskStatus\x12\x31\n\rcreated_after\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x63reated_before\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\npage_token\x18\x05 \x01(\t\"N\n\x11ListTasksResponse\x12 \n\x05tasks\x18\x01 \x03(\x0b\x32\x11.taskgate.v1.Task\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"2\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0c\n\x04hard\x18\x02 \x01(\x08\"5\n\x12\x43\x61ncelTaskResponse\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.taskgate.v1.Task\"\'\n\x14GetTaskResultRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"R\n\x0bResultChunk\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.taskgate.v1.TaskResult\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"\"\n\x12UploadInputRequest\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"=\n\x13UploadInputResponse\x12&\n\x05image\x18\x01 \x01(\x0b\x32\x17.taskgate.v1.InputImage\"]\n\x15RegenerateTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\x04seed\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\tB\x07\n\x05_seed\"b\n\x16RegenerateTaskResponse\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.taskgate.v1.Task\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x16\n\x0esource_task_id\x18\x03 \x01(\t2\xc5\n\n\x0bTaskGateway\x12M\n\nSubmitTask\x12\x1e.taskgate.v1.SubmitTaskRequest\x1a\x1f.taskgate.v1.SubmitTaskResponse\x12P\n\x0bSubmitTasks\x12\x1f.taskgate.v1.SubmitTasksRequest\x1a .taskgate.v1.SubmitTasksResponse\x12\x44\n\x07GetTask\x12\x1b.taskgate.v1.GetTaskRequest\x1a\x1c.taskgate.v1.GetTaskResponse\x12J\n\tListTasks\x12\x1d.taskgate.v1.ListTasksRequest\x1a\x1e.taskgate.v1.ListTasksResponse\x12M\n\nCancelTask\x12\x1e.taskgate.v1.CancelTaskRequest\x1a\x1f.taskgate.v1.CancelTaskResponse\x12N\n\rGetTaskResult\x12!.taskgate.v1.GetTaskResultRequest\x1a\x18.taskgate.v1.ResultChunk0\x01\x12Y\n\x0eRegenerateTask\x12\".taskgate.v1.RegenerateTaskRequest\x1a#.taskgate.v1.RegenerateTaskResponse\x12R\n\x0bUploadInput\x12\x1f.taskgate.v1.UploadInputRequest\x1a .taskgate.v1.UploadInputResponse(\x01\x12~\n\x13RotateWebhookSecret\x12\x32.taskgate.v1.TaskGatewayRotateWebhookSecretRequest\x1a\x33.taskgate.v1.TaskGatewayRotateWebhookSecretResponse\x12G\n\nUploadFile\x12\x1e.taskgate.v1.UploadFileRequest\x1a\x17.taskgate.v1.StoredFile(\x01\x12?\n\x07GetFile\x12\x1b.taskgate.v1.GetFileRequest\x1a\x17.taskgate.v1.StoredFile\x12J\n\tListFiles\x12\x1d.taskgate.v1.ListFilesRequest\x1a\x1e.taskgate.v1.ListFilesResponse\x12G\n\x0eGetFileContent\x12\x1b.taskgate.v1.GetFileRequest\x1a\x16.taskgate.v1.FileChunk0\x01\x12\x42\n\x0b\x43reateBatch\x12\x1f.taskgate.v1.CreateBatchRequest\x1a\x12.taskgate.v1.Batch\x12<\n\x08GetBatch\x12\x1c.taskgate.v1.GetBatchRequest\x1a\x12.taskgate.v1.Batch\x12P\n\x0bListBatches\x12\x1f.taskgate.v1.ListBatchesRequest\x1a .taskgate.v1.ListBatchesResponse\x12\x42\n\x0b\x43\x61ncelBatch\x12\x1f.taskgate.v1.CancelBatchRequest\x1a\x12.taskgate.v1.Batchb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19taskgate/v1/gateway.proto\x12\x0btaskgate.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\x1a\x19taskgate/v1/batches.proto\x1a\x16taskgate/v1/task.proto\"S\n%TaskGatewayRotateWebhookSecretRequest\x12*\n\x07overlap\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x91\x01\n&TaskGatewayRotateWebhookSecretResponse\x12\x16\n\x0ewebhook_secret\x18\x01 \x01(\t\x12\x38\n\x14previous_valid_until\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rvalid_secrets\x18\x03 \x01(\x05\"N\n\nImageInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x12\x17\n\rupload_sha256\x18\x03 \x01(\tH\x00\x42\x08\n\x06source\"\xc6\x04\n\x11SubmitTaskRequest\x12\x11\n\ttask_type\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12(\n\x06params\x18\x04 \x01(\x0b\x32\x18.taskgate.v1.VideoParams\x12\'\n\x08priority\x18\x05 \x01(\x0e\x32\x15.taskgate.v1.Priority\x12\x17\n\x0fidempotency_key\x18\x06 \x01(\t\x12\x14\n\x0c\x63\x61llback_url\x18\x07 \x01(\t\x12\x17\n\x0f\x63\x61llback_events\x18\x08 \x03(\t\x12>\n\x08metadata\x18\t \x03(\x0b\x32,.taskgate.v1.SubmitTaskRequest.MetadataEntry\x12\x18\n\x0bmax_retries\x18\n \x01(\x05H\x00\x88\x01\x01\x12&\n\x05image\x18\x0b \x01(\x0b\x32\x17.taskgate.v1.ImageInput\x12/\n\x0bstart_after\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1e\n\x11max_queue_seconds\x18\r \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x08\x65nd_user\x18\x0e \x01(\t\x12%\n\x04\x63hat\x18\x0f \x01(\x0b\x32\x17.taskgate.v1.ChatParams\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0e\n\x0c_max_retriesB\x14\n\x12_max_queue_seconds\"F\n\x12SubmitTaskResponse\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.taskgate.v1.Task\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"F\n\x12SubmitTasksRequest\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.taskgate.v1.SubmitTaskRequest\"E\n\x13SubmitTasksResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.taskgate.v1.SubmitTaskResult\"v\n\x10SubmitTaskResult\x12\x33\n\x08response\x18\x01 \x01(\x0b\x32\x1f.taskgate.v1.SubmitTaskResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\x08\n\x06result\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"n\n\x0fGetTaskResponse\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.taskgate.v1.Task\x12:\n\x17suggested_poll_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xcb\x01\n\x10ListTasksRequest\x12)\n\x08statuses\x18\x01 \x03(\x0e\x32\x17.taskgate.v1.TaskStatus\x12\x31\n\rcreated_after\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x63reated_before\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\npage_token\x18\x05 \x01(\t\"N\n\x11ListTasksResponse\x12 \n\x05tasks\x18\x01 \x03(\x0b\x32\x11.taskgate.v1.Task\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"2\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0c\n\x04hard\x18\x02 \x01(\x08\"5\n\x12\x43\x61ncelTaskResponse\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.taskgate.v1.Task\"\'\n\x14GetTaskResultRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"R\n\x0bResultChunk\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.taskgate.v1.TaskResult\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"\"\n\x12UploadInputRequest\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"=\n\x13UploadInputResponse\x12&\n\x05image\x18\x01 \x01(\x0b\x32\x17.taskgate.v1.InputImage\"]\n\x15RegenerateTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\x04seed\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\tB\x07\n\x05_seed\"b\n\x16RegenerateTaskResponse\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.taskgate.v1.Task\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x16\n\x0esource_task_id\x18\x03 \x01(\t2\xc5\n\n\x0bTaskGateway\x12M\n\nSubmitTask\x12\x1e.taskgate.v1.SubmitTaskRequest\x1a\x1f.taskgate.v1.SubmitTaskResponse\x12P\n\x0bSubmitTasks\x12\x1f.taskgate.v1.SubmitTasksRequest\x1a .taskgate.v1.SubmitTasksResponse\x12\x44\n\x07GetTask\x12\x1b.taskgate.v1.GetTaskRequest\x1a\x1c.taskgate.v1.GetTaskResponse\x12J\n\tListTasks\x12\x1d.taskgate.v1.ListTasksRequest\x1a\x1e.taskgate.v1.ListTasksResponse\x12M\n\nCancelTask\x12\x1e.taskgate.v1.CancelTaskRequest\x1a\x1f.taskgate.v1.CancelTaskResponse\x12N\n\rGetTaskResult\x12!.taskgate.v1.GetTaskResultRequest\x1a\x18.taskgate.v1.ResultChunk0\x01\x12Y\n\x0eRegenerateTask\x12\".taskgate.v1.RegenerateTaskRequest\x1a#.taskgate.v1.RegenerateTaskResponse\x12R\n\x0bUploadInput\x12\x1f.taskgate.v1.UploadInputRequest\x1a .taskgate.v1.UploadInputResponse(\x01\x12~\n\x13RotateWebhookSecret\x12\x32.taskgate.v1.TaskGatewayRotateWebhookSecretRequest\x1a\x33.taskgate.v1.TaskGatewayRotateWebhookSecretResponse\x12G\n\nUploadFile\x12\x1e.taskgate.v1.UploadFileRequest\x1a\x17.taskgate.v1.StoredFile(\x01\x12?\n\x07GetFile\x12\x1b.taskgate.v1.GetFileRequest\x1a\x17.taskgate.v1.StoredFile\x12J\n\tListFiles\x12\x1d.taskgate.v1.ListFilesRequest\x1a\x1e.taskgate.v1.ListFilesResponse\x12G\n\x0eGetFileContent\x12\x1b.taskgate.v1.GetFileRequest\x1a\x16.taskgate.v1.FileChunk0\x01\x12\x42\n\x0b\x43reateBatch\x12\x1f.taskgate.v1.CreateBatchRequest\x1a\x12.taskgate.v1.Batch\x12<\n\x08GetBatch\x12\x1c.taskgate.v1.GetBatchRequest\x1a\x12.taskgate.v1.Batch\x12P\n\x0bListBatches\x12\x1f.taskgate.v1.ListBatchesRequest\x1a .taskgate.v1.ListBatchesResponse\x12\x42\n\x0b\x43\x61ncelBatch\x12\x1f.taskgate.v1.CancelBatchRequest\x1a\x12.taskgate.v1.Batchb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,41 +45,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGEINPUT']._serialized_start=416
   _globals['_IMAGEINPUT']._serialized_end=494
   _globals['_SUBMITTASKREQUEST']._serialized_start=497
-  _globals['_SUBMITTASKREQUEST']._serialized_end=1040
-  _globals['_SUBMITTASKREQUEST_METADATAENTRY']._serialized_start=955
-  _globals['_SUBMITTASKREQUEST_METADATAENTRY']._serialized_end=1002
-  _globals['_SUBMITTASKRESPONSE']._serialized_start=1042
-  _globals['_SUBMITTASKRESPONSE']._serialized_end=1112
-  _globals['_SUBMITTASKSREQUEST']._serialized_start=1114
-  _globals['_SUBMITTASKSREQUEST']._serialized_end=1184
-  _globals['_SUBMITTASKSRESPONSE']._serialized_start=1186
-  _globals['_SUBMITTASKSRESPONSE']._serialized_end=1255
-  _globals['_SUBMITTASKRESULT']._serialized_start=1257
-  _globals['_SUBMITTASKRESULT']._serialized_end=1375
-  _globals['_GETTASKREQUEST']._serialized_start=1377
-  _globals['_GETTASKREQUEST']._serialized_end=1410
-  _globals['_GETTASKRESPONSE']._serialized_start=1412
-  _globals['_GETTASKRESPONSE']._serialized_end=1522
-  _globals['_LISTTASKSREQUEST']._serialized_start=1525
-  _globals['_LISTTASKSREQUEST']._serialized_end=1728
-  _globals['_LISTTASKSRESPONSE']._serialized_start=1730
-  _globals['_LISTTASKSRESPONSE']._serialized_end=1808
-  _globals['_CANCELTASKREQUEST']._serialized_start=1810
-  _globals['_CANCELTASKREQUEST']._serialized_end=1860
-  _globals['_CANCELTASKRESPONSE']._serialized_start=1862
-  _globals['_CANCELTASKRESPONSE']._serialized_end=1915
-  _globals['_GETTASKRESULTREQUEST']._serialized_start=1917
-  _globals['_GETTASKRESULTREQUEST']._serialized_end=1956
-  _globals['_RESULTCHUNK']._serialized_start=1958
-  _globals['_RESULTCHUNK']._serialized_end=2040
-  _globals['_UPLOADINPUTREQUEST']._serialized_start=2042
-  _globals['_UPLOADINPUTREQUEST']._serialized_end=2076
-  _globals['_UPLOADINPUTRESPONSE']._serialized_start=2078
-  _globals['_UPLOADINPUTRESPONSE']._serialized_end=2139
-  _globals['_REGENERATETASKREQUEST']._serialized_start=2141
-  _globals['_REGENERATETASKREQUEST']._serialized_end=2234
-  _globals['_REGENERATETASKRESPONSE']._serialized_start=2236
-  _globals['_REGENERATETASKRESPONSE']._serialized_end=2334
-  _globals['_TASKGATEWAY']._serialized_start=2337
-  _globals['_TASKGATEWAY']._serialized_end=3686
+  _globals['_SUBMITTASKREQUEST']._serialized_end=1079
+  _globals['_SUBMITTASKREQUEST_METADATAENTRY']._serialized_start=994
+  _globals['_SUBMITTASKREQUEST_METADATAENTRY']._serialized_end=1041
+  _globals['_SUBMITTASKRESPONSE']._serialized_start=1081
+  _globals['_SUBMITTASKRESPONSE']._serialized_end=1151
+  _globals['_SUBMITTASKSREQUEST']._serialized_start=1153
+  _globals['_SUBMITTASKSREQUEST']._serialized_end=1223
+  _globals['_SUBMITTASKSRESPONSE']._serialized_start=1225
+  _globals['_SUBMITTASKSRESPONSE']._serialized_end=1294
+  _globals['_SUBMITTASKRESULT']._serialized_start=1296
+  _globals['_SUBMITTASKRESULT']._serialized_end=1414
+  _globals['_GETTASKREQUEST']._serialized_start=1416
+  _globals['_GETTASKREQUEST']._serialized_end=1449
+  _globals['_GETTASKRESPONSE']._serialized_start=1451
+  _globals['_GETTASKRESPONSE']._serialized_end=1561
+  _globals['_LISTTASKSREQUEST']._serialized_start=1564
+  _globals['_LISTTASKSREQUEST']._serialized_end=1767
+  _globals['_LISTTASKSRESPONSE']._serialized_start=1769
+  _globals['_LISTTASKSRESPONSE']._serialized_end=1847
+  _globals['_CANCELTASKREQUEST']._serialized_start=1849
+  _globals['_CANCELTASKREQUEST']._serialized_end=1899
+  _globals['_CANCELTASKRESPONSE']._serialized_start=1901
+  _globals['_CANCELTASKRESPONSE']._serialized_end=1954
+  _globals['_GETTASKRESULTREQUEST']._serialized_start=1956
+  _globals['_GETTASKRESULTREQUEST']._serialized_end=1995
+  _globals['_RESULTCHUNK']._serialized_start=1997
+  _globals['_RESULTCHUNK']._serialized_end=2079
+  _globals['_UPLOADINPUTREQUEST']._serialized_start=2081
+  _globals['_UPLOADINPUTREQUEST']._serialized_end=2115
+  _globals['_UPLOADINPUTRESPONSE']._serialized_start=2117
+  _globals['_UPLOADINPUTRESPONSE']._serialized_end=2178
+  _globals['_REGENERATETASKREQUEST']._serialized_start=2180
+  _globals['_REGENERATETASKREQUEST']._serialized_end=2273
+  _globals['_REGENERATETASKRESPONSE']._serialized_start=2275
+  _globals['_REGENERATETASKRESPONSE']._serialized_end=2373
+  _globals['_TASKGATEWAY']._serialized_start=2376
+  _globals['_TASKGATEWAY']._serialized_end=3725
 # @@protoc_insertion_point(module_scope)

@@ -146,6 +146,7 @@ class SubmitTaskRequest(_message.Message):
     START_AFTER_FIELD_NUMBER: _builtins.int
     MAX_QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
     END_USER_FIELD_NUMBER: _builtins.int
+    CHAT_FIELD_NUMBER: _builtins.int
     task_type: _builtins.str
     """default "text-to-video" """
     model_id: _builtins.str
@@ -181,6 +182,12 @@ class SubmitTaskRequest(_message.Message):
     def start_after(self) -> _timestamp_pb2.Timestamp:
         """Not run before this time (a delayed start); at most TASKGATE_MAX_START_DELAY_SECONDS ahead. Unset: at once."""
 
+    @_builtins.property
+    def chat(self) -> _task_pb2.ChatParams:
+        """task_type "chat": its messages (or the `prompt` as one user turn) and generation parameters; refused otherwise.
+        A chat task takes no `params` (video) and a video task no `chat`.
+        """
+
     def __init__(
         self,
         *,
@@ -198,10 +205,11 @@ class SubmitTaskRequest(_message.Message):
         start_after: _timestamp_pb2.Timestamp | None = ...,
         max_queue_seconds: _builtins.float | None = ...,
         end_user: _builtins.str = ...,
+        chat: _task_pb2.ChatParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds", "_max_retries", b"_max_retries", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "params", b"params", "start_after", b"start_after"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds", "_max_retries", b"_max_retries", "chat", b"chat", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "params", b"params", "start_after", b"start_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds", "_max_retries", b"_max_retries", "callback_events", b"callback_events", "callback_url", b"callback_url", "end_user", b"end_user", "idempotency_key", b"idempotency_key", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "prompt", b"prompt", "start_after", b"start_after", "task_type", b"task_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds", "_max_retries", b"_max_retries", "callback_events", b"callback_events", "callback_url", b"callback_url", "chat", b"chat", "end_user", b"end_user", "idempotency_key", b"idempotency_key", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "prompt", b"prompt", "start_after", b"start_after", "task_type", b"task_type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_queue_seconds: _TypeAlias = _typing.Literal["max_queue_seconds"]  # noqa: Y015
     _WhichOneofArgType__max_queue_seconds: _TypeAlias = _typing.Literal["_max_queue_seconds", b"_max_queue_seconds"]  # noqa: Y015

@@ -173,6 +173,125 @@ class VideoParams(_message.Message):
 Global___VideoParams: _TypeAlias = VideoParams  # noqa: Y015
 
 @_typing.final
+class ChatMessage(_message.Message):
+    """One turn of a chat: who speaks and what."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user" or "assistant" """
+    content: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ChatParams(_message.Message):
+    """Typed parameters of a chat (text-generation) request: task_type "chat". Unset fields take the model's defaults."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    max_output_tokens: _builtins.int
+    """most tokens generated (default: the model's; at most its limit)"""
+    temperature: _builtins.float
+    """0: greedy (deterministic); default: the model's"""
+    top_p: _builtins.float
+    """nucleus sampling, (0, 1]"""
+    seed: _builtins.int
+    """sampling seed; absent: a random one, stored so the task can be reproduced"""
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """The conversation, oldest first, ending with a user turn. Empty: the request's `prompt` is the one user turn."""
+
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """generation ends before the first of these (at most 4)"""
+
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        max_output_tokens: _builtins.int | None = ...,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
+        seed: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "max_output_tokens", b"max_output_tokens", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "max_output_tokens", b"max_output_tokens", "messages", b"messages", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_output_tokens: _TypeAlias = _typing.Literal["max_output_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_output_tokens: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_output_tokens) -> _WhichOneofReturnType__max_output_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___ChatParams: _TypeAlias = ChatParams  # noqa: Y015
+
+@_typing.final
+class TextResult(_message.Message):
+    """A finished chat task's answer, inline (GetTaskResult gives the whole text as text/plain, always)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    CHARS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """the answer, or its beginning when `truncated` (TASKGATE_RESULT_INLINE_CHARS)"""
+    truncated: _builtins.bool
+    finish_reason: _builtins.str
+    """"stop" (end of text or a stop string) or "length" (max_output_tokens reached)"""
+    chars: _builtins.int
+    """characters of the whole answer"""
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        truncated: _builtins.bool = ...,
+        finish_reason: _builtins.str = ...,
+        chars: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chars", b"chars", "finish_reason", b"finish_reason", "text", b"text", "truncated", b"truncated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TextResult: _TypeAlias = TextResult  # noqa: Y015
+
+@_typing.final
 class TaskResult(_message.Message):
     """Where a finished task's output lives."""
 
@@ -320,6 +439,8 @@ class Task(_message.Message):
     MAX_QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
     QUEUE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
     END_USER_FIELD_NUMBER: _builtins.int
+    CHAT_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """64-bit time-ordered id, decimal"""
     user_id: _builtins.str
@@ -392,6 +513,16 @@ class Task(_message.Message):
     def queue_expires_at(self) -> _timestamp_pb2.Timestamp:
         """when a task still waiting ends TIMEOUT QUEUE_TTL_EXPIRED"""
 
+    @_builtins.property
+    def chat(self) -> Global___ChatParams:
+        """task_type "chat": its generation parameters as stored (`messages` is not echoed: an input may be megabytes; for a
+        chat task `prompt` shows the beginning of its last user turn)
+        """
+
+    @_builtins.property
+    def text(self) -> Global___TextResult:
+        """a SUCCEEDED chat task's answer"""
+
     def __init__(
         self,
         *,
@@ -433,10 +564,12 @@ class Task(_message.Message):
         max_queue_seconds: _builtins.float = ...,
         queue_expires_at: _timestamp_pb2.Timestamp | None = ...,
         end_user: _builtins.str = ...,
+        chat: Global___ChatParams | None = ...,
+        text: Global___TextResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "image", b"image", "params", b"params", "queue_expires_at", b"queue_expires_at", "queued_at", b"queued_at", "result", b"result", "start_after", b"start_after", "started_at", b"started_at", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "created_at", b"created_at", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "image", b"image", "params", b"params", "queue_expires_at", b"queue_expires_at", "queued_at", b"queued_at", "result", b"result", "start_after", b"start_after", "started_at", b"started_at", "text", b"text", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "created_at", b"created_at", "end_user", b"end_user", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_expires_at", b"queue_expires_at", "queue_position", b"queue_position", "queued_at", b"queued_at", "replay_of", b"replay_of", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "start_after", b"start_after", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "updated_at", b"updated_at", "usage", b"usage", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "callback_events", b"callback_events", "callback_status", b"callback_status", "callback_url", b"callback_url", "chat", b"chat", "created_at", b"created_at", "end_user", b"end_user", "error_code", b"error_code", "error_message", b"error_message", "estimated_finish", b"estimated_finish", "estimated_start", b"estimated_start", "finished_at", b"finished_at", "id", b"id", "idempotency_key", b"idempotency_key", "image", b"image", "max_queue_seconds", b"max_queue_seconds", "max_retries", b"max_retries", "metadata", b"metadata", "model_id", b"model_id", "params", b"params", "priority", b"priority", "progress", b"progress", "prompt", b"prompt", "queue_expires_at", b"queue_expires_at", "queue_position", b"queue_position", "queued_at", b"queued_at", "replay_of", b"replay_of", "result", b"result", "result_reused", b"result_reused", "retry_count", b"retry_count", "start_after", b"start_after", "started_at", b"started_at", "status", b"status", "task_type", b"task_type", "text", b"text", "updated_at", b"updated_at", "usage", b"usage", "user_id", b"user_id", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -450,19 +583,27 @@ class TaskUsage(_message.Message):
 
     GPU_SECONDS_FIELD_NUMBER: _builtins.int
     SLOT_SECONDS_FIELD_NUMBER: _builtins.int
+    INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     gpu_seconds: _builtins.float
     """seconds its attempts held a device: the model's device phase (GPU-seconds)"""
     slot_seconds: _builtins.float
     """seconds its attempts held a worker slot: input, device phase, encoding, storing"""
+    input_tokens: _builtins.int
+    """chat: tokens of its input as the model's tokenizer counts them (with the chat template)"""
+    output_tokens: _builtins.int
+    """chat: tokens generated by the attempt that finished it"""
     def __init__(
         self,
         *,
         gpu_seconds: _builtins.float = ...,
         slot_seconds: _builtins.float = ...,
+        input_tokens: _builtins.int = ...,
+        output_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_seconds", b"gpu_seconds", "slot_seconds", b"slot_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_seconds", b"gpu_seconds", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "slot_seconds", b"slot_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
