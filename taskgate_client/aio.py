@@ -857,11 +857,14 @@ class AsyncTaskgateClient:
 
     async def usage(
         self, tenant: str | None = None, *, since: datetime | None = None, until: datetime | None = None,
-        by_hour: bool = False,
+        by_hour: bool = False, by_end_user: bool = False, end_user: str | None = None,
     ) -> admin_pb2.GetUsageResponse:
-        """Metered GPU-seconds and slot seconds per tenant and model (per UTC hour with `by_hour`) from `since`'s hour
-        (default: 24 hours ago) to before `until` (default: now)."""
-        request = admin_pb2.GetUsageRequest(tenant=tenant or "", by_hour=by_hour)
+        """Metered GPU-seconds and slot seconds per tenant and model (per UTC hour with `by_hour`, per end user with
+        `by_end_user`; `end_user`: only that one of `tenant`'s) from `since`'s hour (default: 24 hours ago) to before
+        `until` (default: now)."""
+        request = admin_pb2.GetUsageRequest(tenant=tenant or "", by_hour=by_hour, by_end_user=by_end_user)
+        if end_user is not None:
+            request.end_user = end_user
         if since is not None:
             request.since.FromDatetime(since)
         if until is not None:

@@ -267,10 +267,13 @@ class TaskgateClient:
 
     def usage(
         self, tenant: str | None = None, *, since: datetime | None = None, until: datetime | None = None,
-        by_hour: bool = False,
+        by_hour: bool = False, by_end_user: bool = False, end_user: str | None = None,
     ) -> admin_pb2.GetUsageResponse:
-        """Admin: metered GPU-seconds and slot seconds per tenant and model (per UTC hour with `by_hour`)."""
-        return self._runner.run(self._client.usage(tenant, since=since, until=until, by_hour=by_hour))
+        """Admin: metered GPU-seconds and slot seconds per tenant and model (per UTC hour with `by_hour`, per end user
+        with `by_end_user`; `end_user`: only that one's)."""
+        return self._runner.run(self._client.usage(
+            tenant, since=since, until=until, by_hour=by_hour, by_end_user=by_end_user, end_user=end_user
+        ))
 
     def purge(self, older_than: float, *, dry_run: bool = False) -> admin_pb2.PurgeTasksResponse:
         """Admin: deletes finished tasks and reusable outputs older than `older_than` seconds (dry_run: counts only)."""

@@ -369,11 +369,18 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         since = _moment(request.since, "since", bad) if request.HasField("since") else now - timedelta(days=1)
         if not bad and since >= until:
             bad.append(("since", "must be before until"))
+        end_user = request.end_user if request.HasField("end_user") else None
+        if end_user is not None:
+            if not request.tenant:
+                bad.append(("end_user", "needs a tenant: end users are each tenant's own"))
+            elif (why := text.unstorable(end_user)) is not None:
+                bad.append(("end_user", why))
         if bad:
             raise errors.invalid_argument(bad)
         limit = self.settings.usage_max_rows
         rows = await usage.usage(
-            self.pool, since=since, until=until, tenant_id=request.tenant or None, by_hour=request.by_hour, limit=limit + 1
+            self.pool, since=since, until=until, tenant_id=request.tenant or None, by_hour=request.by_hour, limit=limit + 1,
+            by_end_user=request.by_end_user or end_user is not None, end_user=end_user,
         )
         response = admin_pb2.GetUsageResponse(
             since=timestamp(since), until=timestamp(until), truncated=len(rows) > limit
@@ -381,7 +388,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         for u in rows[:limit]:
             row = response.rows.add(
                 tenant=u.tenant_id, model_id=u.model_id, gpu_seconds=u.device_seconds, slot_seconds=u.slot_seconds,
-                attempts=u.attempts,
+                attempts=u.attempts, end_user=u.end_user or "",
             )
             if u.hour is not None:
                 row.hour.CopyFrom(timestamp(u.hour))

@@ -20,15 +20,20 @@ class Usage:
     device_seconds: float
     slot_seconds: float
     attempts: int
+    end_user: str | None = None  # by end user only: whose ('' the tenant's own tasks); None: summed over them
 
 
 async def usage(
     db: Conn, *, since: datetime, until: datetime, tenant_id: str | None = None, by_hour: bool = False, limit: int,
-    within: float | None = None,
+    by_end_user: bool = False, end_user: str | None = None, within: float | None = None,
 ) -> list[Usage]:
-    """Metered use from `since`'s hour to before `until`, by tenant and model (and hour), at most `limit` rows."""
-    rows = await db.fetch(sql.query("usage_rows"), tenant_id, since, until, by_hour, limit, timeout=within)
+    """Metered use from `since`'s hour to before `until`, by tenant and model (and hour, and end user), at most
+    `limit` rows; `end_user`: only that end user's ('' the tenant's own tasks)."""
+    rows = await db.fetch(
+        sql.query("usage_rows"), tenant_id, since, until, by_hour, limit, by_end_user, end_user, timeout=within
+    )
     return [
-        Usage(r["tenant_id"], r["model_id"], r["hour"], r["device_seconds"], r["slot_seconds"], r["attempts"])
+        Usage(r["tenant_id"], r["model_id"], r["hour"], r["device_seconds"], r["slot_seconds"], r["attempts"],
+              r["end_user"])
         for r in rows
     ]

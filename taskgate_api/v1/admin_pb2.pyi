@@ -973,10 +973,16 @@ class GetUsageRequest(_message.Message):
     SINCE_FIELD_NUMBER: _builtins.int
     UNTIL_FIELD_NUMBER: _builtins.int
     BY_HOUR_FIELD_NUMBER: _builtins.int
+    BY_END_USER_FIELD_NUMBER: _builtins.int
+    END_USER_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """empty: every tenant"""
     by_hour: _builtins.bool
     """one row per UTC hour; otherwise one per tenant and model over the whole range"""
+    by_end_user: _builtins.bool
+    """one row per end user of each tenant too (the tenant's own tasks: end_user empty)"""
+    end_user: _builtins.str
+    """Only this end user's use (with by_end_user; needs tenant). Unset: every end user's."""
     @_builtins.property
     def since(self) -> _timestamp_pb2.Timestamp:
         """from this hour on (rounded down to the hour); unset: 24 hours ago"""
@@ -992,12 +998,16 @@ class GetUsageRequest(_message.Message):
         since: _timestamp_pb2.Timestamp | None = ...,
         until: _timestamp_pb2.Timestamp | None = ...,
         by_hour: _builtins.bool = ...,
+        by_end_user: _builtins.bool = ...,
+        end_user: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since", "until", b"until"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_end_user", b"_end_user", "end_user", b"end_user", "since", b"since", "until", b"until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["by_hour", b"by_hour", "since", b"since", "tenant", b"tenant", "until", b"until"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_end_user", b"_end_user", "by_end_user", b"by_end_user", "by_hour", b"by_hour", "end_user", b"end_user", "since", b"since", "tenant", b"tenant", "until", b"until"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__end_user: _TypeAlias = _typing.Literal["end_user"]  # noqa: Y015
+    _WhichOneofArgType__end_user: _TypeAlias = _typing.Literal["_end_user", b"_end_user"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__end_user) -> _WhichOneofReturnType__end_user | None: ...
 
 Global___GetUsageRequest: _TypeAlias = GetUsageRequest  # noqa: Y015
 
@@ -1011,6 +1021,7 @@ class UsageRow(_message.Message):
     GPU_SECONDS_FIELD_NUMBER: _builtins.int
     SLOT_SECONDS_FIELD_NUMBER: _builtins.int
     ATTEMPTS_FIELD_NUMBER: _builtins.int
+    END_USER_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     model_id: _builtins.str
     gpu_seconds: _builtins.float
@@ -1019,6 +1030,8 @@ class UsageRow(_message.Message):
     """seconds attempts held a worker slot"""
     attempts: _builtins.int
     """attempts that ended (succeeded, failed, retried, released by their worker)"""
+    end_user: _builtins.str
+    """by_end_user only: whose use (empty: the tenant's own tasks)"""
     @_builtins.property
     def hour(self) -> _timestamp_pb2.Timestamp:
         """by_hour only: the UTC hour the attempts ended in"""
@@ -1032,10 +1045,11 @@ class UsageRow(_message.Message):
         gpu_seconds: _builtins.float = ...,
         slot_seconds: _builtins.float = ...,
         attempts: _builtins.int = ...,
+        end_user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hour", b"hour"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "gpu_seconds", b"gpu_seconds", "hour", b"hour", "model_id", b"model_id", "slot_seconds", b"slot_seconds", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "end_user", b"end_user", "gpu_seconds", b"gpu_seconds", "hour", b"hour", "model_id", b"model_id", "slot_seconds", b"slot_seconds", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

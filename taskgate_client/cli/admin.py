@@ -199,13 +199,20 @@ async def cmd_admin_revoke_key(client: AsyncTaskgateClient, args: argparse.Names
 
 async def cmd_admin_usage(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
     since = datetime.now(UTC) - timedelta(seconds=args.since)
-    found = await client.usage(args.tenant, since=since, by_hour=args.by_hour)
+    if args.end_user is not None and not args.tenant:
+        raise CliError("--end-user needs --tenant: end users are each tenant's own", EXIT_USAGE)
+    per_user = args.by_end_user or args.end_user is not None
+    found = await client.usage(
+        args.tenant, since=since, by_hour=args.by_hour, by_end_user=args.by_end_user, end_user=args.end_user
+    )
     if out.json:
         out.document(proto_dict(found))
         return EXIT_OK
-    head = ["TENANT", "MODEL", *(["HOUR (UTC)"] if args.by_hour else []), "GPU-SECONDS", "SLOT SECONDS", "ATTEMPTS"]
+    head = ["TENANT", *(["END USER"] if per_user else []), "MODEL", *(["HOUR (UTC)"] if args.by_hour else []),
+            "GPU-SECONDS", "SLOT SECONDS", "ATTEMPTS"]
     rows = [
-        [u.tenant, u.model_id, *([u.hour.ToDatetime().strftime("%Y-%m-%d %H:00")] if args.by_hour else []),
+        [u.tenant, *([u.end_user or "(tenant)"] if per_user else []), u.model_id,
+         *([u.hour.ToDatetime().strftime("%Y-%m-%d %H:00")] if args.by_hour else []),
          f"{u.gpu_seconds:.1f}", f"{u.slot_seconds:.1f}", u.attempts]
         for u in found.rows
     ]

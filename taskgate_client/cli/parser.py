@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", help="only this tenant's")
     p.add_argument("--since", type=age, default=86400.0, metavar="AGE", help="from this long ago: 90m, 12h, 7d (default 24h)")
     p.add_argument("--by-hour", action="store_true", help="one row per UTC hour")
+    p.add_argument("--by-end-user", action="store_true", help="one row per end user of each tenant")
+    p.add_argument("--end-user", metavar="ID", help="only this end user's (with --tenant; '' the tenant's own tasks)")
     p = add("purge", cmd_admin_purge, "delete finished tasks, their history and outputs older than an age", admin_sub)
     p.add_argument("--older-than", type=age, required=True, metavar="AGE", help="finished this long ago: 3600, 90m, 12h, 30d")
     p.add_argument("--dry-run", action="store_true", help="count only, delete nothing")

@@ -1,12 +1,13 @@
 -- Metering's sums: an attempt's final move adds its measured seconds to the task row, and this adds the same to the
--- tenant's, model's and hour's row in the same statement, whichever move it was (succeed, fail, retry, release).
+-- tenant's, model's, end user's and hour's row in the same statement, whichever move it was (succeed, fail, retry,
+-- release).
 CREATE OR REPLACE FUNCTION task_record_usage() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO usage_hour AS u (tenant_id, hour, model_id, device_seconds, slot_seconds, attempts)
-    VALUES (NEW.user_id, date_trunc('hour', now(), 'UTC'), NEW.model_id, NEW.device_seconds - OLD.device_seconds,
-            NEW.slot_seconds - OLD.slot_seconds, 1)
-    ON CONFLICT (tenant_id, hour, model_id) DO UPDATE
+    INSERT INTO usage_hour AS u (tenant_id, hour, model_id, end_user, device_seconds, slot_seconds, attempts)
+    VALUES (NEW.user_id, date_trunc('hour', now(), 'UTC'), NEW.model_id, NEW.end_user,
+            NEW.device_seconds - OLD.device_seconds, NEW.slot_seconds - OLD.slot_seconds, 1)
+    ON CONFLICT (tenant_id, hour, model_id, end_user) DO UPDATE
         SET device_seconds = u.device_seconds + EXCLUDED.device_seconds,
             slot_seconds = u.slot_seconds + EXCLUDED.slot_seconds, attempts = u.attempts + 1;
     RETURN NULL;

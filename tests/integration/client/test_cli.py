@@ -228,6 +228,10 @@ async def test_admin_commands(cli: Cli) -> None:
     assert usage.code == 0 and usage.json().get("rows", []) == [] and "since" in usage.json(), usage.err
     assert "no metered use" in (await cli("admin", "usage", "--tenant", "tenant-a", "--by-hour")).out
     assert (await cli("admin", "usage", "--since", "soon")).code == 2
+    one = await cli("admin", "usage", "--tenant", "tenant-a", "--end-user", "ann", "--json")
+    assert one.code == 0 and one.json().get("rows", []) == [], one.err
+    assert "no metered use" in (await cli("admin", "usage", "--tenant", "tenant-a", "--by-end-user")).out
+    assert (await cli("admin", "usage", "--end-user", "ann")).code == 2  # an end user is a tenant's own
 
 
 async def test_defaults_come_from_the_saved_local_stack(cli: Cli, tmp_path: Path) -> None:

@@ -105,3 +105,33 @@ async def test_a_budgeted_task_run_by_a_worker_is_charged_what_it_measured(backe
     # the reservation became what the worker measured
     assert row.device_seconds >= SLEEP * 0.95
     assert await pool.fetchval("SELECT seconds FROM budget_charge WHERE tenant_id = 'tenant-a'") == pytest.approx(row.device_seconds)
+
+
+async def test_usage_per_end_user_sums_to_the_tenants(backends: Backends, workers: Factory, admin: Admin) -> None:
+    await workers(sleepy_settings(backends.settings, sleep=0.05))
+    who = ["ann", "ann", "bob", ""]  # '' the tenant's own task
+    tasks = [await submit(backends, params=params(steps=1, seed=n), end_user=eu) for n, eu in enumerate(who)]
+    rows = [await wait_task(backends, t.id, is_status(Status.SUCCEEDED)) for t in tasks]
+    tenant = rows[0].user_id
+
+    async def usage(**fields: object) -> list[admin_pb2.UsageRow]:
+        request = admin_pb2.GetUsageRequest(tenant=tenant, **fields)  # type: ignore[arg-type]
+        return list((await admin.stub.GetUsage(request, metadata=admin.admin)).rows)
+
+    [total] = await usage()
+    per_user = {u.end_user: u for u in await usage(by_end_user=True)}
+    assert set(per_user) == {"", "ann", "bob"}
+    assert sum(u.gpu_seconds for u in per_user.values()) == pytest.approx(total.gpu_seconds)
+    assert sum(u.attempts for u in per_user.values()) == total.attempts == 4
+    assert per_user["ann"].gpu_seconds == pytest.approx(rows[0].device_seconds + rows[1].device_seconds)
+    [ann] = await usage(end_user="ann")
+    assert (ann.end_user, ann.attempts) == ("ann", 2) and ann.gpu_seconds == pytest.approx(per_user["ann"].gpu_seconds)
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # end users are each tenant's own
+        await admin.stub.GetUsage(admin_pb2.GetUsageRequest(end_user="ann"), metadata=admin.admin)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    # the terminal webhook names the end user beside the task's own figures: what a backend bills its user from
+    async with backends.pool.acquire() as conn, conn.transaction():
+        relayed = [r for r in await events.take_unpublished(conn, limit=100) if r.event.task_id == tasks[2].id]
+    body = outbox.payload(relayed[-1], "task.succeeded")
+    assert body["data"]["end_user"] == "bob" and body["data"]["usage"]["gpu_seconds"] == rows[2].device_seconds
