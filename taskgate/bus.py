@@ -22,6 +22,7 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     ObjectStoreConfig,
+    RePublish,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -43,6 +44,9 @@ TASK_SUBJECTS = "taskgate.tasks.>"
 EVENT_SUBJECTS = "taskgate.events.>"
 DEAD_SUBJECTS = "taskgate.dead.>"
 OUTPUT_SUBJECTS = "taskgate.output.>"
+# What the TASK_OUTPUT stream republishes once a chunk is stored, with its sequence (Nats-Sequence) and the previous
+# one on its subject (Nats-Last-Sequence): a reader follows a task live without a consumer, and sees any gap.
+OUTPUT_LIVE_SUBJECTS = "taskgate.live.output.>"
 CANCEL_SUBJECT = "taskgate.control.cancel"  # core NATS: a hint to the worker running a task
 
 PRIORITY_NAMES = {Priority.HIGH: "high", Priority.NORMAL: "normal", Priority.LOW: "low"}
@@ -67,6 +71,11 @@ def event_subject(user_id: str, task_id: int) -> str:
 def output_subject(user_id: str, task_id: int) -> str:
     """The subject of one task's partial output (the tenant first, as events, so permissions can be per tenant)."""
     return f"taskgate.output.{check_token(user_id)}.{task_id}"
+
+
+def output_live_subject(user_id: str, task_id: int) -> str:
+    """Where the TASK_OUTPUT stream republishes a task's chunks once stored (core NATS: readers follow it live)."""
+    return f"taskgate.live.output.{check_token(user_id)}.{task_id}"
 
 
 def dead_subject(model_id: str) -> str:
@@ -250,6 +259,8 @@ async def _declare_once(bus: Bus, settings: Settings) -> None:
             max_age=settings.output_max_age_seconds,
             duplicate_window=120.0,  # a chunk published twice (a retried publish) is stored once: Nats-Msg-Id
             num_replicas=replicas,
+            allow_direct=True,  # readers get a task's chunks by sequence (direct gets), not through a consumer each
+            republish=RePublish(src=OUTPUT_SUBJECTS, dest=OUTPUT_LIVE_SUBJECTS),  # stored chunks, live, sequenced
         ),
     )
     for model_id in settings.models:

@@ -72,8 +72,10 @@ ROLES: Mapping[str, Permissions] = {
             f"$JS.API.CONSUMER.INFO.{EVENTS}.>", f"$JS.FC.{EVENTS}.>", *RESULTS_READ,
             f"$JS.API.STREAM.INFO.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
             f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.API.CONSUMER.INFO.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>",
-            f"$JS.API.DIRECT.GET.{OUTPUT}", f"$JS.API.DIRECT.GET.{OUTPUT}.>",
+            f"$JS.API.DIRECT.GET.{OUTPUT}", f"$JS.API.DIRECT.GET.{OUTPUT}.>", f"$JS.API.STREAM.MSG.GET.{OUTPUT}",
         ),
+        # a task's stored chunks as the stream republishes them (WatchTask with include_output follows its task's)
+        subscribe=(REPLIES, bus.OUTPUT_LIVE_SUBJECTS),
     ),
     # the migrate step and operators: streams, consumers and buckets declared, changed or purged
     "admin": Permissions(publish=(">",), subscribe=(">",)),

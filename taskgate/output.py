@@ -9,6 +9,10 @@ task's state and its final result; a chunk lost to a crash is made good by the n
 A text chunk says where it starts in its attempt's text (`offset`): a reader keeps, per attempt, the characters it
 has and drops any overlap, so a chunk seen twice never doubles text; a chunk of a newer attempt starts that
 attempt's text (from 0, or from where it resumed).
+
+Reading: the stream republishes each chunk once stored on `bus.output_live_subject` with its sequence and the
+previous sequence of its task (`live`), so a reader follows a task with a core subscription, no consumer; it reads
+what it missed (before it subscribed, or a gap the previous sequence shows) by sequence with `read_after`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from taskgate import bus as busmod
 from taskgate_api.v1 import task_pb2
@@ -78,3 +84,46 @@ async def publish(bus: busmod.Bus, user_id: str, chunk: Chunk) -> int:
         busmod.output_subject(user_id, chunk.task_id), encode(chunk), headers={"Nats-Msg-Id": message_id(chunk)}
     )
     return int(ack.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """A chunk as the stream republished it once stored: the chunk (its sequence set) and the sequence of the task's
+    chunk before it (0: none), which shows a reader whether it missed one."""
+
+    chunk: task_pb2.OutputChunk
+    previous: int
+
+
+def live(msg: Msg) -> Live | None:
+    """The chunk a republished message carries; None when it is not one (no sequence header, bad payload)."""
+    headers = msg.headers or {}
+    try:
+        sequence = int(headers.get("Nats-Sequence", ""))
+        previous = int(headers.get("Nats-Last-Sequence", "0") or 0)
+    except ValueError:
+        return None
+    chunk = decode(msg.data, sequence)
+    return None if chunk is None else Live(chunk, previous)
+
+
+async def read_after(
+    bus: busmod.Bus, user_id: str, task_id: int, after: int, *, consistent: bool = False
+) -> task_pb2.OutputChunk | None:
+    """The task's first stored chunk with a sequence above `after`; None when there is none (yet).
+
+    A direct get by default (any replica answers, no consumer); `consistent` asks the stream's leader, which has
+    every acknowledged chunk (a replica may lag a moment behind): what a stream reads before it ends.
+    """
+    subject = busmod.output_subject(user_id, task_id)
+    while True:
+        try:
+            raw = await bus.js.get_msg(busmod.OUTPUT_STREAM, seq=after + 1, subject=subject, next=True, direct=not consistent)
+        except NotFoundError:
+            return None
+        if raw.seq is None or raw.data is None:
+            return None
+        chunk = decode(raw.data, raw.seq)
+        if chunk is not None:
+            return chunk
+        after = raw.seq  # not a chunk (nothing but the worker writes here): skip it

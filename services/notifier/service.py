@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.notifier.output_feed import OutputHub
 from services.notifier.relay import EventRelay, TestSignals
 from services.notifier.streams import SERVICE, EventHub, TaskEventsService, register
 from services.notifier.webhooks import WebhookSender
@@ -44,6 +45,7 @@ class NotifierHandle:
     owns_backends: bool
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     ended: bool = False
+    output_hub: OutputHub | None = None
 
     async def stop(self) -> None:
         """Graceful: readiness off, streams ended (UNAVAILABLE with where to resume), loops stopped, attempts in flight
@@ -105,7 +107,8 @@ async def start(
     listener = Listener(b.database_url, {
         EVENT_CHANNEL: lambda _: relay.notify(), WEBHOOK_CHANNEL: lambda _: sender.notify(), REVOKED_CHANNEL: authenticator.revoked,
     })
-    service = TaskEventsService(settings, b.pool, hub, authenticator, throttle, outputs=outputs)
+    output_hub = OutputHub(b.bus, replicated=settings.stream_replicas > 1)
+    service = TaskEventsService(settings, b.pool, hub, authenticator, throttle, outputs=outputs, output_hub=output_hub)
     tasks: list[asyncio.Task[None]] = []  # the loops, once started: liveness watches them
     probes = server.Probes(pool=b.pool, bus=b.bus, loops=lambda: tasks)
     grpc_server, port, health_servicer = await server.start_server(settings, settings.notifier_port, register(service), probes)
@@ -117,7 +120,9 @@ async def start(
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(listener.connected.wait(), LISTEN_READY_SECONDS)
     log.info("notifier started", extra={"port": port, "owner": owner})
-    return NotifierHandle(port, b, relay, sender, hub, listener, grpc_server, health_servicer, owns, tasks)
+    return NotifierHandle(
+        port, b, relay, sender, hub, listener, grpc_server, health_servicer, owns, tasks, output_hub=output_hub
+    )
 
 
 async def main(settings: Settings) -> None:

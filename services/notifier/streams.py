@@ -1,4 +1,8 @@
-"""TaskEvents: resumable server-streaming subscriptions, history from the table then live from one JetStream feed."""
+"""TaskEvents: resumable server-streaming subscriptions, history from the table then live from one JetStream feed.
+
+WatchTask with `include_output` also sends the task's partial output (services/notifier/output_feed.py), in order,
+from `after_output_sequence` on, and sends its terminal event only once the output stored before it has been sent.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +19,11 @@ import grpc
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from taskgate import bus as busmod
-from taskgate import errors, eta, ids, results, store
+from taskgate import errors, eta, ids, output, results, store
 from taskgate.auth import Authenticator, Principal
 from taskgate.config import Settings
 from taskgate.states import Status
@@ -28,6 +33,8 @@ from taskgate.throttle import Throttle
 from taskgate.wire import events as event_wire
 from taskgate_api import reasons
 from taskgate_api.v1 import events_pb2, events_pb2_grpc, task_pb2
+
+from .output_feed import OutputHub
 
 log = logging.getLogger("taskgate.notifier.streams")
 K = TypeVar("K", int, str)
@@ -39,6 +46,8 @@ MAX_CURSOR = 2**63 - 1  # cursors are event ids
 TRACKED_TASKS = 100_000  # per WatchTasks stream: tasks whose last version is remembered for de-duplication
 # what a quiet stream's read of the table may fail with: the keep-alive goes out, the next quiet period reads again
 QUIET_READ_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+# what a quiet stream's read of the output stream may fail with: the keep-alive goes out, the next period reads again
+OUTPUT_READ_ERRORS = (NatsError, TimeoutError)
 SHUTDOWN_RETRY_MS = 200  # what a stream ended by a shutdown tells its client to wait before resuming
 
 
@@ -63,18 +72,25 @@ class Subscriber:
         self.closing = False
         self.quiet_since = time.monotonic()  # when the stream last got something to send (an event or a keep-alive)
         self._keepalive = False
-        self._items: deque[task_pb2.TaskEvent] = deque()
+        self._items: deque[task_pb2.TaskEvent | output.Live] = deque()  # events and chunks in the order they came
         self._ready = asyncio.Event()
 
     def offer(self, event: task_pb2.TaskEvent) -> bool:
         """Buffers a live event; False once the buffer has overflowed."""
+        return self._offer(event)
+
+    def offer_output(self, item: output.Live) -> bool:
+        """Buffers a live output chunk (one buffer with the events, so the stream sees them in arrival order)."""
+        return self._offer(item)
+
+    def _offer(self, item: task_pb2.TaskEvent | output.Live) -> bool:
         if self.overflowed:
             return False
         if len(self._items) >= self.capacity:
             self.overflowed = True
             self._items.clear()
         else:
-            self._items.append(event)
+            self._items.append(item)
         self._ready.set()
         return not self.overflowed
 
@@ -88,8 +104,8 @@ class Subscriber:
         self.closing = True
         self._ready.set()
 
-    async def next(self) -> task_pb2.TaskEvent | None:
-        """The next live event, or None when a keep-alive is due; raises Overflow or Closing."""
+    async def next(self) -> task_pb2.TaskEvent | output.Live | None:
+        """The next live event (or output chunk), or None when a keep-alive is due; raises Overflow or Closing."""
         while not self._items and not self.overflowed and not self.closing and not self._keepalive:
             self._ready.clear()
             await self._ready.wait()
@@ -370,6 +386,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         throttle: Throttle,
         *,
         outputs: results.ResultStore | None = None,
+        output_hub: OutputHub | None = None,
     ) -> None:
         self._settings = settings
         self._pool = pool
@@ -377,6 +394,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self._auth = authenticator
         self._throttle = throttle
         self._outputs = outputs
+        self._output_hub = output_hub  # None: no output is sent (include_output ignored)
         self.keepalive = Keepalive(settings.stream_keepalive_seconds)
         self.estimates = Estimates(pool, settings)
         self.task_versions: Newest[int] = Newest(lambda ids: event_store.task_versions(pool, ids))
@@ -422,16 +440,40 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         task_id = ids.require(request.task_id)
         if request.after_version < 0:
             raise errors.invalid_argument([("after_version", "must not be negative")])
+        if request.after_output_sequence < 0:
+            raise errors.invalid_argument([("after_output_sequence", "must not be negative")])
+        tenant = principal.tenant_id
+        outputs = self._output_hub if request.include_output else None
         # Subscribe before reading, so an event committed after the read is buffered: no gap at the seam.
         sub = self._hub.watch_task(task_id, self._settings.stream_buffer_size)
         self.keepalive.add(sub)
+        sent = request.after_output_sequence  # the last output chunk sent (its stream sequence)
         try:
+            if outputs is not None:  # the same for the output: followed before it is read
+                await outputs.follow(tenant, task_id, sub)
             task = await store.get_task(self._pool, task_id)
-            if task is None or task.user_id != principal.tenant_id:
+            if task is None or task.user_id != tenant:
                 raise errors.not_found()
             last = request.after_version
             if last > task.version:
                 raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
+            status = task.status
+
+            async def stored(final: bool = False) -> AsyncIterator[events_pb2.WatchTaskResponse]:
+                """The task's stored output after the last chunk sent (`final`: all of it, read from the leader)."""
+                nonlocal sent
+                if outputs is None:
+                    return
+                while (chunk := await outputs.read_after(tenant, task_id, sent, final=final)) is not None:
+                    sent = chunk.sequence
+                    yield events_pb2.WatchTaskResponse(output=chunk)
+
+            async def before_end(event: task_pb2.TaskEvent) -> AsyncIterator[events_pb2.WatchTaskResponse]:
+                """A terminal event comes after the output stored before it; any event after a chunk's catch-up."""
+                if event_wire.is_terminal(event):
+                    async for out in stored(final=True):
+                        yield out
+
             if last == 0:
                 estimate = await self.estimates.estimate(task_id, task.version, task.status)
                 if estimate is not None:
@@ -444,23 +486,45 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 yield events_pb2.WatchTaskResponse(snapshot=snapshot)
                 last = task.version
             if task.status.terminal and last >= task.version:
+                async for out in stored(final=True):  # a terminal snapshot: its output follows, then the end
+                    yield out
                 return
             history = await event_store.task_events(self._pool, task_id, after_version=last)
             for i, row in enumerate(history):
                 event = event_wire.message(row)
                 if i == len(history) - 1:  # the ETA is as of now: only the latest replayed version gets one
                     event = await self.estimates.stamped(event)
+                async for out in before_end(event):
+                    yield out
                 yield events_pb2.WatchTaskResponse(event=self._linked(event))
                 last = event.version
+                status = Status.from_proto(event.to_status)
                 if event_wire.is_terminal(event):
                     return
             if task.status.terminal:
+                async for out in stored(final=True):
+                    yield out
                 return  # its history was deleted by retention: nothing more will come
+            async for out in stored():  # caught up on the output stored so far: live from here
+                yield out
             while True:
                 try:
                     live = await sub.next()
                 except (Overflow, Closing) as exc:
-                    raise ended(exc, f"after_version={last}", last_version=str(last)) from None
+                    resume = f"after_version={last}" + (f" and after_output_sequence={sent}" if outputs else "")
+                    meta = {"last_version": str(last)} | ({"last_output_sequence": str(sent)} if outputs else {})
+                    raise ended(exc, resume, **meta) from None
+                if isinstance(live, output.Live):
+                    if live.chunk.sequence <= sent:
+                        continue  # already read from the stream
+                    if live.previous > sent:  # a chunk this stream never saw (before it followed, a lost message)
+                        async for out in stored():
+                            yield out
+                        if live.chunk.sequence <= sent:
+                            continue
+                    sent = live.chunk.sequence
+                    yield events_pb2.WatchTaskResponse(output=live.chunk)
+                    continue
                 if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
                     newest = await self.task_versions.of(task_id)
                     missed = [] if newest is None or newest <= last else await self._quiet_check(
@@ -468,10 +532,19 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     )
                     for row in missed:
                         event = event_wire.message(row)
+                        async for out in before_end(event):
+                            yield out
                         yield events_pb2.WatchTaskResponse(event=self._linked(event))
                         last = event.version
+                        status = Status.from_proto(event.to_status)
                         if event_wire.is_terminal(event):
                             return
+                    if status is Status.PROCESSING:  # and what the stream stored that the live subject did not bring
+                        try:
+                            async for out in stored():
+                                yield out
+                        except OUTPUT_READ_ERRORS:
+                            log.warning("a quiet stream's read of the output stream failed", exc_info=True)
                     yield events_pb2.WatchTaskResponse(keepalive=events_pb2.KeepAlive())
                     continue
                 if live.version <= last:
@@ -481,14 +554,24 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                         self._pool, task_id, after_version=last, up_to_version=live.version - 1
                     )
                     for row in missed:
-                        yield events_pb2.WatchTaskResponse(event=self._linked(event_wire.message(row)))
+                        event = event_wire.message(row)
+                        async for out in before_end(event):
+                            yield out
+                        yield events_pb2.WatchTaskResponse(event=self._linked(event))
+                        if event_wire.is_terminal(event):
+                            return
+                async for out in before_end(live):
+                    yield out
                 yield events_pb2.WatchTaskResponse(event=self._linked(await self.estimates.stamped(live)))
                 last = live.version
+                status = Status.from_proto(live.to_status)
                 if event_wire.is_terminal(live):
                     return
         finally:
             self.keepalive.discard(sub)
             self._hub.drop(sub)
+            if outputs is not None:
+                outputs.unfollow(tenant, task_id, sub)
 
     async def WatchTasks(
         self, request: events_pb2.WatchTasksRequest, context: grpc.aio.ServicerContext
@@ -564,6 +647,8 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                             log.warning("a quiet stream's check of the event table failed", exc_info=True)
                     yield events_pb2.WatchTasksResponse(keepalive=events_pb2.KeepAlive(), cursor=str(cursor))
                     continue
+                if not isinstance(live, task_pb2.TaskEvent):
+                    continue  # output is WatchTask's alone (a tenant's streams never follow it)
                 known = versions.get(live.task_id)
                 if known is not None and live.version > known + 1:  # the live feed missed some: they are in the table
                     rows = await event_store.task_events(

@@ -23,7 +23,7 @@ from services.notifier.service import start as start_notifier
 from services.scheduler.service import start as start_scheduler
 from services.submit.service import start as start_submit
 from services.worker.service import start as start_worker
-from taskgate import auth, bus, migrate, natsauth
+from taskgate import auth, bus, migrate, natsauth, output
 from taskgate.config import ModelSpec, Settings
 from taskgate.states import Priority, Status
 from taskgate_api.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
@@ -145,6 +145,19 @@ async def test_every_service_runs_on_its_own_nats_user_and_database_role_and_is_
                                                               metadata=metadata)]
             assert sum(len(c.data) for c in chunks) > 0  # the worker stored it, submit read it back
 
+            # partial output: the worker's user stores a chunk, the notifier's user reads and follows it
+            worker_bus = await bus.connect(users.url("worker"), "worker-output")
+            try:
+                chunk = output.Chunk(task_id=int(task_id), attempt=1, kind=output.TEXT, text="partial")
+                await output.publish(worker_bus, "tenant-a", chunk)
+            finally:
+                await worker_bus.close()
+            follow = events_pb2_grpc.TaskEventsStub(ev).WatchTask(
+                events_pb2.WatchTaskRequest(task_id=task_id, include_output=True), metadata=metadata
+            )
+            streamed = [m async for m in follow]
+            assert [m.output.text for m in streamed if m.HasField("output")] == ["partial"]
+
             # a forged event (as if another tenant's subject had been taken) is not routed by its payload
             forged = task_pb2.TaskEvent(task_id="1", user_id="tenant-a", version=1, to_status=Status.SUCCEEDED.to_proto())
             await admin.js.publish(bus.event_subject("tenant-b", 1), forged.SerializeToString())
@@ -177,6 +190,10 @@ async def test_every_service_runs_on_its_own_nats_user_and_database_role_and_is_
         assert "$js.api.stream.purge.tasks" in said
         said = await refused(refusals, lambda: worker.subscribe(bus.EVENT_SUBJECTS))
         assert "permissions violation for subscription" in said
+        said = await refused(refusals, lambda: worker.subscribe(bus.OUTPUT_LIVE_SUBJECTS))
+        assert "permissions violation for subscription" in said
+        said = await refused(refusals, lambda: worker.publish(bus.output_live_subject("tenant-a", 1), b"forged"))
+        assert "taskgate.live.output" in said  # only the stream republishes there
         said = await refused(refusals, lambda: notifier_user.publish(bus.task_subject(MODEL, Priority.NORMAL), b"x"))
         assert "taskgate.tasks" in said
         said = await refused(
