@@ -18,7 +18,7 @@ from typing import TypeVar
 import asyncpg
 import grpc
 
-from taskgate import errors
+from taskgate import clienttokens, errors
 from taskgate.listen import Handler, Listener
 from taskgate.sealing import Sealer
 from taskgate.store import admins, tenants
@@ -132,25 +132,35 @@ REVOKED_CHANNEL = "taskgate_key_revoked"  # NOTIFY payload: the revoked key's ha
 class Session:
     """A stream's caller: its principal, and an event set when its key is revoked (the stream then ends)."""
 
-    def __init__(self, principal: Principal, digest: str) -> None:
+    def __init__(self, principal: Principal, digest: str, grant: clienttokens.Grant | None = None) -> None:
         self.principal = principal
         self.digest = digest
         self.revoked = asyncio.Event()
+        self.grant = grant  # a client token's: the stream ends when it expires
+        self.caller = Caller(principal, grant)
 
     async def guard(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
         """`stream`'s items until it ends, or until the key is revoked: then UNAUTHENTICATED saying so."""
         revoked = asyncio.ensure_future(self.revoked.wait())
+        expiry = None
+        if self.grant is not None:  # a client token's stream lasts as long as the token
+            left = self.grant.expires_at.timestamp() - time.time()
+            expiry = asyncio.get_running_loop().call_later(max(left, 0.0), self.revoked.set)
         try:
             while True:
                 try:
                     item = await unless(revoked, anext(stream))
                 except Interrupted:
+                    if self.grant is not None:
+                        raise errors.unauthenticated("the client token expired") from None
                     raise errors.unauthenticated("the API key was revoked") from None
                 except StopAsyncIteration:
                     return
                 yield item
         finally:
             revoked.cancel()
+            if expiry is not None:
+                expiry.cancel()
 
 
 class Authenticator:
@@ -180,6 +190,8 @@ class Authenticator:
         self._sessions: dict[str, set[Session]] = {}  # digest -> the open streams it authenticated
         self._generation = 0  # counts revocations: a lookup that began before one does not cache its answer
         self._rechecks: set[asyncio.Task[None]] = set()
+        # tenant -> (until when, its valid client-token key ids and each one's end: None while current)
+        self._client_keys: dict[str, tuple[float, dict[str, datetime | None]]] = {}
 
     def listener(self, dsn: str, also: dict[str, Handler] | None = None) -> Listener:
         """A listener of key revocations for this authenticator (run it as a task for the service's life), and of the
@@ -227,18 +239,68 @@ class Authenticator:
                 if not left:
                     del self._sessions[digest]
 
+    @contextlib.asynccontextmanager
+    async def stream_caller(self, context: grpc.aio.ServicerContext, scope: str) -> AsyncIterator[Session]:
+        """`stream`, also for a client token with `scope` (its stream ends when the token expires)."""
+        bearer = _bearer(context)
+        if not clienttokens.looks_like_token(bearer):
+            async with self.stream(context) as session:
+                yield session
+            return
+        found = await self.caller(context, scope)
+        yield Session(found.principal, "", found.grant)
+
     async def principal(self, context: grpc.aio.ServicerContext) -> Principal:
-        """The tenant calling (UNAUTHENTICATED without a live tenant key; PERMISSION_DENIED for an admin key)."""
+        """The tenant calling (UNAUTHENTICATED without a live tenant key; PERMISSION_DENIED for an admin key or a
+        client token)."""
         found, _ = await self._resolve(context)
         return found
 
+    async def caller(self, context: grpc.aio.ServicerContext, scope: str) -> Caller:
+        """The caller of a call a client token may make (GetTask, a result, WatchTask/WatchTasks, CancelTask): the
+        tenant by its API key, or a client token's grant, which needs `scope` (PERMISSION_DENIED without it)."""
+        bearer = _bearer(context)
+        if clienttokens.looks_like_token(bearer):
+            grant = await self._client_grant(bearer)
+            if not grant.allows(scope):
+                raise errors.permission_denied(
+                    f"this client token lacks the {scope!r} scope", reason=reasons.CLIENT_TOKEN_SCOPE, scope=scope
+                )
+            if self._throttle is not None:
+                self._throttle.call(grant.tenant_id, self._service)
+            return Caller(Principal(grant.tenant_id, None, None), grant)
+        found, _ = await self._resolve(context)
+        return Caller(found)
+
+    async def _client_grant(self, token: str) -> clienttokens.Grant:
+        """A token's grant once its signature (no database) and its key id (the tenant's valid ids, read once per
+        cache period) check out; UNAUTHENTICATED otherwise."""
+        try:
+            grant = clienttokens.verify(token, self._pepper)
+        except clienttokens.BadToken as exc:
+            raise errors.unauthenticated(f"the client token is not valid ({exc})") from None
+        now = time.monotonic()
+        hit = self._client_keys.get(grant.tenant_id)
+        if hit is None or hit[0] <= now:
+            keys = {k.kid: k.valid_until for k in await tenants.client_token_keys(self._pool, grant.tenant_id)}
+            if len(self._client_keys) > self.CACHE_ENTRIES:
+                self._client_keys.clear()
+            hit = (now + self._ttl, keys)
+            self._client_keys[grant.tenant_id] = hit
+        if grant.kid not in hit[1]:
+            raise errors.unauthenticated("the client token was signed with a key that is no longer valid")
+        until = hit[1][grant.kid]
+        if until is not None and until <= datetime.now(UTC):
+            raise errors.unauthenticated("the client token was signed with a key that is no longer valid")
+        return grant
+
     def _digest(self, context: grpc.aio.ServicerContext) -> str:
-        key = None
-        for name, value in context.invocation_metadata() or ():
-            if name == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                key = value[len("Bearer ") :].strip()
-        if not key:
-            raise errors.unauthenticated()
+        key = _bearer(context)
+        if clienttokens.looks_like_token(key):
+            raise errors.permission_denied(
+                "a client token is not accepted here: this call needs the tenant's API key",
+                reason=reasons.CLIENT_TOKEN_NOT_ACCEPTED,
+            )
         return hash_key(self._pepper, key)
 
     async def admin(self, context: grpc.aio.ServicerContext, *, scope: str) -> Admin:
@@ -304,6 +366,36 @@ class Authenticator:
         if self._throttle is not None:
             self._throttle.call(found.tenant_id, self._service)
         return found, digest
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who makes a call a client token may make: the tenant, and the token's grant when it is one (None: the
+    tenant's own API key, which sees every task of the tenant)."""
+
+    principal: Principal
+    grant: clienttokens.Grant | None = None
+
+    @property
+    def tenant_id(self) -> str:
+        return self.principal.tenant_id
+
+    def may_see(self, user_id: str, end_user: str, task_id: int) -> bool:
+        """Whether a task is this caller's: its tenant's, and for a token its end user's (and listed, if it lists)."""
+        if self.grant is None:
+            return user_id == self.principal.tenant_id
+        return self.grant.covers(user_id, end_user, task_id)
+
+
+def _bearer(context: grpc.aio.ServicerContext) -> str:
+    """The call's bearer credential (an API key or a client token); UNAUTHENTICATED without one."""
+    key = None
+    for name, value in context.invocation_metadata() or ():
+        if name == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            key = value[len("Bearer ") :].strip()
+    if not key:
+        raise errors.unauthenticated()
+    return key
 
 
 def _refusal(why: str) -> errors.ApiError:

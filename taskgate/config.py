@@ -276,6 +276,10 @@ class Settings(BaseSettings):
         default=5.0, ge=0,
         description="How long a service trusts a key's looked-up answer; a revocation reaches it sooner (LISTEN/NOTIFY).",
     )
+    client_token_max_overlap_seconds: float = Field(
+        default=7 * 86400.0, ge=0,
+        description="Longest a tenant's rotated-out client-token secret keeps its tokens valid (the overlap it asks for).",
+    )
     webhook_secret_max_overlap_seconds: float = Field(
         default=7 * 86400.0, ge=0, description="Longest overlap a tenant may ask for when it rotates its own webhook secret."
     )

@@ -22,6 +22,8 @@ TOO_MANY_STREAMS: Final = "TOO_MANY_STREAMS"  # the tenant's or the server's ope
 ADMIN_SCOPE: Final = "ADMIN_SCOPE"  # a read-only admin key on an operator call
 NOT_AN_ADMIN_KEY: Final = "NOT_AN_ADMIN_KEY"  # a tenant key on TaskAdmin
 ADMIN_KEY_NOT_ACCEPTED: Final = "ADMIN_KEY_NOT_ACCEPTED"  # an admin key on TaskGateway
+CLIENT_TOKEN_NOT_ACCEPTED: Final = "CLIENT_TOKEN_NOT_ACCEPTED"  # a client token on a call only an API key may make
+CLIENT_TOKEN_SCOPE: Final = "CLIENT_TOKEN_SCOPE"  # a client token without the scope a call needs (read, watch, cancel)
 
 # submitting
 RATE_LIMITED: Final = "RATE_LIMITED"  # the tenant's submissions per minute (RetryInfo)

@@ -31,6 +31,7 @@ from taskgate_client.errors import (
 )
 from taskgate_client.handles import AsyncTaskHandle, TaskHandle
 from taskgate_client.sync import EventStream, TaskgateClient, connect
+from taskgate_client.tokens import mint_client_token
 from taskgate_client.types import (
     ChatInput,
     ChatOptions,
@@ -85,5 +86,6 @@ __all__ = [
     "connect",
     "connect_async",
     "make_config",
+    "mint_client_token",
     "verify_webhook",
 ]

@@ -528,6 +528,38 @@ class AsyncTaskgateClient:
         )
         return self._handle(Task.from_proto(response.task))
 
+    async def client_token_secret(self, *, rotate: bool = False, overlap: float = 3600.0) -> str:
+        """Your tenant's client-token secret, for `mint_client_token` (offline); `rotate`: a new one, tokens of the old
+        one staying valid for `overlap` seconds. A rotation is not retried (a lost answer would rotate again)."""
+        request = gateway_pb2.GetClientTokenSecretRequest(rotate=rotate)
+        if rotate:
+            request.overlap.CopyFrom(_duration(overlap))
+            try:
+                response = await self._gateway.GetClientTokenSecret(
+                    request, metadata=self.metadata, timeout=self.config.call_timeout
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc) from None
+        else:
+            response = await self._call(
+                lambda: self._gateway.GetClientTokenSecret(request, metadata=self.metadata, timeout=self.config.call_timeout)
+            )
+        return response.secret
+
+    async def create_client_token(
+        self, end_user: str, *, scopes: Iterable[str] = ("read", "watch"), task_ids: Iterable[str] = (),
+        ttl_seconds: float = 900.0,
+    ) -> str:
+        """A short-lived token for one end user's tasks (GetTask, results, events; cancel with the "cancel" scope),
+        minted by the gateway (CreateClientToken); `mint_client_token` makes the same offline."""
+        request = gateway_pb2.CreateClientTokenRequest(
+            end_user=end_user, scopes=list(scopes), task_ids=list(task_ids), ttl=_duration(ttl_seconds)
+        )
+        response = await self._call(
+            lambda: self._gateway.CreateClientToken(request, metadata=self.metadata, timeout=self.config.call_timeout)
+        )
+        return response.token
+
     async def regenerate(self, task_id: str, *, seed: int | None = None, idempotency_key: str | None = None) -> AsyncTaskHandle:
         """A new task from a finished one's request: a new seed (random unless given), at HIGH when the tenant may use it.
 

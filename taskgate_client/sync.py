@@ -184,6 +184,20 @@ class TaskgateClient:
         """Cancels a task (soft by default; hard stops inference at the next step)."""
         return self._handle(self._runner.run(self._client.cancel(task_id, hard)))
 
+    def client_token_secret(self, *, rotate: bool = False, overlap: float = 3600.0) -> str:
+        """Your tenant's client-token secret for `mint_client_token`; `rotate`: a new one (the old one's tokens stay
+        valid for `overlap` seconds)."""
+        return self._runner.run(self._client.client_token_secret(rotate=rotate, overlap=overlap))
+
+    def create_client_token(
+        self, end_user: str, *, scopes: Iterable[str] = ("read", "watch"), task_ids: Iterable[str] = (),
+        ttl_seconds: float = 900.0,
+    ) -> str:
+        """A short-lived token for one end user's tasks, minted by the gateway (CreateClientToken)."""
+        return self._runner.run(
+            self._client.create_client_token(end_user, scopes=scopes, task_ids=task_ids, ttl_seconds=ttl_seconds)
+        )
+
     def regenerate(self, task_id: str, *, seed: int | None = None, idempotency_key: str | None = None) -> TaskHandle:
         """A new task from a finished one's request: a new seed (random unless given), at HIGH when the tenant may use it."""
         return self._handle(self._runner.run(self._client.regenerate(task_id, seed=seed, idempotency_key=idempotency_key)))

@@ -23,8 +23,8 @@ from nats.errors import Error as NatsError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from taskgate import bus as busmod
-from taskgate import errors, eta, ids, output, results, store
-from taskgate.auth import Authenticator, Principal
+from taskgate import clienttokens, errors, eta, ids, output, results, store
+from taskgate.auth import Authenticator, Caller
 from taskgate.config import Settings
 from taskgate.states import Status
 from taskgate.store import events as event_store
@@ -429,20 +429,21 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
     async def WatchTask(
         self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
-        async with self._auth.stream(context) as caller:  # ends the stream when its key is revoked
+        # ends the stream when its key is revoked (or its client token expires)
+        async with self._auth.stream_caller(context, clienttokens.WATCH) as caller:
             with self._throttle.stream(caller.principal.tenant_id, SERVICE):  # the stream's place, held until it ends
-                async for response in caller.guard(self._watch_task(caller.principal, request)):
+                async for response in caller.guard(self._watch_task(caller.caller, request)):
                     yield response
 
     async def _watch_task(
-        self, principal: Principal, request: events_pb2.WatchTaskRequest
+        self, who: Caller, request: events_pb2.WatchTaskRequest
     ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
         task_id = ids.require(request.task_id)
         if request.after_version < 0:
             raise errors.invalid_argument([("after_version", "must not be negative")])
         if request.after_output_sequence < 0:
             raise errors.invalid_argument([("after_output_sequence", "must not be negative")])
-        tenant = principal.tenant_id
+        tenant = who.tenant_id
         outputs = self._output_hub if request.include_output else None
         # Subscribe before reading, so an event committed after the read is buffered: no gap at the seam.
         sub = self._hub.watch_task(task_id, self._settings.stream_buffer_size)
@@ -452,7 +453,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             if outputs is not None:  # the same for the output: followed before it is read
                 await outputs.follow(tenant, task_id, sub)
             task = await store.get_task(self._pool, task_id)
-            if task is None or task.user_id != tenant:
+            if task is None or not who.may_see(task.user_id, task.end_user, task.id):
                 raise errors.not_found()
             last = request.after_version
             if last > task.version:
@@ -576,15 +577,16 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
     async def WatchTasks(
         self, request: events_pb2.WatchTasksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTasksResponse]:
-        async with self._auth.stream(context) as caller:
+        async with self._auth.stream_caller(context, clienttokens.WATCH) as caller:
             with self._throttle.stream(caller.principal.tenant_id, SERVICE):
-                async for response in caller.guard(self._watch_tasks(caller.principal, request)):
+                async for response in caller.guard(self._watch_tasks(caller.caller, request)):
                     yield response
 
     async def _watch_tasks(
-        self, principal: Principal, request: events_pb2.WatchTasksRequest
+        self, who: Caller, request: events_pb2.WatchTasksRequest
     ) -> AsyncIterator[events_pb2.WatchTasksResponse]:
-        tenant = principal.tenant_id
+        tenant = who.tenant_id
+        grant = who.grant  # a client token sees its end user's events only (and its listed tasks', if it lists)
         wanted = _statuses(request.statuses)
         cursor = 0
         if request.cursor:
@@ -614,6 +616,8 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             def send(event: task_pb2.TaskEvent) -> events_pb2.WatchTasksResponse | None:
                 """The response for an event this stream has not sent (recorded by fresh) and whose status it wants."""
                 if not fresh(event) or (wanted and event.to_status not in wanted):
+                    return None
+                if grant is not None and not grant.covers(event.user_id, event.end_user, int(event.task_id)):
                     return None
                 return events_pb2.WatchTasksResponse(event=self._linked(event), cursor=str(cursor))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import secrets
+import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -15,8 +17,8 @@ import grpc
 import nats.errors
 from google.protobuf.duration_pb2 import Duration
 
-from taskgate import auth, errors, eta, ids, paging, store, telemetry, tracing
-from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator, Principal
+from taskgate import auth, clienttokens, errors, eta, ids, paging, store, telemetry, tracing
+from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator, Caller, Principal
 from taskgate.config import Settings
 from taskgate.dispatcher import Dispatcher
 from taskgate.model import TaskRow, timestamp
@@ -26,7 +28,7 @@ from taskgate.runtime import Backends, connect, serve_until_signal, stop_tasks
 from taskgate.sealing import Sealer
 from taskgate.server import Health, Probes, mark_not_serving, start_server
 from taskgate.states import Status
-from taskgate.store import submissions
+from taskgate.store import submissions, tenants
 from taskgate.store.submissions import Admission, AdmitVerdict, Candidate, NewTask
 from taskgate.throttle import Throttle
 from taskgate.wire import cancel
@@ -390,20 +392,27 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
     # Reads
 
-    async def _load(self, tenant: str, task_id: int, context: Context) -> TaskRow:
-        """The caller's task; NOT_FOUND for a missing id and for another tenant's task alike."""
+    async def _load(self, tenant: str | Caller, task_id: int, context: Context) -> TaskRow:
+        """The caller's task; NOT_FOUND for a missing id and for another tenant's task alike (and, for a client
+        token, for another end user's task or one it does not list)."""
         task = self._cache.get(task_id)
         if task is None:
             task = await asyncio.wait_for(store.get_task(self._pool, task_id), self._budget(context))
             if task is not None:
                 self._cache.put(task)
-        if task is None or task.user_id != tenant:
+        who = tenant if isinstance(tenant, Caller) else Caller(Principal(tenant, None, None))
+        if task is None or not who.may_see(task.user_id, task.end_user, task.id):
             raise errors.not_found()
         return task
 
+    async def _caller(self, context: Context, scope: str) -> Caller:
+        """The tenant by its API key, or a client token with `scope`."""
+        async with asyncio.timeout(self._budget(context)):
+            return await self._auth.caller(context, scope)
+
     async def GetTask(self, request: gateway_pb2.GetTaskRequest, context: Context) -> gateway_pb2.GetTaskResponse:
-        who = await self._principal(context)
-        task = await self._load(who.tenant_id, ids.require(request.task_id), context)
+        who = await self._caller(context, clienttokens.READ)
+        task = await self._load(who, ids.require(request.task_id), context)
         estimate = await self._estimate(task, context)
         position = estimate.queue_position if estimate is not None else await self._queue_position(task, context)
         interval = Duration()
@@ -476,8 +485,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     # Cancel and results
 
     async def CancelTask(self, request: gateway_pb2.CancelTaskRequest, context: Context) -> gateway_pb2.CancelTaskResponse:
-        who = await self._principal(context)
-        task = await self._load(who.tenant_id, ids.require(request.task_id), context)
+        who = await self._caller(context, clienttokens.CANCEL)
+        task = await self._load(who, ids.require(request.task_id), context)
         if task.status is Status.CANCELED:
             return gateway_pb2.CancelTaskResponse(task=task.to_proto())
         if task.status.terminal:
@@ -557,11 +566,79 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     async def CancelBatch(self, request: batches_pb2.CancelBatchRequest, context: Context) -> batches_pb2.Batch:
         return await self.batches.cancel(await self._principal(context), request.batch_id)
 
+    # Client tokens: what a backend gives a browser or an app for one end user's tasks
+
+    async def _client_token_kid(self, tenant: str, context: Context) -> str:
+        return await asyncio.wait_for(
+            tenants.current_client_token_key(self._pool, tenant, secrets.token_hex(8)), self._budget(context)
+        )
+
+    async def CreateClientToken(
+        self, request: gateway_pb2.CreateClientTokenRequest, context: Context
+    ) -> gateway_pb2.CreateClientTokenResponse:
+        """A token for one end user's tasks, signed with the tenant's current client-token key (API key only)."""
+        who = await self._principal(context)
+        bad: list[tuple[str, str]] = []
+        if (why := end_user_problem(request.end_user)) is not None:
+            bad.append(("end_user", why))
+        scopes = set(request.scopes) or {clienttokens.READ, clienttokens.WATCH}
+        if not scopes <= clienttokens.SCOPES:
+            bad.append(("scopes", f"each must be one of {', '.join(sorted(clienttokens.SCOPES))}"))
+        ttl = request.ttl.ToTimedelta().total_seconds() if request.HasField("ttl") else clienttokens.DEFAULT_TTL_SECONDS
+        if not 0 < ttl <= clienttokens.MAX_TTL_SECONDS:
+            bad.append(("ttl", f"must be above 0 and at most {clienttokens.MAX_TTL_SECONDS:g} seconds"))
+        task_ids: list[int] = []
+        for value in request.task_ids:
+            try:
+                task_ids.append(ids.require(value))
+            except errors.ApiError:
+                bad.append(("task_ids", "each must be a task id"))
+                break
+        if bad:
+            raise errors.invalid_argument(bad)
+        kid = await self._client_token_kid(who.tenant_id, context)
+        key = clienttokens.signing_key(self._settings.api_key_pepper, who.tenant_id, kid)
+        now = time.time()
+        token = clienttokens.mint(
+            key, kid, who.tenant_id, request.end_user, scopes=scopes, task_ids=task_ids or None, ttl_seconds=ttl, now=now
+        )
+        return gateway_pb2.CreateClientTokenResponse(
+            token=token, expires_at=timestamp(datetime.fromtimestamp(int(now) + int(ttl), UTC))
+        )
+
+    async def GetClientTokenSecret(
+        self, request: gateway_pb2.GetClientTokenSecretRequest, context: Context
+    ) -> gateway_pb2.GetClientTokenSecretResponse:
+        """The tenant's client-token secret (the SDK mints offline with it), a new one with `rotate`."""
+        who = await self._principal(context)
+        pepper = self._settings.api_key_pepper
+        if not request.rotate:
+            kid = await self._client_token_kid(who.tenant_id, context)
+            return gateway_pb2.GetClientTokenSecretResponse(
+                secret=clienttokens.shared_secret(pepper, who.tenant_id, kid), key_id=kid
+            )
+        overlap = request.overlap.ToTimedelta().total_seconds() if request.HasField("overlap") else 3600.0
+        most = self._settings.client_token_max_overlap_seconds
+        if not 0 <= overlap <= most:
+            raise errors.invalid_argument([("overlap", f"must be between 0 and {most:g} seconds")])
+        rotated = await asyncio.wait_for(
+            tenants.rotate_client_token_key(self._pool, who.tenant_id, secrets.token_hex(8), overlap),
+            self._budget(context),
+        )
+        if rotated is None:
+            raise errors.unauthenticated("the key's tenant no longer exists")
+        kid, previous_until = rotated
+        log.info("client-token secret rotated", extra={"tenant": who.tenant_id, "overlap_seconds": overlap})
+        return gateway_pb2.GetClientTokenSecretResponse(
+            secret=clienttokens.shared_secret(pepper, who.tenant_id, kid), key_id=kid,
+            previous_valid_until=timestamp(previous_until),
+        )
+
     async def GetTaskResult(
         self, request: gateway_pb2.GetTaskResultRequest, context: Context
     ) -> AsyncIterator[gateway_pb2.ResultChunk]:
-        who = await self._principal(context)
-        task = await self._load(who.tenant_id, ids.require(request.task_id), context)
+        who = await self._caller(context, clienttokens.READ)
+        task = await self._load(who, ids.require(request.task_id), context)
         if task.status is not Status.SUCCEEDED or task.result_uri is None:
             raise errors.failed_precondition(
                 reasons.TASK_NOT_SUCCEEDED, f"the task is {task.status.value}; only SUCCEEDED tasks have a result",

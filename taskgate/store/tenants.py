@@ -146,3 +146,31 @@ async def update_tenant(
 async def tenant_exists(db: Conn, tenant_id: str) -> bool:
     """Whether the tenant exists."""
     return bool(await db.fetchval(sql.query("tenant_exists"), tenant_id))
+
+
+@dataclass(frozen=True, slots=True)
+class ClientTokenKey:
+    """One of a tenant's valid client-token key ids, and until when (None: current)."""
+
+    kid: str
+    valid_until: datetime | None
+
+
+async def client_token_keys(db: Conn, tenant_id: str) -> list[ClientTokenKey]:
+    """The tenant's client-token key ids that are still valid, newest first."""
+    rows = await db.fetch(sql.query("client_token_keys"), tenant_id)
+    return [ClientTokenKey(r["kid"], r["valid_until"]) for r in rows]
+
+
+async def current_client_token_key(db: Conn, tenant_id: str, new_kid: str) -> str:
+    """The tenant's current client-token key id, `new_kid` made current when it has none."""
+    return str(await db.fetchval(sql.query("client_token_key_current"), tenant_id, new_kid))
+
+
+async def rotate_client_token_key(
+    db: Conn, tenant_id: str, new_kid: str, grace_seconds: float
+) -> tuple[str, datetime] | None:
+    """`new_kid` made the tenant's current key id, the older ones valid for `grace_seconds` more; (id, their end),
+    or None when there is no such tenant."""
+    row = await db.fetchrow(sql.query("client_token_key_rotate"), tenant_id, new_kid, grace_seconds)
+    return None if row is None else (str(row["kid"]), row["previous_valid_until"])

@@ -23,6 +23,123 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class CreateClientTokenRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    END_USER_FIELD_NUMBER: _builtins.int
+    SCOPES_FIELD_NUMBER: _builtins.int
+    TASK_IDS_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    end_user: _builtins.str
+    """whose tasks it covers (empty: the tenant's own tasks)"""
+    @_builtins.property
+    def scopes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """any of "read", "watch", "cancel"; empty: read and watch"""
+
+    @_builtins.property
+    def task_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """only these tasks (empty: every task of the end user)"""
+
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """its lifetime: at most 1 h; unset: 15 min"""
+
+    def __init__(
+        self,
+        *,
+        end_user: _builtins.str = ...,
+        scopes: _abc.Iterable[_builtins.str] | None = ...,
+        task_ids: _abc.Iterable[_builtins.str] | None = ...,
+        ttl: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_user", b"end_user", "scopes", b"scopes", "task_ids", b"task_ids", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateClientTokenRequest: _TypeAlias = CreateClientTokenRequest  # noqa: Y015
+
+@_typing.final
+class CreateClientTokenResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """send it as `authorization: Bearer <token>` (or ?access_token= on the HTTP face's GET routes)"""
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateClientTokenResponse: _TypeAlias = CreateClientTokenResponse  # noqa: Y015
+
+@_typing.final
+class GetClientTokenSecretRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROTATE_FIELD_NUMBER: _builtins.int
+    OVERLAP_FIELD_NUMBER: _builtins.int
+    rotate: _builtins.bool
+    """a new secret; tokens signed with the old one stay valid for `overlap`"""
+    @_builtins.property
+    def overlap(self) -> _duration_pb2.Duration:
+        """with rotate: default 1 h, at most TASKGATE_CLIENT_TOKEN_MAX_OVERLAP_SECONDS"""
+
+    def __init__(
+        self,
+        *,
+        rotate: _builtins.bool = ...,
+        overlap: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["overlap", b"overlap"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["overlap", b"overlap", "rotate", b"rotate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClientTokenSecretRequest: _TypeAlias = GetClientTokenSecretRequest  # noqa: Y015
+
+@_typing.final
+class GetClientTokenSecretResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SECRET_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    PREVIOUS_VALID_UNTIL_FIELD_NUMBER: _builtins.int
+    secret: _builtins.str
+    """tgcs_<key id>_<key>: the SDK's mint_client_token takes it"""
+    key_id: _builtins.str
+    @_builtins.property
+    def previous_valid_until(self) -> _timestamp_pb2.Timestamp:
+        """with rotate: when tokens of the previous secrets stop working"""
+
+    def __init__(
+        self,
+        *,
+        secret: _builtins.str = ...,
+        key_id: _builtins.str = ...,
+        previous_valid_until: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["previous_valid_until", b"previous_valid_until"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_id", b"key_id", "previous_valid_until", b"previous_valid_until", "secret", b"secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClientTokenSecretResponse: _TypeAlias = GetClientTokenSecretResponse  # noqa: Y015
+
+@_typing.final
 class TaskGatewayRotateWebhookSecretRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

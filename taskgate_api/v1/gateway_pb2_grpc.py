@@ -122,6 +122,16 @@ class TaskGatewayStub:
                 request_serializer=taskgate_dot_v1_dot_batches__pb2.CancelBatchRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_batches__pb2.Batch.FromString,
                 _registered_method=True)
+        self.CreateClientToken = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/CreateClientToken',
+                request_serializer=taskgate_dot_v1_dot_gateway__pb2.CreateClientTokenRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_gateway__pb2.CreateClientTokenResponse.FromString,
+                _registered_method=True)
+        self.GetClientTokenSecret = channel.unary_unary(
+                '/taskgate.v1.TaskGateway/GetClientTokenSecret',
+                request_serializer=taskgate_dot_v1_dot_gateway__pb2.GetClientTokenSecretRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_gateway__pb2.GetClientTokenSecretResponse.FromString,
+                _registered_method=True)
 
 
 class TaskGatewayServicer:
@@ -243,6 +253,23 @@ class TaskGatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateClientToken(self, request, context):
+        """A short-lived client token for one end user (a browser or an app holds it instead of the API key): GetTask, the
+        result, WatchTask/WatchTasks of that end user's tasks, CancelTask when scoped. The SDK mints the same offline from
+        the secret GetClientTokenSecret gives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetClientTokenSecret(self, request, context):
+        """The tenant's client-token signing secret (its key id inside), made on first use; `rotate` makes a new one, the
+        old one signing tokens that stay valid for `overlap`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TaskGatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -330,6 +357,16 @@ def add_TaskGatewayServicer_to_server(servicer, server):
                     servicer.CancelBatch,
                     request_deserializer=taskgate_dot_v1_dot_batches__pb2.CancelBatchRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_batches__pb2.Batch.SerializeToString,
+            ),
+            'CreateClientToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateClientToken,
+                    request_deserializer=taskgate_dot_v1_dot_gateway__pb2.CreateClientTokenRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_gateway__pb2.CreateClientTokenResponse.SerializeToString,
+            ),
+            'GetClientTokenSecret': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClientTokenSecret,
+                    request_deserializer=taskgate_dot_v1_dot_gateway__pb2.GetClientTokenSecretRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_gateway__pb2.GetClientTokenSecretResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -793,6 +830,60 @@ class TaskGateway:
             '/taskgate.v1.TaskGateway/CancelBatch',
             taskgate_dot_v1_dot_batches__pb2.CancelBatchRequest.SerializeToString,
             taskgate_dot_v1_dot_batches__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateClientToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/CreateClientToken',
+            taskgate_dot_v1_dot_gateway__pb2.CreateClientTokenRequest.SerializeToString,
+            taskgate_dot_v1_dot_gateway__pb2.CreateClientTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClientTokenSecret(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskGateway/GetClientTokenSecret',
+            taskgate_dot_v1_dot_gateway__pb2.GetClientTokenSecretRequest.SerializeToString,
+            taskgate_dot_v1_dot_gateway__pb2.GetClientTokenSecretResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,15 @@ class TaskGatewayStub:
     ListBatches: _grpc.UnaryUnaryMultiCallable[_batches_pb2.ListBatchesRequest, _batches_pb2.ListBatchesResponse]
     CancelBatch: _grpc.UnaryUnaryMultiCallable[_batches_pb2.CancelBatchRequest, _batches_pb2.Batch]
     """Stops the ingest and hard-cancels the unfinished tasks; the batch ends "cancelled" with the files of what ran."""
+    CreateClientToken: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CreateClientTokenRequest, _gateway_pb2.CreateClientTokenResponse]
+    """A short-lived client token for one end user (a browser or an app holds it instead of the API key): GetTask, the
+    result, WatchTask/WatchTasks of that end user's tasks, CancelTask when scoped. The SDK mints the same offline from
+    the secret GetClientTokenSecret gives.
+    """
+    GetClientTokenSecret: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetClientTokenSecretRequest, _gateway_pb2.GetClientTokenSecretResponse]
+    """The tenant's client-token signing secret (its key id inside), made on first use; `rotate` makes a new one, the
+    old one signing tokens that stay valid for `overlap`.
+    """
 
 @_typing.type_check_only
 class TaskGatewayAsyncStub(TaskGatewayStub):
@@ -110,6 +119,15 @@ class TaskGatewayAsyncStub(TaskGatewayStub):
     ListBatches: _aio.UnaryUnaryMultiCallable[_batches_pb2.ListBatchesRequest, _batches_pb2.ListBatchesResponse]  # type: ignore[assignment]
     CancelBatch: _aio.UnaryUnaryMultiCallable[_batches_pb2.CancelBatchRequest, _batches_pb2.Batch]  # type: ignore[assignment]
     """Stops the ingest and hard-cancels the unfinished tasks; the batch ends "cancelled" with the files of what ran."""
+    CreateClientToken: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CreateClientTokenRequest, _gateway_pb2.CreateClientTokenResponse]  # type: ignore[assignment]
+    """A short-lived client token for one end user (a browser or an app holds it instead of the API key): GetTask, the
+    result, WatchTask/WatchTasks of that end user's tasks, CancelTask when scoped. The SDK mints the same offline from
+    the secret GetClientTokenSecret gives.
+    """
+    GetClientTokenSecret: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetClientTokenSecretRequest, _gateway_pb2.GetClientTokenSecretResponse]  # type: ignore[assignment]
+    """The tenant's client-token signing secret (its key id inside), made on first use; `rotate` makes a new one, the
+    old one signing tokens that stay valid for `overlap`.
+    """
 
 class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
     """The front door: internal backends submit and follow tasks here.
@@ -250,5 +268,26 @@ class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_batches_pb2.Batch, _abc.Awaitable[_batches_pb2.Batch]]:
         """Stops the ingest and hard-cancels the unfinished tasks; the batch ends "cancelled" with the files of what ran."""
+
+    @_abc_1.abstractmethod
+    def CreateClientToken(
+        self,
+        request: _gateway_pb2.CreateClientTokenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.CreateClientTokenResponse, _abc.Awaitable[_gateway_pb2.CreateClientTokenResponse]]:
+        """A short-lived client token for one end user (a browser or an app holds it instead of the API key): GetTask, the
+        result, WatchTask/WatchTasks of that end user's tasks, CancelTask when scoped. The SDK mints the same offline from
+        the secret GetClientTokenSecret gives.
+        """
+
+    @_abc_1.abstractmethod
+    def GetClientTokenSecret(
+        self,
+        request: _gateway_pb2.GetClientTokenSecretRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.GetClientTokenSecretResponse, _abc.Awaitable[_gateway_pb2.GetClientTokenSecretResponse]]:
+        """The tenant's client-token signing secret (its key id inside), made on first use; `rotate` makes a new one, the
+        old one signing tokens that stay valid for `overlap`.
+        """
 
 def add_TaskGatewayServicer_to_server(servicer: TaskGatewayServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -106,3 +106,34 @@ SELECT id, at, admin, prefix, action, target, dry_run, detail FROM admin_audit
 WHERE ($1::bigint IS NULL OR id < $1) AND ($2::text IS NULL OR admin = $2)
 ORDER BY id DESC
 LIMIT $3;
+
+-- name: client_token_keys
+-- A tenant's client-token key ids still valid, newest first, with how long each is (NULL: current). $1 tenant.
+SELECT kid, valid_until, now() AS now FROM client_token_key
+WHERE tenant_id = $1 AND (valid_until IS NULL OR valid_until > now())
+ORDER BY created_at DESC, kid;
+
+-- name: client_token_key_current
+-- The tenant's current client-token key id, made (as $2) when it has none. $1 tenant, $2 a new id.
+WITH made AS (
+    INSERT INTO client_token_key (tenant_id, kid)
+    SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM client_token_key WHERE tenant_id = $1 AND valid_until IS NULL)
+    ON CONFLICT DO NOTHING
+    RETURNING kid, created_at
+)
+SELECT kid FROM (SELECT kid, created_at FROM made
+                 UNION ALL
+                 SELECT kid, created_at FROM client_token_key WHERE tenant_id = $1 AND valid_until IS NULL) k
+ORDER BY created_at DESC LIMIT 1;
+
+-- name: client_token_key_rotate
+-- A new current client-token key id ($2) for a tenant; the ones current before stay valid for $3 seconds. Under the
+-- tenant's row lock, so two rotations do not both leave a current id. $1 tenant.
+WITH t AS (SELECT id FROM tenant WHERE id = $1 FOR UPDATE),
+retired AS (
+    UPDATE client_token_key k SET valid_until = now() + make_interval(secs => $3)
+    FROM t WHERE k.tenant_id = t.id AND (k.valid_until IS NULL OR k.valid_until > now() + make_interval(secs => $3))
+    RETURNING k.kid
+)
+INSERT INTO client_token_key (tenant_id, kid) SELECT t.id, $2 FROM t
+RETURNING kid, (SELECT count(*) FROM retired) AS retired, now() + make_interval(secs => $3) AS previous_valid_until;
