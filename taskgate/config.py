@@ -243,6 +243,11 @@ class Settings(BaseSettings):
     http_json_max_depth: int = Field(
         default=32, ge=2, le=500, description="HTTP service: how deep a JSON request body may nest (deeper: 400 on body)."
     )
+    http_cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins whose pages may call the HTTP API from a browser (CORS), e.g. https://app.example.com; "
+        "empty: none (no CORS headers).",
+    )
     http_call_timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of each gRPC call the HTTP service makes.")
     http_shutdown_grace_seconds: float = Field(default=5.0, ge=0, description="SIGTERM: time open HTTP requests get to finish.")
     tls_cert_file: Path | None = Field(default=None, description="Server certificate (PEM); enables TLS.")

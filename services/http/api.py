@@ -115,6 +115,8 @@ class Api:
             Route("/v1/events", self.all_events, methods=["GET"]),
             Route("/v1/inputs", self.upload, methods=["PUT", "POST"]),
             Route("/v1/webhook-secret:rotate", self.rotate_webhook_secret, methods=["POST"]),
+            Route("/v1/client-tokens", self.create_client_token, methods=["POST"]),
+            Route("/v1/client-token-secret", self.client_token_secret, methods=["POST"]),
         ]
 
     # -- plumbing ------------------------------------------------------------------------------------------------
@@ -250,6 +252,28 @@ class Api:
         assert isinstance(req, gateway_pb2.TaskGatewayRotateWebhookSecretRequest)
         resp = await self._call(
             lambda: self.upstream.gateway.RotateWebhookSecret(req, metadata=credentials(request), timeout=self._timeout)
+        )
+        return JSONResponse(to_json(resp), headers={"cache-control": "no-store"})
+
+    @_answering
+    async def create_client_token(self, request: Request) -> Response:
+        """A short-lived token for one end user's tasks (API key only): body `{"end_user": "u-17", "scopes": ["read",
+        "watch"], "task_ids": [...], "ttl": "900s"}`, all optional."""
+        req = await self._json(request, gateway_pb2.CreateClientTokenRequest(), optional=True)
+        assert isinstance(req, gateway_pb2.CreateClientTokenRequest)
+        resp = await self._call(
+            lambda: self.upstream.gateway.CreateClientToken(req, metadata=credentials(request), timeout=self._timeout)
+        )
+        return JSONResponse(to_json(resp), headers={"cache-control": "no-store"})
+
+    @_answering
+    async def client_token_secret(self, request: Request) -> Response:
+        """The tenant's client-token secret for minting offline (API key only); body `{"rotate": true, "overlap":
+        "3600s"}` for a new one."""
+        req = await self._json(request, gateway_pb2.GetClientTokenSecretRequest(), optional=True)
+        assert isinstance(req, gateway_pb2.GetClientTokenSecretRequest)
+        resp = await self._call(
+            lambda: self.upstream.gateway.GetClientTokenSecret(req, metadata=credentials(request), timeout=self._timeout)
         )
         return JSONResponse(to_json(resp), headers={"cache-control": "no-store"})
 

@@ -128,6 +128,8 @@ def document() -> dict[str, Any]:
         gateway_pb2.RegenerateTaskRequest.DESCRIPTOR, gateway_pb2.RegenerateTaskResponse.DESCRIPTOR,
         gateway_pb2.UploadInputResponse.DESCRIPTOR, task_pb2.TaskEvent.DESCRIPTOR,
         gateway_pb2.TaskGatewayRotateWebhookSecretRequest.DESCRIPTOR, gateway_pb2.TaskGatewayRotateWebhookSecretResponse.DESCRIPTOR,
+        gateway_pb2.CreateClientTokenRequest.DESCRIPTOR, gateway_pb2.CreateClientTokenResponse.DESCRIPTOR,
+        gateway_pb2.GetClientTokenSecretRequest.DESCRIPTOR, gateway_pb2.GetClientTokenSecretResponse.DESCRIPTOR,
     ])
     # answers with `created` beside the message's own fields
     for name in ("SubmitTaskResponse", "RegenerateTaskResponse"):
@@ -260,6 +262,29 @@ def document() -> dict[str, Any]:
                 "requestBody": {"required": False, "content": {"application/json": {
                     "schema": _ref("TaskGatewayRotateWebhookSecretRequest")}}},
                 "responses": {"200": _json(_ref("TaskGatewayRotateWebhookSecretResponse"), "the new secret"), **_ERRORS},
+            }
+        },
+        "/v1/client-tokens": {
+            "post": {
+                "operationId": "CreateClientToken",
+                "summary": "a short-lived token (at most 1 h) for one end user's tasks, which a browser or an app sends "
+                           "instead of the API key: GET a task and its result, its events (?access_token= on GET), "
+                           "cancel with the cancel scope",
+                "security": _AUTH,
+                "requestBody": {"required": False, "content": {"application/json": {
+                    "schema": _ref("CreateClientTokenRequest")}}},
+                "responses": {"200": _json(_ref("CreateClientTokenResponse"), "the token"), **_ERRORS},
+            }
+        },
+        "/v1/client-token-secret": {
+            "post": {
+                "operationId": "GetClientTokenSecret",
+                "summary": "the tenant's client-token secret for minting tokens offline (the SDK's mint_client_token); "
+                           "{\"rotate\": true} makes a new one, the old one's tokens valid for the overlap",
+                "security": _AUTH,
+                "requestBody": {"required": False, "content": {"application/json": {
+                    "schema": _ref("GetClientTokenSecretRequest")}}},
+                "responses": {"200": _json(_ref("GetClientTokenSecretResponse"), "the secret"), **_ERRORS},
             }
         },
     }

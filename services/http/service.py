@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -22,7 +23,7 @@ from taskgate.config import Settings
 from taskgate.runtime import serve_until_signal
 
 from . import dashboard, openapi
-from .api import Api
+from .api import POLL_HEADER, Api
 from .upstream import Upstream
 
 log = logging.getLogger("taskgate.http")
@@ -71,7 +72,14 @@ def build_app(settings: Settings, upstream: Upstream, closing: asyncio.Event) ->
         *api.routes(),
         *dashboard.routes(upstream, settings),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(Metrics)])
+    middleware = [Middleware(Metrics)]
+    if settings.http_cors_origins:  # a page of another origin holding a client token (none unless configured)
+        middleware.append(Middleware(
+            CORSMiddleware, allow_origins=settings.http_cors_origins, allow_methods=["GET", "POST", "PUT"],
+            allow_headers=["authorization", "content-type", "idempotency-key", "last-event-id", "traceparent"],
+            expose_headers=[POLL_HEADER, "location", "retry-after"], max_age=600,
+        ))
+    return Starlette(routes=routes, middleware=middleware)
 
 
 @dataclass

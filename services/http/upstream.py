@@ -136,7 +136,11 @@ class Upstream:
 def credentials(request: Request) -> list[tuple[str, str]]:
     """The gRPC metadata of an HTTP request: its Authorization header as it came (the services check it), and the
     client's traceparent when it sent one."""
-    metadata = [("authorization", request.headers.get("authorization", ""))]
+    authorization = request.headers.get("authorization", "")
+    if not authorization and request.method == "GET" and (token := request.query_params.get("access_token")):
+        # a browser's EventSource cannot set headers: a client token may come as ?access_token= on a GET
+        authorization = f"Bearer {token}"
+    metadata = [("authorization", authorization)]
     if traceparent := request.headers.get("traceparent"):
         metadata.append(("traceparent", traceparent))
     return metadata
