@@ -88,6 +88,21 @@ def columns(tasks: Sequence[NewTask]) -> list[list[object]]:
     return [[column(t) for t in tasks] for column in COLUMNS.values()]
 
 
+def admission_rows(batch: Sequence[Candidate]) -> list[dict[str, object]]:
+    """The batch as submit_tasks takes it: one row per submission with admission_item's named fields (the task's
+    columns by COLUMNS, its tenant's per-minute limit and its GPU-seconds estimate), for the jsonb codec to send."""
+    rows = []
+    for c in batch:
+        row = {name: column(c.new) for name, column in COLUMNS.items()}
+        row["per_minute"] = c.per_minute
+        row["gpu_estimate"] = c.gpu_estimate
+        for name, value in row.items():
+            if isinstance(value, datetime):  # JSON has no time: PostgreSQL reads ISO 8601 back into timestamptz
+                row[name] = value.isoformat()
+        rows.append(row)
+    return rows
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One submission to admit: the task, the tenant's per-minute limit (None: its rate slot is already taken), and
@@ -148,9 +163,8 @@ async def admit(
     """Admits a batch in one statement; one Admission per candidate, in order, as if admitted one by one. `now`: the
     budgets' clock (None: the database's)."""
     rows = await db.fetch(
-        sql.query("submit_tasks"), *columns([c.new for c in batch]), [c.per_minute for c in batch], default_max_pending,
-        [c.gpu_estimate for c in batch], history.seconds, history.runs, now, end_users.max_pending,
-        end_users.per_minute, timeout=within,
+        sql.query("submit_tasks"), admission_rows(batch), default_max_pending, history.seconds, history.runs, now,
+        end_users.max_pending, end_users.per_minute, timeout=within,
     )
     out = []
     for rec in rows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from pathlib import Path
 
 import grpc
 import pytest
@@ -77,7 +78,7 @@ async def test_deadlines_are_each_callers_own() -> None:
 
 
 def test_the_submit_columns_are_named_in_the_order_the_queries_number_them() -> None:
-    for name in ("submit_insert_tasks", "submit_tasks", "admin_replay_tasks"):
+    for name in ("submit_insert_tasks", "admin_replay_tasks"):
         named = re.findall(r"p_(\w+) => \$(\d+)", sql.query(name))
         assert [column for column, _ in named][: len(submissions.COLUMNS)] == list(submissions.COLUMNS), name
         assert [int(n) for _, n in named] == list(range(1, len(named) + 1)), name
@@ -97,3 +98,16 @@ def _first_batch_held() -> tuple[list[list[int]], asyncio.Event, asyncio.Event, 
         return list(items)
 
     return seen, in_flight, release, Batcher(flush, max_size=10)
+
+
+def test_an_admission_row_has_exactly_the_fields_submit_tasks_reads() -> None:
+    migration = (Path(sql.__file__).parent / "migrations" / "0039_admission_rows.sql").read_text()
+    declared = re.search(r"CREATE TYPE admission_item AS \((.*?)\);", migration, re.S)
+    assert declared is not None
+    fields = [line.split()[0] for line in declared.group(1).splitlines() if line.strip() and not line.strip().startswith("--")]
+    new = submissions.NewTask(
+        id=1, user_id="t", idempotency_key="k", key_derived=False, request_hash="h", task_type="text-to-video",
+        model_id="m", prompt="p", payload={}, metadata={}, priority=5, max_retries=0, callback_url=None, callback_events=[],
+    )
+    [row] = submissions.admission_rows([submissions.Candidate(new, 10, 1.5)])
+    assert sorted(row) == sorted(fields)

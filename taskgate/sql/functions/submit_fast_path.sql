@@ -10,8 +10,8 @@
 -- statement below takes a fresh snapshot (VOLATILE, READ COMMITTED), so the lookups after the locks see every insert
 -- committed before them.
 --
--- Submissions arrive as named columnar arrays, one element per item (river's `unnest(@id::bigint[]) ...`): each step
--- unnests only the columns it reads, and insert_tasks' column list is the one place that names them all. A text[]
+-- Submissions arrive as one array of rows with named fields (p_items: a JSON array of admission_item objects); each
+-- step unnests only the fields it reads, and insert_tasks' column list is the one place that names every column. A text[]
 -- per item cannot be an array element, so callback_events travel comma-joined. take_rate_slots is the one rate rule
 -- (also called alone, for the slots taken before a callback URL is resolved); insert_tasks is the one author of task
 -- rows (test rows and an operator's replays call it directly, without the limits).
@@ -132,10 +132,11 @@ $$;
 -- One row per item, in array order: ord (1-based), outcome ('rate_limited' | 'no_tenant' | 'too_many_pending' |
 -- 'quota_exceeded' | 'existing' | 'created'), retry_after (seconds, rate_limited and quota_exceeded), pending_limit
 -- (the limit that applied), budget_window ('day' | 'month'), budget_left (GPU-seconds left in it) and gpu_estimate
--- (quota_exceeded only), task_row (the task created or found, else NULL). p_per_minute: the tenant's limit, NULL for
--- an item whose rate slot is already taken. p_gpu_estimate: each item's model's GPU-seconds when its history has
--- none; p_history_seconds and p_history_runs: the run history an estimate reads (as the ETA's); p_now: the budgets'
--- clock (NULL: now()), which tests set.
+-- (quota_exceeded only), limit_scope and rate_limit (which limit refused it: 'end_user' or 'tenant', and a rate
+-- limit's allowance), task_row (the task created or found, else NULL). p_items: the batch, a JSON array of
+-- admission_item objects (each item's per_minute: its tenant's limit, NULL when its rate slot is already taken;
+-- gpu_estimate: its model's GPU-seconds when its history has none); p_history_seconds and p_history_runs: the run
+-- history an estimate reads (as the ETA's); p_now: the budgets' clock (NULL: now()), which tests set.
 --
 -- Budgets (tenants with gpu_seconds_per_day or _per_month only): under the tenant lock, each item that would be
 -- admitted, in array order, reserves its estimate (the median metered device seconds of its model's recent
@@ -143,20 +144,37 @@ $$;
 -- room, and is refused 'quota_exceeded' otherwise (reserving nothing); the reservation is charged to budget_charge in
 -- this statement and settled to the measured seconds when the task ends (functions/usage.sql).
 CREATE OR REPLACE FUNCTION submit_tasks(
-    p_id bigint[], p_user_id text[], p_idempotency_key text[], p_idempotency_derived boolean[], p_request_hash text[],
-    p_task_type text[], p_model_id text[], p_prompt text[], p_request_payload jsonb[], p_metadata jsonb[],
-    p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[],
-    p_trace_context jsonb[], p_start_after timestamptz[], p_max_queue_seconds float8[], p_per_minute integer[],
-    p_default_max_pending integer, p_gpu_estimate float8[] DEFAULT NULL,
+    p_items jsonb, p_default_max_pending integer,
     p_history_seconds float8 DEFAULT 86400, p_history_runs integer DEFAULT 20, p_now timestamptz DEFAULT NULL,
-    p_end_user text[] DEFAULT NULL, p_default_max_pending_per_end_user integer DEFAULT 3,
-    p_default_per_minute_per_end_user integer DEFAULT 30
+    p_default_max_pending_per_end_user integer DEFAULT 3, p_default_per_minute_per_end_user integer DEFAULT 30
 )
 RETURNS TABLE (ord integer, outcome text, retry_after float8, pending_limit integer, budget_window text,
                budget_left float8, gpu_estimate float8, limit_scope text, rate_limit integer, task_row task)
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
 DECLARE
+    -- the batch's fields, each once as the column the steps below unnest (each step reads only the fields it needs)
+    p_id bigint[];
+    p_user_id text[];
+    p_end_user text[];
+    p_idempotency_key text[];
+    p_idempotency_derived boolean[];
+    p_request_hash text[];
+    p_task_type text[];
+    p_model_id text[];
+    p_prompt text[];
+    p_request_payload jsonb[];
+    p_metadata jsonb[];
+    p_priority smallint[];
+    p_queue_name text[];
+    p_max_retries integer[];
+    p_callback_url text[];
+    p_callback_events text[];
+    p_trace_context jsonb[];
+    p_start_after timestamptz[];
+    p_max_queue_seconds float8[];
+    p_per_minute integer[];
+    p_gpu_estimate float8[];
     r record;
     seen boolean[];
     v_now timestamptz := coalesce(p_now, now());
@@ -167,8 +185,8 @@ DECLARE
     day_left float8[];
     month_left float8[];
     pending_left bigint[];
-    v_n integer := cardinality(p_id);
-    v_end_user text[] := coalesce(p_end_user, array_fill(''::text, ARRAY[cardinality(p_id)]));  -- '': the tenant
+    v_n integer;
+    v_end_user text[];  -- each item's end user ('': the tenant itself)
     v_t integer;
     v_owner integer;
     v_est float8;
@@ -195,6 +213,25 @@ DECLARE
     v_refs bigint[];
     inserted bigint[];
 BEGIN
+    -- the batch: one row per submission, its fields named (migrations/0039_admission_rows.sql), read in one pass
+    SELECT coalesce(array_agg(i.id ORDER BY e.k), '{}'), array_agg(i.user_id ORDER BY e.k),
+           array_agg(coalesce(i.end_user, '') ORDER BY e.k), array_agg(i.idempotency_key ORDER BY e.k),
+           array_agg(i.idempotency_derived ORDER BY e.k), array_agg(i.request_hash ORDER BY e.k),
+           array_agg(i.task_type ORDER BY e.k), array_agg(i.model_id ORDER BY e.k), array_agg(i.prompt ORDER BY e.k),
+           array_agg(i.request_payload ORDER BY e.k), array_agg(i.metadata ORDER BY e.k),
+           array_agg(i.priority ORDER BY e.k), array_agg(i.queue_name ORDER BY e.k),
+           array_agg(i.max_retries ORDER BY e.k), array_agg(i.callback_url ORDER BY e.k),
+           array_agg(coalesce(i.callback_events, '') ORDER BY e.k), array_agg(i.trace_context ORDER BY e.k),
+           array_agg(i.start_after ORDER BY e.k), array_agg(i.max_queue_seconds ORDER BY e.k),
+           array_agg(i.per_minute ORDER BY e.k), array_agg(i.gpu_estimate ORDER BY e.k)
+    INTO p_id, p_user_id, p_end_user, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type,
+         p_model_id, p_prompt, p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries, p_callback_url,
+         p_callback_events, p_trace_context, p_start_after, p_max_queue_seconds, p_per_minute, p_gpu_estimate
+    FROM jsonb_array_elements(p_items) WITH ORDINALITY e(item, k)
+    CROSS JOIN LATERAL jsonb_populate_record(NULL::admission_item, e.item) i;
+    v_n := cardinality(p_id);
+    v_end_user := p_end_user;
+
     -- 0. the items that still need a rate slot and whose key already names a task: replays, which take none
     SELECT array_agg(i.per_minute IS NOT NULL
                      AND EXISTS (SELECT 1 FROM task e WHERE e.user_id = i.user_id AND e.end_user = i.end_user

@@ -38,21 +38,15 @@ SELECT * FROM insert_tasks(
 
 -- name: submit_tasks
 -- A batch of submissions in one round trip (functions/submit_fast_path.sql): rate slots, tenant locks, idempotent
--- lookups, pending limits, budgets, one insert. $1..$19 the columns as for submit_insert_tasks, $20 each item's
--- per-minute limit (NULL: its slot is already taken), $21 default max pending, $22 each item's model's GPU-seconds
--- estimate without history, $23 and $24 the history an estimate reads (seconds, runs), $25 the budgets' clock (NULL:
--- now), $26 and $27 the defaults of max pending and submissions per minute per end user (a tenant's own override
--- them). One row per item, in order.
+-- lookups, pending limits, budgets, one insert. $1 the batch: a JSON array of objects with admission_item's fields
+-- (submissions.admission_rows), $2 default max pending, $3 and $4 the history an estimate reads (seconds, runs), $5 the
+-- budgets' clock (NULL: now), $6 and $7 the defaults of max pending and submissions per minute per end user (a
+-- tenant's own override them). One row per item, in order.
 SELECT f.ord, f.outcome, f.retry_after, f.pending_limit, f.budget_window, f.budget_left, f.gpu_estimate, f.limit_scope,
        f.rate_limit, (f.task_row).*
 FROM submit_tasks(
-    p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
-    p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
-    p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
-    p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18, p_end_user => $19,
-    p_per_minute => $20, p_default_max_pending => $21, p_gpu_estimate => $22, p_history_seconds => $23,
-    p_history_runs => $24, p_now => $25, p_default_max_pending_per_end_user => $26,
-    p_default_per_minute_per_end_user => $27) f;
+    p_items => $1::jsonb, p_default_max_pending => $2, p_history_seconds => $3, p_history_runs => $4, p_now => $5,
+    p_default_max_pending_per_end_user => $6, p_default_per_minute_per_end_user => $7) f;
 
 -- name: submit_queue_created
 -- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (history: one trigger run for the pass).
