@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
 
 from services.worker import runner as runmod
+from services.worker.chatrun import ChatRunner
 from services.worker.claim import Claimed, Claimer, Declined
 from services.worker.consumer import Level
 from services.worker.devices import Devices
@@ -78,7 +79,7 @@ class Worker:
         self,
         settings: Settings,
         backends: Backends,
-        runners: dict[tuple[str, str], runmod.ModelRunner],
+        runners: dict[tuple[str, str], runmod.ModelRunner | ChatRunner],
         plan: runmod.DevicePlan,
         worker_id: str,
         models: list[str],
@@ -105,7 +106,7 @@ class Worker:
         store = results.result_store(settings, self.bus)  # outputs go there, and image-to-video inputs come from it
         self.attempts = Attempts(
             pool=self.pool, settings=settings, runners=runners, devices=self.devices, encoders=self._encoders,
-            progressed=lambda: self.heartbeat.progressed(), inputs=store,
+            progressed=lambda: self.heartbeat.progressed(), inputs=store, bus=self.bus,
         )
         self.finisher = Finisher(
             pool=self.pool, bus=self.bus, outputs=store, settings=settings, report=self._report_run,
@@ -198,6 +199,9 @@ class Worker:
 
     def _close_threads(self) -> None:
         self.devices.close()
+        for model_runner in self.attempts.runners.values():
+            if isinstance(model_runner, ChatRunner):
+                model_runner.close()
         self._encoders.shutdown(wait=False, cancel_futures=True)
 
     async def _unsubscribe(self) -> None:

@@ -70,7 +70,7 @@ class Finisher:
         name = output_name(task.id, task.attempt, output.extension)
         with tracing.span("store", attributes={"taskgate.result_bytes": len(output.data)}):
             stored = await self._persist("result", run, lambda: self.outputs.put(name, output.data, output.content_type))
-        await self._succeed(run, ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256))
+        await self._succeed(run, ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256), output.text)
 
     async def reused(self, run: Run, result: ResultRef) -> None:
         """Records an earlier soft-cancelled run's output for the same request as the task's result."""
@@ -125,14 +125,15 @@ class Finisher:
             log.warning("lease lost; output discarded", extra={"task_id": str(run.task.id), "attempt": run.attempt})
         await self._settle(run, reason)
 
-    async def _succeed(self, run: Run, result: ResultRef) -> None:
+    async def _succeed(self, run: Run, result: ResultRef, text: store.TextOutcome | None = None) -> None:
         task = run.task
         reason = "reused a soft-cancelled run's output" if result.reused else "finished"
         out = await self._persist(
             "succeed",
             run,
             lambda: store.succeed(
-                self.pool, task.id, attempt=task.attempt, result=result, actor=ACTOR, reason=reason, metered=run.metered()
+                self.pool, task.id, attempt=task.attempt, result=result, actor=ACTOR, reason=reason, metered=run.metered(),
+                text=text,
             ),
         )
         produced = Produced(result.uri, reused=result.reused)

@@ -17,12 +17,13 @@ from typing import TypeVar
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.worker import retry, settle
+from services.worker import chatrun, retry, settle
 from services.worker import runner as runmod
 from services.worker.devices import Devices
 from services.worker.fetch import SlotHold
 from services.worker.settle import MessageAction, Step
-from taskgate import results, store, telemetry, tracing
+from taskgate import bus as busmod
+from taskgate import chat, results, store, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.server import BACKEND_ERRORS
@@ -127,12 +128,14 @@ class Attempts:
         *,
         pool: asyncpg.Pool,
         settings: Settings,
-        runners: dict[tuple[str, str], runmod.ModelRunner],
+        runners: dict[tuple[str, str], runmod.ModelRunner | chatrun.ChatRunner],
         devices: Devices,
         encoders: concurrent.futures.Executor,
         progressed: Callable[[], None],
         inputs: results.ResultStore,
+        bus: busmod.Bus | None = None,
     ) -> None:
+        self.bus = bus  # a chat task's text deltas go out on it
         self.pool = pool
         self.settings = settings
         self.inputs = inputs  # the result store, where image-to-video inputs live beside the outputs
@@ -151,6 +154,11 @@ class Attempts:
 
         # the threads run in a copy of this context: the phase spans they open are children of the attempt's
         try:
+            chat_runners = [r for (m, _), r in self.runners.items() if m == task.model_id and isinstance(r, chatrun.ChatRunner)]
+            if chat_runners:
+                output = await self._generate(run, min(chat_runners, key=lambda r: r.batcher.active))
+                telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
+                return output
             # read before a device is taken: a slow store holds this slot only, never a device
             image = await self._input_image(run)
             inp = runmod.RunInput(task.id, task.attempt, task.prompt, dict(task.request_payload), image)
@@ -160,6 +168,7 @@ class Attempts:
                 lane = await run.unless_stopped(self.devices.acquire(devices))
             try:
                 model_runner = self.runners[(task.model_id, lane.device)]
+                assert not isinstance(model_runner, chatrun.ChatRunner)
                 held = time.monotonic()
                 try:
                     rendered = await loop.run_in_executor(
@@ -189,6 +198,39 @@ class Attempts:
             raise failure from exc
         telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
         return output
+
+    async def _generate(self, run: Run, runner: chatrun.ChatRunner) -> runmod.RunOutput:
+        """A chat task: its sequence joins the model's decoding loop (no device lane: the loop shares the device), its
+        deltas go out coalesced; a stop ends its sequence before the loop's next step, the others going on."""
+        task = run.task
+        payload = task.request_payload
+        prompt = await asyncio.to_thread(runner.prompt_ids, chat.messages_of(payload))
+        if len(prompt) > runner.spec.max_input_tokens:  # the gateway counted with the same tokenizer: a changed model
+            raise ValueError(f"the input is {len(prompt)} tokens; model {task.model_id} takes {runner.spec.max_input_tokens}")
+        sampling = chatrun.sampling_of(payload, runner.spec)
+        assert self.bus is not None, "a worker serving chat models publishes their output"
+
+        def published(chars: int) -> None:
+            run.steps_done, run.total_steps = len(detok.tokens), sampling.max_new_tokens
+            if run.progress_pending():
+                self._progressed()
+
+        out = chatrun.TextOut(self.bus, task.user_id, task.id, task.attempt, self.settings.output_coalesce_seconds, published)
+        detok = chatrun.Detokenizer(runner.tokenizer, [str(s) for s in payload.get("stop", [])], out.add, runner.byte_ids)
+        publisher = asyncio.create_task(out.run(), name=f"output-{task.id}")
+        seq, done = chatrun.start(runner, prompt, sampling, detok, run.abort.is_set)
+        try:
+            with tracing.span("generate", attributes={"taskgate.input_tokens": len(prompt)}):
+                finished = await run.unless_stopped(asyncio.wrap_future(done))
+            text = detok.finish()
+        finally:
+            out.close()
+            await publisher
+            run.device_seconds += seq.device_seconds
+        data = text.encode()
+        inline = text[: self.settings.result_inline_chars]
+        answer = store.TextOutcome(inline, len(text), "stop" if detok.stopped else finished.reason, len(prompt), len(finished.tokens))
+        return runmod.RunOutput(data, "text/plain; charset=utf-8", "txt", hashlib.sha256(data).hexdigest(), answer)
 
     async def _input_image(self, run: Run) -> bytes | None:
         """The canonical PNG the task's params name under "image", read whole from the result store; None without one.

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from taskgate import images, tracing
 from taskgate.config import ModelSpec
+from taskgate.store import TextOutcome
 
 log = logging.getLogger("taskgate.worker.runner")
 
@@ -61,6 +62,7 @@ class RunOutput:
     content_type: str
     extension: str
     sha256: str
+    text: TextOutcome | None = None  # a chat task's answer as its row records it
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,16 +244,27 @@ class DevicePlan:
 def device_plan(kinds: set[str], slots_setting: int, slots_per_device: float) -> DevicePlan:
     """The worker's devices and slots: ceil(devices x slots_per_device) tasks unless `slots_setting` says, and its
     capacity in the cluster-wide cap, devices x slots_per_device (or `slots_setting`) unrounded; imports torch only
-    when a diffusers model is served. A 'sleep'-only worker needs no device: each slot gets a lane of its own."""
-    if "diffusers" not in kinds:
+    when a diffusers or transformers model is served. A 'sleep'-only worker needs no device: each slot gets a lane of
+    its own. A chat ('transformers') model's slots are its sequences, added once it is loaded (with_sequences)."""
+    if not kinds & {"diffusers", "transformers"}:
         slots = slots_setting or 1
         return DevicePlan(["cpu"] * slots, slots, False, float(slots))
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
+    if not kinds - {"transformers"}:  # chat models only: every slot is a sequence
+        return DevicePlan(devices, 0, count > 0, 0.0)
     capacity = float(slots_setting) if slots_setting else len(devices) * slots_per_device
     return DevicePlan(devices, slots_setting or math.ceil(capacity), count > 0, capacity)
+
+
+def with_sequences(plan: DevicePlan, runners: dict[tuple[str, str], Any]) -> DevicePlan:
+    """The plan with a slot for every sequence its chat runners run at once (each loaded model's max_sequences)."""
+    from services.worker.chatrun import ChatRunner
+
+    sequences = sum(r.spec.max_sequences for r in runners.values() if isinstance(r, ChatRunner))
+    return DevicePlan(plan.devices, plan.slots + sequences, plan.use_cuda, plan.capacity + sequences)
 
 
 def model_devices(model_id: str, spec: ModelSpec, devices: list[str]) -> list[str]:
@@ -264,13 +277,18 @@ def model_devices(model_id: str, spec: ModelSpec, devices: list[str]) -> list[st
     return allowed
 
 
-def load_runners(models: dict[str, ModelSpec], devices: list[str]) -> dict[tuple[str, str], ModelRunner]:
-    """One runner per (model, device) the model may use (blocking; call in a thread)."""
-    runners: dict[tuple[str, str], ModelRunner] = {}
+def load_runners(models: dict[str, ModelSpec], devices: list[str]) -> dict[tuple[str, str], Any]:
+    """One runner per (model, device) the model may use (blocking; call in a thread): a ModelRunner, or for a chat
+    model a chatrun.ChatRunner."""
+    runners: dict[tuple[str, str], Any] = {}
     for model_id, spec in models.items():
         for device in model_devices(model_id, spec, devices):
             if spec.kind == "sleep":
                 runners[(model_id, device)] = SleepRunner(model_id, spec)
+            elif spec.kind == "transformers":
+                from services.worker.chatrun import ChatRunner
+
+                runners[(model_id, device)] = ChatRunner.load(model_id, spec, device)
             else:
                 runners[(model_id, device)] = DiffusersRunner.load(model_id, spec, device)
     return runners

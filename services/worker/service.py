@@ -108,6 +108,7 @@ async def start(settings: Settings, backends: Backends | None = None, *, signals
         runmod.device_plan, {s.kind for s in specs.values()}, settings.worker_slots, settings.worker_slots_per_device
     )
     runners = await asyncio.to_thread(runmod.load_runners, specs, plan.devices)
+    plan = runmod.with_sequences(plan, runners)
     owns = backends is None
     if backends is None:
         backends = await connect(settings, "worker")

@@ -84,6 +84,18 @@ class ResultRef:
 
 
 @dataclass(frozen=True, slots=True)
+class TextOutcome:
+    """A chat task's answer as its row records it: the text's beginning (`text`, up to the inline size), the whole
+    answer's length, why generation ended, and the tokens of its input and its output."""
+
+    text: str
+    chars: int
+    finish_reason: str
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class TaskError:
     """Why an attempt failed: a stable code and a human message."""
 
@@ -146,11 +158,13 @@ class Succeed:
 
     result: ResultRef
     metered: Metered = UNMETERED
+    text: TextOutcome | None = None  # a chat task's answer and tokens
     move: ClassVar[Move] = Move.SUCCEED
 
     def params(self) -> tuple[object, ...]:
-        r = self.result
-        return (r.uri, r.content_type, r.size, r.sha256, r.reused, *self.metered.params())
+        r, t = self.result, self.text
+        answer = (t.text, t.chars, t.finish_reason, t.input_tokens, t.output_tokens) if t else (None,) * 5
+        return (r.uri, r.content_type, r.size, r.sha256, r.reused, *self.metered.params(), *answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,10 +320,10 @@ async def progress(
 
 async def succeed(
     db: Conn, task_id: int, *, attempt: int, result: ResultRef, actor: str, reason: str | None = None,
-    metered: Metered = UNMETERED,
+    metered: Metered = UNMETERED, text: TextOutcome | None = None,
 ) -> Outcome:
-    """PROCESSING -> SUCCEEDED with its result, only for the attempt that still holds the task."""
-    return await apply(db, task_id, Succeed(result, metered), actor=actor, reason=reason, expected_attempt=attempt)
+    """PROCESSING -> SUCCEEDED with its result (and a chat task's answer), only for the attempt that still holds it."""
+    return await apply(db, task_id, Succeed(result, metered, text), actor=actor, reason=reason, expected_attempt=attempt)
 
 
 async def retry(

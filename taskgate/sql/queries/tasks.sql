@@ -35,10 +35,13 @@ RETURNING t.*, o.old_status;
 
 -- name: succeed_task
 -- PROCESSING -> SUCCEEDED with the result. $7 uri, $8 content type, $9 size, $10 sha256, $11 reused, $12 and $13 the
--- attempt's device and slot seconds (metered, functions/usage.sql).
+-- attempt's device and slot seconds (metered, functions/usage.sql); a chat task's answer: $14 its inline text, $15 its
+-- whole length, $16 finish reason, $17 input and $18 output tokens (NULL for other task types).
 UPDATE task t SET status = 'SUCCEEDED', version = t.version + 1, progress = 100, result_uri = $7,
        device_seconds = t.device_seconds + $12, slot_seconds = t.slot_seconds + $13,
        result_content_type = $8, result_size = $9, result_sha256 = $10, result_reused = $11,
+       result_text = $14, result_chars = $15, finish_reason = $16,
+       input_tokens = COALESCE($17, t.input_tokens), output_tokens = COALESCE($18, t.output_tokens),
        error_code = NULL, error_msg = NULL, lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o

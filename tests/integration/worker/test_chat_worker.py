@@ -1,0 +1,202 @@
+"""Chat tasks on the worker (#34) with the real tiny language model: the answer inline and whole, its deltas on the
+output stream in order, several tasks decoding at once on one loaded model (a hard-cancelled one leaves, the others
+finish with the text they make alone), and a worker killed mid-generation."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.js.errors import NotFoundError
+
+from services.worker.chatrun import ChatRunner
+from taskgate import bus as busmod
+from taskgate import output
+from taskgate.config import ModelSpec, Settings
+from taskgate.runtime import Backends
+from taskgate.states import Status
+from taskgate_api.v1 import gateway_pb2, task_pb2
+from tests.support.factories import key_for
+from tests.support.harness import WorkerFactory, wait_for
+from tests.support.queries import events, is_status, wait_task
+
+MODEL = "llama-tiny"
+
+
+@pytest.fixture
+def settings(settings: Settings, tiny_lm: Path) -> Settings:
+    spec = ModelSpec(kind="transformers", path=tiny_lm, max_sequences=4, max_input_tokens=4096, max_output_tokens=6000)
+    return settings.model_copy(update={"models": {**settings.models, MODEL: spec}, "worker_models": [MODEL]})
+
+
+async def submit(stub: Any, md: Any, content: str, **chat: Any) -> task_pb2.Task:
+    params = task_pb2.ChatParams(messages=[task_pb2.ChatMessage(role="user", content=content)], **chat)
+    made = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params), metadata=md, timeout=10)
+    task: task_pb2.Task = made.task
+    return task
+
+
+async def chunks(backends: Backends, user_id: str, task_id: str) -> list[task_pb2.OutputChunk]:
+    """Every chunk of a task's output stream, in stream order."""
+    subject = busmod.output_subject(user_id, int(task_id))
+    found: list[task_pb2.OutputChunk] = []
+    seq = 1
+    while True:
+        try:
+            msg = await backends.bus.js.get_msg(busmod.OUTPUT_STREAM, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            return found
+        decoded = output.decode(msg.data or b"", int(msg.seq or 0))
+        assert decoded is not None
+        found.append(decoded)
+        seq = int(msg.seq or 0) + 1
+
+
+def text_of(found: list[task_pb2.OutputChunk], attempt: int) -> str:
+    """An attempt's text from its chunks, checking that each starts where the one before it ended."""
+    text = ""
+    for c in found:
+        if c.attempt == attempt:
+            assert c.kind == task_pb2.OUTPUT_KIND_TEXT and c.offset == len(text), (c.offset, len(text))
+            text += c.text
+    return text
+
+
+async def whole_result(stub: Any, md: Any, task_id: str) -> tuple[bytes, str]:
+    data, content_type = b"", ""
+    async for part in stub.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=md, timeout=10):
+        if part.HasField("info"):
+            content_type = part.info.content_type
+        data += part.data
+    return data, content_type
+
+
+def chat_runner(handle: Any) -> ChatRunner:
+    [runner] = [r for r in handle.worker.attempts.runners.values() if isinstance(r, ChatRunner)]
+    return runner
+
+
+async def test_a_chat_task_succeeds_with_its_answer_inline_whole_and_streamed(
+    settings: Settings, backends: Backends, stub: Any, workers: WorkerFactory, tiny_lm: Path
+) -> None:
+    md = await key_for(backends, max_pending=10)
+    handle = await workers(settings)
+    task = await submit(stub, md, "Review this diff: return value", max_output_tokens=80, temperature=0.0)
+    await wait_task(backends, int(task.id), is_status(Status.SUCCEEDED), within=60)
+    got = (await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task.id), metadata=md, timeout=5)).task
+    answer = got.text
+    assert answer.finish_reason in ("stop", "length") and answer.text and not answer.truncated
+    assert answer.chars == len(answer.text)
+    assert got.usage.input_tokens == task.usage.input_tokens > 0 and 0 < got.usage.output_tokens <= 80
+    data, content_type = await whole_result(stub, md, task.id)
+    assert data.decode() == answer.text and content_type.startswith("text/plain")
+    found = await chunks(backends, got.user_id, task.id)
+    assert found and text_of(found, 1) == answer.text  # in order, no gap, nothing twice
+    # the same tokens as transformers' own greedy generate, decoded the same way
+    runner = chat_runner(handle)
+    ids = runner.prompt_ids([{"role": "user", "content": "Review this diff: return value"}])
+    import torch
+
+    generated = runner.model.generate(torch.tensor([ids]), max_new_tokens=80, do_sample=False)[0][len(ids):].tolist()
+    eos = set(runner.batcher.eos_ids)
+    tokens = [t for t in generated[: next((i for i, t in enumerate(generated) if t in eos), len(generated))]]
+    assert len(tokens) == got.usage.output_tokens
+    assert runner.tokenizer.decode(tokens, skip_special_tokens=True) == answer.text  # byte pieces (invalid UTF-8) too
+
+
+async def test_tasks_share_one_model_and_a_hard_cancelled_one_leaves_the_others_untouched(
+    settings: Settings, backends: Backends, stub: Any, workers: WorkerFactory
+) -> None:
+    md = await key_for(backends, max_pending=20)
+    handle = await workers(settings)
+    runner = chat_runner(handle)
+    sampled = [{"content": f"question {i}: what is the error?", "max_output_tokens": 300, "temperature": 0.9, "top_p": 0.9,
+                "seed": 10 + i} for i in range(3)]
+
+    async def ask(item: dict[str, Any]) -> task_pb2.Task:
+        return await submit(stub, md, **item)
+
+    alone = []
+    for item in sampled:  # each on its own first: the text it makes alone
+        task = await ask(item)
+        alone.append(await wait_task(backends, int(task.id), is_status(Status.SUCCEEDED), within=60))
+    assert all(r.result_text for r in alone)
+
+    long = await submit(stub, md, "write the whole code review", max_output_tokens=6000, temperature=0.0)
+    await wait_for(lambda: runner.batcher.active == 1, within=30)
+    fresh = []  # the same requests again, under keys of their own: new tasks
+    for i, item in enumerate(sampled):
+        params = task_pb2.ChatParams(messages=[task_pb2.ChatMessage(role="user", content=str(item["content"]))],
+                                     max_output_tokens=300, temperature=0.9, top_p=0.9, seed=10 + i)
+        made = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params,
+                                                                   idempotency_key=f"again-{i}"), metadata=md, timeout=10)
+        fresh.append(made.task)
+    await wait_for(lambda: runner.batcher.active == 4, within=30)  # four sequences decoding on one loaded model
+    steps_at_cancel = runner.batcher.steps
+    cancelled = await stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=long.id, hard=True), metadata=md, timeout=10)
+    assert cancelled.task.status == task_pb2.TASK_STATUS_CANCELED
+    await wait_for(lambda: runner.batcher.active <= 3, within=10)
+    left_after = runner.batcher.steps - steps_at_cancel
+    finished = [await wait_task(backends, int(t.id), is_status(Status.SUCCEEDED), within=60) for t in fresh]
+    assert [r.result_text for r in finished] == [r.result_text for r in alone]  # untouched by their neighbours
+    assert [r.output_tokens for r in finished] == [r.output_tokens for r in alone]
+    row = await wait_task(backends, int(long.id), is_status(Status.CANCELED))
+    assert row.result_uri is None
+    # the cancel reached the loop over a NATS signal and a row read; the sequence left at the next step boundary
+    assert left_after < 100, left_after
+    streamed = text_of(await chunks(backends, long.user_id, long.id), 1)
+    await asyncio.sleep(0.3)  # nothing more is published for the cancelled task
+    assert text_of(await chunks(backends, long.user_id, long.id), 1) == streamed
+
+
+async def test_a_worker_killed_mid_generation_leaves_the_task_retried_and_finished_once(
+    settings: Settings, backends: Backends, stub: Any, workers: WorkerFactory
+) -> None:
+    quick = settings.model_copy(update={"lease_seconds": 2.0, "heartbeat_seconds": 0.5})
+    md = await key_for(backends, max_pending=10)
+    first = await workers(quick)
+    task = await submit(stub, md, "a long answer, please", max_output_tokens=3000, temperature=0.0)
+
+    async def streaming() -> bool:
+        return bool(await chunks(backends, task.user_id, task.id))
+
+    await wait_for(streaming, within=30)
+    await first.kill()
+    second = await workers(quick)
+    row = await wait_task(backends, int(task.id), is_status(Status.SUCCEEDED), within=90)
+    assert (row.attempt, row.worker_id) == (2, second.worker_id)
+    history = await events(backends, int(task.id))
+    assert [e["to_status"] for e in history].count("SUCCEEDED") == 1
+    found = await chunks(backends, task.user_id, task.id)
+    assert {c.attempt for c in found} == {1, 2}
+    second_text = text_of(found, 2)
+    assert second_text == row.result_text
+    assert second_text.startswith(text_of(found, 1))  # greedy: the lost attempt had begun the same answer
+
+
+async def test_a_chat_task_over_http_ends_with_its_answer(settings: Settings, backends: Backends) -> None:
+    import httpx
+
+    from tests.support import harness
+
+    async with harness.http_stack(settings, backends, worker_models=[MODEL]) as stack, httpx.AsyncClient(
+        base_url=stack.url, headers=stack.headers(), timeout=20
+    ) as client:
+        body = {"task_type": "chat", "model_id": MODEL, "prompt": "hello", "chat": {"max_output_tokens": 30, "temperature": 0}}
+        made = await client.post("/v1/tasks", json=body)
+        assert made.status_code == 201, made.text
+        task_id = made.json()["task"]["id"]
+        seen: dict[str, Any] = {}
+
+        async def done() -> bool:
+            seen.update((await client.get(f"/v1/tasks/{task_id}")).json()["task"])
+            return bool(seen["status"] == "TASK_STATUS_SUCCEEDED")
+
+        await wait_for(done, within=60)
+        assert seen["text"]["text"] and seen["text"]["finish_reason"] in ("stop", "length")
+        assert int(seen["usage"]["input_tokens"]) > 0 and int(seen["usage"]["output_tokens"]) > 0
+        result = await client.get(f"/v1/tasks/{task_id}/result")
+        assert result.status_code == 200 and result.headers["content-type"].startswith("text/plain")
+        assert result.text == seen["text"]["text"]
