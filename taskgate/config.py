@@ -327,7 +327,7 @@ class Settings(BaseSettings):
     callback_allow_hosts: list[str] = Field(default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1'].")
     default_model: str = Field(default="wan-tiny", description="Model used when a request names none.")
     models: dict[str, ModelSpec] = Field(
-        default_factory=dict, description="Model registry as JSON; default: wan-tiny and ltx-i2v-tiny under state_dir."
+        default_factory=dict, description="Model registry as JSON; default: wan-tiny, ltx-i2v-tiny and llama-tiny (chat) under state_dir."
     )
     result_cache_size: int = Field(default=10000, ge=0, description="Terminal tasks kept in the submit service's cache.")
     result_cache_seconds: float = Field(
@@ -608,6 +608,11 @@ class Settings(BaseSettings):
                 name: ModelSpec(path=self.state_dir / "models" / name, pipeline=pipeline, **TINY_DEFAULTS)
                 for name, pipeline in (("wan-tiny", "WanPipeline"), ("ltx-i2v-tiny", "LTXImageToVideoPipeline"))
             }
+            # the tiny chat model (taskgate_local.tinylm): a few hundred tokens of random text, quick on a CPU
+            self.models["llama-tiny"] = ModelSpec(
+                kind="transformers", path=self.state_dir / "models" / "llama-tiny", max_sequences=8, max_input_tokens=4096,
+                max_output_tokens=1024, default_max_output_tokens=64,
+            )
         if self.default_model not in self.models:
             raise ValueError(f"default_model {self.default_model!r} is not in models")
         return self

@@ -25,11 +25,11 @@ from taskgate.config import Settings, load_settings
 from taskgate.sealing import Sealer
 from taskgate.stackfile import local_stack_urls
 from taskgate.store import admins, tenants
-from taskgate_client import connect_async
+from taskgate_client import AsyncTaskgateClient, connect_async
 from taskgate_client.errors import ResourceExhausted, TaskgateError
 from taskgate_client.local import LocalStack
 from taskgate_client.progress import follow
-from taskgate_local import embedded, tinymodel
+from taskgate_local import embedded, tinylm, tinymodel
 
 SERVICES = ("submit", "notifier", "scheduler", "worker", "http")
 DEMO_TENANT = "demo"
@@ -204,17 +204,25 @@ class DevStack:
         self.nats_url = self.nats_url or running[1]
 
     async def build_model(self) -> None:
-        """Builds each tiny model of the registry (taskgate_local.tinymodel's names) whose folder is missing."""
+        """Builds each tiny model of the registry (taskgate_local.tinymodel's names, and tinylm's chat model) whose
+        folder is missing."""
         for name, spec in self.settings.models.items():
-            if name not in tinymodel.TINY_MODELS or spec.kind != "diffusers" or spec.path is None:
+            if spec.path is None:
                 continue
             folder = spec.path if spec.path.is_absolute() else Path.cwd() / spec.path
-            if tinymodel.is_pipeline_folder(folder):
+            if name == tinylm.MODEL_NAME and spec.kind == "transformers":
+                if tinylm.is_lm_folder(folder):
+                    continue
+                command = ["-m", "taskgate_local.tinylm", "--folder", str(folder)]
+            elif name in tinymodel.TINY_MODELS and spec.kind == "diffusers":
+                if tinymodel.is_pipeline_folder(folder):
+                    continue
+                command = ["-m", "taskgate_local.tinymodel", "--model", name, "--out", str(folder)]
+            else:
                 continue
             self.console.say(f"building the tiny {name} model in {folder} (once) …")
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "taskgate_local.tinymodel", "--model", name, "--out", str(folder),
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                sys.executable, *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             )
             try:
                 output, _ = await proc.communicate()
@@ -407,8 +415,21 @@ async def run_demo(console: Console, details: LocalStack, settings: Settings, pr
         if final.result is None:
             raise StartError(f"the demo task ended {final.status.value}: {final.error_code} {final.error_message}".rstrip())
         info = await client.download(task.task_id, target)
-    console.say(f"demo video: {target} ({info.size_bytes} bytes, sha256 verified)")
+        console.say(f"demo video: {target} ({info.size_bytes} bytes, sha256 verified)")
+        if tinylm.MODEL_NAME in settings.models:
+            await chat_demo(client, console, settings)
     return target
+
+
+async def chat_demo(client: AsyncTaskgateClient, console: Console, settings: Settings) -> None:
+    """A chat task on the tiny language model (random weights: its answer is word salad), its answer printed."""
+    question = "Review this diff: return value + error test"
+    task = await client.chat(question, tinylm.MODEL_NAME, max_output_tokens=48, temperature=0.8, seed=7)
+    console.say(f"submitted demo chat task {task.task_id}: {question!r}")
+    final = await follow(client, task.task_id, console.out, settings.dev_demo_timeout_seconds)
+    if final.answer is None:
+        raise StartError(f"the demo chat task ended {final.status.value}: {final.error_code} {final.error_message}".rstrip())
+    console.say(f"demo chat answer ({final.output_tokens} tokens, {final.answer.finish_reason}): {final.answer.text!r}")
 
 
 async def demo_beside(console: Console, details: LocalStack, settings: Settings, prompt: str) -> None:

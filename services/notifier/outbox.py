@@ -79,7 +79,10 @@ def payload(row: RelayEvent, kind: str) -> dict[str, Any]:
             "queued_at": iso(row.queued_at),
             "started_at": iso(row.started_at),
             "finished_at": iso(row.finished_at) if terminal else None,
-            "usage": {"gpu_seconds": row.device_seconds, "slot_seconds": row.slot_seconds} if terminal else None,
+            "usage": {
+                "gpu_seconds": row.device_seconds, "slot_seconds": row.slot_seconds,
+                "input_tokens": row.input_tokens, "output_tokens": row.output_tokens,
+            } if terminal else None,
             "event_at": iso(event.at),
         },
     }

@@ -388,7 +388,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         for u in rows[:limit]:
             row = response.rows.add(
                 tenant=u.tenant_id, model_id=u.model_id, gpu_seconds=u.device_seconds, slot_seconds=u.slot_seconds,
-                attempts=u.attempts, end_user=u.end_user or "",
+                attempts=u.attempts, end_user=u.end_user or "", input_tokens=u.input_tokens, output_tokens=u.output_tokens,
             )
             if u.hour is not None:
                 row.hour.CopyFrom(timestamp(u.hour))

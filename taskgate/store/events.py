@@ -88,6 +88,8 @@ class RelayEvent:
     trace_context: dict[str, str] | None = None  # the task's: the relay's span continues its trace
     device_seconds: float = 0.0  # the task's metered seconds when the relay read it
     slot_seconds: float = 0.0
+    input_tokens: int = 0  # a chat task's tokens (0 for other task types)
+    output_tokens: int = 0
 
 
 async def lock_relay(conn: asyncpg.Connection) -> datetime | None:
@@ -114,6 +116,8 @@ async def take_unpublished(conn: asyncpg.Connection, *, limit: int) -> list[Rela
             trace_context=r["task_trace_context"],
             device_seconds=r["task_device_seconds"],
             slot_seconds=r["task_slot_seconds"],
+            input_tokens=r["task_input_tokens"],
+            output_tokens=r["task_output_tokens"],
         )
         for r in rows
     ]

@@ -21,6 +21,8 @@ class Usage:
     slot_seconds: float
     attempts: int
     end_user: str | None = None  # by end user only: whose ('' the tenant's own tasks); None: summed over them
+    input_tokens: int = 0  # chat tasks' input tokens (their succeeding attempts')
+    output_tokens: int = 0  # chat tasks' generated tokens
 
 
 async def usage(
@@ -34,6 +36,6 @@ async def usage(
     )
     return [
         Usage(r["tenant_id"], r["model_id"], r["hour"], r["device_seconds"], r["slot_seconds"], r["attempts"],
-              r["end_user"])
+              r["end_user"], r["input_tokens"], r["output_tokens"])
         for r in rows
     ]

@@ -1022,6 +1022,8 @@ class UsageRow(_message.Message):
     SLOT_SECONDS_FIELD_NUMBER: _builtins.int
     ATTEMPTS_FIELD_NUMBER: _builtins.int
     END_USER_FIELD_NUMBER: _builtins.int
+    INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     model_id: _builtins.str
     gpu_seconds: _builtins.float
@@ -1032,6 +1034,10 @@ class UsageRow(_message.Message):
     """attempts that ended (succeeded, failed, retried, released by their worker)"""
     end_user: _builtins.str
     """by_end_user only: whose use (empty: the tenant's own tasks)"""
+    input_tokens: _builtins.int
+    """chat tasks: input tokens of the answers recorded (the model's tokenizer's count)"""
+    output_tokens: _builtins.int
+    """chat tasks: tokens generated for them"""
     @_builtins.property
     def hour(self) -> _timestamp_pb2.Timestamp:
         """by_hour only: the UTC hour the attempts ended in"""
@@ -1046,10 +1052,12 @@ class UsageRow(_message.Message):
         slot_seconds: _builtins.float = ...,
         attempts: _builtins.int = ...,
         end_user: _builtins.str = ...,
+        input_tokens: _builtins.int = ...,
+        output_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hour", b"hour"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "end_user", b"end_user", "gpu_seconds", b"gpu_seconds", "hour", b"hour", "model_id", b"model_id", "slot_seconds", b"slot_seconds", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "end_user", b"end_user", "gpu_seconds", b"gpu_seconds", "hour", b"hour", "input_tokens", b"input_tokens", "model_id", b"model_id", "output_tokens", b"output_tokens", "slot_seconds", b"slot_seconds", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

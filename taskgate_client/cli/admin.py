@@ -209,11 +209,11 @@ async def cmd_admin_usage(client: AsyncTaskgateClient, args: argparse.Namespace,
         out.document(proto_dict(found))
         return EXIT_OK
     head = ["TENANT", *(["END USER"] if per_user else []), "MODEL", *(["HOUR (UTC)"] if args.by_hour else []),
-            "GPU-SECONDS", "SLOT SECONDS", "ATTEMPTS"]
+            "GPU-SECONDS", "SLOT SECONDS", "ATTEMPTS", "INPUT TOKENS", "OUTPUT TOKENS"]
     rows = [
         [u.tenant, *([u.end_user or "(tenant)"] if per_user else []), u.model_id,
          *([u.hour.ToDatetime().strftime("%Y-%m-%d %H:00")] if args.by_hour else []),
-         f"{u.gpu_seconds:.1f}", f"{u.slot_seconds:.1f}", u.attempts]
+         f"{u.gpu_seconds:.1f}", f"{u.slot_seconds:.1f}", u.attempts, u.input_tokens, u.output_tokens]
         for u in found.rows
     ]
     if not rows:

@@ -113,6 +113,8 @@ def test_make_run_demo_then_a_second_run_reuses_the_state_and_stops_on_ctrl_c(tm
     assert len(tree.seen) >= 6, tree.seen  # four services, PostgreSQL, NATS (and their helpers) were watched
     assert "building the tiny wan-tiny model" in out
     assert "building the tiny ltx-i2v-tiny model" in out  # image-to-video beside text-to-video
+    assert "building the tiny llama-tiny model" in out  # and the chat model
+    assert "demo chat answer (" in out  # a chat task on it, its answer printed
     for name in ("submit", "notifier", "scheduler", "worker", "http"):
         assert f"{name} is serving on 127.0.0.1:" in out
         assert any(line.lstrip().startswith(f"{name} |") for line in out.splitlines()), f"no {name} log lines"
@@ -146,7 +148,9 @@ def test_make_run_demo_then_a_second_run_reuses_the_state_and_stops_on_ctrl_c(tm
         )
         assert listed.returncode == 0, listed.stderr
         tasks = json.loads(listed.stdout)["tasks"]
-        assert [t["status"] for t in tasks] == ["SUCCEEDED", "SUCCEEDED"]  # both runs' demo tasks, one database
+        # both runs' demo tasks (a video and a chat each), one database
+        assert [t["status"] for t in tasks] == ["SUCCEEDED"] * 4
+        assert sorted(t["task_type"] for t in tasks) == ["chat", "chat", "text-to-video", "text-to-video"]
         # the HTTP face of the same stack, at the address client.json names: submit, then follow it over SSE
         assert again.http_address.startswith("http://127.0.0.1:")
         auth = {"authorization": f"Bearer {again.api_key}"}

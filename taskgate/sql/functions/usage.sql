@@ -18,6 +18,23 @@ CREATE OR REPLACE TRIGGER task_usage_on_update AFTER UPDATE OF device_seconds, s
     FOR EACH ROW WHEN (NEW.device_seconds <> OLD.device_seconds OR NEW.slot_seconds <> OLD.slot_seconds)
     EXECUTE FUNCTION task_record_usage();
 
+-- Tokens: a chat task's input and output tokens, added to its tenant's, model's, end user's and hour's row when
+-- its answer is recorded (the succeeding attempt's counts; the seconds above count every attempt).
+CREATE OR REPLACE FUNCTION task_record_tokens() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO usage_hour AS u (tenant_id, hour, model_id, end_user, input_tokens, output_tokens)
+    VALUES (NEW.user_id, date_trunc('hour', now(), 'UTC'), NEW.model_id, NEW.end_user,
+            NEW.input_tokens - OLD.input_tokens, NEW.output_tokens - OLD.output_tokens)
+    ON CONFLICT (tenant_id, hour, model_id, end_user) DO UPDATE
+        SET input_tokens = u.input_tokens + EXCLUDED.input_tokens, output_tokens = u.output_tokens + EXCLUDED.output_tokens;
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE TRIGGER task_tokens_on_update AFTER UPDATE OF input_tokens, output_tokens ON task
+    FOR EACH ROW WHEN (NEW.input_tokens <> OLD.input_tokens OR NEW.output_tokens <> OLD.output_tokens)
+    EXECUTE FUNCTION task_record_tokens();
+
 -- Budgets: a task admitted under its tenant's GPU-second budget reserved its estimate on its admission day; when it
 -- ends (finished, failed, timed out, cancelled), the charge is settled to what its attempts measured (a task
 -- cancelled before it ran releases its whole reservation).

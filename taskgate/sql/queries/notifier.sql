@@ -10,7 +10,8 @@ SELECT pg_try_advisory_xact_lock($1) AS locked, clock_timestamp() AS at;
 SELECT e.*, t.callback_url, t.callback_events, t.created_at AS task_created_at, t.queued_at AS task_queued_at,
        t.started_at AS task_started_at, t.finished_at AS task_finished_at, t.metadata AS task_metadata,
        t.result_reused AS task_result_reused, t.trace_context AS task_trace_context,
-       t.device_seconds AS task_device_seconds, t.slot_seconds AS task_slot_seconds
+       t.device_seconds AS task_device_seconds, t.slot_seconds AS task_slot_seconds,
+       t.input_tokens AS task_input_tokens, t.output_tokens AS task_output_tokens
 FROM (SELECT o.event_id FROM event_outbox o ORDER BY o.event_id LIMIT $1 FOR UPDATE SKIP LOCKED) o
 JOIN task_event e ON e.id = o.event_id
 JOIN task t ON t.id = e.task_id

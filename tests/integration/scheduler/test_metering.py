@@ -61,7 +61,8 @@ async def test_a_retried_task_is_metered_per_attempt_and_summed_per_tenant_and_h
     async with backends.pool.acquire() as conn, conn.transaction():
         relayed = [r for r in await events.take_unpublished(conn, limit=100) if r.event.task_id == task.id]
     body = outbox.payload(relayed[-1], "task.succeeded")
-    assert body["data"]["usage"] == {"gpu_seconds": row.device_seconds, "slot_seconds": row.slot_seconds}
+    assert body["data"]["usage"] == {"gpu_seconds": row.device_seconds, "slot_seconds": row.slot_seconds, "input_tokens": 0,
+                                     "output_tokens": 0}
     assert outbox.payload(relayed[0], "task.progress")["data"]["usage"] is None
 
 

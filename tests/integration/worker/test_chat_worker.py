@@ -5,18 +5,22 @@ finish with the text they make alone), and a worker killed mid-generation."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from nats.js.errors import NotFoundError
 
+from services.notifier import outbox
 from services.worker.chatrun import ChatRunner
 from taskgate import bus as busmod
 from taskgate import output
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
+from taskgate.store import events as event_store
+from taskgate.store import usage
 from taskgate_api.v1 import gateway_pb2, task_pb2
 from tests.support.factories import key_for
 from tests.support.harness import WorkerFactory, wait_for
@@ -104,6 +108,25 @@ async def test_a_chat_task_succeeds_with_its_answer_inline_whole_and_streamed(
     tokens = [t for t in generated[: next((i for i, t in enumerate(generated) if t in eos), len(generated))]]
     assert len(tokens) == got.usage.output_tokens
     assert runner.tokenizer.decode(tokens, skip_special_tokens=True) == answer.text  # byte pieces (invalid UTF-8) too
+
+    # regenerate: the same conversation and parameters, a new seed
+    again = (await stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=task.id, seed=99), metadata=md, timeout=10)).task
+    assert again.task_type == "chat" and again.id != task.id and again.chat.seed == 99
+    assert (again.chat.max_output_tokens, again.chat.temperature) == (80, 0.0)
+    assert again.usage.input_tokens == task.usage.input_tokens and again.prompt == task.prompt
+    await wait_task(backends, int(again.id), is_status(Status.SUCCEEDED), within=60)
+
+    # metered in tokens: per tenant, model and hour, and on the finished task's webhook
+    [metered] = await usage.usage(backends.pool, since=datetime.now(UTC) - timedelta(hours=1), until=datetime.now(UTC) + timedelta(
+        minutes=1), tenant_id=got.user_id, limit=10)
+    regenerated = await wait_task(backends, int(again.id), is_status(Status.SUCCEEDED))
+    assert (metered.model_id, metered.input_tokens, metered.output_tokens) == (
+        MODEL, got.usage.input_tokens + regenerated.input_tokens, got.usage.output_tokens + regenerated.output_tokens)
+    async with backends.pool.acquire() as conn, conn.transaction():
+        relayed = [r for r in await event_store.take_unpublished(conn, limit=100) if r.event.task_id == int(task.id)]
+    body = outbox.payload(relayed[-1], "task.succeeded")
+    assert body["data"]["usage"]["input_tokens"] == got.usage.input_tokens
+    assert body["data"]["usage"]["output_tokens"] == got.usage.output_tokens
 
 
 async def test_tasks_share_one_model_and_a_hard_cancelled_one_leaves_the_others_untouched(
