@@ -44,6 +44,7 @@ TENANT = "fake-tenant"
 START = datetime(2025, 1, 1, tzinfo=UTC)  # the fake clock's first reading; each change is one second later
 CHUNK = 64 * 1024
 CALLBACK_EVENTS = frozenset({"CANCELED", "PROGRESS"})
+CHAT = "chat"
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,12 +208,16 @@ class FakeTaskgate:
         image_models: Iterable[str] = (),
         gpu_seconds_per_day: float | None = None,
         gpu_seconds_per_task: float = 60.0,
+        chat_models: Iterable[str] = ("llama-tiny",),
     ) -> None:
         self.outcome = outcome
         self.image_models = tuple(image_models)
         """Models that serve image-to-video (the others serve text-to-video); the fake decodes no image: it checks
         the file's signature and names an input by the sha256 of the bytes sent (of the URL, which it never fetches)."""
-        self.models = (*models, *self.image_models)
+        self.chat_models = tuple(chat_models)
+        """Models that serve chat tasks: a succeeded one answers with deterministic text (or Succeed's `data`), its
+        tokens counted as words (the fake has no tokenizer)."""
+        self.models = (*models, *self.image_models, *self.chat_models)
         self._uploads: set[str] = set()
         self.default_model = default_model
         self.limits = limits or ModelLimits()
@@ -390,10 +395,15 @@ class FakeTaskgate:
             self._move(entry, Status.PROCESSING, reason="progress", actor="worker", progress=pct)
         if isinstance(outcome, Succeed):
             task = entry.task
-            entry.data = outcome.data if outcome.data is not None else self._video(task)
+            chat = task.task_type == CHAT
+            entry.data = outcome.data if outcome.data is not None else (self._answer(task) if chat else self._video(task))
+            if chat:
+                text = entry.data.decode(errors="replace")
+                task.text.CopyFrom(task_pb2.TextResult(text=text, finish_reason="stop", chars=len(text)))
+                task.usage.output_tokens = len(text.split())
             result = task_pb2.TaskResult(
-                uri=f"fake://results/{task.id}-a{task.attempt}.mp4",
-                content_type=outcome.content_type,
+                uri=f"fake://results/{task.id}-a{task.attempt}.{'txt' if chat else 'mp4'}",
+                content_type="text/plain; charset=utf-8" if chat and outcome.data is None else outcome.content_type,
                 size_bytes=len(entry.data),
                 sha256=hashlib.sha256(entry.data).hexdigest(),
             )
@@ -402,6 +412,12 @@ class FakeTaskgate:
             self._move(entry, Status.FAILED, reason="failed", actor="worker", error=(outcome.code, outcome.message))
         else:
             self._move(entry, Status.TIMEOUT, reason="processing timeout", actor="scheduler", error=("PROCESSING_TIMEOUT", outcome.message))
+
+    @staticmethod
+    def _answer(task: task_pb2.Task) -> bytes:
+        """A chat task's deterministic stand-in answer: the same request gives the same text."""
+        digest = hashlib.sha256(f"{task.model_id}\n{task.prompt}\n{task.chat.seed}".encode()).hexdigest()
+        return f"A fake answer to {task.prompt[:40]!r} ({digest[:12]}).".encode()
 
     @staticmethod
     def _video(task: task_pb2.Task) -> bytes:
@@ -420,12 +436,16 @@ class FakeTaskgate:
     def _check(self, req: gateway_pb2.SubmitTaskRequest) -> tuple[str, dict[str, Any]]:
         """INVALID_ARGUMENT naming every bad field (the services' rules for a default model), or the model and params."""
         bad: list[tuple[str, str]] = []
+        if (req.task_type or "text-to-video") == CHAT:
+            return self._check_chat(req, bad)
+        if req.HasField("chat"):
+            bad.append(("chat", "only a chat task takes chat parameters"))
         if not req.prompt.strip():
             bad.append(("prompt", "must not be empty"))
         model = req.model_id or self.default_model
         if model not in self.models:
             bad.append(("model_id", f"unknown model; known: {', '.join(sorted(self.models))}"))
-        served = "image-to-video" if model in self.image_models else "text-to-video"
+        served = "image-to-video" if model in self.image_models else CHAT if model in self.chat_models else "text-to-video"
         task_type = req.task_type or "text-to-video"
         if task_type != served:
             bad.append(("task_type", f"model {model} supports {served}"))
@@ -470,6 +490,38 @@ class FakeTaskgate:
         if image is not None:
             params["image"] = image
         return model, params
+
+    def _check_chat(self, req: gateway_pb2.SubmitTaskRequest, bad: list[tuple[str, str]]) -> tuple[str, dict[str, Any]]:
+        """A chat request by the services' rules (no token count: the fake has no tokenizer), or INVALID_ARGUMENT."""
+        model = req.model_id or self.default_model
+        if model not in self.chat_models:
+            bad.append(("model_id" if model not in self.models else "task_type", f"model {model} serves no chat tasks"))
+        for given, _ in req.params.ListFields():
+            bad.append((f"params.{given.name}", "a chat task takes no video parameters; use chat"))
+        c = req.chat
+        if c.messages and req.prompt:
+            bad.append(("prompt", "give the prompt or chat.messages, not both"))
+        messages = [{"role": m.role, "content": m.content} for m in c.messages] or [{"role": "user", "content": req.prompt}]
+        for i, m in enumerate(messages):
+            if m["role"] not in ("system", "user", "assistant"):
+                bad.append((f"chat.messages[{i}].role", "must be one of system, user, assistant"))
+        if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+            bad.append(("chat.messages" if c.messages else "prompt", "must end with a user message that is not empty"))
+        max_tokens = c.max_output_tokens if c.HasField("max_output_tokens") else 256
+        if max_tokens < 1:
+            bad.append(("chat.max_output_tokens", "must be at least 1"))
+        if c.HasField("temperature") and not 0 <= c.temperature <= 2:
+            bad.append(("chat.temperature", "must be 0..2"))
+        if c.HasField("top_p") and not 0 < c.top_p <= 1:
+            bad.append(("chat.top_p", "must be above 0 and at most 1"))
+        if c.HasField("seed") and c.seed < 0:
+            bad.append(("chat.seed", "must not be negative"))
+        if bad:
+            raise _invalid(bad)
+        return model, {
+            "messages": messages, "max_output_tokens": max_tokens, "temperature": c.temperature if c.HasField("temperature") else 1.0,
+            "top_p": c.top_p if c.HasField("top_p") else 1.0, "stop": list(c.stop), "seed": c.seed if c.HasField("seed") else None,
+        }
 
     def _image(self, req: gateway_pb2.SubmitTaskRequest, task_type: str, bad: list[tuple[str, str]]) -> str | None:
         """The sha256 naming the request's image, or None (with the reason in `bad` when one was due or wrong)."""
@@ -560,17 +612,23 @@ class FakeTaskgate:
         seed = params["seed"]
         if seed is None:
             seed = int.from_bytes(hashlib.sha256(f"{task_id}\n{request.prompt}".encode()).digest()[:4], "big")
+        chat = request.task_type == CHAT
+        last_user = next((m["content"] for m in reversed(params.get("messages", [])) if m["role"] == "user"), "")
         task = task_pb2.Task(
             id=str(task_id),
             user_id=TENANT,
             task_type=request.task_type or "text-to-video",
             model_id=model,
-            prompt=request.prompt,
-            params=task_pb2.VideoParams(
+            prompt=last_user[:2000] if chat else request.prompt,
+            params=None if chat else task_pb2.VideoParams(
                 num_frames=params["num_frames"], width=params["width"], height=params["height"],
                 num_inference_steps=params["num_inference_steps"], guidance_scale=params["guidance_scale"],
                 fps=params["fps"], seed=seed, negative_prompt=params["negative_prompt"],
             ),
+            chat=task_pb2.ChatParams(
+                max_output_tokens=params["max_output_tokens"], temperature=params["temperature"], top_p=params["top_p"],
+                stop=params["stop"], seed=seed,
+            ) if chat else None,
             priority=request.priority or task_pb2.PRIORITY_NORMAL,
             max_retries=request.max_retries if request.HasField("max_retries") else 3,
             idempotency_key=key,
@@ -584,6 +642,8 @@ class FakeTaskgate:
             task.start_after.CopyFrom(request.start_after)
         if request.HasField("max_queue_seconds"):
             task.max_queue_seconds = request.max_queue_seconds
+        if chat:
+            task.usage.input_tokens = sum(len(m["content"].split()) for m in params["messages"])
         if "image" in params:
             task.image.CopyFrom(task_pb2.InputImage(sha256=params["image"], content_type="image/png"))
         task.created_at.CopyFrom(_ts(START + timedelta(seconds=self._ticks + 1)))

@@ -16,7 +16,7 @@ from services.worker.retry import PermanentError, RetryableError, persist
 from services.worker.run import ACTOR, Halt, Run
 from services.worker.settle import Fate, MessageAction, Produced, Released, Step, decide
 from taskgate import bus as busmod
-from taskgate import results, store, tracing
+from taskgate import chat, results, store, tracing
 from taskgate.config import Settings
 from taskgate.store import ResultRef, workers
 from taskgate.wire import dead_letter
@@ -73,9 +73,21 @@ class Finisher:
         await self._succeed(run, ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256), output.text)
 
     async def reused(self, run: Run, result: ResultRef) -> None:
-        """Records an earlier soft-cancelled run's output for the same request as the task's result."""
+        """Records an earlier soft-cancelled run's output for the same request as the task's result (a chat task's
+        answer read back from the store, to be inline as any other's; nothing was generated for it)."""
         await run.end_progress()
-        await self._succeed(run, result)
+        text = None
+        if run.task.task_type == chat.TASK_TYPE:
+            data = await self._persist("reused answer", run, lambda: self._read(result.uri))
+            answer = data.decode(errors="replace")
+            text = store.TextOutcome(
+                answer[: self.settings.result_inline_chars], len(answer), "stop",
+                0, 0,  # nothing generated for it: nothing metered
+            )
+        await self._succeed(run, result, text)
+
+    async def _read(self, uri: str) -> bytes:
+        return b"".join([part async for part in self.outputs.read(uri)])
 
     async def failed(self, run: Run, failure: RetryableError | PermanentError) -> None:
         """Queues the task again after the failure's delay, or fails it (dead-lettered once its retries ran out)."""

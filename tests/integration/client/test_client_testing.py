@@ -372,3 +372,23 @@ async def test_the_fakes_budget_refuses_quota_exceeded_and_answers_a_retry() -> 
         assert (await client.submit("one", idempotency_key="k")).task_id == kept.task_id  # the retry gets its task
         await client.cancel(kept.task_id)  # cancelled before it ran: its reservation is released
         assert (await client.submit("two")).prompt == "two"
+
+
+async def test_the_fake_runs_chat_tasks(tmp_path: Path) -> None:
+    async with FakeAsyncTaskgateClient() as client:
+        task = await client.chat("review this diff", "llama-tiny", system="Be brief.", max_output_tokens=20, seed=3)
+        assert task.task_type == "chat" and task.prompt == "review this diff" and task.input_tokens == 5
+        assert task.params["max_output_tokens"] == 20 and task.params["seed"] == 3
+        done = await task.wait()
+        assert done.status is Status.SUCCEEDED and done.answer is not None and done.answer.finish_reason == "stop"
+        assert done.output_tokens == len(done.answer.text.split())
+        info = await done.download(tmp_path / "answer.txt")
+        assert (tmp_path / "answer.txt").read_text() == done.answer.text and info.content_type.startswith("text/plain")
+        again = await client.chat("review this diff", "llama-tiny", system="Be brief.", max_output_tokens=20, seed=3)
+        assert (await again.wait()).answer == done.answer  # deterministic
+        with pytest.raises(InvalidArgument) as refused:
+            await client.chat([{"role": "robot", "content": "x"}], "llama-tiny")
+        assert {v.field for v in refused.value.field_violations} == {"chat.messages[0].role", "chat.messages"}
+        with pytest.raises(InvalidArgument) as video:
+            await client.submit("a cat", "llama-tiny")
+        assert {v.field for v in video.value.field_violations} == {"task_type"}

@@ -24,7 +24,7 @@ from taskgate.store import usage
 from taskgate_api.v1 import gateway_pb2, task_pb2
 from tests.support.factories import key_for
 from tests.support.harness import WorkerFactory, wait_for
-from tests.support.queries import events, is_status, wait_task
+from tests.support.queries import events, is_status, report_for, wait_task
 
 MODEL = "llama-tiny"
 
@@ -223,3 +223,30 @@ async def test_a_chat_task_over_http_ends_with_its_answer(settings: Settings, ba
         result = await client.get(f"/v1/tasks/{task_id}/result")
         assert result.status_code == 200 and result.headers["content-type"].startswith("text/plain")
         assert result.text == seen["text"]["text"]
+
+
+async def test_a_soft_cancelled_chat_answer_is_reused_by_the_same_request(
+    settings: Settings, backends: Backends, stub: Any, workers: WorkerFactory
+) -> None:
+    md = await key_for(backends, max_pending=10)
+    handle = await workers(settings)
+    params = task_pb2.ChatParams(messages=[task_pb2.ChatMessage(role="user", content="the same long answer")],
+                                 max_output_tokens=1500, temperature=0.0, seed=1)
+
+    async def ask(key: str) -> task_pb2.Task:
+        request = gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params, idempotency_key=key)
+        made: task_pb2.Task = (await stub.SubmitTask(request, metadata=md, timeout=10)).task
+        return made
+
+    first = await ask("first")
+    await wait_task(backends, int(first.id), is_status(Status.PROCESSING))
+    await stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=first.id, hard=False), metadata=md, timeout=10)
+    kept = await handle.worker.signals.reported.wait_for(report_for(int(first.id)), within=60)
+    assert kept.outcome == "soft_canceled"  # it ran to its end, and its answer was kept
+    second = await ask("second")  # another key, the same request: the kept answer is its result
+    row = await wait_task(backends, int(second.id), is_status(Status.SUCCEEDED), within=30)
+    assert row.result_reused and row.result_text and row.finish_reason == "stop"
+    got = (await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=second.id), metadata=md, timeout=5)).task
+    assert got.text.text == row.result_text and got.usage.output_tokens == 0  # nothing generated for it
+    data, _ = await whole_result(stub, md, second.id)
+    assert data.decode() == row.result_text
