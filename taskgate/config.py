@@ -108,6 +108,13 @@ class ModelSpec(BaseModel):
         default_factory=dict, description="Extra keyword arguments of every pipeline call, e.g. {'decode_timestep': 0.05}."
     )
     max_concurrency: int = Field(default=0, ge=0, description="Running tasks of this model across all workers; 0 = no cap.")
+    checkpoint_every_seconds: float = Field(
+        default=30.0, ge=0,
+        description="A step checkpoint (resumed by a later attempt) every this many device seconds of a run; 0 = not by time.",
+    )
+    checkpoint_every_steps: int = Field(
+        default=0, ge=0, description="A step checkpoint every this many steps; 0 = not by steps (both 0: checkpoints off)."
+    )
     gpu_seconds_estimate: float = Field(
         default=60.0, ge=0,
         description="GPU-seconds a task is reserved of a budgeted tenant's budget when its model has no recent metered runs.",

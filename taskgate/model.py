@@ -78,6 +78,10 @@ class TaskRow:
     finish_reason: str | None = None  # chat: why generation ended ("stop", "length")
     input_tokens: int = 0  # chat: tokens of its input (the finishing attempt's count)
     output_tokens: int = 0  # chat: tokens its finishing attempt generated
+    checkpoint_uri: str | None = None  # the newest step checkpoint a later attempt resumes from (None: step 0)
+    checkpoint_step: int = 0  # the steps that checkpoint holds
+    checkpoint_garbage: list[str] = field(default_factory=list)  # checkpoint objects named or replaced, maybe still stored
+    wasted_seconds: float = 0.0  # device seconds of steps its attempts had to compute again (metered apart)
 
     @classmethod
     def from_record(cls, rec: Any) -> TaskRow:

@@ -106,6 +106,12 @@ WORKERS_ALIVE = Gauge("taskgate_workers_alive", "Workers whose heartbeat is with
 CONSUMER_PENDING = Gauge("taskgate_consumer_pending_messages", "JetStream messages not yet delivered.", ["consumer"])
 CONSUMER_ACK_PENDING = Gauge("taskgate_consumer_ack_pending_messages", "JetStream messages delivered, not acked.", ["consumer"])
 GPU_MEMORY = Gauge("taskgate_gpu_memory_used_bytes", "CUDA memory allocated by this worker.", ["device"])
+WASTED_GPU_SECONDS = Counter(
+    "taskgate_wasted_gpu_seconds",
+    "Device seconds of steps an interrupted attempt computed after its newest checkpoint (a later attempt computes "
+    "them again); a tenant label by the issue's ask: tenants are few and named by operators.",
+    ["tenant", "model"],
+)
 DEVICE_BUSY = Counter(
     "taskgate_worker_device_busy_seconds_total",
     "Time a device spent in a task's device phase (denoising, VAE decode); its rate is the device's busy fraction.",

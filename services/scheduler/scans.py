@@ -57,6 +57,7 @@ class Action(enum.StrEnum):
     PURGE_EVENT = "purge_event"  # an event (with its webhook deliveries and attempt logs) past its retention deleted
     PURGE_RESULT = "purge_result"  # a stored output deleted from the result store
     PURGE_REUSABLE = "purge_reusable"  # a reusable output past its retention forgotten
+    PURGE_CHECKPOINT = "purge_checkpoint"  # an ended task's step checkpoint deleted from the result store
     PURGE_INPUT = "purge_input"  # an input image no kept task runs from, unused past its retention, forgotten
 
 
@@ -436,6 +437,11 @@ class RetentionScan:
         result = ScanResult()
         batches: list[int] = []
         pool = self.ctx.pool
+        # a checkpoint is of no use once its task has ended, whatever the retention: no age
+        async with pool.acquire() as conn, conn.transaction():
+            checkpoints = await maintenance.purge_checkpoints(conn, limit=limit)
+            result.actions[Action.PURGE_CHECKPOINT] += await self._delete_outputs(checkpoints)
+        batches.append(len(checkpoints))
         if keep.tasks is not None:
             async with pool.acquire() as conn, conn.transaction():
                 gone = await maintenance.purge_tasks(conn, now=now, older_than_seconds=keep.tasks, limit=limit)

@@ -19,6 +19,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
 
+from services.worker import resume
 from services.worker import runner as runmod
 from services.worker.chatrun import ChatRunner
 from services.worker.claim import Claimed, Claimer, Declined
@@ -62,9 +63,11 @@ class TestSignals:
 
     __test__ = False  # not a pytest class
     reported: Signal[RunReport] = field(default_factory=Signal)  # every message handled, run or declined
+    checkpointed: Signal[resume.Kept] = field(default_factory=Signal)  # every step checkpoint recorded
 
     def arm(self) -> TestSignals:
         self.reported.arm()
+        self.checkpointed.arm()
         return self
 
 
@@ -107,6 +110,7 @@ class Worker:
         self.attempts = Attempts(
             pool=self.pool, settings=settings, runners=runners, devices=self.devices, encoders=self._encoders,
             progressed=lambda: self.heartbeat.progressed(), inputs=store, bus=self.bus,
+            kept=self.signals.checkpointed.signal,
         )
         self.finisher = Finisher(
             pool=self.pool, bus=self.bus, outputs=store, settings=settings, report=self._report_run,
@@ -159,6 +163,10 @@ class Worker:
         log.info("draining", extra={"worker": self.worker_id, "running": len(self.runs), "grace_seconds": grace})
         with contextlib.suppress(Exception):
             await self.heartbeat.register()
+        # a run that takes checkpoints loses nothing by stopping: it checkpoints at its next step and is released now
+        for run in list(self.runs.values()):
+            if self.attempts.checkpoints(run) is not None:
+                run.stop(Halt.DRAIN)
         deadline = time.monotonic() + grace
         while self.runs and time.monotonic() < deadline:
             await self._wait_report(deadline - time.monotonic())

@@ -11,6 +11,7 @@ from typing import TypeVar
 import asyncpg
 from nats.aio.msg import Msg
 
+from services.worker import resume
 from services.worker import runner as runmod
 from services.worker.retry import PermanentError, RetryableError, persist
 from services.worker.run import ACTOR, Halt, Run
@@ -94,12 +95,13 @@ class Finisher:
         await run.end_progress()
         task = run.task
         if isinstance(failure, RetryableError):
+            metered = run.metered(interrupted=True)  # once: a retried write must not count the waste twice
             out = await self._persist(
                 "retry",
                 run,
                 lambda: store.retry(
                     self.pool, task.id, attempt=task.attempt, error=failure.error, delay_seconds=failure.delay, actor=ACTOR,
-                    reason=f"retry {failure.retry} of {task.max_retries}", metered=run.metered(),
+                    reason=f"retry {failure.retry} of {task.max_retries}", metered=metered,
                 ),
             )
         else:
@@ -111,6 +113,7 @@ class Finisher:
                     dead_letter=failure.dead_letter, metered=run.metered(),
                 ),
             )
+        await resume.forget(self.pool, self.outputs, out.task)
         step = decide(out.task, attempt=run.attempt, run=failure)
         if step.fate is Fate.DEAD and isinstance(failure, PermanentError):
             await dead_letter.publish(self.bus, task, reason=failure.reason, error_code=failure.code, error_message=failure.message)
@@ -124,12 +127,13 @@ class Finisher:
             return
         await run.end_progress()
         if reason is Halt.DRAIN:
+            metered = run.metered(interrupted=True)
             out = await self._persist(
                 "release",
                 run,
                 lambda: store.release(
                     self.pool, run.task.id, actor=ACTOR, reason="worker draining", expected_attempt=run.attempt,
-                    metered=run.metered(),
+                    metered=metered,
                 ),
             )
             reason = decide(out.task, attempt=run.attempt, run=Released())
@@ -148,6 +152,7 @@ class Finisher:
                 text=text,
             ),
         )
+        await resume.forget(self.pool, self.outputs, out.task)
         produced = Produced(result.uri, reused=result.reused)
         step = decide(out.task, attempt=run.attempt, run=produced)
         if step.action is MessageAction.KEEP_REUSABLE:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -22,6 +23,7 @@ from PIL import Image
 from taskgate import families, tracing
 from taskgate.config import ModelSpec
 
+from . import checkpoint
 from .encoding import CONTENT_TYPE_MP4, encode_mp4
 from .runner import RunAborted
 
@@ -71,6 +73,7 @@ class RenderedVideo:
     frames: np.ndarray
     fps: int
     seed: int
+    resumed_from: int = 0  # the step a checkpoint let this run start at (0: it ran every step)
 
 
 @dataclass(frozen=True)
@@ -426,13 +429,39 @@ class VideoPipeline:
         RunAborted when should_abort()."""
         return self.encode(self.render(req, on_step, should_abort))
 
+    @property
+    def not_resumable(self) -> str | None:
+        """Why a run of this pipeline cannot resume from a step checkpoint (None: it can)."""
+        return checkpoint.not_resumable(self.pipe, None if self._accepts_any else set(self._call_params))
+
+    def fingerprint(self, req: GenerationRequest) -> str:
+        """What a checkpoint must match to be resumed by this request on this pipeline: the request (its image by its
+        pixels, its seed resolved), the model, the pipeline and scheduler, the dtype, the device kind and the versions
+        of the libraries that compute the steps."""
+        import diffusers
+
+        values: dict[str, Any] = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
+        values["image"] = None if req.image is None else _image_digest(req.image)
+        values["seed"] = req.resolved_seed()
+        scheduler = getattr(self.pipe, "scheduler", None)
+        values["model"] = [self.model_id, type(self.pipe).__name__, type(scheduler).__name__, str(self.dtype), self.device.type]
+        values["scheduler_config"] = dict(getattr(scheduler, "config", {}) or {})
+        values["versions"] = [diffusers.__version__, torch.__version__]
+        values["call_options"] = sorted(self.call_options)
+        encoded = json.dumps(values, sort_keys=True, default=str).encode()
+        return hashlib.sha256(encoded).hexdigest()
+
     def render(
         self,
         req: GenerationRequest,
         on_step: Callable[[int, int], None],
         should_abort: Callable[[], bool],
+        *,
+        resume: checkpoint.Snapshot | None = None,
+        capture: checkpoint.Capture | None = None,
     ) -> RenderedVideo:
-        """The device phase of one request (prompt encoding, denoising, VAE decode) to frames in host memory."""
+        """The device phase of one request (prompt encoding, denoising, VAE decode) to frames in host memory; from
+        `resume`'s step when it is a checkpoint of this very request, taking snapshots when `capture` says so."""
         if req.width < 2 or req.height < 2 or req.width % 2 or req.height % 2:
             raise ValueError(f"width and height must be even and >= 2, got {req.width}x{req.height}")
         if req.num_frames < 1 or req.num_inference_steps < 1 or req.fps < 1:
@@ -449,16 +478,40 @@ class VideoPipeline:
 
         seed = req.resolved_seed()
         steps = req.num_inference_steps
+        generator = torch.Generator("cpu").manual_seed(seed)
+        resumable = self.not_resumable is None
+        fingerprint = self.fingerprint(req) if resumable and (resume is not None or capture is not None) else ""
+        start = 0
+        if resume is not None and resumable and resume.fingerprint == fingerprint and 0 < resume.step < steps:
+            start = resume.step
+            generator.set_state(resume.tensors[checkpoint.GENERATOR])
+        if not resumable:
+            capture = None
 
         def total_steps(pipe: Any) -> int:
             # Some schedulers run more timesteps than requested steps; the pipeline knows the real count.
             count = getattr(pipe, "num_timesteps", None)
             return count if isinstance(count, int) and count > 0 else steps
 
+        def total_steps_from(pipe: Any) -> int:
+            return start + total_steps(pipe) if start else total_steps(pipe)
+
+        def snapshot_if_due(done: int, total: int, latents: Any) -> None:
+            if capture is not None and capture.due(done, total):
+                capture.keep(checkpoint.Snapshot(done, total, fingerprint, {
+                    checkpoint.LATENTS: latents.detach().to("cpu", copy=True),
+                    checkpoint.GENERATOR: generator.get_state(),
+                }))
+
         def after_step(pipe: Any, step: int, _timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-            on_step(step + 1, total_steps(pipe))
+            done, total = start + step + 1, total_steps_from(pipe)
+            # taken before progress is told: a test that kills the worker after step k finds step k's snapshot kept
+            snapshot_if_due(done, total, callback_kwargs["latents"])
+            on_step(done, total)
             if should_abort():
-                raise RunAborted(f"aborted after step {step + 1}")
+                # a drain asks for a snapshot before it sets the abort flag: one at the step it stops at, if not yet
+                snapshot_if_due(done, total, callback_kwargs["latents"])
+                raise RunAborted(f"aborted after step {done}")
             return callback_kwargs
 
         def legacy_step(step: int, _timestep: Any, _latents: Any) -> None:
@@ -475,12 +528,14 @@ class VideoPipeline:
             "num_inference_steps": steps,
             "guidance_scale": req.guidance_scale,
             "frame_rate": req.fps,  # LTX-Video conditions on it
-            "generator": torch.Generator("cpu").manual_seed(seed),
+            "generator": generator,
             "output_type": "np",
         }
         kwargs = {k: v for k, v in wanted.items() if self._accepts(k)} | self.call_options
         if req.image is not None:  # only an image pipeline gets here with one (_check_image)
             kwargs["image"] = req.image
+        if start:
+            kwargs["latents"] = resume.tensors[checkpoint.LATENTS].to(self.device) if resume is not None else None
         if self._accepts("callback_on_step_end"):
             kwargs["callback_on_step_end"] = after_step
         elif self._accepts("callback"):
@@ -491,11 +546,12 @@ class VideoPipeline:
         with self._lock:
             self._marks.clear()
             try:
-                output = self.pipe(**kwargs)
+                with _schedule_from(getattr(self.pipe, "scheduler", None), start):
+                    output = self.pipe(**kwargs)
             finally:
                 returned = time.time_ns()
-                _phases(began, dict(self._marks), returned, steps)
-        return RenderedVideo(_to_uint8_frames(output), req.fps, seed)
+                _phases(began, dict(self._marks), returned, steps - start)
+        return RenderedVideo(_to_uint8_frames(output), req.fps, seed, start)
 
     def _check_image(self, req: GenerationRequest) -> None:
         """ValueError unless the request carries an image exactly when the pipeline takes one, of the request's size."""
@@ -524,6 +580,39 @@ class VideoPipeline:
             fps=video.fps,
             seed=video.seed,
         )
+
+
+@contextlib.contextmanager
+def _schedule_from(scheduler: Any, start: int) -> Iterator[None]:
+    """For one pipeline call, the scheduler's schedule as the pipeline sets it, less its first `start` timesteps, with
+    its step index at `start` (pipelines set the index to 0 once the schedule is made): the call then runs exactly
+    the uninterrupted run's steps from `start` on. Restored afterwards (a VideoPipeline runs one call at a time)."""
+    if not start or scheduler is None:
+        yield
+        return
+    set_timesteps = scheduler.set_timesteps
+    set_begin_index = getattr(scheduler, "set_begin_index", None)
+
+    @functools.wraps(set_timesteps)  # pipelines inspect its signature for `sigmas`, `mu`, `timesteps`
+    def shifted_timesteps(*args: Any, **kwargs: Any) -> None:
+        set_timesteps(*args, **kwargs)
+        scheduler.timesteps = scheduler.timesteps[start:]
+        if set_begin_index is not None:
+            set_begin_index(start)
+
+    def shifted_begin_index(begin_index: int = 0) -> None:
+        assert set_begin_index is not None
+        set_begin_index(begin_index + start)
+
+    scheduler.set_timesteps = shifted_timesteps
+    if set_begin_index is not None:
+        scheduler.set_begin_index = shifted_begin_index
+    try:
+        yield
+    finally:
+        del scheduler.set_timesteps  # the instance attributes go; the class's methods show through again
+        if set_begin_index is not None:
+            del scheduler.set_begin_index
 
 
 def _phases(began: int, marks: dict[str, int], returned: int, steps: int) -> None:

@@ -17,7 +17,7 @@ from typing import TypeVar
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.worker import chatrun, retry, settle
+from services.worker import chatrun, checkpoint, resume, retry, settle
 from services.worker import runner as runmod
 from services.worker.devices import Devices
 from services.worker.fetch import SlotHold
@@ -61,11 +61,27 @@ class Run:
     last_write: float = field(default_factory=time.monotonic)  # when it was sent (monotonic)
     writing: asyncio.Event | None = None  # set once the beat statement carrying its latest progress has ended
     started: float = field(default_factory=time.monotonic)
-    device_seconds: float = 0.0  # how long it has held a device
+    device_seconds: float = 0.0  # how long it has held a device (phases ended)
+    held_since: float | None = None  # when its current device phase began (None: it holds no device)
+    keeper: resume.Keeper | None = None  # its step checkpoints (None: its model takes none)
 
-    def metered(self) -> store.Metered:
-        """This attempt's seconds so far, as its final write records them."""
-        return store.Metered(self.device_seconds, time.monotonic() - self.started)
+    def device_seconds_now(self) -> float:
+        """Its device seconds including the phase under way (read from the device thread too)."""
+        since = self.held_since
+        return self.device_seconds + (time.monotonic() - since if since is not None else 0.0)
+
+    def metered(self, *, interrupted: bool = False) -> store.Metered:
+        """This attempt's seconds so far, as its final write records them; an `interrupted` attempt (retried, released)
+        counts its device seconds up to its newest checkpoint, the rest are wasted: the next attempt computes those
+        steps again (all of them when it took none)."""
+        slot = time.monotonic() - self.started
+        if not interrupted:
+            return store.Metered(self.device_seconds, slot)
+        newest = self.keeper.newest if self.keeper is not None else None
+        counted = min(newest.device_seconds, self.device_seconds) if newest is not None else 0.0
+        wasted = self.device_seconds - counted
+        telemetry.WASTED_GPU_SECONDS.labels(self.task.user_id, self.task.model_id).inc(wasted)
+        return store.Metered(counted, slot, wasted)
 
     @property
     def attempt(self) -> int:
@@ -84,7 +100,10 @@ class Run:
         return not (stop is Halt.KILLED or (isinstance(stop, Step) and stop.action is MessageAction.NOTHING))
 
     def stop(self, reason: Step | Halt) -> None:
-        """Asks the run to stop at its next step; the first reason wins."""
+        """Asks the run to stop at its next step; the first reason wins. A drained run that takes checkpoints takes one
+        at that step, so its next attempt resumes there."""
+        if reason is Halt.DRAIN and self.stopped_by is None and self.keeper is not None:
+            self.keeper.ask_on_stop()  # before the abort flag: the device thread reads that flag first
         if self.stopped_by is None:
             self.stopped_by = reason
             self.steps_at_abort = self.steps_done
@@ -134,6 +153,7 @@ class Attempts:
         progressed: Callable[[], None],
         inputs: results.ResultStore,
         bus: busmod.Bus | None = None,
+        kept: Callable[[resume.Kept], None] = lambda _kept: None,
     ) -> None:
         self.bus = bus  # a chat task's text deltas go out on it
         self.pool = pool
@@ -143,6 +163,17 @@ class Attempts:
         self.devices = devices
         self.encoders = encoders
         self._progressed = progressed  # the heartbeat writes it, coalesced, batched with the other runs' (lease.py)
+        self._kept = kept  # each checkpoint recorded (TestSignals.checkpointed)
+
+    def checkpoints(self, run: Run) -> checkpoint.Policy | None:
+        """The run's checkpoint policy, or None: its model's runs cannot resume, or its checkpoints are off."""
+        task = run.task
+        model_runner = next((r for (m, _), r in self.runners.items() if m == task.model_id), None)
+        spec = self.settings.models.get(task.model_id)
+        if model_runner is None or spec is None or getattr(model_runner, "not_resumable", "no steps to resume") is not None:
+            return None
+        policy = checkpoint.Policy(spec.checkpoint_every_seconds, spec.checkpoint_every_steps)
+        return policy if policy.enabled else None
 
     async def perform(self, run: Run) -> runmod.RunOutput:
         """The run's output; raises RunAborted once it was stopped, RunError (classified) when it failed."""
@@ -153,6 +184,7 @@ class Attempts:
             loop.call_soon_threadsafe(self._on_step, run, step, total)
 
         # the threads run in a copy of this context: the phase spans they open are children of the attempt's
+        policy = self.checkpoints(run)
         try:
             chat_runners = [r for (m, _), r in self.runners.items() if m == task.model_id and isinstance(r, chatrun.ChatRunner)]
             if chat_runners:
@@ -161,7 +193,15 @@ class Attempts:
                 return output
             # read before a device is taken: a slow store holds this slot only, never a device
             image = await self._input_image(run)
-            inp = runmod.RunInput(task.id, task.attempt, task.prompt, dict(task.request_payload), image)
+            snapshot = await run.unless_stopped(resume.load(self.inputs, task, self.settings.lease_seconds)) if policy is not None else None
+            if policy is not None:
+                run.keeper = resume.Keeper(
+                    pool=self.pool, store=self.inputs, task=task, policy=policy, device_seconds=run.device_seconds_now,
+                    kept=self._kept, loop=loop, start_step=snapshot.step if snapshot is not None else 0,
+                )
+            inp = runmod.RunInput(
+                task.id, task.attempt, task.prompt, dict(task.request_payload), image, resume=snapshot, capture=run.keeper
+            )
             devices = {d for m, d in self.runners if m == task.model_id}
             lane = self.devices.take(devices)
             if lane is None:  # all busy: wait in line, unless the run is stopped meanwhile
@@ -169,19 +209,22 @@ class Attempts:
             try:
                 model_runner = self.runners[(task.model_id, lane.device)]
                 assert not isinstance(model_runner, chatrun.ChatRunner)
-                held = time.monotonic()
+                held = run.held_since = time.monotonic()
                 try:
                     rendered = await loop.run_in_executor(
                         lane.executor, contextvars.copy_context().run, model_runner.render, inp, on_step, run.abort.is_set
                     )
                 finally:  # a failed or aborted device phase held the device too
                     run.device_seconds += time.monotonic() - held
+                    run.held_since = None
             finally:
                 self.devices.release(lane)
             output = await loop.run_in_executor(self.encoders, contextvars.copy_context().run, model_runner.encode, rendered)
         except runmod.RunAborted:
+            await self._flush(run)  # a drained run's last snapshot is recorded before its task is released
             raise
         except Exception as exc:
+            await self._flush(run)
             if run.stopped_by is not None:
                 raise runmod.RunAborted(str(exc)) from exc
             failure = retry.failure_of(exc, task=task, settings=self.settings)
@@ -196,6 +239,9 @@ class Attempts:
                 exc_info=not isinstance(exc, runmod.InjectedFailure),
             )
             raise failure from exc
+        finally:
+            if run.keeper is not None:
+                await run.keeper.close()
         telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
         return output
 
@@ -231,6 +277,11 @@ class Attempts:
         inline = text[: self.settings.result_inline_chars]
         answer = store.TextOutcome(inline, len(text), "stop" if detok.stopped else finished.reason, len(prompt), len(finished.tokens))
         return runmod.RunOutput(data, "text/plain; charset=utf-8", "txt", hashlib.sha256(data).hexdigest(), answer)
+
+    @staticmethod
+    async def _flush(run: Run) -> None:
+        if run.keeper is not None:
+            await run.keeper.flush()
 
     async def _input_image(self, run: Run) -> bytes | None:
         """The canonical PNG the task's params name under "image", read whole from the result store; None without one.

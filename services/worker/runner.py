@@ -19,6 +19,8 @@ from taskgate import images, tracing
 from taskgate.config import ModelSpec
 from taskgate.store import TextOutcome
 
+from .checkpoint import Capture, Snapshot
+
 log = logging.getLogger("taskgate.worker.runner")
 
 OnStep = Callable[[int, int], None]
@@ -45,13 +47,16 @@ class InjectedFailure(Exception):
 @dataclass(frozen=True, slots=True)
 class RunInput:
     """One task's inputs as a runner sees them: `image` is the canonical PNG its params' "image" names, read from the
-    result store before the run (None for a text-to-video task)."""
+    result store before the run (None for a text-to-video task); `resume` the checkpoint an earlier attempt left (a
+    runner that cannot use it starts from step 0), `capture` where the run's own snapshots go (None: none taken)."""
 
     task_id: int
     attempt: int
     prompt: str
     params: dict[str, Any]
     image: bytes | None = None
+    resume: Snapshot | None = None
+    capture: Capture | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,10 +197,18 @@ class DiffusersRunner:
             "model loaded",
             extra={"model": model_id, "device": device, "dtype": str(dtype).removeprefix("torch."), "warmup_seconds": round(seconds, 3)},
         )
+        if pipeline.not_resumable is not None:
+            log.info("interrupted runs restart from step 0", extra={"model": model_id, "why": pipeline.not_resumable})
         return cls(model_id, spec, pipeline)
 
+    @property
+    def not_resumable(self) -> str | None:
+        """Why an interrupted run of this model restarts from step 0 (None: it resumes from its newest checkpoint)."""
+        return self.pipeline.not_resumable
+
     def render(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> Rendered:
-        """Runs the pipeline with the task's parameters (and its input image, fitted to the frame size) to decoded frames."""
+        """Runs the pipeline with the task's parameters (and its input image, fitted to the frame size) to decoded frames,
+        from the checkpoint `inp.resume` when it is one of this very request."""
         from services.worker import inference
 
         p, s = inp.params, self.spec
@@ -214,7 +227,13 @@ class DiffusersRunner:
             seed=None if seed is None else int(seed),
             image=None if inp.image is None else self._fitted(inp.image, width, height),
         )
-        return Rendered(inp, self.pipeline.render(request, on_step, should_abort))
+        video = self.pipeline.render(request, on_step, should_abort, resume=inp.resume, capture=inp.capture)
+        if inp.resume is not None and video.resumed_from != inp.resume.step:
+            log.warning(
+                "checkpoint not resumed: it is not this request's on this model; ran from step 0",
+                extra={"task_id": str(inp.task_id), "model": self.model_id, "checkpoint_step": inp.resume.step},
+            )
+        return Rendered(inp, video)
 
     def _fitted(self, png: bytes, width: int, height: int) -> Any:
         """The stored canonical PNG as an RGB image of exactly width x height, fitted the model's way (image_fit)."""

@@ -158,6 +158,13 @@ async def purge_tasks(db: Conn, *, now: datetime | None = None, older_than_secon
     return Purged(len(recs), await unreferenced(db, kept))
 
 
+async def purge_checkpoints(db: Conn, *, limit: int) -> list[str]:
+    """Forgets the step checkpoints of ended tasks, oldest first, locked; returns their objects for the caller to delete.
+    Run inside the caller's transaction."""
+    recs = await db.fetch(sql.query("retention_ended_checkpoints"), limit)
+    return [uri for r in recs for uri in [*(r["garbage"] or []), *([r["uri"]] if r["uri"] else [])]]
+
+
 async def purge_results(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> Purged:
     """Marks the outputs of tasks finished before the cut-off as deleted (result_expired_at), oldest first, locked;
     run inside the caller's transaction."""

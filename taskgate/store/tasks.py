@@ -140,13 +140,15 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Metered:
-    """An attempt's measured seconds: holding its device (the model's device phase) and holding its slot."""
+    """An attempt's measured seconds: holding its device (the model's device phase) for steps that counted, holding its
+    slot, and holding its device for steps a later attempt computes again (after its newest checkpoint)."""
 
     device_seconds: float = 0.0
     slot_seconds: float = 0.0
+    wasted_seconds: float = 0.0
 
-    def params(self) -> tuple[float, float]:
-        return (max(self.device_seconds, 0.0), max(self.slot_seconds, 0.0))
+    def params(self) -> tuple[float, float, float]:
+        return (max(self.device_seconds, 0.0), max(self.slot_seconds, 0.0), max(self.wasted_seconds, 0.0))
 
 
 UNMETERED = Metered()  # a move made by anyone but the attempt's own worker: no seconds of its own to add

@@ -184,3 +184,22 @@ async def keep_reusable(db: Conn, task_id: int, *, attempt: int, result: ResultR
         sql.query("worker_keep_reusable"), task_id, attempt, result.uri, result.content_type, result.size, result.sha256
     )
     return kept is not None
+
+
+async def name_checkpoint(db: Conn, task_id: int, *, attempt: int, uri: str) -> bool:
+    """Names a running attempt's next checkpoint object before it is stored; False when the attempt no longer runs."""
+    return await db.fetchval(sql.query("worker_checkpoint_intent"), task_id, attempt, uri) is not None
+
+
+async def record_checkpoint(
+    db: Conn, task_id: int, *, attempt: int, uri: str, step: int, deleted: Sequence[str] = ()
+) -> list[str] | None:
+    """Records a running attempt's newest checkpoint, `deleted` the objects deleted since its last record; returns the
+    objects to delete now (the replaced one among them), or None when the attempt no longer runs the task."""
+    rows = await db.fetch(sql.query("worker_checkpoint"), task_id, attempt, uri, step, list(deleted))
+    return list(rows[0]["checkpoint_garbage"]) if rows else None
+
+
+async def drop_checkpoint(db: Conn, task_id: int) -> bool:
+    """Forgets an ended task's checkpoints (their objects already deleted)."""
+    return await db.fetchval(sql.query("worker_drop_checkpoint"), task_id) is not None

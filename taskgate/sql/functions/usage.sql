@@ -1,21 +1,25 @@
--- Metering's sums: an attempt's final move adds its measured seconds to the task row, and this adds the same to the
--- tenant's, model's, end user's and hour's row in the same statement, whichever move it was (succeed, fail, retry,
--- release).
+-- Metering's sums: an attempt's final move adds its measured seconds (the wasted ones apart) to the task row, and this
+-- adds the same to the tenant's, model's, end user's and hour's row in the same statement, whichever move it was
+-- (succeed, fail, retry, release).
 CREATE OR REPLACE FUNCTION task_record_usage() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO usage_hour AS u (tenant_id, hour, model_id, end_user, device_seconds, slot_seconds, attempts)
+    INSERT INTO usage_hour AS u (tenant_id, hour, model_id, end_user, device_seconds, slot_seconds, wasted_seconds,
+                                 attempts)
     VALUES (NEW.user_id, date_trunc('hour', now(), 'UTC'), NEW.model_id, NEW.end_user,
-            NEW.device_seconds - OLD.device_seconds, NEW.slot_seconds - OLD.slot_seconds, 1)
+            NEW.device_seconds - OLD.device_seconds, NEW.slot_seconds - OLD.slot_seconds,
+            NEW.wasted_seconds - OLD.wasted_seconds, 1)
     ON CONFLICT (tenant_id, hour, model_id, end_user) DO UPDATE
         SET device_seconds = u.device_seconds + EXCLUDED.device_seconds,
-            slot_seconds = u.slot_seconds + EXCLUDED.slot_seconds, attempts = u.attempts + 1;
+            slot_seconds = u.slot_seconds + EXCLUDED.slot_seconds,
+            wasted_seconds = u.wasted_seconds + EXCLUDED.wasted_seconds, attempts = u.attempts + 1;
     RETURN NULL;
 END $$;
 
 -- Only statements that set the metered columns fire it, and only rows whose figures changed call it.
-CREATE OR REPLACE TRIGGER task_usage_on_update AFTER UPDATE OF device_seconds, slot_seconds ON task
-    FOR EACH ROW WHEN (NEW.device_seconds <> OLD.device_seconds OR NEW.slot_seconds <> OLD.slot_seconds)
+CREATE OR REPLACE TRIGGER task_usage_on_update AFTER UPDATE OF device_seconds, slot_seconds, wasted_seconds ON task
+    FOR EACH ROW WHEN (NEW.device_seconds <> OLD.device_seconds OR NEW.slot_seconds <> OLD.slot_seconds
+                       OR NEW.wasted_seconds <> OLD.wasted_seconds)
     EXECUTE FUNCTION task_record_usage();
 
 -- Tokens: a chat task's input and output tokens, added to its tenant's, model's, end user's and hour's row when

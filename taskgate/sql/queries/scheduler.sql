@@ -376,3 +376,16 @@ WHERE ($1::text IS NULL OR d.status = $1)
   AND ($2::timestamptz IS NULL OR (d.created_at, d.id) < ($2, $3::bigint))
 ORDER BY d.created_at DESC, d.id DESC
 LIMIT $4;
+
+-- name: retention_ended_checkpoints
+-- Forgets the step checkpoints of ended tasks (their worker did not: cancelled, timed out, or it died), oldest first,
+-- skipping locked rows; returns their objects (the newest and the garbage) for the caller to delete inside the same
+-- transaction. $1 limit.
+UPDATE task t SET checkpoint_uri = NULL, checkpoint_garbage = '{}'
+FROM (SELECT id, checkpoint_uri AS uri, checkpoint_garbage AS garbage FROM task
+      WHERE finished_at IS NOT NULL AND (checkpoint_uri IS NOT NULL OR checkpoint_garbage <> '{}')
+      ORDER BY finished_at
+      LIMIT $1
+      FOR UPDATE SKIP LOCKED) o
+WHERE t.id = o.id
+RETURNING o.uri, o.garbage;

@@ -35,13 +35,15 @@ RETURNING t.*, o.old_status;
 
 -- name: succeed_task
 -- PROCESSING -> SUCCEEDED with the result. $7 uri, $8 content type, $9 size, $10 sha256, $11 reused, $12 and $13 the
--- attempt's device and slot seconds (metered, functions/usage.sql); a chat task's answer: $14 its inline text, $15 its
--- whole length, $16 finish reason, $17 input and $18 output tokens (NULL for other task types).
+-- attempt's device and slot seconds (metered, functions/usage.sql), $14 its wasted device seconds; a chat task's
+-- answer: $15 its inline text, $16 its whole length, $17 finish reason, $18 input and $19 output tokens (NULL for
+-- other task types).
 UPDATE task t SET status = 'SUCCEEDED', version = t.version + 1, progress = 100, result_uri = $7,
        device_seconds = t.device_seconds + $12, slot_seconds = t.slot_seconds + $13,
+       wasted_seconds = t.wasted_seconds + $14,
        result_content_type = $8, result_size = $9, result_sha256 = $10, result_reused = $11,
-       result_text = $14, result_chars = $15, finish_reason = $16,
-       input_tokens = COALESCE($17, t.input_tokens), output_tokens = COALESCE($18, t.output_tokens),
+       result_text = $15, result_chars = $16, finish_reason = $17,
+       input_tokens = COALESCE($18, t.input_tokens), output_tokens = COALESCE($19, t.output_tokens),
        error_code = NULL, error_msg = NULL, lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
 FROM (SELECT id, status AS old_status FROM task WHERE id = $1 FOR UPDATE) o
@@ -51,9 +53,10 @@ RETURNING t.*, o.old_status;
 
 -- name: fail_task
 -- PROCESSING -> FAILED. $7 error code, $8 error message, $9 whether the attempt's worker was lost (counted), $10 and
--- $11 the attempt's device and slot seconds.
+-- $11 the attempt's device and slot seconds, $12 its wasted device seconds.
 UPDATE task t SET status = 'FAILED', version = t.version + 1, error_code = $7, error_msg = $8,
        device_seconds = t.device_seconds + $10, slot_seconds = t.slot_seconds + $11,
+       wasted_seconds = t.wasted_seconds + $12,
        worker_losses = t.worker_losses + $9::boolean::int,
        lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = $5, last_reason = $6
@@ -64,9 +67,10 @@ RETURNING t.*, o.old_status;
 
 -- name: retry_task
 -- PROCESSING -> QUEUED after a retryable failure. $7 error code, $8 error message, $9 backoff seconds, $10 and $11
--- the attempt's device and slot seconds.
+-- the attempt's device and slot seconds, $12 its wasted device seconds (those after its newest checkpoint).
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, retry_count = t.retry_count + 1,
        device_seconds = t.device_seconds + $10, slot_seconds = t.slot_seconds + $11,
+       wasted_seconds = t.wasted_seconds + $12,
        processed_seconds = t.processed_seconds
            + GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8,
        error_code = $7, error_msg = $8, worker_id = NULL, lease_expires_at = NULL, progress = 0,
@@ -80,9 +84,10 @@ RETURNING t.*, o.old_status;
 -- name: release_task
 -- PROCESSING -> QUEUED without spending a retry: a lost worker, a drained worker, an operator's requeue.
 -- $7 whether the attempt's worker was lost (counted toward max_worker_losses), $8 and $9 the attempt's device and
--- slot seconds (0 when its worker is not the one releasing).
+-- slot seconds (0 when its worker is not the one releasing), $10 its wasted device seconds (after its newest checkpoint).
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, worker_id = NULL, lease_expires_at = NULL,
        device_seconds = t.device_seconds + $8, slot_seconds = t.slot_seconds + $9,
+       wasted_seconds = t.wasted_seconds + $10,
        worker_losses = t.worker_losses + $7::boolean::int,
        processed_seconds = t.processed_seconds
            + GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8,

@@ -69,3 +69,28 @@ FROM task t
 WHERE t.id = $1 AND t.attempt = $2 AND t.status = 'CANCELED' AND t.cancel_mode = 'soft'
 ON CONFLICT (user_id, request_hash) DO NOTHING
 RETURNING source_task_id;
+
+-- name: worker_checkpoint_intent
+-- Names a running attempt's next checkpoint object before it is stored (listed as garbage until recorded), so no
+-- object is ever stored that no row names; no row when the attempt no longer runs the task (then store nothing).
+-- $1 task id, $2 attempt, $3 uri.
+UPDATE task SET checkpoint_garbage = array_append(checkpoint_garbage, $3)
+WHERE id = $1 AND attempt = $2 AND status = 'PROCESSING' AND lease_expires_at IS NOT NULL
+RETURNING id;
+
+-- name: worker_checkpoint
+-- Records a running attempt's newest checkpoint (stored since its intent); the one it replaces joins the garbage, and
+-- the objects the caller deleted since its last record leave it; returns the garbage to delete now. No row when the
+-- attempt no longer runs the task. $1 task id, $2 attempt, $3 uri, $4 step, $5 uris deleted since.
+UPDATE task t SET checkpoint_uri = $3, checkpoint_step = $4,
+       checkpoint_garbage = ARRAY(SELECT g FROM unnest(t.checkpoint_garbage) g WHERE g <> $3 AND g <> ALL($5::text[]))
+                            || CASE WHEN o.old_uri IS NULL OR o.old_uri = $3 THEN '{}'::text[] ELSE ARRAY[o.old_uri] END
+FROM (SELECT id, checkpoint_uri AS old_uri FROM task WHERE id = $1 FOR UPDATE) o
+WHERE t.id = $1 AND t.id = o.id AND t.attempt = $2 AND t.status = 'PROCESSING' AND t.lease_expires_at IS NOT NULL
+RETURNING t.checkpoint_garbage;
+
+-- name: worker_drop_checkpoint
+-- Forgets an ended task's checkpoints once their objects are deleted. $1 task id.
+UPDATE task SET checkpoint_uri = NULL, checkpoint_garbage = '{}'
+WHERE id = $1 AND finished_at IS NOT NULL
+RETURNING id;

@@ -32,11 +32,13 @@ async def test_a_retried_task_is_metered_per_attempt_and_summed_per_tenant_and_h
     task = await submit(backends, params=params(steps=2), max_retries=1, callback_url="https://example.invalid/hook")
     row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED))
 
-    # two attempts held the device SLEEP seconds each: the failed one counts too, the device was busy
+    # two attempts held the device SLEEP seconds each: the retried one's steps were all computed again (it took no
+    # checkpoint), so they are metered as wasted, apart from the steps that counted
     assert (row.attempt, row.retry_count) == (2, 1)
-    assert 2 * SLEEP * 0.95 <= row.device_seconds < 2 * SLEEP + 2.0
-    # a slot is held longer than the device: the successful attempt also encoded (0.1 s) and stored its output
-    assert row.slot_seconds >= row.device_seconds + 0.1 * 0.95
+    assert SLEEP * 0.95 <= row.device_seconds < SLEEP + 1.0
+    assert SLEEP * 0.95 <= row.wasted_seconds < SLEEP + 1.0
+    # a slot is held longer than the device: both attempts held theirs, the successful one also encoded (0.1 s)
+    assert row.slot_seconds >= row.device_seconds + row.wasted_seconds + 0.1 * 0.95
     msg = row.to_proto()
     assert (msg.usage.gpu_seconds, msg.usage.slot_seconds) == (row.device_seconds, row.slot_seconds)
 
@@ -44,6 +46,7 @@ async def test_a_retried_task_is_metered_per_attempt_and_summed_per_tenant_and_h
     assert [(h["model_id"], h["attempts"]) for h in hours] == [(SLEEPY, 2)]
     assert hours[0]["device_seconds"] == pytest.approx(row.device_seconds)
     assert hours[0]["slot_seconds"] == pytest.approx(row.slot_seconds)
+    assert hours[0]["wasted_seconds"] == pytest.approx(row.wasted_seconds)
     assert timedelta(0) <= datetime.now(UTC) - hours[0]["hour"] < timedelta(hours=1, minutes=1)
 
     # TaskAdmin.GetUsage: the tenant's totals, and per hour
