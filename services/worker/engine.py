@@ -103,7 +103,7 @@ class Worker:
         self.drain_requested = asyncio.Event()
         self.fetcher = Fetcher(
             bus=self.bus, settings=settings, worker_id=worker_id, models=models, slots=plan.slots, start=self._handle,
-            spawn=self._spawn, changed=self._gauges,
+            spawn=self._spawn, changed=self._gauges, pools=plan.sequences,
         )
         self.claimer = Claimer(pool=self.pool, settings=settings, worker_id=worker_id)
         store = results.result_store(settings, self.bus)  # outputs go there, and image-to-video inputs come from it

@@ -29,6 +29,7 @@ class Slot:
 
     index: int
     busy: bool = False
+    pool: str = ""  # "": the worker's shared slots; a chat model's id: one of that model's sequences
 
 
 @dataclass(eq=False)
@@ -53,12 +54,19 @@ class Fetcher:
         start: Start,
         spawn: Spawn,
         changed: Callable[[], None],
+        pools: dict[str, int] | None = None,
     ) -> None:
         self.bus = bus
         self.settings = settings
         self.worker_id = worker_id
         self.models = models
-        self.slots = [Slot(i) for i in range(slots)]
+        # `slots` in all; `pools`: the models whose slots are their own (a chat model's sequences), the rest shared
+        own = pools or {}
+        shared = slots - sum(own.values())
+        self.slots = [Slot(i) for i in range(shared)]
+        for model_id, count in own.items():
+            self.slots += [Slot(len(self.slots), pool=model_id) for _ in range(count)]
+        self._pools = set(own)
         self.levels = make_levels(models, settings.priority_weights)
         self.puller = Puller(bus.nc, self.levels, self._on_delivery, settings.worker_fetch_linger_seconds)
         self._draining = asyncio.Event()
@@ -90,9 +98,12 @@ class Fetcher:
         """Closes the pull inboxes."""
         await self.puller.close()
 
-    def free_slots(self) -> list[Slot]:
-        """The slots no message holds."""
-        return [slot for slot in self.slots if not slot.busy]
+    def free_slots(self, model_id: str | None = None) -> list[Slot]:
+        """The slots no message holds (of those a task of `model_id` may take, when given)."""
+        if model_id is None:
+            return [slot for slot in self.slots if not slot.busy]
+        pool = model_id if model_id in self._pools else ""
+        return [slot for slot in self.slots if not slot.busy and slot.pool == pool]
 
     def release(self, hold: SlotHold) -> None:
         """Frees a held slot; only the first release of a hold counts."""
@@ -119,7 +130,7 @@ class Fetcher:
 
     def _on_delivery(self, level: Level, msg: Msg | None) -> None:
         if msg is not None:
-            if self.draining or not self.free_slots():
+            if self.draining or not self.free_slots(level.model_id):
                 self._spawn(_bounce(msg))
                 return
             if not self._ready:
@@ -141,7 +152,8 @@ class Fetcher:
             await self._wake.wait()
             return
         now = time.monotonic()
-        active = [lv for lv in self.levels if lv.paused_until <= now and self._capped_until.get(lv.model_id, 0.0) <= now]
+        active = [lv for lv in self.levels if lv.paused_until <= now and self._capped_until.get(lv.model_id, 0.0) <= now
+                  and self.free_slots(lv.model_id)]
         holding = {lv for lv, _ in ready}
         to_probe = [lv for lv in active if not lv.open(now) and lv not in holding]
         found = ready + (await self.puller.probe(to_probe) if to_probe else [])
@@ -167,11 +179,12 @@ class Fetcher:
         pending = list(found)
         has = {lv for lv, _ in pending}
         Weighted.forget([lv for lv in self.levels if lv not in has])
-        while pending:
-            free = self.free_slots()
-            if not free or self.draining:
+        while pending and not self.draining:
+            startable = [lv for lv in dict.fromkeys(lv for lv, _ in pending) if self.free_slots(lv.model_id)]
+            if not startable:
                 break
-            level = Weighted.pick(list(dict.fromkeys(lv for lv, _ in pending)))
+            level = Weighted.pick(startable)
+            free = self.free_slots(level.model_id)
             index = next(i for i, (lv, _) in enumerate(pending) if lv is level)
             _, msg = pending.pop(index)
             hold = SlotHold(free[0])

@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -258,6 +258,7 @@ class DevicePlan:
     slots: int
     use_cuda: bool
     capacity: float  # its share of the cluster-wide cap: devices x slots per device (the local slots are its ceiling)
+    sequences: dict[str, int] = field(default_factory=dict)  # chat models: their own slots (sequences), within `slots`
 
 
 def device_plan(kinds: set[str], slots_setting: int, slots_per_device: float) -> DevicePlan:
@@ -282,8 +283,12 @@ def with_sequences(plan: DevicePlan, runners: dict[tuple[str, str], Any]) -> Dev
     """The plan with a slot for every sequence its chat runners run at once (each loaded model's max_sequences)."""
     from services.worker.chatrun import ChatRunner
 
-    sequences = sum(r.spec.max_sequences for r in runners.values() if isinstance(r, ChatRunner))
-    return DevicePlan(plan.devices, plan.slots + sequences, plan.use_cuda, plan.capacity + sequences)
+    sequences: dict[str, int] = {}
+    for (model_id, _), r in runners.items():
+        if isinstance(r, ChatRunner):
+            sequences[model_id] = sequences.get(model_id, 0) + r.spec.max_sequences
+    total = sum(sequences.values())
+    return DevicePlan(plan.devices, plan.slots + total, plan.use_cuda, plan.capacity + total, sequences)
 
 
 def model_devices(model_id: str, spec: ModelSpec, devices: list[str]) -> list[str]:

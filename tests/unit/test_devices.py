@@ -74,3 +74,27 @@ def test_device_plan_gives_one_and_a_half_tasks_per_device() -> None:
     assert plan.slots == -(-len(plan.devices) * 3 // 2) and plan.use_cuda == (gpus > 0)
     assert plan.capacity == len(plan.devices) * 1.5  # unrounded: the cluster cap sums these, then rounds down
     assert runmod.device_plan({"diffusers"}, 4, 1.5).capacity == 4.0  # slots set by hand are its capacity
+
+
+def test_a_chat_models_slots_are_its_sequences_apart_from_the_shared_ones() -> None:
+    from types import SimpleNamespace
+
+    from services.worker.fetch import Fetcher, SlotHold
+    from taskgate.config import Settings
+
+    chat_only = runmod.device_plan({"transformers"}, 0, 1.5)
+    assert (chat_only.slots, chat_only.capacity) == (0, 0.0)  # every slot of a chat-only worker is a sequence
+    started: list[str] = []
+
+    async def start(hold: SlotHold, level: object, msg: object) -> None:
+        started.append(hold.slot.pool)
+
+    fetcher = Fetcher(
+        bus=SimpleNamespace(nc=None), settings=Settings(), worker_id="w", models=["wan", "chat"], slots=2 + 3,  # type: ignore[arg-type]
+        start=start, spawn=lambda coro: coro.close(), changed=lambda: None, pools={"chat": 3},
+    )
+    assert [s.pool for s in fetcher.slots] == ["", "", "chat", "chat", "chat"]
+    assert len(fetcher.free_slots("wan")) == 2 and len(fetcher.free_slots("chat")) == 3 and len(fetcher.free_slots()) == 5
+    for slot in fetcher.free_slots("wan"):
+        slot.busy = True  # the video tasks fill the shared slots: a chat task still has its own
+    assert fetcher.free_slots("wan") == [] and len(fetcher.free_slots("chat")) == 3
