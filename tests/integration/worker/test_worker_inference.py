@@ -109,7 +109,7 @@ async def test_a_compiled_model_is_warmed_before_the_worker_serves(settings: Set
     spec = tiny_spec("WanPipeline", folder, torch_compile="blocks", compile_backend="eager", vae_tiling=True)
     handle = await worker_service.start(worker_settings(settings, "wan-compiled", spec))
     try:
-        pipeline = handle.worker.attempts.runners[("wan-compiled", "cpu")].pipeline  # type: ignore[attr-defined]
+        pipeline = handle.worker.attempts.runners[("wan-compiled", "cpu")].pipeline  # type: ignore[union-attr]
         assert pipeline.warmup_seconds is not None and pipeline.warmup_seconds > 0
         assert all(getattr(block, "_compiled_call_impl", None) is not None for block in pipeline.pipe.transformer.blocks)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
