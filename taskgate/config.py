@@ -328,7 +328,7 @@ class Settings(BaseSettings):
     max_stop_sequences: int = Field(default=4, ge=0, description="Chat tasks: most stop strings a request may give.")
     result_inline_chars: int = Field(
         default=65536, ge=0,
-        description="Chat tasks: GetTask and webhooks carry the answer inline up to this many characters (GetTaskResult: all).",
+        description="Chat tasks: Task.text (GetTask; not ListTasks) holds the answer up to this many characters (GetTaskResult: all).",
     )
     max_metadata_bytes: int = Field(default=4096, ge=0, description="Size of the metadata map as JSON.")
     callback_allow_hosts: list[str] = Field(default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1'].")

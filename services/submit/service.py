@@ -462,7 +462,11 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         if len(rows) > size:
             last = tasks[-1]
             token = self._pages.encode(paging.Cursor(last.created_at, last.id), fingerprint)
-        return gateway_pb2.ListTasksResponse(tasks=[t.to_proto() for t in tasks], next_page_token=token)
+        listed = [t.to_proto() for t in tasks]
+        for msg in listed:  # a page of chat answers could pass the message limit: GetTask has each one's
+            if msg.HasField("text"):
+                msg.text.text, msg.text.truncated = "", msg.text.chars > 0
+        return gateway_pb2.ListTasksResponse(tasks=listed, next_page_token=token)
 
     async def RotateWebhookSecret(
         self, request: gateway_pb2.TaskGatewayRotateWebhookSecretRequest, context: Context

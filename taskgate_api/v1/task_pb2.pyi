@@ -269,7 +269,7 @@ class TextResult(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     CHARS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """the answer, or its beginning when `truncated` (TASKGATE_RESULT_INLINE_CHARS)"""
+    """the answer, or its beginning when `truncated` (TASKGATE_RESULT_INLINE_CHARS); ListTasks leaves it out (truncated)"""
     truncated: _builtins.bool
     finish_reason: _builtins.str
     """"stop" (end of text or a stop string) or "length" (max_output_tokens reached)"""

@@ -96,6 +96,8 @@ async def test_a_chat_task_succeeds_with_its_answer_inline_whole_and_streamed(
     assert got.usage.input_tokens == task.usage.input_tokens > 0 and 0 < got.usage.output_tokens <= 80
     data, content_type = await whole_result(stub, md, task.id)
     assert data.decode() == answer.text and content_type.startswith("text/plain")
+    listed = (await stub.ListTasks(gateway_pb2.ListTasksRequest(), metadata=md, timeout=5)).tasks
+    assert [(t.text.text, t.text.truncated, t.text.chars) for t in listed] == [("", True, answer.chars)]  # GetTask has it
     found = await chunks(backends, got.user_id, task.id)
     assert found and text_of(found, 1) == answer.text  # in order, no gap, nothing twice
     # the same tokens as transformers' own greedy generate, decoded the same way
