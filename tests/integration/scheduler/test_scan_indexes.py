@@ -155,8 +155,9 @@ async def test_a_claim_reads_the_live_leases_only_however_stale_the_statistics(b
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim.format(1)
         )
         claimed = await conn.fetchrow("SELECT status::text, worker_id FROM task WHERE id = 1")
-    # the fair pick (a skip scan over the level's tenants, the stride rows) reads about 60 more than the caps alone
-    assert explained["Plan"]["Shared Hit Blocks"] + explained["Plan"].get("Shared Read Blocks", 0) < 200, explained
+    # the fair pick (a skip scan over the level's tenants, the stride rows) reads about 60 more than the caps alone, and
+    # the end users' pick inside the winning tenant (#35: its skip scan, its stride row) about 35 more (169 -> 203)
+    assert explained["Plan"]["Shared Hit Blocks"] + explained["Plan"].get("Shared Read Blocks", 0) < 250, explained
     assert (claimed["status"], claimed["worker_id"]) == ("PROCESSING", "w")  # under both caps: claimed
 
 
@@ -180,4 +181,6 @@ async def test_a_fair_claim_reads_one_task_per_tenant_however_long_the_queue(bac
         [explained] = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim.format(20_001))
         claimed = await conn.fetch("SELECT id FROM task WHERE status = 'PROCESSING' ORDER BY id")
     assert [r["id"] for r in claimed] == [1, 20_001]  # the single task second, ahead of bulk's 19,999
-    assert explained["Plan"]["Shared Hit Blocks"] + explained["Plan"].get("Shared Read Blocks", 0) < 200, explained
+    # a constant per claim: the end users' pick inside the winning tenant (#35) added about 40 (171 -> 212); a walk of
+    # bulk's backlog would read thousands
+    assert explained["Plan"]["Shared Hit Blocks"] + explained["Plan"].get("Shared Read Blocks", 0) < 250, explained
