@@ -48,6 +48,7 @@ OUTPUT_SUBJECTS = "taskgate.output.>"
 # one on its subject (Nats-Last-Sequence): a reader follows a task live without a consumer, and sees any gap.
 OUTPUT_LIVE_SUBJECTS = "taskgate.live.output.>"
 CANCEL_SUBJECT = "taskgate.control.cancel"  # core NATS: a hint to the worker running a task
+PREEMPT_SUBJECT = "taskgate.control.preempt"  # core NATS: checkpoint and release a task for a higher-priority one
 
 PRIORITY_NAMES = {Priority.HIGH: "high", Priority.NORMAL: "normal", Priority.LOW: "low"}
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -112,6 +112,12 @@ class ModelSpec(BaseModel):
         default=30.0, ge=0,
         description="A step checkpoint (resumed by a later attempt) every this many device seconds of a run; 0 = not by time.",
     )
+    preempt_after_seconds: float | None = Field(
+        default=None, gt=0,
+        description="Opt-in: a task queued this long at a higher priority, not yet running, makes the scheduler preempt this "
+        "model's lowest-priority run with the most steps left (checkpointed at its next step, released, resumed later); "
+        "never when checkpoints are off. Unset = never.",
+    )
     checkpoint_every_steps: int = Field(
         default=0, ge=0, description="A step checkpoint every this many steps; 0 = not by steps (both 0: checkpoints off)."
     )
@@ -498,6 +504,9 @@ class Settings(BaseSettings):
     )
     worker_models: list[str] = Field(default_factory=list, description="Models this worker serves; empty = all.")
     drain_grace_seconds: float = Field(default=30.0, ge=0, description="SIGTERM: time running tasks get to finish.")
+    preempt_window_seconds: float = Field(
+        default=300.0, ge=0, description="A preempted task is not preempted again within this many seconds (no thrashing)."
+    )
     drain_stop_seconds: float = Field(
         default=30.0, ge=0, description="After the grace: time stopped tasks get to release; any left then are abandoned (leases expire)."
     )

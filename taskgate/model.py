@@ -82,6 +82,7 @@ class TaskRow:
     checkpoint_step: int = 0  # the steps that checkpoint holds
     checkpoint_garbage: list[str] = field(default_factory=list)  # checkpoint objects named or replaced, maybe still stored
     wasted_seconds: float = 0.0  # device seconds of steps its attempts had to compute again (metered apart)
+    preempted_at: datetime | None = None  # when the scheduler last preempted it for a task of higher priority
 
     @classmethod
     def from_record(cls, rec: Any) -> TaskRow:

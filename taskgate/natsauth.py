@@ -46,14 +46,14 @@ RESULTS_WRITE = (f"$O.{bus.RESULTS_BUCKET}.>", f"$JS.API.STREAM.PURGE.{OBJECTS}"
 ROLES: Mapping[str, Permissions] = {
     # dispatches tasks, hints cancels, stores input images, reads outputs back
     "submit": Permissions(publish=(bus.TASK_SUBJECTS, bus.CANCEL_SUBJECT, f"$JS.API.STREAM.INFO.{TASKS}", *RESULTS_WRITE)),
-    # re-dispatches, dead-letters, hints cancels, reads queue depths, deletes expired outputs
+    # re-dispatches, dead-letters, hints cancels and preemptions, reads queue depths, deletes expired outputs
     "scheduler": Permissions(
         publish=(
-            bus.TASK_SUBJECTS, bus.DEAD_SUBJECTS, bus.CANCEL_SUBJECT, f"$JS.API.STREAM.INFO.{TASKS}",
+            bus.TASK_SUBJECTS, bus.DEAD_SUBJECTS, bus.CANCEL_SUBJECT, bus.PREEMPT_SUBJECT, f"$JS.API.STREAM.INFO.{TASKS}",
             f"$JS.API.CONSUMER.INFO.{TASKS}.>", f"$JS.API.CONSUMER.LIST.{TASKS}", *RESULTS_WRITE,
         ),
     ),
-    # pulls its models' dispatches and acks them, stores outputs, reads inputs, dead-letters; hears cancel hints
+    # pulls its models' dispatches and acks them, stores outputs, reads inputs, dead-letters; hears cancel and preemption hints
     "worker": Permissions(
         publish=(
             f"$JS.API.CONSUMER.MSG.NEXT.{TASKS}.>", f"$JS.ACK.{TASKS}.>", f"$JS.API.CONSUMER.INFO.{TASKS}.>",
@@ -62,7 +62,7 @@ ROLES: Mapping[str, Permissions] = {
             f"$JS.API.STREAM.INFO.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
             f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>",
         ),
-        subscribe=(REPLIES, bus.CANCEL_SUBJECT),
+        subscribe=(REPLIES, bus.CANCEL_SUBJECT, bus.PREEMPT_SUBJECT),
     ),
     # relays task events (their only publisher) and follows them for the streams; links outputs
     "notifier": Permissions(

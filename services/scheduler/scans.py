@@ -24,7 +24,7 @@ from taskgate.config import Settings
 from taskgate.dispatcher import dispatch_pass
 from taskgate.model import TaskRow
 from taskgate.store import maintenance
-from taskgate.wire import cancel, dead_letter, dispatch
+from taskgate.wire import cancel, dead_letter, dispatch, preempt
 from taskgate.wire.dispatch import Reason
 
 log = logging.getLogger("taskgate.scheduler")
@@ -51,6 +51,7 @@ class Action(enum.StrEnum):
     DEAD_LETTER = "dead_letter"  # a missing dead_letter row written
     FORGET_WORKER = "forget_worker"  # a silent worker's registry row deleted
     LET_GO = "let_go"  # a soft-cancelled attempt's lapsed lease ended (its pending slot freed)
+    PREEMPT = "preempt"  # a lower-priority run asked to checkpoint and release for a waiting higher-priority task
     REQUEUE = "requeue"  # an operator's RequeueTasks moved a task
     REPLAY = "replay"  # an operator's RequeueTasks replayed a FAILED or TIMEOUT task as a new task
     PURGE_TASK = "purge_task"  # a finished task past its retention deleted, with its history
@@ -365,6 +366,35 @@ class HoldScan:
     async def run(self, now: datetime | None = None) -> ScanResult:
         ended = await maintenance.lapsed_holds(self.ctx.pool, now=now, limit=self.ctx.settings.scan_batch_size)
         return ScanResult(Counter({Action.LET_GO: ended}), ended)
+
+
+class PreemptScan:
+    """Priority preemption, for the models that opt in (`preempt_after_seconds`) and take checkpoints: a task waiting
+    longer than that at a higher priority makes the worker running the model's lowest-priority task with the most
+    steps left checkpoint it at its next step and release it (event reason PREEMPTED); it resumes later from there.
+    At most one per model per `preempt_after_seconds` (the freed slot goes to the waiting task first), never a task of
+    the same or a higher priority, never one preempted within `preempt_window_seconds`."""
+
+    name: ClassVar[str] = "preempt"
+
+    def __init__(self, ctx: ScanContext) -> None:
+        self.ctx = ctx
+        self.after = {
+            model: spec.preempt_after_seconds
+            for model, spec in ctx.settings.models.items()
+            if spec.preempt_after_seconds is not None and (spec.checkpoint_every_seconds > 0 or spec.checkpoint_every_steps > 0)
+        }
+
+    async def run(self, now: datetime | None = None) -> ScanResult:
+        if not self.after:
+            return ScanResult()
+        marked = await maintenance.preempt(
+            self.ctx.pool, now=now, after=self.after, window_seconds=self.ctx.settings.preempt_window_seconds
+        )
+        for victim in marked:
+            log.info("preempting", extra={"task_id": str(victim.task_id), "attempt": victim.attempt, "model": victim.model_id})
+            await preempt.send(self.ctx.bus, victim.task_id, trace_context=victim.trace_context)
+        return ScanResult(Counter({Action.PREEMPT: len(marked)}), len(marked))
 
 
 class WorkerScan:

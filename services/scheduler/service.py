@@ -20,6 +20,7 @@ from services.scheduler.scans import (
     DeadLetterScan,
     HoldScan,
     LeaseScan,
+    PreemptScan,
     ProcessingTimeoutScan,
     QueuedScan,
     QueueTTLScan,
@@ -64,7 +65,9 @@ class Scheduler:
             QueueTTLScan(ctx), QueuedScan(ctx), CreatedScan(ctx), LeaseScan(ctx), ProcessingTimeoutScan(ctx)
         ]
         self.retention = RetentionScan(ctx)
-        self.scans: list[Scan] = [*self.task_scans, HoldScan(ctx), DeadLetterScan(ctx), WorkerScan(ctx), self.retention]
+        self.scans: list[Scan] = [
+            *self.task_scans, HoldScan(ctx), DeadLetterScan(ctx), WorkerScan(ctx), PreemptScan(ctx), self.retention
+        ]
         self.passes = 0
 
     async def run_once(self, now: datetime | None = None) -> ScanReport:

@@ -37,7 +37,7 @@ from taskgate.model import timestamp
 from taskgate.runtime import Backends
 from taskgate.signals import Signal
 from taskgate.store import workers
-from taskgate.wire import cancel
+from taskgate.wire import cancel, preempt
 from taskgate_api.v1 import worker_pb2
 
 log = logging.getLogger("taskgate.worker")
@@ -125,6 +125,7 @@ class Worker:
         self._report_changed = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
         self._cancel_sub: Any = None
+        self._preempt_sub: Any = None
 
     @property
     def draining(self) -> bool:
@@ -142,6 +143,7 @@ class Worker:
         await self.heartbeat.register()
         await self.fetcher.start()
         self._cancel_sub = await self.bus.nc.subscribe(cancel.SUBJECT, cb=self._on_cancel)
+        self._preempt_sub = await self.bus.nc.subscribe(preempt.SUBJECT, cb=self._on_preempt)
         self._fetching = asyncio.create_task(self.fetcher.loop(), name="worker-dispatch")
         self._loops = [self._fetching, asyncio.create_task(self.heartbeat.loop(), name="worker-heartbeat")]
         self._gauges()
@@ -213,9 +215,10 @@ class Worker:
         self._encoders.shutdown(wait=False, cancel_futures=True)
 
     async def _unsubscribe(self) -> None:
-        if self._cancel_sub is not None:
-            with contextlib.suppress(Exception):
-                await self._cancel_sub.unsubscribe()
+        for sub in (self._cancel_sub, self._preempt_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -297,6 +300,14 @@ class Worker:
         run = self.runs.get(signal.task_id) if signal is not None else None
         if run is not None:
             self._spawn(self.attempts.check(run, "cancel signal"))
+
+    async def _on_preempt(self, msg: Msg) -> None:
+        task_id = preempt.decode(msg.data)
+        run = self.runs.get(task_id) if task_id is not None else None
+        # only a run that checkpoints (and so resumes where it stopped) is preempted; the others finish
+        if run is not None and run.keeper is not None and not run.finishing:
+            log.info("preempted", extra={"task_id": str(task_id), "attempt": run.attempt, "worker": self.worker_id})
+            run.stop(Halt.PREEMPT)
 
     # ---- reporting ----
 

@@ -20,7 +20,7 @@ from taskgate import bus as busmod
 from taskgate import chat, results, store, tracing
 from taskgate.config import Settings
 from taskgate.store import ResultRef, workers
-from taskgate.wire import dead_letter
+from taskgate.wire import dead_letter, preempt
 
 log = logging.getLogger("taskgate.worker")
 
@@ -126,17 +126,22 @@ class Finisher:
         if reason is Halt.KILLED:
             return
         await run.end_progress()
-        if reason is Halt.DRAIN:
+        if reason in (Halt.DRAIN, Halt.PREEMPT):
             metered = run.metered(interrupted=True)
+            preempted = reason is Halt.PREEMPT
             out = await self._persist(
                 "release",
                 run,
                 lambda: store.release(
-                    self.pool, run.task.id, actor=ACTOR, reason="worker draining", expected_attempt=run.attempt,
-                    metered=metered,
+                    self.pool, run.task.id, actor=ACTOR, reason=preempt.REASON if preempted else "worker draining",
+                    expected_attempt=run.attempt, metered=metered, keep_order=preempted,
                 ),
             )
             reason = decide(out.task, attempt=run.attempt, run=Released())
+            spec = self.settings.models.get(run.task.model_id)
+            if preempted and reason.fate is Fate.RELEASED and spec is not None:
+                # its message comes back after the task it made way for has had the slot
+                reason = dataclasses.replace(reason, delay=spec.preempt_after_seconds)
         if reason.fate is Fate.LOST:
             log.warning("lease lost; output discarded", extra={"task_id": str(run.task.id), "attempt": run.attempt})
         await self._settle(run, reason)

@@ -39,6 +39,7 @@ class Halt(enum.Enum):
     """A stop that does not come from the task row."""
 
     DRAIN = "drain"  # this worker is shutting down: release the task, nak
+    PREEMPT = "preempt"  # a waiting task of higher priority needs the slot: checkpoint, release, keep the queue place
     KILLED = "killed"  # a simulated crash: touch nothing
 
 
@@ -100,9 +101,9 @@ class Run:
         return not (stop is Halt.KILLED or (isinstance(stop, Step) and stop.action is MessageAction.NOTHING))
 
     def stop(self, reason: Step | Halt) -> None:
-        """Asks the run to stop at its next step; the first reason wins. A drained run that takes checkpoints takes one
-        at that step, so its next attempt resumes there."""
-        if reason is Halt.DRAIN and self.stopped_by is None and self.keeper is not None:
+        """Asks the run to stop at its next step; the first reason wins. A drained or preempted run that takes
+        checkpoints takes one at that step, so its next attempt resumes there."""
+        if reason in (Halt.DRAIN, Halt.PREEMPT) and self.stopped_by is None and self.keeper is not None:
             self.keeper.ask_on_stop()  # before the abort flag: the device thread reads that flag first
         if self.stopped_by is None:
             self.stopped_by = reason

@@ -100,6 +100,38 @@ async def lapsed_holds(db: Conn, *, now: datetime | None = None, limit: int) -> 
     return len(await db.fetch(sql.query("sched_lapsed_holds"), now, limit))
 
 
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """A running attempt the scheduler asks to checkpoint and release for a waiting task of higher priority."""
+
+    task_id: int
+    attempt: int
+    model_id: str
+    trace_context: dict[str, str] | None
+
+
+async def preempt(
+    db: Conn, *, now: datetime | None = None, after: Mapping[str, float], window_seconds: float
+) -> list[Preempted]:
+    """Marks (preempted_at) at most one running attempt per model in `after` (model -> preempt_after seconds) that a
+    waiting task of higher priority should displace; returns them."""
+    if not after:
+        return []
+    models = sorted(after)
+    recs = await db.fetch(sql.query("sched_preempt"), now, models, [after[m] for m in models], window_seconds)
+    return [
+        Preempted(r["id"], r["attempt"], r["model_id"], _json_object(r["trace_context"])) for r in recs
+    ]
+
+
+def _json_object(value: object) -> dict[str, str] | None:
+    if isinstance(value, str):
+        import json
+
+        value = json.loads(value)
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else None
+
+
 async def forget_workers(db: Conn, *, now: datetime | None = None, silent_seconds: float, limit: int) -> list[str]:
     """Deletes registry rows of workers silent for `silent_seconds`; returns their ids."""
     return [r["id"] for r in await db.fetch(sql.query("sched_forget_workers"), now, silent_seconds, limit)]

@@ -204,10 +204,11 @@ class Release:
 
     worker_lost: bool = False
     metered: Metered = UNMETERED
+    keep_order: bool = False  # a preempted task keeps its place in its level's queue
     move: ClassVar[Move] = Move.RELEASE
 
     def params(self) -> tuple[object, ...]:
-        return (self.worker_lost, *self.metered.params())
+        return (self.worker_lost, *self.metered.params(), self.keep_order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,10 +349,12 @@ async def release(
     expected_attempt: int | None = None,
     worker_lost: bool = False,
     metered: Metered = UNMETERED,
+    keep_order: bool = False,
 ) -> Outcome:
-    """PROCESSING -> QUEUED without spending a retry; `worker_lost` counts a lost worker's attempt."""
+    """PROCESSING -> QUEUED without spending a retry; `worker_lost` counts a lost worker's attempt; `keep_order`
+    leaves its place in the queue as it was (a preempted task)."""
     return await apply(
-        db, task_id, Release(worker_lost, metered), actor=actor, reason=reason, expected_version=expected_version,
+        db, task_id, Release(worker_lost, metered, keep_order), actor=actor, reason=reason, expected_version=expected_version,
         expected_attempt=expected_attempt,
     )
 

@@ -389,3 +389,31 @@ FROM (SELECT id, checkpoint_uri AS uri, checkpoint_garbage AS garbage FROM task
       FOR UPDATE SKIP LOCKED) o
 WHERE t.id = o.id
 RETURNING o.uri, o.garbage;
+
+-- name: sched_preempt
+-- Per model that allows preemption: when a due QUEUED task has waited longer than the model's preempt_after and no
+-- task of the model was preempted within that time, marks the running attempt of lower priority with the most work
+-- left (never one preempted within the window) and returns it, for its worker to be told. $1 now, $2 model ids,
+-- $3 their preempt_after seconds, $4 window seconds.
+WITH m AS (SELECT * FROM unnest($2::text[], $3::float8[]) AS m(model_id, secs)),
+waiting AS (
+    SELECT m.model_id, max(q.priority) AS priority
+    FROM m JOIN task q ON q.model_id = m.model_id AND q.status = 'QUEUED'
+    WHERE q.queued_at < COALESCE($1::timestamptz, now()) - make_interval(secs => m.secs)
+      AND (q.not_before IS NULL OR q.not_before <= COALESCE($1::timestamptz, now()))
+      AND NOT EXISTS (SELECT 1 FROM task x
+                      WHERE x.model_id = m.model_id AND x.preempted_at IS NOT NULL
+                        AND x.preempted_at > COALESCE($1::timestamptz, now()) - make_interval(secs => m.secs))
+    GROUP BY m.model_id
+),
+victim AS (
+    SELECT DISTINCT ON (w.model_id) r.id
+    FROM waiting w JOIN task r ON r.model_id = w.model_id
+    WHERE r.status = 'PROCESSING' AND r.lease_expires_at > COALESCE($1::timestamptz, now()) AND r.priority < w.priority
+      AND (r.preempted_at IS NULL OR r.preempted_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $4))
+    ORDER BY w.model_id, r.priority, r.progress, r.id
+)
+UPDATE task t SET preempted_at = COALESCE($1::timestamptz, now())
+FROM victim v
+WHERE t.id = v.id AND t.status = 'PROCESSING'
+RETURNING t.id, t.attempt, t.model_id, t.trace_context;

@@ -29,12 +29,12 @@ from taskgate import results
 from taskgate.config import Settings
 from taskgate.families import TEXT_TO_VIDEO
 from taskgate.runtime import Backends
-from taskgate.states import Status
+from taskgate.states import Priority, Status
 from taskgate.store import workers
 from taskgate_local import tinymodel
 from tests.support.factories import params, submit
 from tests.support.harness import ROOT, settings_env, stored_objects, wait_for
-from tests.support.queries import is_status, read_result, row, wait_task
+from tests.support.queries import events, is_status, read_result, row, wait_task
 
 TEXT_MODELS = tinymodel.tiny_models(TEXT_TO_VIDEO)
 
@@ -261,4 +261,46 @@ async def test_a_fenced_out_attempts_checkpoint_is_refused_and_an_ended_tasks_is
         await wait_for(collected, within=30)
         assert await stored_objects(backends.bus, f"checkpoints/{task.id}-") == []
     finally:
+        await sched.stop()
+
+
+# ---- priority preemption ----
+
+
+async def test_a_high_task_preempts_a_long_low_one_which_resumes_later_with_identical_bytes(
+    settings: Settings, backends: Backends, models: dict[str, Path]
+) -> None:
+    model = "wan-tiny"
+    s = checkpointing(settings, model, models[model])
+    spec = s.models[model].model_copy(update={"preempt_after_seconds": 0.5})
+    s = s.model_copy(update={"models": {**s.models, model: spec}})
+    request = params(steps=100, seed=13, **LONG)
+    sched = await scheduler_service.start(s, backends)
+    signals = TestSignals().arm()
+    handle = await worker_service.start(s, signals=signals)
+    try:
+        low = await submit(backends, model=model, params=request, priority=Priority.LOW)
+        await checkpointed_past(backends, low.id, 3)
+        submitted = time.monotonic()
+        high = await submit(backends, model=model, params=params(steps=2, seed=1), priority=Priority.HIGH)
+        started = await wait_task(backends, high.id, lambda r: r.started_at is not None, within=60)
+        waited = time.monotonic() - submitted
+        done_low = await wait_task(backends, low.id, is_status(Status.SUCCEEDED), within=300)
+        done_high = await row(backends.pool, high.id)
+        assert done_high.status is Status.SUCCEEDED and started.started_at is not None
+        assert done_high.finished_at is not None and done_low.finished_at is not None
+        assert done_high.finished_at < done_low.finished_at  # it did not wait for the whole LOW run
+        # preempt_after, a scan pass and a step or two, not the LOW run's remaining ~90 steps
+        assert waited < 10, waited
+        preempted = [e for e in await events(backends, low.id) if e["reason"] == "PREEMPTED"]
+        assert len(preempted) == 1 and preempted[0]["to_status"] == "QUEUED"  # once: no thrashing
+        assert (done_low.attempt, done_low.retry_count, done_low.worker_losses) == (2, 0, 0)
+        steps = [k.step for k in signals.checkpointed.seen if k.task_id == low.id and k.attempt == 2]
+        first = [k.step for k in signals.checkpointed.seen if k.task_id == low.id and k.attempt == 1]
+        assert steps and min(steps) == max(first) + 1  # resumed at the checkpoint taken when it was preempted
+        assert done_low.result_uri is not None
+        video = await read_result(s, backends, done_low.result_uri)
+        assert video == await uninterrupted(backends, model, request, handle)
+    finally:
+        await handle.stop(grace=0)
         await sched.stop()
