@@ -67,13 +67,46 @@ def micros(at: datetime) -> int:
 
 
 @dataclass(slots=True)
+class _User:
+    """One end user of a tenant in one level: its pass from the tenant's end-user floor on, its due tasks' keys."""
+
+    pass_: float
+    at: array[int]
+    ids: array[int]
+
+    def rank(self, at: int, task_id: int) -> int:
+        """How many of its due tasks come before the key (at, task_id)."""
+        lo = bisect_left(self.at, at)
+        hi = bisect_right(self.at, at, lo)
+        return bisect_left(self.ids, task_id, lo, hi)
+
+
+@dataclass(slots=True)
 class _Tenant:
-    """One tenant of one level: its pass from the level's floor on, its weight, its due tasks' keys in claim order."""
+    """One tenant of one level: its pass from the level's floor on, its weight, its due tasks' keys in claim order,
+    and (when more than one end user has tasks there) each end user's, who take turns inside the tenant's turns."""
 
     pass_: float
     weight: float
     at: array[int]
     ids: array[int]
+    users: dict[str, _User] = field(default_factory=dict)
+    user_floor: float = 0.0
+
+    def turns(self, end_user: str, at: int, task_id: int) -> int:
+        """How many of the tenant's turns come before the task's: its end user's tasks before it and the other end
+        users' turns that come first (stride 1 each, as worker_claim serves them); the tenant's own order when one
+        end user has all its tasks."""
+        if not self.users:
+            return self.rank(at, task_id)
+        me = self.users.get(end_user)
+        upto = (me.rank(at, task_id) if me is not None else 0) + 1
+        turn = (me.pass_ if me is not None else self.user_floor) + upto - 1
+        ahead = sum(
+            min(len(other.at), max(0, math.floor(turn - other.pass_) + 1))
+            for name, other in self.users.items() if name != end_user and other.at
+        )
+        return upto - 1 + ahead
 
     def rank(self, at: int, task_id: int) -> int:
         """How many of its due tasks come before the key (at, task_id)."""
@@ -99,10 +132,19 @@ class Snapshot:
         self._levels: dict[tuple[str, int], _Level] = {}
         for r in rows.tenants:
             level = self._levels.setdefault((r.model_id, r.priority), _Level(floor=r.floor or 0.0))
-            level.tenants[r.user_id] = _Tenant(
+            tenant = _Tenant(
                 max(r.pass_ if r.pass_ is not None else level.floor, level.floor), r.weight, array("q", r.at),
-                array("q", r.ids),
+                array("q", r.ids), user_floor=r.end_user_floor,
             )
+            if len(set(r.end_users)) > 1:  # its end users take turns inside its turns
+                for at, task_id, name in zip(r.at, r.ids, r.end_users, strict=True):
+                    user = tenant.users.get(name)
+                    if user is None:
+                        passed = r.end_user_passes.get(name, r.end_user_floor)
+                        user = tenant.users[name] = _User(max(passed, r.end_user_floor), array("q"), array("q"))
+                    user.at.append(at)
+                    user.ids.append(task_id)
+            level.tenants[r.user_id] = tenant
             level.due += len(r.at)
         self._workers = rows.workers
         self._slots: dict[str, float] = {}
@@ -142,7 +184,8 @@ class Snapshot:
         level = self._levels.get((task.model_id, task.priority)) or _Level()
         me = level.tenants.get(task.user_id)
         assert task.queued_at is not None
-        upto = (me.rank(micros(task.queued_at), task.id) if me is not None else 0) + 1  # itself, due or not, seen or not
+        # itself, due or not, seen or not; inside its tenant's turns, its end user's
+        upto = (me.turns(task.end_user, micros(task.queued_at), task.id) if me is not None else 0) + 1
         my_pass, my_weight = (me.pass_, me.weight) if me is not None else (level.floor, 1.0)
         turn = my_pass + (upto - 1) / my_weight
         ahead = 0

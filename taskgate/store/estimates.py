@@ -80,6 +80,9 @@ class TenantLevel:
     weight: float  # its share weight
     at: Sequence[int]  # its due QUEUED tasks' queued_at (epoch microseconds), in claim order
     ids: Sequence[int]  # and their ids, in the same order
+    end_users: Sequence[str] = ()  # and their end users, in the same order
+    end_user_floor: float = 0.0  # where a tenant's end user without a pass starts (fair_share.end_user_floor)
+    end_user_passes: Mapping[str, float] = field(default_factory=dict)  # its end users' passes (end_user_share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,8 @@ async def queue_snapshot(db: Conn, *, alive_seconds: float, within: float | None
             TenantLevel(
                 model_id=r["model_id"], priority=r["priority"], user_id=r["user_id"],
                 pass_=r["pass"], floor=r["floor"], weight=float(r["weight"]), at=r["at"], ids=r["ids"],
+                end_users=r["end_users"], end_user_floor=float(r["end_user_floor"]),
+                end_user_passes={str(k): float(v) for k, v in (r["end_user_passes"] or {}).items()},
             )
             for r in rows
         ],

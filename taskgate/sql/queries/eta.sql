@@ -96,22 +96,27 @@ WHERE t.id = ANY($1::bigint[]);
 -- The queue that every poll of a process shares (taskgate/queueview.py), read once per refresh, never per poll: one
 -- row per (model, priority, tenant) with due QUEUED tasks or a fair-share pass: the tenant's pass (NULL: none yet),
 -- its level's floor (NULL: none yet), its share weight, and its due tasks' keys in claim order (queued_at as epoch
--- microseconds, id: the order worker_claim serves a tenant in).
+-- microseconds, id: the order worker_claim serves each end user of a tenant in) with each one's end user, and the
+-- tenant's end users' passes and floor (inside a tenant's turns its end users take turns: #35).
 WITH due AS (
     SELECT q.model_id, q.priority, q.user_id,
            array_agg((extract(epoch FROM q.queued_at) * 1000000)::bigint ORDER BY q.queued_at, q.id) AS at,
-           array_agg(q.id ORDER BY q.queued_at, q.id) AS ids
+           array_agg(q.id ORDER BY q.queued_at, q.id) AS ids,
+           array_agg(q.end_user ORDER BY q.queued_at, q.id) AS end_users
     FROM task q
     WHERE q.status = 'QUEUED' AND (q.not_before IS NULL OR q.not_before <= now())
     GROUP BY q.model_id, q.priority, q.user_id
 ), keyed AS (
     SELECT coalesce(d.model_id, fs.model_id) AS model_id, coalesce(d.priority, fs.priority) AS priority,
-           coalesce(d.user_id, fs.user_id) AS user_id, fs.pass, d.at, d.ids
+           coalesce(d.user_id, fs.user_id) AS user_id, fs.pass, d.at, d.ids, d.end_users, fs.end_user_floor
     FROM due d
     FULL JOIN fair_share fs ON fs.model_id = d.model_id AND fs.priority = d.priority AND fs.user_id = d.user_id
 )
 SELECT k.model_id, k.priority, k.user_id, k.pass, l.floor, coalesce(tn.share_weight, 1) AS weight,
-       coalesce(k.at, '{}') AS at, coalesce(k.ids, '{}') AS ids
+       coalesce(k.at, '{}') AS at, coalesce(k.ids, '{}') AS ids, coalesce(k.end_users, '{}') AS end_users,
+       coalesce(k.end_user_floor, 0) AS end_user_floor,
+       (SELECT coalesce(jsonb_object_agg(e.end_user, e.pass), '{}') FROM end_user_share e
+        WHERE e.model_id = k.model_id AND e.priority = k.priority AND e.user_id = k.user_id) AS end_user_passes
 FROM keyed k
 LEFT JOIN fair_level l ON l.model_id = k.model_id AND l.priority = k.priority
 LEFT JOIN tenant tn ON tn.id = k.user_id;
