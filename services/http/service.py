@@ -9,7 +9,9 @@ import socket
 import time
 from dataclasses import dataclass
 
+import grpc
 import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -21,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from taskgate import telemetry
 from taskgate.config import Settings
 from taskgate.runtime import serve_until_signal
+from taskgate.server import READINESS
 
 from . import dashboard, openapi
 from .api import POLL_HEADER, Api
@@ -56,18 +59,40 @@ class Metrics:
             telemetry.HTTP_LATENCY.labels(scope["method"], template).observe(time.perf_counter() - started)
 
 
+async def _ready(channel: grpc.aio.Channel, within: float) -> str:
+    """An upstream's readiness as one word: SERVING, NOT_SERVING, or the gRPC code that kept it from answering."""
+    try:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=READINESS), timeout=within)
+    except grpc.aio.AioRpcError as exc:
+        return str(exc.code().name)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
 def build_app(settings: Settings, upstream: Upstream, closing: asyncio.Event) -> Starlette:
     """The ASGI application over `upstream`: the API, its document, health, and the dashboard."""
     api = Api(upstream, settings, closing)
 
     async def healthz(_request: Request) -> Response:
+        """Liveness: the process answers."""
         return JSONResponse({"status": "SERVING"})
+
+    async def readyz(_request: Request) -> Response:
+        """Readiness: not draining, and the upstreams every API call needs (the gateway, the events) answer their own
+        readiness (taskgate.ready); 503 names what is not, so a load balancer stops sending to a face that cannot serve."""
+        if closing.is_set():
+            return JSONResponse({"status": "NOT_SERVING", "reason": "draining"}, status_code=503)
+        names = ("gateway", "events")
+        answers = await asyncio.gather(*(_ready(channel, settings.health_check_timeout_seconds) for channel in upstream.channels[:2]))
+        upstreams = dict(zip(names, answers, strict=True))
+        ready = all(answer == "SERVING" for answer in answers)
+        return JSONResponse({"status": "SERVING" if ready else "NOT_SERVING", "upstreams": upstreams}, status_code=200 if ready else 503)
 
     async def spec(_request: Request) -> Response:
         return JSONResponse(openapi.document())
 
     routes: list[BaseRoute] = [
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
         Route("/openapi.json", spec, methods=["GET"]),
         *api.routes(),
         *dashboard.routes(upstream, settings),

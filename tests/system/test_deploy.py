@@ -495,8 +495,8 @@ def test_containers_match_the_settings_they_read(overlay: str) -> None:
         if name == "http":  # the HTTP face: plain HTTP probes, no database or NATS of its own
             assert settings.http_host == "0.0.0.0", where
             assert ports == {"http": settings.http_port, "metrics": settings.http_metrics_port}, where
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, f"{where}: {probe}"
+            for probe, path in (("startupProbe", "/healthz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+                assert container[probe]["httpGet"] == {"path": path, "port": "http"}, f"{where}: {probe}"
             assert not {v["name"] for v in container.get("env", [])} & {"TASKGATE_DATABASE_URL", "TASKGATE_API_KEY_PEPPER"}, where
             continue
         assert settings.grpc_host == "0.0.0.0", f"{where}: probes need 0.0.0.0"

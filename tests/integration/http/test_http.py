@@ -381,3 +381,29 @@ async def test_a_body_past_its_cap_is_refused_naming_the_body(client: httpx.Asyn
     cap = 2 * stack.settings.grpc_max_message_bytes
     answer = await client.post("/v1/tasks", content=b"{" + b" " * cap + b"}")
     assert violations(error_of(answer, 400, "INVALID_ARGUMENT")) == {"body"}
+
+
+async def test_readiness_follows_the_gateway_and_the_events_while_liveness_stays(
+    stack: HttpStack, client: httpx.AsyncClient
+) -> None:
+    """/readyz asks the upstreams' own readiness: a face whose events service is gone is taken out of a load
+    balancer's rotation (503 naming it), and back when it returns; /healthz (liveness) stays 200 meanwhile."""
+    ready = await client.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    assert ready.json() == {"status": "SERVING", "upstreams": {"gateway": "SERVING", "events": "SERVING"}}
+    port = stack.notifier.port
+    await stack.notifier.stop()
+
+    async def unready() -> bool:
+        got = await client.get("/readyz")
+        return got.status_code == 503 and got.json()["upstreams"]["events"] != "SERVING"
+
+    await wait_for(unready, within=15)
+    assert (await client.get("/readyz")).json()["upstreams"]["gateway"] == "SERVING"
+    assert (await client.get("/healthz")).status_code == 200
+    stack.notifier = await notifier_service.start(stack.settings.model_copy(update={"notifier_port": port}))
+
+    async def ready_again() -> bool:
+        return (await client.get("/readyz")).status_code == 200
+
+    await wait_for(ready_again, within=30)
