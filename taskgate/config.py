@@ -576,6 +576,11 @@ class Settings(BaseSettings):
         default=60.0, gt=0, description="How long an open breaker holds a destination's webhooks before one trial attempt."
     )
     stream_keepalive_seconds: float = Field(default=15.0, gt=0, description="Keep-alive period on idle WatchTask/WatchTasks streams.")
+    stream_max_age_seconds: float = Field(
+        default=300.0, gt=0,
+        description="A WatchTask/WatchTasks stream ends after this long (90-100%) with UNAVAILABLE and where to resume; "
+        "the servers' connection grace is raised to cover it, so no stream is cut off by a connection's age without a status.",
+    )
     stream_buffer_size: int = Field(default=1000, ge=1, description="Events buffered per slow subscriber.")
     event_feed_heartbeat_seconds: float = Field(
         default=5.0, gt=0, description="The notifier's live event feed: heartbeat period; two missed ones recreate its consumer."

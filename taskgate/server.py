@@ -61,6 +61,12 @@ CONFLICT_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+def connection_grace(settings: Settings) -> float:
+    """How long calls on a connection closed for its age get: the configured grace, or longer when a stream opened
+    just before the close needs longer to reach its own maximum age."""
+    return max(settings.grpc_max_connection_age_grace_seconds, settings.stream_max_age_seconds + 2 * settings.stream_keepalive_seconds)
+
+
 def _split(method: str) -> tuple[str, str]:
     _, service, name = method.split("/", 2)
     return service.rsplit(".", 1)[-1], name
@@ -318,7 +324,9 @@ async def start_server(
             ("grpc.http2.min_ping_interval_without_data_ms", int(settings.grpc_min_ping_interval_seconds * 1000)),
             # a connection ends after its age (gRPC adds ±10% jitter), so long-lived clients spread over new pods
             ("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age_seconds * 1000)),
-            ("grpc.max_connection_age_grace_ms", int(settings.grpc_max_connection_age_grace_seconds * 1000)),
+            # a stream still open then is cut off with no status: the grace lets the streams end themselves first
+            # (at their own maximum age, noticed within a keep-alive period), with a reason and where to resume
+            ("grpc.max_connection_age_grace_ms", int(connection_grace(settings) * 1000)),
             # calls that arrive faster than the event loop takes them wait in gRPC core, which above 1,000 waiting
             # (its default) cancels some at random with a bare CANCELLED before any handler runs: no status, no
             # reason (2,000 WatchTask streams opened at once lost ~10% that way); here they wait until it takes them

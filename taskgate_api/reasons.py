@@ -40,6 +40,7 @@ TASK_NOT_SUCCEEDED: Final = "TASK_NOT_SUCCEEDED"  # a result of a task that did 
 # event streams (TaskEvents)
 SUBSCRIBER_TOO_SLOW: Final = "SUBSCRIBER_TOO_SLOW"  # the stream fell too far behind and was closed: resume it
 NOTIFIER_SHUTTING_DOWN: Final = "NOTIFIER_SHUTTING_DOWN"  # the notifier is draining: resume on another
+STREAM_MAX_AGE: Final = "STREAM_MAX_AGE"  # UNAVAILABLE: the stream reached its maximum age: resume (a new connection)
 
 # the SDK itself
 CHECKSUM_MISMATCH: Final = "CHECKSUM_MISMATCH"  # DATA_LOSS: a download did not match the task's recorded sha256

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import random
 import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -59,6 +61,11 @@ class Closing(Exception):
     """This process is shutting down: its streams end, telling their clients where to resume."""
 
 
+class Aged(Closing):
+    """The stream reached its maximum age: it ends with a status and where to resume before the server's maximum
+    connection age (plus its grace) would cut it off with none, and the client resumes over a fresh connection."""
+
+
 class Subscriber:
     """One stream's bounded buffer of live events; overflowing marks it instead of dropping events silently.
 
@@ -71,6 +78,7 @@ class Subscriber:
         self.overflowed = False
         self.closing = False
         self.quiet_since = time.monotonic()  # when the stream last got something to send (an event or a keep-alive)
+        self.ends_at = math.inf  # when it ends for its age (Keepalive.add sets it)
         self._keepalive = False
         self._items: deque[task_pb2.TaskEvent | output.Live] = deque()  # events and chunks in the order they came
         self._ready = asyncio.Event()
@@ -112,6 +120,8 @@ class Subscriber:
         self.quiet_since = time.monotonic()
         if self.closing:
             raise Closing
+        if self.quiet_since >= self.ends_at:
+            raise Aged
         if self.overflowed:
             raise Overflow
         self._keepalive = False
@@ -122,13 +132,16 @@ class Keepalive:
     """One timer for every stream of the process: each tick (twice a period) wakes the streams quiet for a whole
     period, so an idle stream costs no timer, and no wake-up but its keep-alive."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, max_age: float = math.inf) -> None:
         self.seconds = seconds
+        self.max_age = max_age
         self._subs: set[Subscriber] = set()
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, sub: Subscriber) -> None:
-        """Starts keeping a stream alive (and the tick, with the first one)."""
+        """Starts keeping a stream alive (and the tick, with the first one), until its age ends it (90-100% of
+        max_age, so the streams of one connection do not all resume at once)."""
+        sub.ends_at = time.monotonic() + self.max_age * random.uniform(0.9, 1.0)
         self._subs.add(sub)
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.seconds / 2, self._tick)
@@ -141,9 +154,10 @@ class Keepalive:
             self._timer = None
 
     def _tick(self) -> None:
-        quiet = time.monotonic() - self.seconds
+        now = time.monotonic()
+        quiet = now - self.seconds
         for sub in self._subs:
-            if sub.quiet_since <= quiet:
+            if sub.quiet_since <= quiet or sub.ends_at <= now:  # its next read ends a stream past its age
                 sub.keep_alive()
         self._timer = asyncio.get_running_loop().call_later(self.seconds / 2, self._tick)
 
@@ -358,10 +372,21 @@ def shutting_down(message: str, **metadata: str) -> errors.ApiError:
     return errors.ApiError(grpc.StatusCode.UNAVAILABLE, message, info, error_details_pb2.RetryInfo(retry_delay=delay))
 
 
+def aged(message: str, **metadata: str) -> errors.ApiError:
+    """UNAVAILABLE with reason STREAM_MAX_AGE, where to resume and a short retry delay: the client resumes at once,
+    over a new connection (the old one was told to go away at its maximum age)."""
+    info = error_details_pb2.ErrorInfo(reason=reasons.STREAM_MAX_AGE, domain=reasons.DOMAIN, metadata=metadata)
+    delay = duration_pb2.Duration()
+    delay.FromMilliseconds(SHUTDOWN_RETRY_MS)
+    return errors.ApiError(grpc.StatusCode.UNAVAILABLE, message, info, error_details_pb2.RetryInfo(retry_delay=delay))
+
+
 def ended(exc: Overflow | Closing, resume: str, **metadata: str) -> errors.ApiError:
     """The status a stream ends with when the server ends it: why, and `resume` (the request field to resume with)."""
     if isinstance(exc, Overflow):
         return too_slow(f"subscriber too slow: resume with {resume}", **metadata)
+    if isinstance(exc, Aged):
+        return aged(f"stream reached its maximum age: resume with {resume}", **metadata)
     return shutting_down(f"notifier shutting down: resume with {resume}", **metadata)
 
 
@@ -395,7 +420,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self._throttle = throttle
         self._outputs = outputs
         self._output_hub = output_hub  # None: no output is sent (include_output ignored)
-        self.keepalive = Keepalive(settings.stream_keepalive_seconds)
+        self.keepalive = Keepalive(settings.stream_keepalive_seconds, settings.stream_max_age_seconds)
         self.estimates = Estimates(pool, settings)
         self.task_versions: Newest[int] = Newest(lambda ids: event_store.task_versions(pool, ids))
         self.tenant_events: Newest[str] = Newest(lambda users: event_store.last_event_ids(pool, users))

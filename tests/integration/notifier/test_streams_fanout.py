@@ -168,3 +168,34 @@ async def test_two_thousand_streams_opened_at_once_all_open(
 
         await asyncio.wait_for(asyncio.gather(*(open_one(i) for i in range(2000))), 120)
     assert ends == {"snapshot": 2000}
+
+
+async def test_a_stream_outliving_its_connections_age_ends_with_a_status_and_where_to_resume(
+    backends: Backends, settings: Settings, api_key: str, notifier_factory: Any
+) -> None:
+    """The server closes a connection at its maximum age and cuts off, after the grace, what still runs on it: a
+    stream ends itself first, UNAVAILABLE with STREAM_MAX_AGE and its resume point (it used to end with no status)."""
+    aging = fast(settings, grpc_max_connection_age_seconds=1.0, grpc_max_connection_age_grace_seconds=0.5,
+                 stream_max_age_seconds=2.0, stream_keepalive_seconds=0.2)
+    handle = await notifier_factory(aging)
+    pool = backends.pool
+    task = await insert_task(pool)
+    await run_to(pool, task.id, Status.PROCESSING, [30])
+    await all_relayed(pool)
+    async with events_stub(handle) as stub:
+        one = stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id)), metadata=bearer(api_key))
+        every = stub.WatchTasks(events_pb2.WatchTasksRequest(), metadata=bearer(api_key))
+        cursor = ""
+        for call, field in ((one, "last_version"), (every, "cursor")):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async with asyncio.timeout(15):
+                    while (msg := await call.read()) is not grpc.aio.EOF:
+                        cursor = getattr(msg, "cursor", "") or cursor
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value
+            info = error_info(caught.value)
+            assert info.reason == "STREAM_MAX_AGE", caught.value
+            assert info.metadata[field] == ("4" if call is one else cursor)
+            assert retry_delay(caught.value) is not None
+        resumed = stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id), after_version=4), metadata=bearer(api_key))
+        assert (await resumed.read()).WhichOneof("kind") in ("snapshot", "keepalive")
+        resumed.cancel()
