@@ -162,3 +162,23 @@ async def test_a_tenants_own_overrides_and_the_per_minute_limit_per_end_user(stu
                                 submits_per_minute_per_end_user=1000)
     codes = [(await ask("cy", n))[0] for n in range(7)]
     assert codes == [grpc.StatusCode.OK] * 5 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+
+
+async def test_two_replicas_count_an_end_users_minute_exactly(settings: Settings, backends: Backends) -> None:
+    md = await key_for(backends, max_pending=100)
+    await tenants.update_tenant(backends.pool, "tenant-a", max_pending=None, submits_per_minute=None, max_priority=None,
+                                max_pending_per_end_user=50, submits_per_minute_per_end_user=5)
+    # the next minute's window is full already: a burst straddling a minute boundary cannot get more than this minute's
+    await backends.pool.execute(
+        "INSERT INTO end_user_rate_window (tenant_id, end_user, window_start, count)"
+        " VALUES ('tenant-a', 'ann', date_trunc('minute', now()) + interval '1 minute', 5)"
+    )
+    results = await _burst(settings, [
+        (md, gateway_pb2.SubmitTaskRequest(prompt=f"job {n}", end_user="ann")) for n in range(20)
+    ] + [(md, gateway_pb2.SubmitTaskRequest(prompt=f"other {n}", end_user="bob")) for n in range(3)])
+    ann, bob = results[:20], results[20:]
+    assert [code for code, _, _ in ann].count(grpc.StatusCode.OK) == 5
+    refused = [info_of(d) for code, d, _ in ann if code != grpc.StatusCode.OK]
+    assert {(i.reason, i.metadata["scope"], i.metadata["limit"]) for i in refused} == {("RATE_LIMITED", "end_user", "5")}
+    assert all(code == grpc.StatusCode.OK for code, _, _ in bob)  # another end user of the tenant is not held back
+    assert await backends.pool.fetchval("SELECT count(*) FROM task WHERE end_user = 'ann'") == 5
