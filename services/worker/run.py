@@ -196,9 +196,11 @@ class Attempts:
             image = await self._input_image(run)
             snapshot = await run.unless_stopped(resume.load(self.inputs, task, self.settings.lease_seconds)) if policy is not None else None
             if policy is not None:
+                start_step = snapshot.step if snapshot is not None else 0
+                log.info("run starts", extra={"task_id": str(task.id), "attempt": task.attempt, "from_step": start_step})
                 run.keeper = resume.Keeper(
                     pool=self.pool, store=self.inputs, task=task, policy=policy, device_seconds=run.device_seconds_now,
-                    kept=self._kept, loop=loop, start_step=snapshot.step if snapshot is not None else 0,
+                    kept=self._kept, loop=loop, start_step=start_step,
                 )
             inp = runmod.RunInput(
                 task.id, task.attempt, task.prompt, dict(task.request_payload), image, resume=snapshot, capture=run.keeper

@@ -57,7 +57,8 @@ CHANNEL_OPTIONS = [
 QUIESCE_SECONDS = 200.0
 
 
-WAN_PARAMS = task_pb2.VideoParams(num_frames=9, width=16, height=16, num_inference_steps=2, guidance_scale=5.0, fps=8)
+# six steps with a checkpoint after each (fault_settings): a worker killed mid-run leaves one to resume from
+WAN_PARAMS = task_pb2.VideoParams(num_frames=9, width=16, height=16, num_inference_steps=6, guidance_scale=5.0, fps=8)
 
 
 SLEEP_PARAMS = task_pb2.VideoParams(num_inference_steps=2)
@@ -91,7 +92,7 @@ def fault_settings(model_dir: Path) -> Settings:
     """Short leases, scans and webhook schedule, so recoveries take seconds; a queue timeout nothing reaches."""
     return Settings(
         models={
-            "wan-tiny": ModelSpec(path=model_dir, default_width=16, default_height=16, default_steps=2),
+            "wan-tiny": ModelSpec(path=model_dir, default_width=16, default_height=16, default_steps=2, checkpoint_every_steps=1),
             "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.05),
         },
         default_model="sleepy",
@@ -439,8 +440,12 @@ async def check_histories(
         if tasks[key]["callback_status"] != d["status"]:
             problems.append(f"{key}: task says callback {tasks[key]['callback_status']}, delivery says {d['status']}")
 
+    # Checkpoints: a task interrupted after its first checkpoint never recomputes a step before that checkpoint.
+    resumes = check_resumes(cluster, problems)
+
     return {
         "problems": problems,
+        "resumed": resumes,
         "statuses": dict(statuses),
         "duplicates": duplicates,
         "peak_claims": max(peaks.values(), default=0),
@@ -451,6 +456,39 @@ async def check_histories(
         "redundant": redundant,
         "exits": {name: s.exits for name, s in cluster.services.items()},
     }
+
+
+def check_resumes(cluster: Cluster, problems: list[str]) -> int:
+    """From the workers' logs (every start appends): each attempt that begins a checkpointing run ("run starts",
+    from_step) begins at or after every checkpoint an earlier attempt of its task stored ("checkpoint stored", step).
+    A checkpoint logged is one recorded on the row; one recorded by a worker killed before its log line is not seen,
+    which can only hide a violation, never make one up. Returns how many attempts resumed past step 0."""
+    stored: dict[int, list[tuple[int, int]]] = defaultdict(list)  # task -> (attempt, step)
+    starts: dict[int, list[tuple[int, int]]] = defaultdict(list)  # task -> (attempt, from step)
+    for name, service in cluster.services.items():
+        if not name.startswith("worker"):
+            continue
+        try:
+            lines = service.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for record in (_json_or_none(line) for line in lines):
+            if record is None or "task_id" not in record:
+                continue
+            if record.get("msg") == "checkpoint stored":
+                stored[int(record["task_id"])].append((int(record["attempt"]), int(record["step"])))
+            elif record.get("msg") == "run starts":
+                starts[int(record["task_id"])].append((int(record["attempt"]), int(record["from_step"])))
+            elif record.get("msg", "").startswith("checkpoint not resumed"):
+                problems.append(f"task {record['task_id']}: a checkpoint was not resumed ({record.get('msg')})")
+    resumed = 0
+    for task_id, begun in starts.items():
+        for attempt, from_step in begun:
+            earlier = [step for a, step in stored.get(task_id, []) if a < attempt]
+            if earlier and from_step < max(earlier):
+                problems.append(f"task {task_id}: attempt {attempt} began at step {from_step}, before checkpoint {max(earlier)}")
+            resumed += from_step > 0
+    return resumed
 
 
 def peak_claims(by_task: dict[int, list[Any]], outages: list[tuple[datetime, datetime]]) -> dict[str, int]:
@@ -497,7 +535,8 @@ def print_summary(
         f"  tasks: {len(subs.acked)} acknowledged + {len(chaos.probes)} probes; end states {report['statuses']}",
         f"  client retries by code: {dict(subs.retries)}; never acknowledged: {len(subs.given_up)}",
         f"  duplicate inferences (started attempts beyond the first): {report['duplicates']};"
-        f" most tasks one worker held at once outside backend outages: {report['peak_claims']} (1 slot each)",
+        f" most tasks one worker held at once outside backend outages: {report['peak_claims']} (1 slot each);"
+        f" attempts resumed from a checkpoint: {report['resumed']}",
         f"  webhooks: {report['deliveries']} terminal deliveries, {report['hook_requests']} requests received,"
         f" {report['hook_failures']} failed on purpose, {report['exhausted']} exhausted their schedule,"
         f" {report['redundant']} extra 2xx deliveries (at-least-once)",
