@@ -13,6 +13,8 @@ from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescript
 
 from taskgate_api.v1 import gateway_pb2, task_pb2
 
+from .oai import openapi as openai_face
+
 _SCALARS: dict[int, dict[str, Any]] = {
     FieldDescriptor.TYPE_DOUBLE: {"type": "number"},
     FieldDescriptor.TYPE_FLOAT: {"type": "number"},
@@ -135,6 +137,7 @@ def document() -> dict[str, Any]:
     for name in ("SubmitTaskResponse", "RegenerateTaskResponse"):
         components[name]["properties"]["created"] = {"type": "boolean"}
     components["Error"] = ERROR
+    components.update(openai_face.COMPONENTS)
     components["ListTasksResponse"] = {
         "type": "object", "additionalProperties": False,
         "properties": {"tasks": {"type": "array", "items": _ref("Task")}, "next_page_token": {"type": "string"}},
@@ -288,10 +291,13 @@ def document() -> dict[str, Any]:
             }
         },
     }
+    paths.update(openai_face.PATHS)
     return {
         "openapi": "3.1.0",
         "info": {"title": "taskgate", "version": "v1",
-                 "description": "The TaskGateway and TaskEvents API as JSON over HTTP (proto3 JSON, .proto field names)."},
+                 "description": "The TaskGateway and TaskEvents API as JSON over HTTP (proto3 JSON, .proto field names), "
+                                "and under /openai/v1 the OpenAI-compatible face (background responses, files, "
+                                "batches: docs/openai.md)."},
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
         "components": {"schemas": components,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "an API key"}}},

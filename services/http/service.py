@@ -27,6 +27,7 @@ from taskgate.server import READINESS
 
 from . import dashboard, openapi
 from .api import POLL_HEADER, Api
+from .oai.routes import Face
 from .upstream import Upstream
 
 log = logging.getLogger("taskgate.http")
@@ -95,6 +96,7 @@ def build_app(settings: Settings, upstream: Upstream, closing: asyncio.Event) ->
         Route("/readyz", readyz, methods=["GET"]),
         Route("/openapi.json", spec, methods=["GET"]),
         *api.routes(),
+        *Face(upstream, settings, closing).routes(),
         *dashboard.routes(upstream, settings),
     ]
     middleware = [Middleware(Metrics)]

@@ -94,6 +94,8 @@ def batch_proto(row: BatchRow) -> batches_pb2.Batch:
         error_message=row.error_message or "", created_at=timestamp(row.created_at), expires_at=timestamp(row.expires_at),
         counts=batches_pb2.BatchCounts(total=row.total_lines or 0, completed=row.done, failed=row.failed),
     )
+    if row.source_file_id is not None:
+        out.source_file_id = f"{FILE_PREFIX}{row.source_file_id}"
     if row.output_file_id is not None:
         out.output_file_id = f"{FILE_PREFIX}{row.output_file_id}"
     if row.error_file_id is not None:
@@ -259,9 +261,13 @@ class Batches:
         source = await self.file(who.tenant_id, request.input_file_id)
         if source.purpose != "batch":
             raise errors.invalid_argument([("input_file_id", f"a file of purpose {source.purpose!r}, not 'batch'")])
+        original = None
+        if request.source_file_id:
+            original = (await self.file(who.tenant_id, request.source_file_id)).id
         row = await store.insert_batch(
             self.pool, self.next_id(), who.tenant_id, request.end_user, source.id, request.endpoint,
             request.completion_window, dict(request.metadata), request.window_seconds, self.settings.batch_lease_seconds,
+            original,
         )
         self._start(self._ingest(who, row))
         return batch_proto(row)
@@ -406,7 +412,8 @@ class Batches:
                 request = chunk[i].request
                 assert request is not None
                 request.idempotency_key = f"{BATCH_PREFIX}{row.id}:{chunk[i].custom_id}"
-                request.end_user = row.end_user
+                if row.end_user:  # the batch names its end user: every line is theirs (else each line says)
+                    request.end_user = row.end_user
                 request.metadata["batch_id"] = f"{BATCH_PREFIX}{row.id}"
                 request.metadata["custom_id"] = chunk[i].custom_id
                 requests.append(request)

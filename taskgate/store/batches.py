@@ -47,6 +47,7 @@ class BatchRow:
     created_at: datetime
     expires_at: datetime
     moments: dict[str, datetime | None] = field(default_factory=dict)  # in_progress_at, ..., cancelled_at
+    source_file_id: int | None = None  # the caller's file a face translated into the input
     done: int = 0  # lines whose task SUCCEEDED
     failed: int = 0  # refused lines and tasks FAILED, TIMEOUT or CANCELED
     unfinished: int = 0
@@ -78,7 +79,7 @@ def _batch(rec: Any) -> BatchRow:
         rec["id"], rec["user_id"], rec["end_user"], rec["input_file_id"], rec["endpoint"], rec["completion_window"],
         dict(rec["metadata"] or {}), rec["status"], rec["total_lines"], rec["ingested_lines"], rec["output_file_id"],
         rec["error_file_id"], rec["error_message"], rec["created_at"], rec["expires_at"],
-        moments={k: rec[k] for k in MOMENTS}, **counts,
+        moments={k: rec[k] for k in MOMENTS}, source_file_id=rec["source_file_id"], **counts,
     )
 
 
@@ -103,12 +104,12 @@ async def list_files(db: Conn, tenant: str, purpose: str, after: int | None, lim
 
 async def insert_batch(
     db: Conn, batch_id: int, tenant: str, end_user: str, input_file_id: int, endpoint: str, window: str,
-    metadata: dict[str, str], window_seconds: float, lease_seconds: float,
+    metadata: dict[str, str], window_seconds: float, lease_seconds: float, source_file_id: int | None = None,
 ) -> BatchRow:
     """A new batch, validating, its ingest's lease taken."""
     rec = await db.fetchrow(
         sql.query("batch_insert"), batch_id, tenant, end_user, input_file_id, endpoint, window, metadata,
-        window_seconds, lease_seconds,
+        window_seconds, lease_seconds, source_file_id,
     )
     return _batch(rec)
 

@@ -266,6 +266,7 @@ class Batch(_message.Message):
     CANCELLING_AT_FIELD_NUMBER: _builtins.int
     CANCELLED_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    SOURCE_FILE_ID_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """"batch_" and a time-ordered id"""
     input_file_id: _builtins.str
@@ -283,6 +284,8 @@ class Batch(_message.Message):
     """every line's task is this end user's (empty: the tenant's)"""
     error_message: _builtins.str
     """"failed": why"""
+    source_file_id: _builtins.str
+    """the caller's own file the input was translated from by a face (empty: none)"""
     @_builtins.property
     def counts(self) -> Global___BatchCounts: ...
     @_builtins.property
@@ -327,10 +330,11 @@ class Batch(_message.Message):
         cancelling_at: _timestamp_pb2.Timestamp | None = ...,
         cancelled_at: _timestamp_pb2.Timestamp | None = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
+        source_file_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed_at", b"completed_at", "counts", b"counts", "created_at", b"created_at", "expires_at", b"expires_at", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "in_progress_at", b"in_progress_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed_at", b"completed_at", "completion_window", b"completion_window", "counts", b"counts", "created_at", b"created_at", "end_user", b"end_user", "endpoint", b"endpoint", "error_file_id", b"error_file_id", "error_message", b"error_message", "expires_at", b"expires_at", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "id", b"id", "in_progress_at", b"in_progress_at", "input_file_id", b"input_file_id", "metadata", b"metadata", "output_file_id", b"output_file_id", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled_at", b"cancelled_at", "cancelling_at", b"cancelling_at", "completed_at", b"completed_at", "completion_window", b"completion_window", "counts", b"counts", "created_at", b"created_at", "end_user", b"end_user", "endpoint", b"endpoint", "error_file_id", b"error_file_id", "error_message", b"error_message", "expires_at", b"expires_at", "failed_at", b"failed_at", "finalizing_at", b"finalizing_at", "id", b"id", "in_progress_at", b"in_progress_at", "input_file_id", b"input_file_id", "metadata", b"metadata", "output_file_id", b"output_file_id", "source_file_id", b"source_file_id", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -366,12 +370,15 @@ class CreateBatchRequest(_message.Message):
     WINDOW_SECONDS_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     END_USER_FIELD_NUMBER: _builtins.int
+    SOURCE_FILE_ID_FIELD_NUMBER: _builtins.int
     input_file_id: _builtins.str
     endpoint: _builtins.str
     completion_window: _builtins.str
     window_seconds: _builtins.float
     """the completion window in seconds: expires_at"""
     end_user: _builtins.str
+    source_file_id: _builtins.str
+    """a face that translated the caller's file into input_file_id: the caller's file"""
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -383,10 +390,11 @@ class CreateBatchRequest(_message.Message):
         window_seconds: _builtins.float = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         end_user: _builtins.str = ...,
+        source_file_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_window", b"completion_window", "end_user", b"end_user", "endpoint", b"endpoint", "input_file_id", b"input_file_id", "metadata", b"metadata", "window_seconds", b"window_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_window", b"completion_window", "end_user", b"end_user", "endpoint", b"endpoint", "input_file_id", b"input_file_id", "metadata", b"metadata", "source_file_id", b"source_file_id", "window_seconds", b"window_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -18,10 +18,10 @@ ORDER BY id DESC LIMIT $4;
 
 -- name: batch_insert
 -- A new batch, validating, its lease taken by the ingest that starts it. $1 id, $2 user, $3 end user, $4 input file,
--- $5 endpoint, $6 completion window, $7 metadata, $8 window seconds, $9 lease seconds.
+-- $5 endpoint, $6 completion window, $7 metadata, $8 window seconds, $9 lease seconds, $10 source file (or NULL).
 INSERT INTO task_batch (id, user_id, end_user, input_file_id, endpoint, completion_window, metadata, expires_at,
-                        lease_until)
-VALUES ($1, $2, $3, $4, $5, $6, $7, now() + make_interval(secs => $8), now() + make_interval(secs => $9))
+                        lease_until, source_file_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7, now() + make_interval(secs => $8), now() + make_interval(secs => $9), $10)
 RETURNING *;
 
 -- name: batch_get
