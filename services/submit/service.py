@@ -525,8 +525,12 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
 
     async def _text_of(self, task: TaskRow) -> str | None:
         """A SUCCEEDED chat task's whole answer (its stored result), for a batch's output file; None for others."""
-        if task.task_type != "chat" or task.result_uri is None:
+        if task.task_type != "chat":
             return None
+        if task.result_text is not None and len(task.result_text) == (task.result_chars or 0):
+            return task.result_text  # kept whole inline
+        if task.result_uri is None:
+            return task.result_text
         got = bytearray()
         try:
             async for data in self._results.read(task.result_uri):

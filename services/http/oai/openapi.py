@@ -121,9 +121,6 @@ def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "in": "query", "required": False, "schema": schema}
 
 
-_SSE = {"description": "text/event-stream of OpenAI response events (response.created … response.completed), each "
-                       "with its sequence_number", "content": {"text/event-stream": {"schema": _STR}}}
-
 PATHS: dict[str, Any] = {
     f"{PREFIX}/models": {"get": _op("OpenAIListModels", "the model entries", _json(_ref("OpenAIModelList"), "models"))},
     f"{PREFIX}/models/{{model}}": {"get": _op("OpenAIGetModel", "one model entry", _json(_ref("OpenAIModel"), "the model"),
@@ -136,7 +133,7 @@ PATHS: dict[str, Any] = {
     f"{PREFIX}/responses/{{response_id}}": {"get": _op(
         "OpenAIGetResponse", "a response; stream=true: its events, after starting_after",
         {**_json(_ref("OpenAIResponse"), "the response"), "content": {
-            "application/json": {"schema": _ref("OpenAIResponse")}, "text/event-stream": _SSE["content"]["text/event-stream"]}},
+            "application/json": {"schema": _ref("OpenAIResponse")}, "text/event-stream": {"schema": _STR}}},
         params=[_path("response_id"), _query("stream", {"type": "boolean"}), _query("starting_after", _INT)])},
     f"{PREFIX}/responses/{{response_id}}/cancel": {"post": _op(
         "OpenAICancelResponse", "stops a response (its task hard-cancelled)", _json(_ref("OpenAIResponse"), "cancelled"),

@@ -64,7 +64,7 @@ async def test_errors_have_openai_shapes_and_statuses(client: openai.AsyncOpenAI
     assert foreground.value.param == "background" and foreground.value.code == "background_required"
     with pytest.raises(openai.BadRequestError) as tools:
         await client.responses.create(model="llama-tiny", input="hi", background=True,
-                                      tools=[{"type": "web_search"}])  # type: ignore[list-item]
+                                      tools=[{"type": "web_search"}])
     assert tools.value.param == "tools"
     with pytest.raises(openai.BadRequestError) as bad:  # the gateway's own refusal, its field named in OpenAI's terms
         await client.responses.create(model="llama-tiny", input="hi", background=True, top_p=7.0)
@@ -188,7 +188,7 @@ async def test_a_chat_completions_batch_and_its_cancel(client: openai.AsyncOpenA
     lines.append({"custom_id": "c5", "method": "POST", "url": "/v1/responses", "body": {}})  # not the batch's endpoint
     data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
     uploaded = await client.files.create(file=("chat.jsonl", data), purpose="batch")
-    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h")  # type: ignore[arg-type]
 
     async def ingested() -> bool:
         got = await client.batches.retrieve(batch.id)
