@@ -660,6 +660,10 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 cursor = await event_store.last_event_id(self._pool, tenant)
             # Caught up: this keep-alive tells the client the stream is live and where it would resume.
             yield events_pb2.WatchTasksResponse(keepalive=events_pb2.KeepAlive(), cursor=str(cursor))
+            # Ids commit out of order: an id below the cursor may still commit. A quiet check reads from `floor`, the
+            # cursor of two checks ago (ids a whole quiet period behind the cursor), and reads again while the
+            # cursor moved since: an event that commits within a quiet period of the cursor passing it is found.
+            floor = checked = cursor
             while True:
                 try:
                     live = await sub.next()
@@ -667,11 +671,12 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     raise ended(exc, f"cursor={cursor}", cursor=str(cursor)) from None
                 if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
                     newest = await self.tenant_events.of(tenant)
-                    if newest is not None and newest > cursor:
+                    if (newest is not None and newest > cursor) or floor < cursor:
                         try:
-                            async for row in self._tenant_events_after(tenant, cursor):
+                            async for row in self._tenant_events_after(tenant, floor):
                                 if (out := send(event_wire.message(row))) is not None:
                                     yield out
+                            floor, checked = min(checked, cursor), cursor
                         except QUIET_READ_ERRORS:
                             log.warning("a quiet stream's check of the event table failed", exc_info=True)
                     yield events_pb2.WatchTasksResponse(keepalive=events_pb2.KeepAlive(), cursor=str(cursor))

@@ -11,11 +11,12 @@ from nats.js.api import ConsumerInfo
 
 from services.notifier.streams import EventHub
 from taskgate import bus as busmod
+from taskgate import store
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate_api.v1 import events_pb2, task_pb2
-from tests.support.factories import insert_task
+from tests.support.factories import insert_task, moved
 from tests.support.harness import bearer, wait_for
 from tests.support.notifier import events_stub, fast, run_to
 
@@ -90,4 +91,41 @@ async def test_quiet_streams_get_from_the_table_what_the_feed_never_brought(
                 if msg.WhichOneof("kind") == "event" and msg.event.task_id == str(task.id):
                     seen.append(msg.event.version)
         assert seen == list(range(task.version + 1, final + 1))
+        many.cancel()
+
+
+async def test_a_quiet_watch_tasks_stream_finds_an_event_below_its_cursor_that_committed_late(
+    backends: Backends, settings: Settings, api_key: str, notifier_factory: Any
+) -> None:
+    """Ids commit out of order: an event whose id was taken before the stream's cursor but committed after the stream
+    passed it, and that the live feed never brought, still arrives (the quiet check read only ids above the cursor)."""
+    handle = await notifier_factory(fast(settings, stream_keepalive_seconds=0.2))
+    (relay,) = [loop for loop in handle.tasks if loop.get_name() == "notifier-relay"]
+    relay.cancel()  # the feed brings nothing: what arrives comes from the quiet checks' table reads
+    late, early = await insert_task(backends.pool), await insert_task(backends.pool)
+    async with events_stub(handle) as stub:
+        many = stub.WatchTasks(events_pb2.WatchTasksRequest(), metadata=bearer(api_key))
+        assert (await many.read()).WhichOneof("kind") == "keepalive"
+
+        async def next_event_of(task_id: int) -> Any:
+            async with asyncio.timeout(10):
+                while True:
+                    msg = await many.read()
+                    assert msg is not grpc.aio.EOF
+                    if msg.WhichOneof("kind") == "event" and msg.event.task_id == str(task_id):
+                        return msg
+
+        async with backends.pool.acquire() as conn:
+            slow = conn.transaction()
+            await slow.start()
+            try:
+                assert (await moved(conn, late.id, store.Queue())).applied  # its event id is taken, not committed
+                assert (await moved(backends.pool, early.id, store.Queue())).applied  # a higher id, committed first
+                passed = await next_event_of(early.id)
+                late_id = await backends.pool.fetchval("SELECT max(id) FROM task_event WHERE task_id = $1", early.id)
+                assert int(passed.cursor) == late_id
+            finally:
+                await slow.commit()
+        found = await next_event_of(late.id)  # below the cursor, committed after the stream passed it
+        assert found.event.to_status == task_pb2.TASK_STATUS_QUEUED and found.event.event_id < int(passed.cursor)
         many.cancel()
