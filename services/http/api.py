@@ -2,7 +2,8 @@
 
 Each route is the gRPC call the SDK would make: the same keys (`Authorization: Bearer`), the same rules and limits
 (the gRPC services apply them), the answers in the proto3 JSON mapping with the .proto's field names. Streams are
-`text/event-stream`, one event per version (`id:` the version, or the WatchTasks cursor), resumable with
+`text/event-stream`, one event per version (`id:` the version, or the WatchTasks cursor) and, on a task's stream, one per
+output chunk (`id:` the version and the output sequence, `7.1042`), resumable with
 `Last-Event-ID`, kept alive with comments; a dropped upstream stream (a notifier restart) is resumed from the last id
 sent, so the client sees no gap and no repeat.
 """
@@ -54,6 +55,20 @@ async def _body(request: Request, cap: int) -> bytes:
         if len(received) > cap:
             raise BodyTooLarge
     return bytes(received)
+
+
+def event_id_of(version: int, sequence: int) -> str:
+    """A WatchTask SSE id: the version, and the output sequence after a dot once output has been sent (`7`,
+    `7.1042`), so one `Last-Event-ID` resumes both the events and the output."""
+    return f"{version}.{sequence}" if sequence else str(version)
+
+
+def event_id(value: str) -> tuple[int, int]:
+    """The (version, output sequence) a WatchTask SSE id names; BadInput on `Last-Event-ID` otherwise."""
+    version, dot, sequence = value.partition(".")
+    if dot and not sequence:
+        raise BadInput("Last-Event-ID", "a version, or a version and an output sequence joined by a dot")
+    return integer(version, "Last-Event-ID"), integer(sequence, "Last-Event-ID") if dot else 0
 
 
 def _status_value(name: str) -> int | None:
@@ -373,30 +388,49 @@ class Api:
     # -- TaskEvents ----------------------------------------------------------------------------------------------
 
     async def task_events(self, request: Request) -> Response:
-        """WatchTask as SSE: the snapshot (event `snapshot`), then each transition (event `transition`), id = version."""
+        """WatchTask as SSE: the snapshot (event `snapshot`), each transition (event `transition`) and the task's
+        output chunks (event `output`, unless `?output=false`); id = `<version>` or `<version>.<output sequence>`."""
         task_id = request.path_params["task_id"]
+        query = request.query_params
         header = request.headers.get("last-event-id")
-        name, after = ("Last-Event-ID", header) if header else ("after_version", request.query_params.get("after_version") or "0")
         try:
-            last = integer(after, name)
+            if header:
+                last, sent = event_id(header)
+            else:
+                last = integer(query.get("after_version") or "0", "after_version")
+                sent = integer(query.get("after_output_sequence") or "0", "after_output_sequence")
         except BadInput as exc:
-            return invalid([(exc.field, f"must be a version this stream sent: {exc.description}")])
+            return invalid([(exc.field, f"must be an id this stream sent: {exc.description}")])
+        wanted = (query.get("output") or "true").lower()
+        if wanted not in ("true", "false", "1", "0"):
+            return invalid([("output", "must be true or false")])
+        include = wanted in ("true", "1")
         md = credentials(request)
+        cursor = [last, sent]  # the version and the output sequence sent last: every id carries both
 
-        def open_stream(since: int) -> Any:
-            return self.upstream.events.WatchTask(events_pb2.WatchTaskRequest(task_id=task_id, after_version=since), metadata=md)
+        def open_stream(since: tuple[int, int]) -> Any:
+            watch = events_pb2.WatchTaskRequest(
+                task_id=task_id, after_version=since[0], include_output=include, after_output_sequence=since[1]
+            )
+            return self.upstream.events.WatchTask(watch, metadata=md)
 
-        def event_of(message: events_pb2.WatchTaskResponse) -> tuple[ServerSentEvent | None, int | None]:
+        def event_of(message: events_pb2.WatchTaskResponse) -> tuple[ServerSentEvent | None, tuple[int, int] | None]:
             kind = message.WhichOneof("kind")
             if kind == "snapshot":
-                version = message.snapshot.version
-                return ServerSentEvent(json.dumps({"task": to_json(message.snapshot)}), event="snapshot", id=str(version)), version
-            if kind == "event":
-                version = message.event.version
-                return ServerSentEvent(json.dumps(to_json(message.event)), event="transition", id=str(version)), version
-            return ServerSentEvent(comment="keep-alive"), None
+                cursor[0] = message.snapshot.version
+                data = json.dumps({"task": to_json(message.snapshot)})
+            elif kind == "event":
+                cursor[0] = message.event.version
+                data = json.dumps(to_json(message.event))
+            elif kind == "output":
+                cursor[1] = message.output.sequence
+                data = json.dumps(to_json(message.output))
+            else:
+                return ServerSentEvent(comment="keep-alive"), None
+            name = {"snapshot": "snapshot", "event": "transition", "output": "output"}[kind]
+            return ServerSentEvent(data, event=name, id=event_id_of(cursor[0], cursor[1])), (cursor[0], cursor[1])
 
-        return await self._sse(open_stream, event_of, last, request)
+        return await self._sse(open_stream, event_of, (last, sent), request)
 
     async def all_events(self, request: Request) -> Response:
         """WatchTasks as SSE: every event of the caller's tasks (event `transition`), id = the cursor after it."""

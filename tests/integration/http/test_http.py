@@ -21,7 +21,7 @@ from PIL import Image
 from services.http import openapi
 from services.http import upstream as http_upstream
 from services.notifier import service as notifier_service
-from taskgate import auth, store
+from taskgate import auth, output, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.results import result_store
 from taskgate.runtime import Backends
@@ -408,3 +408,51 @@ async def test_readiness_follows_the_gateway_and_the_events_while_liveness_stays
         return (await client.get("/readyz")).status_code == 200
 
     await wait_for(ready_again, within=30)
+
+
+async def test_task_events_carry_the_output_and_one_last_event_id_resumes_both(
+    client: httpx.AsyncClient, backends: Backends
+) -> None:
+    """Output chunks arrive as `output` events with ids `<version>.<sequence>`; a client that drops mid-way and
+    reconnects with its Last-Event-ID gets every chunk and event it missed, none twice."""
+    task = (await client.post("/v1/tasks", json={"prompt": "talk", "model_id": "held", "params": SMALL})).json()["task"]
+    tid = int(task["id"])
+    await wait_for(lambda: _status_is(backends, tid, Status.QUEUED))
+    await claimed(backends.pool, tid, worker_id="w")
+    words = [f"word{i} " for i in range(12)]
+    offset = 0
+    for word in words[:5]:
+        await output.publish(backends.bus, "tenant-a", output.Chunk(tid, 1, output.TEXT, text=word, offset=offset))
+        offset += len(word)
+    first = await sse(client, f"/v1/tasks/{tid}/events", until=lambda e: sum(x["event"] == "output" for x in e) == 5)
+    assert first[0]["event"] == "snapshot" and first[0]["id"] == "3"
+    outputs = [e for e in first if e["event"] == "output"]
+    for e in outputs:
+        conforms(e["data"], "OutputChunk")
+        version, sequence = e["id"].split(".")
+        assert version == "3" and sequence == e["data"]["sequence"]
+    for word in words[5:]:  # while the client is away
+        await output.publish(backends.bus, "tenant-a", output.Chunk(tid, 1, output.TEXT, text=word, offset=offset))
+        offset += len(word)
+    await store.progress(backends.pool, tid, attempt=1, percent=50, lease_seconds=30, actor="worker")
+    rest = await sse(client, f"/v1/tasks/{tid}/events", headers={"last-event-id": first[-1]["id"]},
+                     until=lambda e: sum(x["event"] == "output" for x in e) == 7 and any(x["event"] == "transition" for x in e))
+    assert "snapshot" not in {e["event"] for e in rest}
+    text = "".join(e["data"]["text"] for e in first + rest if e["event"] == "output")
+    assert text == "".join(words)  # nothing missed, nothing repeated
+    transition = next(e for e in rest if e["event"] == "transition")
+    assert transition["data"]["progress"] == 50 and transition["id"].startswith("4.")
+    # the same resume from query parameters; and a stream that opts out of the output gets none
+    sequence = int(outputs[-1]["data"]["sequence"])
+    again = await sse(client, f"/v1/tasks/{tid}/events?after_version=3&after_output_sequence={sequence}",
+                      until=lambda e: sum(x["event"] == "output" for x in e) == 7)
+    assert "".join(e["data"]["text"] for e in again if e["event"] == "output") == "".join(words[5:])
+    plain = await sse(client, f"/v1/tasks/{tid}/events?output=false", until=lambda e: len(e) >= 1)
+    assert plain[0]["event"] == "snapshot" and plain[0]["id"] == "4"
+
+
+@pytest.mark.parametrize("bad", ["x", "3.", ".5", "3.x", "3.5.1", "3.²", "²", "3. 5", "-1", "3.-5", "9" * 20])
+async def test_a_task_stream_refuses_a_last_event_id_it_never_sent(client: httpx.AsyncClient, bad: str) -> None:
+    task = (await client.post("/v1/tasks", json={"prompt": "ids", "model_id": "held", "params": SMALL})).json()["task"]
+    response = await client.get(f"/v1/tasks/{task['id']}/events", headers={b"last-event-id": bad.encode()})
+    assert violations(error_of(response, 400, "INVALID_ARGUMENT")) == {"Last-Event-ID"}
