@@ -30,6 +30,7 @@ from taskgate_client.errors import (
     WaitTimeout,
 )
 from taskgate_client.handles import AsyncTaskHandle, TaskHandle
+from taskgate_client.streaming import Output, TextAssembler, TextDelta
 from taskgate_client.sync import EventStream, TaskgateClient, connect
 from taskgate_client.tokens import mint_client_token
 from taskgate_client.types import (
@@ -65,6 +66,7 @@ __all__ = [
     "IntegrityError",
     "InvalidArgument",
     "NotFound",
+    "Output",
     "PermissionDenied",
     "ResourceExhausted",
     "Status",
@@ -78,6 +80,8 @@ __all__ = [
     "TaskgateClient",
     "TaskgateError",
     "TextAnswer",
+    "TextAssembler",
+    "TextDelta",
     "Unauthenticated",
     "Unavailable",
     "WaitTimeout",

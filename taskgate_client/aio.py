@@ -27,6 +27,7 @@ from taskgate_client import tracecontext
 from taskgate_client.config import ClientConfig, ConnectOptions, channel_target, make_config
 from taskgate_client.errors import (
     IntegrityError,
+    TaskFailed,
     TaskgateError,
     Unavailable,
     WaitTimeout,
@@ -35,6 +36,7 @@ from taskgate_client.errors import (
     retryable,
 )
 from taskgate_client.handles import AsyncTaskHandle
+from taskgate_client.streaming import Output, TextAssembler, TextDelta
 from taskgate_client.types import (
     CHAT,
     ChatInput,
@@ -630,6 +632,81 @@ class AsyncTaskgateClient:
                     return
             failures += 1
             await _pause_before_resume(error, failures, limit, self.config.retry_max_delay, "event stream keeps ending early")
+
+    async def output(
+        self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None
+    ) -> AsyncIterator[Output]:
+        """The task's partial output (text deltas, previews, log lines) from `after_sequence` on, in order, until the
+        task is terminal (its chunks stored before that all come first).
+
+        A dropped stream is resumed from the last version and the last chunk's sequence, so no chunk is skipped or
+        repeated; after `resume_attempts` failures in a row the last error is raised.
+        """
+        version, sequence = 0, after_sequence
+        limit = self.config.watch_resume_attempts if resume_attempts is None else resume_attempts
+        failures = 0
+        while True:
+            request = events_pb2.WatchTaskRequest(
+                task_id=task_id, after_version=version, include_output=True, after_output_sequence=sequence
+            )
+            call = self._events.WatchTask(request, metadata=self.metadata)
+            error: TaskgateError | None = None
+            ended = False
+            try:
+                async for msg in call:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "output":
+                        if msg.output.sequence <= sequence:
+                            continue
+                        sequence, failures = msg.output.sequence, 0
+                        yield Output.from_proto(msg.output)
+                    elif kind == "snapshot":
+                        version = max(version, msg.snapshot.version)
+                        ended = Status.from_proto(msg.snapshot.status).terminal
+                    elif kind == "event":
+                        version = max(version, msg.event.version)
+                        ended = Status.from_proto(msg.event.to_status).terminal
+                if ended:
+                    return  # the server ended the stream after the terminal state: the output is complete
+            except grpc.aio.AioRpcError as exc:
+                error = from_rpc_error(exc)
+                if exc.code() not in RESUMABLE:
+                    raise error from None
+            finally:
+                call.cancel()
+            if error is None and (await self.get(task_id)).terminal:
+                return  # resumed after the end: the server sent what was left of the output, then ended
+            failures += 1
+            await _pause_before_resume(error, failures, limit, self.config.retry_max_delay, "output stream keeps ending early")
+
+    async def stream_text(self, task_id: str, *, resume_attempts: int | None = None) -> AsyncIterator[TextDelta]:
+        """The task's text as it is generated, one delta (a `str`) at a time, until the task ends; a delta with
+        `restarted` set begins a newer attempt's text at its `offset` (see TextDelta)."""
+        text = TextAssembler()
+        async for chunk in self.output(task_id, resume_attempts=resume_attempts):
+            if (delta := text.feed(chunk)) is not None:
+                yield delta
+
+    async def text(self, task_id: str, timeout: float | None = None) -> str:
+        """A chat task's whole answer once it SUCCEEDED: inline from GetTask, else read with GetTaskResult.
+
+        Raises TaskFailed when it ended otherwise, WaitTimeout when it is still running after `timeout`."""
+        done = await self.wait(task_id, timeout)
+        if done.status is not Status.SUCCEEDED:
+            raise TaskFailed(done)
+        if done.answer is not None and not done.answer.truncated:
+            return done.answer.text
+        data = bytearray()
+        async for attempt in self._retrying():
+            with attempt:
+                data.clear()
+                call = self._gateway.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=self.metadata)
+                try:
+                    async for chunk in call:
+                        data += chunk.data
+                except grpc.aio.AioRpcError as exc:
+                    raise from_rpc_error(exc) from None
+        return data.decode("utf-8", errors="replace")
 
     def watch_all(
         self, status: StatusFilter = None, *, cursor: str | None = None, resume_attempts: int | None = None

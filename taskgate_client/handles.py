@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from taskgate_client.errors import TaskFailed
+from taskgate_client.streaming import Output, TextDelta
 from taskgate_client.types import Status, Task, TaskEvent, TaskResult
 
 if TYPE_CHECKING:
@@ -50,6 +51,18 @@ class AsyncTaskHandle(Task):
         """The task's snapshot, then each later event until it is terminal (resumes dropped streams)."""
         return self.client.watch(self.task_id, after_version=after_version)
 
+    def output(self, *, after_sequence: int = 0) -> AsyncIterator[Output]:
+        """The task's partial output chunks (text, preview, log) in order until it ends (resumes dropped streams)."""
+        return self.client.output(self.task_id, after_sequence=after_sequence)
+
+    def stream_text(self) -> AsyncIterator[TextDelta]:
+        """A chat task's text as it is generated, delta by delta (`async for delta in handle.stream_text()`)."""
+        return self.client.stream_text(self.task_id)
+
+    async def text(self, timeout: float | None = None) -> str:
+        """A chat task's whole answer once it SUCCEEDED (TaskFailed if it ended otherwise)."""
+        return await self.client.text(self.task_id, timeout)
+
     async def download(self, path: str | os.PathLike[str], *, timeout: float | None = None) -> TaskResult:
         """Waits for the task unless it finished, then writes its output to `path`, verified against its sha256.
 
@@ -87,6 +100,18 @@ class TaskHandle(Task):
     def events(self, *, after_version: int = 0) -> Generator[TaskEvent, None, None]:
         """The task's snapshot, then each later event until it is terminal (resumes dropped streams)."""
         return self.client.watch(self.task_id, after_version=after_version)
+
+    def output(self, *, after_sequence: int = 0) -> Generator[Output, None, None]:
+        """The task's partial output chunks (text, preview, log) in order until it ends (resumes dropped streams)."""
+        return self.client.output(self.task_id, after_sequence=after_sequence)
+
+    def stream_text(self) -> Generator[TextDelta, None, None]:
+        """A chat task's text as it is generated, delta by delta (`for delta in handle.stream_text()`)."""
+        return self.client.stream_text(self.task_id)
+
+    def text(self, timeout: float | None = None) -> str:
+        """A chat task's whole answer once it SUCCEEDED (TaskFailed if it ended otherwise)."""
+        return self.client.text(self.task_id, timeout)
 
     def download(self, path: str | os.PathLike[str], *, timeout: float | None = None) -> TaskResult:
         """Waits for the task unless it finished, then writes its output to `path`, verified against its sha256.

@@ -18,6 +18,7 @@ from taskgate_client.aio import MAX_SUBMIT_BATCH, AsyncEventStream, AsyncTaskgat
 from taskgate_client.config import ClientConfig, ConnectOptions, make_config
 from taskgate_client.errors import TaskgateError
 from taskgate_client.handles import TaskHandle
+from taskgate_client.streaming import Output, TextDelta
 from taskgate_client.types import (
     ChatInput,
     ChatOptions,
@@ -205,6 +206,18 @@ class TaskgateClient:
     def watch(self, task_id: str, *, after_version: int = 0, resume_attempts: int | None = None) -> Generator[TaskEvent, None, None]:
         """The snapshot, then each event until the task is terminal; resumes dropped streams."""
         return self._runner.iterate(self._client.watch(task_id, after_version=after_version, resume_attempts=resume_attempts))
+
+    def output(self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None) -> Generator[Output, None, None]:
+        """See AsyncTaskgateClient.output."""
+        return self._runner.iterate(self._client.output(task_id, after_sequence=after_sequence, resume_attempts=resume_attempts))
+
+    def stream_text(self, task_id: str, *, resume_attempts: int | None = None) -> Generator[TextDelta, None, None]:
+        """See AsyncTaskgateClient.stream_text."""
+        return self._runner.iterate(self._client.stream_text(task_id, resume_attempts=resume_attempts))
+
+    def text(self, task_id: str, timeout: float | None = None) -> str:
+        """See AsyncTaskgateClient.text."""
+        return self._runner.run(self._client.text(task_id, timeout))
 
     def watch_all(self, status: StatusFilter = None, *, cursor: str | None = None, resume_attempts: int | None = None) -> EventStream:
         """Every event of the caller's tasks from `cursor` on (None: from now); resumes dropped streams. Never ends."""

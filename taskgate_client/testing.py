@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -183,6 +184,7 @@ class _Entry:
     fingerprint: str
     history: list[task_pb2.TaskEvent] = field(default_factory=list)
     data: bytes = b""
+    output: list[tuple[int, task_pb2.OutputChunk]] = field(default_factory=list)  # (the version it came after, chunk)
 
 
 def _ts(at: datetime) -> Timestamp:
@@ -230,6 +232,7 @@ class FakeTaskgate:
         self._tasks: dict[int, _Entry] = {}
         self._keys: dict[tuple[str, str], int] = {}  # (end user, key): keys are each end user's own
         self._log: list[task_pb2.TaskEvent] = []
+        self._sequence = 0  # the output stream's last sequence (one stream for every task, as TASK_OUTPUT)
         self._ticks = 0
         self._failures: dict[str, list[grpc.aio.AioRpcError]] = {}
         self._changed = asyncio.Event()
@@ -399,6 +402,7 @@ class FakeTaskgate:
             entry.data = outcome.data if outcome.data is not None else (self._answer(task) if chat else self._video(task))
             if chat:
                 text = entry.data.decode(errors="replace")
+                self._stream_text(entry, text)
                 task.text.CopyFrom(task_pb2.TextResult(text=text, finish_reason="stop", chars=len(text)))
                 task.usage.output_tokens = len(text.split())
             result = task_pb2.TaskResult(
@@ -412,6 +416,19 @@ class FakeTaskgate:
             self._move(entry, Status.FAILED, reason="failed", actor="worker", error=(outcome.code, outcome.message))
         else:
             self._move(entry, Status.TIMEOUT, reason="processing timeout", actor="scheduler", error=("PROCESSING_TIMEOUT", outcome.message))
+
+    def _stream_text(self, entry: _Entry, text: str) -> None:
+        """Plays the worker's streamed output: the answer in word-sized chunks, as a real stream carries them."""
+        offset = 0
+        for piece in re.findall(r"\S+\s*|\s+", text):
+            self._sequence += 1
+            chunk = task_pb2.OutputChunk(
+                task_id=entry.task.id, attempt=max(1, entry.task.attempt), kind=task_pb2.OUTPUT_KIND_TEXT, text=piece,
+                offset=offset, sequence=self._sequence,
+            )
+            chunk.at.CopyFrom(_ts(self._now()))
+            entry.output.append((entry.task.version, chunk))
+            offset += len(piece)
 
     @staticmethod
     def _answer(task: task_pb2.Task) -> bytes:
@@ -719,7 +736,21 @@ class FakeTaskgate:
             raise _invalid([("after_version", "must not be negative")])
         if request.after_version > entry.task.version:
             raise _invalid([("after_version", f"is ahead of the task's version {entry.task.version}")])
+        if request.after_output_sequence < 0:
+            raise _invalid([("after_output_sequence", "must not be negative")])
         last = request.after_version
+        sent = request.after_output_sequence
+
+        def output(before: int) -> list[events_pb2.WatchTaskResponse]:
+            """The chunks not sent yet that were stored before version `before` (the chunks come before it)."""
+            nonlocal sent
+            out = []
+            for after, chunk in entry.output if request.include_output else ():
+                if chunk.sequence > sent and after < before:
+                    out.append(events_pb2.WatchTaskResponse(output=chunk))
+                    sent = chunk.sequence
+            return out
+
         if last == 0:
             yield events_pb2.WatchTaskResponse(snapshot=self._copy(entry.task, position=True))
             last = entry.task.version
@@ -727,11 +758,15 @@ class FakeTaskgate:
         while True:
             for event in entry.history:
                 if event.version > last:
+                    for out in output(event.version):
+                        yield out
                     yield events_pb2.WatchTaskResponse(event=event)
                     last = event.version
                     if Status.from_proto(event.to_status).terminal:
                         return
             if Status.from_proto(entry.task.status).terminal:
+                for out in output(2**62):
+                    yield out
                 return
             await self._changes(len(self._log))
 

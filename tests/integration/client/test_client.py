@@ -13,7 +13,7 @@ import pytest
 
 from services.notifier import service as notifier_service
 from services.submit import service as submit_service
-from taskgate import auth, store
+from taskgate import auth, output, store
 from taskgate.config import Settings
 from taskgate.results import result_store
 from taskgate.runtime import Backends
@@ -27,6 +27,7 @@ from taskgate_client import (
     ResourceExhausted,
     Status,
     TaskEvent,
+    TextDelta,
     Unauthenticated,
     Unavailable,
     WaitTimeout,
@@ -352,3 +353,48 @@ async def test_tls_and_mutual_tls(settings: Settings, backends: Backends, tmp_pa
                 await c.get(task.task_id)
     finally:
         await gateway.stop(0)
+
+
+async def test_stream_text_resumes_after_the_notifier_restarts_and_follows_a_new_attempt(
+    stack: Stack, client: AsyncTaskgateClient
+) -> None:
+    """stream_text yields every delta once, in order, across a dropped stream; a newer attempt's first delta says it
+    restarted the text; output() hands out the chunks themselves."""
+    task = await client.submit("speak", **SMALL)  # type: ignore[arg-type]
+    tid = int(task.task_id)
+    await claimed(stack.backends.pool, tid, worker_id="w")
+    bus = stack.backends.bus
+    offset = 0
+
+    async def say(*words: str, attempt: int = 1) -> None:
+        nonlocal offset
+        for word in words:
+            await output.publish(bus, "tenant-a", output.Chunk(tid, attempt, output.TEXT, text=word, offset=offset))
+            offset += len(word)
+
+    deltas: list[TextDelta] = []
+
+    async def read() -> None:
+        async for delta in client.stream_text(task.task_id):
+            deltas.append(delta)
+
+    await say("Hello ", "there, ")
+    reader = asyncio.create_task(read())
+    await wait_for(lambda: len(deltas) == 2)
+    await stack.notifier.kill()  # the stream drops mid-answer
+    await say("dear ", "reader. ")  # while nobody can hear
+    stack.notifier = await notifier_service.start(stack.settings)
+    await wait_for(lambda: len(deltas) == 4, within=20)
+    offset = 6  # a second attempt that kept "Hello " and says the rest anew
+    await say("again.", attempt=2)
+    await say("late words", attempt=1)  # the replaced worker's last chunk: dropped
+    await run_task_finish(stack.backends, task.task_id, attempt=1)
+    await asyncio.wait_for(reader, 20)
+    assert [str(d) for d in deltas] == ["Hello ", "there, ", "dear ", "reader. ", "again."]
+    assert [d.restarted for d in deltas] == [False] * 4 + [True] and (deltas[-1].attempt, deltas[-1].offset) == (2, 6)
+    chunks = [c async for c in client.output(task.task_id)]
+    assert [c.kind for c in chunks] == ["text"] * 6 and chunks == sorted(chunks, key=lambda c: c.sequence)
+    later = [c async for c in (await client.get(task.task_id)).output(after_sequence=chunks[3].sequence)]
+    assert [c.text for c in later] == ["again.", "late words"]
+    # no inline answer (this task's result is a file): text() reads the result itself
+    assert await (await client.get(task.task_id)).text() == "data"

@@ -392,3 +392,16 @@ async def test_the_fake_runs_chat_tasks(tmp_path: Path) -> None:
         with pytest.raises(InvalidArgument) as video:
             await client.submit("a cat", "llama-tiny")
         assert {v.field for v in video.value.field_violations} == {"task_type"}
+
+
+async def test_the_fake_streams_a_chat_answer_as_deltas() -> None:
+    async with FakeAsyncTaskgateClient() as client:
+        task = await client.chat("stream it", "llama-tiny")
+        deltas = [d async for d in task.stream_text()]
+        text = await task.text()
+        assert len(deltas) > 1 and "".join(deltas) == text and all(d.attempt == 1 and not d.restarted for d in deltas)
+        assert [d.offset for d in deltas] == [len("".join(deltas[:i])) for i in range(len(deltas))]
+        assert [c.sequence for c in [c async for c in task.output()]] == sorted({c.sequence for c in [c async for c in task.output()]})
+    with FakeTaskgateClient() as blocking:
+        handle = blocking.chat("stream it", "llama-tiny")
+        assert "".join(handle.stream_text()) == handle.text() == text
