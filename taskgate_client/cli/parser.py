@@ -22,6 +22,8 @@ from taskgate_client.cli.admin import (
     cmd_admin_stuck,
     cmd_admin_usage,
 )
+from taskgate_client.cli.chat import add_arguments as add_chat_arguments
+from taskgate_client.cli.chat import cmd_chat
 from taskgate_client.cli.tasks import (
     cmd_cancel,
     cmd_get,
@@ -119,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queue TTL: TIMEOUT (QUEUE_TTL_EXPIRED) if no worker took the task within it")
     p.add_argument("--wait", action="store_true", help="show live progress until the task is finished")
     p.add_argument("--wait-timeout", type=float, metavar="SECONDS", help="give up waiting after this long (exit 11)")
+
+    p = add("chat", cmd_chat, "submit a chat task and stream its answer as it is generated")
+    add_chat_arguments(p)
 
     p = add("upload", cmd_upload, "store an input image; prints its sha256 for later submissions")
     p.add_argument("file", metavar="FILE")
