@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
+from taskgate import bus as busmod
 from taskgate import output
 from taskgate.config import Settings
 from taskgate.runtime import Backends
@@ -200,3 +201,32 @@ async def test_negative_after_output_sequence_is_refused_naming_the_field(
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "after_output_sequence" in (caught.value.details() or "")
     assert handle.output_hub.followed == 0
+
+
+async def test_a_chunk_the_live_subject_never_brought_is_read_when_the_next_one_shows_the_gap(
+    backends: Backends, settings: Settings, api_key: str, notifier_factory: Any
+) -> None:
+    """A republished chunk lost on the way (a NATS reconnect drops core messages): the next one's previous sequence
+    shows the gap and the stream reads the missing chunk from the stream, before the next, without a keep-alive."""
+    handle = await notifier_factory(fast(settings, stream_keepalive_seconds=60.0))
+    pool = backends.pool
+    task = await insert_task(pool)
+    await run_to(pool, task.id, Status.PROCESSING)
+    async with events_stub(handle) as stub:
+        call = stub.WatchTask(
+            events_pb2.WatchTaskRequest(task_id=str(task.id), include_output=True), metadata=bearer(api_key)
+        )
+        offset = await publish_words(backends, task.id, WORDS[:2])
+        got = await read_outputs(call, 2)  # the stream has caught up and follows the live subject
+        assert handle.output_hub.followed == 1
+        follow = next(iter(handle.output_hub._follows.values()))  # the loss is staged on the task's subscription
+        await follow.subscription.unsubscribe()
+        offset = await publish_words(backends, task.id, WORDS[2:4], offset)  # republished to nobody: lost here
+        follow.subscription = await backends.bus.nc.subscribe(
+            busmod.output_live_subject(TENANT, task.id), cb=handle.output_hub._deliver(task.id, follow)
+        )
+        await backends.bus.nc.flush()
+        await publish_words(backends, task.id, WORDS[4:5], offset)
+        got += await read_outputs(call, 3, within=5.0)
+        call.cancel()
+    assert "".join(c.text for c in chunks(got)) == "".join(WORDS[:5])
