@@ -32,6 +32,9 @@ ROUTES = [
     ("POST", "/v1/tasks/{id}:regenerate"), ("GET", "/v1/tasks/{id}/result"), ("GET", "/v1/tasks/{id}/events"),
     ("GET", "/v1/tasks/{id}"), ("GET", "/v1/events"), ("PUT", "/v1/inputs"), ("POST", "/v1/webhook-secret:rotate"),
     ("POST", "/dashboard/actions/replay"), ("POST", "/dashboard/actions/drain"), ("GET", "/dashboard/state.json"),
+    ("POST", "/openai/v1/responses"), ("GET", "/openai/v1/responses/resp_{id}"), ("POST", "/openai/v1/responses/resp_{id}/cancel"),
+    ("POST", "/openai/v1/files"), ("GET", "/openai/v1/files"), ("GET", "/openai/v1/files/{id}/content"),
+    ("POST", "/openai/v1/batches"), ("GET", "/openai/v1/batches/{id}"), ("POST", "/openai/v1/batches/{id}/cancel"),
 ]
 DIGITS = ["0", "1", "²", "³", "٣", "\uff11", "߂", " 1", "1_0", "-1", "+1", "1e3", "9223372036854775807", "9223372036854775808",
           "99999999999999999999999", ""]
@@ -124,7 +127,8 @@ BODIES = st.one_of(
 @given(
     task_id=st.one_of(st.just("real"), ANY_TEXT),
     query=st.dictionaries(
-        st.sampled_from(["after_version", "page_size", "status", "cursor", "created_after", "created_before", "page_token"]),
+        st.sampled_from(["after_version", "page_size", "status", "cursor", "created_after", "created_before", "page_token",
+                         "stream", "starting_after", "limit", "after", "purpose"]),
         ANY_TEXT, max_size=3,
     ),
     headers=st.dictionaries(
