@@ -8,6 +8,9 @@ STAMP  := $(VENV)/.installed-$(PINS)
 # the wheels the packaging tests install, so that `make test` needs no package index once `make venv` has run
 WHEELHOUSE := $(VENV)/.wheelhouse-$(PINS)
 PYTEST := $(PY) -m pytest
+# llama-cpp-python (the upstream-server extra: the upstream backend's real test server) compiles llama.cpp from source:
+# portable CPU code, two jobs at a time; pip keeps the wheel in its cache, so only the first `make venv` pays for it
+LLAMA_BUILD := CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=OFF}" CMAKE_BUILD_PARALLEL_LEVEL="$${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 
 .PHONY: venv buf run test test-unit test-faults test-cluster images test-images lint proto tiny-model gpu-check bench constraints lock pin-digests clean
 
@@ -15,6 +18,8 @@ $(STAMP): $(DISTS) constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ./clients/api -e ./clients/python -e '.[worker,local,dev]'
+	$(LLAMA_BUILD) $(PY) -m pip install -q -c constraints.txt -e '.[upstream-server]' \
+		|| echo "llama-cpp-python could not be built (it needs cmake and a C++ compiler): the upstream backend's tests skip"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 $(WHEELHOUSE): $(STAMP) taskgate_local/wheelhouse.py

@@ -29,9 +29,10 @@ class ModelSpec(BaseModel):
         default=None,
         description="Folder holding a diffusers pipeline (save_pretrained), or for 'transformers' a causal LM with its tokenizer.",
     )
-    kind: Literal["diffusers", "sleep", "transformers"] = Field(
+    kind: Literal["diffusers", "sleep", "transformers", "openai-compatible"] = Field(
         default="diffusers",
-        description="'sleep' holds a slot without a GPU; 'transformers' runs chat tasks on an in-process causal LM.",
+        description="'sleep' holds a slot without a GPU; 'transformers' runs chat tasks on an in-process causal LM; "
+        "'openai-compatible' forwards chat tasks to an OpenAI-compatible server at base_url.",
     )
     pipeline: str | None = Field(
         default=None,
@@ -121,6 +122,36 @@ class ModelSpec(BaseModel):
     checkpoint_every_steps: int = Field(
         default=0, ge=0, description="A step checkpoint every this many steps; 0 = not by steps (both 0: checkpoints off)."
     )
+    base_url: str | None = Field(
+        default=None,
+        description="'openai-compatible' kind: the upstream server's API root, e.g. http://vllm:8000/v1 (vLLM, SGLang, TGI, "
+        "llama.cpp's server, Ollama).",
+    )
+    upstream_model: str | None = Field(
+        default=None, description="'openai-compatible' kind: the model name the upstream serves; unset = this entry's id."
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description="'openai-compatible' kind: the environment variable holding the upstream's API key (a secret, never the "
+        "registry); unset = no key.",
+    )
+    upstream_max_requests: int = Field(
+        default=4, ge=1, description="'openai-compatible' kind: most requests one worker has open to this upstream at once."
+    )
+    upstream_connect_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="'openai-compatible' kind: how long connecting to the upstream may take (then a retryable failure)."
+    )
+    upstream_read_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="'openai-compatible' kind: the longest wait for the upstream's next streamed chunk, the first one included "
+        "(then a retryable failure).",
+    )
+    upstream_stream_usage: bool = Field(
+        default=True,
+        description="'openai-compatible' kind: ask for token usage in the stream's last chunk (stream_options.include_usage); "
+        "without it, or from a server that sends none, output tokens are counted as streamed.",
+    )
     gpu_seconds_estimate: float = Field(
         default=60.0, ge=0,
         description="GPU-seconds a task is reserved of a budgeted tenant's budget when its model has no recent metered runs.",
@@ -148,6 +179,8 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
+        if self.kind == "openai-compatible" and not self.base_url:
+            raise ValueError("an 'openai-compatible' model needs base_url")
         if not 1 <= self.default_frames <= self.max_frames or (self.default_frames - 1) % self.frame_step:
             raise ValueError(f"default_frames {self.default_frames} breaks max_frames {self.max_frames} / frame_step {self.frame_step}")
         for name, value, limit in (("default_width", self.default_width, self.max_width),

@@ -37,6 +37,8 @@ from taskgate_api.v1 import gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedStack
 from tests.support.factories import settings_for
 from tests.support.harness import WorkerFactory, with_database
+from tests.support import llamaserver
+from tests.support.llamaserver import LlamaServer
 from tests.support.s3server import SeaweedS3
 from tests.support.stacks import Cli
 
@@ -255,6 +257,24 @@ def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from taskgate_local import tinylm  # late: it imports transformers when building
 
     return tinylm.build_tiny_lm(tmp_path_factory.mktemp("models") / tinylm.MODEL_NAME, seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_server(tmp_path_factory: pytest.TempPathFactory, tiny_lm: Path) -> Iterator[LlamaServer]:
+    """A real OpenAI-compatible server (llama.cpp's, from llama-cpp-python) serving the tiny chat model as a GGUF, with an
+    API key, for the session; the test skips, saying why, where llama-cpp-python could not be built."""
+    why = llamaserver.missing()
+    if why is not None:
+        pytest.skip(why)
+    from taskgate_local.tinygguf import convert
+
+    base = tmp_path_factory.mktemp("llama")
+    model = convert(tiny_lm, base / "tiny-chat.gguf")
+    server = LlamaServer(base, model, alias="tiny-chat-upstream", api_key="sk-test-" + os.urandom(8).hex()).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
