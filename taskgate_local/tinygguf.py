@@ -1,24 +1,22 @@
 """A GGUF file of a (tiny) Llama-architecture causal LM folder, offline: what llama.cpp's server loads.
 
 `python -m taskgate_local.tinygguf HF_FOLDER OUT.gguf` reads a transformers folder (config.json, model.safetensors,
-the tokenizer and its chat template) and writes the same weights, tokenizer and template as a float32 GGUF with the
-`gguf` package, the way llama.cpp's own `convert_hf_to_gguf.py` does for LlamaForCausalLM (that script ships only
-in llama.cpp's sources, not in any wheel). The upstream backend's tests serve it with llama-cpp-python's server.
+the SentencePiece tokenizer.model and the chat template) and writes the same weights, vocabulary and template as a
+float32 GGUF with the `gguf` package, as llama.cpp's own `convert_hf_to_gguf.py` does for a LlamaForCausalLM (that
+script ships only in llama.cpp's sources, in no wheel): for the tiny chat model (taskgate_local/tinylm.py) the two
+files hold the same tensors, tokens, scores and token types. The upstream backend's tests serve it with llama.cpp's server.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 from safetensors.numpy import load_file
-
-_BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -27,49 +25,27 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _vocab(folder: Path, size: int) -> tuple[list[bytes], list[float], list[int]]:
-    """Tokens, scores and token types of the folder's Llama tokenizer (tokenizer.model, else tokenizer.json's BPE)."""
-    if (folder / "tokenizer.model").is_file():
-        from sentencepiece import SentencePieceProcessor
+    """Tokens, scores and token types of the folder's SentencePiece tokenizer (convert_hf_to_gguf.py's sentencepiece
+    path: the same three lists)."""
+    from sentencepiece import SentencePieceProcessor
 
-        sp = SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
-        tokens, scores, types = [], [], []
-        for i in range(sp.vocab_size()):
-            kind = gguf.TokenType.NORMAL
-            if sp.IsUnknown(i):
-                kind = gguf.TokenType.UNKNOWN
-            elif sp.IsControl(i):
-                kind = gguf.TokenType.CONTROL
-            elif sp.IsByte(i):
-                kind = gguf.TokenType.BYTE
-            tokens.append(sp.IdToPiece(i).encode())
-            scores.append(sp.GetScore(i))
-            types.append(int(kind))
-    else:
-        tokenizer: dict[str, Any] = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-        model = tokenizer["model"]
-        if model["type"] != "BPE" or not model.get("byte_fallback"):
-            raise ValueError(f"{folder}: only a SentencePiece tokenizer.model or a Llama BPE tokenizer.json (byte fallback) is supported")
-        specials = {t["id"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
-        # llama.cpp's SentencePiece tokenizer merges the best-scored pair first: a merge's rank is its score, so it
-        # splits text as the BPE does (convert_hf_to_gguf.py gives every token -1000, which splits arbitrarily).
-        merged: dict[str, float] = {}
-        for rank, merge in enumerate(model.get("merges", [])):
-            left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
-            merged.setdefault(left + right, -float(rank))
-        by_id = {i: piece for piece, i in model["vocab"].items()}
-        by_id.update({t["id"]: t["content"] for t in tokenizer.get("added_tokens", [])})
-        tokens, scores, types = [], [], []
-        for i in range(max(by_id) + 1):
-            piece = by_id.get(i, f"[PAD{i}]")
-            if i in specials:
-                kind = gguf.TokenType.UNKNOWN if piece == model.get("unk_token") else gguf.TokenType.CONTROL
-            elif _BYTE.fullmatch(piece):
-                kind = gguf.TokenType.BYTE
-            else:
-                kind = gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED
-            tokens.append(piece.encode())
-            scores.append(merged.get(piece, 0.0 if kind == gguf.TokenType.NORMAL else -1000.0))
-            types.append(int(kind))
+    if not (folder / "tokenizer.model").is_file():
+        raise ValueError(f"{folder}: no SentencePiece tokenizer.model")
+    sp = SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        kind = gguf.TokenType.NORMAL
+        if sp.IsUnknown(i):
+            kind = gguf.TokenType.UNKNOWN
+        elif sp.IsControl(i):
+            kind = gguf.TokenType.CONTROL
+        elif sp.IsUnused(i):
+            kind = gguf.TokenType.UNUSED
+        elif sp.IsByte(i):
+            kind = gguf.TokenType.BYTE
+        tokens.append(sp.IdToPiece(i).encode())
+        scores.append(sp.GetScore(i))
+        types.append(int(kind))
     while len(tokens) < size:  # the embedding may be wider than the tokenizer
         tokens.append(f"[PAD{len(tokens)}]".encode())
         scores.append(-1000.0)

@@ -91,31 +91,3 @@ class LlamaServer:
             proc.kill()
             proc.wait()
 
-
-def interim_tiny_chat(folder: Path) -> Path:
-    """INTERIM until the tiny chat model lands: a 2-layer random LlamaForCausalLM with a byte-fallback BPE tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
-
-    words = "the a an of to and in is it that answer task stream token model text tiny hello world".split()
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    merges: list[tuple[str, str]] = []
-    for word in ["\u2581" + w for w in words]:
-        for ch in word:
-            vocab.setdefault(ch, len(vocab))
-        left = word[0]
-        for ch in word[1:]:
-            if left + ch not in vocab:
-                merges.append((left, ch))
-                vocab[left + ch] = len(vocab)
-            left += ch
-    tokenizer = LlamaTokenizer(vocab=vocab, merges=merges)
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
