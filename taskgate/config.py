@@ -147,6 +147,11 @@ class ModelSpec(BaseModel):
         description="'openai-compatible' kind: the longest wait for the upstream's next streamed chunk, the first one included "
         "(then a retryable failure).",
     )
+    upstream_extra_body: dict[str, Any] = Field(
+        default_factory=dict,
+        description="'openai-compatible' kind: extra fields of every request, the server's own options (e.g. vLLM's top_k, "
+        "min_tokens); a task's own parameters win.",
+    )
     upstream_stream_usage: bool = Field(
         default=True,
         description="'openai-compatible' kind: ask for token usage in the stream's last chunk (stream_options.include_usage); "
@@ -170,7 +175,7 @@ class ModelSpec(BaseModel):
     def _family_defaults(cls, data: Any) -> Any:
         """Fills the limits and defaults an entry leaves out from its pipeline's family."""
         if isinstance(data, dict):
-            if data.get("kind") == "transformers" and "task_types" not in data:
+            if data.get("kind") in ("transformers", "openai-compatible") and "task_types" not in data:
                 data = {**data, "task_types": ["chat"]}
             family = families.family_of(data.get("pipeline"))
             if family is not None:

@@ -35,9 +35,9 @@ from taskgate.migrate import migrate
 from taskgate.runtime import Backends, connect
 from taskgate_api.v1 import gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedStack
+from tests.support import llamaserver
 from tests.support.factories import settings_for
 from tests.support.harness import WorkerFactory, with_database
-from tests.support import llamaserver
 from tests.support.llamaserver import LlamaServer
 from tests.support.s3server import SeaweedS3
 from tests.support.stacks import Cli

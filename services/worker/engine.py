@@ -31,6 +31,7 @@ from services.worker.lease import Heartbeat
 from services.worker.retry import PermanentError, RetryableError
 from services.worker.run import Attempts, Halt, Run
 from services.worker.settle import Fate, Step
+from services.worker.upstream import Upstream
 from taskgate import results, runtime, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.model import timestamp
@@ -82,7 +83,7 @@ class Worker:
         self,
         settings: Settings,
         backends: Backends,
-        runners: dict[tuple[str, str], runmod.ModelRunner | ChatRunner],
+        runners: dict[tuple[str, str], runmod.ModelRunner | ChatRunner | Upstream],
         plan: runmod.DevicePlan,
         worker_id: str,
         models: list[str],
@@ -189,6 +190,9 @@ class Worker:
         await runtime.stop_tasks([*self._loops, *self.heartbeat.background()])
         await self.fetcher.close()
         self._close_threads()
+        for model_runner in self.attempts.runners.values():
+            if isinstance(model_runner, Upstream):
+                await model_runner.close()  # its connections to the upstream server
         await self._unsubscribe()
         await self.claimer.close()
         with contextlib.suppress(Exception):

@@ -17,7 +17,7 @@ from typing import TypeVar
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.worker import chatrun, checkpoint, resume, retry, settle
+from services.worker import chatrun, checkpoint, resume, retry, settle, upstream
 from services.worker import runner as runmod
 from services.worker.devices import Devices
 from services.worker.fetch import SlotHold
@@ -148,7 +148,7 @@ class Attempts:
         *,
         pool: asyncpg.Pool,
         settings: Settings,
-        runners: dict[tuple[str, str], runmod.ModelRunner | chatrun.ChatRunner],
+        runners: dict[tuple[str, str], runmod.ModelRunner | chatrun.ChatRunner | upstream.Upstream],
         devices: Devices,
         encoders: concurrent.futures.Executor,
         progressed: Callable[[], None],
@@ -187,6 +187,11 @@ class Attempts:
         # the threads run in a copy of this context: the phase spans they open are children of the attempt's
         policy = self.checkpoints(run)
         try:
+            forwarded = self.runners.get((task.model_id, runmod.UPSTREAM_DEVICE))
+            if isinstance(forwarded, upstream.Upstream):
+                output = await self._forward(run, forwarded)
+                telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
+                return output
             chat_runners = [r for (m, _), r in self.runners.items() if m == task.model_id and isinstance(r, chatrun.ChatRunner)]
             if chat_runners:
                 output = await self._generate(run, min(chat_runners, key=lambda r: r.batcher.active))
@@ -211,7 +216,7 @@ class Attempts:
                 lane = await run.unless_stopped(self.devices.acquire(devices))
             try:
                 model_runner = self.runners[(task.model_id, lane.device)]
-                assert not isinstance(model_runner, chatrun.ChatRunner)
+                assert not isinstance(model_runner, chatrun.ChatRunner | upstream.Upstream)
                 held = run.held_since = time.monotonic()
                 try:
                     rendered = await loop.run_in_executor(
@@ -279,6 +284,41 @@ class Attempts:
         data = text.encode()
         inline = text[: self.settings.result_inline_chars]
         answer = store.TextOutcome(inline, len(text), "stop" if detok.stopped else finished.reason, len(prompt), len(finished.tokens))
+        return runmod.RunOutput(data, "text/plain; charset=utf-8", "txt", hashlib.sha256(data).hexdigest(), answer)
+
+    async def _forward(self, run: Run, server: upstream.Upstream) -> runmod.RunOutput:
+        """A chat task on an upstream model: streamed from the OpenAI-compatible server, its deltas published as the
+        in-process model's are (chatrun.TextOut); a stop cancels the request, which closes the stream upstream."""
+        task = run.task
+        payload = task.request_payload
+        assert self.bus is not None, "a worker serving chat models publishes their output"
+        deltas = 0
+        limit = int(payload.get("max_output_tokens") or server.spec.default_max_output_tokens)
+
+        def published(chars: int) -> None:
+            run.steps_done, run.total_steps = min(deltas, limit), limit
+            if run.progress_pending():
+                self._progressed()
+
+        out = chatrun.TextOut(self.bus, task.user_id, task.id, task.attempt, self.settings.output_coalesce_seconds, published)
+
+        def relay(text: str) -> None:
+            nonlocal deltas
+            deltas += 1
+            out.add(text)
+
+        publisher = asyncio.create_task(out.run(), name=f"output-{task.id}")
+        try:
+            with tracing.span("upstream", attributes={"taskgate.upstream_model": server.upstream_model}):
+                done = await run.unless_stopped(server.chat(chat.messages_of(payload), payload, relay))
+        finally:
+            out.close()
+            await publisher
+        # the server's own count when it sends one; else the gateway's count of the input at admission
+        input_tokens = done.input_tokens if done.reported else int(payload.get(chat.INPUT_TOKENS) or 0)
+        data = done.text.encode()
+        inline = done.text[: self.settings.result_inline_chars]
+        answer = store.TextOutcome(inline, len(done.text), done.finish_reason, input_tokens, done.output_tokens)
         return runmod.RunOutput(data, "text/plain; charset=utf-8", "txt", hashlib.sha256(data).hexdigest(), answer)
 
     @staticmethod

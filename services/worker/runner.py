@@ -98,6 +98,10 @@ def classify(exc: BaseException) -> tuple[bool, str]:
     """(retryable, error_code) of a run's failure: loading, rendering or encoding, of any model."""
     if isinstance(exc, InjectedFailure):
         return exc.retryable, exc.code
+    from services.worker.upstream import UpstreamFailure  # late: the openai client loads only where it is used
+
+    if isinstance(exc, UpstreamFailure):
+        return exc.retryable, exc.code
     if isinstance(exc, InputMissing):
         return False, "INPUT_MISSING"
     if isinstance(exc, RunAborted):
@@ -261,11 +265,16 @@ class DevicePlan:
     sequences: dict[str, int] = field(default_factory=dict)  # chat models: their own slots (sequences), within `slots`
 
 
+UPSTREAM_DEVICE = "upstream"  # an upstream model's runner key: it uses none of this worker's devices
+
+
 def device_plan(kinds: set[str], slots_setting: int, slots_per_device: float) -> DevicePlan:
     """The worker's devices and slots: ceil(devices x slots_per_device) tasks unless `slots_setting` says, and its
     capacity in the cluster-wide cap, devices x slots_per_device (or `slots_setting`) unrounded; imports torch only
     when a diffusers or transformers model is served. A 'sleep'-only worker needs no device: each slot gets a lane of
     its own. A chat ('transformers') model's slots are its sequences, added once it is loaded (with_sequences)."""
+    if not kinds - {"openai-compatible"}:  # upstream models only: every slot is a request to one (with_sequences)
+        return DevicePlan(["cpu"], 0, False, 0.0)
     if not kinds & {"diffusers", "transformers"}:
         slots = slots_setting or 1
         return DevicePlan(["cpu"] * slots, slots, False, float(slots))
@@ -280,13 +289,17 @@ def device_plan(kinds: set[str], slots_setting: int, slots_per_device: float) ->
 
 
 def with_sequences(plan: DevicePlan, runners: dict[tuple[str, str], Any]) -> DevicePlan:
-    """The plan with a slot for every sequence its chat runners run at once (each loaded model's max_sequences)."""
+    """The plan with a slot for every sequence its chat runners run at once (each loaded model's max_sequences) and for
+    every request its upstream models may have open (upstream_max_requests)."""
     from services.worker.chatrun import ChatRunner
+    from services.worker.upstream import Upstream
 
     sequences: dict[str, int] = {}
     for (model_id, _), r in runners.items():
         if isinstance(r, ChatRunner):
             sequences[model_id] = sequences.get(model_id, 0) + r.spec.max_sequences
+        elif isinstance(r, Upstream):
+            sequences[model_id] = sequences.get(model_id, 0) + r.spec.upstream_max_requests
     total = sum(sequences.values())
     return DevicePlan(plan.devices, plan.slots + total, plan.use_cuda, plan.capacity + total, sequences)
 
@@ -302,10 +315,15 @@ def model_devices(model_id: str, spec: ModelSpec, devices: list[str]) -> list[st
 
 
 def load_runners(models: dict[str, ModelSpec], devices: list[str]) -> dict[tuple[str, str], Any]:
-    """One runner per (model, device) the model may use (blocking; call in a thread): a ModelRunner, or for a chat
-    model a chatrun.ChatRunner."""
+    """One runner per (model, device) the model may use (blocking; call in a thread): a ModelRunner, for a chat model a
+    chatrun.ChatRunner, for an upstream model one upstream.Upstream (on UPSTREAM_DEVICE)."""
     runners: dict[tuple[str, str], Any] = {}
     for model_id, spec in models.items():
+        if spec.kind == "openai-compatible":  # no device here: the upstream server's own
+            from services.worker.upstream import Upstream
+
+            runners[(model_id, UPSTREAM_DEVICE)] = Upstream(model_id, spec)
+            continue
         for device in model_devices(model_id, spec, devices):
             if spec.kind == "sleep":
                 runners[(model_id, device)] = SleepRunner(model_id, spec)

@@ -105,7 +105,8 @@ class Upstream:
             self._open = asyncio.Semaphore(self.spec.upstream_max_requests)
         async with self._open:
             try:
-                return await self._stream(request_body(self.upstream_model, messages, params), on_delta)
+                body = {**self.spec.upstream_extra_body, **request_body(self.upstream_model, messages, params)}
+                return await self._stream(body, on_delta)
             except openai.OpenAIError as exc:
                 raise failure_of(exc) from exc
 

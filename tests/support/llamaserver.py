@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -23,7 +24,8 @@ STOP_GRACE_SECONDS = 5.0
 def missing() -> str | None:
     """Why no server can be started here, or None when one can."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return "llama-cpp-python is not installed: the `upstream-server` extra (make venv builds it from source with cmake and a C++ compiler)"
+        return ("llama-cpp-python is not installed: the `upstream-server` extra (make venv builds it from source with cmake and a "
+                "C++ compiler)")
     for module in ("fastapi", "sse_starlette", "starlette_context", "gguf"):
         if importlib.util.find_spec(module) is None:
             return f"{module} is missing: install the `upstream-server` extra (llama-cpp-python[server] and gguf)"
@@ -63,7 +65,9 @@ class LlamaServer:
         if self.api_key is not None:
             args += ["--api_key", self.api_key]
         out = self.log.open("wb")
-        self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # unbuffered: the tests read its log (the line it prints as a client leaves) while it runs
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         out.close()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         deadline = time.monotonic() + START_SECONDS

@@ -10,12 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nats.js.errors import NotFoundError
 
 from services.notifier import outbox
 from services.worker.chatrun import ChatRunner
-from taskgate import bus as busmod
-from taskgate import output
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
@@ -24,6 +21,7 @@ from taskgate.store import usage
 from taskgate_api.v1 import gateway_pb2, task_pb2
 from tests.support.factories import key_for
 from tests.support.harness import WorkerFactory, wait_for
+from tests.support.output import chunks, text_of
 from tests.support.queries import events, is_status, report_for, wait_task
 
 MODEL = "llama-tiny"
@@ -40,32 +38,6 @@ async def submit(stub: Any, md: Any, content: str, **chat: Any) -> task_pb2.Task
     made = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params), metadata=md, timeout=10)
     task: task_pb2.Task = made.task
     return task
-
-
-async def chunks(backends: Backends, user_id: str, task_id: str) -> list[task_pb2.OutputChunk]:
-    """Every chunk of a task's output stream, in stream order."""
-    subject = busmod.output_subject(user_id, int(task_id))
-    found: list[task_pb2.OutputChunk] = []
-    seq = 1
-    while True:
-        try:
-            msg = await backends.bus.js.get_msg(busmod.OUTPUT_STREAM, seq=seq, subject=subject, next=True)
-        except NotFoundError:
-            return found
-        decoded = output.decode(msg.data or b"", int(msg.seq or 0))
-        assert decoded is not None
-        found.append(decoded)
-        seq = int(msg.seq or 0) + 1
-
-
-def text_of(found: list[task_pb2.OutputChunk], attempt: int) -> str:
-    """An attempt's text from its chunks, checking that each starts where the one before it ended."""
-    text = ""
-    for c in found:
-        if c.attempt == attempt:
-            assert c.kind == task_pb2.OUTPUT_KIND_TEXT and c.offset == len(text), (c.offset, len(text))
-            text += c.text
-    return text
 
 
 async def whole_result(stub: Any, md: Any, task_id: str) -> tuple[bytes, str]:

@@ -34,9 +34,9 @@ async def test_a_chat_streams_its_deltas_and_ends_with_a_reason_and_its_tokens(l
     assert done.finish_reason in ("length", "stop")
     assert done.text == "".join(deltas) and done.text
     assert len(deltas) > 1, "streamed piece by piece, not in one answer"
-    assert not done.reported and done.output_tokens == len(deltas) <= 12  # llama.cpp's server sends no usage in a stream
-    if done.finish_reason == "length":
-        assert done.output_tokens == 12
+    # llama.cpp's server sends no usage in a stream: the chunks with text are counted (a token with no text of its own,
+    # a byte piece completed by the next, has none, so the count is at most the tokens generated)
+    assert not done.reported and done.output_tokens == len(deltas) <= 12
 
 
 async def test_the_same_seed_gives_the_same_text(llama_server: LlamaServer) -> None:
