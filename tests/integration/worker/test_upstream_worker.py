@@ -27,10 +27,11 @@ KEY_VARIABLE = "TASKGATE_TEST_UPSTREAM_KEY"
 
 
 def upstream_spec(base_url: str, tokenizer: Path, **changes: Any) -> ModelSpec:
-    return ModelSpec(
-        kind="openai-compatible", base_url=base_url, upstream_model="tiny-chat-upstream", api_key_env=KEY_VARIABLE,
-        tokenizer=tokenizer, max_output_tokens=2000, upstream_max_requests=2, **changes,
-    )
+    fields: dict[str, Any] = {
+        "kind": "openai-compatible", "base_url": base_url, "upstream_model": "tiny-chat-upstream", "api_key_env": KEY_VARIABLE,
+        "tokenizer": tokenizer, "max_output_tokens": 2000, "upstream_max_requests": 2,
+    }
+    return ModelSpec(**(fields | changes))
 
 
 @pytest.fixture
