@@ -29,6 +29,7 @@ async def measure(stack: BenchStack, report: Report, section: str, count: int) -
     streamed: list[tuple[task_pb2.TaskEvent, float]] = []
     returned: dict[str, float] = {}
     e2e: list[float] = []
+    ended: list[float] = []  # a terminal event's row written -> its WatchTask stream receives it
     async with WebhookReceiver() as receiver, grpc.aio.insecure_channel(stack.submit_address) as gw, grpc.aio.insecure_channel(
         stack.notifier_address
     ) as ev:
@@ -57,6 +58,8 @@ async def measure(stack: BenchStack, report: Report, section: str, count: int) -
                     continue
                 if status in TERMINAL:
                     e2e.append(time.time() - done_at)
+                    if item.HasField("event"):
+                        ended.append(time.time() - _wall(item.event.at))
                     break
             await asyncio.sleep(0.005)
         with contextlib.suppress(TimeoutError):
@@ -100,6 +103,9 @@ async def measure(stack: BenchStack, report: Report, section: str, count: int) -
     p50, p99 = ms(e2e)
     report.add(section, "terminal state seen by a streaming client after submit returns, p50", p50, "ms", at_most=5,
                note=f"p99 {p99:.1f} ms")
+    p50, p99 = ms(ended)
+    report.add(section, "WatchTask: terminal event written -> received, p50", p50, "ms",
+               note=f"p99 {p99:.1f} ms, {len(ended)} events")
     p50, p99 = ms(stream)
     report.add(section, "stream: event committed -> WatchTasks receives, p50", p50, "ms", note=f"{len(stream)} events")
     report.add(section, "stream: event committed -> WatchTasks receives, p99", p99, "ms", at_most=20)

@@ -1,9 +1,10 @@
 """NATS users, one per service, each allowed only the subjects that service sends and reads (least privilege inside).
 
 A worker's credentials cannot publish task events, purge a stream or read another service's traffic; the notifier
-alone publishes `taskgate.events.>`; only the `admin` user (the migrate step, operators) may create, change or purge
-streams. `python -m taskgate.natsauth` prints nats-server's `authorization` block, each password read from the
-server's environment (`$TASKGATE_NATS_<ROLE>_PASSWORD`).
+alone publishes `taskgate.events.>` (workers and submit hint terminal versions on `taskgate.control.ended.>`, subjects
+without a payload that the notifier checks against the table); only the `admin` user (the migrate step, operators)
+may create, change or purge streams. `python -m taskgate.natsauth` prints nats-server's `authorization` block, each
+password read from the server's environment (`$TASKGATE_NATS_<ROLE>_PASSWORD`).
 
 JetStream's API is subjects too (`$JS.API.<operation>.<stream>...`), so each role lists the API calls it makes.
 """
@@ -45,7 +46,9 @@ RESULTS_WRITE = (f"$O.{bus.RESULTS_BUCKET}.>", f"$JS.API.STREAM.PURGE.{OBJECTS}"
 
 ROLES: Mapping[str, Permissions] = {
     # dispatches tasks, hints cancels, stores input images, reads outputs back
-    "submit": Permissions(publish=(bus.TASK_SUBJECTS, bus.CANCEL_SUBJECT, f"$JS.API.STREAM.INFO.{TASKS}", *RESULTS_WRITE)),
+    "submit": Permissions(
+        publish=(bus.TASK_SUBJECTS, bus.CANCEL_SUBJECT, bus.ENDED_SUBJECTS, f"$JS.API.STREAM.INFO.{TASKS}", *RESULTS_WRITE)
+    ),
     # re-dispatches, dead-letters, hints cancels and preemptions, reads queue depths, deletes expired outputs
     "scheduler": Permissions(
         publish=(
@@ -60,7 +63,7 @@ ROLES: Mapping[str, Permissions] = {
             f"$JS.API.CONSUMER.CREATE.{TASKS}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{TASKS}.>",
             f"$JS.API.STREAM.INFO.{TASKS}", bus.DEAD_SUBJECTS, bus.OUTPUT_SUBJECTS, *RESULTS_WRITE,
             f"$JS.API.STREAM.INFO.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
-            f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>",
+            f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>", bus.ENDED_SUBJECTS,
         ),
         subscribe=(REPLIES, bus.CANCEL_SUBJECT, bus.PREEMPT_SUBJECT),
     ),
@@ -74,8 +77,7 @@ ROLES: Mapping[str, Permissions] = {
             f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.API.CONSUMER.INFO.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>",
             f"$JS.API.DIRECT.GET.{OUTPUT}", f"$JS.API.DIRECT.GET.{OUTPUT}.>", f"$JS.API.STREAM.MSG.GET.{OUTPUT}",
         ),
-        # a task's stored chunks as the stream republishes them (WatchTask with include_output follows its task's)
-        subscribe=(REPLIES, bus.OUTPUT_LIVE_SUBJECTS),
+        subscribe=(REPLIES, bus.ENDED_SUBJECTS),  # the committers' hints of terminal versions (a core subject)
     ),
     # the migrate step and operators: streams, consumers and buckets declared, changed or purged
     "admin": Permissions(publish=(">",), subscribe=(">",)),

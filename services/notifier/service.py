@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.notifier.ended import EndedHints
 from services.notifier.output_feed import OutputHub
 from services.notifier.relay import EventRelay, TestSignals
 from services.notifier.streams import SERVICE, EventHub, TaskEventsService, register
@@ -46,6 +47,7 @@ class NotifierHandle:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     ended: bool = False
     output_hub: OutputHub | None = None
+    hints: EndedHints | None = None
 
     async def stop(self) -> None:
         """Graceful: readiness off, streams ended (UNAVAILABLE with where to resume), loops stopped, attempts in flight
@@ -59,6 +61,8 @@ class NotifierHandle:
             await self.grpc_server.stop(STOP_GRACE_SECONDS)
             await self._cancel_loops()
             await self.sender.stop()
+            if self.hints is not None:
+                await self.hints.stop()
             await self.hub.stop()
         finally:
             if self.owns_backends:
@@ -81,6 +85,8 @@ class NotifierHandle:
             with contextlib.suppress(Exception):
                 await self.backends.bus.nc.close()
         else:
+            if self.hints is not None:
+                await self.hints.stop()
             await self.hub.stop()
 
     async def _cancel_loops(self) -> None:
@@ -100,6 +106,8 @@ async def start(
     relay = EventRelay(settings, b.pool, b.bus, on_deliveries=sender.notify, signals=signals)
     hub = EventHub(b.bus, settings.event_feed_heartbeat_seconds)
     await hub.start()
+    hints = EndedHints(b.pool, hub)  # terminal events to WatchTask streams as their committer hints them
+    await hints.start(b.bus)
     throttle = Throttle.of(settings)
     authenticator = Authenticator(
         b.pool, settings.api_key_pepper, settings.api_key_cache_seconds, throttle=throttle, service=SERVICE
@@ -121,7 +129,8 @@ async def start(
         await asyncio.wait_for(listener.connected.wait(), LISTEN_READY_SECONDS)
     log.info("notifier started", extra={"port": port, "owner": owner})
     return NotifierHandle(
-        port, b, relay, sender, hub, listener, grpc_server, health_servicer, owns, tasks, output_hub=output_hub
+        port, b, relay, sender, hub, listener, grpc_server, health_servicer, owns, tasks, output_hub=output_hub,
+        hints=hints,
     )
 
 

@@ -319,6 +319,17 @@ class EventHub:
             if not sub.offer(event):
                 self.drop(sub)
 
+    def watching(self, task_id: int) -> bool:
+        """Whether a WatchTask stream of this process follows the task."""
+        return task_id in self._by_task
+
+    def offer_task(self, event: task_pb2.TaskEvent) -> None:
+        """An event read from the table, for the task's WatchTask streams only (a WatchTasks stream's cursor follows
+        the feed's order; each stream drops the feed's later copy by its version)."""
+        for sub in list(self._by_task.get(int(event.task_id), ())):
+            if not sub.offer(event):
+                self.drop(sub)
+
     def watch_task(self, task_id: int, capacity: int) -> Subscriber:
         """Buffers one task's live events from now on."""
         sub = Subscriber(task_id, capacity)

@@ -31,7 +31,7 @@ from taskgate.states import Status
 from taskgate.store import submissions, tenants
 from taskgate.store.submissions import Admission, AdmitVerdict, Candidate, NewTask
 from taskgate.throttle import Throttle
-from taskgate.wire import cancel
+from taskgate.wire import cancel, ended
 from taskgate_api import reasons
 from taskgate_api.v1 import batches_pb2, gateway_pb2, gateway_pb2_grpc, task_pb2
 
@@ -511,6 +511,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             await cancel.send(
                 self._bus, current.id, hard=request.hard, reason="canceled by client", trace_context=current.trace_context
             )
+        await ended.send(self._bus, current)  # the task's watchers hear it now, not after the relay's pass
         self._cache.put(current)
         return gateway_pb2.CancelTaskResponse(task=current.to_proto())
 

@@ -20,7 +20,7 @@ from taskgate import bus as busmod
 from taskgate import chat, results, store, tracing
 from taskgate.config import Settings
 from taskgate.store import ResultRef, workers
-from taskgate.wire import dead_letter, preempt
+from taskgate.wire import dead_letter, ended, preempt
 
 log = logging.getLogger("taskgate.worker")
 
@@ -113,6 +113,8 @@ class Finisher:
                     dead_letter=failure.dead_letter, metered=run.metered(),
                 ),
             )
+        if out.applied:
+            await ended.send(self.bus, out.task)  # FAILED: the watchers hear it now, not after the relay's pass
         await resume.forget(self.pool, self.outputs, out.task)
         step = decide(out.task, attempt=run.attempt, run=failure)
         if step.fate is Fate.DEAD and isinstance(failure, PermanentError):
@@ -157,6 +159,8 @@ class Finisher:
                 text=text,
             ),
         )
+        if out.applied:
+            await ended.send(self.bus, out.task)  # the watchers hear it now, not after the relay's pass
         await resume.forget(self.pool, self.outputs, out.task)
         produced = Produced(result.uri, reused=result.reused)
         step = decide(out.task, attempt=run.attempt, run=produced)

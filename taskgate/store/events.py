@@ -139,6 +139,12 @@ async def task_events(db: Conn, task_id: int, *, after_version: int, up_to_versi
     return [Event.from_record(r) for r in rows]
 
 
+async def events_at(db: Conn, versions: Sequence[tuple[int, int]]) -> list[Event]:
+    """The events of these (task id, version) pairs that exist, in task and version order; one statement."""
+    rows = await db.fetch(sql.query("stream_events_at"), [t for t, _ in versions], [v for _, v in versions])
+    return [Event.from_record(r) for r in rows]
+
+
 async def user_events_after(db: Conn, user_id: str, *, after_id: int, limit: int) -> list[Event]:
     """A tenant's events after an event id, in id order, at most `limit`."""
     rows = await db.fetch(sql.query("stream_user_events_after"), user_id, after_id, limit)

@@ -155,6 +155,13 @@ ON CONFLICT (delivery_id, attempt) DO NOTHING;
 -- A task's events with version in ($2, $3], in version order. $1 task id.
 SELECT * FROM task_event WHERE task_id = $1 AND version > $2 AND version <= $3 ORDER BY version;
 
+-- name: stream_events_at
+-- The events of these (task, version) pairs, in task and version order: the versions their committers hinted.
+-- $1 task ids, $2 versions (same length).
+SELECT e.* FROM task_event e
+JOIN unnest($1::bigint[], $2::bigint[]) AS h(task_id, version) ON e.task_id = h.task_id AND e.version = h.version
+ORDER BY e.task_id, e.version;
+
 -- name: stream_user_events_after
 -- A tenant's events after a cursor, in id order, one page. $1 user, $2 cursor id, $3 limit.
 SELECT * FROM task_event WHERE user_id = $1 AND id > $2 ORDER BY id LIMIT $3;
