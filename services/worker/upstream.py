@@ -105,7 +105,7 @@ class Upstream:
             self._open = asyncio.Semaphore(self.spec.upstream_max_requests)
         async with self._open:
             try:
-                body = {**self.spec.upstream_extra_body, **request_body(self.upstream_model, messages, params)}
+                body = request_body(self.upstream_model, messages, params)
                 return await self._stream(body, on_delta)
             except openai.OpenAIError as exc:
                 raise failure_of(exc) from exc
@@ -117,7 +117,9 @@ class Upstream:
         chunks = 0
         finish: str | None = None
         usage: Any = None
-        stream = await self.client.chat.completions.create(**body, stream=True)
+        # the server's own fields go as the client's extra_body (its create() takes only OpenAI's); a task's own win
+        extra = {k: v for k, v in self.spec.upstream_extra_body.items() if k not in body}
+        stream = await self.client.chat.completions.create(**body, stream=True, extra_body=extra or None)
         async with stream:  # leaving it, however, closes the response: a cancelled task's generation stops upstream
             async for chunk in stream:
                 if chunk.usage is not None:

@@ -1,7 +1,7 @@
 """Chat tasks on an upstream model (kind "openai-compatible") through the gateway, against a real OpenAI-compatible
 server (llama.cpp's, serving the tiny chat model): SUCCEEDED with the answer inline, its tokens and its deltas on the
-output stream; an upstream that is down is a retryable failure. (A cancel closing the upstream's stream is tested on the
-backend itself, tests/integration/worker/test_upstream.py.)"""
+output stream; the entry's upstream_extra_body reaching the server; an upstream that is down is a retryable failure.
+(A cancel closing the upstream's stream is tested on the backend itself, tests/integration/worker/test_upstream.py.)"""
 
 from __future__ import annotations
 
@@ -53,13 +53,15 @@ async def test_a_chat_task_through_the_gateway_streams_from_the_upstream_and_suc
     settings: Settings, backends: Backends, stub: Any, workers: WorkerFactory
 ) -> None:
     md = await key_for(backends, max_pending=10)
-    await workers(settings)
+    # llama.cpp's own min_tokens, sent as the entry's upstream_extra_body: the answer runs to max_output_tokens
+    spec = settings.models[MODEL].model_copy(update={"upstream_extra_body": {"min_tokens": 40}})
+    await workers(settings.model_copy(update={"models": {**settings.models, MODEL: spec}}))
     task = await submit(stub, md, "Review this diff: return value", max_output_tokens=40, temperature=0.0, seed=1)
     assert task.usage.input_tokens > 0  # counted at admission with the model's tokenizer (the upstream's own model)
     await wait_task(backends, int(task.id), is_status(Status.SUCCEEDED), within=60)
     got = (await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task.id), metadata=md, timeout=5)).task
     answer = got.text
-    assert answer.finish_reason in ("stop", "length") and answer.text and answer.chars == len(answer.text)
+    assert answer.finish_reason == "length" and answer.text and answer.chars == len(answer.text)
     assert got.usage.input_tokens == task.usage.input_tokens and 0 < got.usage.output_tokens <= 40
     assert got.usage.gpu_seconds == 0  # none of this worker's devices: the upstream's
     found = await chunks(backends, got.user_id, task.id)
