@@ -508,10 +508,10 @@ def test_containers_match_the_settings_they_read(overlay: str) -> None:
         if overlay == "prod" or not settings.grpc_allow_plaintext:
             assert not settings.grpc_allow_plaintext and settings.tls_cert_file and settings.tls_key_file, where
             mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-            for path in (settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file):
-                assert path is not None and str(path.parent) in mounted, f"{where}: {path} is not on a mounted volume"
-                volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mounted[str(path.parent)])
-                assert path.name in provided.get(volume["secret"]["secretName"], set()), f"{where}: {path.name}"
+            for tls_path in (settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file):
+                assert tls_path is not None and str(tls_path.parent) in mounted, f"{where}: {tls_path} is not on a mounted volume"
+                volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mounted[str(tls_path.parent)])
+                assert tls_path.name in provided.get(volume["secret"]["secretName"], set()), f"{where}: {tls_path.name}"
         assert container["readinessProbe"]["grpc"]["service"] == server.READINESS, where  # backends up, not draining
         for probe in ("startupProbe", "livenessProbe"):  # only the process and its loops: an outage never restarts it
             assert container[probe]["grpc"].get("service", "") == server.LIVENESS, f"{where}: {probe}"

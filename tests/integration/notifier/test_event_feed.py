@@ -54,7 +54,7 @@ async def test_a_lost_feed_resumes_where_it_started(backends: Backends) -> None:
         assert {c.config.opt_start_seq for c in again} == {start}
         await publish(backends, 4)
         first = await asyncio.wait_for(sub.next(), timeout=10)
-        assert first is not None and first.version == 4
+        assert isinstance(first, task_pb2.TaskEvent) and first.version == 4
     finally:
         hub.drop(sub)
         await hub.stop()
