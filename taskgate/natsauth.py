@@ -77,7 +77,8 @@ ROLES: Mapping[str, Permissions] = {
             f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.API.CONSUMER.INFO.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>",
             f"$JS.API.DIRECT.GET.{OUTPUT}", f"$JS.API.DIRECT.GET.{OUTPUT}.>", f"$JS.API.STREAM.MSG.GET.{OUTPUT}",
         ),
-        subscribe=(REPLIES, bus.ENDED_SUBJECTS),  # the committers' hints of terminal versions (a core subject)
+        # the committers' hints of terminal versions, and stored output chunks republished live (core subjects)
+        subscribe=(REPLIES, bus.ENDED_SUBJECTS, bus.OUTPUT_LIVE_SUBJECTS),
     ),
     # the migrate step and operators: streams, consumers and buckets declared, changed or purged
     "admin": Permissions(publish=(">",), subscribe=(">",)),
