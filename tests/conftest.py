@@ -317,3 +317,21 @@ async def cli(settings: Settings, backends: Backends, tmp_path: Path) -> AsyncIt
         await notifier.stop()
         await scheduler.stop(0)
         await submit.stop(0)
+
+
+_EXIT_GRACE_SECONDS = 120.0
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A watchdog for the interpreter's own exit: a session whose tests have ended but whose process does not (seen on
+    tests/integration/http/test_http.py: stuck joining a thread at shutdown, cause not found yet) exits with the
+    session's status after a grace, instead of holding CI until its limit."""
+    status = int(exitstatus)
+
+    def _exit_late() -> None:
+        threading.Event().wait(_EXIT_GRACE_SECONDS)
+        sys.stderr.write(f"pytest: the process did not exit {_EXIT_GRACE_SECONDS:.0f} s after the session; exiting\n")
+        sys.stderr.flush()
+        os._exit(status)
+
+    threading.Thread(target=_exit_late, name="exit-watchdog", daemon=True).start()
