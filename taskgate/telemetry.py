@@ -109,8 +109,8 @@ GPU_MEMORY = Gauge("taskgate_gpu_memory_used_bytes", "CUDA memory allocated by t
 WASTED_GPU_SECONDS = Counter(
     "taskgate_wasted_gpu_seconds",
     "Device seconds of steps an interrupted attempt computed after its newest checkpoint (a later attempt computes "
-    "them again); a tenant label by the issue's ask: tenants are few and named by operators.",
-    ["tenant", "model"],
+    "them again); per tenant in GetUsage (usage_hour.wasted_seconds), not as a label (labels stay bounded).",
+    ["model"],
 )
 DEVICE_BUSY = Counter(
     "taskgate_worker_device_busy_seconds_total",

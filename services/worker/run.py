@@ -81,7 +81,7 @@ class Run:
         newest = self.keeper.newest if self.keeper is not None else None
         counted = min(newest.device_seconds, self.device_seconds) if newest is not None else 0.0
         wasted = self.device_seconds - counted
-        telemetry.WASTED_GPU_SECONDS.labels(self.task.user_id, self.task.model_id).inc(wasted)
+        telemetry.WASTED_GPU_SECONDS.labels(self.task.model_id).inc(wasted)
         return store.Metered(counted, slot, wasted)
 
     @property

@@ -186,10 +186,10 @@ async def test_make_run_keeps_the_stack_up_when_the_demo_tenant_still_holds_unfi
     env = dev_env(tmp_path / "state")
     env.update({"TASKGATE_DATABASE_URL": settings.database_url or "", "TASKGATE_NATS_URL": settings.nats_url or "",
                 "TASKGATE_HTTP_PORT": "0", "TASKGATE_HTTP_METRICS_PORT": "0"})
-    await asyncio.to_thread(run_with_a_refused_demo, tmp_path, env)
+    await asyncio.to_thread(run_with_a_refused_demo, tmp_path, env, settings.max_pending_per_tenant)
 
 
-def run_with_a_refused_demo(tmp_path: Path, env: dict[str, str]) -> None:
+def run_with_a_refused_demo(tmp_path: Path, env: dict[str, str], limit: int) -> None:
     tmp_path.chmod(0o755)
     run = subprocess.Popen(
         [sys.executable, "-m", "taskgate_local.dev"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -201,7 +201,7 @@ def run_with_a_refused_demo(tmp_path: Path, env: dict[str, str]) -> None:
     try:
         assert ready.wait(420) and run.poll() is None, "".join(lines)
         out = "".join(lines)
-        assert "the demo task was not submitted: at most 3 unfinished tasks per tenant" in out, out
+        assert f"the demo task was not submitted: at most {limit} unfinished tasks per tenant" in out, out
         assert "The stack keeps running." in out
         saved = LocalStack.load(tmp_path / "state")
         assert saved is not None
