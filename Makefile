@@ -13,7 +13,7 @@ PYTEST := $(PY) -m pytest
 # not part of `make venv`: without it the upstream backend's tests skip and say so
 LLAMA_BUILD := CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=OFF}" CMAKE_BUILD_PARALLEL_LEVEL="$${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 
-.PHONY: venv upstream-server buf run test test-unit test-faults test-cluster images test-images lint proto tiny-model gpu-check bench constraints lock pin-digests clean
+.PHONY: venv upstream-server buf run test test-unit test-faults test-cluster images test-images lint proto schema tiny-model gpu-check bench constraints lock pin-digests clean
 
 $(STAMP): $(DISTS) constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -85,6 +85,10 @@ proto: $(STAMP)
 	$(PY) -m taskgate_local.protogen
 
 ## Builds the tiny random-weight text-to-video pipeline used by tests and the demo.
+## taskgate/sql/schema.sql, the whole current schema for readers: a dump of a freshly migrated database.
+schema: $(STAMP)
+	$(PY) -m taskgate_local.schemafile
+
 tiny-model: $(STAMP)
 	$(PY) -m taskgate_local.tinymodel
 	$(PY) -m taskgate_local.tinymodel --model ltx-i2v-tiny
