@@ -30,6 +30,12 @@ def messages_of(payload: dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": str(m["role"]), "content": str(m["content"])} for m in payload.get(MESSAGES, [])]
 
 
+def reservation(payload: dict[str, Any]) -> int:
+    """The tokens a chat task reserves of its tenant's token budget at admission: its input as counted and the most
+    it may generate."""
+    return int(payload.get(INPUT_TOKENS, 0)) + int(payload["max_output_tokens"])
+
+
 def preview(messages: list[dict[str, str]], limit: int) -> str:
     """What a chat task shows as its prompt: the beginning of its last user turn."""
     last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")

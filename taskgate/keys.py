@@ -94,6 +94,7 @@ async def tenant(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
             conn, args.tenant, max_pending=args.max_pending, submits_per_minute=args.submits_per_minute,
             max_priority=args.max_priority, share_weight=args.share_weight,
             gpu_seconds_per_day=args.gpu_seconds_per_day, gpu_seconds_per_month=args.gpu_seconds_per_month,
+            tokens_per_day=args.tokens_per_day, tokens_per_month=args.tokens_per_month,
             max_pending_per_end_user=args.max_pending_per_end_user,
             submits_per_minute_per_end_user=args.submits_per_minute_per_end_user,
         )
@@ -109,12 +110,14 @@ async def tenant(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
         "gpu_seconds_per_month": changed.gpu_seconds_per_month,
         "max_pending_per_end_user": changed.max_pending_per_end_user,
         "submits_per_minute_per_end_user": changed.submits_per_minute_per_end_user,
+        "tokens_per_day": changed.tokens_per_day,
+        "tokens_per_month": changed.tokens_per_month,
     }
     if out.json:
         out.document(doc)
     else:
         out.fields([
-            (k.replace("_", " "), ("(none)" if k.startswith("gpu") else "(global setting)") if v is None else v)
+            (k.replace("_", " "), ("(none)" if k.startswith(("gpu", "tokens")) else "(global setting)") if v is None else v)
             for k, v in doc.items()
         ])
     return EXIT_OK
@@ -133,6 +136,16 @@ def _budget(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError("must be a number of GPU-seconds") from None
     if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError("must be 0 (no budget) or more")
+    return value
+
+
+def _token_budget(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a whole number of tokens") from None
+    if value < 0:
         raise argparse.ArgumentTypeError("must be 0 (no budget) or more")
     return value
 
@@ -234,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpu-seconds-per-day", type=_budget, metavar="N", help="the tenant's GPU-second budget per UTC day (0: none)")
     p.add_argument("--gpu-seconds-per-month", type=_budget, metavar="N", help="its budget per UTC month (0: none)")
+    p.add_argument("--tokens-per-day", type=_token_budget, metavar="N",
+                   help="the tenant's chat token budget per UTC day: input + max_output_tokens reserved (0: none)")
+    p.add_argument("--tokens-per-month", type=_token_budget, metavar="N", help="its token budget per UTC month (0: none)")
     p.add_argument("--max-pending-per-end-user", type=_positive, metavar="N",
                    help="unfinished tasks each of the tenant's end users may hold (default: the global setting)")
     p.add_argument("--submits-per-minute-per-end-user", type=_positive, metavar="N",

@@ -48,6 +48,7 @@ class TaskRow:
     device_seconds: float = 0.0  # metered, summed over the attempts that ended on their worker
     slot_seconds: float = 0.0
     gpu_reserved: float = 0.0  # GPU-seconds reserved of its tenant's budget at admission (0: no budget)
+    tokens_reserved: int = 0  # chat: tokens reserved of its tenant's token budget at admission (0: no budget)
     cancel_mode: str | None = None
     not_before: datetime | None = None
     error_code: str | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from taskgate import errors, telemetry
-from taskgate.store.submissions import Budget
+from taskgate.store.submissions import GPU_SECONDS, TOKENS, Budget
 from taskgate_api import reasons
 
 # Which limit refused a submission (ErrorInfo metadata `scope`): the end user's own, or its tenant's in all.
@@ -26,14 +26,26 @@ def rate_limited(per_minute: int, retry_after: float, scope: str = TENANT) -> er
 
 
 def quota_exceeded(budget: Budget, retry_after: float) -> errors.ApiError:
-    """RESOURCE_EXHAUSTED with RetryInfo (until the window resets) for a submission whose estimated GPU-seconds do
-    not fit what is left of the tenant's budget."""
+    """RESOURCE_EXHAUSTED with RetryInfo (until the window resets) for a submission whose estimate does not fit what
+    is left of the tenant's budget (ErrorInfo metadata `budget`: which one, 'gpu_seconds' or 'tokens')."""
     telemetry.SUBMIT_REJECTIONS.labels(reasons.QUOTA_EXCEEDED).inc()
+    if budget.unit == TOKENS:
+        return errors.resource_exhausted(
+            reasons.QUOTA_EXCEEDED,
+            f"this task reserves {budget.estimate:.0f} tokens (its max_output_tokens and its input) and the tenant's "
+            f"token budget has {budget.left:.0f} left this {budget.window} (UTC)",
+            retry_after=retry_after,
+            budget=TOKENS,
+            window=budget.window,
+            tokens_left=f"{budget.left:.0f}",
+            tokens_estimate=f"{budget.estimate:.0f}",
+        )
     return errors.resource_exhausted(
         reasons.QUOTA_EXCEEDED,
         f"this task is estimated at {budget.estimate:.1f} GPU-seconds and the tenant's budget has "
         f"{budget.left:.1f} left this {budget.window} (UTC)",
         retry_after=retry_after,
+        budget=GPU_SECONDS,
         window=budget.window,
         gpu_seconds_left=f"{budget.left:.3f}",
         gpu_seconds_estimate=f"{budget.estimate:.3f}",

@@ -17,7 +17,7 @@ import grpc
 import nats.errors
 from google.protobuf.duration_pb2 import Duration
 
-from taskgate import auth, clienttokens, errors, eta, ids, paging, store, telemetry, tracing
+from taskgate import auth, chat, clienttokens, errors, eta, ids, paging, store, telemetry, tracing
 from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator, Caller, Principal
 from taskgate.config import Settings
 from taskgate.dispatcher import Dispatcher
@@ -240,7 +240,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         order = list(subs)
         candidates = [
             Candidate(self._new_task(who.tenant_id, subs[i]), None if i in slotted else per_minute,
-                      self._settings.models[subs[i].model_id].gpu_seconds_estimate)
+                      self._settings.models[subs[i].model_id].gpu_seconds_estimate,
+                      chat.reservation(subs[i].payload) if subs[i].task_type == chat.TASK_TYPE else None)
             for i in order
         ]
         admissions = await self._submitter.admit(candidates, self._caller_deadline(context))

@@ -30,7 +30,7 @@ class AdmitVerdict(enum.StrEnum):
     RATE_LIMITED = "rate_limited"
     NO_TENANT = "no_tenant"
     TOO_MANY_PENDING = "too_many_pending"
-    QUOTA_EXCEEDED = "quota_exceeded"  # its estimate does not fit the tenant's GPU-second budget
+    QUOTA_EXCEEDED = "quota_exceeded"  # its estimate does not fit the tenant's GPU-second or token budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +90,14 @@ def columns(tasks: Sequence[NewTask]) -> list[list[object]]:
 
 def admission_rows(batch: Sequence[Candidate]) -> list[dict[str, object]]:
     """The batch as submit_tasks takes it: one row per submission with admission_item's named fields (the task's
-    columns by COLUMNS, its tenant's per-minute limit and its GPU-seconds estimate), for the jsonb codec to send."""
+    columns by COLUMNS, its tenant's per-minute limit, its GPU-seconds estimate and the tokens it reserves), for the
+    jsonb codec to send."""
     rows = []
     for c in batch:
         row = {name: column(c.new) for name, column in COLUMNS.items()}
         row["per_minute"] = c.per_minute
         row["gpu_estimate"] = c.gpu_estimate
+        row["token_estimate"] = c.token_estimate
         for name, value in row.items():
             if isinstance(value, datetime):  # JSON has no time: PostgreSQL reads ISO 8601 back into timestamptz
                 row[name] = value.isoformat()
@@ -105,22 +107,29 @@ def admission_rows(batch: Sequence[Candidate]) -> list[dict[str, object]]:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One submission to admit: the task, the tenant's per-minute limit (None: its rate slot is already taken), and
-    the GPU-seconds its model's task is estimated at when the run history has none."""
+    """One submission to admit: the task, the tenant's per-minute limit (None: its rate slot is already taken), the
+    GPU-seconds its model's task is estimated at when the run history has none, and the tokens a chat task reserves
+    of a token budget (its max_output_tokens and counted input; None: not a chat task)."""
 
     new: NewTask
     per_minute: int | None
     gpu_estimate: float = 0.0
+    token_estimate: int | None = None
+
+
+GPU_SECONDS = "gpu_seconds"  # a budget's unit (Budget.unit)
+TOKENS = "tokens"
 
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """Why a submission did not fit its tenant's budget: the window ('day' or 'month', UTC) that is short, the
-    GPU-seconds left in it, and the submission's estimate."""
+    """Why a submission did not fit its tenant's budget: the window ('day' or 'month', UTC) that is short, what is
+    left in it and the submission's estimate, both in the budget's unit ('gpu_seconds' or 'tokens')."""
 
     window: str
     left: float
     estimate: float
+    unit: str = GPU_SECONDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +182,10 @@ async def admit(
         pending_limit = rec["pending_limit"]
         budget = None
         if verdict is AdmitVerdict.QUOTA_EXCEEDED:
-            budget = Budget(rec["budget_window"], float(rec["budget_left"]), float(rec["gpu_estimate"]))
+            if rec["budget_unit"] == TOKENS:
+                budget = Budget(rec["budget_window"], float(rec["budget_left"]), float(rec["token_estimate"]), TOKENS)
+            else:
+                budget = Budget(rec["budget_window"], float(rec["budget_left"]), float(rec["gpu_estimate"]))
         out.append(Admission(
             verdict=verdict,
             task=TaskRow.from_record(rec) if verdict in (AdmitVerdict.CREATED, AdmitVerdict.EXISTING) else None,

@@ -32,6 +32,8 @@ class Tenant:
     gpu_seconds_per_month: float | None = None
     max_pending_per_end_user: int | None = None  # each end user's own limits inside the tenant's (None: the setting)
     submits_per_minute_per_end_user: int | None = None
+    tokens_per_day: int | None = None  # chat tokens per UTC day and month (None: no budget)
+    tokens_per_month: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,19 +129,21 @@ async def update_tenant(
     db: Conn, tenant_id: str, *, max_pending: int | None, submits_per_minute: int | None, max_priority: int | None,
     share_weight: float | None = None, gpu_seconds_per_day: float | None = None, gpu_seconds_per_month: float | None = None,
     max_pending_per_end_user: int | None = None, submits_per_minute_per_end_user: int | None = None,
+    tokens_per_day: int | None = None, tokens_per_month: int | None = None,
 ) -> Tenant | None:
     """Changes the limits given (None leaves one as it is; a budget of 0 removes it); the tenant after, or None when
     there is no such tenant."""
     row = await db.fetchrow(
         sql.query("update_tenant"), tenant_id, max_pending, submits_per_minute, max_priority, share_weight,
         gpu_seconds_per_day, gpu_seconds_per_month, max_pending_per_end_user, submits_per_minute_per_end_user,
+        tokens_per_day, tokens_per_month,
     )
     if row is None:
         return None
     return Tenant(
         row["id"], row["max_pending"], row["submits_per_minute"], row["max_priority"], row["share_weight"],
         row["gpu_seconds_per_day"], row["gpu_seconds_per_month"], row["max_pending_per_end_user"],
-        row["submits_per_minute_per_end_user"],
+        row["submits_per_minute_per_end_user"], row["tokens_per_day"], row["tokens_per_month"],
     )
 
 

@@ -41,17 +41,25 @@ CREATE OR REPLACE TRIGGER task_tokens_on_update AFTER UPDATE OF input_tokens, ou
 
 -- Budgets: a task admitted under its tenant's GPU-second budget reserved its estimate on its admission day; when it
 -- ends (finished, failed, timed out, cancelled), the charge is settled to what its attempts measured (a task
--- cancelled before it ran releases its whole reservation).
+-- cancelled before it ran releases its whole reservation). A chat task admitted under a token budget reserved its
+-- max_output_tokens and counted input; its charge is settled to the tokens its row records as it ends (input and
+-- output of the succeeding attempt: a failed or cancelled task releases its reservation).
 CREATE OR REPLACE FUNCTION task_settle_budget() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    UPDATE budget_charge SET seconds = seconds + NEW.device_seconds - NEW.gpu_reserved
-    WHERE tenant_id = NEW.user_id AND day = NEW.budget_day;
+    IF NEW.budget_day IS NOT NULL THEN
+        UPDATE budget_charge SET seconds = seconds + NEW.device_seconds - NEW.gpu_reserved
+        WHERE tenant_id = NEW.user_id AND day = NEW.budget_day;
+    END IF;
+    IF NEW.token_budget_day IS NOT NULL THEN
+        UPDATE budget_charge SET tokens = tokens + NEW.input_tokens + NEW.output_tokens - NEW.tokens_reserved
+        WHERE tenant_id = NEW.user_id AND day = NEW.token_budget_day;
+    END IF;
     RETURN NULL;
 END $$;
 
 CREATE OR REPLACE TRIGGER task_budget_on_end AFTER UPDATE OF status ON task
-    FOR EACH ROW WHEN (NEW.budget_day IS NOT NULL
+    FOR EACH ROW WHEN ((NEW.budget_day IS NOT NULL OR NEW.token_budget_day IS NOT NULL)
                        AND NEW.status IN ('SUCCEEDED', 'FAILED', 'TIMEOUT', 'CANCELED')
                        AND OLD.status NOT IN ('SUCCEEDED', 'FAILED', 'TIMEOUT', 'CANCELED'))
     EXECUTE FUNCTION task_settle_budget();

@@ -68,16 +68,18 @@ UPDATE webhook_secret SET secret = $3 WHERE id = $1 AND secret = $2;
 -- name: update_tenant
 -- Changes a tenant's limits (NULL leaves one as it is; a budget of 0 removes it); no row when there is no such
 -- tenant. $1 tenant, $2 max pending, $3 submits per minute, $4 max priority, $5 share weight, $6 GPU-seconds per day,
--- $7 per month, $8 max pending per end user, $9 submits per minute per end user.
+-- $7 per month, $8 max pending per end user, $9 submits per minute per end user, $10 tokens per day, $11 per month.
 UPDATE tenant SET max_pending = COALESCE($2, max_pending), submits_per_minute = COALESCE($3, submits_per_minute),
                   max_priority = COALESCE($4, max_priority), share_weight = COALESCE($5, share_weight),
                   gpu_seconds_per_day = NULLIF(COALESCE($6, gpu_seconds_per_day), 0),
                   gpu_seconds_per_month = NULLIF(COALESCE($7, gpu_seconds_per_month), 0),
                   max_pending_per_end_user = COALESCE($8, max_pending_per_end_user),
-                  submits_per_minute_per_end_user = COALESCE($9, submits_per_minute_per_end_user)
+                  submits_per_minute_per_end_user = COALESCE($9, submits_per_minute_per_end_user),
+                  tokens_per_day = NULLIF(COALESCE($10, tokens_per_day), 0),
+                  tokens_per_month = NULLIF(COALESCE($11, tokens_per_month), 0)
 WHERE id = $1
 RETURNING id, max_pending, submits_per_minute, max_priority, share_weight, gpu_seconds_per_day, gpu_seconds_per_month,
-          max_pending_per_end_user, submits_per_minute_per_end_user;
+          max_pending_per_end_user, submits_per_minute_per_end_user, tokens_per_day, tokens_per_month;
 
 -- name: tenant_exists
 -- Whether a tenant exists. $1 tenant.

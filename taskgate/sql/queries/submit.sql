@@ -43,7 +43,7 @@ SELECT * FROM insert_tasks(
 -- budgets' clock (NULL: now), $6 and $7 the defaults of max pending and submissions per minute per end user (a
 -- tenant's own override them). One row per item, in order.
 SELECT f.ord, f.outcome, f.retry_after, f.pending_limit, f.budget_window, f.budget_left, f.gpu_estimate, f.limit_scope,
-       f.rate_limit, (f.task_row).*
+       f.rate_limit, f.budget_unit, f.token_estimate, (f.task_row).*
 FROM submit_tasks(
     p_items => $1::jsonb, p_default_max_pending => $2, p_history_seconds => $3, p_history_runs => $4, p_now => $5,
     p_default_max_pending_per_end_user => $6, p_default_per_minute_per_end_user => $7) f;

@@ -171,7 +171,7 @@ async def test_keys_tenant_priority_and_unstorable_names(cli: Cli) -> None:
     assert lowered.code == 0 and lowered.json() == {
         "tenant": "vip", "max_pending": 7, "submits_per_minute": None, "max_priority": "NORMAL", "share_weight": 1.0,
         "gpu_seconds_per_day": None, "gpu_seconds_per_month": None, "max_pending_per_end_user": None,
-        "submits_per_minute_per_end_user": None,
+        "submits_per_minute_per_end_user": None, "tokens_per_day": None, "tokens_per_month": None,
     }
     per_person = await cli.keys("tenant", "--tenant", "vip", "--max-pending-per-end-user", "5",
                                 "--submits-per-minute-per-end-user", "12", "--json")
@@ -185,6 +185,12 @@ async def test_keys_tenant_priority_and_unstorable_names(cli: Cli) -> None:
     assert (unbudgeted.json()["gpu_seconds_per_day"], unbudgeted.json()["gpu_seconds_per_month"]) == (None, 100000.0)
     assert unbudgeted.json()["share_weight"] == 2.5
     assert (await cli.keys("tenant", "--tenant", "vip", "--gpu-seconds-per-day", "-1")).code == 2
+    tokens = await cli.keys("tenant", "--tenant", "vip", "--tokens-per-day", "50000", "--tokens-per-month", "1000000", "--json")
+    assert (tokens.json()["tokens_per_day"], tokens.json()["tokens_per_month"]) == (50000, 1000000)
+    untokened = await cli.keys("tenant", "--tenant", "vip", "--tokens-per-month", "0", "--json")
+    assert (untokened.json()["tokens_per_day"], untokened.json()["tokens_per_month"]) == (50000, None)
+    assert untokened.json()["gpu_seconds_per_month"] == 100000.0
+    assert (await cli.keys("tenant", "--tenant", "vip", "--tokens-per-day", "1.5")).code == 2
     fresh = (await cli.keys("create", "--tenant", "vip", "--json")).json()["api_key"]  # not in the gateway's key cache
     refused = await cli("submit", "urgent again", "--priority", "high", "--api-key", fresh)
     assert "PRIORITY" in one_error_line(refused, "PERMISSION_DENIED")

@@ -135,6 +135,8 @@ async def test_quota_exceeded_over_grpc_names_what_is_left_and_when_it_resets(st
     info = info_of(details)
     estimate = backends.settings.models["wan-tiny"].gpu_seconds_estimate
     assert info.reason == "QUOTA_EXCEEDED"
-    assert dict(info.metadata) == {"window": "day", "gpu_seconds_left": "0.000", "gpu_seconds_estimate": f"{estimate:.3f}"}
+    assert dict(info.metadata) == {
+        "budget": "gpu_seconds", "window": "day", "gpu_seconds_left": "0.000", "gpu_seconds_estimate": f"{estimate:.3f}"
+    }
     retry = next(d for d in details if isinstance(d, error_details_pb2.RetryInfo))
     assert 0 < retry.retry_delay.ToTimedelta().total_seconds() <= 86400
