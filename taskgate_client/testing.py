@@ -621,7 +621,7 @@ class FakeTaskgate:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"this task is estimated at {self.gpu_seconds_per_task:.1f} GPU-seconds and the tenant's budget has "
                     f"{left:.1f} left this day (UTC)",
-                    _info(reasons.QUOTA_EXCEEDED, window="day", gpu_seconds_left=f"{left:.3f}",
+                    _info(reasons.QUOTA_EXCEEDED, budget="gpu_seconds", window="day", gpu_seconds_left=f"{left:.3f}",
                           gpu_seconds_estimate=f"{self.gpu_seconds_per_task:.3f}"),
                     error_details_pb2.RetryInfo(retry_delay=delay),
                 )
