@@ -33,7 +33,8 @@ CREATE TYPE public.admission_item AS (
 	start_after timestamp with time zone,
 	max_queue_seconds double precision,
 	per_minute integer,
-	gpu_estimate double precision
+	gpu_estimate double precision,
+	token_estimate bigint
 );
 
 --
@@ -133,6 +134,8 @@ CREATE TABLE public.task (
     checkpoint_garbage text[] DEFAULT '{}'::text[] NOT NULL,
     wasted_seconds double precision DEFAULT 0 NOT NULL,
     preempted_at timestamp with time zone,
+    tokens_reserved bigint DEFAULT 0 NOT NULL,
+    token_budget_day date,
     CONSTRAINT task_attempt_check CHECK ((attempt >= 0)),
     CONSTRAINT task_callback_consistent CHECK (((callback_url IS NOT NULL) OR (callback_status = 'NONE'::text))),
     CONSTRAINT task_callback_status_check CHECK ((callback_status = ANY (ARRAY['NONE'::text, 'PENDING'::text, 'DELIVERED'::text, 'FAILED'::text]))),
@@ -155,29 +158,32 @@ CREATE TABLE public.task (
     CONSTRAINT task_retry_count_check CHECK ((retry_count >= 0)),
     CONSTRAINT task_slot_seconds_check CHECK ((slot_seconds >= (0)::double precision)),
     CONSTRAINT task_succeeded_has_result CHECK (((status <> 'SUCCEEDED'::public.task_status) OR ((result_uri IS NOT NULL) AND (result_sha256 IS NOT NULL) AND (result_size IS NOT NULL)))),
+    CONSTRAINT task_tokens_reserved_check CHECK ((tokens_reserved >= 0)),
     CONSTRAINT task_version_check CHECK ((version >= 1)),
     CONSTRAINT task_wasted_seconds_check CHECK ((wasted_seconds >= (0)::double precision)),
     CONSTRAINT task_worker_losses_check CHECK ((worker_losses >= 0))
 );
 
 --
--- Name: insert_tasks(bigint[], text[], text[], boolean[], text[], text[], text[], text[], jsonb[], jsonb[], smallint[], text[], integer[], text[], text[], jsonb[], timestamp with time zone[], double precision[], boolean[], bigint[], double precision[], date[], text[]); Type: FUNCTION; Schema: public; Owner: -
+-- Name: insert_tasks(bigint[], text[], text[], boolean[], text[], text[], text[], text[], jsonb[], jsonb[], smallint[], text[], integer[], text[], text[], jsonb[], timestamp with time zone[], double precision[], boolean[], bigint[], double precision[], date[], text[], bigint[], date[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.insert_tasks(p_id bigint[], p_user_id text[], p_idempotency_key text[], p_idempotency_derived boolean[], p_request_hash text[], p_task_type text[], p_model_id text[], p_prompt text[], p_request_payload jsonb[], p_metadata jsonb[], p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[], p_trace_context jsonb[], p_start_after timestamp with time zone[] DEFAULT NULL::timestamp with time zone[], p_max_queue_seconds double precision[] DEFAULT NULL::double precision[], p_admit boolean[] DEFAULT NULL::boolean[], p_replay_of bigint[] DEFAULT NULL::bigint[], p_gpu_reserved double precision[] DEFAULT NULL::double precision[], p_budget_day date[] DEFAULT NULL::date[], p_end_user text[] DEFAULT NULL::text[]) RETURNS SETOF public.task
+CREATE FUNCTION public.insert_tasks(p_id bigint[], p_user_id text[], p_idempotency_key text[], p_idempotency_derived boolean[], p_request_hash text[], p_task_type text[], p_model_id text[], p_prompt text[], p_request_payload jsonb[], p_metadata jsonb[], p_priority smallint[], p_queue_name text[], p_max_retries integer[], p_callback_url text[], p_callback_events text[], p_trace_context jsonb[], p_start_after timestamp with time zone[] DEFAULT NULL::timestamp with time zone[], p_max_queue_seconds double precision[] DEFAULT NULL::double precision[], p_admit boolean[] DEFAULT NULL::boolean[], p_replay_of bigint[] DEFAULT NULL::bigint[], p_gpu_reserved double precision[] DEFAULT NULL::double precision[], p_budget_day date[] DEFAULT NULL::date[], p_end_user text[] DEFAULT NULL::text[], p_tokens_reserved bigint[] DEFAULT NULL::bigint[], p_token_budget_day date[] DEFAULT NULL::date[]) RETURNS SETOF public.task
     LANGUAGE sql
     AS $$
     INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
                       request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
                       callback_status, last_actor, trace_context, replay_of, gpu_reserved, budget_day,
-                      start_after, not_before, max_queue_seconds, queue_expires_at, end_user)
+                      start_after, not_before, max_queue_seconds, queue_expires_at, end_user, tokens_reserved,
+                      token_budget_day)
     SELECT i.id, i.user_id, i.idempotency_key, i.idempotency_derived, i.request_hash, i.task_type, i.model_id, i.prompt,
            i.request_payload, i.metadata, i.priority, i.queue_name, i.max_retries, i.callback_url,
            coalesce(string_to_array(nullif(i.callback_events, ''), ','), '{}'),
            CASE WHEN i.callback_url IS NULL THEN 'NONE' ELSE 'PENDING' END, 'submit', i.trace_context, i.replay_of,
            coalesce(i.gpu_reserved, 0), i.budget_day,
            i.start_after, CASE WHEN i.start_after > now() THEN i.start_after END, i.max_queue_seconds,
-           greatest(now(), i.start_after) + make_interval(secs => i.max_queue_seconds), coalesce(i.end_user, '')
+           greatest(now(), i.start_after) + make_interval(secs => i.max_queue_seconds), coalesce(i.end_user, ''),
+           coalesce(i.tokens_reserved, 0), i.token_budget_day
     FROM unnest(p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type, p_model_id,
                 p_prompt, p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries, p_callback_url,
                 p_callback_events, p_trace_context,
@@ -187,10 +193,13 @@ CREATE FUNCTION public.insert_tasks(p_id bigint[], p_user_id text[], p_idempoten
                 coalesce(p_replay_of, array_fill(NULL::bigint, ARRAY[cardinality(p_id)])),
                 coalesce(p_gpu_reserved, array_fill(NULL::float8, ARRAY[cardinality(p_id)])),
                 coalesce(p_budget_day, array_fill(NULL::date, ARRAY[cardinality(p_id)])),
-                coalesce(p_end_user, array_fill(''::text, ARRAY[cardinality(p_id)])))
+                coalesce(p_end_user, array_fill(''::text, ARRAY[cardinality(p_id)])),
+                coalesce(p_tokens_reserved, array_fill(NULL::bigint, ARRAY[cardinality(p_id)])),
+                coalesce(p_token_budget_day, array_fill(NULL::date, ARRAY[cardinality(p_id)])))
          AS i(id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
               request_payload, metadata, priority, queue_name, max_retries, callback_url, callback_events,
-              trace_context, start_after, max_queue_seconds, admit, replay_of, gpu_reserved, budget_day, end_user)
+              trace_context, start_after, max_queue_seconds, admit, replay_of, gpu_reserved, budget_day, end_user,
+              tokens_reserved, token_budget_day)
     WHERE i.admit
     ON CONFLICT (user_id, end_user, idempotency_key) DO NOTHING
     RETURNING *;
@@ -210,7 +219,7 @@ $$;
 -- Name: submit_tasks(jsonb, integer, double precision, integer, timestamp with time zone, integer, integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.submit_tasks(p_items jsonb, p_default_max_pending integer, p_history_seconds double precision DEFAULT 86400, p_history_runs integer DEFAULT 20, p_now timestamp with time zone DEFAULT NULL::timestamp with time zone, p_default_max_pending_per_end_user integer DEFAULT 3, p_default_per_minute_per_end_user integer DEFAULT 30) RETURNS TABLE(ord integer, outcome text, retry_after double precision, pending_limit integer, budget_window text, budget_left double precision, gpu_estimate double precision, limit_scope text, rate_limit integer, task_row public.task)
+CREATE FUNCTION public.submit_tasks(p_items jsonb, p_default_max_pending integer, p_history_seconds double precision DEFAULT 86400, p_history_runs integer DEFAULT 20, p_now timestamp with time zone DEFAULT NULL::timestamp with time zone, p_default_max_pending_per_end_user integer DEFAULT 3, p_default_per_minute_per_end_user integer DEFAULT 30) RETURNS TABLE(ord integer, outcome text, retry_after double precision, pending_limit integer, budget_window text, budget_left double precision, gpu_estimate double precision, limit_scope text, rate_limit integer, task_row public.task, budget_unit text, token_estimate bigint)
     LANGUAGE plpgsql
     AS $$
 #variable_conflict use_column
@@ -237,6 +246,7 @@ DECLARE
     p_max_queue_seconds float8[];
     p_per_minute integer[];
     p_gpu_estimate float8[];
+    p_token_estimate bigint[];
     r record;
     seen boolean[];
     v_now timestamptz := coalesce(p_now, now());
@@ -246,12 +256,19 @@ DECLARE
     per_months float8[];
     day_left float8[];
     month_left float8[];
+    token_days bigint[];
+    token_months bigint[];
+    token_day_left bigint[];
+    token_month_left bigint[];
+    v_units text[];
     pending_left bigint[];
     v_n integer;
     v_end_user text[];  -- each item's end user ('': the tenant itself)
     v_t integer;
     v_owner integer;
     v_est float8;
+    v_tok bigint;
+    v_tokens bigint[];
     v_class text;
     known_estimates jsonb := '{}';
     v_estimates float8[];
@@ -285,10 +302,12 @@ BEGIN
            array_agg(i.max_retries ORDER BY e.k), array_agg(i.callback_url ORDER BY e.k),
            array_agg(coalesce(i.callback_events, '') ORDER BY e.k), array_agg(i.trace_context ORDER BY e.k),
            array_agg(i.start_after ORDER BY e.k), array_agg(i.max_queue_seconds ORDER BY e.k),
-           array_agg(i.per_minute ORDER BY e.k), array_agg(i.gpu_estimate ORDER BY e.k)
+           array_agg(i.per_minute ORDER BY e.k), array_agg(i.gpu_estimate ORDER BY e.k),
+           array_agg(i.token_estimate ORDER BY e.k)
     INTO p_id, p_user_id, p_end_user, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type,
          p_model_id, p_prompt, p_request_payload, p_metadata, p_priority, p_queue_name, p_max_retries, p_callback_url,
-         p_callback_events, p_trace_context, p_start_after, p_max_queue_seconds, p_per_minute, p_gpu_estimate
+         p_callback_events, p_trace_context, p_start_after, p_max_queue_seconds, p_per_minute, p_gpu_estimate,
+         p_token_estimate
     FROM jsonb_array_elements(p_items) WITH ORDINALITY e(item, k)
     CROSS JOIN LATERAL jsonb_populate_record(NULL::admission_item, e.item) i;
     v_n := cardinality(p_id);
@@ -322,22 +341,34 @@ BEGIN
         slot_per_end_user := slot_per_end_user || r.per_end_user;
     END LOOP;
 
-    -- 2. tenant locks, in one order on every replica; the limits that apply and the tenant's unfinished tasks; a
-    -- tenant's budgets and what its day's and month's charges leave (read only for a tenant with a budget)
+    -- 2a. tenant locks, in one order on every replica, in a statement of their own: a statement that waited for a
+    -- lock still reads with the snapshot it began with, so the reads below (pending counts, budget charges) must
+    -- begin after the wait to see what the replica that held the lock committed
+    PERFORM 1 FROM (SELECT tn.id FROM tenant tn WHERE tn.id = ANY(p_user_id) ORDER BY tn.id FOR UPDATE) locked;
+
+    -- 2. the tenants (locked above); the limits that apply and the tenant's unfinished tasks; a
+    -- tenant's budgets (GPU-seconds and tokens) and what its day's and month's charges leave (read only for a tenant
+    -- with a budget)
     SELECT array_agg(l.id), array_agg(l.lim), array_agg(coalesce(p.pending, 0)), array_agg(l.per_day),
            array_agg(l.per_month), array_agg(l.per_day - u.day_used), array_agg(l.per_month - u.month_used),
-           array_agg(l.eu_lim)
-    INTO tenants, limits, pendings, per_days, per_months, day_left, month_left, eu_limits
+           array_agg(l.eu_lim), array_agg(l.tokens_day), array_agg(l.tokens_month),
+           array_agg(l.tokens_day - u.tokens_day_used), array_agg(l.tokens_month - u.tokens_month_used)
+    INTO tenants, limits, pendings, per_days, per_months, day_left, month_left, eu_limits, token_days, token_months,
+         token_day_left, token_month_left
     FROM (SELECT tn.id, coalesce(tn.max_pending, p_default_max_pending) AS lim, tn.gpu_seconds_per_day AS per_day,
                  tn.gpu_seconds_per_month AS per_month,
-                 coalesce(tn.max_pending_per_end_user, p_default_max_pending_per_end_user) AS eu_lim
+                 coalesce(tn.max_pending_per_end_user, p_default_max_pending_per_end_user) AS eu_lim,
+                 tn.tokens_per_day AS tokens_day, tn.tokens_per_month AS tokens_month
           FROM tenant tn WHERE tn.id = ANY(p_user_id) ORDER BY tn.id FOR UPDATE) l
     LEFT JOIN tenant_pending p ON p.tenant_id = l.id
     LEFT JOIN LATERAL (
         SELECT coalesce(sum(c.seconds) FILTER (WHERE c.day = v_day), 0) AS day_used,
-               coalesce(sum(c.seconds), 0) AS month_used
+               coalesce(sum(c.seconds), 0) AS month_used,
+               coalesce(sum(c.tokens) FILTER (WHERE c.day = v_day), 0)::bigint AS tokens_day_used,
+               coalesce(sum(c.tokens), 0)::bigint AS tokens_month_used
         FROM budget_charge c
-        WHERE (l.per_day IS NOT NULL OR l.per_month IS NOT NULL)
+        WHERE (l.per_day IS NOT NULL OR l.per_month IS NOT NULL OR l.tokens_day IS NOT NULL
+               OR l.tokens_month IS NOT NULL)
           AND c.tenant_id = l.id AND c.day >= v_month AND c.day < (v_month + interval '1 month')::date
     ) u ON true;
 
@@ -409,10 +440,13 @@ BEGIN
     FROM known k LEFT JOIN owner o ON o.user_id = k.user_id AND o.end_user = k.end_user AND o.key = k.key;
 
     -- 3b. budgets: the verdicts of a budgeted tenant's items again, one by one in array order, so that an item refused
-    -- for its budget takes neither a pending place nor GPU-seconds from the items after it; a later copy of a key
-    -- follows its first copy
-    IF EXISTS (SELECT 1 FROM unnest(per_days, per_months) b(d, m) WHERE b.d IS NOT NULL OR b.m IS NOT NULL) THEN
+    -- for its budget takes neither a pending place nor GPU-seconds nor tokens from the items after it; a later copy of
+    -- a key follows its first copy
+    IF EXISTS (SELECT 1 FROM unnest(per_days, per_months, token_days, token_months) b(d, m, td, tm)
+               WHERE b.d IS NOT NULL OR b.m IS NOT NULL OR b.td IS NOT NULL OR b.tm IS NOT NULL) THEN
         v_estimates := array_fill(NULL::float8, ARRAY[v_n]);
+        v_units := array_fill(NULL::text, ARRAY[v_n]);
+        v_tokens := array_fill(NULL::bigint, ARRAY[v_n]);
         v_windows := array_fill(NULL::text, ARRAY[v_n]);
         v_lefts := array_fill(NULL::float8, ARRAY[v_n]);
         v_retry := array_fill(NULL::float8, ARRAY[v_n]);
@@ -421,15 +455,17 @@ BEGIN
         eu_left := ARRAY(SELECT eu_limits[array_position(tenants, split_part(e.key, '/', 1))] - e.pending
                          FROM unnest(eu_keys, eu_pendings) WITH ORDINALITY e(key, pending, k) ORDER BY e.k);
         FOR r IN
-            SELECT i.k::integer AS k, i.id, i.user_id, i.end_user, i.model_id, i.task_type, i.payload, i.dflt
+            SELECT i.k::integer AS k, i.id, i.user_id, i.end_user, i.model_id, i.task_type, i.payload, i.dflt, i.tokens
             FROM unnest(p_id, p_user_id, v_end_user, p_model_id, p_task_type, p_request_payload,
-                        coalesce(p_gpu_estimate, array_fill(NULL::float8, ARRAY[v_n])))
-                 WITH ORDINALITY i(id, user_id, end_user, model_id, task_type, payload, dflt, k)
+                        coalesce(p_gpu_estimate, array_fill(NULL::float8, ARRAY[v_n])),
+                        coalesce(p_token_estimate, array_fill(NULL::bigint, ARRAY[v_n])))
+                 WITH ORDINALITY i(id, user_id, end_user, model_id, task_type, payload, dflt, tokens, k)
             WHERE v_outcomes[i.k] IN ('admit', 'copy', 'too_many_pending')
             ORDER BY i.k
         LOOP
             v_t := array_position(tenants, r.user_id);
-            CONTINUE WHEN per_days[v_t] IS NULL AND per_months[v_t] IS NULL;
+            CONTINUE WHEN per_days[v_t] IS NULL AND per_months[v_t] IS NULL AND token_days[v_t] IS NULL
+                          AND token_months[v_t] IS NULL;
             IF v_refs[r.k] IS DISTINCT FROM r.id AND v_refs[r.k] IS NOT NULL THEN  -- a later copy
                 v_owner := array_position(p_id, v_refs[r.k]);
                 v_outcomes[r.k] := CASE WHEN v_outcomes[v_owner] = 'admit' THEN 'copy' ELSE v_outcomes[v_owner] END;
@@ -438,6 +474,8 @@ BEGIN
                 v_estimates[r.k] := v_estimates[v_owner];
                 v_retry[r.k] := v_retry[v_owner];
                 v_scopes[r.k] := v_scopes[v_owner];
+                v_units[r.k] := v_units[v_owner];
+                v_tokens[r.k] := v_tokens[v_owner];
                 CONTINUE;
             END IF;
             v_e := CASE WHEN r.end_user <> '' THEN array_position(eu_keys, r.user_id || '/' || r.end_user) END;
@@ -452,30 +490,50 @@ BEGIN
                 CONTINUE;
             END IF;
             v_scopes[r.k] := NULL;
-            v_class := r.model_id || '/' || r.task_type || '/' || task_size_class(r.payload);
-            v_est := (known_estimates ->> v_class)::float8;
-            IF v_est IS NULL THEN
-                SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds) INTO v_est
-                FROM (SELECT s.device_seconds AS seconds FROM task s
-                      WHERE s.model_id = r.model_id AND task_size_class(s.request_payload) = task_size_class(r.payload)
-                        AND s.status = 'SUCCEEDED' AND NOT s.result_reused AND s.started_at IS NOT NULL
-                        AND s.task_type = r.task_type AND s.device_seconds > 0
-                        AND s.finished_at > v_now - make_interval(secs => p_history_seconds)
-                      ORDER BY s.finished_at DESC
-                      LIMIT p_history_runs) h;
-                v_est := coalesce(v_est, r.dflt, 0);
-                known_estimates := known_estimates || jsonb_build_object(v_class, v_est);
+            v_est := NULL;
+            IF per_days[v_t] IS NOT NULL OR per_months[v_t] IS NOT NULL THEN  -- GPU-seconds: a tenant with such a budget
+                v_class := r.model_id || '/' || r.task_type || '/' || task_size_class(r.payload);
+                v_est := (known_estimates ->> v_class)::float8;
+                IF v_est IS NULL THEN
+                    SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds) INTO v_est
+                    FROM (SELECT s.device_seconds AS seconds FROM task s
+                          WHERE s.model_id = r.model_id AND task_size_class(s.request_payload) = task_size_class(r.payload)
+                            AND s.status = 'SUCCEEDED' AND NOT s.result_reused AND s.started_at IS NOT NULL
+                            AND s.task_type = r.task_type AND s.device_seconds > 0
+                            AND s.finished_at > v_now - make_interval(secs => p_history_seconds)
+                          ORDER BY s.finished_at DESC
+                          LIMIT p_history_runs) h;
+                    v_est := coalesce(v_est, r.dflt, 0);
+                    known_estimates := known_estimates || jsonb_build_object(v_class, v_est);
+                END IF;
             END IF;
             v_estimates[r.k] := v_est;
+            -- an item without a token estimate (not a chat task) is never refused for tokens
+            v_tok := CASE WHEN token_days[v_t] IS NOT NULL OR token_months[v_t] IS NOT NULL THEN r.tokens END;
+            v_tokens[r.k] := v_tok;
             IF v_est > coalesce(month_left[v_t], 'Infinity') THEN
                 v_outcomes[r.k] := 'quota_exceeded';
+                v_units[r.k] := 'gpu_seconds';
                 v_windows[r.k] := 'month';
                 v_lefts[r.k] := greatest(month_left[v_t], 0);
                 v_retry[r.k] := extract(epoch FROM ((v_month + interval '1 month')::timestamp AT TIME ZONE 'UTC') - v_now);
             ELSIF v_est > coalesce(day_left[v_t], 'Infinity') THEN
                 v_outcomes[r.k] := 'quota_exceeded';
+                v_units[r.k] := 'gpu_seconds';
                 v_windows[r.k] := 'day';
                 v_lefts[r.k] := greatest(day_left[v_t], 0);
+                v_retry[r.k] := extract(epoch FROM ((v_day + 1)::timestamp AT TIME ZONE 'UTC') - v_now);
+            ELSIF v_tok > coalesce(token_month_left[v_t], 9223372036854775807) THEN
+                v_outcomes[r.k] := 'quota_exceeded';
+                v_units[r.k] := 'tokens';
+                v_windows[r.k] := 'month';
+                v_lefts[r.k] := greatest(token_month_left[v_t], 0);
+                v_retry[r.k] := extract(epoch FROM ((v_month + interval '1 month')::timestamp AT TIME ZONE 'UTC') - v_now);
+            ELSIF v_tok > coalesce(token_day_left[v_t], 9223372036854775807) THEN
+                v_outcomes[r.k] := 'quota_exceeded';
+                v_units[r.k] := 'tokens';
+                v_windows[r.k] := 'day';
+                v_lefts[r.k] := greatest(token_day_left[v_t], 0);
                 v_retry[r.k] := extract(epoch FROM ((v_day + 1)::timestamp AT TIME ZONE 'UTC') - v_now);
             ELSE
                 v_outcomes[r.k] := 'admit';
@@ -485,11 +543,14 @@ BEGIN
                 END IF;
                 day_left[v_t] := day_left[v_t] - v_est;
                 month_left[v_t] := month_left[v_t] - v_est;
+                token_day_left[v_t] := token_day_left[v_t] - coalesce(v_tok, 0);
+                token_month_left[v_t] := token_month_left[v_t] - coalesce(v_tok, 0);
             END IF;
         END LOOP;
     END IF;
 
     -- 4. one insert for every admitted item, and one charge per budgeted tenant for what its admitted items reserve
+    -- (GPU-seconds and tokens, each day column set only where that budget applied)
     WITH ins AS (
         SELECT * FROM insert_tasks(
             p_id, p_user_id, p_idempotency_key, p_idempotency_derived, p_request_hash, p_task_type, p_model_id, p_prompt,
@@ -502,12 +563,21 @@ BEGIN
             CASE WHEN v_estimates IS NOT NULL THEN
                 ARRAY(SELECT CASE WHEN o = 'admit' AND e IS NOT NULL THEN v_day END
                       FROM unnest(v_outcomes, v_estimates) WITH ORDINALITY v(o, e, k) ORDER BY k) END,
-            v_end_user)
+            v_end_user,
+            CASE WHEN v_tokens IS NOT NULL THEN
+                ARRAY(SELECT CASE WHEN o = 'admit' THEN t END
+                      FROM unnest(v_outcomes, v_tokens) WITH ORDINALITY v(o, t, k) ORDER BY k) END,
+            CASE WHEN v_tokens IS NOT NULL THEN
+                ARRAY(SELECT CASE WHEN o = 'admit' AND t IS NOT NULL THEN v_day END
+                      FROM unnest(v_outcomes, v_tokens) WITH ORDINALITY v(o, t, k) ORDER BY k) END)
     ), charged AS (
-        INSERT INTO budget_charge AS c (tenant_id, day, seconds)
-        SELECT ins.user_id, ins.budget_day, sum(ins.gpu_reserved) FROM ins WHERE ins.budget_day IS NOT NULL
-        GROUP BY ins.user_id, ins.budget_day ORDER BY ins.user_id
-        ON CONFLICT (tenant_id, day) DO UPDATE SET seconds = c.seconds + EXCLUDED.seconds
+        INSERT INTO budget_charge AS c (tenant_id, day, seconds, tokens)
+        SELECT ins.user_id, v_day, coalesce(sum(ins.gpu_reserved) FILTER (WHERE ins.budget_day IS NOT NULL), 0),
+               coalesce(sum(ins.tokens_reserved) FILTER (WHERE ins.token_budget_day IS NOT NULL), 0)
+        FROM ins WHERE ins.budget_day IS NOT NULL OR ins.token_budget_day IS NOT NULL
+        GROUP BY ins.user_id ORDER BY ins.user_id
+        ON CONFLICT (tenant_id, day) DO UPDATE SET seconds = c.seconds + EXCLUDED.seconds,
+                                                   tokens = c.tokens + EXCLUDED.tokens
     )
     SELECT coalesce(array_agg(ins.id), '{}') INTO inserted FROM ins;
 
@@ -533,7 +603,9 @@ BEGIN
                coalesce((SELECT t FROM task t WHERE t.id = i.ref),
                         (SELECT t FROM task t WHERE t.user_id = i.user_id AND t.end_user = i.end_user
                                                 AND t.idempotency_key = i.key))
-           END
+           END,
+           CASE WHEN i.outcome = 'quota_exceeded' THEN v_units[i.ord::integer] END,
+           CASE WHEN i.outcome = 'quota_exceeded' THEN v_tokens[i.ord::integer] END
     FROM unnest(p_user_id, v_end_user, p_idempotency_key, v_outcomes, v_refs, v_scopes)
          WITH ORDINALITY i(user_id, end_user, key, outcome, ref, scope, ord)
     LEFT JOIN unnest(tenants, limits, eu_limits) l(tenant, lim, eu_lim) ON l.tenant = i.user_id
@@ -782,8 +854,14 @@ CREATE FUNCTION public.task_settle_budget() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
-    UPDATE budget_charge SET seconds = seconds + NEW.device_seconds - NEW.gpu_reserved
-    WHERE tenant_id = NEW.user_id AND day = NEW.budget_day;
+    IF NEW.budget_day IS NOT NULL THEN
+        UPDATE budget_charge SET seconds = seconds + NEW.device_seconds - NEW.gpu_reserved
+        WHERE tenant_id = NEW.user_id AND day = NEW.budget_day;
+    END IF;
+    IF NEW.token_budget_day IS NOT NULL THEN
+        UPDATE budget_charge SET tokens = tokens + NEW.input_tokens + NEW.output_tokens - NEW.tokens_reserved
+        WHERE tenant_id = NEW.user_id AND day = NEW.token_budget_day;
+    END IF;
     RETURN NULL;
 END $$;
 
@@ -1121,7 +1199,8 @@ CREATE TABLE public.batch_item (
 CREATE TABLE public.budget_charge (
     tenant_id text NOT NULL,
     day date NOT NULL,
-    seconds double precision DEFAULT 0 NOT NULL
+    seconds double precision DEFAULT 0 NOT NULL,
+    tokens bigint DEFAULT 0 NOT NULL
 );
 
 --
@@ -1480,6 +1559,8 @@ CREATE TABLE public.tenant (
     gpu_seconds_per_month double precision,
     max_pending_per_end_user integer,
     submits_per_minute_per_end_user integer,
+    tokens_per_day bigint,
+    tokens_per_month bigint,
     CONSTRAINT tenant_gpu_seconds_per_day_check CHECK ((gpu_seconds_per_day > (0)::double precision)),
     CONSTRAINT tenant_gpu_seconds_per_month_check CHECK ((gpu_seconds_per_month > (0)::double precision)),
     CONSTRAINT tenant_id_check CHECK ((id ~ '^[A-Za-z0-9_-]{1,64}$'::text)),
@@ -1488,7 +1569,9 @@ CREATE TABLE public.tenant (
     CONSTRAINT tenant_max_priority_check CHECK ((max_priority = ANY (ARRAY[1, 5, 10]))),
     CONSTRAINT tenant_share_weight_check CHECK ((share_weight > (0)::double precision)),
     CONSTRAINT tenant_submits_per_minute_check CHECK ((submits_per_minute > 0)),
-    CONSTRAINT tenant_submits_per_minute_per_end_user_check CHECK ((submits_per_minute_per_end_user > 0))
+    CONSTRAINT tenant_submits_per_minute_per_end_user_check CHECK ((submits_per_minute_per_end_user > 0)),
+    CONSTRAINT tenant_tokens_per_day_check CHECK ((tokens_per_day > 0)),
+    CONSTRAINT tenant_tokens_per_month_check CHECK ((tokens_per_month > 0))
 );
 
 --
@@ -2134,7 +2217,7 @@ CREATE TRIGGER api_key_revoked AFTER UPDATE OF revoked_at ON public.api_key FOR 
 -- Name: task task_budget_on_end; Type: TRIGGER; Schema: public; Owner: -
 --
 
-CREATE TRIGGER task_budget_on_end AFTER UPDATE OF status ON public.task FOR EACH ROW WHEN (((new.budget_day IS NOT NULL) AND (new.status = ANY (ARRAY['SUCCEEDED'::public.task_status, 'FAILED'::public.task_status, 'TIMEOUT'::public.task_status, 'CANCELED'::public.task_status])) AND (old.status <> ALL (ARRAY['SUCCEEDED'::public.task_status, 'FAILED'::public.task_status, 'TIMEOUT'::public.task_status, 'CANCELED'::public.task_status])))) EXECUTE FUNCTION public.task_settle_budget();
+CREATE TRIGGER task_budget_on_end AFTER UPDATE OF status ON public.task FOR EACH ROW WHEN ((((new.budget_day IS NOT NULL) OR (new.token_budget_day IS NOT NULL)) AND (new.status = ANY (ARRAY['SUCCEEDED'::public.task_status, 'FAILED'::public.task_status, 'TIMEOUT'::public.task_status, 'CANCELED'::public.task_status])) AND (old.status <> ALL (ARRAY['SUCCEEDED'::public.task_status, 'FAILED'::public.task_status, 'TIMEOUT'::public.task_status, 'CANCELED'::public.task_status])))) EXECUTE FUNCTION public.task_settle_budget();
 
 --
 -- Name: task task_deleted_forgotten; Type: TRIGGER; Schema: public; Owner: -
