@@ -9,6 +9,10 @@ model come up to and including the task; it starts after position x run time / s
 later. A PROCESSING task finishes after the part of a run time its progress has not covered. Without recent
 successful runs of that model and size class, or without live workers for a queued task, there is no estimate: the
 fields stay unset.
+
+A chat task's run time is its expected output tokens times its model's measured seconds per output token (the median
+over recent runs of a run's seconds over its output tokens): the expected tokens are the recent runs' mean output
+tokens, at most the task's own max_output_tokens. A video's run time is the median run of its size class.
 """
 
 from __future__ import annotations
@@ -47,16 +51,30 @@ def estimate(inputs: EtaInputs, *, cap: int = 0, weights: tuple[int, int, int] =
     workers' fetch weights of HIGH, NORMAL and LOW."""
     if inputs.status is Status.QUEUED:
         claims, position = place(inputs, weights)
-        run = inputs.run_seconds
+        run = run_seconds(inputs)
         slots = min(inputs.slots, cap) if cap > 0 else inputs.slots
         if run is None or slots <= 0:  # no history, or nothing serves the model now: no honest start time
             return Estimate(inputs.status, position)
         start = inputs.now + timedelta(seconds=claims * run / slots)
         return Estimate(inputs.status, position, start, start + timedelta(seconds=run))
-    if inputs.status is Status.PROCESSING and inputs.run_seconds is not None:
-        left = inputs.run_seconds * (100 - min(max(inputs.progress, 0), 100)) / 100
+    if inputs.status is Status.PROCESSING and (run := run_seconds(inputs)) is not None:
+        left = run * (100 - min(max(inputs.progress, 0), 100)) / 100
         return Estimate(inputs.status, 0, None, inputs.now + timedelta(seconds=left))
     return Estimate(inputs.status, 0)
+
+
+def run_seconds(inputs: EtaInputs) -> float | None:
+    """The seconds a task is expected to run (None: no history to say): a chat task's expected output tokens (the
+    recent mean, at most its max_output_tokens) times the measured seconds per output token; any other task's median
+    run of its size class."""
+    if inputs.max_output_tokens is None:
+        return inputs.run_seconds
+    if inputs.token_seconds is None:
+        return None
+    tokens = float(inputs.max_output_tokens)
+    if inputs.mean_output_tokens is not None:
+        tokens = min(tokens, inputs.mean_output_tokens)
+    return tokens * inputs.token_seconds
 
 
 SIMULATED = 20_000  # claims simulated one by one; beyond, the levels' shares are followed as rates

@@ -23,19 +23,20 @@ import time
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from typing import Any
 
 import asyncpg
 
+from taskgate import chat
 from taskgate.config import Settings
 from taskgate.eta import ESTIMATED, Estimate, estimate
 from taskgate.model import TaskRow
 from taskgate.states import Priority, Status
 from taskgate.store import estimates as store
-from taskgate.store.estimates import EtaInputs, QueueRows
+from taskgate.store.estimates import EtaInputs, QueueRows, RunHistory
 
 log = logging.getLogger("taskgate.queueview")
 
@@ -194,16 +195,25 @@ class Snapshot:
                 ahead += min(len(other.at), max(0, math.floor((turn - other.pass_) * other.weight) + 1))
         return upto + ahead
 
-    def inputs(self, task: TaskRow, run: tuple[float | None, int], now: datetime) -> EtaInputs:
+    def inputs(self, task: TaskRow, run: RunHistory, now: datetime) -> EtaInputs:
         """What taskgate.eta.estimate needs for a QUEUED task, from this snapshot and its class's run history."""
         queued = self.queued(task.model_id)
         # a level empty when read (its task came in since) still takes its weight's share of the slots
         slots = self.slots(task.model_id, None if queued[task.priority] else task.priority)
-        return EtaInputs(
-            task_id=task.id, status=task.status, version=task.version, progress=task.progress, model_id=task.model_id,
-            level_position=self.level_position(task), run_seconds=run[0], runs=run[1], slots=slots, now=now,
-            priority=task.priority, queued=queued,
+        return replace(
+            history_inputs(task, run, now), level_position=self.level_position(task), slots=slots, queued=queued
         )
+
+
+def history_inputs(task: TaskRow, run: RunHistory, now: datetime) -> EtaInputs:
+    """A task's ETA inputs from its row and its class's run history alone (no place in the queue)."""
+    p = task.request_payload
+    return EtaInputs(
+        task_id=task.id, status=task.status, version=task.version, progress=task.progress, model_id=task.model_id,
+        level_position=0, run_seconds=run.run_seconds, runs=run.runs, slots=0.0, now=now, priority=task.priority,
+        max_output_tokens=int(p.get("max_output_tokens", 0)) if task.task_type == chat.TASK_TYPE else None,
+        token_seconds=run.token_seconds, mean_output_tokens=run.mean_output_tokens,
+    )
 
 
 class QueueView:
@@ -215,7 +225,7 @@ class QueueView:
         self._period = settings.eta_snapshot_seconds
         self._snapshot: Snapshot | None = None
         self._reading: asyncio.Task[Snapshot] | None = None
-        self._runs: dict[tuple[str, str, int], tuple[float, asyncio.Task[tuple[float | None, int]]]] = {}
+        self._runs: dict[tuple[str, str, int], tuple[float, asyncio.Task[RunHistory]]] = {}
         self._offset = timedelta(0)  # the database's clock minus this process's, as of the latest read
 
     async def estimate(self, task: TaskRow, *, within: float | None = None) -> Estimate | None:
@@ -228,12 +238,7 @@ class QueueView:
         async with asyncio.timeout(within):
             run = await self._run_history(task)
             if task.status is Status.PROCESSING:
-                inputs = EtaInputs(
-                    task_id=task.id, status=task.status, version=task.version, progress=task.progress,
-                    model_id=task.model_id, level_position=0, run_seconds=run[0], runs=run[1], slots=0.0,
-                    now=self._now(), priority=task.priority,
-                )
-                return estimate(inputs, cap=cap, weights=weights)
+                return estimate(history_inputs(task, run, self._now()), cap=cap, weights=weights)
             snap = await self._fresh()
         return estimate(snap.inputs(task, run, self._now()), cap=cap, weights=weights)
 
@@ -264,8 +269,8 @@ class QueueView:
         self._snapshot = snap
         return snap
 
-    async def _run_history(self, task: TaskRow) -> tuple[float | None, int]:
-        """The median run time of the task's model, type and size class, kept as long as a snapshot."""
+    async def _run_history(self, task: TaskRow) -> RunHistory:
+        """The run history of the task's model, type and size class, kept as long as a snapshot."""
         key = (task.model_id, task.task_type, size_class(task.request_payload))
         now = time.monotonic()
         kept = self._runs.get(key)

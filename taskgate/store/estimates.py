@@ -29,6 +29,21 @@ class EtaInputs:
     now: datetime
     priority: int = Priority.NORMAL
     queued: Mapping[int, int] = field(default_factory=dict)  # due QUEUED tasks of each of its model's levels
+    max_output_tokens: int | None = None  # a chat task's (None: another task type)
+    token_seconds: float | None = None  # median seconds per output token of the recent runs that generated tokens
+    mean_output_tokens: float | None = None  # and their mean output tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RunHistory:
+    """A model's recent successful runs of one task type and size class: the median run seconds (None: no run in
+    the window) and how many runs; of those that generated tokens (chat), the median seconds per output token and the
+    mean output tokens (None: none did)."""
+
+    run_seconds: float | None
+    runs: int
+    token_seconds: float | None = None
+    mean_output_tokens: float | None = None
 
 
 async def eta_inputs(
@@ -63,6 +78,9 @@ async def eta_inputs(
                 Priority.HIGH: int(rec["queued_high"]), Priority.NORMAL: int(rec["queued_normal"]),
                 Priority.LOW: int(rec["queued_low"]),
             },
+            max_output_tokens=rec["max_output_tokens"],
+            token_seconds=rec["token_seconds"],
+            mean_output_tokens=rec["mean_output_tokens"],
         )
         for rec in rows
     }
@@ -117,11 +135,14 @@ async def queue_snapshot(db: Conn, *, alive_seconds: float, within: float | None
 async def run_history(
     db: Conn, model_id: str, task_type: str, size_class: int, *, window_seconds: float, max_runs: int,
     within: float | None = None,
-) -> tuple[float | None, int]:
-    """The median run seconds (None: no run in the window) of a model's latest successful runs of one task type and
-    size class, and how many there were; a bounded read of task_recent_runs_idx."""
+) -> RunHistory:
+    """A model's latest successful runs of one task type and size class, summed up; a bounded read of
+    task_recent_runs_idx."""
     rec = await db.fetchrow(
         sql.query("eta_run_history"), model_id, task_type, size_class, window_seconds, max_runs, timeout=within
     )
     assert rec is not None
-    return (float(rec["run_seconds"]) if rec["run_seconds"] is not None else None), int(rec["runs"])
+    return RunHistory(
+        float(rec["run_seconds"]) if rec["run_seconds"] is not None else None, int(rec["runs"]), rec["token_seconds"],
+        rec["mean_output_tokens"],
+    )

@@ -79,6 +79,7 @@ async def insert_task(
     params: dict[str, Any] | None = None,
     max_retries: int = 3,
     end_user: str = "",
+    task_type: str = "text-to-video",
 ) -> TaskRow:
     payload = params or {"num_frames": 9, "width": 32, "height": 32, "num_inference_steps": 2,
                          "guidance_scale": 5.0, "fps": 8, "seed": 1, "negative_prompt": ""}
@@ -88,7 +89,7 @@ async def insert_task(
         db,
         submissions.NewTask(
             id=task_id, user_id=user_id, idempotency_key=f"k-{task_id}", key_derived=False, request_hash=digest,
-            task_type="text-to-video", model_id=model_id, prompt=prompt, payload=payload, metadata={}, priority=priority,
+            task_type=task_type, model_id=model_id, prompt=prompt, payload=payload, metadata={}, priority=priority,
             max_retries=max_retries, callback_url=callback_url, callback_events=[], end_user=end_user,
         ),
     )

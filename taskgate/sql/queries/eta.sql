@@ -3,7 +3,8 @@
 -- name: eta_inputs
 -- For each task: its status, version, progress and priority; the median seconds from start to finish of its model's
 -- latest successful runs of its size class within the window (task_recent_runs_idx; NULL when none) and how many
--- there were; the database's now. QUEUED tasks also get their place under the real dispatch order: level_position,
+-- there were, and of those runs that generated tokens (chat) the median seconds per output token and the mean output
+-- tokens; a chat task's max_output_tokens (NULL for other task types); the database's now. QUEUED tasks also get their place under the real dispatch order: level_position,
 -- the claims its (model, priority) level makes up to and including it under fair share (its tenant's turns up to it,
 -- counted the same way over the tenant's end users, plus each other tenant's due tasks whose stride pass comes first:
 -- functions/worker_claim.sql);
@@ -26,6 +27,8 @@ WITH levels AS MATERIALIZED (
     WHERE NOT w.draining AND w.last_heartbeat > now() - make_interval(secs => $4)
 )
 SELECT t.id, t.status, t.version, t.progress, t.model_id, t.priority, now() AS now,
+       CASE WHEN t.task_type = 'chat' THEN (t.request_payload ->> 'max_output_tokens')::bigint END AS max_output_tokens,
+       r.token_seconds, r.mean_output_tokens,
        CASE WHEN t.status = 'QUEUED' THEN f.position ELSE 0 END AS level_position,
        coalesce((SELECT l.n FROM levels l WHERE l.model_id = t.model_id AND l.priority = 10), 0) AS queued_high,
        coalesce((SELECT l.n FROM levels l WHERE l.model_id = t.model_id AND l.priority = 5), 0) AS queued_normal,
@@ -38,8 +41,10 @@ SELECT t.id, t.status, t.version, t.progress, t.model_id, t.priority, now() AS n
        ELSE 0 END AS slots
 FROM task t
 CROSS JOIN LATERAL (
-    SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds) AS run_seconds, count(*) AS runs
-    FROM (SELECT extract(epoch FROM s.finished_at - s.started_at)::float8 AS seconds
+    SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds) AS run_seconds, count(*) AS runs,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds / h.tokens) FILTER (WHERE h.tokens > 0) AS token_seconds,
+           avg(h.tokens) FILTER (WHERE h.tokens > 0)::float8 AS mean_output_tokens
+    FROM (SELECT extract(epoch FROM s.finished_at - s.started_at)::float8 AS seconds, s.output_tokens AS tokens
           FROM task s
           WHERE t.status IN ('QUEUED', 'PROCESSING')
             AND s.status = 'SUCCEEDED' AND NOT s.result_reused AND s.started_at IS NOT NULL
@@ -131,10 +136,13 @@ SELECT now() AS now,
 
 -- name: eta_run_history
 -- The median seconds from start to finish of a model's latest successful runs of one task type and size class within
--- the window (task_recent_runs_idx; NULL when none) and how many there were. $1 model, $2 task type, $3 size class
+-- the window (task_recent_runs_idx; NULL when none) and how many there were; of those that generated tokens (chat),
+-- the median seconds per output token and the mean output tokens. $1 model, $2 task type, $3 size class
 -- (task_size_class), $4 window seconds, $5 most runs read.
-SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds) AS run_seconds, count(*) AS runs
-FROM (SELECT extract(epoch FROM s.finished_at - s.started_at)::float8 AS seconds
+SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds) AS run_seconds, count(*) AS runs,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds / h.tokens) FILTER (WHERE h.tokens > 0) AS token_seconds,
+       avg(h.tokens) FILTER (WHERE h.tokens > 0)::float8 AS mean_output_tokens
+FROM (SELECT extract(epoch FROM s.finished_at - s.started_at)::float8 AS seconds, s.output_tokens AS tokens
       FROM task s
       WHERE s.status = 'SUCCEEDED' AND NOT s.result_reused AND s.started_at IS NOT NULL
         AND s.model_id = $1 AND s.task_type = $2 AND task_size_class(s.request_payload) = $3

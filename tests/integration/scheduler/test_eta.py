@@ -215,6 +215,63 @@ def test_the_position_follows_the_workers_weighted_pick_not_strict_priority() ->
     assert low_task(1, 30_000).queue_position == 7  # a long queue: followed as rates (one claim in seven)
 
 
+def test_a_chat_tasks_run_time_is_its_expected_tokens_times_the_seconds_per_token() -> None:
+    now = datetime(2030, 1, 1, tzinfo=UTC)
+
+    def chat_task(max_tokens: int, mean: float | None, per_token: float | None) -> eta.Estimate:
+        inputs = estimates.EtaInputs(
+            1, Status.QUEUED, 2, 0, "m", level_position=1, run_seconds=60.0, runs=5, slots=1, now=now,
+            max_output_tokens=max_tokens, token_seconds=per_token, mean_output_tokens=mean,
+        )
+        return eta.estimate(inputs)
+
+    def run(e: eta.Estimate) -> timedelta | None:
+        return e.finish - e.start if e.finish is not None and e.start is not None else None
+
+    assert run(chat_task(100, None, 0.05)) == timedelta(seconds=5)  # its max_output_tokens, not the 60 s median run
+    assert run(chat_task(100, 40.0, 0.05)) == timedelta(seconds=2)  # answers end after 40 tokens on the mean
+    assert run(chat_task(10, 40.0, 0.05)) == timedelta(seconds=0.5)  # never more than it may generate
+    assert chat_task(100, None, None).start is None  # no run measured tokens: no guess
+    running = estimates.EtaInputs(1, Status.PROCESSING, 2, 50, "m", level_position=0, run_seconds=60.0, runs=5, slots=0,
+                                  now=now, max_output_tokens=100, token_seconds=0.05)
+    assert eta.estimate(running).finish == now + timedelta(seconds=2.5)  # half of 100 x 0.05 s left
+
+
+CHAT = "chatty"
+
+
+async def chat_runs(pool: Any, runs: list[tuple[float, int]]) -> None:
+    """Successful chat runs of CHAT that took (seconds, output tokens) each."""
+    for seconds, tokens in runs:
+        task_id = await queued(pool, model_id=CHAT, task_type="chat", priority=Priority.LOW, params=chat_payload(256))
+        await claimed(pool, task_id, worker_id="w-history", lease_seconds=30.0)
+        answer = store.TextOutcome("x", 1, "length", 10, tokens)
+        assert (await store.apply(pool, task_id, store.Succeed(RESULT, text=answer), actor="test")).applied
+        await pool.execute("UPDATE task SET started_at = finished_at - make_interval(secs => $2) WHERE id = $1", task_id, seconds)
+
+
+def chat_payload(max_output_tokens: int) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_output_tokens": max_output_tokens, "temperature": 0.0,
+            "top_p": 1.0, "stop": [], "seed": 1, "input_tokens": 10}
+
+
+async def test_a_queued_chat_tasks_eta_comes_from_the_measured_seconds_per_output_token(stack: Stack) -> None:
+    pool = stack.pool
+    await live_worker(pool, slots=1, models=(CHAT,))
+    short = await queued(pool, model_id=CHAT, task_type="chat", params=chat_payload(50))
+    long = await queued(pool, model_id=CHAT, task_type="chat", params=chat_payload(500))
+    # 0.1, 0.2 and 0.15 s per token (median 0.15), 80 tokens on the mean; the median run (10 s) is not used
+    await chat_runs(pool, [(10.0, 100), (20.0, 100), (6.0, 40)])
+    one, two = await stack.get(short), await stack.get(long)
+    assert at(one.estimated_finish) - at(one.estimated_start) == timedelta(seconds=50 * 0.15)  # its own max
+    assert at(two.estimated_finish) - at(two.estimated_start) == timedelta(seconds=80 * 0.15)  # the mean answer
+    # the streams' and webhooks' statement computes the same
+    by_sql = await eta.estimates(pool, [short, long], stack.backends.settings)
+    for task_id, seconds in ((short, 7.5), (long, 12.0)):
+        e = by_sql[task_id]
+        assert e.start is not None and e.finish is not None and e.finish - e.start == timedelta(seconds=seconds)
+
+
 # 30k tasks, mostly finished, of two models and three size classes: the history query must read a few index entries.
 BULK = """
 INSERT INTO task (id, user_id, idempotency_key, request_hash, task_type, model_id, prompt, request_payload, priority,

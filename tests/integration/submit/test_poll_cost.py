@@ -144,7 +144,7 @@ async def test_the_snapshot_gives_the_answers_of_the_per_task_statement(settings
         assert row is not None
         new = await view.estimate(row)
         assert new is not None and new.queue_position == old[task_id].queue_position, task_id
-        mine = snapshot.inputs(row, (rows[task_id].run_seconds, rows[task_id].runs), rows[task_id].now)
+        mine = snapshot.inputs(row, estimates.RunHistory(rows[task_id].run_seconds, rows[task_id].runs), rows[task_id].now)
         assert (mine.level_position, dict(mine.queued), round(mine.slots, 9)) == (
             rows[task_id].level_position, dict(rows[task_id].queued), round(rows[task_id].slots, 9)), task_id
         new_start, old_start = new.start, old[task_id].start
