@@ -122,6 +122,29 @@ class ModelSpec(BaseModel):
     checkpoint_every_steps: int = Field(
         default=0, ge=0, description="A step checkpoint every this many steps; 0 = not by steps (both 0: checkpoints off)."
     )
+    preview_every_fraction: float = Field(
+        default=0.0, ge=0, le=1,
+        description="A preview image of the running video each time this fraction of its steps is done (0.1: ten per "
+        "run), from the latents by a linear projection (no VAE pass); 0 = not by steps (both 0: no previews).",
+    )
+    preview_every_seconds: float = Field(
+        default=0.0, ge=0, description="A preview image every this many seconds of a run's denoising; 0 = not by time."
+    )
+    preview_size: int = Field(
+        default=128, ge=8, le=1024, description="A preview frame's longer side in pixels (the video's aspect kept)."
+    )
+    preview_frames: int = Field(
+        default=4, ge=1, le=16, description="How many of the video's frames, evenly spaced, a preview shows side by side."
+    )
+    preview_format: Literal["webp", "png"] = Field(default="webp", description="The preview images' format.")
+    preview_rgb_factors: list[Annotated[list[float], Field(min_length=3, max_length=3)]] | None = Field(
+        default=None,
+        description="The latent-to-RGB projection: one [r, g, b] row per latent channel (the family's fitted factors); "
+        "unset = the channels in three groups, each image stretched to its own range.",
+    )
+    preview_rgb_bias: Annotated[list[float], Field(min_length=3, max_length=3)] | None = Field(
+        default=None, description="Added to preview_rgb_factors' projection (r, g, b), whose result is read in [-1, 1]."
+    )
     base_url: str | None = Field(
         default=None,
         description="'openai-compatible' kind: the upstream server's API root, e.g. http://vllm:8000/v1 (vLLM, SGLang, TGI, "

@@ -24,12 +24,34 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from taskgate import bus as busmod
+from taskgate import results
 from taskgate_api.v1 import task_pb2
 
 TEXT = task_pb2.OUTPUT_KIND_TEXT
 PREVIEW = task_pb2.OUTPUT_KIND_PREVIEW
 LOG = task_pb2.OUTPUT_KIND_LOG
 _KIND_NAMES: dict[int, str] = {TEXT: "text", PREVIEW: "preview", LOG: "log"}
+
+
+PREVIEWS = "previews/"  # where preview images live in the result store
+PREVIEW_TYPES = {"webp": "image/webp", "png": "image/png"}
+
+
+def preview_name(task_id: int, attempt: int, step: int, fmt: str) -> str:
+    """The result store's name of one preview image: one per task, attempt and step."""
+    return f"{PREVIEWS}{task_id}-a{attempt}-s{step}.{fmt}"
+
+
+def is_preview_of(store: results.ResultStore, task_id: int, uri: str) -> bool:
+    """Whether `uri` names a preview image of this task in this store (what GetTaskResult serves as a preview)."""
+    prefix = store.uri_of(f"{PREVIEWS}{task_id}-a")
+    rest = uri[len(prefix):]
+    return uri.startswith(prefix) and "/" not in rest and ".." not in rest and rest.rpartition(".")[2] in PREVIEW_TYPES
+
+
+def preview_type(uri: str) -> str:
+    """A preview image's content type, from its name."""
+    return PREVIEW_TYPES.get(uri.rpartition(".")[2], "application/octet-stream")
 
 
 @dataclass(frozen=True, slots=True)

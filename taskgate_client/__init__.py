@@ -30,7 +30,7 @@ from taskgate_client.errors import (
     WaitTimeout,
 )
 from taskgate_client.handles import AsyncTaskHandle, TaskHandle
-from taskgate_client.streaming import Output, TextAssembler, TextDelta
+from taskgate_client.streaming import Output, Preview, TextAssembler, TextDelta
 from taskgate_client.sync import EventStream, TaskgateClient, connect
 from taskgate_client.tokens import mint_client_token
 from taskgate_client.types import (
@@ -68,6 +68,7 @@ __all__ = [
     "NotFound",
     "Output",
     "PermissionDenied",
+    "Preview",
     "ResourceExhausted",
     "Status",
     "SubmitItem",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import hashlib
 import os
 import urllib.error
@@ -27,6 +28,7 @@ from taskgate_client import tracecontext
 from taskgate_client.config import ClientConfig, ConnectOptions, channel_target, make_config
 from taskgate_client.errors import (
     IntegrityError,
+    NotFound,
     TaskFailed,
     TaskgateError,
     Unavailable,
@@ -36,7 +38,7 @@ from taskgate_client.errors import (
     retryable,
 )
 from taskgate_client.handles import AsyncTaskHandle
-from taskgate_client.streaming import Output, TextAssembler, TextDelta
+from taskgate_client.streaming import Output, Preview, TextAssembler, TextDelta
 from taskgate_client.types import (
     CHAT,
     ChatInput,
@@ -686,6 +688,41 @@ class AsyncTaskgateClient:
         async for chunk in self.output(task_id, resume_attempts=resume_attempts):
             if (delta := text.feed(chunk)) is not None:
                 yield delta
+
+    async def previews(
+        self, task_id: str, *, fetch: bool = True, after_sequence: int = 0, resume_attempts: int | None = None
+    ) -> AsyncIterator[Preview]:
+        """The preview images of a running video as they are made, in order, until the task ends; each with its bytes
+        when `fetch` (None for one already deleted), else only where it is (`preview_bytes` reads it)."""
+        async for chunk in self.output(task_id, after_sequence=after_sequence, resume_attempts=resume_attempts):
+            if chunk.kind != "preview":
+                continue
+            data = None
+            if fetch:
+                with contextlib.suppress(NotFound):  # deleted since (retention): the reference still says what it was
+                    data = await self.preview_bytes(task_id, chunk.uri)
+            yield Preview.of(chunk, data)
+
+    async def preview_bytes(self, task_id: str, uri: str) -> bytes:
+        """One preview image of the task (a Preview's or a preview Output's `uri`), read through the gateway."""
+        request = gateway_pb2.GetTaskResultRequest(task_id=task_id, preview_uri=uri)
+        async for attempt in self._retrying():
+            with attempt:
+                data = bytearray()
+                call = self._gateway.GetTaskResult(request, metadata=self.metadata)
+                try:
+                    async for chunk in call:
+                        data += chunk.data
+                except grpc.aio.AioRpcError as exc:
+                    raise from_rpc_error(exc) from None
+                return bytes(data)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def logs(self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None) -> AsyncIterator[Output]:
+        """The worker's log lines about the task (model load, warm-up, each phase's seconds) as they come, until it ends."""
+        async for chunk in self.output(task_id, after_sequence=after_sequence, resume_attempts=resume_attempts):
+            if chunk.kind == "log":
+                yield chunk
 
     async def text(self, task_id: str, timeout: float | None = None) -> str:
         """A chat task's whole answer once it SUCCEEDED: inline from GetTask, else read with GetTaskResult.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from taskgate_client.errors import TaskFailed
-from taskgate_client.streaming import Output, TextDelta
+from taskgate_client.streaming import Output, Preview, TextDelta
 from taskgate_client.types import Status, Task, TaskEvent, TaskResult
 
 if TYPE_CHECKING:
@@ -54,6 +54,14 @@ class AsyncTaskHandle(Task):
     def output(self, *, after_sequence: int = 0) -> AsyncIterator[Output]:
         """The task's partial output chunks (text, preview, log) in order until it ends (resumes dropped streams)."""
         return self.client.output(self.task_id, after_sequence=after_sequence)
+
+    def previews(self, *, fetch: bool = True, after_sequence: int = 0) -> AsyncIterator[Preview]:
+        """A running video's preview images as they are made (`async for p in handle.previews()`: p.step, p.data)."""
+        return self.client.previews(self.task_id, fetch=fetch, after_sequence=after_sequence)
+
+    def logs(self, *, after_sequence: int = 0) -> AsyncIterator[Output]:
+        """The worker's log lines about the task as they come (each an Output of kind "log"), until it ends."""
+        return self.client.logs(self.task_id, after_sequence=after_sequence)
 
     def stream_text(self) -> AsyncIterator[TextDelta]:
         """A chat task's text as it is generated, delta by delta (`async for delta in handle.stream_text()`)."""
@@ -104,6 +112,14 @@ class TaskHandle(Task):
     def output(self, *, after_sequence: int = 0) -> Generator[Output, None, None]:
         """The task's partial output chunks (text, preview, log) in order until it ends (resumes dropped streams)."""
         return self.client.output(self.task_id, after_sequence=after_sequence)
+
+    def previews(self, *, fetch: bool = True, after_sequence: int = 0) -> Generator[Preview, None, None]:
+        """A running video's preview images as they are made (`for p in handle.previews()`: p.step, p.data)."""
+        return self.client.previews(self.task_id, fetch=fetch, after_sequence=after_sequence)
+
+    def logs(self, *, after_sequence: int = 0) -> Generator[Output, None, None]:
+        """The worker's log lines about the task as they come (each an Output of kind "log"), until it ends."""
+        return self.client.logs(self.task_id, after_sequence=after_sequence)
 
     def stream_text(self) -> Generator[TextDelta, None, None]:
         """A chat task's text as it is generated, delta by delta (`for delta in handle.stream_text()`)."""

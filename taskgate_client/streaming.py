@@ -37,6 +37,25 @@ class Output:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Preview:
+    """A preview image of a running video: its denoising `step` of its `attempt`, where it is stored (`uri`, read with
+    `preview_bytes`), its content type, its stream `sequence`, and its bytes when they were fetched with it."""
+
+    task_id: str
+    sequence: int
+    attempt: int
+    step: int
+    uri: str
+    content_type: str
+    data: bytes | None = None
+    at: datetime | None = None
+
+    @classmethod
+    def of(cls, chunk: Output, data: bytes | None = None) -> Preview:
+        return cls(chunk.task_id, chunk.sequence, chunk.attempt, chunk.step, chunk.uri, chunk.content_type, data, chunk.at)
+
+
 class TextDelta(str):
     """A piece of a task's text, in order (a `str`: print it). `offset` is where it starts in its attempt's text;
     `restarted` is True on the first delta of a newer attempt (a retry after a lost worker): the text from `offset`

@@ -18,7 +18,7 @@ from taskgate_client.aio import MAX_SUBMIT_BATCH, AsyncEventStream, AsyncTaskgat
 from taskgate_client.config import ClientConfig, ConnectOptions, make_config
 from taskgate_client.errors import TaskgateError
 from taskgate_client.handles import TaskHandle
-from taskgate_client.streaming import Output, TextDelta
+from taskgate_client.streaming import Output, Preview, TextDelta
 from taskgate_client.types import (
     ChatInput,
     ChatOptions,
@@ -214,6 +214,22 @@ class TaskgateClient:
     def stream_text(self, task_id: str, *, resume_attempts: int | None = None) -> Generator[TextDelta, None, None]:
         """See AsyncTaskgateClient.stream_text."""
         return self._runner.iterate(self._client.stream_text(task_id, resume_attempts=resume_attempts))
+
+    def previews(
+        self, task_id: str, *, fetch: bool = True, after_sequence: int = 0, resume_attempts: int | None = None
+    ) -> Generator[Preview, None, None]:
+        """See AsyncTaskgateClient.previews."""
+        return self._runner.iterate(
+            self._client.previews(task_id, fetch=fetch, after_sequence=after_sequence, resume_attempts=resume_attempts)
+        )
+
+    def preview_bytes(self, task_id: str, uri: str) -> bytes:
+        """See AsyncTaskgateClient.preview_bytes."""
+        return self._runner.run(self._client.preview_bytes(task_id, uri))
+
+    def logs(self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None) -> Generator[Output, None, None]:
+        """See AsyncTaskgateClient.logs."""
+        return self._runner.iterate(self._client.logs(task_id, after_sequence=after_sequence, resume_attempts=resume_attempts))
 
     def text(self, task_id: str, timeout: float | None = None) -> str:
         """See AsyncTaskgateClient.text."""

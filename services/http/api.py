@@ -125,6 +125,7 @@ class Api:
             Route("/v1/tasks/{task_id}:cancel", self.cancel, methods=["POST"]),
             Route("/v1/tasks/{task_id}:regenerate", self.regenerate, methods=["POST"]),
             Route("/v1/tasks/{task_id}/result", self.result, methods=["GET"]),
+            Route("/v1/tasks/{task_id}/previews", self.preview, methods=["GET"]),
             Route("/v1/tasks/{task_id}/events", self.task_events, methods=["GET"]),
             Route("/v1/tasks/{task_id}", self.get_task, methods=["GET"]),
             Route("/v1/events", self.all_events, methods=["GET"]),
@@ -291,6 +292,28 @@ class Api:
             lambda: self.upstream.gateway.GetClientTokenSecret(req, metadata=credentials(request), timeout=self._timeout)
         )
         return JSONResponse(to_json(resp), headers={"cache-control": "no-store"})
+
+    @_answering
+    async def preview(self, request: Request) -> Response:
+        """One preview image of a task: `?uri=` an OUTPUT_KIND_PREVIEW chunk's uri (GetTaskResult with preview_uri)."""
+        uri = request.query_params.get("uri") or ""
+        if not uri:
+            return invalid([("uri", "is required: the uri of one of the task's preview output chunks")])
+        req = gateway_pb2.GetTaskResultRequest(task_id=request.path_params["task_id"], preview_uri=uri)
+        data = bytearray()
+        info = None
+        try:
+            async for chunk in self.upstream.gateway.GetTaskResult(req, metadata=credentials(request), timeout=self._timeout):
+                if chunk.HasField("info"):
+                    info = chunk.info
+                data += chunk.data
+        except grpc.aio.AioRpcError as exc:
+            return rpc_error_response(exc)
+        headers = {"cache-control": "private, max-age=3600"}  # a preview never changes: its name says task, attempt, step
+        if info is not None and info.sha256:
+            headers["etag"] = f'"{info.sha256}"'
+        media = info.content_type if info is not None and info.content_type else "application/octet-stream"
+        return Response(bytes(data), media_type=media, headers=headers)
 
     @_answering
     async def result(self, request: Request) -> Response:

@@ -225,6 +225,18 @@ def document() -> dict[str, Any]:
                 },
             }
         },
+        "/v1/tasks/{task_id}/previews": {
+            "get": {
+                "operationId": "GetTaskPreview", "summary": "one preview image of a running (or ended) video", "security": _AUTH,
+                "parameters": [_TASK_ID, {"name": "uri", "in": "query", "required": True, "schema": {"type": "string"},
+                                          "description": "the uri of one of the task's OUTPUT_KIND_PREVIEW output chunks"}],
+                "responses": {
+                    "200": {"description": "the image (image/webp or image/png)",
+                            "content": {"image/*": {"schema": {"type": "string", "contentEncoding": "binary"}}}},
+                    **_ERRORS,
+                },
+            }
+        },
         "/v1/tasks/{task_id}/events": {
             "get": {
                 "operationId": "WatchTask",

@@ -17,7 +17,7 @@ import grpc
 import nats.errors
 from google.protobuf.duration_pb2 import Duration
 
-from taskgate import auth, chat, clienttokens, errors, eta, ids, paging, store, telemetry, tracing
+from taskgate import auth, chat, clienttokens, errors, eta, ids, output, paging, store, telemetry, tracing
 from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator, Caller, Principal
 from taskgate.config import Settings
 from taskgate.dispatcher import Dispatcher
@@ -649,6 +649,10 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     ) -> AsyncIterator[gateway_pb2.ResultChunk]:
         who = await self._caller(context, clienttokens.READ)
         task = await self._load(who, ids.require(request.task_id), context)
+        if request.preview_uri:
+            async for chunk in self._preview(task, request.preview_uri):
+                yield chunk
+            return
         if task.status is not Status.SUCCEEDED or task.result_uri is None:
             raise errors.failed_precondition(
                 reasons.TASK_NOT_SUCCEEDED, f"the task is {task.status.value}; only SUCCEEDED tasks have a result",
@@ -675,6 +679,27 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             raise errors.not_found("result") from None
         if offset == 0:
             yield gateway_pb2.ResultChunk(info=info, data=b"", offset=0)
+
+
+    async def _preview(self, task: TaskRow, uri: str) -> AsyncIterator[gateway_pb2.ResultChunk]:
+        """One of the task's preview images (services/worker/partial.py names them), in chunks."""
+        if not output.is_preview_of(self._results, task.id, uri):
+            raise errors.not_found("preview")
+        info = task_pb2.TaskResult(uri=uri, content_type=output.preview_type(uri))
+        try:
+            data = b"".join([part async for part in self._results.read(uri)])
+        except ResultNotFound:
+            raise errors.not_found("preview") from None
+        info.size_bytes = len(data)
+        info.sha256 = hashlib.sha256(data).hexdigest()
+        for offset in range(0, max(1, len(data)), _PREVIEW_CHUNK):
+            chunk = gateway_pb2.ResultChunk(data=data[offset : offset + _PREVIEW_CHUNK], offset=offset)
+            if offset == 0:
+                chunk.info.CopyFrom(info)
+            yield chunk
+
+
+_PREVIEW_CHUNK = 256 * 1024
 
 
 def _already_finished(task: TaskRow) -> errors.ApiError:

@@ -23,7 +23,7 @@ from PIL import Image
 from taskgate import families, tracing
 from taskgate.config import ModelSpec
 
-from . import checkpoint
+from . import checkpoint, partial
 from .encoding import CONTENT_TYPE_MP4, encode_mp4
 from .runner import RunAborted
 
@@ -74,6 +74,7 @@ class RenderedVideo:
     fps: int
     seed: int
     resumed_from: int = 0  # the step a checkpoint let this run start at (0: it ran every step)
+    phases: dict[str, float] = field(default_factory=dict, compare=False)  # seconds of each phase of the device call
 
 
 @dataclass(frozen=True)
@@ -361,6 +362,9 @@ class VideoPipeline:
         self._call_params = inspect.signature(pipe.__call__).parameters
         self._accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in self._call_params.values())
         self._marks: dict[str, int] = {}  # when the current run's denoising loop began and ended (time.time_ns())
+        self.preview_layout = partial.layout_of(type(pipe).__name__)
+        spatial = _first_int(getattr(pipe, "vae_scale_factor_spatial", None), getattr(pipe, "vae_spatial_compression_ratio", None))
+        self._spatial = spatial or 8  # the latents' downscale, which a preview of packed latents needs
         bar = getattr(pipe, "progress_bar", None)
         if callable(bar):
             pipe.progress_bar = self._timed(bar)
@@ -459,9 +463,11 @@ class VideoPipeline:
         *,
         resume: checkpoint.Snapshot | None = None,
         capture: checkpoint.Capture | None = None,
+        preview: partial.Partial | None = None,
     ) -> RenderedVideo:
         """The device phase of one request (prompt encoding, denoising, VAE decode) to frames in host memory; from
-        `resume`'s step when it is a checkpoint of this very request, taking snapshots when `capture` says so."""
+        `resume`'s step when it is a checkpoint of this very request, taking snapshots when `capture` says so and
+        preview frames when `preview` says so."""
         if req.width < 2 or req.height < 2 or req.width % 2 or req.height % 2:
             raise ValueError(f"width and height must be even and >= 2, got {req.width}x{req.height}")
         if req.num_frames < 1 or req.num_inference_steps < 1 or req.fps < 1:
@@ -503,10 +509,14 @@ class VideoPipeline:
                     checkpoint.GENERATOR: generator.get_state(),
                 }))
 
+        grid = ((req.num_frames - 1) // (self.needs.frame_step or 1) + 1, req.height // self._spatial, req.width // self._spatial)
+
         def after_step(pipe: Any, step: int, _timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
             done, total = start + step + 1, total_steps_from(pipe)
             # taken before progress is told: a test that kills the worker after step k finds step k's snapshot kept
             snapshot_if_due(done, total, callback_kwargs["latents"])
+            if preview is not None and preview.due(done, total):
+                preview.take(done, callback_kwargs["latents"], grid, (req.width, req.height))
             on_step(done, total)
             if should_abort():
                 # a drain asks for a snapshot before it sets the abort flag: one at the step it stops at, if not yet
@@ -550,8 +560,8 @@ class VideoPipeline:
                     output = self.pipe(**kwargs)
             finally:
                 returned = time.time_ns()
-                _phases(began, dict(self._marks), returned, steps - start)
-        return RenderedVideo(_to_uint8_frames(output), req.fps, seed, start)
+                phases = _phases(began, dict(self._marks), returned, steps - start)
+        return RenderedVideo(_to_uint8_frames(output), req.fps, seed, start, phases)
 
     def _check_image(self, req: GenerationRequest) -> None:
         """ValueError unless the request carries an image exactly when the pipeline takes one, of the request's size."""
@@ -615,16 +625,19 @@ def _schedule_from(scheduler: Any, start: int) -> Iterator[None]:
             del scheduler.set_begin_index
 
 
-def _phases(began: int, marks: dict[str, int], returned: int, steps: int) -> None:
+def _phases(began: int, marks: dict[str, int], returned: int, steps: int) -> dict[str, float]:
     """One span per phase of a pipeline call, children of the current (the attempt's): load (the pipeline taken, the
     prompt encoded, the latents prepared), denoise (the loop), decode (the VAE); one denoise span when the pipeline
-    gave no marks. A run stopped part way gets the phases it began."""
+    gave no marks. A run stopped part way gets the phases it began. Answers each phase's seconds."""
     attributes = {"taskgate.steps": steps}
     start, end = marks.get("denoise"), marks.get("decode")
     if start is None:
         tracing.phase("denoise", start_ns=began, end_ns=returned, attributes=attributes)
-        return
+        return {"denoise": (returned - began) / 1e9}
     tracing.phase("load", start_ns=began, end_ns=start)
     tracing.phase("denoise", start_ns=start, end_ns=end or returned, attributes=attributes)
+    seconds = {"load": (start - began) / 1e9, "denoise": ((end or returned) - start) / 1e9}
     if end is not None:
         tracing.phase("decode", start_ns=end, end_ns=returned)
+        seconds["decode"] = (returned - end) / 1e9
+    return seconds

@@ -17,7 +17,7 @@ from typing import TypeVar
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.worker import chatrun, checkpoint, resume, retry, settle, upstream
+from services.worker import chatrun, checkpoint, partial, resume, retry, settle, upstream
 from services.worker import runner as runmod
 from services.worker.devices import Devices
 from services.worker.fetch import SlotHold
@@ -186,6 +186,8 @@ class Attempts:
 
         # the threads run in a copy of this context: the phase spans they open are children of the attempt's
         policy = self.checkpoints(run)
+        said: partial.Partial | None = None
+        writer: asyncio.Task[None] | None = None
         try:
             forwarded = self.runners.get((task.model_id, runmod.UPSTREAM_DEVICE))
             if isinstance(forwarded, upstream.Upstream):
@@ -207,16 +209,27 @@ class Attempts:
                     pool=self.pool, store=self.inputs, task=task, policy=policy, device_seconds=run.device_seconds_now,
                     kept=self._kept, loop=loop, start_step=start_step,
                 )
+            said = self._partial(run, snapshot.step if snapshot is not None else 0)
+            if said is not None:
+                writer = asyncio.create_task(said.run(), name=f"partial-{task.id}")
+                said.say(f"attempt {task.attempt} starts at step {snapshot.step if snapshot is not None else 0}"
+                         + (" (from its checkpoint)" if snapshot is not None else ""))
             inp = runmod.RunInput(
-                task.id, task.attempt, task.prompt, dict(task.request_payload), image, resume=snapshot, capture=run.keeper
+                task.id, task.attempt, task.prompt, dict(task.request_payload), image, resume=snapshot, capture=run.keeper,
+                previews=said,
             )
             devices = {d for m, d in self.runners if m == task.model_id}
             lane = self.devices.take(devices)
             if lane is None:  # all busy: wait in line, unless the run is stopped meanwhile
+                waiting = time.monotonic()
                 lane = await run.unless_stopped(self.devices.acquire(devices))
+                if said is not None:
+                    said.say(f"waited {time.monotonic() - waiting:.2f} s for a device")
             try:
                 model_runner = self.runners[(task.model_id, lane.device)]
                 assert not isinstance(model_runner, chatrun.ChatRunner | upstream.Upstream)
+                if said is not None:
+                    said.say(_loaded_line(model_runner, lane.device))
                 held = run.held_since = time.monotonic()
                 try:
                     rendered = await loop.run_in_executor(
@@ -227,11 +240,20 @@ class Attempts:
                     run.held_since = None
             finally:
                 self.devices.release(lane)
+            if said is not None:
+                said.say(_phases_line(rendered, time.monotonic() - held, said))
+            encoding = time.monotonic()
             output = await loop.run_in_executor(self.encoders, contextvars.copy_context().run, model_runner.encode, rendered)
-        except runmod.RunAborted:
+            if said is not None:
+                said.say(f"encoded {len(output.data)} bytes ({output.content_type}) in {time.monotonic() - encoding:.2f} s")
+        except runmod.RunAborted as exc:
+            if said is not None:
+                said.say(f"stopped: {exc}")
             await self._flush(run)  # a drained run's last snapshot is recorded before its task is released
             raise
         except Exception as exc:
+            if said is not None:
+                said.say(f"failed: {type(exc).__name__}: {exc}")
             await self._flush(run)
             if run.stopped_by is not None:
                 raise runmod.RunAborted(str(exc)) from exc
@@ -250,8 +272,24 @@ class Attempts:
         finally:
             if run.keeper is not None:
                 await run.keeper.close()
+            if said is not None and writer is not None:
+                said.close()
+                await writer  # its lines are on the stream before the final write: a reader has them all by then
         telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
         return output
+
+    def _partial(self, run: Run, start_step: int) -> partial.Partial | None:
+        """The run's previews and log lines (a diffusers model's only: its runs are long enough to be worth them)."""
+        task = run.task
+        spec = self.settings.models.get(task.model_id)
+        model_runner = next((r for (m, _), r in self.runners.items() if m == task.model_id), None)
+        pipeline = getattr(model_runner, "pipeline", None)
+        if self.bus is None or spec is None or pipeline is None:
+            return None
+        return partial.Partial(
+            bus=self.bus, store=self.inputs, user_id=task.user_id, task_id=task.id, attempt=task.attempt, spec=spec,
+            layout=getattr(pipeline, "preview_layout", "BCFHW"), start_step=start_step,
+        )
 
     async def _generate(self, run: Run, runner: chatrun.ChatRunner) -> runmod.RunOutput:
         """A chat task: its sequence joins the model's decoding loop (no device lane: the loop shares the device), its
@@ -370,3 +408,18 @@ class Attempts:
         run.steps_done, run.total_steps = step, total
         if run.progress_pending():
             self._progressed()
+
+
+def _loaded_line(model_runner: object, device: str) -> str:
+    """The log line that says where the run's model sits and what loading it cost."""
+    load = getattr(model_runner, "load_seconds", 0.0)
+    warmup = getattr(getattr(model_runner, "pipeline", None), "warmup_seconds", None) or 0.0
+    return f"model {getattr(model_runner, 'model_id', '?')} on {device}: loaded in {load:.2f} s, warm-up {warmup:.2f} s"
+
+
+def _phases_line(rendered: runmod.Rendered, seconds: float, said: partial.Partial) -> str:
+    """The log line of a device phase's seconds, phase by phase as the pipeline marked them."""
+    phases: dict[str, float] = getattr(rendered.payload, "phases", None) or {}
+    parts = [f"{name} {value:.2f} s" for name, value in phases.items()]
+    line = f"device phase {seconds:.2f} s" + (f" ({', '.join(parts)})" if parts else "")
+    return line + (f"; {said.previews} previews so far" if said.every.enabled else "")

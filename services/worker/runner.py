@@ -48,7 +48,8 @@ class InjectedFailure(Exception):
 class RunInput:
     """One task's inputs as a runner sees them: `image` is the canonical PNG its params' "image" names, read from the
     result store before the run (None for a text-to-video task); `resume` the checkpoint an earlier attempt left (a
-    runner that cannot use it starts from step 0), `capture` where the run's own snapshots go (None: none taken)."""
+    runner that cannot use it starts from step 0), `capture` where the run's own snapshots go (None: none taken),
+    `previews` where its preview frames go (a services.worker.partial.Partial; None: none made)."""
 
     task_id: int
     attempt: int
@@ -57,6 +58,7 @@ class RunInput:
     image: bytes | None = None
     resume: Snapshot | None = None
     capture: Capture | None = None
+    previews: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,10 +175,11 @@ class SleepRunner:
 class DiffusersRunner:
     """A loaded text- or image-to-video pipeline (services.worker.inference.VideoPipeline) on one device."""
 
-    def __init__(self, model_id: str, spec: ModelSpec, pipeline: Any) -> None:
+    def __init__(self, model_id: str, spec: ModelSpec, pipeline: Any, load_seconds: float = 0.0) -> None:
         self.model_id = model_id
         self.spec = spec
         self.pipeline = pipeline
+        self.load_seconds = load_seconds  # reading the folder and placing it on its device (warm-up apart)
 
     @classmethod
     def load(cls, model_id: str, spec: ModelSpec, device: str) -> DiffusersRunner:
@@ -186,7 +189,9 @@ class DiffusersRunner:
         if spec.path is None:
             raise ValueError(f"model {model_id!r} has no path")
         dtype = inference.resolve_dtype(spec.dtype, device)
+        began = time.perf_counter()
         pipeline = inference.VideoPipeline.load(model_id, Path(spec.path), device, dtype, inference.LoadOptions.of(spec))
+        load_seconds = time.perf_counter() - began
         wrong = pipeline.needs.violations(spec)
         if wrong:
             raise ValueError(f"model {model_id!r}: its registry rules let through sizes the pipeline cannot make: {'; '.join(wrong)}")
@@ -203,7 +208,7 @@ class DiffusersRunner:
         )
         if pipeline.not_resumable is not None:
             log.info("interrupted runs restart from step 0", extra={"model": model_id, "why": pipeline.not_resumable})
-        return cls(model_id, spec, pipeline)
+        return cls(model_id, spec, pipeline, load_seconds)
 
     @property
     def not_resumable(self) -> str | None:
@@ -231,7 +236,9 @@ class DiffusersRunner:
             seed=None if seed is None else int(seed),
             image=None if inp.image is None else self._fitted(inp.image, width, height),
         )
-        video = self.pipeline.render(request, on_step, should_abort, resume=inp.resume, capture=inp.capture)
+        video = self.pipeline.render(
+            request, on_step, should_abort, resume=inp.resume, capture=inp.capture, preview=inp.previews
+        )
         if inp.resume is not None and video.resumed_from != inp.resume.step:
             log.warning(
                 "checkpoint not resumed: it is not this request's on this model; ran from step 0",

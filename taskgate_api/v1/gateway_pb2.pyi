@@ -589,15 +589,21 @@ class GetTaskResultRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_ID_FIELD_NUMBER: _builtins.int
+    PREVIEW_URI_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
+    preview_uri: _builtins.str
+    """A preview of the task instead of its result: the `uri` of one of its PREVIEW output chunks (any state; answered
+    NOT_FOUND once retention deleted it). The first chunk's `info` then describes the image.
+    """
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
+        preview_uri: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["preview_uri", b"preview_uri", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -172,7 +172,7 @@ class TaskGatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTaskResult(self, request, context):
-        """Streams a SUCCEEDED task's output; the first chunk carries `info`.
+        """Streams a SUCCEEDED task's output (or, with preview_uri, one of its preview images); the first chunk carries `info`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -45,7 +45,7 @@ class TaskGatewayStub:
     ListTasks: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListTasksRequest, _gateway_pb2.ListTasksResponse]
     CancelTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CancelTaskRequest, _gateway_pb2.CancelTaskResponse]
     GetTaskResult: _grpc.UnaryStreamMultiCallable[_gateway_pb2.GetTaskResultRequest, _gateway_pb2.ResultChunk]
-    """Streams a SUCCEEDED task's output; the first chunk carries `info`."""
+    """Streams a SUCCEEDED task's output (or, with preview_uri, one of its preview images); the first chunk carries `info`."""
     RegenerateTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RegenerateTaskRequest, _gateway_pb2.RegenerateTaskResponse]
     """A new task from a finished one's request (a new seed, a fresh idempotency key), at HIGH when the tenant may use it."""
     UploadInput: _grpc.StreamUnaryMultiCallable[_gateway_pb2.UploadInputRequest, _gateway_pb2.UploadInputResponse]
@@ -95,7 +95,7 @@ class TaskGatewayAsyncStub(TaskGatewayStub):
     ListTasks: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListTasksRequest, _gateway_pb2.ListTasksResponse]  # type: ignore[assignment]
     CancelTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CancelTaskRequest, _gateway_pb2.CancelTaskResponse]  # type: ignore[assignment]
     GetTaskResult: _aio.UnaryStreamMultiCallable[_gateway_pb2.GetTaskResultRequest, _gateway_pb2.ResultChunk]  # type: ignore[assignment]
-    """Streams a SUCCEEDED task's output; the first chunk carries `info`."""
+    """Streams a SUCCEEDED task's output (or, with preview_uri, one of its preview images); the first chunk carries `info`."""
     RegenerateTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RegenerateTaskRequest, _gateway_pb2.RegenerateTaskResponse]  # type: ignore[assignment]
     """A new task from a finished one's request (a new seed, a fresh idempotency key), at HIGH when the tenant may use it."""
     UploadInput: _aio.StreamUnaryMultiCallable[_gateway_pb2.UploadInputRequest, _gateway_pb2.UploadInputResponse]  # type: ignore[assignment]
@@ -178,7 +178,7 @@ class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.GetTaskResultRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_gateway_pb2.ResultChunk], _abc.AsyncIterator[_gateway_pb2.ResultChunk]]:
-        """Streams a SUCCEEDED task's output; the first chunk carries `info`."""
+        """Streams a SUCCEEDED task's output (or, with preview_uri, one of its preview images); the first chunk carries `info`."""
 
     @_abc_1.abstractmethod
     def RegenerateTask(

@@ -28,6 +28,7 @@ from taskgate_client.cli.tasks import (
     cmd_cancel,
     cmd_get,
     cmd_list,
+    cmd_logs,
     cmd_regenerate,
     cmd_result,
     cmd_rotate_webhook_secret,
@@ -142,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("watch", cmd_watch, "print each event of a task (with its version) until it is finished")
     p.add_argument("task_id")
     p.add_argument("--after-version", type=int, default=0, help="resume after this version")
+
+    p = add("logs", cmd_logs, "print the worker's log lines about a task (model load, warm-up, each phase's seconds)")
+    p.add_argument("task_id")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the task is finished")
 
     p = add("cancel", cmd_cancel, "cancel a task (soft: a running task finishes and its output is kept for reuse)")
     p.add_argument("task_id")

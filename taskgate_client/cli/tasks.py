@@ -4,6 +4,7 @@ rotate-webhook-secret."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
 import os
@@ -193,6 +194,30 @@ async def cmd_watch(client: AsyncTaskgateClient, args: argparse.Namespace, out: 
     async for event in client.watch(args.task_id, after_version=args.after_version):
         print_event(out, event)
     return EXIT_OK
+
+
+async def cmd_logs(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
+    """The worker's log lines about a task: those stored so far, or with --follow each as it comes until the task ends."""
+    lines = client.logs(args.task_id)
+    follow_on = args.follow or (await client.get(args.task_id)).terminal  # an ended task's stream ends by itself
+    try:
+        while True:
+            try:
+                # without --follow, the stored lines arrive at once: a second without one means they are all out
+                line = await (anext(lines) if follow_on else asyncio.wait_for(anext(lines), _STORED_WITHIN))
+            except (StopAsyncIteration, asyncio.TimeoutError):  # asyncio.TimeoutError: not TimeoutError before 3.11
+                return EXIT_OK
+            if out.json:
+                out.document({"task_id": line.task_id, "attempt": line.attempt, "sequence": line.sequence,
+                              "at": line.at.isoformat() if line.at else None, "text": line.text})
+            else:
+                at = line.at.strftime("%H:%M:%S.%f")[:-3] if line.at else ""
+                out.line(f"{at} attempt {line.attempt}: {line.text}")
+    finally:
+        await lines.aclose()  # type: ignore[attr-defined]
+
+
+_STORED_WITHIN = 1.0
 
 
 async def cmd_cancel(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:

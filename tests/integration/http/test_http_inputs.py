@@ -30,6 +30,7 @@ EXAMPLES = hsettings(
 ROUTES = [
     ("POST", "/v1/tasks:batch"), ("POST", "/v1/tasks"), ("GET", "/v1/tasks"), ("POST", "/v1/tasks/{id}:cancel"),
     ("POST", "/v1/tasks/{id}:regenerate"), ("GET", "/v1/tasks/{id}/result"), ("GET", "/v1/tasks/{id}/events"),
+    ("GET", "/v1/tasks/{id}/previews"),
     ("GET", "/v1/tasks/{id}"), ("GET", "/v1/events"), ("PUT", "/v1/inputs"), ("POST", "/v1/webhook-secret:rotate"),
     ("POST", "/dashboard/actions/replay"), ("POST", "/dashboard/actions/drain"), ("GET", "/dashboard/state.json"),
     ("POST", "/openai/v1/responses"), ("GET", "/openai/v1/responses/resp_{id}"), ("POST", "/openai/v1/responses/resp_{id}/cancel"),
@@ -128,7 +129,7 @@ BODIES = st.one_of(
     task_id=st.one_of(st.just("real"), ANY_TEXT),
     query=st.dictionaries(
         st.sampled_from(["after_version", "page_size", "status", "cursor", "created_after", "created_before", "page_token",
-                         "stream", "starting_after", "limit", "after", "purpose"]),
+                         "stream", "starting_after", "limit", "after", "purpose", "uri"]),
         ANY_TEXT, max_size=3,
     ),
     headers=st.dictionaries(
