@@ -483,6 +483,10 @@ class RetentionScan:
                 expired = await maintenance.purge_results(conn, now=now, older_than_seconds=keep.results, limit=limit)
                 result.actions[Action.PURGE_RESULT] += await self._delete_outputs(expired.orphans)
             batches.append(expired.rows)
+            async with pool.acquire() as conn, conn.transaction():  # previews go with the outputs, whatever the outcome
+                previews = await maintenance.purge_previews(conn, now=now, older_than_seconds=keep.results, limit=limit)
+                result.actions[Action.PURGE_RESULT] += await self._delete_outputs(previews)
+            batches.append(len(previews))
         for seconds, purge, action in (
             (keep.reusable, maintenance.purge_reusable, Action.PURGE_REUSABLE),
             (keep.inputs, maintenance.purge_inputs, Action.PURGE_INPUT),

@@ -22,17 +22,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
+
 from taskgate import bus as busmod
 from taskgate import output, results
 from taskgate.config import ModelSpec
+from taskgate.store import workers
 
 log = logging.getLogger("taskgate.worker.partial")
 
 # How each family's pipeline hands its latents to callback_on_step_end (batch first): Wan and HunyuanVideo
 # (channels, frames, height, width), CogVideoX (frames, channels, ...), LTX-Video packed into tokens (frames x height x
 # width tokens of `channels`, patch size 1).
-LAYOUTS = {"CogVideoXPipeline": "BFCHW", "CogVideoXImageToVideoPipeline": "BFCHW", "LTXPipeline": "packed",
-           "LTXImageToVideoPipeline": "packed"}
+LAYOUTS = {
+    "CogVideoXPipeline": "BFCHW",
+    "CogVideoXImageToVideoPipeline": "BFCHW",
+    "LTXPipeline": "packed",
+    "LTXImageToVideoPipeline": "packed",
+}
 
 
 def layout_of(pipeline: str) -> str:
@@ -154,6 +161,7 @@ class Partial:
         self,
         *,
         bus: busmod.Bus,
+        pool: asyncpg.Pool,
         store: results.ResultStore,
         user_id: str,
         task_id: int,
@@ -164,6 +172,7 @@ class Partial:
         published: Callable[[Published], None] = lambda _p: None,
     ) -> None:
         self.bus = bus
+        self.pool = pool
         self.store = store
         self.user_id = user_id
         self.task_id = task_id
@@ -245,6 +254,10 @@ class Partial:
         try:
             data, width, height = await asyncio.to_thread(encode_image, frames, spec.preview_size, spec.preview_format, aspect)
             name = output.preview_name(self.task_id, self.attempt, step, spec.preview_format)
+            # named on the row before it is stored: retention deletes it with the task's output, and a worker killed
+            # in between leaves nothing that no row names
+            if not await workers.name_preview(self.pool, self.task_id, attempt=self.attempt, uri=self.store.uri_of(name)):
+                return  # fenced out: this attempt no longer runs the task
             stored = await self.store.put(name, data, output.PREVIEW_TYPES[spec.preview_format])
             chunk = output.Chunk(self.task_id, self.attempt, output.PREVIEW, uri=stored.uri, content_type=stored.content_type, step=step)
             await output.publish(self.bus, self.user_id, chunk)

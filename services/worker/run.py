@@ -287,7 +287,7 @@ class Attempts:
         if self.bus is None or spec is None or pipeline is None:
             return None
         return partial.Partial(
-            bus=self.bus, store=self.inputs, user_id=task.user_id, task_id=task.id, attempt=task.attempt, spec=spec,
+            bus=self.bus, pool=self.pool, store=self.inputs, user_id=task.user_id, task_id=task.id, attempt=task.attempt, spec=spec,
             layout=getattr(pipeline, "preview_layout", "BCFHW"), start_step=start_step,
         )
 

@@ -136,6 +136,7 @@ CREATE TABLE public.task (
     preempted_at timestamp with time zone,
     tokens_reserved bigint DEFAULT 0 NOT NULL,
     token_budget_day date,
+    preview_uris text[] DEFAULT '{}'::text[] NOT NULL,
     CONSTRAINT task_attempt_check CHECK ((attempt >= 0)),
     CONSTRAINT task_callback_consistent CHECK (((callback_url IS NOT NULL) OR (callback_status = 'NONE'::text))),
     CONSTRAINT task_callback_status_check CHECK ((callback_status = ANY (ARRAY['NONE'::text, 'PENDING'::text, 'DELIVERED'::text, 'FAILED'::text]))),
@@ -2128,6 +2129,12 @@ CREATE INDEX task_not_before_idx ON public.task USING btree (model_id, priority,
 --
 
 CREATE INDEX task_preempted_idx ON public.task USING btree (model_id, preempted_at) WHERE (preempted_at IS NOT NULL);
+
+--
+-- Name: task_previews_ended_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX task_previews_ended_idx ON public.task USING btree (finished_at) WHERE ((finished_at IS NOT NULL) AND (preview_uris <> '{}'::text[]));
 
 --
 -- Name: task_queue_expiry_idx; Type: INDEX; Schema: public; Owner: -

@@ -187,7 +187,8 @@ async def purge_tasks(db: Conn, *, now: datetime | None = None, older_than_secon
         return Purged(0, [])
     await db.execute(sql.query("retention_delete_tasks"), [r["id"] for r in recs])
     kept = [(r["user_id"], r["request_hash"], r["result_uri"]) for r in recs if r["result_uri"] and r["result_expired_at"] is None]
-    return Purged(len(recs), await unreferenced(db, kept))
+    previews = [uri for r in recs for uri in r["preview_uris"] or []]  # each a task's own: no other row refers to it
+    return Purged(len(recs), [*await unreferenced(db, kept), *previews])
 
 
 async def purge_checkpoints(db: Conn, *, limit: int) -> list[str]:
@@ -203,6 +204,13 @@ async def purge_results(db: Conn, *, now: datetime | None = None, older_than_sec
     recs = await db.fetch(sql.query("retention_expire_results"), now, older_than_seconds, limit)
     outputs = [(r["user_id"], r["request_hash"], r["result_uri"]) for r in recs]
     return Purged(len(recs), await unreferenced(db, outputs))
+
+
+async def purge_previews(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> list[str]:
+    """Forgets the preview images of tasks finished before the cut-off, oldest first, locked; returns them for the
+    caller to delete. Run inside the caller's transaction."""
+    recs = await db.fetch(sql.query("retention_expire_previews"), now, older_than_seconds, limit)
+    return [uri for r in recs for uri in r["uris"] or []]
 
 
 async def purge_reusable(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> Purged:

@@ -191,6 +191,11 @@ async def name_checkpoint(db: Conn, task_id: int, *, attempt: int, uri: str) -> 
     return await db.fetchval(sql.query("worker_checkpoint_intent"), task_id, attempt, uri) is not None
 
 
+async def name_preview(db: Conn, task_id: int, *, attempt: int, uri: str) -> bool:
+    """Names a running attempt's next preview image before it is stored; False when the attempt no longer runs."""
+    return await db.fetchval(sql.query("worker_preview_intent"), task_id, attempt, uri) is not None
+
+
 async def record_checkpoint(
     db: Conn, task_id: int, *, attempt: int, uri: str, step: int, deleted: Sequence[str] = ()
 ) -> list[str] | None:

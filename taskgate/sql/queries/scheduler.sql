@@ -259,7 +259,7 @@ LIMIT $3;
 -- deliveries, attempt logs and dead letters go with them). Kept whatever their age: a task whose webhook is still owed
 -- (its terminal one PENDING, or any delivery PENDING) and a soft-cancelled task whose attempt still holds its lease.
 -- $1 now, $2 seconds, $3 limit.
-SELECT t.id, t.user_id, t.request_hash, t.result_uri, t.result_expired_at FROM task t
+SELECT t.id, t.user_id, t.request_hash, t.result_uri, t.result_expired_at, t.preview_uris FROM task t
 WHERE t.finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
   AND t.callback_status <> 'PENDING' AND NOT task_holds_lease(t.status, t.lease_expires_at)
   AND NOT EXISTS (SELECT 1 FROM callback_delivery d WHERE d.task_id = t.id AND d.status = 'PENDING')
@@ -282,6 +282,19 @@ WHERE t.id IN (SELECT id FROM task
                LIMIT $3
                FOR UPDATE SKIP LOCKED)
 RETURNING t.user_id, t.request_hash, t.result_uri;
+
+-- name: retention_expire_previews
+-- Forgets the preview images of tasks finished before the retention, oldest first, skipping locked rows; returns them
+-- for the caller to delete inside the same transaction (a preview belongs to one task: nothing else refers to it).
+-- $1 now, $2 seconds, $3 limit.
+UPDATE task t SET preview_uris = '{}'
+FROM (SELECT id, preview_uris AS uris FROM task
+      WHERE finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2) AND preview_uris <> '{}'
+      ORDER BY finished_at
+      LIMIT $3
+      FOR UPDATE SKIP LOCKED) o
+WHERE t.id = o.id
+RETURNING o.uris;
 
 -- name: retention_delete_events
 -- Deletes relayed history rows older than the retention of tasks finished before it (their webhook deliveries and

@@ -78,6 +78,13 @@ UPDATE task SET checkpoint_garbage = array_append(checkpoint_garbage, $3)
 WHERE id = $1 AND attempt = $2 AND status = 'PROCESSING' AND lease_expires_at IS NOT NULL
 RETURNING id;
 
+-- name: worker_preview_intent
+-- Names a running attempt's next preview image before it is stored (retention deletes it with the task's output); no
+-- row when the attempt no longer runs the task (then store nothing). $1 task id, $2 attempt, $3 uri.
+UPDATE task SET preview_uris = array_append(preview_uris, $3)
+WHERE id = $1 AND attempt = $2 AND status = 'PROCESSING' AND lease_expires_at IS NOT NULL
+RETURNING id;
+
 -- name: worker_checkpoint
 -- Records a running attempt's newest checkpoint (stored since its intent); the one it replaces joins the garbage, and
 -- the objects the caller deleted since its last record leave it; returns the garbage to delete now. No row when the

@@ -10,6 +10,7 @@ import json
 import os
 import re
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
+from services.scheduler.scans import Action, Retention
 from services.worker import partial
 from services.worker.inference import GenerationRequest, LoadOptions, VideoPipeline
 from taskgate import output
@@ -78,8 +80,9 @@ def test_every_family_projects_its_latents_to_preview_frames_without_changing_th
     cls = tinymodel.TINY_MODELS[name]
     pipeline = VideoPipeline.load(name, models[name], "cpu", torch.float32, LoadOptions(pipeline=cls))
     width, height = 4 * pipeline.needs.size_multiple, 2 * pipeline.needs.size_multiple
-    req = GenerationRequest(prompt="a fox in the snow", num_frames=1 + 4 * pipeline.needs.frame_step, width=width, height=height,
-                            num_inference_steps=8, seed=2)
+    req = GenerationRequest(
+        prompt="a fox in the snow", num_frames=1 + 4 * pipeline.needs.frame_step, width=width, height=height, num_inference_steps=8, seed=2
+    )
     sink = Sink(partial.Projection(pipeline.preview_layout, FRAMES))
     with_previews = pipeline.encode(pipeline.render(req, lambda _s, _t: None, lambda: False, preview=sink))  # type: ignore[arg-type]
     assert sorted(sink.frames) == [2, 4, 6]
@@ -173,9 +176,15 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
         call.cancel()
         rest: list[task_pb2.OutputChunk] = []
         last_event = None
-        resumed = events.WatchTask(events_pb2.WatchTaskRequest(
-            task_id=task_id, include_output=True, after_version=version, after_output_sequence=first[-1].sequence,
-        ), metadata=md)
+        resumed = events.WatchTask(
+            events_pb2.WatchTaskRequest(
+                task_id=task_id,
+                include_output=True,
+                after_version=version,
+                after_output_sequence=first[-1].sequence,
+            ),
+            metadata=md,
+        )
         async with asyncio.timeout(120):
             async for msg in resumed:
                 if msg.WhichOneof("kind") == "output":
@@ -195,8 +204,12 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
         assert steps[0] == 3 and steps == sorted(set(steps)) and set(steps) <= {3, 6, 9}, steps
         for p in previews:
             assert p.attempt == 1 and p.content_type == "image/webp"
-            data = b"".join([c.data async for c in gateway.GetTaskResult(
-                gateway_pb2.GetTaskResultRequest(task_id=task_id, preview_uri=p.uri), metadata=md)])
+            data = b"".join(
+                [
+                    c.data
+                    async for c in gateway.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id, preview_uri=p.uri), metadata=md)
+                ]
+            )
             assert image_of(data) == ("WEBP", (FRAMES * SIZE, SIZE // 2))  # 3 frames of 48 x 24 (the video is 64 x 32)
             got_http = await http.get(f"/v1/tasks/{task_id}/previews", params={"uri": p.uri})
             assert got_http.status_code == 200 and got_http.headers["content-type"] == "image/webp"
@@ -212,8 +225,9 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
 
         # another task's preview, or a name outside the previews, is not served
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            async for _ in gateway.GetTaskResult(gateway_pb2.GetTaskResultRequest(
-                    task_id=task_id, preview_uri=previews[0].uri.replace(f"/{task_id}-", "/1-")), metadata=md):
+            async for _ in gateway.GetTaskResult(
+                gateway_pb2.GetTaskResultRequest(task_id=task_id, preview_uri=previews[0].uri.replace(f"/{task_id}-", "/1-")), metadata=md
+            ):
                 pass
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND
         elsewhere = await http.get(f"/v1/tasks/{task_id}/previews", params={"uri": "file:///etc/passwd"})
@@ -225,13 +239,28 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
         assert [c["kind"] for c in sse if int(c.get("step", 0))] == ["OUTPUT_KIND_PREVIEW"] * len(previews)
         at = next(i for i, c in enumerate(sse) if c["kind"] == "OUTPUT_KIND_PREVIEW")
         again = await sse_outputs(http, task_id, last_event_id=sse[at]["_id"])
-        assert [int(c["sequence"]) for c in again] == sequences[at + 1:]
+        assert [int(c["sequence"]) for c in again] == sequences[at + 1 :]
 
         # the SDK: each preview with its bytes, in order
         got = await asyncio.wait_for(over_sdk, 60)
         assert [(p.step, p.uri) for p in got] == [(p.step, p.uri) for p in previews]
         assert all(p.data is not None and image_of(p.data)[0] == "WEBP" for p in got)
         assert [line.text async for line in sdk.logs(task_id)] == lines
+
+    # retention: the previews go with the task's output (each named on the row before it was stored)
+    named = await backends.pool.fetchval("SELECT preview_uris FROM task WHERE id = $1", int(task_id))
+    assert sorted(named) == sorted(p.uri for p in previews)
+    purged = await stack.scheduler.scheduler.retention.purge(Retention(results=3600.0), now=_hours_later(), limit=100)
+    assert purged.actions[Action.PURGE_RESULT] >= 1 + len(previews)  # the video and every preview
+    assert await backends.pool.fetchval("SELECT preview_uris FROM task WHERE id = $1", int(task_id)) == []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.submit.port}") as channel:
+        for p in previews:
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                async for _ in gateway_pb2_grpc.TaskGatewayStub(channel).GetTaskResult(
+                    gateway_pb2.GetTaskResultRequest(task_id=task_id, preview_uri=p.uri), metadata=md
+                ):
+                    pass
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
 
     # the CLI: the task's log lines, with and without --follow
     env = {k: v for k, v in os.environ.items() if not k.startswith("TASKGATE_")} | {
@@ -250,6 +279,10 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
         assert all(" attempt 1: " in line for line in printed)
     as_json = await cli("logs", task_id, "--json")
     assert [json.loads(line)["text"] for line in as_json.out.splitlines()] == lines
+
+
+def _hours_later() -> datetime:
+    return datetime.now(UTC) + timedelta(hours=2)
 
 
 async def _collect(items: AsyncIterator[Any]) -> list[Any]:

@@ -87,6 +87,7 @@ async def test_every_scan_query_uses_an_index_on_task(big: Backends) -> None:
         "purge_checkpoints": lambda c: maintenance.purge_checkpoints(c, limit=limit),
         "preempt": lambda c: maintenance.preempt(c, after={m: 60.0 for m in s.models}, window_seconds=s.preempt_window_seconds),
         "purge_results": lambda c: maintenance.purge_results(c, older_than_seconds=s.retain_results_seconds, limit=limit),
+        "purge_previews": lambda c: maintenance.purge_previews(c, older_than_seconds=s.retain_results_seconds, limit=limit),
         "purge_events": lambda c: maintenance.purge_events(c, older_than_seconds=s.retain_events_seconds, limit=limit),
         "unreferenced": lambda c: maintenance.unreferenced(c, [("tenant-2", "c81e728d9d4c2f636f067f89cc14862c", "mem://2")]),
         "retention_counts": lambda c: maintenance.retention_counts(c, older_than_seconds=s.retain_tasks_seconds),
