@@ -571,7 +571,11 @@ class Settings(BaseSettings):
     drain_stop_seconds: float = Field(
         default=30.0, ge=0, description="After the grace: time stopped tasks get to release; any left then are abandoned (leases expire)."
     )
-    progress_interval_seconds: float = Field(default=1.0, ge=0, description="Minimum time between progress writes.")
+    progress_interval_seconds: float = Field(
+        default=5.0, ge=0,
+        description="Minimum time between a running task's progress writes to PostgreSQL (each a `progress` event: history, "
+        "relay, webhooks); every step reaches WatchTask streams live over NATS without one.",
+    )
     priority_weights: tuple[int, int, int] = Field(default=(6, 3, 1), description="Fetch weights HIGH, NORMAL, LOW.")
     result_store: Literal["objectstore", "fs", "s3"] = Field(
         default="objectstore", description="JetStream object store, a folder (fs), or an S3-compatible bucket (s3)."

@@ -2,7 +2,8 @@
 
 A worker's credentials cannot publish task events, purge a stream or read another service's traffic; the notifier
 alone publishes `taskgate.events.>` (workers and submit hint terminal versions on `taskgate.control.ended.>`, subjects
-without a payload that the notifier checks against the table); only the `admin` user (the migrate step, operators)
+without a payload that the notifier checks against the table; workers send running tasks' progress on
+`taskgate.live.progress.>`, which the notifier passes to the task's streams only); only the `admin` user (the migrate step, operators)
 may create, change or purge streams. `python -m taskgate.natsauth` prints nats-server's `authorization` block, each
 password read from the server's environment (`$TASKGATE_NATS_<ROLE>_PASSWORD`).
 
@@ -63,7 +64,7 @@ ROLES: Mapping[str, Permissions] = {
             f"$JS.API.CONSUMER.CREATE.{TASKS}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{TASKS}.>",
             f"$JS.API.STREAM.INFO.{TASKS}", bus.DEAD_SUBJECTS, bus.OUTPUT_SUBJECTS, *RESULTS_WRITE,
             f"$JS.API.STREAM.INFO.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
-            f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>", bus.ENDED_SUBJECTS,
+            f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>", bus.ENDED_SUBJECTS, bus.PROGRESS_SUBJECTS,
         ),
         subscribe=(REPLIES, bus.CANCEL_SUBJECT, bus.PREEMPT_SUBJECT),
     ),
@@ -77,8 +78,9 @@ ROLES: Mapping[str, Permissions] = {
             f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.API.CONSUMER.INFO.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>",
             f"$JS.API.DIRECT.GET.{OUTPUT}", f"$JS.API.DIRECT.GET.{OUTPUT}.>", f"$JS.API.STREAM.MSG.GET.{OUTPUT}",
         ),
-        # the committers' hints of terminal versions, and stored output chunks republished live (core subjects)
-        subscribe=(REPLIES, bus.ENDED_SUBJECTS, bus.OUTPUT_LIVE_SUBJECTS),
+        # the committers' hints of terminal versions, stored output chunks republished live, running tasks' progress
+        # (core subjects)
+        subscribe=(REPLIES, bus.ENDED_SUBJECTS, bus.OUTPUT_LIVE_SUBJECTS, bus.PROGRESS_SUBJECTS),
     ),
     # the migrate step and operators: streams, consumers and buckets declared, changed or purged
     "admin": Permissions(publish=(">",), subscribe=(">",)),

@@ -428,6 +428,10 @@ class Api:
         if wanted not in ("true", "false", "1", "0"):
             return invalid([("output", "must be true or false")])
         include = wanted in ("true", "1")
+        live = (query.get("progress") or "false").lower()
+        if live not in ("true", "false", "1", "0"):
+            return invalid([("progress", "must be true or false")])
+        progress = live in ("true", "1")
         md = credentials(request)
         cursor = [last, sent]  # the version and the output sequence sent last: every id carries both
 
@@ -448,6 +452,10 @@ class Api:
             elif kind == "output":
                 cursor[1] = message.output.sequence
                 data = json.dumps(to_json(message.output))
+            elif kind == "progress":  # live, not resumable: no id, so the client's Last-Event-ID stays where it was
+                if not progress:
+                    return None, None
+                return ServerSentEvent(json.dumps(to_json(message.progress)), event="progress"), None
             else:
                 return ServerSentEvent(comment="keep-alive"), None
             name = {"snapshot": "snapshot", "event": "transition", "output": "output"}[kind]

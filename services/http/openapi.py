@@ -129,6 +129,7 @@ def document() -> dict[str, Any]:
         gateway_pb2.CancelTaskRequest.DESCRIPTOR, gateway_pb2.CancelTaskResponse.DESCRIPTOR,
         gateway_pb2.RegenerateTaskRequest.DESCRIPTOR, gateway_pb2.RegenerateTaskResponse.DESCRIPTOR,
         gateway_pb2.UploadInputResponse.DESCRIPTOR, task_pb2.TaskEvent.DESCRIPTOR, task_pb2.OutputChunk.DESCRIPTOR,
+        task_pb2.TaskProgress.DESCRIPTOR,
         gateway_pb2.TaskGatewayRotateWebhookSecretRequest.DESCRIPTOR, gateway_pb2.TaskGatewayRotateWebhookSecretResponse.DESCRIPTOR,
         gateway_pb2.CreateClientTokenRequest.DESCRIPTOR, gateway_pb2.CreateClientTokenResponse.DESCRIPTOR,
         gateway_pb2.GetClientTokenSecretRequest.DESCRIPTOR, gateway_pb2.GetClientTokenSecretResponse.DESCRIPTOR,
@@ -242,12 +243,14 @@ def document() -> dict[str, Any]:
                 "operationId": "WatchTask",
                 "summary": "SSE: event `snapshot` (data: Snapshot), then `transition` (data: TaskEvent) and the task's "
                            "partial output `output` (data: OutputChunk) in order; id = version, or version.sequence once "
-                           "output was sent; ends after the terminal one; resume both with Last-Event-ID",
+                           "output was sent; ends after the terminal one; resume both with Last-Event-ID. With progress=true, "
+                           "`progress` (data: TaskProgress) at each step while it runs, live and without an id (not resumed)",
                 "security": _AUTH,
                 "parameters": [_TASK_ID, {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
                                {"name": "after_version", "in": "query", "schema": {"type": "integer"}},
                                {"name": "after_output_sequence", "in": "query", "schema": {"type": "integer"}},
-                               {"name": "output", "in": "query", "schema": {"type": "boolean", "default": True}}],
+                               {"name": "output", "in": "query", "schema": {"type": "boolean", "default": True}},
+                               {"name": "progress", "in": "query", "schema": {"type": "boolean", "default": False}}],
                 "responses": {"200": _SSE, **_ERRORS},
             }
         },

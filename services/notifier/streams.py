@@ -32,14 +32,17 @@ from taskgate.states import Status
 from taskgate.store import events as event_store
 from taskgate.store import submissions
 from taskgate.throttle import Throttle
+from taskgate.waiting import Interrupted, unless
 from taskgate.wire import events as event_wire
 from taskgate_api import reasons
 from taskgate_api.v1 import events_pb2, events_pb2_grpc, task_pb2
 
 from .output_feed import OutputHub
+from .progress_feed import ProgressHub
 
 log = logging.getLogger("taskgate.notifier.streams")
 K = TypeVar("K", int, str)
+T = TypeVar("T")
 
 SERVICE_NAME = "taskgate.v1.TaskEvents"
 SERVICE = "events"  # the throttle's label for this service
@@ -81,6 +84,7 @@ class Subscriber:
         self.ends_at = math.inf  # when it ends for its age (Keepalive.add sets it)
         self._keepalive = False
         self._items: deque[task_pb2.TaskEvent | output.Live] = deque()  # events and chunks in the order they came
+        self._progress: task_pb2.TaskProgress | None = None  # the newest live progress not yet taken (never buffered)
         self._ready = asyncio.Event()
 
     def offer(self, event: task_pb2.TaskEvent) -> bool:
@@ -90,6 +94,12 @@ class Subscriber:
     def offer_output(self, item: output.Live) -> bool:
         """Buffers a live output chunk (one buffer with the events, so the stream sees them in arrival order)."""
         return self._offer(item)
+
+    def offer_progress(self, item: task_pb2.TaskProgress) -> None:
+        """Keeps a live progress, replacing one not yet taken: progress never fills the buffer."""
+        if not self.overflowed:
+            self._progress = item
+            self._ready.set()
 
     def _offer(self, item: task_pb2.TaskEvent | output.Live) -> bool:
         if self.overflowed:
@@ -102,6 +112,20 @@ class Subscriber:
         self._ready.set()
         return not self.overflowed
 
+    async def unless_news(self, work: Awaitable[T]) -> T:
+        """`work`'s result, or Interrupted (`work` cancelled) once a live event or chunk, an overflow or the end comes
+        first: a quiet stream's read of the table never holds back what the feed brings meanwhile."""
+        news = asyncio.ensure_future(self._news())
+        try:
+            return await unless(news, work)
+        finally:
+            news.cancel()
+
+    async def _news(self) -> None:
+        while not self._items and not self.overflowed and not self.closing:
+            self._ready.clear()
+            await self._ready.wait()
+
     def keep_alive(self) -> None:
         """The shared tick: the stream has been quiet for a period, a keep-alive is due."""
         self._keepalive = True
@@ -112,18 +136,26 @@ class Subscriber:
         self.closing = True
         self._ready.set()
 
-    async def next(self) -> task_pb2.TaskEvent | output.Live | None:
-        """The next live event (or output chunk), or None when a keep-alive is due; raises Overflow or Closing."""
-        while not self._items and not self.overflowed and not self.closing and not self._keepalive:
+    async def next(self) -> task_pb2.TaskEvent | output.Live | task_pb2.TaskProgress | None:
+        """The next live event (or output chunk), else the newest live progress, or None when a keep-alive is due;
+        raises Overflow or Closing. Progress does not end a quiet period: a stream that gets only progress still
+        checks the table and gets its keep-alive each period."""
+        while (
+            not self._items and self._progress is None and not self.overflowed and not self.closing and not self._keepalive
+        ):
             self._ready.clear()
             await self._ready.wait()
-        self.quiet_since = time.monotonic()
+        now = time.monotonic()
         if self.closing:
             raise Closing
-        if self.quiet_since >= self.ends_at:
+        if now >= self.ends_at:
             raise Aged
         if self.overflowed:
             raise Overflow
+        if not self._items and not self._keepalive and self._progress is not None:
+            progress, self._progress = self._progress, None
+            return progress
+        self.quiet_since = now
         self._keepalive = False
         return self._items.popleft() if self._items else None
 
@@ -423,6 +455,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         *,
         outputs: results.ResultStore | None = None,
         output_hub: OutputHub | None = None,
+        progress_hub: ProgressHub | None = None,
     ) -> None:
         self._settings = settings
         self._pool = pool
@@ -431,6 +464,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self._throttle = throttle
         self._outputs = outputs
         self._output_hub = output_hub  # None: no output is sent (include_output ignored)
+        self._progress_hub = progress_hub  # None: no live progress is sent (the events' progress only)
         self.keepalive = Keepalive(settings.stream_keepalive_seconds, settings.stream_max_age_seconds)
         self.estimates = Estimates(pool, settings)
         self.task_versions: Newest[int] = Newest(lambda ids: event_store.task_versions(pool, ids))
@@ -481,6 +515,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             raise errors.invalid_argument([("after_output_sequence", "must not be negative")])
         tenant = who.tenant_id
         outputs = self._output_hub if request.include_output else None
+        progress = self._progress_hub
         # Subscribe before reading, so an event committed after the read is buffered: no gap at the seam.
         sub = self._hub.watch_task(task_id, self._settings.stream_buffer_size)
         self.keepalive.add(sub)
@@ -495,6 +530,22 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             if last > task.version:
                 raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
             status = task.status
+            attempt, shown = task.attempt, (task.progress, 0)  # the live progress sent last: (percent, step)
+            following = False  # whether this stream follows the task's live progress (while it is PROCESSING)
+
+            def moved(now: Status, at_attempt: int, percent: int) -> None:
+                """The stream sent a state: its live progress is followed while that is PROCESSING."""
+                nonlocal status, attempt, shown, following
+                if at_attempt != attempt:
+                    attempt, shown = at_attempt, (0, 0)
+                status, shown = now, (max(shown[0], percent), shown[1])
+                if progress is None or (now is Status.PROCESSING) == following:
+                    return
+                following = not following
+                if following:
+                    progress.follow(task.user_id, task_id, sub)
+                else:
+                    progress.unfollow(task_id, sub)
 
             async def stored(final: bool = False) -> AsyncIterator[events_pb2.WatchTaskResponse]:
                 """The task's stored output after the last chunk sent (`final`: all of it, read from the leader)."""
@@ -535,7 +586,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     yield out
                 yield events_pb2.WatchTaskResponse(event=self._linked(event))
                 last = event.version
-                status = Status.from_proto(event.to_status)
+                moved(Status.from_proto(event.to_status), event.attempt, event.progress)
                 if event_wire.is_terminal(event):
                     return
             if task.status.terminal:
@@ -544,6 +595,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 return  # its history was deleted by retention: nothing more will come
             async for out in stored():  # caught up on the output stored so far: live from here
                 yield out
+            moved(status, attempt, shown[0])  # live from here: its progress too, if it runs
             while True:
                 try:
                     live = await sub.next()
@@ -551,6 +603,11 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     resume = f"after_version={last}" + (f" and after_output_sequence={sent}" if outputs else "")
                     meta = {"last_version": str(last)} | ({"last_output_sequence": str(sent)} if outputs else {})
                     raise ended(exc, resume, **meta) from None
+                if isinstance(live, task_pb2.TaskProgress):  # newer than what was sent, of the attempt that runs
+                    if status is Status.PROCESSING and live.attempt == attempt and (live.progress, live.step) > shown:
+                        shown = (live.progress, live.step)
+                        yield events_pb2.WatchTaskResponse(progress=live)
+                    continue
                 if isinstance(live, output.Live):
                     if live.chunk.sequence <= sent:
                         continue  # already read from the stream
@@ -563,17 +620,20 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     yield events_pb2.WatchTaskResponse(output=live.chunk)
                     continue
                 if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
-                    newest = await self.task_versions.of(task_id)
-                    missed = [] if newest is None or newest <= last else await self._quiet_check(
-                        event_store.task_events(self._pool, task_id, after_version=last, up_to_version=newest)
-                    )
+                    try:  # a read that waits (a busy pool) never holds back what the feed brings meanwhile
+                        newest = await sub.unless_news(self.task_versions.of(task_id))
+                        missed = [] if newest is None or newest <= last else await sub.unless_news(self._quiet_check(
+                            event_store.task_events(self._pool, task_id, after_version=last, up_to_version=newest)
+                        ))
+                    except Interrupted:
+                        continue  # it goes first; the table is checked again next quiet period
                     for row in missed:
                         event = event_wire.message(row)
                         async for out in before_end(event):
                             yield out
                         yield events_pb2.WatchTaskResponse(event=self._linked(event))
                         last = event.version
-                        status = Status.from_proto(event.to_status)
+                        moved(Status.from_proto(event.to_status), event.attempt, event.progress)
                         if event_wire.is_terminal(event):
                             return
                     if status is Status.PROCESSING:  # and what the stream stored that the live subject did not bring
@@ -601,7 +661,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     yield out
                 yield events_pb2.WatchTaskResponse(event=self._linked(await self.estimates.stamped(live)))
                 last = live.version
-                status = Status.from_proto(live.to_status)
+                moved(Status.from_proto(live.to_status), live.attempt, live.progress)
                 if event_wire.is_terminal(live):
                     return
         finally:
@@ -609,6 +669,8 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             self._hub.drop(sub)
             if outputs is not None:
                 outputs.unfollow(tenant, task_id, sub)
+            if progress is not None:
+                progress.unfollow(task_id, sub)
 
     async def WatchTasks(
         self, request: events_pb2.WatchTasksRequest, context: grpc.aio.ServicerContext
@@ -681,7 +743,10 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 except (Overflow, Closing) as exc:
                     raise ended(exc, f"cursor={cursor}", cursor=str(cursor)) from None
                 if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
-                    newest = await self.tenant_events.of(tenant)
+                    try:  # a read that waits (a busy pool) never holds back what the feed brings meanwhile
+                        newest = await sub.unless_news(self.tenant_events.of(tenant))
+                    except Interrupted:
+                        continue  # it goes first; the table is checked again next quiet period
                     if (newest is not None and newest > cursor) or floor < cursor:
                         try:
                             async for row in self._tenant_events_after(tenant, floor):

@@ -28,6 +28,7 @@ from services.worker.devices import Devices
 from services.worker.fetch import Fetcher, SlotHold
 from services.worker.finish import Finisher, act
 from services.worker.lease import Heartbeat
+from services.worker.live import LiveProgress
 from services.worker.retry import PermanentError, RetryableError
 from services.worker.run import Attempts, Halt, Run
 from services.worker.settle import Fate, Step
@@ -108,9 +109,10 @@ class Worker:
         )
         self.claimer = Claimer(pool=self.pool, settings=settings, worker_id=worker_id)
         store = results.result_store(settings, self.bus)  # outputs go there, and image-to-video inputs come from it
+        self.live = LiveProgress(self.bus)  # each step to the notifiers' streams, no row (the heartbeat writes one)
         self.attempts = Attempts(
             pool=self.pool, settings=settings, runners=runners, devices=self.devices, encoders=self._encoders,
-            progressed=lambda: self.heartbeat.progressed(), inputs=store, bus=self.bus,
+            progressed=lambda: self.heartbeat.progressed(), inputs=store, bus=self.bus, stepped=self.live.stepped,
             kept=self.signals.checkpointed.signal,
         )
         self.finisher = Finisher(
@@ -146,7 +148,8 @@ class Worker:
         self._cancel_sub = await self.bus.nc.subscribe(cancel.SUBJECT, cb=self._on_cancel)
         self._preempt_sub = await self.bus.nc.subscribe(preempt.SUBJECT, cb=self._on_preempt)
         self._fetching = asyncio.create_task(self.fetcher.loop(), name="worker-dispatch")
-        self._loops = [self._fetching, asyncio.create_task(self.heartbeat.loop(), name="worker-heartbeat")]
+        self._loops = [self._fetching, asyncio.create_task(self.heartbeat.loop(), name="worker-heartbeat"),
+                       asyncio.create_task(self.live.loop(), name="worker-live-progress")]
         self._gauges()
         log.info(
             "worker started",

@@ -59,6 +59,7 @@ class Run:
     steps_done: int = 0
     total_steps: int = 0
     written: int = 0  # the progress last sent (the claim wrote 0)
+    published_step: int = 0  # the step last published live (live.py)
     last_write: float = field(default_factory=time.monotonic)  # when it was sent (monotonic)
     writing: asyncio.Event | None = None  # set once the beat statement carrying its latest progress has ended
     started: float = field(default_factory=time.monotonic)
@@ -140,8 +141,9 @@ class Run:
 
 
 class Attempts:
-    """Runs claimed attempts (the input image read, the device phase on a device, then the CPU phase), tells
-    `progressed` when one has new progress to write, and stops one whose row says it should."""
+    """Runs claimed attempts (the input image read, the device phase on a device, then the CPU phase), tells `stepped`
+    of each step (sent live) and `progressed` when one has new progress to write, and stops one whose row says it
+    should."""
 
     def __init__(
         self,
@@ -153,6 +155,7 @@ class Attempts:
         encoders: concurrent.futures.Executor,
         progressed: Callable[[], None],
         inputs: results.ResultStore,
+        stepped: Callable[[Run], None] = lambda _run: None,
         bus: busmod.Bus | None = None,
         kept: Callable[[resume.Kept], None] = lambda _kept: None,
     ) -> None:
@@ -164,6 +167,7 @@ class Attempts:
         self.devices = devices
         self.encoders = encoders
         self._progressed = progressed  # the heartbeat writes it, coalesced, batched with the other runs' (lease.py)
+        self._stepped = stepped  # each step goes out live, coalesced to the newest (live.py)
         self._kept = kept  # each checkpoint recorded (TestSignals.checkpointed)
 
     def checkpoints(self, run: Run) -> checkpoint.Policy | None:
@@ -304,6 +308,7 @@ class Attempts:
 
         def published(chars: int) -> None:
             run.steps_done, run.total_steps = len(detok.tokens), sampling.max_new_tokens
+            self._stepped(run)
             if run.progress_pending():
                 self._progressed()
 
@@ -335,6 +340,7 @@ class Attempts:
 
         def published(chars: int) -> None:
             run.steps_done, run.total_steps = min(deltas, limit), limit
+            self._stepped(run)
             if run.progress_pending():
                 self._progressed()
 
@@ -406,6 +412,7 @@ class Attempts:
 
     def _on_step(self, run: Run, step: int, total: int) -> None:
         run.steps_done, run.total_steps = step, total
+        self._stepped(run)
         if run.progress_pending():
             self._progressed()
 

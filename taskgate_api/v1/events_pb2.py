@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from taskgate_api.v1 import task_pb2 as taskgate_dot_v1_dot_task__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18taskgate/v1/events.proto\x12\x0btaskgate.v1\x1a\x16taskgate/v1/task.proto\"q\n\x10WatchTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x03\x12\x16\n\x0einclude_output\x18\x03 \x01(\x08\x12\x1d\n\x15\x61\x66ter_output_sequence\x18\x04 \x01(\x03\"\x0b\n\tKeepAlive\"\xc4\x01\n\x11WatchTaskResponse\x12%\n\x08snapshot\x18\x01 \x01(\x0b\x32\x11.taskgate.v1.TaskH\x00\x12\'\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x16.taskgate.v1.TaskEventH\x00\x12+\n\tkeepalive\x18\x03 \x01(\x0b\x32\x16.taskgate.v1.KeepAliveH\x00\x12*\n\x06output\x18\x04 \x01(\x0b\x32\x18.taskgate.v1.OutputChunkH\x00\x42\x06\n\x04kind\"N\n\x11WatchTasksRequest\x12)\n\x08statuses\x18\x01 \x03(\x0e\x32\x17.taskgate.v1.TaskStatus\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\t\"\x82\x01\n\x12WatchTasksResponse\x12\'\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.taskgate.v1.TaskEventH\x00\x12+\n\tkeepalive\x18\x02 \x01(\x0b\x32\x16.taskgate.v1.KeepAliveH\x00\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\tB\x06\n\x04kind2\xab\x01\n\nTaskEvents\x12L\n\tWatchTask\x12\x1d.taskgate.v1.WatchTaskRequest\x1a\x1e.taskgate.v1.WatchTaskResponse0\x01\x12O\n\nWatchTasks\x12\x1e.taskgate.v1.WatchTasksRequest\x1a\x1f.taskgate.v1.WatchTasksResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18taskgate/v1/events.proto\x12\x0btaskgate.v1\x1a\x16taskgate/v1/task.proto\"q\n\x10WatchTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x03\x12\x16\n\x0einclude_output\x18\x03 \x01(\x08\x12\x1d\n\x15\x61\x66ter_output_sequence\x18\x04 \x01(\x03\"\x0b\n\tKeepAlive\"\xf3\x01\n\x11WatchTaskResponse\x12%\n\x08snapshot\x18\x01 \x01(\x0b\x32\x11.taskgate.v1.TaskH\x00\x12\'\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x16.taskgate.v1.TaskEventH\x00\x12+\n\tkeepalive\x18\x03 \x01(\x0b\x32\x16.taskgate.v1.KeepAliveH\x00\x12*\n\x06output\x18\x04 \x01(\x0b\x32\x18.taskgate.v1.OutputChunkH\x00\x12-\n\x08progress\x18\x05 \x01(\x0b\x32\x19.taskgate.v1.TaskProgressH\x00\x42\x06\n\x04kind\"N\n\x11WatchTasksRequest\x12)\n\x08statuses\x18\x01 \x03(\x0e\x32\x17.taskgate.v1.TaskStatus\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\t\"\x82\x01\n\x12WatchTasksResponse\x12\'\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.taskgate.v1.TaskEventH\x00\x12+\n\tkeepalive\x18\x02 \x01(\x0b\x32\x16.taskgate.v1.KeepAliveH\x00\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\tB\x06\n\x04kind2\xab\x01\n\nTaskEvents\x12L\n\tWatchTask\x12\x1d.taskgate.v1.WatchTaskRequest\x1a\x1e.taskgate.v1.WatchTaskResponse0\x01\x12O\n\nWatchTasks\x12\x1e.taskgate.v1.WatchTasksRequest\x1a\x1f.taskgate.v1.WatchTasksResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,11 +37,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KEEPALIVE']._serialized_start=180
   _globals['_KEEPALIVE']._serialized_end=191
   _globals['_WATCHTASKRESPONSE']._serialized_start=194
-  _globals['_WATCHTASKRESPONSE']._serialized_end=390
-  _globals['_WATCHTASKSREQUEST']._serialized_start=392
-  _globals['_WATCHTASKSREQUEST']._serialized_end=470
-  _globals['_WATCHTASKSRESPONSE']._serialized_start=473
-  _globals['_WATCHTASKSRESPONSE']._serialized_end=603
-  _globals['_TASKEVENTS']._serialized_start=606
-  _globals['_TASKEVENTS']._serialized_end=777
+  _globals['_WATCHTASKRESPONSE']._serialized_end=437
+  _globals['_WATCHTASKSREQUEST']._serialized_start=439
+  _globals['_WATCHTASKSREQUEST']._serialized_end=517
+  _globals['_WATCHTASKSRESPONSE']._serialized_start=520
+  _globals['_WATCHTASKSRESPONSE']._serialized_end=650
+  _globals['_TASKEVENTS']._serialized_start=653
+  _globals['_TASKEVENTS']._serialized_end=824
 # @@protoc_insertion_point(module_scope)

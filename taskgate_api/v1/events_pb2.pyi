@@ -73,6 +73,7 @@ class WatchTaskResponse(_message.Message):
     EVENT_FIELD_NUMBER: _builtins.int
     KEEPALIVE_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def snapshot(self) -> _task_pb2.Task: ...
     @_builtins.property
@@ -83,6 +84,10 @@ class WatchTaskResponse(_message.Message):
     def output(self) -> _task_pb2.OutputChunk:
         """only when include_output was asked"""
 
+    @_builtins.property
+    def progress(self) -> _task_pb2.TaskProgress:
+        """live while it runs: each step's progress, newest only (not an event)"""
+
     def __init__(
         self,
         *,
@@ -90,12 +95,13 @@ class WatchTaskResponse(_message.Message):
         event: _task_pb2.TaskEvent | None = ...,
         keepalive: Global___KeepAlive | None = ...,
         output: _task_pb2.OutputChunk | None = ...,
+        progress: _task_pb2.TaskProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "output", b"output", "snapshot", b"snapshot"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "output", b"output", "progress", b"progress", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "output", b"output", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive", b"keepalive", "kind", b"kind", "output", b"output", "progress", b"progress", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["snapshot", "event", "keepalive", "output"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["snapshot", "event", "keepalive", "output", "progress"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -780,6 +780,52 @@ class OutputChunk(_message.Message):
 Global___OutputChunk: _TypeAlias = OutputChunk  # noqa: Y015
 
 @_typing.final
+class TaskProgress(_message.Message):
+    """A running task's progress, live from its worker at each step (core NATS, taskgate/wire/progress.py): not an event
+    (no version, no history row, no webhook, not resumable); a lost one is superseded by the next. WatchTask sends it
+    while the task is PROCESSING in `attempt`; PostgreSQL keeps the newest every progress_interval_seconds (a `progress`
+    event, in the history and to webhooks).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    TOTAL_STEPS_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    attempt: _builtins.int
+    progress: _builtins.int
+    """percent, 0-99 (100 is the finished task's)"""
+    step: _builtins.int
+    """steps done in this attempt (a chat task: tokens generated)"""
+    total_steps: _builtins.int
+    """its steps in all (a chat task: its most output tokens)"""
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp:
+        """when the worker reached the step"""
+
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        progress: _builtins.int = ...,
+        step: _builtins.int = ...,
+        total_steps: _builtins.int = ...,
+        at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "attempt", b"attempt", "progress", b"progress", "step", b"step", "task_id", b"task_id", "total_steps", b"total_steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskProgress: _TypeAlias = TaskProgress  # noqa: Y015
+
+@_typing.final
 class CancelSignal(_message.Message):
     """Internal: core-NATS signal to the worker running a task."""
 

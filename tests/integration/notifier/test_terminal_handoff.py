@@ -8,13 +8,17 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
+
 from services.notifier.relay import TestSignals
 from taskgate import bus as busmod
+from taskgate import store
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate_api.v1 import events_pb2, task_pb2
-from tests.support.factories import sleepy_settings, submit
-from tests.support.notifier import events_stub, fast
+from tests.support.factories import insert_task, sleepy_settings, submit
+from tests.support.harness import bearer
+from tests.support.notifier import all_relayed, events_stub, fast
 
 TERMINAL = {task_pb2.TASK_STATUS_SUCCEEDED, task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_CANCELED}
 
@@ -76,3 +80,46 @@ async def test_with_the_relay_running_each_version_arrives_once(
         versions = [v for v, _ in seen]
         assert versions == sorted(set(versions)) and versions == list(range(versions[0], versions[-1] + 1)), seen
         assert seen[-1][1] == task_pb2.TASK_STATUS_SUCCEEDED
+
+
+BURST = 50
+
+
+async def test_a_burst_of_terminal_events_reaches_every_stream_while_the_streams_reads_hold_the_pool(
+    backends: Backends, settings: Settings, notifier_factory: Any, api_key: str
+) -> None:
+    """The streams benchmark: 10,000 WatchTask streams opening (each reads its row, its ETA, its history) hold every
+    connection of the notifier's pool with more reads queued, and a burst of 1,000 terminal events reached 314 (then
+    0) of its streams in 30 s: the relay's pass and the hints' reads waited in that queue, and each quiet stream sat in
+    its keep-alive's read of the table with its terminal event buffered behind it. Here the pool is held outright."""
+    pool = backends.pool
+    # a keep-alive period well inside the test: every stream is in its quiet check when the burst comes
+    tuned = fast(settings, db_pool_size=2, stream_keepalive_seconds=0.4)
+    notifier = await notifier_factory(tuned, own=True)
+    tasks = [await insert_task(pool) for _ in range(BURST)]
+    await all_relayed(pool)
+    received: dict[int, int] = {}
+    async with events_stub(notifier) as stub:
+        calls = {t.id: stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(t.id)), metadata=bearer(api_key)) for t in tasks}
+        for call in calls.values():
+            assert (await asyncio.wait_for(call.read(), 20)).WhichOneof("kind") == "snapshot"
+
+        async def until_terminal(task_id: int, call: Any) -> None:
+            while (item := await call.read()) is not grpc.aio.EOF:
+                if item.HasField("event") and item.event.to_status in TERMINAL:
+                    received[task_id] = item.event.version
+                    return
+
+        held = [await notifier.backends.pool.acquire() for _ in range(2)]  # the streams' reads hold every connection
+        try:
+            await asyncio.sleep(1.0)  # streams go quiet and ask the table (a keep-alive period is 0.4 s)
+            for task in tasks:
+                assert (await store.apply(pool, task.id, store.Cancel(store.CancelMode.HARD), actor="test")).applied
+            following = [asyncio.create_task(until_terminal(i, c)) for i, c in calls.items()]
+            await asyncio.wait(following, timeout=15)
+            for waiting in following:
+                waiting.cancel()
+        finally:
+            for conn in held:
+                await notifier.backends.pool.release(conn)
+    assert len(received) == BURST, f"{len(received)} of {BURST} streams got their terminal event"
