@@ -391,6 +391,10 @@ class Dashboard:
         self.settings = settings
         self.sessions = Sessions()
         self.env = dashboard_page.environment()
+        # the models whose runs make preview images (the registry is the services' common configuration)
+        self.env.globals["previews"] = frozenset(
+            m for m, spec in settings.models.items() if spec.preview_every_fraction > 0 or spec.preview_every_seconds > 0
+        )
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -399,6 +403,7 @@ class Dashboard:
             Route("/dashboard/login", self.to_page, methods=["GET"]),
             Route("/dashboard/logout", self.logout, methods=["POST"]),
             Route("/dashboard/state.json", self.state, methods=["GET"]),
+            Route("/dashboard/tasks/{task_id}/preview", self.preview, methods=["GET"]),
             Route("/dashboard/actions/{action}", self.action, methods=["POST"]),
         ]
 
@@ -551,6 +556,23 @@ class Dashboard:
             name: self.env.get_template(f"{name}.html").render(view=view, operator=session.operator) for name in dashboard_page.SECTIONS
         }
         return self._json({"sections": sections, "updated": dashboard_page.clock(view.at), "updated_at": dashboard_page.iso(view.at)})
+
+    async def preview(self, request: Request) -> Response:
+        """The newest preview image of a task (TaskAdmin.GetTaskPreview), for the running tasks' table; 404 without."""
+        _, session = self._session(request)
+        if session is None:
+            return self._json({"error": "not signed in"}, 401)
+        task_id = request.path_params["task_id"]
+        if not _is_task_id(task_id):
+            return self._json({"error": "not a task id"}, 404)
+        try:
+            got = await self.upstream.admin.GetTaskPreview(
+                admin_pb2.GetTaskPreviewRequest(task_id=task_id), metadata=self._metadata(session.key), timeout=self.upstream.timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            return self._json({"error": exc.details() or exc.code().name}, 404 if exc.code() is grpc.StatusCode.NOT_FOUND else 502)
+        return Response(got.data, media_type=got.content_type or "application/octet-stream",
+                        headers={"cache-control": "private, max-age=60", "x-content-type-options": "nosniff"})
 
     # -- actions -------------------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ STYLE = """
         --focus: #b45309; font: 14px/1.4 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg);
         background: var(--bg); }
 body { margin: 0; }
+img.preview { display: block; max-height: 3rem; max-width: 16rem; }
 .skip { position: absolute; left: -999px; top: 0; }
 .skip:focus { left: 0.5rem; top: 0.5rem; background: var(--bg); padding: 0.5rem; z-index: 2; }
 header { display: flex; gap: 1rem; align-items: center; justify-content: space-between; padding: 0.5rem 1rem;
@@ -302,14 +303,16 @@ _SECTION_TEMPLATES = {
 <caption>Tasks PROCESSING, by worker{% if view.running_more %} (the first {{ view.running_tasks|length }}){% endif %}</caption>
 <thead><tr><th scope="col">Task</th><th scope="col">Worker</th><th scope="col">Tenant</th><th scope="col">Model</th>
 <th scope="col" class="num">Attempt</th><th scope="col">Progress</th><th scope="col">Started</th>
-<th scope="col">Prompt</th></tr></thead>
+<th scope="col">Prompt</th><th scope="col">Preview</th></tr></thead>
 <tbody>
 {% for t in view.running_tasks %}<tr id="task-{{ t.id }}" data-task-id="{{ t.id }}" data-status="{{ t.status }}">
 <th scope="row"><code>{{ t.id }}</code>{{ replay_of(t) }}</th><td><code>{{ t.worker or "—" }}</code></td>
 <td>{{ t.tenant }}</td><td>{{ t.model }}</td><td class="num">{{ t.attempt }}</td>
 <td><progress max="100" value="{{ t.progress }}" aria-label="Progress of task {{ t.id }}"></progress> {{ t.progress }}%</td>
-<td>{{ when(t.started) }}</td><td class="wrap">{{ t.prompt|clip(80) }}</td></tr>
-{% else %}<tr><td colspan="8" class="empty">No task is running.</td></tr>{% endfor %}
+<td>{{ when(t.started) }}</td><td class="wrap">{{ t.prompt|clip(80) }}</td>
+<td>{% if t.model in previews and t.progress > 0 %}<img class="preview" src="/dashboard/tasks/{{ t.id }}/preview?at={{ t.progress }}"
+ alt="Newest preview of task {{ t.id }}" loading="lazy">{% else %}—{% endif %}</td></tr>
+{% else %}<tr><td colspan="9" class="empty">No task is running.</td></tr>{% endfor %}
 </tbody></table></div>""",
     "waiting.html": """<div class="scroll"><table>
 <caption>CREATED and QUEUED tasks, least recently updated first
@@ -424,5 +427,5 @@ def environment() -> Environment:
         lstrip_blocks=True,
     )
     env.filters.update(iso=iso, clock=clock, clip=_clip)
-    env.globals.update(style=STYLE, script=SCRIPT)  # constants of this module, marked safe where the page uses them
+    env.globals.update(style=STYLE, script=SCRIPT, previews=frozenset())  # constants of this module, marked safe where the page uses them
     return env

@@ -17,7 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.scheduler.requeue import REPLAYABLE, Item, Requeuer
 from services.scheduler.scans import Action, Retention, RetentionScan, TaskScan, count
-from taskgate import auth, errors, ids, paging, store, text
+from taskgate import auth, errors, ids, output, paging, results, store, text
 from taskgate import bus as busmod
 from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator
 from taskgate.config import Settings
@@ -357,6 +357,21 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             if k.expires_at is not None:
                 info.expires_at.CopyFrom(timestamp(k.expires_at))
         return response
+
+    async def GetTaskPreview(
+        self, request: admin_pb2.GetTaskPreviewRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetTaskPreviewResponse:
+        """The newest stored preview image of a task (one named but not stored yet, or gone, gives way to the one
+        before it)."""
+        await self.auth.admin(context, scope=auth.READ)
+        task_id = ids.require(request.task_id)
+        for uri in reversed(await admin_store.task_previews(self.pool, task_id)):
+            try:
+                data = b"".join([part async for part in self.retention.outputs.read(uri)])
+            except results.ResultNotFound:
+                continue
+            return admin_pb2.GetTaskPreviewResponse(uri=uri, content_type=output.preview_type(uri), data=data)
+        raise errors.not_found("preview")
 
     async def GetUsage(self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext) -> admin_pb2.GetUsageResponse:
         """Metered seconds per tenant and model (per hour when asked) over a range of hours, from usage_hour."""

@@ -68,6 +68,11 @@ class DeadLetter:
     replayed_at: datetime | None = None
 
 
+async def task_previews(db: Conn, task_id: int) -> list[str]:
+    """A task's preview images as its attempts named them, the newest last (empty: none, or no such task)."""
+    return list(await db.fetchval(sql.query("admin_task_previews"), task_id) or [])
+
+
 async def _state_counts(db: Conn, query: str) -> list[StateCount]:
     return [StateCount(r["model_id"], Status(r["status"]), r["n"]) for r in await db.fetch(sql.query(query))]
 

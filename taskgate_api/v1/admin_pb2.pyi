@@ -22,6 +22,52 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class GetTaskPreviewRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTaskPreviewRequest: _TypeAlias = GetTaskPreviewRequest  # noqa: Y015
+
+@_typing.final
+class GetTaskPreviewResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URI_FIELD_NUMBER: _builtins.int
+    CONTENT_TYPE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    uri: _builtins.str
+    """as the task's OUTPUT_KIND_PREVIEW chunk names it"""
+    content_type: _builtins.str
+    data: _builtins.bytes
+    """a small image: previews are thumbnails (preview_size px a frame)"""
+    def __init__(
+        self,
+        *,
+        uri: _builtins.str = ...,
+        content_type: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "data", b"data", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTaskPreviewResponse: _TypeAlias = GetTaskPreviewResponse  # noqa: Y015
+
+@_typing.final
 class GetStatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -105,6 +105,11 @@ class TaskAdminStub:
                 request_serializer=taskgate_dot_v1_dot_admin__pb2.ListAuditEventsRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_admin__pb2.ListAuditEventsResponse.FromString,
                 _registered_method=True)
+        self.GetTaskPreview = channel.unary_unary(
+                '/taskgate.v1.TaskAdmin/GetTaskPreview',
+                request_serializer=taskgate_dot_v1_dot_admin__pb2.GetTaskPreviewRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_admin__pb2.GetTaskPreviewResponse.FromString,
+                _registered_method=True)
 
 
 class TaskAdminServicer:
@@ -206,6 +211,14 @@ class TaskAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTaskPreview(self, request, context):
+        """The newest preview image of a task's video (any tenant's; the dashboard shows a running task's); NOT_FOUND when
+        it has none (its model makes none, none yet, or retention deleted them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TaskAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -278,6 +291,11 @@ def add_TaskAdminServicer_to_server(servicer, server):
                     servicer.ListAuditEvents,
                     request_deserializer=taskgate_dot_v1_dot_admin__pb2.ListAuditEventsRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_admin__pb2.ListAuditEventsResponse.SerializeToString,
+            ),
+            'GetTaskPreview': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTaskPreview,
+                    request_deserializer=taskgate_dot_v1_dot_admin__pb2.GetTaskPreviewRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_admin__pb2.GetTaskPreviewResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -659,6 +677,33 @@ class TaskAdmin:
             '/taskgate.v1.TaskAdmin/ListAuditEvents',
             taskgate_dot_v1_dot_admin__pb2.ListAuditEventsRequest.SerializeToString,
             taskgate_dot_v1_dot_admin__pb2.ListAuditEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTaskPreview(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taskgate.v1.TaskAdmin/GetTaskPreview',
+            taskgate_dot_v1_dot_admin__pb2.GetTaskPreviewRequest.SerializeToString,
+            taskgate_dot_v1_dot_admin__pb2.GetTaskPreviewResponse.FromString,
             options,
             channel_credentials,
             insecure,

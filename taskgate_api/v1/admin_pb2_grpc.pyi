@@ -60,6 +60,10 @@ class TaskAdminStub:
     """
     ListAuditEvents: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListAuditEventsRequest, _admin_pb2.ListAuditEventsResponse]
     """What admins did (who, what, on what, when, dry run or not), newest first: every acting call, recorded as asked."""
+    GetTaskPreview: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetTaskPreviewRequest, _admin_pb2.GetTaskPreviewResponse]
+    """The newest preview image of a task's video (any tenant's; the dashboard shows a running task's); NOT_FOUND when
+    it has none (its model makes none, none yet, or retention deleted them).
+    """
 
 @_typing.type_check_only
 class TaskAdminAsyncStub(TaskAdminStub):
@@ -93,6 +97,10 @@ class TaskAdminAsyncStub(TaskAdminStub):
     """
     ListAuditEvents: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListAuditEventsRequest, _admin_pb2.ListAuditEventsResponse]  # type: ignore[assignment]
     """What admins did (who, what, on what, when, dry run or not), newest first: every acting call, recorded as asked."""
+    GetTaskPreview: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetTaskPreviewRequest, _admin_pb2.GetTaskPreviewResponse]  # type: ignore[assignment]
+    """The newest preview image of a task's video (any tenant's; the dashboard shows a running task's); NOT_FOUND when
+    it has none (its model makes none, none yet, or retention deleted them).
+    """
 
 class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
     """Operators' API (scheduler). Requires an admin key."""
@@ -207,5 +215,15 @@ class TaskAdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ListAuditEventsResponse, _abc.Awaitable[_admin_pb2.ListAuditEventsResponse]]:
         """What admins did (who, what, on what, when, dry run or not), newest first: every acting call, recorded as asked."""
+
+    @_abc_1.abstractmethod
+    def GetTaskPreview(
+        self,
+        request: _admin_pb2.GetTaskPreviewRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetTaskPreviewResponse, _abc.Awaitable[_admin_pb2.GetTaskPreviewResponse]]:
+        """The newest preview image of a task's video (any tenant's; the dashboard shows a running task's); NOT_FOUND when
+        it has none (its model makes none, none yet, or retention deleted them).
+        """
 
 def add_TaskAdminServicer_to_server(servicer: TaskAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

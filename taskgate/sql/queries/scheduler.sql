@@ -430,3 +430,7 @@ UPDATE task t SET preempted_at = COALESCE($1::timestamptz, now())
 FROM victim v
 WHERE t.id = v.id AND t.status = 'PROCESSING'
 RETURNING t.id, t.attempt, t.model_id, t.trace_context;
+
+-- name: admin_task_previews
+-- A task's preview images, oldest first (the newest last), as its attempts named them. $1 task id.
+SELECT preview_uris FROM task WHERE id = $1;

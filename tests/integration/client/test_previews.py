@@ -12,7 +12,7 @@ import re
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -23,6 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
+from services.http.dashboard import Dashboard
 from services.scheduler.scans import Action, Retention
 from services.worker import partial
 from services.worker.inference import GenerationRequest, LoadOptions, VideoPipeline
@@ -247,6 +248,21 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
         assert all(p.data is not None and image_of(p.data)[0] == "WEBP" for p in got)
         assert [line.text async for line in sdk.logs(task_id)] == lines
 
+    # the dashboard: the newest preview of a task (the running table shows it for a model that makes previews)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as web:
+        assert (await web.get(f"/dashboard/tasks/{task_id}/preview")).status_code == 401  # no session
+        assert (await web.post("/dashboard/login", data={"key": stack.admin_key})).status_code == 303
+        newest = await web.get(f"/dashboard/tasks/{task_id}/preview")
+        assert newest.status_code == 200 and newest.headers["content-type"] == "image/webp"
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.submit.port}") as channel:
+            last = b"".join([c.data async for c in gateway_pb2_grpc.TaskGatewayStub(channel).GetTaskResult(
+                gateway_pb2.GetTaskResultRequest(task_id=task_id, preview_uri=previews[-1].uri), metadata=md)])
+        assert newest.content == last
+        assert (await web.get("/dashboard/tasks/1/preview")).status_code == 404
+        page = Dashboard(cast(Any, None), stack.settings)  # its templates, as the service renders them
+        rendered = page.env.get_template("running.html").render(view=_running_view(task_id), operator=True)
+        assert f'src="/dashboard/tasks/{task_id}/preview?at=40"' in rendered and f"Newest preview of task {task_id}" in rendered
+
     # retention: the previews go with the task's output (each named on the row before it was stored)
     named = await backends.pool.fetchval("SELECT preview_uris FROM task WHERE id = $1", int(task_id))
     assert sorted(named) == sorted(p.uri for p in previews)
@@ -279,6 +295,16 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
         assert all(" attempt 1: " in line for line in printed)
     as_json = await cli("logs", task_id, "--json")
     assert [json.loads(line)["text"] for line in as_json.out.splitlines()] == lines
+
+
+def _running_view(task_id: str) -> Any:
+    from types import SimpleNamespace
+
+    from services.http.dashboard import TaskLine
+
+    line = TaskLine(id=task_id, tenant="tenant-a", model=MODEL, status="PROCESSING", priority="NORMAL", prompt="a fox", progress=40,
+                    attempt=1, worker="w", error_code="", error_message="", replay_of="", updated=None, started=None, finished=None)
+    return SimpleNamespace(running_tasks=[line], running_more=False, replays={})
 
 
 def _hours_later() -> datetime:
