@@ -714,6 +714,8 @@ class FakeTaskgate:
     async def _result(self, request: gateway_pb2.GetTaskResultRequest) -> AsyncIterator[gateway_pb2.ResultChunk]:
         self._injected("GetTaskResult")
         entry = self._entry(request.task_id)
+        if request.preview_uri:  # the fake makes no preview images: none of them is found
+            raise _not_found("preview")
         status = Status.from_proto(entry.task.status)
         if status is not Status.SUCCEEDED:
             raise rpc_error(

@@ -115,28 +115,32 @@ def encode_image(frames: Any, size: int, fmt: str, aspect: tuple[int, int]) -> t
 
 
 class Every:
-    """When a run's next preview is due: every `fraction` of its steps, or every `seconds` of its denoising."""
+    """When a run's next preview is due: every `fraction` of its steps, or every `seconds` of its denoising (counted
+    from its first step's end: a wait for a device or the prompt's encoding is no denoising)."""
 
-    def __init__(self, fraction: float, seconds: float, start_step: int = 0) -> None:
+    def __init__(self, fraction: float, seconds: float, start_step: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self.fraction = fraction
         self.seconds = seconds
+        self._clock = clock
         self._last_step = start_step
-        self._since = time.monotonic()
+        self._since: float | None = None
 
     @property
     def enabled(self) -> bool:
         return self.fraction > 0 or self.seconds > 0
 
     def due(self, step: int, total: int) -> bool:
+        if self._since is None:
+            self._since = self._clock()
         if step >= total or step <= self._last_step:
             return False  # the last step's picture is the video itself
         by_steps = self.fraction > 0 and step - self._last_step >= max(1, math.floor(total * self.fraction))
-        by_time = self.seconds > 0 and time.monotonic() - self._since >= self.seconds
+        by_time = self.seconds > 0 and self._clock() - self._since >= self.seconds
         return by_steps or by_time
 
     def taken(self, step: int) -> None:
         self._last_step = step
-        self._since = time.monotonic()
+        self._since = self._clock()
 
 
 @dataclass(frozen=True, slots=True)

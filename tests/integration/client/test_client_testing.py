@@ -294,6 +294,15 @@ async def test_tasks_run_when_followed_and_are_deterministic(tmp_path: Path) -> 
     assert (tmp_path / "0.mp4").read_bytes() == (tmp_path / "1.mp4").read_bytes()
 
 
+async def test_the_fake_makes_no_previews_and_finds_none(tmp_path: Path) -> None:
+    async with FakeAsyncTaskgateClient() as client:
+        done = await client.run("a red fox", output=tmp_path / "fox.mp4")
+        assert [p async for p in client.previews(done.task_id)] == []
+        assert [line async for line in client.logs(done.task_id)] == []
+        with pytest.raises(NotFound):  # not the video in place of a preview
+            await client.preview_bytes(done.task_id, "file:///previews/1-a1-s3.webp")
+
+
 async def test_outcomes_by_function_and_timeout(tmp_path: Path) -> None:
     def script(task: Task) -> Fail | TimeOut | None:
         if "gore" in task.prompt:
