@@ -45,6 +45,7 @@ from taskgate_client.types import (
     ChatOptions,
     ImageSource,
     InputImage,
+    InputText,
     Status,
     SubmitItem,
     SubmitOptions,
@@ -189,7 +190,10 @@ def chat_request(
     if system is not None:
         turns.insert(0, {"role": "system", "content": system})
     params = task_pb2.ChatParams(
-        messages=[task_pb2.ChatMessage(role=t.get("role", ""), content=t.get("content", "")) for t in turns],
+        messages=[
+            task_pb2.ChatMessage(role=t.get("role", ""), content=t.get("content", ""), content_sha256=t.get("content_sha256", ""))
+            for t in turns
+        ],
         stop=list(stop),
     )
     for name, value in (("max_output_tokens", max_output_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed)):
@@ -480,6 +484,29 @@ class AsyncTaskgateClient:
             lambda: self._gateway.UploadInput(parts(), metadata=self.metadata, timeout=self.config.call_timeout)
         )
         return InputImage.from_proto(response.image)
+
+    async def upload_text(self, text: str | bytes | os.PathLike[str]) -> InputText:
+        """Stores a text attachment for chat tasks (a str, UTF-8 bytes, or a file's path) with UploadInput, in parts;
+        a chat message names it by the returned sha256 (`content_sha256`), and the gateway appends its text to the
+        message's content when it admits the task (counted like inline text)."""
+        if isinstance(text, str):
+            data = text.encode("utf-8")
+        elif isinstance(text, bytes):
+            data = text
+        else:
+            data = await asyncio.to_thread(Path(text).read_bytes)
+
+        async def parts() -> AsyncIterator[gateway_pb2.UploadInputRequest]:
+            for offset in range(0, max(len(data), 1), UPLOAD_PART):
+                part = gateway_pb2.UploadInputRequest(data=data[offset : offset + UPLOAD_PART])
+                if offset == 0:
+                    part.content_type = "text/plain"
+                yield part
+
+        response = await self._call(
+            lambda: self._gateway.UploadInput(parts(), metadata=self.metadata, timeout=self.config.call_timeout)
+        )
+        return InputText.from_proto(response.text)
 
     async def _image_input(self, image: ImageSource | None) -> gateway_pb2.ImageInput | None:
         """The wire form of a submit's image: the URL, the bytes inline, or a reference to their upload."""

@@ -24,6 +24,7 @@ from taskgate_client.types import (
     ChatOptions,
     ImageSource,
     InputImage,
+    InputText,
     SubmitItem,
     SubmitOptions,
     Task,
@@ -139,6 +140,10 @@ class TaskgateClient:
     def upload_input(self, image: ImageSource) -> InputImage:
         """Stores an input image for later submissions; see AsyncTaskgateClient.upload_input."""
         return self._runner.run(self._client.upload_input(image))
+
+    def upload_text(self, text: str | bytes | os.PathLike[str]) -> InputText:
+        """Stores a chat text attachment; see AsyncTaskgateClient.upload_text."""
+        return self._runner.run(self._client.upload_text(text))
 
     def submit_many(
         self,

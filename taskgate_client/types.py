@@ -44,6 +44,7 @@ class SubmitOptions(TypedDict, total=False):
 
 CHAT = "chat"  # the task type of text generation
 ChatInput = str | Sequence[Mapping[str, str]]  # one user message, or the conversation's {"role", "content"} dicts
+# (a dict may name an uploaded text attachment as "content_sha256": the gateway appends its text to the content)
 
 
 class ChatOptions(TypedDict, total=False):
@@ -178,6 +179,20 @@ class InputImage:
 
     def to_dict(self) -> dict[str, object]:
         return {"sha256": self.sha256, "width": self.width, "height": self.height, "size_bytes": self.size_bytes}
+
+
+@dataclass(frozen=True, slots=True)
+class InputText:
+    """A text attachment as the gateway stored it (UploadInput, text/plain): a chat message names it by sha256
+    (`{"role": "user", "content": "...", "content_sha256": t.sha256}`) and the gateway appends its text."""
+
+    sha256: str
+    size_bytes: int
+    chars: int
+
+    @classmethod
+    def from_proto(cls, msg: task_pb2.InputText) -> InputText:
+        return cls(msg.sha256, msg.size_bytes, msg.chars)
 
 
 @dataclass(frozen=True, slots=True)

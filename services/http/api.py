@@ -387,12 +387,17 @@ class Api:
 
     @_answering
     async def upload(self, request: Request) -> Response:
-        """An input image as the request body, streamed to UploadInput in parts."""
-        cap = self.settings.input_max_bytes
+        """An input image (or, with Content-Type text/plain, a chat text attachment) as the request body, streamed to
+        UploadInput in parts."""
+        kind = request.headers.get("content-type", "")
+        is_text = kind.split(";", 1)[0].strip().lower() == "text/plain"
+        cap = 4 * self.settings.max_input_chars if is_text else self.settings.input_max_bytes
 
         async def parts() -> AsyncIterator[gateway_pb2.UploadInputRequest]:
             sent = 0
             pending = bytearray()
+            if is_text:  # the first part says what the file is; an image's type is left to its bytes
+                yield gateway_pb2.UploadInputRequest(content_type="text/plain")
             async for chunk in request.stream():
                 pending += chunk
                 sent += len(chunk)

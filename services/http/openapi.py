@@ -267,11 +267,14 @@ def document() -> dict[str, Any]:
         },
         "/v1/inputs": {
             "put": {
-                "operationId": "UploadInput", "summary": "store an input image (the body: PNG, JPEG or WebP)",
+                "operationId": "UploadInput",
+                "summary": "store an input image (the body: PNG, JPEG or WebP) or, with Content-Type text/plain, a chat "
+                           "text attachment (UTF-8) that a chat message names by content_sha256",
                 "security": _AUTH,
                 "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string"}},
-                                                              "image/*": {"schema": {"type": "string"}}}},
-                "responses": {"201": _json(_ref("UploadInputResponse"), "the stored image: name it by sha256"), **_ERRORS},
+                                                              "image/*": {"schema": {"type": "string"}},
+                                                              "text/plain": {"schema": {"type": "string"}}}},
+                "responses": {"201": _json(_ref("UploadInputResponse"), "the stored input: name it by sha256"), **_ERRORS},
             }
         },
         "/v1/webhook-secret:rotate": {

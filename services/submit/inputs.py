@@ -1,5 +1,6 @@
 """Input images of image-to-video requests: taken inline, fetched from a URL or named by an upload; checked before
-anything is queued, then recorded and stored under their content hash.
+anything is queued, then recorded and stored under their content hash. Text attachments of chat tasks: uploaded
+(UTF-8, content type text/plain), recorded and stored the same way, and read back when a chat message names one.
 
 A request's image is resolved in two steps: `check` (decode, limits, ownership of an upload: every refusal names
 its field, nothing is written) and, once the whole request is valid, `keep` (the row, then the object, so a
@@ -9,6 +10,7 @@ concurrent retention pass cannot delete the object of a row it did not see).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator
@@ -16,15 +18,16 @@ from dataclasses import dataclass
 
 import httpx
 
-from taskgate import errors, images, netguard
+from taskgate import errors, images, netguard, text
 from taskgate.config import ModelSpec, Settings
-from taskgate.results import ResultStore
+from taskgate.results import ResultNotFound, ResultStore
 from taskgate.store import inputs as input_store
-from taskgate.store.inputs import StoredInput
+from taskgate.store.inputs import StoredInput, StoredText
 from taskgate.store.pool import Conn
 from taskgate_api.v1 import gateway_pb2, task_pb2
 
 USER_AGENT = "taskgate-inputs/1"
+TEXT = "text/plain"  # UploadInputRequest.content_type of a text attachment
 _SHA256_CHARS = frozenset("0123456789abcdef")
 
 
@@ -182,14 +185,75 @@ class InputImages:
         await self._store.put(new.name, new.png, images.CONTENT_TYPE)
         return row
 
-    async def upload(self, tenant: str, parts: AsyncIterator[gateway_pb2.UploadInputRequest], *, within: float) -> task_pb2.InputImage:
-        """An UploadInput stream's image, checked against the upload limits, recorded and stored."""
+    async def upload(
+        self, tenant: str, parts: AsyncIterator[gateway_pb2.UploadInputRequest], *, within: float
+    ) -> gateway_pb2.UploadInputResponse:
+        """An UploadInput stream's image (checked against the upload limits) or text attachment (the first part's
+        content_type text/plain), recorded and stored."""
         limits = _limits(self._settings, None)
         received = bytearray()
+        kind: str | None = None
+        cap = limits.max_bytes
         async for part in parts:
+            if kind is None:
+                kind = part.content_type.split(";", 1)[0].strip().lower()
+                if kind == TEXT:
+                    cap = 4 * self._settings.max_input_chars  # UTF-8 takes at most 4 bytes a character
+                elif kind and not kind.startswith("image/"):
+                    raise errors.invalid_argument([("content_type", f"must be an image type or {TEXT}")])
             received += part.data
-            if len(received) > limits.max_bytes:
-                raise errors.invalid_argument([("data", f"larger than {limits.max_bytes} bytes")])
+            if len(received) > cap:
+                raise errors.invalid_argument([("data", f"larger than {cap} bytes")])
+        if kind == TEXT:
+            return gateway_pb2.UploadInputResponse(text=await self._keep_text(tenant, bytes(received), within=within))
+        return gateway_pb2.UploadInputResponse(image=await self._upload_image(tenant, bytes(received), within=within))
+
+    async def _keep_text(self, tenant: str, data: bytes, *, within: float) -> task_pb2.InputText:
+        """A text attachment checked (UTF-8, storable, not empty, at most max_input_chars), recorded and stored."""
+        try:
+            decoded = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise errors.invalid_argument([("data", f"not UTF-8 text: {exc.reason} at byte {exc.start}")]) from None
+        bad: list[tuple[str, str]] = []
+        if not decoded:
+            bad.append(("data", "is empty"))
+        elif len(decoded) > self._settings.max_input_chars:
+            bad.append(("data", f"{len(decoded)} characters; at most {self._settings.max_input_chars}"))
+        text.check("data", [decoded], bad)
+        if bad:
+            raise errors.invalid_argument(bad)
+        sha256 = hashlib.sha256(data).hexdigest()
+        name = f"{images.PREFIX}{sha256}.txt"
+        kept = await input_store.keep_text(
+            self._pool, tenant, StoredText(sha256, self._store.uri_of(name), len(data), len(decoded)), within=within
+        )
+        if kept is None:
+            raise errors.invalid_argument([("data", "this tenant holds an input image of the same sha256")])
+        await self._store.put(name, data, f"{TEXT}; charset=utf-8")
+        return task_pb2.InputText(sha256=kept.sha256, size_bytes=kept.size_bytes, chars=kept.chars, content_type=TEXT)
+
+    async def text_of(self, tenant: str, sha256: str, field: str, bad: list[tuple[str, str]], *, within: float) -> str | None:
+        """The text of the tenant's attachment `sha256`, marked used now; None with the reason in `bad` (naming
+        `field`) when it has none (never uploaded, or expired)."""
+        if len(sha256) != 64 or not set(sha256) <= _SHA256_CHARS:
+            bad.append((field, "must be the 64 lower-case hex digits UploadInput answered with"))
+            return None
+        stored = await input_store.use_text(self._pool, tenant, sha256, within=within)
+        data = bytearray()
+        if stored is not None:
+            try:
+                async for chunk in self._store.read(stored.uri):
+                    data += chunk
+            except ResultNotFound:
+                stored = None
+        if stored is None:
+            bad.append((field, "names no text attachment of this tenant (never uploaded, or expired)"))
+            return None
+        return data.decode("utf-8")
+
+    async def _upload_image(self, tenant: str, received: bytes, *, within: float) -> task_pb2.InputImage:
+        """An uploaded image checked against the upload limits, recorded and stored."""
+        limits = _limits(self._settings, None)
         try:
             new = await self._budget.decode(bytes(received), limits)
         except images.ImageRefused as exc:

@@ -284,7 +284,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     async def UploadInput(
         self, request_iterator: AsyncIterator[gateway_pb2.UploadInputRequest], context: Context
     ) -> gateway_pb2.UploadInputResponse:
-        """Stores an input image sent in parts; its sha256 names it in a later submission of this tenant."""
+        """Stores an input image or a chat text attachment sent in parts; its sha256 names it in a later submission
+        of this tenant."""
         who = await self._principal(context)
         per_minute = who.submits_per_minute or self._settings.submits_per_minute
         [slot] = await submissions.take_rate_slots(
@@ -292,9 +293,10 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         )
         if slot.retry_after is not None:  # an upload counts as a submission: storing images is not free either
             raise rate_limited(per_minute, slot.retry_after)
-        image = await self.inputs.upload(who.tenant_id, request_iterator, within=self._budget(context))
-        log.info("input uploaded", extra={"sha256": image.sha256, "bytes": image.size_bytes})
-        return gateway_pb2.UploadInputResponse(image=image)
+        stored = await self.inputs.upload(who.tenant_id, request_iterator, within=self._budget(context))
+        what = stored.text if stored.HasField("text") else stored.image
+        log.info("input uploaded", extra={"sha256": what.sha256, "bytes": what.size_bytes})
+        return stored
 
     def _caller_deadline(self, context: Context) -> float | None:
         """The loop time by which this caller must hear back (None: it set no deadline), keeping the same margin as

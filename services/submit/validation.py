@@ -238,13 +238,36 @@ def _refuse_video_params(req: gateway_pb2.SubmitTaskRequest, bad: list[tuple[str
         bad.append((f"params.{field.name}", f"task_type {chat.TASK_TYPE} takes no video parameters; use chat"))
 
 
+async def _attachments(
+    tenant: str, req: gateway_pb2.SubmitTaskRequest, inputs: InputImages | None, bad: list[tuple[str, str]], *,
+    within: float,
+) -> dict[int, str]:
+    """The texts a chat request's messages name by content_sha256 (uploaded with UploadInput), by message index;
+    each one the tenant does not hold is a violation naming its field."""
+    named = [(i, m.content_sha256) for i, m in enumerate(req.chat.messages) if m.content_sha256]
+    if named and inputs is None:
+        bad.append((f"chat.messages[{named[0][0]}].content_sha256", "this gateway takes no text attachments"))
+        return {}
+    found = {}
+    for i, sha256 in named:
+        assert inputs is not None
+        got = await inputs.text_of(tenant, sha256, f"chat.messages[{i}].content_sha256", bad, within=within)
+        if got is not None:
+            found[i] = got
+    return found
+
+
 def _check_chat(
-    req: gateway_pb2.SubmitTaskRequest, spec: ModelSpec, settings: Settings, bad: list[tuple[str, str]]
+    req: gateway_pb2.SubmitTaskRequest, spec: ModelSpec, settings: Settings, bad: list[tuple[str, str]],
+    attached: dict[int, str] | None = None,
 ) -> dict[str, Any]:
     """A chat request's conversation and generation parameters, defaults filled from the model spec; each bad value
-    recorded. Text may hold any character PostgreSQL stores (documents and diffs carry tabs, CRs and form feeds)."""
+    recorded. Text may hold any character PostgreSQL stores (documents and diffs carry tabs, CRs and form feeds).
+    `attached`: the uploaded texts its messages name, by index, each appended to its message's content (after a
+    blank line when the content is not empty)."""
     c = req.chat
     messages: list[dict[str, str]] = []
+    attached = attached or {}
     if c.messages:
         if req.prompt:
             bad.append(("prompt", "give the prompt or chat.messages, not both"))
@@ -252,7 +275,10 @@ def _check_chat(
             if m.role not in chat.ROLES:
                 bad.append((f"chat.messages[{i}].role", f"must be one of {', '.join(chat.ROLES)}"))
             text.check(f"chat.messages[{i}].content", [m.content], bad)
-            messages.append({"role": m.role, "content": m.content})
+            content = m.content
+            if i in attached:
+                content = f"{content}\n\n{attached[i]}" if content else attached[i]
+            messages.append({"role": m.role, "content": content})
         if c.messages[-1].role != "user":
             bad.append((f"chat.messages[{len(c.messages) - 1}].role", "the last message must be the user's"))
         field = "chat.messages"
@@ -387,7 +413,11 @@ async def validate(
     else:
         if task_type not in spec.task_types:
             bad.append(("task_type", f"model {model_id} supports {', '.join(spec.task_types)}"))
-        params = _check_chat(req, spec, settings, bad) if is_chat else _check_params(req, spec, settings, bad)
+        if is_chat:
+            attached = await _attachments(tenant, req, inputs, bad, within=within)
+            params = _check_chat(req, spec, settings, bad, attached)
+        else:
+            params = _check_params(req, spec, settings, bad)
 
     priority = req.priority or Priority.NORMAL
     if priority not in Priority.ALL:

@@ -1525,12 +1525,21 @@ CREATE TABLE public.task_input (
     user_id text NOT NULL,
     sha256 text NOT NULL,
     uri text NOT NULL,
-    width integer NOT NULL,
-    height integer NOT NULL,
+    width integer,
+    height integer,
     size_bytes bigint NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     last_used_at timestamp with time zone DEFAULT now() NOT NULL,
+    content_type text DEFAULT 'image/png'::text NOT NULL,
+    chars bigint,
+    CONSTRAINT task_input_chars_check CHECK ((chars >= 0)),
+    CONSTRAINT task_input_content_type_check CHECK ((content_type = ANY (ARRAY['image/png'::text, 'text/plain'::text]))),
     CONSTRAINT task_input_height_check CHECK ((height > 0)),
+    CONSTRAINT task_input_kind CHECK (
+CASE content_type
+    WHEN 'image/png'::text THEN ((width IS NOT NULL) AND (height IS NOT NULL))
+    ELSE (chars IS NOT NULL)
+END),
     CONSTRAINT task_input_sha256_check CHECK ((sha256 ~ '^[0-9a-f]{64}$'::text)),
     CONSTRAINT task_input_size_bytes_check CHECK ((size_bytes > 0)),
     CONSTRAINT task_input_width_check CHECK ((width > 0))

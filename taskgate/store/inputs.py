@@ -1,4 +1,5 @@
-"""Input images of image-to-video requests: which tenant holds which stored image (the object is in the result store)."""
+"""Inputs a tenant uploaded: images of image-to-video requests and text attachments of chat tasks; which tenant holds
+which stored input (the object is in the result store)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,33 @@ async def use(db: Conn, tenant: str, sha256: str, *, within: float) -> StoredInp
     """The tenant's stored input of this sha256, marked used now; None when it has none."""
     rec = await db.fetchrow(sql.query("submit_use_input"), tenant, sha256, timeout=within)
     return None if rec is None else _stored(rec)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredText:
+    """A tenant's text attachment as recorded: the sha256 of its UTF-8 bytes, where the object is, its size in bytes
+    and its length in characters."""
+
+    sha256: str
+    uri: str
+    size_bytes: int
+    chars: int
+
+
+def _text(rec: Any) -> StoredText:
+    return StoredText(rec["sha256"], rec["uri"], rec["size_bytes"], rec["chars"])
+
+
+async def keep_text(db: Conn, tenant: str, text: StoredText, *, within: float) -> StoredText | None:
+    """Records the tenant's text attachment (or marks it used again); call before writing the object. None when the
+    tenant holds an image of that sha256 (no text and image share one)."""
+    rec = await db.fetchrow(
+        sql.query("submit_keep_text"), tenant, text.sha256, text.uri, text.size_bytes, text.chars, timeout=within
+    )
+    return None if rec is None else _text(rec)
+
+
+async def use_text(db: Conn, tenant: str, sha256: str, *, within: float) -> StoredText | None:
+    """The tenant's stored text attachment of this sha256, marked used now; None when it has none."""
+    rec = await db.fetchrow(sql.query("submit_use_text"), tenant, sha256, timeout=within)
+    return None if rec is None else _text(rec)

@@ -642,16 +642,22 @@ class UploadInputRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DATA_FIELD_NUMBER: _builtins.int
+    CONTENT_TYPE_FIELD_NUMBER: _builtins.int
     data: _builtins.bytes
     """the next part of the file, in order"""
+    content_type: _builtins.str
+    """What the file is (the first part's counts): "" or an image type for an input image; "text/plain" for a text
+    attachment of chat tasks (UTF-8).
+    """
     def __init__(
         self,
         *,
         data: _builtins.bytes = ...,
+        content_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "data", b"data"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -662,16 +668,24 @@ class UploadInputResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IMAGE_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def image(self) -> _task_pb2.InputImage: ...
+    def image(self) -> _task_pb2.InputImage:
+        """an image upload's"""
+
+    @_builtins.property
+    def text(self) -> _task_pb2.InputText:
+        """a text upload's"""
+
     def __init__(
         self,
         *,
         image: _task_pb2.InputImage | None = ...,
+        text: _task_pb2.InputText | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "text", b"text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["image", b"image"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -180,18 +180,24 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    CONTENT_SHA256_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"system", "user" or "assistant" """
     content: _builtins.str
+    content_sha256: _builtins.str
+    """A text the caller uploaded with UploadInput (content_type "text/plain"): the gateway appends it to `content`
+    (after a blank line when `content` is not empty) at admission, where it is counted like inline text.
+    """
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        content_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "content_sha256", b"content_sha256", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -336,11 +342,43 @@ class TaskResult(_message.Message):
 Global___TaskResult: _TypeAlias = TaskResult  # noqa: Y015
 
 @_typing.final
-class InputImage(_message.Message):
+class InputText(_message.Message):
     """An input image as the gateway stored it: a canonical RGB PNG (upright, metadata stripped) in the result store,
     named by its sha256, which is also what makes two requests the same.
+    A text attachment as UploadInput stored it: a chat message names it by sha256 (ChatMessage.content_sha256).
     """
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    CHARS_FIELD_NUMBER: _builtins.int
+    CONTENT_TYPE_FIELD_NUMBER: _builtins.int
+    sha256: _builtins.str
+    """of its UTF-8 bytes"""
+    size_bytes: _builtins.int
+    chars: _builtins.int
+    """its length in characters"""
+    content_type: _builtins.str
+    """"text/plain" """
+    def __init__(
+        self,
+        *,
+        sha256: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        chars: _builtins.int = ...,
+        content_type: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chars", b"chars", "content_type", b"content_type", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputText: _TypeAlias = InputText  # noqa: Y015
+
+@_typing.final
+class InputImage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SHA256_FIELD_NUMBER: _builtins.int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import sys
 from pathlib import Path
@@ -10,24 +11,32 @@ from pathlib import Path
 from taskgate_api.cli import EXIT_BY_STATUS, EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, Output
 from taskgate_client import AsyncTaskgateClient, Status, TaskFailed
 from taskgate_client.cli.output import print_task
+from taskgate_client.types import ChatInput
 
 
-def _message(args: argparse.Namespace) -> str:
-    """The user's message: the prompt, then the --file's text (a document, a diff; '-' reads stdin)."""
-    parts = [args.prompt] if args.prompt else []
-    if args.file is not None:
-        try:
-            parts.append(sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CliError(f"cannot read --file {args.file}: {exc}", EXIT_USAGE) from None
-    if not parts:
-        raise CliError("give a message (or --file doc.txt)", EXIT_USAGE)
-    return "\n\n".join(parts)
+def _read(file: str) -> bytes:
+    return sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
+
+
+async def _message(client: AsyncTaskgateClient, args: argparse.Namespace) -> ChatInput:
+    """The user's message: the prompt, then the --file's text (a document, a diff; '-' reads stdin), uploaded as a
+    text attachment that the gateway appends to the prompt after a blank line."""
+    if args.file is None:
+        if not args.prompt:
+            raise CliError("give a message (or --file doc.txt)", EXIT_USAGE)
+        return str(args.prompt)
+    try:
+        data = await asyncio.to_thread(_read, args.file)
+        data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read --file {args.file}: {exc}", EXIT_USAGE) from None
+    attached = await client.upload_text(data)
+    return [{"role": "user", "content": args.prompt or "", "content_sha256": attached.sha256}]
 
 
 async def cmd_chat(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
     task = await client.chat(
-        _message(args),
+        await _message(client, args),
         args.model,
         system=args.system,
         max_output_tokens=args.max_tokens,
@@ -73,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """`taskgate chat`'s arguments."""
     p.add_argument("prompt", nargs="?", help="your message")
     p.add_argument("--system", help="a system message before yours")
-    p.add_argument("--file", metavar="FILE", help="a text file (a document, a diff) appended to the message; '-' reads stdin")
+    p.add_argument("--file", metavar="FILE",
+                   help="a text file (a document, a diff) uploaded and appended to the message; '-' reads stdin")
     p.add_argument("--max-tokens", type=int, metavar="N", help="at most this many generated tokens")
     p.add_argument("--model", help="model id (default: the gateway's default chat model)")
     p.add_argument("--temperature", type=float)

@@ -91,9 +91,25 @@ ON CONFLICT (user_id, sha256) DO UPDATE SET last_used_at = now(), uri = EXCLUDED
 RETURNING *;
 
 -- name: submit_use_input
--- A tenant's stored input named by its sha256, marked used now; no row when the tenant has none of that name.
+-- A tenant's stored input image named by its sha256, marked used now; no row when the tenant has none of that name.
 -- $1 user, $2 sha256.
-UPDATE task_input SET last_used_at = now() WHERE user_id = $1 AND sha256 = $2
+UPDATE task_input SET last_used_at = now() WHERE user_id = $1 AND sha256 = $2 AND content_type = 'image/png'
+RETURNING *;
+
+-- name: submit_keep_text
+-- Records a tenant's text attachment (or marks it used again), before its object is written, under the input's
+-- advisory lock as submit_keep_input. $1 user, $2 sha256, $3 uri, $4 bytes, $5 characters.
+INSERT INTO task_input (user_id, sha256, uri, size_bytes, content_type, chars)
+SELECT $1, $2, $3, $4, 'text/plain', $5
+FROM (SELECT pg_advisory_xact_lock(hashtextextended('taskgate.input:' || $2, 0))) lock
+ON CONFLICT (user_id, sha256) DO UPDATE SET last_used_at = now(), uri = EXCLUDED.uri
+    WHERE task_input.content_type = 'text/plain'
+RETURNING *;
+
+-- name: submit_use_text
+-- A tenant's stored text attachment named by its sha256, marked used now; no row when the tenant has none of that
+-- name. $1 user, $2 sha256.
+UPDATE task_input SET last_used_at = now() WHERE user_id = $1 AND sha256 = $2 AND content_type = 'text/plain'
 RETURNING *;
 
 -- name: submit_task_by_key

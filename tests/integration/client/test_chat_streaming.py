@@ -4,6 +4,7 @@ resumed), over SSE and through the CLI, and the deltas put together equal the fi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 from collections.abc import AsyncIterator
@@ -144,5 +145,8 @@ async def test_a_chat_answer_streams_over_watch_task_sse_and_the_cli_equal_to_it
     assert ran.out == done.text.text + "\n"
     asked = [(m.role, m.content) for m in done.chat.messages] or [("user", done.prompt)]
     assert "fox jumped" in asked[-1][1] and asked[-1][1].startswith("Summarise this.")  # --file joins the message
+    uploaded = await backends.pool.fetch("SELECT sha256, chars FROM task_input WHERE content_type = 'text/plain'")
+    assert [(r["sha256"], r["chars"]) for r in uploaded] == [  # uploaded as a text attachment, not sent inline
+        (hashlib.sha256(b"The fox jumped over the fence.\n").hexdigest(), 31)]
     waited = await cli("chat", "Hello", "--model", MODEL, "--max-tokens", "10", "--seed", "1", "--wait")
     assert waited.code == 0 and waited.out.strip()
