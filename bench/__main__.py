@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench import bulk, fleet, history, latency, peers, profile, recovery, streams, throughput
+from bench import bulk, fleet, history, latency, llm, peers, profile, recovery, streams, throughput
 from bench.load import LoadResult
-from bench.stack import BenchStack, bench_settings
+from bench.stack import LLM_SEQUENCES, BenchStack, bench_settings
 from bench.stats import Report
 
 DEFAULT_OUT = Path("bench-results/latest.json")
-PHASES = ("submit", "bulk", "get", "fleet", "streams", "latency", "recovery", "history")
+PHASES = ("submit", "bulk", "get", "fleet", "streams", "latency", "recovery", "history", "llm")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -53,6 +53,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     streams_opts.add_argument("--streams-idle", type=float, default=0.0,
                               help="seconds of idle CPU measurement (0: one keep-alive period)")
     streams_opts.add_argument("--streams-burst", type=int, default=1_000, help="watched tasks cancelled at once at the end")
+    llm_opts = parser.add_argument_group("llm phase (chat tasks on the tiny causal LM, one worker, one model instance)")
+    llm_opts.add_argument("--llm-tokens", type=int, default=128, help="output tokens per task at most")
+    llm_opts.add_argument("--llm-rounds", type=int, default=2, help="rounds of 1, 4 and 16 tasks at once")
+    llm_opts.add_argument("--llm-ttft", type=int, default=20, help="tasks one at a time for the first-token latency")
+    llm_opts.add_argument("--llm-threads", type=int, default=1,
+                          help="torch intra-op threads, the worker's and this process's (README: why 1)")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy profiles of every service process at 64 in flight and in bulk (.taskgate/bench/)")
     args = parser.parse_args(argv)
@@ -66,6 +72,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.seconds = min(args.seconds, 2.0)
         args.history = min(args.history, 100_000)
         args.latency_tasks = min(args.latency_tasks, 100)
+        args.llm_tokens = min(args.llm_tokens, 48)
+        args.llm_rounds = min(args.llm_rounds, 1)
+        args.llm_ttft = min(args.llm_ttft, 5)
     return args
 
 
@@ -156,6 +165,12 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
                 stack, report, f"streams ({m.streams:,} WatchTask streams on one notifier, {m.channels} channels)", m))
         if args.history and submit and get and wanted("history"):
             await phase(f"{args.history:,} historical tasks", history_phase)
+        if wanted("llm"):
+            await stack.stop_group(stack.worker_names())  # the model's worker alone runs
+            size = llm.LlmOptions(rounds=args.llm_rounds, tokens=args.llm_tokens, ttft_tasks=args.llm_ttft, threads=args.llm_threads)
+            await phase("chat tasks on the tiny language model", lambda: llm.measure(
+                stack, report, f"llm (tiny causal LM on CPU, one worker, one model instance of {LLM_SEQUENCES} sequences,"
+                f" {size.tokens} tokens per task)", size))
         if recovery_wanted:
             await phase("dead-worker recovery, lease 5 s", lambda: recovery.with_lease(stack, report, "dead-worker recovery", 5.0))
     finally:

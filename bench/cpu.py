@@ -26,6 +26,25 @@ def cpu_seconds(pid: int) -> float | None:
     return None if found is None else found[1]
 
 
+def thread_seconds(pid: int, prefix: str) -> float:
+    """User + system CPU seconds so far of a live process's threads whose OS name begins with `prefix`."""
+    total = 0.0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            if not (task / "comm").read_text().startswith(prefix):
+                continue
+            text = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        total += (int(fields[11]) + int(fields[12])) / _TICK
+    return total
+
+
 def rss_bytes(pid: int) -> int | None:
     """Resident set size of a live process."""
     try:

@@ -24,15 +24,20 @@ from tests.support.harness import Cluster, ServiceProcess
 TENANT = "bench"
 LONG_MODEL = "sleepy-long"
 FLEET_MODEL = "sleepy-fleet"  # the fleet phase's tasks: a 'sleep' of `fleet_seconds`, one step per request step
+LLM_MODEL = "llama-tiny"  # the llm phase's chat model (taskgate_local.tinylm), built under the stack's folder by the phase
+LLM_SEQUENCES = 16  # sequences the llm phase's one model instance decodes at once
 
 
 def bench_settings(state_dir: Path, *, fleet_seconds: float = 20.0, **overrides: Any) -> Settings:
     """The shipped defaults, except: a no-op 'sleep' model (a long one for recovery, one of `fleet_seconds` for the
-    fleet), loopback webhooks allowed, metrics endpoints off (several processes would fight over their ports)."""
+    fleet), the tiny chat model (built by the llm phase), loopback webhooks allowed, metrics endpoints off (several
+    processes would fight over their ports)."""
     base: dict[str, Any] = {
         "state_dir": state_dir,
         "models": {"sleepy": ModelSpec(kind="sleep", sleep_seconds=0.0), LONG_MODEL: ModelSpec(kind="sleep", sleep_seconds=600.0),
-                   FLEET_MODEL: ModelSpec(kind="sleep", sleep_seconds=fleet_seconds)},
+                   FLEET_MODEL: ModelSpec(kind="sleep", sleep_seconds=fleet_seconds),
+                   LLM_MODEL: ModelSpec(kind="transformers", path=state_dir / "models" / LLM_MODEL, max_sequences=LLM_SEQUENCES,
+                                        max_input_tokens=4096, max_output_tokens=1024)},
         "default_model": "sleepy",
         "callback_allow_hosts": ["127.0.0.1"],
         # one bench tenant is the whole load: its per-process limits are out of the way (the buckets still run)

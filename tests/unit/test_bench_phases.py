@@ -1,10 +1,14 @@
-"""The bench's counting rules, without a stack: one measured window for every system, running task-seconds."""
+"""The bench's counting rules, without a stack: one measured window for every system, running task-seconds, the llm
+phase's tokens per second and CPU per token."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 from bench.fleet import FleetOptions, running_seconds
+from bench.llm import LlmOptions, Round, cpu_per_token, level_rounds, prompt, rate
 from bench.load import Window
 from bench.streams import Watch
 
@@ -48,3 +52,27 @@ def test_a_stream_is_dropped_only_when_the_server_ended_it_without_a_terminal_ev
     assert not Watch("1", ended="terminal").dropped
     assert Watch("1", ended="CANCELLED").dropped
     assert Watch("1", ended="OK (no terminal event)").dropped
+
+
+def test_llm_throughput_is_the_rounds_tokens_over_their_summed_windows() -> None:
+    rounds = [Round(tokens=300, seconds=2.0), Round(tokens=100, seconds=2.0)]
+    assert rate(rounds) == pytest.approx(100.0)
+    assert math.isnan(rate([]))
+
+
+def test_llm_cpu_per_token_keeps_the_model_decoding_apart() -> None:
+    rounds = [Round(200, 1.0, {"worker": 0.1, "notifier": 0.3}, decoding=0.4), Round(200, 1.0, {"worker": 0.1}, decoding=0.4)]
+    parts, decoding = cpu_per_token(rounds)
+    assert parts == {"worker": pytest.approx(0.5), "notifier": pytest.approx(0.75)}
+    assert list(parts) == ["notifier", "worker"]  # busiest first
+    assert decoding == pytest.approx(2.0)
+
+
+def test_every_llm_level_runs_the_same_tasks_n_at_once() -> None:
+    opts = LlmOptions(levels=(1, 4, 16), rounds=2)
+    for n in opts.levels:
+        rounds = level_rounds(n, opts)
+        assert [i for r in rounds for i in r] == list(range(32))
+        assert {len(r) for r in rounds} == {n}
+    assert level_rounds(5, LlmOptions(levels=(5, 16), rounds=1))[-1] == [15]  # the last round takes what is left
+    assert prompt(1) != prompt(2)
