@@ -119,26 +119,36 @@ async def measure(stack: BenchStack, report: Report, section: str, opts: LlmOpti
         finally:
             await asyncio.to_thread(runner.close)
         pid = cpu.service_pid(stack, WORKER)
-        async with connect_async(stack.submit_address, stack.api_key, events_address=stack.notifier_address,
-                                 call_timeout=60) as client:
+        async with connect_async(stack.submit_address, stack.api_key, events_address=stack.notifier_address, call_timeout=60) as client:
             await _gateway_task(client, TTFT_BASE - 1, opts.ttft_tokens)  # warm: the gateway's tokenizer, the worker's consumers
             gateway_ttft = [await _gateway_task(client, TTFT_BASE + j, opts.ttft_tokens) for j in range(opts.ttft_tasks)]
             began, before = time.monotonic(), cpu.snapshot(stack)
             await asyncio.sleep(IDLE_SECONDS)
             idle = {k: v / 1000 for k, v in cpu.per_unit(before, cpu.snapshot(stack), time.monotonic() - began).items()}
-            gateway = {n: [await _gateway_round(stack, client, pid, tasks, opts.tokens) for tasks in level_rounds(n, opts)]
-                       for n in opts.levels}
+            gateway = {
+                n: [await _gateway_round(stack, client, pid, tasks, opts.tokens) for tasks in level_rounds(n, opts)] for n in opts.levels
+            }
     finally:
         if not here.done():
             here.cancel()
         await stack.close_open_tasks()
         await stack.stop_group([WORKER])
         await stack.purge_tasks_stream()
-    _report(report, section, opts, direct_ttft, direct, [t for t, _ in gateway_ttft], gateway, idle,
-            mismatches=sum(1 for _, ok in gateway_ttft if not ok))
+    _report(
+        report,
+        section,
+        opts,
+        direct_ttft,
+        direct,
+        [t for t, _ in gateway_ttft],
+        gateway,
+        idle,
+        mismatches=sum(1 for _, ok in gateway_ttft if not ok),
+    )
 
 
 # ---- the model in this process (blocking: run in a thread) ----
+
 
 def _load_here(stack: BenchStack, threads: int) -> Any:
     import torch
@@ -186,6 +196,7 @@ def _level_here(runner: Any, n: int, opts: LlmOptions) -> list[Round]:
 
 # ---- through the gateway ----
 
+
 async def _streamed(client: AsyncTaskgateClient, i: int, tokens: int) -> tuple[str, str, float | None]:
     """Submits prompt i as a chat task and streams it to its end: (task id, the streamed text, seconds from the
     submit to the first delta)."""
@@ -213,8 +224,11 @@ async def _gateway_round(stack: BenchStack, client: AsyncTaskgateClient, pid: in
     streamed = await asyncio.gather(*(_streamed(client, i, tokens) for i in indexes))
     after, decoded, mine = cpu.snapshot(stack), cpu.thread_seconds(pid, DECODING_THREADS), time.process_time() - mine
     tasks = await asyncio.gather(*(client.get(task_id) for task_id, _, _ in streamed))
-    mismatches = sum(1 for t, (_, text, _) in zip(tasks, streamed, strict=True)
-                     if t.status is not Status.SUCCEEDED or t.answer is None or t.answer.text != text)
+    mismatches = sum(
+        1
+        for t, (_, text, _) in zip(tasks, streamed, strict=True)
+        if t.status is not Status.SUCCEEDED or t.answer is None or t.answer.text != text
+    )
     starts = [t.started_at.timestamp() for t in tasks if t.started_at is not None]
     ends = [t.finished_at.timestamp() for t in tasks if t.finished_at is not None]
     seconds = max(ends) - min(starts) if starts and ends else float("nan")
@@ -223,44 +237,97 @@ async def _gateway_round(stack: BenchStack, client: AsyncTaskgateClient, pid: in
     return Round(sum(t.output_tokens for t in tasks), seconds, parts, decoded - decoding, mine, mismatches)
 
 
-def _report(report: Report, section: str, opts: LlmOptions, direct_ttft: list[float], direct: dict[int, list[Round]],
-            gateway_ttft: list[float], gateway: dict[int, list[Round]], idle: dict[str, float], *, mismatches: int) -> None:
+def _report(
+    report: Report,
+    section: str,
+    opts: LlmOptions,
+    direct_ttft: list[float],
+    direct: dict[int, list[Round]],
+    gateway_ttft: list[float],
+    gateway: dict[int, list[Round]],
+    idle: dict[str, float],
+    *,
+    mismatches: int,
+) -> None:
     low, high = min(opts.levels), max(opts.levels)
     for n in opts.levels:
         tokens = sum(r.tokens for r in gateway[n])
         _, here = cpu_per_token(direct[n])
-        report.add(section, f"output tokens/s, {n} at once, through the gateway", rate(gateway[n]), "tok/s",
-                   note=f"{tokens:,} tokens, {len(gateway[n])} round(s); the model alone here: {rate(direct[n]):,.0f} tok/s,"
-                        f" {here:.3f} ms CPU per token")
+        report.add(
+            section,
+            f"output tokens/s, {n} at once, through the gateway",
+            rate(gateway[n]),
+            "tok/s",
+            note=f"{tokens:,} tokens, {len(gateway[n])} round(s); the model alone here: {rate(direct[n]):,.0f} tok/s,"
+            f" {here:.3f} ms CPU per token",
+        )
     ratio = rate(gateway[high]) / rate(gateway[low])
-    report.add(section, f"throughput {high} at once / {low} at once, through the gateway", ratio, "x", at_least=2.0,
-               note=f"the model alone here: {rate(direct[high]) / rate(direct[low]):.2f} x (continuous batching)")
+    report.add(
+        section,
+        f"throughput {high} at once / {low} at once, through the gateway",
+        ratio,
+        "x",
+        at_least=2.0,
+        note=f"the model alone here: {rate(direct[high]) / rate(direct[low]):.2f} x (continuous batching)",
+    )
     p50, p99 = ms(gateway_ttft)
     d50, d99 = ms(direct_ttft)
-    report.add(section, "time to first token through the gateway, p50", p50, "ms",
-               note=f"p99 {p99:.1f} ms, {len(gateway_ttft)} tasks one at a time, submit -> first delta of stream_text()")
-    report.add(section, "time to first token, the model called here, p50", d50, "ms",
-               note=f"p99 {d99:.1f} ms, same prompt and max_output_tokens ({opts.ttft_tokens})")
-    report.add(section, "time the gateway adds to the first token, p50", p50 - d50, "ms",
-               note="includes the worker's output coalescing window (TASKGATE_OUTPUT_COALESCE_SECONDS)")
+    report.add(
+        section,
+        "time to first token through the gateway, p50",
+        p50,
+        "ms",
+        note=f"p99 {p99:.1f} ms, {len(gateway_ttft)} tasks one at a time, submit -> first delta of stream_text()",
+    )
+    report.add(
+        section,
+        "time to first token, the model called here, p50",
+        d50,
+        "ms",
+        note=f"p99 {d99:.1f} ms, same prompt and max_output_tokens ({opts.ttft_tokens})",
+    )
+    report.add(
+        section,
+        "time the gateway adds to the first token, p50",
+        p50 - d50,
+        "ms",
+        note="includes the worker's output coalescing window (TASKGATE_OUTPUT_COALESCE_SECONDS)",
+    )
     for n in opts.levels:
         parts, decoding = cpu_per_token(gateway[n])
         tokens = max(1, sum(r.tokens for r in gateway[n]))
         client = sum(r.client for r in gateway[n]) * 1000 / tokens
         at_rest = sum(idle.values()) * sum(r.seconds for r in gateway[n]) * 1000 / tokens  # the idle stack's share
-        report.add(section, f"server-side CPU per streamed token, {n} at once (model decoding excluded)",
-                   sum(parts.values()), "ms", note=", ".join(f"{k} {v:.3f}" for k, v in parts.items())
-                   + f"; {at_rest:.3f} of it the idle stack's; the bench's SDK client {client:.3f} (not counted)")
-        report.add(section, f"model decoding CPU per token, {n} at once", decoding, "ms",
-                   note=f"the worker's {DECODING_THREADS}* threads (forward, sampling, detokenizing), {opts.threads} intra-op thread(s)")
+        report.add(
+            section,
+            f"server-side CPU per streamed token, {n} at once (model decoding excluded)",
+            sum(parts.values()),
+            "ms",
+            note=", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+            + f"; {at_rest:.3f} of it the idle stack's; the bench's SDK client {client:.3f} (not counted)",
+        )
+        report.add(
+            section,
+            f"model decoding CPU per token, {n} at once",
+            decoding,
+            "ms",
+            note=f"the worker's {DECODING_THREADS}* threads (forward, sampling, detokenizing), {opts.threads} intra-op thread(s)",
+        )
     wrong = mismatches + sum(r.mismatches for rounds in gateway.values() for r in rounds)
     report.add(section, "tasks not SUCCEEDED with their streamed text as the answer", wrong, "tasks", at_most=0)
     report.raw["llm"] = {
-        "threads": opts.threads, "tokens_per_task": opts.tokens, "rounds": opts.rounds,
+        "threads": opts.threads,
+        "tokens_per_task": opts.tokens,
+        "rounds": opts.rounds,
         "gateway_tokens_per_second": {n: round(rate(gateway[n]), 1) for n in opts.levels},
         "direct_tokens_per_second": {n: round(rate(direct[n]), 1) for n in opts.levels},
-        "ttft_ms": {"gateway_p50": round(p50, 2), "gateway_p99": round(p99, 2), "direct_p50": round(d50, 2),
-                    "direct_p99": round(d99, 2), "gateway_p90": round(percentile(gateway_ttft, 90) * 1000, 2)},
+        "ttft_ms": {
+            "gateway_p50": round(p50, 2),
+            "gateway_p99": round(p99, 2),
+            "direct_p50": round(d50, 2),
+            "direct_p99": round(d99, 2),
+            "gateway_p90": round(percentile(gateway_ttft, 90) * 1000, 2),
+        },
         "idle_cores": {k: round(v, 4) for k, v in idle.items()},
         "cpu_ms_per_token": {n: dict(zip(("parts", "decoding"), cpu_per_token(gateway[n]), strict=True)) for n in opts.levels},
     }

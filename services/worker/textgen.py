@@ -292,4 +292,3 @@ def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
         ordered[before >= sampling.top_p] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, ordered)
     return int(torch.multinomial(probs, 1, generator=generator).item())
-

@@ -17,9 +17,26 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_llm_phase_runs_and_reports_each_level(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--only", "llm", "--quick", "--no-peers", "--llm-tokens", "12", "--llm-ttft", "2",
-         "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--only",
+            "llm",
+            "--quick",
+            "--no-peers",
+            "--llm-tokens",
+            "12",
+            "--llm-ttft",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
