@@ -221,6 +221,7 @@ class FakeTaskgate:
         tokens counted as words (the fake has no tokenizer)."""
         self.models = (*models, *self.image_models, *self.chat_models)
         self._uploads: set[str] = set()
+        self._texts: dict[str, str] = {}  # text attachments by sha256
         self.default_model = default_model
         self.limits = limits or ModelLimits()
         self.max_pending = max_pending
@@ -518,7 +519,8 @@ class FakeTaskgate:
         c = req.chat
         if c.messages and req.prompt:
             bad.append(("prompt", "give the prompt or chat.messages, not both"))
-        messages = [{"role": m.role, "content": m.content} for m in c.messages] or [{"role": "user", "content": req.prompt}]
+        messages = [{"role": m.role, "content": self._attached(m, i, bad)} for i, m in enumerate(c.messages)] or [
+            {"role": "user", "content": req.prompt}]
         for i, m in enumerate(messages):
             if m["role"] not in ("system", "user", "assistant"):
                 bad.append((f"chat.messages[{i}].role", "must be one of system, user, assistant"))
@@ -568,9 +570,32 @@ class FakeTaskgate:
         bad.append(("image", "needs one of data, url or upload_sha256"))
         return None
 
+    def _attached(self, message: task_pb2.ChatMessage, i: int, bad: list[tuple[str, str]]) -> str:
+        """A chat message's content with the text upload it names appended (after a blank line), as the gateway does."""
+        if not message.content_sha256:
+            return message.content
+        text = self._texts.get(message.content_sha256)
+        if text is None:
+            bad.append((f"chat.messages[{i}].content_sha256", "names no text attachment of this tenant (never uploaded, or expired)"))
+            return message.content
+        return f"{message.content}\n\n{text}" if message.content else text
+
     async def _upload(self, parts: AsyncIterator[gateway_pb2.UploadInputRequest], **_: Any) -> gateway_pb2.UploadInputResponse:
         self._injected("UploadInput")
-        data = b"".join([part.data async for part in parts])
+        received = [part async for part in parts]
+        data = b"".join(part.data for part in received)
+        if received and received[0].content_type.split(";", 1)[0].strip().lower() == "text/plain":
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise _invalid([("data", "not UTF-8 text")]) from None
+            if not text or "\x00" in text:
+                raise _invalid([("data", "is empty" if not text else "contains U+0000, which cannot be stored")])
+            sha256 = hashlib.sha256(data).hexdigest()
+            self._texts[sha256] = text
+            return gateway_pb2.UploadInputResponse(
+                text=task_pb2.InputText(sha256=sha256, size_bytes=len(data), chars=len(text), content_type="text/plain")
+            )
         if not data.startswith(_IMAGE_SIGNATURES) and data[8:12] != b"WEBP":
             raise _invalid([("data", "is not an image in an allowed format (PNG, JPEG, WEBP)")])
         sha256 = hashlib.sha256(data).hexdigest()

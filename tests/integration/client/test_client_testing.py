@@ -383,6 +383,18 @@ async def test_the_fakes_budget_refuses_quota_exceeded_and_answers_a_retry() -> 
         assert (await client.submit("two")).prompt == "two"
 
 
+async def test_the_fake_takes_a_text_attachment_as_the_gateway_does() -> None:
+    async with FakeAsyncTaskgateClient() as client:
+        text = await client.upload_text("the whole document")
+        assert (text.size_bytes, text.chars) == (18, 18)
+        task = await client.chat([{"role": "user", "content": "Summarise:", "content_sha256": text.sha256}], "llama-tiny", seed=3)
+        inline = await client.chat("Summarise:\n\nthe whole document", "llama-tiny", seed=3)
+        assert task.input_tokens == inline.input_tokens == 4 and task.prompt == inline.prompt  # counted as inline text
+        with pytest.raises(InvalidArgument) as unknown:
+            await client.chat([{"role": "user", "content": "x", "content_sha256": "0" * 64}], "llama-tiny")
+        assert [v.field for v in unknown.value.field_violations] == ["chat.messages[0].content_sha256"]
+
+
 async def test_the_fake_runs_chat_tasks(tmp_path: Path) -> None:
     async with FakeAsyncTaskgateClient() as client:
         task = await client.chat("review this diff", "llama-tiny", system="Be brief.", max_output_tokens=20, seed=3)
