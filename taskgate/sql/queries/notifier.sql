@@ -130,8 +130,8 @@ WITH counted AS (
 SELECT CASE WHEN failures >= $2 THEN open_until END AS open_until FROM counted;
 
 -- name: webhook_next_due
--- Seconds until the next pending delivery is due (NULL when none).
-SELECT GREATEST(EXTRACT(EPOCH FROM min(next_attempt_at) - now()), 0)::float8
+-- Seconds until the next pending delivery is due (NULL when none; GREATEST would turn that NULL into 0, "due now").
+SELECT CASE WHEN min(next_attempt_at) IS NOT NULL THEN GREATEST(EXTRACT(EPOCH FROM min(next_attempt_at) - now()), 0) END::float8
 FROM callback_delivery WHERE status = 'PENDING';
 
 -- name: webhook_record
