@@ -12,7 +12,9 @@ fields stay unset.
 
 A chat task's run time is its expected output tokens times its model's measured seconds per output token (the median
 over recent runs of a run's seconds over its output tokens): the expected tokens are the recent runs' mean output
-tokens, at most the task's own max_output_tokens. A video's run time is the median run of its size class.
+tokens, at most the task's own max_output_tokens. A running chat task's progress is its generated tokens over its
+max_output_tokens: it finishes after the expected tokens it has not generated yet, or, once its answer is longer than
+expected, after those left to its limit. A video's run time is the median run of its size class.
 """
 
 from __future__ import annotations
@@ -58,9 +60,19 @@ def estimate(inputs: EtaInputs, *, cap: int = 0, weights: tuple[int, int, int] =
         start = inputs.now + timedelta(seconds=claims * run / slots)
         return Estimate(inputs.status, position, start, start + timedelta(seconds=run))
     if inputs.status is Status.PROCESSING and (run := run_seconds(inputs)) is not None:
-        left = run * (100 - min(max(inputs.progress, 0), 100)) / 100
+        done = min(max(inputs.progress, 0), 100) / 100
+        left = run * (1 - done)
+        if inputs.max_output_tokens is not None and inputs.token_seconds is not None:
+            left = _chat_left(inputs.max_output_tokens, done, run / inputs.token_seconds) * inputs.token_seconds
         return Estimate(inputs.status, 0, None, inputs.now + timedelta(seconds=left))
     return Estimate(inputs.status, 0)
+
+
+def _chat_left(max_tokens: int, done: float, expected: float) -> float:
+    """The tokens a running chat task is expected to generate still: its progress is its generated tokens over its
+    max_output_tokens; short of the expected answer, the rest of it; past it, up to its limit."""
+    generated = done * max_tokens
+    return expected - generated if generated < expected else max_tokens - generated
 
 
 def run_seconds(inputs: EtaInputs) -> float | None:

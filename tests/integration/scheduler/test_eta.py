@@ -232,9 +232,14 @@ def test_a_chat_tasks_run_time_is_its_expected_tokens_times_the_seconds_per_toke
     assert run(chat_task(100, 40.0, 0.05)) == timedelta(seconds=2)  # answers end after 40 tokens on the mean
     assert run(chat_task(10, 40.0, 0.05)) == timedelta(seconds=0.5)  # never more than it may generate
     assert chat_task(100, None, None).start is None  # no run measured tokens: no guess
-    running = estimates.EtaInputs(1, Status.PROCESSING, 2, 50, "m", level_position=0, run_seconds=60.0, runs=5, slots=0,
-                                  now=now, max_output_tokens=100, token_seconds=0.05)
-    assert eta.estimate(running).finish == now + timedelta(seconds=2.5)  # half of 100 x 0.05 s left
+    def running(progress: int, mean: float | None) -> datetime | None:
+        inputs = estimates.EtaInputs(1, Status.PROCESSING, 2, progress, "m", level_position=0, run_seconds=60.0, runs=5,
+                                     slots=0, now=now, max_output_tokens=100, token_seconds=0.05, mean_output_tokens=mean)
+        return eta.estimate(inputs).finish
+
+    assert running(50, None) == now + timedelta(seconds=2.5)  # 50 of its 100 tokens generated: 50 x 0.05 s left
+    assert running(10, 40.0) == now + timedelta(seconds=1.5)  # 10 of the 40 an answer takes on the mean: 30 left
+    assert running(60, 40.0) == now + timedelta(seconds=2)  # longer than the mean already: up to its limit
 
 
 CHAT = "chatty"
