@@ -4,6 +4,7 @@ with QUOTA_EXCEEDED when it does not fit the UTC day or month (RetryInfo until t
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,7 +14,7 @@ from google.rpc import error_details_pb2
 
 from taskgate import auth, ids, store
 from taskgate.runtime import Backends
-from taskgate.store import submissions, tenants
+from taskgate.store import pool, submissions, tenants
 from taskgate.store.submissions import Admission, AdmitVerdict, Candidate, History, NewTask
 from taskgate_api.v1 import gateway_pb2
 from tests.support.factories import claimed, key_for
@@ -111,6 +112,24 @@ async def test_the_charge_is_settled_to_the_measured_seconds_and_a_cancel_releas
     # the next estimate of that model and size comes from the metered history (7.5), not the model's default
     [next_one] = await admit(backends, candidate("settled", "next"), now=LATE)
     assert next_one.task is not None and next_one.task.gpu_reserved == 7.5
+
+
+async def test_two_replicas_admitting_at_once_never_overdraw_the_gpu_budget(backends: Backends) -> None:
+    await budget(backends, "racer", day=40.0 * 5)
+    assert backends.settings.database_url is not None
+    other = await pool.create_pool(backends.settings.database_url, size=2)  # a second replica's own connections
+    try:
+        batches = [[candidate("racer", f"{r}-{i}") for i in range(4)] for r in range(4)]
+        got = await asyncio.gather(*(
+            submissions.admit(backends.pool if n % 2 else other, b, default_max_pending=50, history=History(), now=LATE)
+            for n, b in enumerate(batches)
+        ))
+    finally:
+        await other.close()
+    verdicts = [a.verdict for batch in got for a in batch]
+    # each statement reads the charges after the tenant lock it waited for (the lock is a statement of its own)
+    assert verdicts.count(AdmitVerdict.CREATED) == 5 and verdicts.count(AdmitVerdict.QUOTA_EXCEEDED) == 11
+    assert await charged(backends, "racer") == {"2026-03-10": 200.0}
 
 
 async def test_a_tenant_without_a_budget_reserves_nothing(backends: Backends) -> None:
