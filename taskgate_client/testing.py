@@ -211,6 +211,7 @@ class FakeTaskgate:
         gpu_seconds_per_day: float | None = None,
         gpu_seconds_per_task: float = 60.0,
         chat_models: Iterable[str] = ("llama-tiny",),
+        tokens_per_day: int | None = None,
     ) -> None:
         self.outcome = outcome
         self.image_models = tuple(image_models)
@@ -230,6 +231,11 @@ class FakeTaskgate:
         before it ran releases it), and one that does not fit is refused QUOTA_EXCEEDED with RetryInfo until the fake
         clock's next midnight. The fake's budget never resets and measures nothing: every task costs its estimate."""
         self.gpu_seconds_per_task = gpu_seconds_per_task
+        self.tokens_per_day = tokens_per_day
+        """A token budget as the server keeps one: a chat task reserves its input (words) and its max_output_tokens
+        while it is unfinished, is settled to the tokens it used when it succeeds and releases them otherwise; one that
+        does not fit is refused QUOTA_EXCEEDED (metadata budget 'tokens') with RetryInfo until the fake clock's next
+        midnight. The fake's budget never resets."""
         self._tasks: dict[int, _Entry] = {}
         self._keys: dict[tuple[str, str], int] = {}  # (end user, key): keys are each end user's own
         self._log: list[task_pb2.TaskEvent] = []
@@ -638,10 +644,7 @@ class FakeTaskgate:
             )
             left = max(self.gpu_seconds_per_day - spent, 0.0)
             if self.gpu_seconds_per_task > left:
-                now = START + timedelta(seconds=self._ticks)
-                midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), tzinfo=now.tzinfo)
-                delay = duration_pb2.Duration()
-                delay.FromTimedelta(midnight - now)
+                delay = self._to_midnight()
                 raise rpc_error(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"this task is estimated at {self.gpu_seconds_per_task:.1f} GPU-seconds and the tenant's budget has "
@@ -649,6 +652,18 @@ class FakeTaskgate:
                     _info(reasons.QUOTA_EXCEEDED, budget="gpu_seconds", window="day", gpu_seconds_left=f"{left:.3f}",
                           gpu_seconds_estimate=f"{self.gpu_seconds_per_task:.3f}"),
                     error_details_pb2.RetryInfo(retry_delay=delay),
+                )
+        if self.tokens_per_day is not None and request.task_type == CHAT:
+            reserve = sum(len(m["content"].split()) for m in params["messages"]) + params["max_output_tokens"]
+            left = max(self.tokens_per_day - sum(self._tokens_charged(e.task) for e in self._tasks.values()), 0)
+            if reserve > left:
+                raise rpc_error(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this task reserves {reserve} tokens (its max_output_tokens and its input) and the tenant's token "
+                    f"budget has {left} left this day (UTC)",
+                    _info(reasons.QUOTA_EXCEEDED, budget="tokens", window="day", tokens_left=str(left),
+                          tokens_estimate=str(reserve)),
+                    error_details_pb2.RetryInfo(retry_delay=self._to_midnight()),
                 )
         task_id = len(self._tasks) + 1
         seed = params["seed"]
@@ -696,6 +711,25 @@ class FakeTaskgate:
         answer = gateway_pb2.SubmitTaskResponse(task=self._copy(task, position=True), created=True)
         self._move(entry, Status.QUEUED, reason="dispatched", actor="submit")  # as the real dispatcher, after the answer
         return answer
+
+    def _to_midnight(self) -> duration_pb2.Duration:
+        """From the fake clock's now to its next midnight, when a day's budget resets."""
+        now = START + timedelta(seconds=self._ticks)
+        midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), tzinfo=now.tzinfo)
+        delay = duration_pb2.Duration()
+        delay.FromTimedelta(midnight - now)
+        return delay
+
+    @staticmethod
+    def _tokens_charged(task: task_pb2.Task) -> int:
+        """A chat task's charge to the token budget: its reservation while unfinished, the tokens it used once it
+        succeeded, nothing once it failed, timed out or was cancelled."""
+        if task.task_type != CHAT:
+            return 0
+        status = Status.from_proto(task.status)
+        if not status.terminal:
+            return task.usage.input_tokens + task.chat.max_output_tokens
+        return task.usage.input_tokens + task.usage.output_tokens if status is Status.SUCCEEDED else 0
 
     async def _get(self, request: gateway_pb2.GetTaskRequest, **_: Any) -> gateway_pb2.GetTaskResponse:
         self._injected("GetTask")

@@ -383,6 +383,19 @@ async def test_the_fakes_budget_refuses_quota_exceeded_and_answers_a_retry() -> 
         assert (await client.submit("two")).prompt == "two"
 
 
+async def test_the_fakes_token_budget_refuses_and_settles_to_the_tokens_used() -> None:
+    fake = FakeTaskgate(tokens_per_day=60)
+    async with FakeAsyncTaskgateClient(fake) as client:
+        first = await client.chat("two words", "llama-tiny", max_output_tokens=40)  # reserves 2 + 40
+        with pytest.raises(ResourceExhausted) as over:
+            await client.chat("two words", "llama-tiny", max_output_tokens=40)
+        assert over.value.reason == "QUOTA_EXCEEDED" and over.value.retry_delay is not None
+        assert over.value.metadata == {"budget": "tokens", "window": "day", "tokens_left": "18", "tokens_estimate": "42"}
+        done = await first.wait()  # its answer used far fewer than 40 tokens: the rest is free again
+        assert done.status is Status.SUCCEEDED and done.input_tokens + done.output_tokens < 18
+        assert (await client.chat("two words", "llama-tiny", max_output_tokens=40)).created
+
+
 async def test_the_fake_takes_a_text_attachment_as_the_gateway_does() -> None:
     async with FakeAsyncTaskgateClient() as client:
         text = await client.upload_text("the whole document")
