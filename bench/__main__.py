@@ -21,7 +21,7 @@ from bench.stack import LLM_SEQUENCES, BenchStack, bench_settings
 from bench.stats import Report
 
 DEFAULT_OUT = Path("bench-results/latest.json")
-PHASES = ("submit", "bulk", "get", "fleet", "streams", "latency", "recovery", "history", "llm")
+PHASES = ("submit", "sdk", "bulk", "get", "fleet", "streams", "latency", "recovery", "history", "llm")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -143,6 +143,9 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
             await phase("p99 at about half the maximum throughput",
                         lambda: throughput.half_max_latency(stack, executor, opts, report, section, best))
             await phase("raw ceiling", lambda: throughput.ceiling(stack, executor, opts, report, "raw ceiling", submit))
+        if wanted("sdk"):
+            await phase("SDK submit(), 64 concurrent: SubmitStream and unary",
+                        lambda: throughput.sdk_submits(stack, executor, opts, report, section))
         if wanted("bulk"):
             await phase(f"SubmitTasks, {opts.bulk_batch} per call", lambda: bulk.submit_tasks(stack, executor, opts, report, section))
         if wanted("get"):
@@ -179,6 +182,8 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
     if not args.no_peers and not only:
         await peers.run_all(report, state_dir, opts, only=args.peer)
         bulk.compare(report)
+    elif not args.no_peers and "get" in only:  # the GetTask rows' peers: each one's status read of a queued job
+        await peers.run_all(report, state_dir, opts, only=args.peer, status_only=True)
     report.context["load_average_at_end"] = os.getloadavg()
     if opts.profile_dir is not None:
         report.context["profiles"] = str(opts.profile_dir)

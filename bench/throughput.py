@@ -73,6 +73,26 @@ async def submit_levels(
     return results
 
 
+async def sdk_submits(
+    stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, level: int = 64
+) -> None:
+    """The SDK's submit() from one client at `level` concurrent calls: over its SubmitStream, then unary SubmitTask."""
+    for stream in (True, False):
+        how = "SubmitStream" if stream else "unary SubmitTask"
+        spec = LoadSpec(stack.submit_address, stack.api_key, "sdk", level, opts.seconds, opts.warmup, 1,
+                        tag=f"sdk-{'stream' if stream else 'unary'}-c{level}", stream=stream)
+        before = cpu.snapshot(stack)
+        result = await load(executor, spec)
+        costs = cpu.per_task(before, cpu.snapshot(stack), result.total, result.cpu)
+        report.raw.setdefault("sdk_submit", {})[f"{'stream' if stream else 'unary'}-c{level}"] = summary(result) | {
+            "cpu_ms_per_task": costs}
+        p50, p99 = ms(result.latencies)
+        errors = f"; {sum(result.errors.values())} errors {dict(result.errors)}" if result.errors else ""
+        report.add(section, f"SDK submit(), {level} concurrent on one client, {how}", result.rate, "tasks/s",
+                   note=f"p50 {p50:.1f} / p99 {p99:.1f} ms; CPU {sum(costs.values()):.2f} ms per task{errors}")
+        await stack.close_open_tasks()
+
+
 async def many_tenants(
     stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, tenants: int = 16
 ) -> None:

@@ -79,21 +79,27 @@ def _request_id(details: grpc.HandlerCallDetails) -> str:
     return uuid.uuid4().hex[:16]
 
 
-async def _to_status(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
-    """Maps an exception to the status the caller sees; never leaks a stack trace or SQL."""
+def as_api_error(exc: BaseException, method: str) -> errors.ApiError:
+    """The status a caller hears for an exception (logged as _to_status logs it); never a stack trace or SQL. One
+    item of a stream (SubmitStream) is answered with it while the stream goes on."""
     if isinstance(exc, errors.ApiError):
-        await context.abort_with_status(exc.to_status())
+        return exc
     if isinstance(exc, DATA_ERRORS):
         log.warning("value out of range", extra={"method": method, "error": type(exc).__name__})
-        await context.abort_with_status(errors.invalid_argument([("request", "a value is out of range")]).to_status())
+        return errors.invalid_argument([("request", "a value is out of range")])
     if isinstance(exc, BACKEND_ERRORS):
         log.warning("backend unavailable", extra={"method": method, "error": type(exc).__name__})
-        await context.abort_with_status(errors.unavailable("a backend is unavailable; retry").to_status())
+        return errors.unavailable("a backend is unavailable; retry")
     if isinstance(exc, CONFLICT_ERRORS):
         log.warning("write conflict", extra={"method": method, "error": type(exc).__name__})
-        await context.abort_with_status(errors.aborted(reasons.CONFLICT, "a concurrent write conflicted; retry").to_status())
+        return errors.aborted(reasons.CONFLICT, "a concurrent write conflicted; retry")
     log.error("unhandled error", exc_info=exc, extra={"method": method})
-    await context.abort_with_status(errors.internal(telemetry.request_id.get()).to_status())
+    return errors.internal(telemetry.request_id.get())
+
+
+async def _to_status(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+    """Maps an exception to the status the caller sees; never leaks a stack trace or SQL."""
+    await context.abort_with_status(as_api_error(exc, method).to_status())
 
 
 class _Undecodable:
@@ -203,6 +209,21 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.stream_unary_rpc_method_handler(
                 stream_unary, request_deserializer=deserializer, response_serializer=handler.response_serializer
+            )
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+
+            async def stream_requests(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+                async for request in stream:
+                    yield decoded(request)
+
+            async def stream_stream(stream: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async with scope(context):
+                    async for item in inner_ss(stream_requests(stream), context):
+                        yield item
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, request_deserializer=deserializer, response_serializer=handler.response_serializer
             )
         return handler
 

@@ -38,6 +38,7 @@ from taskgate_client.errors import (
     retryable,
 )
 from taskgate_client.handles import AsyncTaskHandle
+from taskgate_client.pipeline import StreamUnavailable, SubmitPipe
 from taskgate_client.streaming import Output, Preview, TextAssembler, TextDelta
 from taskgate_client.types import (
     CHAT,
@@ -296,6 +297,7 @@ class AsyncTaskgateClient:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config.resolved()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._pipes: dict[str, SubmitPipe] = {}  # the submit stream of each gateway channel
         self.retries = 0
         """How many times a call was retried after UNAVAILABLE or a retryable ABORTED (for metrics and tests)."""
 
@@ -307,6 +309,9 @@ class AsyncTaskgateClient:
 
     async def close(self) -> None:
         """Closes every channel; in-flight calls are cancelled."""
+        pipes, self._pipes = list(self._pipes.values()), {}
+        for pipe in pipes:
+            await pipe.close()
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
@@ -421,9 +426,7 @@ class AsyncTaskgateClient:
             task_type=task_type, image=await self._image_input(image), start_after=start_after,
             max_queue_seconds=max_queue_seconds, end_user=end_user,
         )
-        response = await self._call(
-            lambda: self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
-        )
+        response = await self._submit_one(request)
         return self._handle(Task.from_proto(response.task, created=response.created))
 
     async def chat(self, messages: ChatInput, model: str | None = None, **options: Unpack[ChatOptions]) -> AsyncTaskHandle:
@@ -433,9 +436,7 @@ class AsyncTaskgateClient:
         `stop` (strings that end the answer), `seed`; the others are submit()'s. The finished task's `answer` holds
         the text (inline up to the gateway's size setting; `download` writes it all)."""
         request = chat_request(messages, model, **options)
-        response = await self._call(
-            lambda: self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
-        )
+        response = await self._submit_one(request)
         return self._handle(Task.from_proto(response.task, created=response.created))
 
     async def submit_many(
@@ -518,6 +519,31 @@ class AsyncTaskgateClient:
         if len(data) <= INLINE_IMAGE_BYTES:
             return gateway_pb2.ImageInput(data=data)
         return gateway_pb2.ImageInput(upload_sha256=(await self.upload_input(data)).sha256)
+
+    async def _submit_one(self, request: gateway_pb2.SubmitTaskRequest) -> gateway_pb2.SubmitTaskResponse:
+        """One submission, retried as any call: over the channel's SubmitStream (pipelined with the other submit()s
+        in flight), or by SubmitTask where the server has no stream."""
+        if not self.config.submit_stream:
+            return await self._call(
+                lambda: self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
+            )
+        pipe = self._pipe()
+
+        async def once() -> gateway_pb2.SubmitTaskResponse:
+            try:
+                return await pipe.submit(request, self.config.call_timeout, dict(tracecontext.metadata()))
+            except StreamUnavailable:
+                return await self._gateway.SubmitTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
+
+        return await self._call(once)
+
+    def _pipe(self) -> SubmitPipe:
+        address = self.config.address
+        pipe = self._pipes.get(address)
+        if pipe is None:
+            auth = (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else ()
+            pipe = self._pipes[address] = SubmitPipe(lambda requests: self._gateway.SubmitStream(requests, metadata=auth))
+        return pipe
 
     async def _submit_chunk(self, request: gateway_pb2.SubmitTasksRequest) -> gateway_pb2.SubmitTasksResponse:
         return await self._call(

@@ -90,6 +90,8 @@ class ClientConfig:
     retry_attempts: int = 5
     retry_max_delay: float = 5.0
     watch_resume_attempts: int = 8
+    # submit() and chat() over one SubmitStream per channel (pipelined; unary SubmitTask where the server lacks it)
+    submit_stream: bool = True
 
     def resolved(self) -> ClientConfig:
         """Events on port 50052 and admin on port 50053 of the gateway's host (or sibling Service) unless given."""
@@ -136,6 +138,7 @@ class ConnectOptions(TypedDict, total=False):
     tls_server_name: str | None
     call_timeout: float
     retry_attempts: int
+    submit_stream: bool
 
 
 def make_config(
@@ -152,6 +155,7 @@ def make_config(
     tls_server_name: str | None = None,
     call_timeout: float = 30.0,
     retry_attempts: int = 5,
+    submit_stream: bool = True,
 ) -> ClientConfig:
     """A resolved config; unset address/key fall back to TASKGATE_ADDRESS / TASKGATE_API_KEY / TASKGATE_ADMIN_KEY."""
     if retry_attempts < 1:
@@ -169,4 +173,5 @@ def make_config(
         tls_server_name=tls_server_name,
         call_timeout=call_timeout,
         retry_attempts=retry_attempts,
+        submit_stream=submit_stream,
     ).resolved()

@@ -158,6 +158,12 @@ class _Unimplemented:
     def __aiter__(self) -> _Unimplemented:
         return self
 
+    async def initial_metadata(self) -> tuple[()]:  # a stream's headers: none, the call is over
+        return ()
+
+    def done(self) -> bool:
+        return True
+
     async def __anext__(self) -> NoReturn:
         raise self._error
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import asyncpg
 import grpc
@@ -35,6 +35,7 @@ from taskgate.wire import cancel, ended
 from taskgate_api import reasons
 from taskgate_api.v1 import batches_pb2, gateway_pb2, gateway_pb2_grpc, task_pb2
 
+from . import pipeline
 from .batches import Batches, BatchSignals, file_proto
 from .batching import MAX_BATCH, Submitter, deadline_exceeded
 from .cache import FORGOTTEN_CHANNEL, TerminalCache
@@ -94,10 +95,12 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         self._settings = settings
         self._pool = backends.pool
         self._bus = backends.bus
+        self._throttle = Throttle.of(settings)
         self._auth = Authenticator(
-            backends.pool, settings.api_key_pepper, settings.api_key_cache_seconds, throttle=Throttle.of(settings),
+            backends.pool, settings.api_key_pepper, settings.api_key_cache_seconds, throttle=self._throttle,
             service="submit",
         )
+        self.draining = asyncio.Event()  # set when the server stops: SubmitStream streams read no more and end
         self._cache = TerminalCache(settings.result_cache_size, settings.result_cache_seconds)
         # one connection hears revoked keys and forgotten tasks (deleted, or their output expired)
         self.revocations = self._auth.listener(backends.database_url, {FORGOTTEN_CHANNEL: self._cache.forget})
@@ -157,6 +160,43 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             else gateway_pb2.SubmitTaskResult(response=a)
             for a in answers
         ])
+
+    async def SubmitStream(
+        self, request_iterator: AsyncIterator[gateway_pb2.SubmitStreamRequest], context: Context
+    ) -> AsyncIterator[gateway_pb2.SubmitStreamResponse]:
+        """Submissions pipelined (services/submit/pipeline.py): each request admitted as SubmitTask admits it, its
+        answer sent by its request id as soon as it is done."""
+        async with self._auth.stream(context) as session:  # a revoked key ends the stream
+            with self._throttle.stream(session.principal.tenant_id, "submit"):  # one of the tenant's stream places
+                await context.send_initial_metadata(())  # accepted: the client writes its requests once it hears this
+                answers = pipeline.serve(
+                    request_iterator, context, self._submit_streamed, max_age=self._settings.stream_max_age_seconds,
+                    draining=self.draining,
+                )
+                async for answer in session.guard(answers):
+                    yield answer
+
+    async def _submit_streamed(
+        self, msg: gateway_pb2.SubmitStreamRequest, context: pipeline.ItemContext
+    ) -> gateway_pb2.SubmitTaskResponse:
+        """One streamed request, as SubmitTask: its key's tenant (one token of its call throttle), its deadline, its
+        trace (the caller's context it carries)."""
+        call = cast(Context, context)  # what the submit path reads of a call: its metadata and its time remaining
+        left = context.time_remaining()
+        if left is not None and left < self._settings.submit_min_time_left_seconds:
+            raise deadline_exceeded()  # as a unary call's own deadline would end it: nothing looked up, nothing admitted
+        with tracing.span("taskgate.v1.TaskGateway/SubmitStream.item", parent=dict(msg.trace_context) or None):
+            try:
+                [answer] = await self._submit(await self._principal(call), [msg.request], call)
+            except TimeoutError:
+                # a step cut short to fit the request's own deadline: what a unary caller hears from its deadline
+                left = context.time_remaining()
+                if left is not None and left < self._settings.submit_db_timeout_seconds:
+                    raise deadline_exceeded(maybe_admitted=True) from None
+                raise
+        if isinstance(answer, errors.ApiError):
+            raise answer
+        return answer
 
     async def _submit(
         self, who: Principal, items: list[gateway_pb2.SubmitTaskRequest], context: Context
@@ -727,6 +767,7 @@ class SubmitHandle:
         """Readiness off, stop accepting, let in-flight calls finish within `grace`, then close the backends."""
         try:
             await mark_not_serving(self.health)
+            self.gateway.draining.set()  # SubmitStream streams answer what they read and end, so clients go elsewhere
             grace = self.settings.submit_shutdown_grace_seconds if grace is None else grace
             await self.server.stop(grace)
             await self.gateway.batches.close()  # an ingest stopped here is resumed by the next read of its batch

@@ -438,6 +438,87 @@ class SubmitTaskResult(_message.Message):
 Global___SubmitTaskResult: _TypeAlias = SubmitTaskResult  # noqa: Y015
 
 @_typing.final
+class SubmitStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    """echoed in the answer; unique among the stream's unanswered requests"""
+    @_builtins.property
+    def request(self) -> Global___SubmitTaskRequest: ...
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """This request's deadline, counted from when the server reads it; unset: the stream's deadline, if it has one."""
+
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The caller's trace context for this request (W3C `traceparent`, `tracestate`): its task's trace continues it."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.int = ...,
+        request: Global___SubmitTaskRequest | None = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "request_id", b"request_id", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitStreamRequest: _TypeAlias = SubmitStreamRequest  # noqa: Y015
+
+@_typing.final
+class SubmitStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    @_builtins.property
+    def result(self) -> Global___SubmitTaskResult:
+        """its task, or the error status SubmitTask would have answered"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.int = ...,
+        result: Global___SubmitTaskResult | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitStreamResponse: _TypeAlias = SubmitStreamResponse  # noqa: Y015
+
+@_typing.final
 class GetTaskRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -47,6 +47,11 @@ class TaskGatewayStub:
                 request_serializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTasksRequest.SerializeToString,
                 response_deserializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTasksResponse.FromString,
                 _registered_method=True)
+        self.SubmitStream = channel.stream_stream(
+                '/taskgate.v1.TaskGateway/SubmitStream',
+                request_serializer=taskgate_dot_v1_dot_gateway__pb2.SubmitStreamRequest.SerializeToString,
+                response_deserializer=taskgate_dot_v1_dot_gateway__pb2.SubmitStreamResponse.FromString,
+                _registered_method=True)
         self.GetTask = channel.unary_unary(
                 '/taskgate.v1.TaskGateway/GetTask',
                 request_serializer=taskgate_dot_v1_dot_gateway__pb2.GetTaskRequest.SerializeToString,
@@ -148,6 +153,18 @@ class TaskGatewayServicer:
     def SubmitTasks(self, request, context):
         """Up to 1,000 submissions in one call, each admitted on its own rules: one result per request, in order, holding
         its task or the error status SubmitTask would have answered it with (AIP-233 partial failure).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitStream(self, request_iterator, context):
+        """Submissions pipelined over one long-lived stream: each request carries an id of the caller's choosing, and its
+        answer (in the order admissions finish, not the order sent) carries the same id. Each request is admitted as
+        SubmitTask admits it (the key's tenant, its call throttle, the request's deadline, idempotency); a refused request
+        is answered with SubmitTask's error status and the stream goes on. The server ends the stream (OK) after
+        TASKGATE_STREAM_MAX_AGE_SECONDS or when it drains, having answered every request it read: a request left
+        unanswered was not read, and is sent again (with its idempotency key) on a new stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -282,6 +299,11 @@ def add_TaskGatewayServicer_to_server(servicer, server):
                     servicer.SubmitTasks,
                     request_deserializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTasksRequest.FromString,
                     response_serializer=taskgate_dot_v1_dot_gateway__pb2.SubmitTasksResponse.SerializeToString,
+            ),
+            'SubmitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SubmitStream,
+                    request_deserializer=taskgate_dot_v1_dot_gateway__pb2.SubmitStreamRequest.FromString,
+                    response_serializer=taskgate_dot_v1_dot_gateway__pb2.SubmitStreamResponse.SerializeToString,
             ),
             'GetTask': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTask,
@@ -425,6 +447,33 @@ class TaskGateway:
             '/taskgate.v1.TaskGateway/SubmitTasks',
             taskgate_dot_v1_dot_gateway__pb2.SubmitTasksRequest.SerializeToString,
             taskgate_dot_v1_dot_gateway__pb2.SubmitTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/taskgate.v1.TaskGateway/SubmitStream',
+            taskgate_dot_v1_dot_gateway__pb2.SubmitStreamRequest.SerializeToString,
+            taskgate_dot_v1_dot_gateway__pb2.SubmitStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

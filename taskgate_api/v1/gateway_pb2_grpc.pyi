@@ -41,6 +41,14 @@ class TaskGatewayStub:
     """Up to 1,000 submissions in one call, each admitted on its own rules: one result per request, in order, holding
     its task or the error status SubmitTask would have answered it with (AIP-233 partial failure).
     """
+    SubmitStream: _grpc.StreamStreamMultiCallable[_gateway_pb2.SubmitStreamRequest, _gateway_pb2.SubmitStreamResponse]
+    """Submissions pipelined over one long-lived stream: each request carries an id of the caller's choosing, and its
+    answer (in the order admissions finish, not the order sent) carries the same id. Each request is admitted as
+    SubmitTask admits it (the key's tenant, its call throttle, the request's deadline, idempotency); a refused request
+    is answered with SubmitTask's error status and the stream goes on. The server ends the stream (OK) after
+    TASKGATE_STREAM_MAX_AGE_SECONDS or when it drains, having answered every request it read: a request left
+    unanswered was not read, and is sent again (with its idempotency key) on a new stream.
+    """
     GetTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetTaskRequest, _gateway_pb2.GetTaskResponse]
     ListTasks: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListTasksRequest, _gateway_pb2.ListTasksResponse]
     CancelTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CancelTaskRequest, _gateway_pb2.CancelTaskResponse]
@@ -90,6 +98,14 @@ class TaskGatewayAsyncStub(TaskGatewayStub):
     SubmitTasks: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SubmitTasksRequest, _gateway_pb2.SubmitTasksResponse]  # type: ignore[assignment]
     """Up to 1,000 submissions in one call, each admitted on its own rules: one result per request, in order, holding
     its task or the error status SubmitTask would have answered it with (AIP-233 partial failure).
+    """
+    SubmitStream: _aio.StreamStreamMultiCallable[_gateway_pb2.SubmitStreamRequest, _gateway_pb2.SubmitStreamResponse]  # type: ignore[assignment]
+    """Submissions pipelined over one long-lived stream: each request carries an id of the caller's choosing, and its
+    answer (in the order admissions finish, not the order sent) carries the same id. Each request is admitted as
+    SubmitTask admits it (the key's tenant, its call throttle, the request's deadline, idempotency); a refused request
+    is answered with SubmitTask's error status and the stream goes on. The server ends the stream (OK) after
+    TASKGATE_STREAM_MAX_AGE_SECONDS or when it drains, having answered every request it read: a request left
+    unanswered was not read, and is sent again (with its idempotency key) on a new stream.
     """
     GetTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetTaskRequest, _gateway_pb2.GetTaskResponse]  # type: ignore[assignment]
     ListTasks: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListTasksRequest, _gateway_pb2.ListTasksResponse]  # type: ignore[assignment]
@@ -149,6 +165,20 @@ class TaskGatewayServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_gateway_pb2.SubmitTasksResponse, _abc.Awaitable[_gateway_pb2.SubmitTasksResponse]]:
         """Up to 1,000 submissions in one call, each admitted on its own rules: one result per request, in order, holding
         its task or the error status SubmitTask would have answered it with (AIP-233 partial failure).
+        """
+
+    @_abc_1.abstractmethod
+    def SubmitStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_gateway_pb2.SubmitStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_pb2.SubmitStreamResponse], _abc.AsyncIterator[_gateway_pb2.SubmitStreamResponse]]:
+        """Submissions pipelined over one long-lived stream: each request carries an id of the caller's choosing, and its
+        answer (in the order admissions finish, not the order sent) carries the same id. Each request is admitted as
+        SubmitTask admits it (the key's tenant, its call throttle, the request's deadline, idempotency); a refused request
+        is answered with SubmitTask's error status and the stream goes on. The server ends the stream (OK) after
+        TASKGATE_STREAM_MAX_AGE_SECONDS or when it drains, having answered every request it read: a request left
+        unanswered was not read, and is sent again (with its idempotency key) on a new stream.
         """
 
     @_abc_1.abstractmethod

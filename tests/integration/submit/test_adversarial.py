@@ -15,7 +15,7 @@ import struct
 import uuid
 import zlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -611,6 +611,7 @@ async def admin_channel(hostile_settings: Settings, backends: Backends) -> Async
 RPCS: list[tuple[str, str, type[Any], str]] = [
     ("gateway", "SubmitTask", gateway_pb2.SubmitTaskRequest, "unary"),
     ("gateway", "SubmitTasks", gateway_pb2.SubmitTasksRequest, "unary"),
+    ("gateway", "SubmitStream", gateway_pb2.SubmitStreamRequest, "bidi"),
     ("gateway", "GetTask", gateway_pb2.GetTaskRequest, "unary"),
     ("gateway", "ListTasks", gateway_pb2.ListTasksRequest, "unary"),
     ("gateway", "CancelTask", gateway_pb2.CancelTaskRequest, "unary"),
@@ -668,6 +669,23 @@ async def test_any_request_to_any_rpc_is_answered_or_refused_by_name_never_inter
                     yield part
 
             await call(stream(), metadata=md, timeout=10)
+        elif kind == "bidi":  # one request, its answer: a refusal of the request is its answer's status, not the call's
+
+            async def one() -> AsyncIterator[Any]:
+                yield request
+
+            responses = call(one(), metadata=md, timeout=10)
+            async for answer in responses:
+                if answer.result.HasField("error"):
+                    code = next(c for c in grpc.StatusCode if c.value[0] == answer.result.error.code)
+                    # a request's own timeout is its deadline, as a call's is: a short one may pass
+                    timeout = cast(gateway_pb2.SubmitStreamRequest, request).timeout
+                    own = timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else None
+                    short = {grpc.StatusCode.DEADLINE_EXCEEDED} if own is not None and own < 10 else set()
+                    assert code in FINE | short, (method, request, code, answer.result.error.message)
+                    if code is grpc.StatusCode.INVALID_ARGUMENT:
+                        assert violated(details_of(answer.result.error)), (method, answer.result.error.message)
+            assert await responses.code() is grpc.StatusCode.OK
         else:
             responses = call(request, metadata=md, timeout=10)
             async for _ in responses:
