@@ -11,7 +11,7 @@ from taskgate.model import TaskRow
 from taskgate.paging import Cursor
 from taskgate.states import CallbackStatus, Status
 from taskgate.store.pool import Conn
-from taskgate.store.submissions import NewTask, columns
+from taskgate.store.submissions import NewTask, by_column
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,17 +133,19 @@ async def list_tasks(
     """
     if newest_first:  # its query descends the (status, updated_at) index once per state, so it names each one
         wanted = list(dict.fromkeys(statuses)) or list(Status)
-        query, states = "admin_list_tasks_newest", [s.value for s in wanted]
+        states = [s.value for s in wanted]
     else:
-        query, states = "admin_list_tasks", [s.value for s in statuses]
+        states = [s.value for s in statuses]
     rows = await db.fetch(
-        sql.query(query),
-        states,
-        model_id,
-        older_than_seconds,
-        after.at if after else None,
-        after.task_id if after else None,
-        limit,
+        *sql.bind(
+            "admin_list_tasks_newest" if newest_first else "admin_list_tasks",
+            states=states,
+            model_id=model_id,
+            older_than_seconds=older_than_seconds,
+            after_at=after.at if after else None,
+            after_id=after.task_id if after else None,
+            limit=limit,
+        )
     )
     return [TaskRow.from_record(r) for r in rows]
 
@@ -184,7 +186,9 @@ async def replay_tasks(db: Conn, replays: Sequence[tuple[NewTask, int]]) -> list
 
     One replay per source (a unique index): run it in the transaction that locked the sources and found none.
     """
-    rows = await db.fetch(sql.query("admin_replay_tasks"), *columns([new for new, _ in replays]), [s for _, s in replays])
+    rows = await db.fetch(
+        *sql.bind("admin_replay_tasks", **by_column([new for new, _ in replays]), replay_of=[s for _, s in replays])
+    )
     return [TaskRow.from_record(r) for r in rows]
 
 

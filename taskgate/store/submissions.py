@@ -88,6 +88,11 @@ def columns(tasks: Sequence[NewTask]) -> list[list[object]]:
     return [[column(t) for t in tasks] for column in COLUMNS.values()]
 
 
+def by_column(tasks: Sequence[NewTask]) -> dict[str, list[object]]:
+    """columns() by column name, to bind as a named block's parameters."""
+    return {name: [column(t) for t in tasks] for name, column in COLUMNS.items()}
+
+
 def admission_rows(batch: Sequence[Candidate]) -> list[dict[str, object]]:
     """The batch as submit_tasks takes it: one row per submission with admission_item's named fields (the task's
     columns by COLUMNS, its tenant's per-minute limit, its GPU-seconds estimate and the tokens it reserves), for the

@@ -167,33 +167,33 @@ SELECT status, count(*) AS n FROM callback_delivery GROUP BY status ORDER BY sta
 
 -- name: admin_list_tasks
 -- Tasks by state, model and age, least recently updated first, keyset-paged on (updated_at, id).
--- $1 states (empty = all), $2 model (NULL = all), $3 minimum seconds since updated_at (NULL = any),
--- $4 after updated_at, $5 after id (NULL = first page), $6 limit.
+-- @states empty = all, @model_id NULL = all, @older_than_seconds since updated_at (NULL = any), @after_at and
+-- @after_id the last row's updated_at and id (NULL = first page).
 SELECT * FROM task
-WHERE (cardinality($1::task_status[]) = 0 OR status = ANY($1::task_status[]))
-  AND ($2::text IS NULL OR model_id = $2)
-  AND ($3::float8 IS NULL OR updated_at < now() - make_interval(secs => $3))
-  AND ($4::timestamptz IS NULL OR (updated_at, id) > ($4, $5::bigint))
+WHERE (cardinality(@states::task_status[]) = 0 OR status = ANY(@states::task_status[]))
+  AND (@model_id::text IS NULL OR model_id = @model_id)
+  AND (@older_than_seconds::float8 IS NULL OR updated_at < now() - make_interval(secs => @older_than_seconds))
+  AND (@after_at::timestamptz IS NULL OR (updated_at, id) > (@after_at, @after_id::bigint))
 ORDER BY updated_at, id
-LIMIT $6;
+LIMIT @limit;
 
 -- name: admin_list_tasks_newest
 -- As admin_list_tasks, most recently updated first, keyset-paged on (updated_at, id) descending: one backward
 -- descent of task_status_updated_idx per state, so the newest page reads a few index pages however many finished
--- tasks the table keeps. $1 states (distinct, never empty: the store names every state for none), $2 model (NULL =
--- all), $3 minimum seconds since updated_at (NULL = any), $4 before updated_at, $5 before id (NULL = first page), $6 limit.
-SELECT t.* FROM unnest($1::task_status[]) AS s(status)
+-- tasks the table keeps. @states distinct, never empty (the store names every state for none); @after_at and
+-- @after_id the last row's updated_at and id, the page going back from it.
+SELECT t.* FROM unnest(@states::task_status[]) AS s(status)
 CROSS JOIN LATERAL (
     SELECT * FROM task
     WHERE status = s.status
-      AND ($2::text IS NULL OR model_id = $2)
-      AND ($3::float8 IS NULL OR updated_at < now() - make_interval(secs => $3))
-      AND ($4::timestamptz IS NULL OR (updated_at <= $4 AND (updated_at, id) < ($4, $5::bigint)))
+      AND (@model_id::text IS NULL OR model_id = @model_id)
+      AND (@older_than_seconds::float8 IS NULL OR updated_at < now() - make_interval(secs => @older_than_seconds))
+      AND (@after_at::timestamptz IS NULL OR (updated_at <= @after_at AND (updated_at, id) < (@after_at, @after_id::bigint)))
     ORDER BY updated_at DESC, id DESC
-    LIMIT $6
+    LIMIT @limit
 ) t
 ORDER BY t.updated_at DESC, t.id DESC
-LIMIT $6;
+LIMIT @limit;
 
 -- name: admin_requeue_page
 -- Ids of tasks matching a requeue filter, by id (stable while they are requeued), leaving out tasks already replayed
@@ -228,15 +228,17 @@ FOR UPDATE OF t SKIP LOCKED;
 -- name: admin_replay_tasks
 -- Replays of FAILED or TIMEOUT tasks: new tasks in CREATED, each naming its source, inserted by the one author of
 -- task rows (functions/submit_fast_path.sql) without the tenants' rate and pending limits (an operator's act), and
--- each source's dead letter (if it has one) given its replay, in one statement. $1..$19 the columns as for
--- submit_insert_tasks, $20 the source task ids. No row for an item whose idempotency key is taken.
+-- each source's dead letter (if it has one) given its replay, in one statement. One array per column as for
+-- submit_insert_tasks, @replay_of the source task ids. No row for an item whose idempotency key is taken.
 WITH made AS MATERIALIZED (
     SELECT * FROM insert_tasks(
-        p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
-        p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
-        p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
-        p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18, p_end_user => $19,
-        p_replay_of => $20)
+        p_id => @id, p_user_id => @user_id, p_idempotency_key => @idempotency_key,
+        p_idempotency_derived => @idempotency_derived, p_request_hash => @request_hash, p_task_type => @task_type,
+        p_model_id => @model_id, p_prompt => @prompt, p_request_payload => @request_payload, p_metadata => @metadata,
+        p_priority => @priority, p_queue_name => @queue_name, p_max_retries => @max_retries,
+        p_callback_url => @callback_url, p_callback_events => @callback_events, p_trace_context => @trace_context,
+        p_start_after => @start_after, p_max_queue_seconds => @max_queue_seconds, p_end_user => @end_user,
+        p_replay_of => @replay_of)
 ), linked AS (
     UPDATE dead_letter d SET replayed_as = m.id, replayed_at = now()
     FROM made m WHERE d.task_id = m.replay_of
