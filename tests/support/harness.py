@@ -471,12 +471,14 @@ async def http_stack(settings: Settings, backends: Any, *, worker_models: list[s
     try:
         yield stack
     finally:
-        await http.stop(0)
-        if worker is not None:
-            await worker.stop(grace=0)
-        await notifier.stop()
-        await scheduler.stop(0)
-        await submit.stop(0)
+        # the stack's services as they are now: a test may have replaced one (a notifier restarted on its port); one
+        # left running would hold grpc.aio's completion queue, and the process would hang at exit in its shutdown
+        await stack.http.stop(0)
+        if stack.worker is not None:
+            await stack.worker.stop(grace=0)
+        await stack.notifier.stop()
+        await stack.scheduler.stop(0)
+        await stack.submit.stop(0)
 
 
 async def outcome(call: Awaitable[Any]) -> tuple[grpc.StatusCode, list[Any], Any]:
