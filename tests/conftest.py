@@ -37,7 +37,7 @@ from taskgate_api.v1 import gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedStack
 from tests.support import grpcleaks, llamaserver
 from tests.support.factories import settings_for
-from tests.support.harness import WorkerFactory, with_database
+from tests.support.harness import ROOT, WorkerFactory, with_database
 from tests.support.llamaserver import LlamaServer
 from tests.support.s3server import SeaweedS3
 from tests.support.stacks import Cli
@@ -323,6 +323,9 @@ async def cli(settings: Settings, backends: Backends, tmp_path: Path) -> AsyncIt
         "TASKGATE_STATE_DIR": str(tmp_path / "state"),
         "TASKGATE_DATABASE_URL": settings.database_url or "",
         "TASKGATE_NATS_URL": settings.nats_url or "",
+        # the checkout under test, whatever an editable install of the environment points at (a shared one may point
+        # at another worktree: its code then met this test's database)
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     try:
         yield Cli(env, tmp_path, settings, backends)
