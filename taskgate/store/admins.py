@@ -59,7 +59,15 @@ async def record(
 ) -> None:
     """Appends one action to the audit log."""
     await db.execute(
-        sql.query("insert_admin_audit"), admin.name, admin.prefix, action, target, dry_run, detail or {}
+        *sql.bind(
+            "insert_admin_audit",
+            admin=admin.name,
+            prefix=admin.prefix,
+            action=action,
+            target=target,
+            dry_run=dry_run,
+            detail=detail or {},
+        )
     )
 
 

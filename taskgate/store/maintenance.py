@@ -52,7 +52,18 @@ async def queued_due(
     model whose queue does not move (no claim within the timeout, nothing running), locked."""
     models, seconds = _per_model(timeouts)
     smallest = min([default_seconds, *seconds])  # the bound the index range scan uses
-    return await _tasks(db, "sched_queued_due", now, models, seconds, default_seconds, smallest, limit)
+    rows = await db.fetch(
+        *sql.bind(
+            "sched_queued_due",
+            now=now,
+            models=models,
+            seconds=seconds,
+            default_seconds=default_seconds,
+            smallest=smallest,
+            limit=limit,
+        )
+    )
+    return [TaskRow.from_record(r) for r in rows]
 
 
 async def level_holders(db: Conn, levels: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
@@ -79,7 +90,18 @@ async def processing_overdue(
 ) -> list[TaskRow]:
     """Live PROCESSING tasks past their model's processing timeout (plus `grace_seconds` once granted), locked."""
     models, seconds = _per_model(timeouts)
-    return await _tasks(db, "sched_processing_overdue", now, models, seconds, default_seconds, grace_seconds, limit)
+    rows = await db.fetch(
+        *sql.bind(
+            "sched_processing_overdue",
+            now=now,
+            models=models,
+            seconds=seconds,
+            default_seconds=default_seconds,
+            grace_seconds=grace_seconds,
+            limit=limit,
+        )
+    )
+    return [TaskRow.from_record(r) for r in rows]
 
 
 async def grant_grace(db: Conn, task_id: int, *, attempt: int) -> bool:

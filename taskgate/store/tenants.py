@@ -74,8 +74,16 @@ async def create_api_key(
     True when the tenant was new, so `first_secret` was stored.
     """
     row = await db.fetchrow(
-        sql.query("create_api_key"), tenant_id, key_hash, prefix, max_pending, submits_per_minute, first_secret,
-        max_priority,
+        *sql.bind(
+            "create_api_key",
+            tenant_id=tenant_id,
+            key_hash=key_hash,
+            prefix=prefix,
+            max_pending=max_pending,
+            submits_per_minute=submits_per_minute,
+            first_secret=first_secret,
+            max_priority=max_priority,
+        )
     )
     assert row is not None
     return bool(row["secret_created"])
@@ -134,9 +142,20 @@ async def update_tenant(
     """Changes the limits given (None leaves one as it is; a budget of 0 removes it); the tenant after, or None when
     there is no such tenant."""
     row = await db.fetchrow(
-        sql.query("update_tenant"), tenant_id, max_pending, submits_per_minute, max_priority, share_weight,
-        gpu_seconds_per_day, gpu_seconds_per_month, max_pending_per_end_user, submits_per_minute_per_end_user,
-        tokens_per_day, tokens_per_month,
+        *sql.bind(
+            "update_tenant",
+            tenant_id=tenant_id,
+            max_pending=max_pending,
+            submits_per_minute=submits_per_minute,
+            max_priority=max_priority,
+            share_weight=share_weight,
+            gpu_seconds_per_day=gpu_seconds_per_day,
+            gpu_seconds_per_month=gpu_seconds_per_month,
+            max_pending_per_end_user=max_pending_per_end_user,
+            submits_per_minute_per_end_user=submits_per_minute_per_end_user,
+            tokens_per_day=tokens_per_day,
+            tokens_per_month=tokens_per_month,
+        )
     )
     if row is None:
         return None

@@ -32,7 +32,17 @@ async def usage(
     """Metered use from `since`'s hour to before `until`, by tenant and model (and hour, and end user), at most
     `limit` rows; `end_user`: only that end user's ('' the tenant's own tasks)."""
     rows = await db.fetch(
-        sql.query("usage_rows"), tenant_id, since, until, by_hour, limit, by_end_user, end_user, timeout=within
+        *sql.bind(
+            "usage_rows",
+            tenant_id=tenant_id,
+            since=since,
+            until=until,
+            by_hour=by_hour,
+            limit=limit,
+            by_end_user=by_end_user,
+            end_user=end_user,
+        ),
+        timeout=within,
     )
     return [
         Usage(r["tenant_id"], r["model_id"], r["hour"], r["device_seconds"], r["slot_seconds"], r["attempts"],

@@ -122,8 +122,15 @@ async def claim_due(
     """Due deliveries of one lane (progress webhooks, or the terminal ones), round-robin across destinations under
     their caps and breakers, leased to `owner` so no other sender sends them meanwhile; at most `limit`."""
     rows = await db.fetch(
-        sql.query("webhook_claim"), limit, owner, lease_seconds, progress, fairness.per_destination,
-        fairness.breaker_failures,
+        *sql.bind(
+            "webhook_claim",
+            limit=limit,
+            owner=owner,
+            lease_seconds=lease_seconds,
+            progress=progress,
+            per_destination=fairness.per_destination,
+            breaker_failures=fairness.breaker_failures,
+        )
     )
     return [
         LeasedWebhook(
@@ -174,24 +181,28 @@ async def record(db: Conn, delivery: LeasedWebhook, *, owner: str, outcome: Atte
             return await record(conn, delivery, owner=owner, outcome=outcome)
     async with db.transaction():
         done = await db.fetchrow(
-            sql.query("webhook_record"),
-            delivery.id,
-            owner,
-            outcome.status.value,
-            outcome.delay_seconds,
-            outcome.status_code,
-            outcome.error,
+            *sql.bind(
+                "webhook_record",
+                delivery_id=delivery.id,
+                owner=owner,
+                status=outcome.status.value,
+                delay_seconds=outcome.delay_seconds,
+                status_code=outcome.status_code,
+                error=outcome.error,
+            )
         )
         if done is None:
             return False
         await db.execute(
-            sql.query("webhook_insert_attempt"),
-            delivery.id,
-            delivery.attempts + 1,
-            delivery.webhook_id,
-            outcome.status_code,
-            outcome.latency_ms,
-            outcome.error,
+            *sql.bind(
+                "webhook_insert_attempt",
+                delivery_id=delivery.id,
+                attempt=delivery.attempts + 1,
+                webhook_id=delivery.webhook_id,
+                status_code=outcome.status_code,
+                latency_ms=outcome.latency_ms,
+                error=outcome.error,
+            )
         )
         if delivery.event_type != PROGRESS_TYPE:
             retries = done["attempts"] - done["round_start"] - 1

@@ -1,18 +1,17 @@
 -- name: create_api_key
 -- Creates the tenant (and its first webhook secret) if new, then a key (a tenant's: admin credentials are
--- create_admin_credential's). $1 tenant, $2 key hash, $3 prefix, $4 max pending, $5 submits per minute, $6 webhook
--- secret for a new tenant, $7 max priority.
+-- create_admin_credential's). @first_secret: the webhook secret of a new tenant.
 WITH t AS (
-    INSERT INTO tenant (id, max_pending, submits_per_minute, max_priority) VALUES ($1, $4, $5, COALESCE($7, 5))
-    ON CONFLICT (id) DO UPDATE SET max_pending = COALESCE($4, tenant.max_pending),
-                                   submits_per_minute = COALESCE($5, tenant.submits_per_minute),
-                                   max_priority = COALESCE($7, tenant.max_priority)
+    INSERT INTO tenant (id, max_pending, submits_per_minute, max_priority) VALUES (@tenant_id, @max_pending, @submits_per_minute, COALESCE(@max_priority, 5))
+    ON CONFLICT (id) DO UPDATE SET max_pending = COALESCE(@max_pending, tenant.max_pending),
+                                   submits_per_minute = COALESCE(@submits_per_minute, tenant.submits_per_minute),
+                                   max_priority = COALESCE(@max_priority, tenant.max_priority)
     RETURNING id, (xmax = 0) AS inserted
 ), s AS (
-    INSERT INTO webhook_secret (tenant_id, secret) SELECT id, $6 FROM t WHERE inserted
+    INSERT INTO webhook_secret (tenant_id, secret) SELECT id, @first_secret FROM t WHERE inserted
     RETURNING id
 ), k AS (
-    INSERT INTO api_key (tenant_id, key_hash, prefix) SELECT id, $2, $3 FROM t
+    INSERT INTO api_key (tenant_id, key_hash, prefix) SELECT id, @key_hash, @prefix FROM t
     RETURNING id
 )
 SELECT (SELECT id FROM k) AS key_id, EXISTS (SELECT 1 FROM s) AS secret_created;
@@ -67,17 +66,16 @@ UPDATE webhook_secret SET secret = $3 WHERE id = $1 AND secret = $2;
 
 -- name: update_tenant
 -- Changes a tenant's limits (NULL leaves one as it is; a budget of 0 removes it); no row when there is no such
--- tenant. $1 tenant, $2 max pending, $3 submits per minute, $4 max priority, $5 share weight, $6 GPU-seconds per day,
--- $7 per month, $8 max pending per end user, $9 submits per minute per end user, $10 tokens per day, $11 per month.
-UPDATE tenant SET max_pending = COALESCE($2, max_pending), submits_per_minute = COALESCE($3, submits_per_minute),
-                  max_priority = COALESCE($4, max_priority), share_weight = COALESCE($5, share_weight),
-                  gpu_seconds_per_day = NULLIF(COALESCE($6, gpu_seconds_per_day), 0),
-                  gpu_seconds_per_month = NULLIF(COALESCE($7, gpu_seconds_per_month), 0),
-                  max_pending_per_end_user = COALESCE($8, max_pending_per_end_user),
-                  submits_per_minute_per_end_user = COALESCE($9, submits_per_minute_per_end_user),
-                  tokens_per_day = NULLIF(COALESCE($10, tokens_per_day), 0),
-                  tokens_per_month = NULLIF(COALESCE($11, tokens_per_month), 0)
-WHERE id = $1
+-- tenant.
+UPDATE tenant SET max_pending = COALESCE(@max_pending, max_pending), submits_per_minute = COALESCE(@submits_per_minute, submits_per_minute),
+                  max_priority = COALESCE(@max_priority, max_priority), share_weight = COALESCE(@share_weight, share_weight),
+                  gpu_seconds_per_day = NULLIF(COALESCE(@gpu_seconds_per_day, gpu_seconds_per_day), 0),
+                  gpu_seconds_per_month = NULLIF(COALESCE(@gpu_seconds_per_month, gpu_seconds_per_month), 0),
+                  max_pending_per_end_user = COALESCE(@max_pending_per_end_user, max_pending_per_end_user),
+                  submits_per_minute_per_end_user = COALESCE(@submits_per_minute_per_end_user, submits_per_minute_per_end_user),
+                  tokens_per_day = NULLIF(COALESCE(@tokens_per_day, tokens_per_day), 0),
+                  tokens_per_month = NULLIF(COALESCE(@tokens_per_month, tokens_per_month), 0)
+WHERE id = @tenant_id
 RETURNING id, max_pending, submits_per_minute, max_priority, share_weight, gpu_seconds_per_day, gpu_seconds_per_month,
           max_pending_per_end_user, submits_per_minute_per_end_user, tokens_per_day, tokens_per_month;
 
@@ -97,8 +95,8 @@ SELECT id, name, prefix, scope, expires_at, expires_at IS NOT NULL AND expires_a
 FROM admin_credential WHERE key_hash = $1 AND revoked_at IS NULL;
 
 -- name: insert_admin_audit
--- One admin action as it was asked for. $1 admin name, $2 prefix, $3 action, $4 target, $5 dry run, $6 detail.
-INSERT INTO admin_audit (admin, prefix, action, target, dry_run, detail) VALUES ($1, $2, $3, $4, $5, $6)
+-- One admin action as it was asked for (@admin: the admin credential's name).
+INSERT INTO admin_audit (admin, prefix, action, target, dry_run, detail) VALUES (@admin, @prefix, @action, @target, @dry_run, @detail)
 RETURNING id, at;
 
 -- name: list_admin_audit

@@ -73,10 +73,10 @@ SELECT * FROM d ORDER BY id;
 SELECT pg_notify('taskgate_webhook', $1::text);
 
 -- name: webhook_claim
--- Due deliveries of one lane ($4: the progress lane, else the terminal one) for this sender, leased so no other
+-- Due deliveries of one lane (@progress: the progress lane, else the terminal one) for this sender, leased so no other
 -- replica sends them meanwhile, fair across destinations: round-robin (each destination's oldest first), never more
--- than $5 in flight to one destination over every replica (one while its breaker is half-open: $6 failures or more),
--- none while its breaker is open. $1 limit, $2 owner, $3 lease s.
+-- than @per_destination in flight to one destination over every replica (one while its breaker is half-open:
+-- @breaker_failures failures or more), none while its breaker is open.
 WITH busy AS (
     SELECT destination, count(*)::integer AS n FROM callback_delivery
     WHERE lease_owner IS NOT NULL AND lease_expires_at >= now() AND status = 'PENDING'
@@ -85,24 +85,24 @@ WITH busy AS (
     SELECT c.id FROM (
         SELECT d.id, d.next_attempt_at,
                row_number() OVER (PARTITION BY d.destination ORDER BY d.next_attempt_at, d.id) + coalesce(b.n, 0) AS nth,
-               CASE WHEN coalesce(w.failures, 0) >= $6 THEN 1 ELSE $5 END AS cap
+               CASE WHEN coalesce(w.failures, 0) >= @breaker_failures THEN 1 ELSE @per_destination END AS cap
         FROM callback_delivery d
         LEFT JOIN busy b ON b.destination = d.destination
         LEFT JOIN webhook_destination w ON w.destination = d.destination
         WHERE d.status = 'PENDING' AND d.next_attempt_at <= now()
           AND (d.lease_expires_at IS NULL OR d.lease_expires_at < now())
-          AND (d.event_type = 'task.progress') = $4
+          AND (d.event_type = 'task.progress') = @progress
           AND (w.open_until IS NULL OR w.open_until <= now())
     ) c
     WHERE c.nth <= c.cap
     ORDER BY c.nth, c.next_attempt_at, c.id
-    LIMIT $1
+    LIMIT @limit
 ), due AS (
     SELECT d.id FROM callback_delivery d JOIN candidate USING (id)
     WHERE d.status = 'PENDING' AND (d.lease_expires_at IS NULL OR d.lease_expires_at < now())
     FOR UPDATE OF d SKIP LOCKED
 )
-UPDATE callback_delivery d SET lease_owner = $2, lease_expires_at = now() + make_interval(secs => $3)
+UPDATE callback_delivery d SET lease_owner = @owner, lease_expires_at = now() + make_interval(secs => @lease_seconds)
 FROM due WHERE d.id = due.id
 RETURNING d.*;
 
@@ -135,20 +135,20 @@ SELECT CASE WHEN min(next_attempt_at) IS NOT NULL THEN GREATEST(EXTRACT(EPOCH FR
 FROM callback_delivery WHERE status = 'PENDING';
 
 -- name: webhook_record
--- The outcome of one attempt, only while this sender holds the lease. $1 delivery, $2 owner, $3 new status,
--- $4 seconds to the next attempt (PENDING), $5 HTTP status code, $6 error excerpt.
+-- The outcome of one attempt, only while this sender holds the lease: its new @status, @delay_seconds to the next
+-- attempt (PENDING), the HTTP @status_code and an excerpt of the @error.
 UPDATE callback_delivery
-SET status = $3, attempts = attempts + 1, lease_owner = NULL, lease_expires_at = NULL,
-    next_attempt_at = CASE WHEN $3 = 'PENDING' THEN now() + make_interval(secs => $4) ELSE next_attempt_at END,
-    delivered_at = CASE WHEN $3 = 'DELIVERED' THEN now() END,
-    last_status_code = $5, last_error = $6
-WHERE id = $1 AND lease_owner = $2 AND status = 'PENDING'
+SET status = @status, attempts = attempts + 1, lease_owner = NULL, lease_expires_at = NULL,
+    next_attempt_at = CASE WHEN @status = 'PENDING' THEN now() + make_interval(secs => @delay_seconds) ELSE next_attempt_at END,
+    delivered_at = CASE WHEN @status = 'DELIVERED' THEN now() END,
+    last_status_code = @status_code, last_error = @error
+WHERE id = @delivery_id AND lease_owner = @owner AND status = 'PENDING'
 RETURNING id, task_id, attempts, round_start, event_type;
 
 -- name: webhook_insert_attempt
--- The log of one attempt. $1 delivery, $2 attempt number, $3 webhook id, $4 status code, $5 latency ms, $6 error.
+-- The log of one attempt (@attempt: its number).
 INSERT INTO callback_attempt (delivery_id, attempt, webhook_id, status_code, latency_ms, error)
-VALUES ($1, $2, $3, $4, $5, $6)
+VALUES (@delivery_id, @attempt, @webhook_id, @status_code, @latency_ms, @error)
 ON CONFLICT (delivery_id, attempt) DO NOTHING;
 
 -- name: stream_task_events

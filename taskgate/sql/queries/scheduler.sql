@@ -23,23 +23,23 @@ FOR UPDATE SKIP LOCKED;
 -- name: sched_queued_due
 -- QUEUED tasks waiting longer than their model's queue timeout, counted from the last (re-)publish or the end of
 -- a retry backoff, at a model whose queue does not move: no claim at the model within the timeout and no task of it
--- running (a backlog that moves is no loss). $1 now, $2 model ids, $3 their timeouts (seconds), $4 default timeout,
--- $5 smallest timeout (the index bound), $6 limit.
+-- running (a backlog that moves is no loss). @models and their timeouts in @seconds, @default_seconds for any other
+-- model, @smallest the smallest timeout (the index bound).
 SELECT t.* FROM task t
 CROSS JOIN LATERAL (
-    SELECT COALESCE((SELECT m.secs FROM unnest($2::text[], $3::float8[]) AS m(model_id, secs)
-                     WHERE m.model_id = t.model_id), $4) AS secs
+    SELECT COALESCE((SELECT m.secs FROM unnest(@models::text[], @seconds::float8[]) AS m(model_id, secs)
+                     WHERE m.model_id = t.model_id), @default_seconds) AS secs
 ) o
 WHERE t.status = 'QUEUED'
-  AND t.updated_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $5)
-  AND GREATEST(t.updated_at, t.not_before) < COALESCE($1::timestamptz, now()) - make_interval(secs => o.secs)
+  AND t.updated_at < COALESCE(@now::timestamptz, now()) - make_interval(secs => @smallest)
+  AND GREATEST(t.updated_at, t.not_before) < COALESCE(@now::timestamptz, now()) - make_interval(secs => o.secs)
   AND NOT EXISTS (SELECT 1 FROM fair_level l
-                  WHERE l.model_id = t.model_id AND l.claimed_at > COALESCE($1::timestamptz, now()) - make_interval(secs => o.secs))
+                  WHERE l.model_id = t.model_id AND l.claimed_at > COALESCE(@now::timestamptz, now()) - make_interval(secs => o.secs))
   AND NOT EXISTS (SELECT 1 FROM task r
-                  WHERE task_holds_lease(r.status, r.lease_expires_at) AND r.lease_expires_at > COALESCE($1::timestamptz, now())
+                  WHERE task_holds_lease(r.status, r.lease_expires_at) AND r.lease_expires_at > COALESCE(@now::timestamptz, now())
                     AND r.model_id = t.model_id)
 ORDER BY t.updated_at
-LIMIT $6
+LIMIT @limit
 FOR UPDATE OF t SKIP LOCKED;
 
 -- name: sched_level_holders
@@ -62,16 +62,16 @@ FOR UPDATE SKIP LOCKED;
 
 -- name: sched_processing_overdue
 -- PROCESSING tasks with a live lease whose processing time, earlier attempts included, ran past their model's
--- processing timeout (plus the grace once it was granted). $1 now, $2 model ids, $3 their timeouts, $4 default
--- timeout, $5 grace seconds, $6 limit.
+-- processing timeout (plus @grace_seconds once it was granted). @models and their timeouts in @seconds,
+-- @default_seconds for any other model.
 SELECT t.* FROM task t
 WHERE t.status = 'PROCESSING'
-  AND t.lease_expires_at >= COALESCE($1::timestamptz, now())
+  AND t.lease_expires_at >= COALESCE(@now::timestamptz, now())
   AND t.started_at + make_interval(secs => COALESCE(
-        (SELECT m.secs FROM unnest($2::text[], $3::float8[]) AS m(model_id, secs) WHERE m.model_id = t.model_id), $4)
-        + CASE WHEN t.timeout_extended THEN $5 ELSE 0 END - t.processed_seconds) < COALESCE($1::timestamptz, now())
+        (SELECT m.secs FROM unnest(@models::text[], @seconds::float8[]) AS m(model_id, secs) WHERE m.model_id = t.model_id), @default_seconds)
+        + CASE WHEN t.timeout_extended THEN @grace_seconds ELSE 0 END - t.processed_seconds) < COALESCE(@now::timestamptz, now())
 ORDER BY t.started_at
-LIMIT $6
+LIMIT @limit
 FOR UPDATE OF t SKIP LOCKED;
 
 -- name: sched_grant_grace
