@@ -42,6 +42,8 @@ def bench_settings(state_dir: Path, *, fleet_seconds: float = 20.0, **overrides:
         "callback_allow_hosts": ["127.0.0.1"],
         # one bench tenant is the whole load: its per-process limits are out of the way (the buckets still run)
         "tenant_calls_per_second": 1e9,
+        "tenant_calls_in_flight": 0,
+        "process_calls_in_flight": 0,
         "max_streams_per_tenant": 1_000_000,
         "max_streams_per_process": 1_000_000,
         "submit_metrics_port": 0,

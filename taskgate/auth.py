@@ -267,7 +267,7 @@ class Authenticator:
                     f"this client token lacks the {scope!r} scope", reason=reasons.CLIENT_TOKEN_SCOPE, scope=scope
                 )
             if self._throttle is not None:
-                self._throttle.call(grant.tenant_id, self._service)
+                await self._throttle.call(grant.tenant_id, self._service)
             return Caller(Principal(grant.tenant_id, None, None), grant)
         found, _ = await self._resolve(context)
         return Caller(found)
@@ -331,7 +331,7 @@ class Authenticator:
                 f"this call needs an operator admin key; {found.prefix} is {found.scope}-only", reason=reasons.ADMIN_SCOPE
             )
         if self._throttle is not None:
-            self._throttle.call(found.name, self._service)
+            await self._throttle.call(found.name, self._service)
         return found
 
     def _refuse_if_known(self, digest: str, now: float) -> None:
@@ -364,7 +364,7 @@ class Authenticator:
             if self._generation == began:
                 self._cache[digest] = (now + self._ttl, found)
         if self._throttle is not None:
-            self._throttle.call(found.tenant_id, self._service)
+            await self._throttle.call(found.tenant_id, self._service)
         return found, digest
 
 

@@ -382,9 +382,28 @@ class Settings(BaseSettings):
         default=30, ge=1, description="Submissions one end user of a tenant may make per minute (inside the tenant's)."
     )
     tenant_calls_per_second: float = Field(
-        default=200.0, ge=0, description="RPCs a tenant may make per second on each process (a token bucket); 0 = no limit."
+        default=100.0, ge=0,
+        description="RPCs a tenant may make per second on each process (paced: a call past it waits its turn); 0 = no limit."
     )
-    tenant_calls_burst: int = Field(default=400, ge=1, description="Calls a tenant may make at once before its rate applies.")
+    tenant_calls_burst: int = Field(default=20, ge=1, description="Calls a tenant may make at once before its rate applies.")
+    tenant_calls_wait_seconds: float = Field(
+        default=2.0, ge=0,
+        description="How long a call past its tenant's rate waits for its turn; one that would wait longer is refused "
+        "RESOURCE_EXHAUSTED TENANT_RATE_LIMITED.",
+    )
+    tenant_calls_in_flight: int = Field(
+        default=4, ge=0,
+        description="Unary calls of one tenant a process runs at once; its further calls wait behind them, in its own line (0 = no cap).",
+    )
+    process_calls_in_flight: int = Field(
+        default=16, ge=0,
+        description="Unary calls a process runs at once over all tenants; further calls wait, the waiting tenants served in "
+        "turn (0 = no cap).",
+    )
+    tenant_calls_waiting: int = Field(
+        default=1000, ge=1,
+        description="Calls of one tenant that may wait for a place on a process; more are refused RESOURCE_EXHAUSTED TENANT_RATE_LIMITED.",
+    )
     max_streams_per_tenant: int = Field(default=100, ge=1, description="WatchTask/WatchTasks streams a tenant may hold open per process.")
     max_streams_per_process: int = Field(default=10000, ge=1, description="Streams one notifier holds open in all.")
     max_prompt_chars: int = Field(default=2000, ge=1, description="Longest prompt accepted, in characters.")

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from nats.errors import Error as NatsError
 
-from taskgate import errors, loops, telemetry, text, tracing
+from taskgate import errors, loops, telemetry, text, throttle, tracing
 from taskgate.bus import Bus
 from taskgate.config import Settings
 from taskgate.runtime import stop_tasks
@@ -180,7 +180,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 async with scope(context):
-                    return await inner_uu(decoded(request), context)
+                    with throttle.call_scope():  # the place its tenant's call takes (taskgate.throttle) ends with it
+                        return await inner_uu(decoded(request), context)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, request_deserializer=deserializer, response_serializer=handler.response_serializer

@@ -361,6 +361,9 @@ def settings_for(state_dir: Path, *, database_url: str | None = None, nats_url: 
         worker_metrics_port=0,
         callback_allow_hosts=["127.0.0.1"],
         eta_snapshot_seconds=0.0,  # each call reads the queue as it finds it (tests of the shared snapshot set a period)
+        # the suite's own calls come in bursts (the call-limit tests set theirs)
+        tenant_calls_per_second=200.0,
+        tenant_calls_burst=400,
         models={"wan-tiny": ModelSpec(path=state_dir / "models" / "wan-tiny"), "sleepy": ModelSpec(kind="sleep")},
     )
 
