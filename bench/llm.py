@@ -7,8 +7,8 @@
   decoding loop: the ceiling the gateway is held to.
 - Time to first token: one task at a time, submit -> the first delta `stream_text()` yields, against the same prompt
   and token limit on the model here (a sequence into its decoding loop -> the detokenizer's first delta); the
-  difference is what the gateway adds (dispatch, claim, prompt tokenizing in the worker, the output coalescing window,
-  JetStream, the notifier's WatchTask).
+  difference is what the gateway adds (dispatch, claim, prompt tokenizing in the worker, JetStream, the notifier's
+  WatchTask; the first delta is not held by the output coalescing window).
 - Server-side CPU per streamed token over the gateway's rounds: every service process, PostgreSQL and NATS from
   /proc, the worker's model decoding apart — its decoding loop's thread and the intra-op threads torch started from it,
   which carry its OS name (textgen-<model>; sampling and detokenizing run there too).
@@ -291,7 +291,7 @@ def _report(
         "time the gateway adds to the first token, p50",
         p50 - d50,
         "ms",
-        note="includes the worker's output coalescing window (TASKGATE_OUTPUT_COALESCE_SECONDS)",
+        note="dispatch and claim, the worker's prompt tokenizing, JetStream, the notifier's WatchTask",
     )
     for n in opts.levels:
         parts, decoding = cpu_per_token(gateway[n])

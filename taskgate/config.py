@@ -286,7 +286,8 @@ class Settings(BaseSettings):
     output_coalesce_seconds: float = Field(
         default=0.05,
         ge=0,
-        description="A running task's text deltas are gathered for this long into one output chunk (one NATS message).",
+        description="A running task's text deltas are gathered for this long into one output chunk (one NATS message); "
+        "its first delta goes at once.",
     )
 
     # gRPC and metrics endpoints

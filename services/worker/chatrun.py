@@ -148,9 +148,10 @@ class Detokenizer:
 
 
 class TextOut:
-    """Publishes a running task's text deltas to its output stream: gathered for `coalesce` seconds into one chunk,
-    one publish at a time (so in order), each chunk saying where it starts in the attempt's text. `add` may be called
-    from any thread; a publish that keeps failing keeps its text pending for the next chunk (a gap is never made)."""
+    """Publishes a running task's text deltas to its output stream: the first at once, later ones gathered for
+    `coalesce` seconds into one chunk, one publish at a time (so in order), each chunk saying where it starts in the
+    attempt's text. `add` may be called from any thread; a publish that keeps failing keeps its text pending for the
+    next chunk (a gap is never made)."""
 
     def __init__(self, bus: busmod.Bus, user_id: str, task_id: int, attempt: int, coalesce: float,
                  on_publish: Callable[[int], None] | None = None) -> None:
@@ -182,8 +183,9 @@ class TextOut:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not self._closed and self.coalesce > 0:
-                await asyncio.sleep(self.coalesce)  # gather what arrives meanwhile into the same chunk
+            if not self._closed and self.coalesce > 0 and self.chunks:
+                # gather what arrives meanwhile into the same chunk; the first goes at once (the time to first token)
+                await asyncio.sleep(self.coalesce)
             await self._flush()
             if self._closed:
                 await self._flush()

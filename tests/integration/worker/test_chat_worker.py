@@ -224,3 +224,30 @@ async def test_a_soft_cancelled_chat_answer_is_reused_by_the_same_request(
     assert got.text.text == row.result_text and got.usage.output_tokens == 0  # nothing generated for it
     data, _ = await whole_result(stub, md, second.id)
     assert data.decode() == row.result_text
+
+
+async def test_the_first_delta_goes_out_at_once_and_later_ones_are_coalesced(
+    settings: Settings, backends: Backends, stub: Any, workers: WorkerFactory
+) -> None:
+    """The time to first token is not held by the coalescing window; what follows is gathered for it."""
+    coalesce = 10.0
+    md = await key_for(backends, max_pending=10)
+    await workers(settings.model_copy(update={"output_coalesce_seconds": coalesce}))
+    task = await submit(stub, md, "Write a long story about a fox.", max_output_tokens=60, temperature=0.9, seed=3)
+    await wait_for(lambda: _has_output(backends, task), 60)
+    [first, *_] = await chunks(backends, task.user_id, task.id)
+    started = await wait_task(backends, int(task.id), lambda row: row.started_at is not None, within=10)
+    assert started.started_at is not None
+    # before the window could have ended once: the first delta did not wait for it
+    assert first.at.ToDatetime(tzinfo=UTC) < started.started_at + timedelta(seconds=coalesce / 2)
+    done = await wait_task(backends, int(task.id), is_status(Status.SUCCEEDED), within=60)
+    assert done.status == Status.SUCCEEDED
+    found = await chunks(backends, task.user_id, task.id)
+    assert found[0].sequence == first.sequence and len(found[0].text) > 0
+    assert len(found) == 2  # the rest, made within one window, went as one chunk
+    got = (await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task.id), metadata=md, timeout=5)).task
+    assert text_of(found, 1) == got.text.text
+
+
+async def _has_output(backends: Backends, task: task_pb2.Task) -> bool:
+    return bool(await chunks(backends, task.user_id, task.id))
