@@ -123,8 +123,9 @@ constraints: $(STAMP)
 
 ## The hash-locked requirements the images install (requirements/*.txt) from constraints.txt and the pyprojects, with
 ## pip-compile from a tool environment of its own ($(LOCK_VENV)), not the runtime's; run it after `make constraints`.
+## LOCK_ARGS="--only api.txt worker.txt" rewrites some files alone (torch-cuda.txt hashes every platform's CUDA wheels).
 LOCK_VENV := .venv-lock
-PIP_TOOLS_VERSION := 7.6.2
+PIP_TOOLS_VERSION := 7.7.0
 LOCK_TOOLS := $(LOCK_VENV)/.installed-pip-tools-$(PIP_TOOLS_VERSION)
 
 $(LOCK_TOOLS):
@@ -133,7 +134,7 @@ $(LOCK_TOOLS):
 	rm -f $(LOCK_VENV)/.installed-* && touch $(LOCK_TOOLS)
 
 lock: $(STAMP) $(LOCK_TOOLS)
-	$(PY) -m taskgate_local.lock --pip-compile $(LOCK_VENV)/bin/pip-compile
+	$(PY) -m taskgate_local.lock --pip-compile $(LOCK_VENV)/bin/pip-compile $(LOCK_ARGS)
 
 ## Pins every third-party image of the Dockerfile, compose.yaml and deploy/ to its tag's current digest (skopeo, crane or
 ## docker buildx asks the registry); `$(PY) -m taskgate_local.digests --check` lists the unpinned ones offline.

@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pip-compile", default=str(ROOT / ".venv-lock" / "bin" / "pip-compile"),
                         help="the pip-compile of the tool environment (default .venv-lock/bin/pip-compile)")
+    parser.add_argument("--only", nargs="+", choices=sorted(WHAT), default=sorted(WHAT), metavar="FILE",
+                        help="rewrite only these files (default: all); torch-cuda.txt hashes every platform's CUDA wheels, "
+                        "which takes long where the index's JSON API gives no usable file hashes")
     options = parser.parse_args(argv)
+    want = set(options.only)
     REQUIREMENTS.mkdir(exist_ok=True)
     own = projects()
     # pip's configuration files and environment stay out: the files name PyPI and the indexes given here, nothing local
@@ -125,21 +129,27 @@ def main(argv: list[str] | None = None) -> int:
         requires = {req for folder in own.values()
                     for req in tomllib.loads((folder / "pyproject.toml").read_text())["build-system"]["requires"]}
         build_in.write_text("".join(f"{req}\n" for req in sorted(requires)))
-        build = compile_(options.pip_compile, [str(build_in)], ["--index-url", PYPI, "--allow-unsafe"], env)
-        api = compile_(options.pip_compile, sources, ["--index-url", PYPI, *links, *unsafe], env)
-        worker = compile_(options.pip_compile, sources,
-                          ["--extra", "worker", *cpu_source, *links, *unsafe, "--unsafe-package", "torch"], env)
+        found: dict[str, dict[str, tuple[str, str]]] = {}
+        if "build.txt" in want:
+            found["build.txt"] = compile_(options.pip_compile, [str(build_in)], ["--index-url", PYPI, "--allow-unsafe"], env)
+        if "api.txt" in want:
+            found["api.txt"] = compile_(options.pip_compile, sources, ["--index-url", PYPI, *links, *unsafe], env)
+        if want & {"worker.txt", "torch-cuda.txt"}:  # the CUDA file holds what the worker's lacks
+            worker = compile_(options.pip_compile, sources,
+                              ["--extra", "worker", *cpu_source, *links, *unsafe, "--unsafe-package", "torch"], env)
+            found["worker.txt"] = worker
         torch_in = Path(tmp) / "torch.in"
-        torch_in.write_text(f"torch=={pin}+cpu\n")
-        cpu = compile_(options.pip_compile, [str(torch_in)], cpu_source, env)
-        torch_in.write_text(f"torch=={pin}\n")
-        cuda_index = os.environ.get("TORCH_CUDA_INDEX_URL") or PYPI
-        cuda = compile_(options.pip_compile, [str(torch_in)], ["--index-url", cuda_index], env)
-    write("build.txt", build)
-    write("api.txt", api)
-    write("worker.txt", worker)
-    write("torch-cpu.txt", {"torch": cpu["torch"]})
-    write("torch-cuda.txt", {name: entry for name, entry in cuda.items() if name == "torch" or name not in worker})
+        if "torch-cpu.txt" in want:
+            torch_in.write_text(f"torch=={pin}+cpu\n")
+            found["torch-cpu.txt"] = {"torch": compile_(options.pip_compile, [str(torch_in)], cpu_source, env)["torch"]}
+        if "torch-cuda.txt" in want:
+            torch_in.write_text(f"torch=={pin}\n")
+            cuda_index = os.environ.get("TORCH_CUDA_INDEX_URL") or PYPI
+            cuda = compile_(options.pip_compile, [str(torch_in)], ["--index-url", cuda_index], env)
+            found["torch-cuda.txt"] = {name: entry for name, entry in cuda.items() if name == "torch" or name not in worker}
+    for name in sorted(WHAT):
+        if name in want:
+            write(name, found[name])
     return 0
 
 
