@@ -25,7 +25,7 @@ from taskgate.config import ModelSpec
 
 from . import checkpoint, partial
 from .encoding import CONTENT_TYPE_MP4, encode_mp4
-from .runner import RunAborted
+from .runtypes import RunAborted
 
 _MISSING = object()
 

@@ -10,90 +10,24 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from taskgate import images, tracing
 from taskgate.config import ModelSpec
-from taskgate.store import TextOutcome
 
-from .checkpoint import Capture, Snapshot
+from .runtypes import InjectedFailure as InjectedFailure  # the run types, re-exported for runmod.X
+from .runtypes import InputMissing as InputMissing
+from .runtypes import ModelRunner as ModelRunner
+from .runtypes import OnStep as OnStep
+from .runtypes import Rendered as Rendered
+from .runtypes import RunAborted as RunAborted
+from .runtypes import RunInput as RunInput
+from .runtypes import RunOutput as RunOutput
+from .runtypes import ShouldAbort as ShouldAbort
 
 log = logging.getLogger("taskgate.worker.runner")
-
-OnStep = Callable[[int, int], None]
-ShouldAbort = Callable[[], bool]
-
-
-class RunAborted(Exception):
-    """The run stopped at a step boundary because its abort flag was set (a diffusers pipeline stays usable)."""
-
-
-class InputMissing(Exception):
-    """A task's input image is not in the result store (or is not what its sha256 says): no retry brings it back."""
-
-
-class InjectedFailure(Exception):
-    """A failure the 'sleep' model raises on purpose (ModelSpec.fail_times; tests and benchmarks only)."""
-
-    def __init__(self, code: str, retryable: bool, attempt: int) -> None:
-        super().__init__(f"injected failure on attempt {attempt}")
-        self.code = code
-        self.retryable = retryable
-
-
-@dataclass(frozen=True, slots=True)
-class RunInput:
-    """One task's inputs as a runner sees them: `image` is the canonical PNG its params' "image" names, read from the
-    result store before the run (None for a text-to-video task); `resume` the checkpoint an earlier attempt left (a
-    runner that cannot use it starts from step 0), `capture` where the run's own snapshots go (None: none taken),
-    `previews` where its preview frames go (a services.worker.partial.Partial; None: none made)."""
-
-    task_id: int
-    attempt: int
-    prompt: str
-    params: dict[str, Any]
-    image: bytes | None = None
-    resume: Snapshot | None = None
-    capture: Capture | None = None
-    previews: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-class RunOutput:
-    """An encoded output ready to store."""
-
-    data: bytes
-    content_type: str
-    extension: str
-    sha256: str
-    text: TextOutcome | None = None  # a chat task's answer as its row records it
-
-
-@dataclass(frozen=True, slots=True)
-class Rendered:
-    """A task's device phase done (a pipeline's decoded frames), its CPU phase (encoding) still to run."""
-
-    inp: RunInput
-    payload: object
-
-
-class ModelRunner(Protocol):
-    """Runs a task in two phases on the calling thread: the device phase (denoising, VAE decode; calls on_step after
-    each step, raises RunAborted when told), exclusive on its device, then the CPU phase (encoding), which overlaps
-    the next task's device phase."""
-
-    model_id: str
-
-    def render(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> Rendered:
-        """The device phase of one task."""
-        ...
-
-    def encode(self, rendered: Rendered) -> RunOutput:
-        """The CPU phase: the rendered task as an encoded output."""
-        ...
 
 
 def classify(exc: BaseException) -> tuple[bool, str]:

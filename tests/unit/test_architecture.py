@@ -4,12 +4,14 @@ services -> taskgate (core) -> taskgate_api; taskgate_client -> taskgate_api; ta
 taskgate_api.v1, Status, reason codes, webhook signing, the CLI contract: what both sides share); the core and the
 services never import taskgate_client; taskgate_local -> anything; no production code imports taskgate_local; services
 never import each other; a test module imports no other test
-module (shared helpers live in tests/support, fixtures in a conftest.py).
+module (shared helpers live in tests/support, fixtures in a conftest.py); no service's modules import each other
+in a cycle.
 """
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import json
 import os
 import subprocess
@@ -226,3 +228,46 @@ def test_the_sql_rule_catches_a_service_query(tmp_path: Path) -> None:
         "services.submit._probe_sql_rule imports taskgate.sql",
         "services.submit._probe_sql_rule calls .fetchval()",
     ]
+
+
+def import_cycles(root: Path = ROOT) -> list[list[str]]:
+    """Each service's import cycles among its own modules (lazy imports inside functions count: a cycle is one
+    whichever import runs first), one cycle per service at most (the first graphlib finds)."""
+    modules = {_module_name(path, root): path for path in sorted((root / "services").rglob("*.py"))}
+
+    def owner(target: str) -> str:  # `services.worker.runner.RunAborted` -> `services.worker.runner`
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target
+
+    cycles = []
+    for service in sorted({s for m in modules if (s := _service(m)) is not None}):
+        graph = {
+            module: {
+                found
+                for imp in _imports(path, root)
+                if (found := owner(imp.target)) != module and _service(found) == service and found != f"services.{service}"
+            }
+            for module, path in modules.items()
+            if _service(module) == service
+        }
+        try:
+            tuple(graphlib.TopologicalSorter(graph).static_order())
+        except graphlib.CycleError as cycle:
+            cycles.append(list(cycle.args[1]))
+    return cycles
+
+
+def test_no_service_has_an_import_cycle() -> None:
+    assert import_cycles() == [], "a service's modules import each other (move what both need to a module of its own)"
+
+
+def test_the_cycle_rule_catches_two_modules_importing_each_other(tmp_path: Path) -> None:
+    folder = tmp_path / "services" / "probe"
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text("")
+    (folder / "a.py").write_text("from .b import B\n\nA = 1\n")
+    (folder / "b.py").write_text("B = 1\n\n\ndef f():\n    from services.probe.a import A\n\n    return A\n")
+    (folder / "c.py").write_text("from . import a\n")
+    cycles = import_cycles(tmp_path)
+    assert len(cycles) == 1 and set(cycles[0]) == {"services.probe.a", "services.probe.b"}, cycles
