@@ -88,7 +88,21 @@ async def insert_file(
     batch_id: int | None = None,
 ) -> FileRow:
     """Records a file whose object is already written."""
-    return _file(await db.fetchrow(sql.query("file_insert"), file_id, tenant, purpose, filename, uri, size, sha256, batch_id))
+    return _file(
+        await db.fetchrow(
+            *sql.bind(
+                "file_insert",
+                file_id=file_id,
+                user_id=tenant,
+                purpose=purpose,
+                filename=filename,
+                uri=uri,
+                size_bytes=size,
+                sha256=sha256,
+                batch_id=batch_id,
+            )
+        )
+    )
 
 
 async def get_file(db: Conn, tenant: str, file_id: int) -> FileRow | None:
@@ -108,8 +122,19 @@ async def insert_batch(
 ) -> BatchRow:
     """A new batch, validating, its ingest's lease taken."""
     rec = await db.fetchrow(
-        sql.query("batch_insert"), batch_id, tenant, end_user, input_file_id, endpoint, window, metadata,
-        window_seconds, lease_seconds, source_file_id,
+        *sql.bind(
+            "batch_insert",
+            batch_id=batch_id,
+            user_id=tenant,
+            end_user=end_user,
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+            completion_window=window,
+            metadata=metadata,
+            window_seconds=window_seconds,
+            lease_seconds=lease_seconds,
+            source_file_id=source_file_id,
+        )
     )
     return _batch(rec)
 
@@ -143,7 +168,18 @@ async def record(
     """Records a chunk of lines from `start` with the ingest's progress; False when another ingest recorded them or
     the batch stopped taking lines."""
     lines = list(range(start, start + len(custom_ids)))
-    rows = await db.fetch(sql.query("batch_record"), batch_id, start, lines, custom_ids, task_ids, errors, lease_seconds)
+    rows = await db.fetch(
+        *sql.bind(
+            "batch_record",
+            batch_id=batch_id,
+            start=start,
+            lines=lines,
+            custom_ids=custom_ids,
+            task_ids=task_ids,
+            errors=errors,
+            lease_seconds=lease_seconds,
+        )
+    )
     return len(rows) == len(lines)
 
 

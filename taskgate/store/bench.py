@@ -8,7 +8,17 @@ from taskgate.store.pool import Conn
 
 async def ceiling_insert(db: Conn, *, task_id: int, tenant: str, key: str, prompt: str, model: str, queue_name: str) -> None:
     """The least a durable submit writes: one CREATED row."""
-    await db.execute(sql.query("bench_ceiling_insert"), task_id, tenant, key, prompt, model, queue_name)
+    await db.execute(
+        *sql.bind(
+            "bench_ceiling_insert",
+            task_id=task_id,
+            user_id=tenant,
+            idempotency_key=key,
+            prompt=prompt,
+            model_id=model,
+            queue_name=queue_name,
+        )
+    )
 
 
 async def ceiling_queue(db: Conn, task_id: int) -> None:

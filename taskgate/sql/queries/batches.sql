@@ -1,8 +1,7 @@
 -- name: file_insert
--- Records a tenant's stored file (its object already written). $1 id, $2 user, $3 purpose, $4 filename, $5 uri,
--- $6 bytes, $7 sha256, $8 batch id (or NULL).
+-- Records a tenant's stored file (its object already written); @batch_id NULL: none.
 INSERT INTO stored_file (id, user_id, purpose, filename, uri, size_bytes, sha256, batch_id)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+VALUES (@file_id, @user_id, @purpose, @filename, @uri, @size_bytes, @sha256, @batch_id)
 RETURNING *;
 
 -- name: file_get
@@ -17,11 +16,11 @@ WHERE user_id = $1 AND ($2 = '' OR purpose = $2) AND ($3::bigint IS NULL OR id <
 ORDER BY id DESC LIMIT $4;
 
 -- name: batch_insert
--- A new batch, validating, its lease taken by the ingest that starts it. $1 id, $2 user, $3 end user, $4 input file,
--- $5 endpoint, $6 completion window, $7 metadata, $8 window seconds, $9 lease seconds, $10 source file (or NULL).
+-- A new batch, validating, its lease taken by the ingest that starts it (@window_seconds: its completion window in
+-- seconds; @source_file_id NULL: none).
 INSERT INTO task_batch (id, user_id, end_user, input_file_id, endpoint, completion_window, metadata, expires_at,
                         lease_until, source_file_id)
-VALUES ($1, $2, $3, $4, $5, $6, $7, now() + make_interval(secs => $8), now() + make_interval(secs => $9), $10)
+VALUES (@batch_id, @user_id, @end_user, @input_file_id, @endpoint, @completion_window, @metadata, now() + make_interval(secs => @window_seconds), now() + make_interval(secs => @lease_seconds), @source_file_id)
 RETURNING *;
 
 -- name: batch_get
@@ -60,23 +59,23 @@ UPDATE task_batch SET total_lines = $2 WHERE id = $1 AND total_lines IS NULL;
 -- name: batch_record
 -- A chunk of lines submitted: their tasks or refusals recorded with the ingest's progress, guarded by the progress
 -- the ingest started the chunk from (a second ingest records nothing and stops), the lease renewed; the last chunk
--- moves a validating batch to in_progress. $1 id, $2 from line, $3 lines, $4 custom ids, $5 task ids, $6 errors,
--- $7 lease seconds. No row: another ingest recorded them, or the batch is no longer validating.
+-- moves a validating batch to in_progress. @start: the line the chunk starts from; @lines, @custom_ids, @task_ids
+-- and @errors one element per line. No row: another ingest recorded them, or the batch is no longer validating.
 WITH moved AS (
-    UPDATE task_batch SET ingested_lines = $2 + cardinality($3::int[]),
-                          lease_until = CASE WHEN status = 'cancelling' OR $2 + cardinality($3::int[]) >= total_lines
+    UPDATE task_batch SET ingested_lines = @start + cardinality(@lines::int[]),
+                          lease_until = CASE WHEN status = 'cancelling' OR @start + cardinality(@lines::int[]) >= total_lines
                                              THEN NULL
-                                             ELSE now() + make_interval(secs => $7) END,
-                          status = CASE WHEN status = 'validating' AND $2 + cardinality($3::int[]) >= total_lines
+                                             ELSE now() + make_interval(secs => @lease_seconds) END,
+                          status = CASE WHEN status = 'validating' AND @start + cardinality(@lines::int[]) >= total_lines
                                         THEN 'in_progress' ELSE status END,
-                          in_progress_at = CASE WHEN status = 'validating' AND $2 + cardinality($3::int[]) >= total_lines
+                          in_progress_at = CASE WHEN status = 'validating' AND @start + cardinality(@lines::int[]) >= total_lines
                                                 THEN now() ELSE in_progress_at END
-    WHERE id = $1 AND ingested_lines = $2 AND status IN ('validating', 'cancelling')
+    WHERE id = @batch_id AND ingested_lines = @start AND status IN ('validating', 'cancelling')
     RETURNING id
 )
 INSERT INTO batch_item (batch_id, line, custom_id, task_id, error)
 SELECT moved.id, u.line, u.custom_id, u.task_id, u.error
-FROM moved, unnest($3::int[], $4::text[], $5::bigint[], $6::jsonb[]) AS u(line, custom_id, task_id, error)
+FROM moved, unnest(@lines::int[], @custom_ids::text[], @task_ids::bigint[], @errors::jsonb[]) AS u(line, custom_id, task_id, error)
 RETURNING line;
 
 -- name: batch_renew

@@ -1,11 +1,10 @@
 -- `make bench` only: the raw-ceiling handler's statements, closing a phase's leftovers, and bulk history.
 
 -- name: bench_ceiling_insert
--- The least a durable submit writes: one CREATED row (the history trigger adds its event). $1 id, $2 user,
--- $3 idempotency key, $4 prompt, $5 model, $6 queue name.
+-- The least a durable submit writes: one CREATED row (the history trigger adds its event).
 INSERT INTO task (id, user_id, idempotency_key, request_hash, task_type, model_id, prompt, request_payload,
                   priority, queue_name)
-VALUES ($1, $2, $3, $3, 'text-to-video', $5, $4, '{}', 5, $6);
+VALUES (@task_id, @user_id, @idempotency_key, @idempotency_key, 'text-to-video', @model_id, @prompt, '{}', 5, @queue_name);
 
 -- name: bench_ceiling_queue
 -- CREATED -> QUEUED once the message is on JetStream, without the guarded transition's extras. $1 id.
