@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench import bulk, fleet, history, latency, llm, peers, profile, recovery, streams, throughput
+from bench import bulk, device_busy, fleet, history, latency, llm, peers, profile, recovery, streams, throughput, wasted
 from bench.load import LoadResult
 from bench.stack import LLM_SEQUENCES, BenchStack, bench_settings
 from bench.stats import Report
 
 DEFAULT_OUT = Path("bench-results/latest.json")
-PHASES = ("submit", "sdk", "bulk", "get", "fleet", "streams", "latency", "recovery", "history", "llm")
+PHASES = ("submit", "sdk", "bulk", "get", "fleet", "streams", "latency", "recovery", "history", "llm", "device_busy", "wasted")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -59,6 +59,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     llm_opts.add_argument("--llm-ttft", type=int, default=20, help="tasks one at a time for the first-token latency")
     llm_opts.add_argument("--llm-threads", type=int, default=1,
                           help="torch intra-op threads, the worker's and this process's (README: why 1)")
+    parser.add_argument("--busy-tasks", type=int, default=20, help="device_busy phase: 'sleep' tasks per queue (half as many tiny Wan)")
+    parser.add_argument("--wasted-tasks", type=int, default=6, help="wasted phase: tiny Wan tasks per queue")
+    parser.add_argument("--wasted-kills", type=int, default=4, help="wasted phase: worker crashes per queue")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy profiles of every service process at 64 in flight and in bulk (.taskgate/bench/)")
     args = parser.parse_args(argv)
@@ -69,6 +72,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.peer - set(peers.PEERS):
         parser.error(f"unknown peer(s) {', '.join(sorted(args.peer - set(peers.PEERS)))}; choose from {', '.join(peers.PEERS)}")
     if args.quick:
+        args.busy_tasks = min(args.busy_tasks, 8)
+        args.wasted_tasks, args.wasted_kills = min(args.wasted_tasks, 3), min(args.wasted_kills, 2)
         args.seconds = min(args.seconds, 2.0)
         args.history = min(args.history, 100_000)
         args.latency_tasks = min(args.latency_tasks, 100)
@@ -179,6 +184,24 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
     finally:
         executor.shutdown(cancel_futures=True)
         await stack.stop()
+    # each on an embedded stack of its own, with the tiny Wan pipeline on CPU
+    if wanted("device_busy"):
+        busy_section = "device busy (one CPU device, a saturated queue; tiny Wan with step checkpoints off and on, previews)"
+
+        async def busy_phase() -> None:
+            device_busy.add_figures(report, busy_section, await device_busy.measure(state_dir / "busy", args.busy_tasks))
+            previews = await device_busy.measure(state_dir / "previews", max(4, args.busy_tasks // 2), previews=True, rounds=2)
+            device_busy.add_previews_figures(report, busy_section, previews)
+
+        await phase("device busy, checkpoints off and on, previews off and on", busy_phase)
+    if wanted("wasted"):
+        wasted_section = f"wasted GPU-seconds ({args.wasted_kills} worker crashes on a seeded schedule, tiny Wan, 20 steps)"
+
+        async def wasted_phase() -> None:
+            found = await wasted.measure(state_dir / "wasted", args.wasted_tasks, args.wasted_kills, seed=37)
+            wasted.add_figures(report, wasted_section, found)
+
+        await phase("wasted GPU-seconds under worker crashes", wasted_phase)
     if not args.no_peers and not only:
         await peers.run_all(report, state_dir, opts, only=args.peer)
         bulk.compare(report)

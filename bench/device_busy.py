@@ -1,9 +1,10 @@
 """Device-busy fraction: a saturated queue on one device, one task at a time against ceil(1 x 1.5) = 2 slots.
 
-`python -m bench.device_busy`. Two workloads: the 'sleep' stand-in whose CPU phase (its 'encoding') is a quarter of
-its run, and the tiny Wan pipeline on CPU (whose MP4 encoding is only a few percent of its run). The fraction is the
-time a task held the device (worker.devices, the taskgate_worker_device_busy_seconds_total counter) over the wall
-time from the worker's start to the last task's SUCCEEDED.
+`python -m bench.device_busy` (and `make bench`'s device_busy phase). Two workloads: the 'sleep' stand-in whose CPU
+phase (its 'encoding') is a quarter of its run, and the tiny Wan pipeline on CPU (whose MP4 encoding is only a few
+percent of its run), the latter under each `Variant` (step checkpoints off, and on at every step: the most a run
+takes). The fraction is the time a task held the device (worker.devices, the taskgate_worker_device_busy_seconds_total
+counter) over the wall time from the worker's start to the last task's SUCCEEDED.
 
 `--previews` measures the tiny Wan queue with preview frames after every tenth of the steps ('wan-prev') against the
 same queue without ('wan-tiny'), alternated `--rounds` times: the issue's bar is device-busy with previews at least
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.stats import Report
 from services.worker import runner as runmod
 from services.worker.engine import Worker
 from taskgate import store
@@ -34,6 +36,24 @@ from tests.support.factories import insert_task
 
 
 @dataclass(frozen=True)
+class Variant:
+    """The settings one queue of the tiny pipeline runs under: one field per axis (another axis is a field here, its
+    ModelSpec update in `spec`, and its values in VARIANTS)."""
+
+    checkpoints: bool = False  # a step checkpoint after every step (stored off the device thread)
+
+    @property
+    def label(self) -> str:
+        return f"checkpoints {'on' if self.checkpoints else 'off'}"
+
+    def spec(self, base: ModelSpec) -> ModelSpec:
+        return base.model_copy(update={"checkpoint_every_steps": 1 if self.checkpoints else 0, "checkpoint_every_seconds": 0.0})
+
+
+VARIANTS = (Variant(checkpoints=False), Variant(checkpoints=True))
+
+
+@dataclass(frozen=True)
 class Figure:
     """One measured queue."""
 
@@ -42,13 +62,16 @@ class Figure:
     tasks: int
     wall_s: float
     busy_s: float
+    variant: str = ""
 
     @property
     def busy_fraction(self) -> float:
         return self.busy_s / self.wall_s
 
 
-async def drain_queue(backends: Backends, settings: Settings, model: str, slots: int, tasks: int, params: dict[str, Any]) -> Figure:
+async def drain_queue(
+    backends: Backends, settings: Settings, model: str, slots: int, tasks: int, params: dict[str, Any], variant: str = ""
+) -> Figure:
     """Queues `tasks` tasks, then runs one worker with `slots` slots on one device until every one SUCCEEDED."""
     rows = []
     for n in range(tasks):
@@ -70,7 +93,7 @@ async def drain_queue(backends: Backends, settings: Settings, model: str, slots:
         wall = time.monotonic() - started
     finally:
         await worker.close()
-    return Figure(model, slots, tasks, wall, worker.devices.busy_seconds)
+    return Figure(model, slots, tasks, wall, worker.devices.busy_seconds, variant)
 
 
 async def measure(state_dir: Path, tasks: int, previews: bool = False, rounds: int = 3) -> list[Figure]:
@@ -101,9 +124,15 @@ async def measure(state_dir: Path, tasks: int, previews: bool = False, rounds: i
                     for model in ("wan-tiny", "wan-prev"):
                         figures.append(await drain_queue(backends, settings, model, 1, tasks, stepped))
                 return figures
+            stepped = {**wan, "num_inference_steps": 4}  # checkpoints after three steps (never after the last)
             for slots in (1, 2):
                 figures.append(await drain_queue(backends, settings, "sleepy", slots, tasks, {"num_inference_steps": 3}))
-                figures.append(await drain_queue(backends, settings, "wan-tiny", slots, max(4, tasks // 2), wan))
+                for variant in VARIANTS:
+                    models = {**settings.models, "wan-tiny": variant.spec(settings.models["wan-tiny"])}
+                    figures.append(await drain_queue(
+                        backends, settings.model_copy(update={"models": models}), "wan-tiny", slots, max(4, tasks // 2),
+                        stepped, variant.label,
+                    ))
         finally:
             await backends.close()
         return figures
@@ -119,9 +148,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="taskgate-busy-") as tmp:
         figures = asyncio.run(measure(Path(tmp), args.tasks, args.previews, args.rounds))
-    print(f"{'workload':10} {'slots':>5} {'tasks':>5} {'wall s':>8} {'busy s':>8} {'busy':>6}")
+    print(f"{'workload':10} {'variant':16} {'slots':>5} {'tasks':>5} {'wall s':>8} {'busy s':>8} {'busy':>6}")
     for f in figures:
-        print(f"{f.workload:10} {f.slots:>5} {f.tasks:>5} {f.wall_s:>8.2f} {f.busy_s:>8.2f} {f.busy_fraction:>6.1%}")
+        print(f"{f.workload:10} {f.variant:16} {f.slots:>5} {f.tasks:>5} {f.wall_s:>8.2f} {f.busy_s:>8.2f} {f.busy_fraction:>6.1%}")
     if args.previews:
         print(previews_summary(figures))
 
@@ -136,6 +165,30 @@ def previews_summary(figures: list[Figure]) -> str:
     busy = median("wan-prev", lambda f: f.busy_fraction) / median("wan-tiny", lambda f: f.busy_fraction)
     rate = median("wan-prev", lambda f: f.tasks / f.wall_s) / median("wan-tiny", lambda f: f.tasks / f.wall_s)
     return f"with previews / without (medians): device-busy {busy:.1%}, tasks per second {rate:.1%}"
+
+
+
+def add_figures(report: Report, section: str, figures: list[Figure]) -> None:
+    """The figures as `make bench` reports them: each queue's busy fraction, each variant's against the first's."""
+    base = {f.slots: f for f in figures if f.workload == "wan-tiny" and f.variant == VARIANTS[0].label}
+    for f in figures:
+        name = f"{f.workload}{', ' + f.variant if f.variant else ''}, {f.slots} slot(s)"
+        report.add(section, f"device busy: {name}", 100 * f.busy_fraction, "%", note=f"{f.tasks} tasks in {f.wall_s:.1f} s")
+        first = base.get(f.slots)
+        if first is not None and f.variant and f is not first:
+            report.add(section, f"busy with {f.variant} / {first.variant}, {f.slots} slot(s)",
+                       100 * f.busy_fraction / first.busy_fraction, "%")
+
+
+def add_previews_figures(report: Report, section: str, figures: list[Figure]) -> None:
+    """The --previews comparison's medians as `make bench` reports them (the issue's bar: at least 97%)."""
+    import statistics
+
+    def median(model: str) -> float:
+        return statistics.median(f.busy_fraction for f in figures if f.workload == model)
+
+    report.add(section, "device busy with previews / without (medians)", 100 * median("wan-prev") / median("wan-tiny"), "%",
+               at_least=97.0, note=f"{len(figures) // 2} rounds")
 
 
 if __name__ == "__main__":

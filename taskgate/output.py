@@ -10,6 +10,10 @@ A text chunk says where it starts in its attempt's text (`offset`): a reader kee
 has and drops any overlap, so a chunk seen twice never doubles text; a chunk of a newer attempt starts that
 attempt's text (from 0, or from where it resumed).
 
+A text chunk of an in-process model also carries, in its `Taskgate-Tokens` header (never in the client's message), the
+token ids that made its text and where they start among the attempt's tokens: a later attempt of the task reads the
+stream back (`resume_text`) and continues from exactly what readers were sent, with the very tokens that made it.
+
 Reading: the stream republishes each chunk once stored on `bus.output_live_subject` with its sequence and the
 previous sequence of its task (`live`), so a reader follows a task with a core subscription, no consumer; it reads
 what it missed (before it subscribed, or a gap the previous sequence shows) by sequence with `read_after`.
@@ -67,6 +71,8 @@ class Chunk:
     uri: str = ""
     content_type: str = ""
     step: int = 0
+    tokens: tuple[int, ...] | None = None  # a text chunk's token ids (None: not known, as from an upstream server)
+    token_offset: int = 0  # where they start among the attempt's tokens
 
     def position(self) -> int:
         return self.step if self.kind == PREVIEW else self.offset
@@ -102,10 +108,66 @@ def message_id(chunk: Chunk) -> str:
 
 async def publish(bus: busmod.Bus, user_id: str, chunk: Chunk) -> int:
     """Stores one chunk on its task's subject and answers its stream sequence (NATS errors are the caller's)."""
-    ack = await bus.js.publish(
-        busmod.output_subject(user_id, chunk.task_id), encode(chunk), headers={"Nats-Msg-Id": message_id(chunk)}
-    )
+    headers = {"Nats-Msg-Id": message_id(chunk)}
+    if chunk.tokens is not None:
+        headers[TOKENS_HEADER] = f"{chunk.token_offset}:{','.join(map(str, chunk.tokens))}"
+    ack = await bus.js.publish(busmod.output_subject(user_id, chunk.task_id), encode(chunk), headers=headers)
     return int(ack.seq)
+
+
+TOKENS_HEADER = "Taskgate-Tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class Resumable:
+    """What a task's output stream says its newest attempt produced: the text its readers were sent and the tokens that
+    made it (from `attempt`)."""
+
+    attempt: int
+    text: str
+    tokens: list[int]
+
+
+def _tokens_of(headers: dict[str, str] | None) -> tuple[int, list[int]] | None:
+    value = (headers or {}).get(TOKENS_HEADER)
+    if value is None:
+        return None
+    offset, _, ids = value.partition(":")
+    try:
+        return int(offset), [int(t) for t in ids.split(",") if t]
+    except ValueError:
+        return None
+
+
+async def resume_text(bus: busmod.Bus, user_id: str, task_id: int) -> Resumable | None:
+    """The text and tokens a task's output stream holds, assembled as a reader does (a newer attempt's chunk restarts
+    the text at its offset, an older attempt's late chunk is dropped); None when there is nothing to resume from, or
+    the stream cannot say which tokens made its text (a chunk without them, a gap): the run then starts over."""
+    subject = busmod.output_subject(user_id, task_id)
+    attempt, text, after = 0, "", 0
+    tokens: list[int] = []
+    while True:
+        try:
+            raw = await bus.js.get_msg(busmod.OUTPUT_STREAM, seq=after + 1, subject=subject, next=True)
+        except NotFoundError:
+            break
+        if raw.seq is None or raw.data is None:
+            break
+        after = raw.seq
+        chunk = decode(raw.data, raw.seq)
+        if chunk is None or chunk.kind != TEXT or chunk.attempt < attempt:
+            continue
+        made = _tokens_of(raw.headers)
+        if made is None:
+            return None
+        token_offset, ids = made
+        if chunk.attempt > attempt:
+            attempt, text, tokens = chunk.attempt, text[: chunk.offset], tokens[:token_offset]
+        if chunk.offset != len(text) or token_offset != len(tokens):
+            return None  # a gap or an overlap: which tokens made the text is no longer certain
+        text += chunk.text
+        tokens += ids
+    return Resumable(attempt, text, tokens) if tokens else None
 
 
 @dataclass(frozen=True, slots=True)

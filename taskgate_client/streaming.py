@@ -58,8 +58,10 @@ class Preview:
 
 class TextDelta(str):
     """A piece of a task's text, in order (a `str`: print it). `offset` is where it starts in its attempt's text;
-    `restarted` is True on the first delta of a newer attempt (a retry after a lost worker): the text from `offset`
-    on is replaced, so a consumer that shows the text drops what it has after `offset` first."""
+    `restarted` is True on the first delta of a newer attempt (a retry after a lost worker) that replaces text: the
+    text from `offset` on is replaced, so a consumer that shows the text drops what it has after `offset` first. A
+    newer attempt that resumed where the older one stopped (its first chunk at the end of the text so far) goes on
+    with `restarted` False."""
 
     attempt: int
     offset: int
@@ -75,7 +77,8 @@ class TextDelta(str):
 
 class TextAssembler:
     """Text chunks in, text deltas out: chunks of an older attempt than the newest seen are dropped (a replaced
-    worker's last words), a chunk seen again adds nothing, a newer attempt restarts the text at its offset."""
+    worker's last words), a chunk seen again adds nothing, a newer attempt restarts the text at its offset (where
+    the older one's text ended when it resumed)."""
 
     def __init__(self) -> None:
         self.attempt = 0
@@ -85,7 +88,7 @@ class TextAssembler:
         """The new text `chunk` brings; None when it brings none."""
         if chunk.kind != "text" or chunk.attempt < self.attempt:
             return None
-        restarted = chunk.attempt > self.attempt and self.attempt > 0
+        restarted = chunk.attempt > self.attempt and self.attempt > 0 and chunk.offset < len(self.text)
         if chunk.attempt > self.attempt:
             self.attempt = chunk.attempt
             self.text = self.text[: chunk.offset]  # what the new attempt kept (0: nothing)

@@ -41,6 +41,8 @@ def _dtype(name: str, device: str) -> Any:
 class ChatRunner:
     """One causal LM loaded on one device, serving chat tasks: up to its entry's `max_sequences` at once."""
 
+    not_resumable: str | None = None  # an interrupted answer resumes from its published text (run.Attempts._generate)
+
     def __init__(self, model_id: str, spec: ModelSpec, model: Any, tokenizer: Any, batcher: Batcher) -> None:
         self.model_id = model_id
         self.spec = spec
@@ -127,6 +129,17 @@ class Detokenizer:
         self.text += self._window(final=False)
         return self._release(final=False)
 
+    def replay(self, tokens: list[int], sent: str) -> bool:
+        """Takes the tokens an interrupted attempt made, handing out nothing, as if their text `sent` had been handed out
+        by this detokenizer; False when they do not make exactly that text (then this detokenizer is of no further use)."""
+        emit, self.emit = self.emit, lambda _delta: None
+        try:
+            for token in tokens:
+                self.add(token)
+        finally:
+            self.emit = emit
+        return self.sent == len(sent) and self.text[: self.sent] == sent
+
     def finish(self) -> str:
         """After the last token: the rest of the text out, and the whole answer."""
         if not self.stopped:
@@ -151,27 +164,39 @@ class TextOut:
     """Publishes a running task's text deltas to its output stream: the first at once, later ones gathered for
     `coalesce` seconds into one chunk, one publish at a time (so in order), each chunk saying where it starts in the
     attempt's text. `add` may be called from any thread; a publish that keeps failing keeps its text pending for the
-    next chunk (a gap is never made)."""
+    next chunk (a gap is never made).
+
+    Given the attempt's token list (`tokens`, appended to by the decoding loop), each chunk carries the ids of the
+    tokens that made its text, so a later attempt resumes from exactly what was published; a resumed attempt starts at
+    the `offset` and `token_offset` it resumed from."""
 
     def __init__(self, bus: busmod.Bus, user_id: str, task_id: int, attempt: int, coalesce: float,
-                 on_publish: Callable[[int], None] | None = None) -> None:
+                 on_publish: Callable[[int], None] | None = None, tokens: list[int] | None = None,
+                 offset: int = 0, token_offset: int = 0) -> None:
         self.bus = bus
         self.user_id = user_id
         self.task_id = task_id
         self.attempt = attempt
         self.coalesce = coalesce
         self.on_publish = on_publish  # told the characters published so far (progress)
-        self.offset = 0  # characters published
+        self.tokens = tokens
+        self.offset = offset  # characters published
+        self.token_offset = token_offset  # tokens whose text is published
+        self.kept_seconds = 0.0  # the sequence's device seconds when the newest published text was made
         self.chunks = 0
         self._lock = threading.Lock()
         self._pending: list[str] = []
+        self._upto = token_offset  # tokens that made the pending text
+        self._seconds = 0.0
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._closed = False
 
-    def add(self, delta: str) -> None:
+    def add(self, delta: str, upto: int = 0, seconds: float = 0.0) -> None:
+        """Queues a delta; `upto`: the attempt's tokens that made the text so far, `seconds`: its device seconds then."""
         with self._lock:
             self._pending.append(delta)
+            self._upto, self._seconds = max(self._upto, upto), seconds
         self._loop.call_soon_threadsafe(self._wake.set)
 
     def close(self) -> None:
@@ -195,9 +220,12 @@ class TextOut:
         with self._lock:
             text = "".join(self._pending)
             self._pending.clear()
+            upto, seconds = self._upto, self._seconds
         if not text:
             return
-        chunk = output.Chunk(self.task_id, self.attempt, output.TEXT, text=text, offset=self.offset)
+        made = None if self.tokens is None else tuple(self.tokens[self.token_offset:upto])
+        chunk = output.Chunk(self.task_id, self.attempt, output.TEXT, text=text, offset=self.offset, tokens=made,
+                             token_offset=self.token_offset)
         for tries in range(1, _PUBLISH_TRIES + 1):
             try:
                 await output.publish(self.bus, self.user_id, chunk)
@@ -210,6 +238,8 @@ class TextOut:
                         self._pending.insert(0, text)
                     return
         self.offset += len(text)
+        self.token_offset = max(self.token_offset, upto)
+        self.kept_seconds = seconds
         self.chunks += 1
         if self.on_publish is not None:
             self.on_publish(self.offset)
@@ -227,6 +257,6 @@ def sampling_of(payload: dict[str, Any], spec: ModelSpec) -> Sampling:
 
 def start(runner: ChatRunner, prompt: list[int], sampling: Sampling, detok: Detokenizer,
           should_stop: Callable[[], bool]) -> tuple[Sequence, concurrent.futures.Future[Finished]]:
-    """Puts a sequence into the runner's decoding loop; its tokens go through `detok`."""
+    """Puts a sequence into the runner's decoding loop; its tokens go through `detok` (the bench's direct calls)."""
     seq = Sequence(prompt, sampling, detok.add, should_stop)
     return seq, runner.batcher.submit(seq)

@@ -17,13 +17,13 @@ from typing import TypeVar
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.worker import chatrun, checkpoint, partial, resume, retry, settle, upstream
+from services.worker import chatrun, checkpoint, partial, resume, retry, settle, textgen, upstream
 from services.worker import runner as runmod
 from services.worker.devices import Devices
 from services.worker.fetch import SlotHold
 from services.worker.settle import MessageAction, Step
 from taskgate import bus as busmod
-from taskgate import chat, results, store, telemetry, tracing
+from taskgate import chat, output, results, store, telemetry, tracing
 from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.server import BACKEND_ERRORS
@@ -66,6 +66,7 @@ class Run:
     device_seconds: float = 0.0  # how long it has held a device (phases ended)
     held_since: float | None = None  # when its current device phase began (None: it holds no device)
     keeper: resume.Keeper | None = None  # its step checkpoints (None: its model takes none)
+    kept_seconds: float = 0.0  # a chat run's device seconds when its newest published text was made (a resume's start)
 
     def device_seconds_now(self) -> float:
         """Its device seconds including the phase under way (read from the device thread too)."""
@@ -74,13 +75,13 @@ class Run:
 
     def metered(self, *, interrupted: bool = False) -> store.Metered:
         """This attempt's seconds so far, as its final write records them; an `interrupted` attempt (retried, released)
-        counts its device seconds up to its newest checkpoint, the rest are wasted: the next attempt computes those
-        steps again (all of them when it took none)."""
+        counts its device seconds up to its newest checkpoint (a chat run's: up to its newest published text), the rest
+        are wasted: the next attempt computes those steps again (all of them when it took none)."""
         slot = time.monotonic() - self.started
         if not interrupted:
             return store.Metered(self.device_seconds, slot)
         newest = self.keeper.newest if self.keeper is not None else None
-        counted = min(newest.device_seconds, self.device_seconds) if newest is not None else 0.0
+        counted = min(newest.device_seconds if newest is not None else self.kept_seconds, self.device_seconds)
         wasted = self.device_seconds - counted
         telemetry.WASTED_GPU_SECONDS.labels(self.task.model_id).inc(wasted)
         return store.Metered(counted, slot, wasted)
@@ -297,7 +298,10 @@ class Attempts:
 
     async def _generate(self, run: Run, runner: chatrun.ChatRunner) -> runmod.RunOutput:
         """A chat task: its sequence joins the model's decoding loop (no device lane: the loop shares the device), its
-        deltas go out coalesced; a stop ends its sequence before the loop's next step, the others going on."""
+        deltas go out coalesced; a stop ends its sequence before the loop's next step, the others going on. An attempt
+        after an interrupted one (where resumes are on) continues from the text the output stream holds, made of the
+        tokens its chunks name: the client's text goes on where it stopped, and each token is generated and metered
+        once (only what was made after the last published chunk is made again, and metered as wasted)."""
         task = run.task
         payload = task.request_payload
         prompt = await asyncio.to_thread(runner.prompt_ids, chat.messages_of(payload))
@@ -307,18 +311,34 @@ class Attempts:
         assert self.bus is not None, "a worker serving chat models publishes their output"
 
         def published(chars: int) -> None:
+            run.kept_seconds = out.kept_seconds
             run.steps_done, run.total_steps = len(detok.tokens), sampling.max_new_tokens
             self._stepped(run)
             if run.progress_pending():
                 self._progressed()
 
-        out = chatrun.TextOut(self.bus, task.user_id, task.id, task.attempt, self.settings.output_coalesce_seconds, published)
-        detok = chatrun.Detokenizer(runner.tokenizer, [str(s) for s in payload.get("stop", [])], out.add, runner.byte_ids)
+        def emit(delta: str) -> None:  # on the decoding loop's thread, within the token's turn
+            out.add(delta, len(detok.tokens), seq.device_seconds)
+
+        def detokenizer() -> chatrun.Detokenizer:
+            return chatrun.Detokenizer(runner.tokenizer, [str(s) for s in payload.get("stop", [])], emit, runner.byte_ids)
+
+        resuming = self.checkpoints(run) is not None
+        earlier, detok = await self._earlier_text(run, detokenizer) if resuming else (None, detokenizer())
+        resumed = earlier.tokens if earlier is not None else []
+        out = chatrun.TextOut(
+            self.bus, task.user_id, task.id, task.attempt, self.settings.output_coalesce_seconds, published, tokens=detok.tokens,
+            offset=len(earlier.text) if earlier is not None else 0, token_offset=len(resumed),
+        )
         publisher = asyncio.create_task(out.run(), name=f"output-{task.id}")
-        seq, done = chatrun.start(runner, prompt, sampling, detok, run.abort.is_set)
+        seq = textgen.Sequence(prompt, sampling, detok.add, run.abort.is_set, resumed=resumed)
         try:
-            with tracing.span("generate", attributes={"taskgate.input_tokens": len(prompt)}):
-                finished = await run.unless_stopped(asyncio.wrap_future(done))
+            if detok.stopped:  # the interrupted attempt had reached a stop string: its text is the answer
+                finished = textgen.Finished("stop", resumed)
+            else:
+                done = runner.batcher.submit(seq)
+                with tracing.span("generate", attributes={"taskgate.input_tokens": len(prompt), "taskgate.resumed_tokens": len(resumed)}):
+                    finished = await run.unless_stopped(asyncio.wrap_future(done))
             text = detok.finish()
         finally:
             out.close()
@@ -328,6 +348,37 @@ class Attempts:
         inline = text[: self.settings.result_inline_chars]
         answer = store.TextOutcome(inline, len(text), "stop" if detok.stopped else finished.reason, len(prompt), len(finished.tokens))
         return runmod.RunOutput(data, "text/plain; charset=utf-8", "txt", hashlib.sha256(data).hexdigest(), answer)
+
+    async def _earlier_text(
+        self, run: Run, detokenizer: Callable[[], chatrun.Detokenizer]
+    ) -> tuple[output.Resumable | None, chatrun.Detokenizer]:
+        """What an earlier attempt of the task published, and a detokenizer that has taken its tokens; None (the run
+        starts from the first token) on a first attempt, when the stream cannot say which tokens made its text or
+        they do not make it (another tokenizer), or the stream cannot be read."""
+        task = run.task
+        if task.attempt <= 1:
+            return None, detokenizer()
+        assert self.bus is not None
+        try:
+            earlier = await run.unless_stopped(
+                asyncio.wait_for(output.resume_text(self.bus, task.user_id, task.id), self.settings.lease_seconds)
+            )
+        except runmod.RunAborted:
+            raise
+        except Exception as exc:  # NATS errors of every kind: a resume is an optimisation
+            log.warning("output stream unreadable; the answer starts over", extra={
+                "task_id": str(task.id), "error": f"{type(exc).__name__}: {exc}"})
+            return None, detokenizer()
+        if earlier is None:
+            return None, detokenizer()
+        detok = detokenizer()
+        if not await asyncio.to_thread(detok.replay, earlier.tokens, earlier.text):
+            log.warning("published text is not what its tokens make; the answer starts over", extra={"task_id": str(task.id)})
+            return None, detokenizer()
+        log.info("resuming an answer", extra={
+            "task_id": str(task.id), "attempt": task.attempt, "from_attempt": earlier.attempt, "tokens": len(earlier.tokens),
+            "chars": len(earlier.text)})
+        return earlier, detok
 
     async def _forward(self, run: Run, server: upstream.Upstream) -> runmod.RunOutput:
         """A chat task on an upstream model: streamed from the OpenAI-compatible server, its deltas published as the

@@ -2,7 +2,10 @@
 
 One thread per loaded model runs the loop: admit waiting sequences (each prefilled alone, its KV cache then joined to
 the batch's), one decoding step over every active sequence (one forward of the whole batch), then each sequence's
-next token sampled with its own generator, so a sequence's text depends on its seed and never on its neighbours. A
+next token sampled with its own generator, so a sequence's text depends on its seed and never on its neighbours. The
+generator is seeded afresh for every token from (seed, the token's index), so a sequence's sampling state is nothing
+but its length: a sequence resumed from the tokens an interrupted attempt made (`Sequence.resumed`, prefilled with
+the prompt) draws the very numbers the uninterrupted one would have. A
 sequence that finishes (end of text, its token limit, its consumer's say) or is stopped (checked before every step)
 leaves between two steps; the others go on.
 
@@ -66,6 +69,7 @@ class Sequence:
     sampling: Sampling
     on_token: OnToken
     should_stop: Callable[[], bool]
+    resumed: list[int] = field(default_factory=list)  # tokens an earlier attempt generated: prefilled, not handed over
     done: concurrent.futures.Future[Finished] = field(default_factory=concurrent.futures.Future)
     tokens: list[int] = field(default_factory=list)
     length: int = 0  # tokens in its cache (its next position)
@@ -149,12 +153,16 @@ class Batcher:
             return
         from transformers import DynamicCache
 
+        seq.tokens = list(seq.resumed)
+        if len(seq.tokens) >= seq.sampling.max_new_tokens:  # interrupted after its last token: nothing left to make
+            _end(seq, Finished("length", list(seq.tokens)))
+            return
         began = time.perf_counter()
-        seq.generator = torch.Generator(device="cpu").manual_seed(seq.sampling.seed)
+        seq.generator = torch.Generator(device="cpu")
         cache = DynamicCache()
-        ids = torch.tensor([seq.prompt], device=self.device)
+        ids = torch.tensor([seq.prompt + seq.tokens], device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        seq.length = len(seq.prompt)
+        seq.length = ids.shape[1]
         seq.device_seconds += time.perf_counter() - began
         if not self._take(seq, out.logits[0, -1]):
             return
@@ -229,6 +237,8 @@ class Batcher:
 
     def _take(self, seq: Sequence, logits: torch.Tensor) -> bool:
         """Samples the sequence's next token and hands it over; False (the future set) when the sequence ended."""
+        if seq.generator is not None and seq.sampling.temperature > 0:
+            seq.generator.manual_seed(token_seed(seq.sampling.seed, len(seq.tokens)))
         token = _sample(logits, seq.sampling, seq.generator)
         if token in self.eos_ids:
             _end(seq, Finished("stop", list(seq.tokens)))
@@ -270,6 +280,15 @@ def _end(seq: Sequence, result: Finished | BaseException) -> None:
         seq.done.set_exception(result)
     else:
         seq.done.set_result(result)
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator's seed for a sequence's token number `index` (splitmix64 of the two): restorable from the count
+    of tokens alone, and unrelated between neighbouring seeds and indices."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _left_pad(t: torch.Tensor, columns: int) -> torch.Tensor:

@@ -37,6 +37,12 @@ async def count_by_status(db: Conn, ids: list[int]) -> dict[str, int]:
     return {row["status"]: int(row["n"]) for row in await db.fetch(sql.query("bench_count_status"), ids)}
 
 
+async def metered(db: Conn, ids: list[int]) -> tuple[float, float]:
+    """The device seconds the tasks `ids` metered as counting, and as wasted."""
+    row = await db.fetchrow(sql.query("bench_metered"), ids)
+    return float(row["counted"]), float(row["wasted"])
+
+
 async def events_unrelayed(db: Conn) -> bool:
     """Whether any event is still waiting for the relay."""
     return bool(await db.fetchval("SELECT EXISTS (SELECT 1 FROM event_outbox)"))

@@ -58,6 +58,22 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+@contextlib.asynccontextmanager
+async def worker_process(settings: Settings) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A worker in its own process (`python -m services.worker`), killed if the test leaves it running."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKGATE_")} | settings_env(settings)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.worker", env=env, cwd=ROOT,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def wait_for(condition: Callable[[], Awaitable[bool] | bool], within: float = 10.0, every: float = 0.05) -> None:
     """Polls `condition` until it holds; raises TimeoutError after `within` seconds."""
     deadline = time.monotonic() + within

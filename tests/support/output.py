@@ -26,11 +26,12 @@ async def chunks(backends: Backends, user_id: str, task_id: str) -> list[task_pb
         seq = int(msg.seq or 0) + 1
 
 
-def text_of(found: list[task_pb2.OutputChunk], attempt: int) -> str:
-    """An attempt's text from its chunks, checking that each starts where the one before it ended."""
+def text_of(found: list[task_pb2.OutputChunk], attempt: int, start: int = 0) -> str:
+    """An attempt's text from its chunks, checking that the first starts at `start` (where an attempt that resumed an
+    earlier one's text began) and each one after it where the one before it ended."""
     text = ""
     for c in found:
         if c.attempt == attempt:
-            assert c.kind == task_pb2.OUTPUT_KIND_TEXT and c.offset == len(text), (c.offset, len(text))
+            assert c.kind == task_pb2.OUTPUT_KIND_TEXT and c.offset == start + len(text), (c.offset, start, len(text))
             text += c.text
     return text

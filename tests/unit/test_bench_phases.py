@@ -76,3 +76,21 @@ def test_every_llm_level_runs_the_same_tasks_n_at_once() -> None:
         assert {len(r) for r in rounds} == {n}
     assert level_rounds(5, LlmOptions(levels=(5, 16), rounds=1))[-1] == [15]  # the last round takes what is left
     assert prompt(1) != prompt(2)
+
+
+def test_device_busy_figures_compare_each_variant_with_the_first() -> None:
+    from bench import device_busy
+    from bench.device_busy import VARIANTS, Figure
+    from bench.stats import Report
+
+    off, on = (v.label for v in VARIANTS)
+    report = Report()
+    device_busy.add_figures(report, "busy", [
+        Figure("sleepy", 1, 20, 10.0, 7.0), Figure("wan-tiny", 1, 10, 10.0, 9.0, off), Figure("wan-tiny", 1, 10, 10.0, 8.1, on),
+    ])
+    values = {f.name: f.value for f in report.figures}
+    assert values["device busy: sleepy, 1 slot(s)"] == pytest.approx(70.0)
+    assert values[f"busy with {on} / {off}, 1 slot(s)"] == pytest.approx(90.0)
+    device_busy.add_previews_figures(report, "busy", [Figure("wan-tiny", 1, 8, 10.0, 8.0), Figure("wan-prev", 1, 8, 10.0, 7.6)])
+    [previews] = [f for f in report.figures if "previews" in f.name]
+    assert previews.value == pytest.approx(95.0) and previews.met is False

@@ -21,6 +21,10 @@ WHERE status IN ('CREATED', 'QUEUED', 'PROCESSING');
 -- How many of the tasks $1 (ids) are in each status: a bulk phase checks that every admitted task has its durable row.
 SELECT status::text AS status, count(*) AS n FROM task WHERE id = ANY($1::bigint[]) GROUP BY status;
 
+-- name: bench_metered
+-- The device seconds metered as counting and as wasted over the tasks $1 (ids): the wasted phase's figures.
+SELECT coalesce(sum(device_seconds), 0) AS counted, coalesce(sum(wasted_seconds), 0) AS wasted FROM task WHERE id = ANY($1::bigint[]);
+
 -- name: bench_triggers_off
 -- Bulk history rows skip the per-row history trigger and NOTIFY (superuser; this session only).
 SET session_replication_role = replica;

@@ -5,12 +5,10 @@ worker processes that are SIGKILLed or SIGTERMed mid-run."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,7 +31,7 @@ from taskgate.states import Priority, Status
 from taskgate.store import workers
 from taskgate_local import tinymodel
 from tests.support.factories import params, submit
-from tests.support.harness import ROOT, settings_env, stored_objects, wait_for
+from tests.support.harness import stored_objects, wait_for, worker_process
 from tests.support.queries import events, is_status, read_result, row, wait_task
 
 TEXT_MODELS = tinymodel.tiny_models(TEXT_TO_VIDEO)
@@ -126,22 +124,6 @@ def checkpointing(settings: Settings, model: str, folder: Path) -> Settings:
             "lease_seconds": 1.0, "heartbeat_seconds": 0.25, "scan_interval_seconds": 0.2, "progress_interval_seconds": 0.0,
         }
     )
-
-
-@contextlib.asynccontextmanager
-async def worker_process(settings: Settings) -> AsyncIterator[asyncio.subprocess.Process]:
-    """A worker in its own process (`python -m services.worker`), killed if the test leaves it running."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKGATE_")} | settings_env(settings)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.worker", env=env, cwd=ROOT,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 # long enough per step (tens of milliseconds) that a test sees the run part way
