@@ -32,7 +32,15 @@ def _stored(rec: Any) -> StoredInput:
 async def keep(db: Conn, tenant: str, image: StoredInput, *, within: float) -> StoredInput:
     """Records the tenant's input (or marks it used again); call before writing the object (the query says why)."""
     rec = await db.fetchrow(
-        sql.query("submit_keep_input"), tenant, image.sha256, image.uri, image.width, image.height, image.size_bytes,
+        *sql.bind(
+            "submit_keep_input",
+            user_id=tenant,
+            sha256=image.sha256,
+            uri=image.uri,
+            width=image.width,
+            height=image.height,
+            size_bytes=image.size_bytes,
+        ),
         timeout=within,
     )
     return _stored(rec)

@@ -287,14 +287,16 @@ async def list_tasks(
 ) -> list[TaskRow]:
     """A tenant's tasks, newest first, strictly after the cursor; `statuses` empty means all."""
     rows = await db.fetch(
-        sql.query("submit_list_tasks"),
-        tenant,
-        sorted(s.value for s in statuses) or None,
-        created_after,
-        created_before,
-        after.at if after else None,
-        after.task_id if after else None,
-        limit,
+        *sql.bind(
+            "submit_list_tasks",
+            user_id=tenant,
+            statuses=sorted(s.value for s in statuses) or None,
+            created_after=created_after,
+            created_before=created_before,
+            after_at=after.at if after else None,
+            after_id=after.task_id if after else None,
+            limit=limit,
+        ),
         timeout=within,
     )
     return [TaskRow.from_record(r) for r in rows]

@@ -69,24 +69,23 @@ SELECT (SELECT count(*) FROM task WHERE status = 'QUEUED' AND model_id = $1 AND 
      + 1;
 
 -- name: submit_list_tasks
--- A tenant's tasks, newest first, after a keyset cursor. $1 user, $2 statuses (NULL = all), $3 created after,
--- $4 created before, $5 cursor created_at (NULL = first page), $6 cursor id, $7 row limit.
+-- A tenant's tasks, newest first, after a keyset cursor: @statuses NULL = all, @after_at and @after_id the last
+-- row's created_at and id (NULL = first page).
 SELECT * FROM task
-WHERE user_id = $1
-  AND ($2::task_status[] IS NULL OR status = ANY($2::task_status[]))
-  AND ($3::timestamptz IS NULL OR created_at > $3)
-  AND ($4::timestamptz IS NULL OR created_at < $4)
-  AND ($5::timestamptz IS NULL OR (created_at, id) < ($5::timestamptz, $6::bigint))
+WHERE user_id = @user_id
+  AND (@statuses::task_status[] IS NULL OR status = ANY(@statuses::task_status[]))
+  AND (@created_after::timestamptz IS NULL OR created_at > @created_after)
+  AND (@created_before::timestamptz IS NULL OR created_at < @created_before)
+  AND (@after_at::timestamptz IS NULL OR (created_at, id) < (@after_at::timestamptz, @after_id::bigint))
 ORDER BY created_at DESC, id DESC
-LIMIT $7;
+LIMIT @limit;
 
 -- name: submit_keep_input
 -- Records a tenant's input image (or marks it used again), before its object is written: under the input's
 -- advisory lock, so a retention pass deleting the object of the last row for this sha256 either ran before (and the
--- write that follows puts the object back) or sees this row and keeps it. $1 user, $2 sha256, $3 uri, $4 width,
--- $5 height, $6 bytes.
+-- write that follows puts the object back) or sees this row and keeps it.
 INSERT INTO task_input (user_id, sha256, uri, width, height, size_bytes)
-SELECT $1, $2, $3, $4, $5, $6 FROM (SELECT pg_advisory_xact_lock(hashtextextended('taskgate.input:' || $2, 0))) lock
+SELECT @user_id, @sha256, @uri, @width, @height, @size_bytes FROM (SELECT pg_advisory_xact_lock(hashtextextended('taskgate.input:' || @sha256, 0))) lock
 ON CONFLICT (user_id, sha256) DO UPDATE SET last_used_at = now(), uri = EXCLUDED.uri
 RETURNING *;
 
