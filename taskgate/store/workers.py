@@ -162,8 +162,18 @@ async def claim_for(
     capacities) (exact too: counted under one cluster-wide lock held to the commit).
     """
     rec = await db.fetchrow(
-        sql.query("worker_claim"), task_id, model_id, cap, cluster_cap, worker_id, lease_seconds, max_worker_losses,
-        actor, reason,
+        *sql.bind(
+            "worker_claim",
+            task_id=task_id,
+            model_id=model_id,
+            cap=cap,
+            cluster_cap=cluster_cap,
+            worker_id=worker_id,
+            lease_seconds=lease_seconds,
+            max_worker_losses=max_worker_losses,
+            actor=actor,
+            reason=reason,
+        )
     )
     verdict = Verdict(rec["verdict"])
     task = TaskRow.from_record(rec) if rec["id"] is not None else None
@@ -181,7 +191,15 @@ async def claim_for(
 async def keep_reusable(db: Conn, task_id: int, *, attempt: int, result: ResultRef) -> bool:
     """Keeps a soft-cancelled attempt's output for an identical request; False when the guard or the key says no."""
     kept = await db.fetchval(
-        sql.query("worker_keep_reusable"), task_id, attempt, result.uri, result.content_type, result.size, result.sha256
+        *sql.bind(
+            "worker_keep_reusable",
+            task_id=task_id,
+            attempt=attempt,
+            uri=result.uri,
+            content_type=result.content_type,
+            size=result.size,
+            sha256=result.sha256,
+        )
     )
     return kept is not None
 

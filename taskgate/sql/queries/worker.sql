@@ -52,21 +52,19 @@ SELECT (SELECT floor(coalesce(sum(coalesce(capacity, slots)), 0)) FROM worker
 -- name: worker_claim
 -- A worker's claim for one message in one statement (functions/worker_claim.sql): why not, or the new attempt (the
 -- fairest due task of the message's level); a reusable output; how long until the level's first task is due.
--- $1 task id, $2 model id, $3 the model's cap (0 = none), $4 the cluster cap, $5 worker, $6 lease seconds,
--- $7 most lost attempts (NULL = no limit), $8 actor, $9 reason.
+-- @cap the model's cap (0 = none), @cluster_cap the cluster's, @max_worker_losses most lost attempts (NULL = no limit).
 SELECT c.verdict, c.old_status, (c.claimed).*, (c.reusable).result_uri AS reusable_uri,
        (c.reusable).result_content_type AS reusable_content_type, (c.reusable).result_size AS reusable_size,
        (c.reusable).result_sha256 AS reusable_sha256, c.wait_seconds
-FROM worker_claim($1, $2, $3, $4, $5, $6, $7, $8, $9) c;
+FROM worker_claim(@task_id, @model_id, @cap, @cluster_cap, @worker_id, @lease_seconds, @max_worker_losses, @actor, @reason) c;
 
 -- name: worker_keep_reusable
 -- Keeps a finished run's output when its attempt was soft-cancelled; no row when the guard or the key says no.
--- $1 task id, $2 attempt, $3 uri, $4 content type, $5 size, $6 sha256.
 INSERT INTO reusable_result (user_id, request_hash, source_task_id, result_uri, result_content_type, result_size,
                              result_sha256)
-SELECT t.user_id, t.request_hash, t.id, $3, $4, $5, $6
+SELECT t.user_id, t.request_hash, t.id, @uri, @content_type, @size, @sha256
 FROM task t
-WHERE t.id = $1 AND t.attempt = $2 AND t.status = 'CANCELED' AND t.cancel_mode = 'soft'
+WHERE t.id = @task_id AND t.attempt = @attempt AND t.status = 'CANCELED' AND t.cancel_mode = 'soft'
 ON CONFLICT (user_id, request_hash) DO NOTHING
 RETURNING source_task_id;
 
