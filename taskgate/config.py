@@ -651,6 +651,13 @@ class Settings(BaseSettings):
     webhook_progress_concurrency: int = Field(
         default=8, ge=1, description="Progress webhook POSTs in flight per notifier (their own lane: never a result's slot)."
     )
+    webhook_output_window_seconds: float = Field(
+        default=1.0, gt=0,
+        description="An opted-in task's output (callback event OUTPUT) is gathered this long into one task.output webhook.",
+    )
+    webhook_output_max_bytes: int = Field(
+        default=262144, ge=1024, description="Output text one task.output webhook carries at most; the rest goes in the next."
+    )
     webhook_concurrency_per_destination: int = Field(
         default=4, ge=1, description="Webhook POSTs in flight to one scheme://host:port, over every notifier replica."
     )

@@ -41,6 +41,11 @@ PREVIEWS = "previews/"  # where preview images live in the result store
 PREVIEW_TYPES = {"webp": "image/webp", "png": "image/png"}
 
 
+def kind_name(kind: int) -> str:
+    """A chunk kind as webhooks and logs write it: text, preview or log."""
+    return _KIND_NAMES.get(kind, "unknown")
+
+
 def preview_name(task_id: int, attempt: int, step: int, fmt: str) -> str:
     """The result store's name of one preview image: one per task, attempt and step."""
     return f"{PREVIEWS}{task_id}-a{attempt}-s{step}.{fmt}"

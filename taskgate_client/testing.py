@@ -44,7 +44,7 @@ TENANT = "fake-tenant"
 
 START = datetime(2025, 1, 1, tzinfo=UTC)  # the fake clock's first reading; each change is one second later
 CHUNK = 64 * 1024
-CALLBACK_EVENTS = frozenset({"CANCELED", "PROGRESS"})
+CALLBACK_EVENTS = frozenset({"CANCELED", "OUTPUT", "PROGRESS"})
 CHAT = "chat"
 
 

@@ -36,6 +36,11 @@ def event_type(to_status: Status, callback_events: Sequence[str] | None) -> str 
     return None
 
 
+def wants_output(callback_events: Sequence[str] | None) -> bool:
+    """Whether the submitter opted in to task.output webhooks (services/notifier/output_hooks), never on by default."""
+    return "OUTPUT" in _filters(callback_events)
+
+
 def iso(value: datetime | None) -> str | None:
     """A timestamp as webhook payloads write it: UTC, ISO 8601, `Z`."""
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z") if value is not None else None

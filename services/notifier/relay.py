@@ -43,12 +43,14 @@ class EventRelay:
         bus: busmod.Bus,
         *,
         on_deliveries: Callable[[], None] | None = None,
+        on_relayed: Callable[[Sequence[event_store.RelayEvent]], None] | None = None,
         signals: TestSignals | None = None,
     ) -> None:
         self._settings = settings
         self._pool = pool
         self._bus = bus
         self._on_deliveries = on_deliveries
+        self._on_relayed = on_relayed  # a pass's rows once committed (the output webhooks of opted-in tasks)
         self.wake = asyncio.Event()
         self._signals = signals or TestSignals()
         self._lag_due = 0.0  # the event loop's time: when the relay lag gauge is read next
@@ -77,6 +79,7 @@ class EventRelay:
     async def relay_once(self) -> int:
         """One pass over the oldest unpublished events; returns how many it relayed."""
         created = 0
+        relayed_rows: list[event_store.RelayEvent] = []
         async with self._pool.acquire() as conn, conn.transaction():
             relay_time = await event_store.lock_relay(conn)
             if relay_time is None:
@@ -97,6 +100,7 @@ class EventRelay:
                     await self._signals.before_commit(done)
                 if done:
                     await event_store.mark_published(conn, done, at=relay_time)
+                    relayed_rows = rows[: len(done)]  # `done` is a prefix of the rows, in id order
             finally:
                 relayed = set(done)
                 for row, started in zip(rows, spans, strict=False):
@@ -104,6 +108,8 @@ class EventRelay:
         telemetry.EVENTS_RELAYED.inc(len(done))
         if created and self._on_deliveries is not None:
             self._on_deliveries()
+        if relayed_rows and self._on_relayed is not None:
+            self._on_relayed(relayed_rows)
         # A short pass after a failure must not loop at once: report "not a full batch".
         return len(done) if len(done) == len(rows) else 0
 

@@ -15,6 +15,7 @@ import grpc
 
 from services.notifier.ended import EndedHints
 from services.notifier.output_feed import OutputHub
+from services.notifier.output_hooks import OutputHooks
 from services.notifier.progress_feed import ProgressHub
 from services.notifier.relay import EventRelay, TestSignals
 from services.notifier.streams import SERVICE, EventHub, TaskEventsService, register
@@ -58,6 +59,7 @@ class NotifierHandle:
     output_hub: OutputHub | None = None
     hints: EndedHints | None = None
     progress_hub: ProgressHub | None = None
+    output_hooks: OutputHooks | None = None
 
     async def stop(self) -> None:
         """Graceful: readiness off, streams ended (UNAVAILABLE with where to resume), loops stopped, attempts in flight
@@ -70,6 +72,8 @@ class NotifierHandle:
             self.hub.close_streams()  # each stream ends with a status saying so and where to resume, not a bare cancel
             await self.grpc_server.stop(STOP_GRACE_SECONDS)
             await self._cancel_loops()
+            if self.output_hooks is not None:
+                await self.output_hooks.stop()
             await self.sender.stop()
             if self.hints is not None:
                 await self.hints.stop()
@@ -96,6 +100,8 @@ class NotifierHandle:
         if self.event_pool is not None:
             self.event_pool.terminate()
         await self._cancel_loops()
+        if self.output_hooks is not None:
+            await self.output_hooks.stop()
         await self.sender.kill()
         await self.grpc_server.stop(None)
         if self.owns_backends:
@@ -121,8 +127,12 @@ async def start(
     outputs = results.result_store(settings, b.bus)
     sender = WebhookSender(settings, b.pool, owner, outputs=outputs)
     event_pool = await create_pool(b.database_url, EVENT_PATH_CONNECTIONS)
-    relay = EventRelay(settings, event_pool, b.bus, on_deliveries=sender.notify, signals=signals)
     hub = EventHub(b.bus, settings.event_feed_heartbeat_seconds)
+    output_hub = OutputHub(b.bus, replicated=settings.stream_replicas > 1)
+    output_hooks = OutputHooks(settings, sender, hub, output_hub)  # task.output webhooks of the tasks that opted in
+    relay = EventRelay(
+        settings, event_pool, b.bus, on_deliveries=sender.notify, on_relayed=output_hooks.relayed, signals=signals
+    )
     await hub.start()
     hints = EndedHints(event_pool, hub)  # terminal events to WatchTask streams as their committer hints them
     await hints.start(b.bus)
@@ -133,7 +143,6 @@ async def start(
     listener = Listener(b.database_url, {
         EVENT_CHANNEL: lambda _: relay.notify(), WEBHOOK_CHANNEL: lambda _: sender.notify(), REVOKED_CHANNEL: authenticator.revoked,
     })
-    output_hub = OutputHub(b.bus, replicated=settings.stream_replicas > 1)
     progress_hub = ProgressHub(b.bus)  # running tasks' progress at each step, straight from their workers
     service = TaskEventsService(
         settings, b.pool, hub, authenticator, throttle, outputs=outputs, output_hub=output_hub, progress_hub=progress_hub
@@ -151,7 +160,7 @@ async def start(
     log.info("notifier started", extra={"port": port, "owner": owner})
     return NotifierHandle(
         port, b, relay, sender, hub, listener, grpc_server, health_servicer, owns, tasks, output_hub=output_hub,
-        hints=hints, progress_hub=progress_hub, event_pool=event_pool,
+        hints=hints, progress_hub=progress_hub, event_pool=event_pool, output_hooks=output_hooks,
     )
 
 

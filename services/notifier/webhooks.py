@@ -71,6 +71,10 @@ class WebhookSender:
             headers={"user-agent": USER_AGENT},
         )
 
+    async def secrets(self, user_id: str) -> list[str]:
+        """The tenant's webhook secrets, opened (every webhook is signed with each)."""
+        return await auth.webhook_secrets(self._pool, user_id, self._sealer)
+
     def notify(self) -> None:
         """Wakes the sender: new deliveries were written, or a redelivery was asked for."""
         self.wake.set()
@@ -126,7 +130,7 @@ class WebhookSender:
         round_no = delivery.attempts - delivery.round_start + 1
         payload = await self._with_eta(self._with_link(delivery.payload), delivery)
         body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
-        secrets = await auth.webhook_secrets(self._pool, delivery.user_id, self._sealer)
+        secrets = await self.secrets(delivery.user_id)
         if secrets:
             with tracing.span(
                 f"webhook {delivery.event_type}",

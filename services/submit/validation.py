@@ -27,7 +27,7 @@ from .inputs import Checked, InputImages
 
 DEFAULT_TASK_TYPE = "text-to-video"
 IMAGE_TASK_TYPES = frozenset({"image-to-video"})  # task types whose requests carry an input image
-CALLBACK_EVENTS = frozenset({"CANCELED", "PROGRESS"})
+CALLBACK_EVENTS = frozenset({"CANCELED", "OUTPUT", "PROGRESS"})
 MAX_SEED = 2**63 - 1
 _RANDOM_SEEDS = 2**32  # a seed every backend (torch, numpy) accepts
 MAX_END_USER_BYTES = 128  # the task table's check (migrations/0032_end_users.sql)

@@ -287,7 +287,9 @@ class SubmitTaskRequest(_message.Message):
     def params(self) -> _task_pb2.VideoParams: ...
     @_builtins.property
     def callback_events(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Extra events the callback receives beyond terminal ones: "CANCELED", "PROGRESS"."""
+        """Extra events the callback receives beyond terminal ones: "CANCELED", "PROGRESS", "OUTPUT" (task.output webhooks:
+        the task's partial output, coalesced, best-effort).
+        """
 
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--end-user", metavar="ID",
                    help="your own user the task is for (opaque, at most 128 bytes): its own limits, keys and usage")
     p.add_argument("--callback-url", help="webhook URL for terminal events")
-    p.add_argument("--callback-event", action="append", default=[], choices=["CANCELED", "PROGRESS"], help="extra webhook events")
+    p.add_argument("--callback-event", action="append", default=[], choices=["CANCELED", "OUTPUT", "PROGRESS"], help="extra webhook events")
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--max-retries", type=int)
     p.add_argument("--start-after", type=start_time, metavar="WHEN", help="not before: a delay (10m, 2h) or an ISO 8601 time")

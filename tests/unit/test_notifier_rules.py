@@ -42,6 +42,10 @@ def test_which_events_become_webhooks() -> None:
     assert outbox.event_type(Status.PROCESSING, []) is None
     assert outbox.event_type(Status.PROCESSING, ["PROGRESS"]) == "task.progress"
     assert outbox.event_type(Status.QUEUED, ["PROGRESS", "CANCELED"]) is None
+    # output webhooks: only when asked for, and no outbox delivery of their own
+    assert outbox.wants_output(["OUTPUT"]) and outbox.wants_output(["task.output"])
+    assert not outbox.wants_output([]) and not outbox.wants_output(None) and not outbox.wants_output(["PROGRESS"])
+    assert outbox.event_type(Status.PROCESSING, ["OUTPUT"]) is None
 
 
 async def test_a_wait_honours_a_cancellation_that_was_swallowed_before_it() -> None:
