@@ -58,7 +58,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     llm_opts.add_argument("--llm-rounds", type=int, default=2, help="rounds of 1, 4 and 16 tasks at once")
     llm_opts.add_argument("--llm-ttft", type=int, default=20, help="tasks one at a time for the first-token latency")
     llm_opts.add_argument("--llm-threads", type=int, default=1,
-                          help="torch intra-op threads, the worker's and this process's (README: why 1)")
+                          help="torch intra-op threads, the worker's and this process's (docs/benchmarks.md: why 1)")
     parser.add_argument("--busy-tasks", type=int, default=20, help="device_busy phase: 'sleep' tasks per queue (half as many tiny Wan)")
     parser.add_argument("--wasted-tasks", type=int, default=6, help="wasted phase: tiny Wan tasks per queue")
     parser.add_argument("--wasted-kills", type=int, default=4, help="wasted phase: worker crashes per queue")
@@ -160,7 +160,7 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
         if recovery_wanted:
             await phase("dead-worker recovery, shipped defaults", lambda: recovery.dead_worker(
                 stack, report, "dead-worker recovery", "shipped defaults (lease 10 s)", 15.0))
-        # after latency and recovery: a notifier that held 10,000 streams answers its next events slower (README)
+        # after latency and recovery: a notifier that held 10,000 streams answers its next events slower (docs/benchmarks.md)
         if wanted("fleet"):
             f = fleet_size
             await stack.stop_group(stack.worker_names())  # the latency phase's workers: the fleet alone runs

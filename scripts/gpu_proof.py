@@ -14,7 +14,7 @@ JSON (--out) after each phase; the whole run stays within --budget seconds, skip
 Without CUDA it prints one SKIP line, writes {"skipped": ...} and exits 0 at once (it imports torch only).
 `--device cpu --layers 1 --tiny` is the dry mode: the same code on the CPU, one block per stack, the smallest valid
 video, which proves that the configurations are accepted by the installed diffusers classes and that every phase runs.
-`--report FILE` prints the README table of a JSON written earlier.
+`--report FILE` prints the GPU proof table (docs/operations.md) of a JSON written earlier.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ HUNYUAN_VAE: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Proof:
-    """One family's real model: its published configuration and how the README's entry runs it on an 80 GB GPU."""
+    """One family's real model: its published configuration and how docs/models.md's entry runs it on an 80 GB GPU."""
 
     key: str
     pipeline: str  # the diffusers pipeline class (taskgate.families key)
@@ -721,7 +721,7 @@ def _cell(value: Any, digits: int = 3) -> str:
 
 
 def table(doc: dict[str, Any]) -> str:
-    """The README table (Markdown) of a proof's JSON."""
+    """The GPU proof table (Markdown, docs/operations.md) of a proof's JSON."""
     if "skipped" in doc or "error" in doc:
         return f"skipped: {doc['skipped']}" if "skipped" in doc else f"error: {doc['error']}"
     lines = [
@@ -792,7 +792,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--busy-steps", type=int, default=2, help="denoising steps per queued task")
     parser.add_argument("--grace", type=float, default=120.0,
                         help="on CUDA, a phase still running this long past the budget is stopped (stacks printed, exit 1)")
-    parser.add_argument("--report", type=Path, default=None, help="print the README table of this JSON and exit")
+    parser.add_argument("--report", type=Path, default=None, help="print the GPU proof table of this JSON and exit")
     return parser.parse_args(argv)
 
 

@@ -1,4 +1,4 @@
-"""`python -m taskgate_local.settings_doc`: the README's configuration table, made from the Settings class itself."""
+"""`python -m taskgate_local.settings_doc`: docs/configuration.md's table of settings, made from the Settings class itself."""
 
 from __future__ import annotations
 
@@ -41,14 +41,14 @@ def table() -> str:
 
 
 def render(readme: str) -> str:
-    """The README with the table between the markers replaced."""
+    """The page with the table between the markers replaced."""
     head, rest = readme.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{table()}\n{END}{tail}"
 
 
 def main() -> None:
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "README.md")
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/configuration.md")
     path.write_text(render(path.read_text()))
 
 

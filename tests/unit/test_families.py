@@ -145,7 +145,7 @@ def test_the_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch, cap
 
 
 def test_the_readme_examples_are_valid_entries_of_every_family() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "models.md").read_text()
     section = readme.split("### Models", 1)[1]
     example = json.loads(section.split("```json", 1)[1].split("```", 1)[0])
     specs = {name: ModelSpec.model_validate(entry) for name, entry in example.items()}

@@ -1,4 +1,4 @@
-"""The SDK's task handles, watch_all and the README's examples, against the real services."""
+"""The SDK's task handles, watch_all and docs/sdk.md's examples, against the real services."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.support.factories import claimed
 from tests.support.harness import ROOT, wait_for
 from tests.support.stacks import SMALL, Stack, run_task, run_task_finish
 
-README = ROOT / "README.md"
+SDK_PAGE = ROOT / "docs" / "sdk.md"
 
 
 def test_submit_options_are_the_submit_keywords() -> None:
@@ -110,12 +110,12 @@ async def test_handle_download_waits_for_the_task(stack: Stack, tmp_path: Path) 
     assert (tmp_path / "out.mp4").read_bytes() == b"video" and info.size_bytes == 5
 
 
-# -- the README's examples run against a real stack ----------------------------------------------------------------
+# -- docs/sdk.md's examples run against a real stack ------------------------------------------------------------------
 
 
 def readme_sdk_examples() -> list[str]:
-    """The ```python blocks of the README's "Client SDK" section (its subsections included)."""
-    text = README.read_text()
+    """The ```python blocks of docs/sdk.md's "Client SDK" section (its subsections included)."""
+    text = SDK_PAGE.read_text() + "\n## "
     start = text.index("\n## Client SDK\n")
     end = text.index("\n## ", start + 1)
     return re.findall(r"```python\n(.*?)```", text[start:end], flags=re.DOTALL)
@@ -159,7 +159,7 @@ async def test_readme_sdk_examples_run(worker_stack: dict[str, str], tmp_path: P
     for n, source in enumerate(examples):
         for placeholder, real in worker_stack.items():
             source = source.replace(placeholder, real)
-        code = compile(source, f"README.md Client SDK example {n + 1}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        code = compile(source, f"docs/sdk.md Client SDK example {n + 1}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
         namespace: dict[str, object] = {"__name__": "readme"}
         if code.co_flags & inspect.CO_COROUTINE:
             await asyncio.wait_for(eval(code, namespace), 60)  # top-level await: runs on this loop, beside the stack
