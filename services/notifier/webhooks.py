@@ -156,6 +156,9 @@ class WebhookSender:
             status, outcome = CallbackStatus.PENDING, "retry"
         else:
             status, delay, outcome = CallbackStatus.FAILED, 0.0, "exhausted"
+        # the breaker first: a retry recorded PENDING becomes claimable after its delay (50 ms in tests), and a pass
+        # that claimed it before this failure opened the breaker would send it through an open breaker
+        await self._note_destination(delivery.destination, attempt)
         recorded = await webhook_store.record(
             self._pool,
             delivery,
@@ -169,7 +172,6 @@ class WebhookSender:
             ),
         )
         telemetry.CALLBACK_ATTEMPTS.labels(attempt.result).inc()
-        await self._note_destination(delivery.destination, attempt)
         log.info(
             "webhook attempt",
             extra={
