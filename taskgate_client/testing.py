@@ -15,242 +15,54 @@ outcome says: `Succeed` (default), `Fail`, `TimeOut`, or `Hold` (it stays QUEUED
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
-import re
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
-from typing import Any, NoReturn, TypeVar, cast
+from functools import cached_property
+from typing import Any, TypeVar, cast
 
 import grpc
-from google.protobuf import any_pb2, duration_pb2
-from google.protobuf.message import Message
-from google.protobuf.timestamp_pb2 import Timestamp
-from google.rpc import error_details_pb2, status_pb2
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2
 
 from taskgate_api import reasons
-from taskgate_api._compat import UTC
 from taskgate_api.v1 import admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 from taskgate_client.aio import AsyncTaskgateClient
 from taskgate_client.config import ClientConfig
+from taskgate_client.fakecheck import FakeChecks
+from taskgate_client.fakerpc import _Call, _info, _invalid, _not_found, _Stub, rpc_error
+from taskgate_client.fakestate import (
+    _IMAGE_SIGNATURES,
+    CHAT,
+    CHUNK,
+    START,
+    SUCCEED,
+    TENANT,
+    Fail,
+    Hold,
+    ModelLimits,
+    Outcome,
+    Script,
+    Succeed,
+    TimeOut,
+    _Entry,
+    _ts,
+)
 from taskgate_client.sync import TaskgateClient
-from taskgate_client.types import Status, Task
+from taskgate_client.types import Status
 
 T = TypeVar("T")
 
-TENANT = "fake-tenant"
 
-START = datetime(2025, 1, 1, tzinfo=UTC)  # the fake clock's first reading; each change is one second later
-CHUNK = 64 * 1024
-CALLBACK_EVENTS = frozenset({"CANCELED", "OUTPUT", "PROGRESS"})
-CHAT = "chat"
+class FakeTaskgate(FakeChecks):
+    """The in-memory services behind the fake clients: tasks, their history, results, and the test's controls (its
+    state and controls are FakeTaskgateState's in fakestate.py, its checks of a submission FakeChecks' in fakecheck.py;
+    the RPCs it serves are here)."""
 
-
-@dataclass(frozen=True, slots=True)
-class Succeed:
-    """The task runs, reports each `progress` percentage, and succeeds with `data` (None: bytes made from the prompt)."""
-
-    data: bytes | None = None
-    content_type: str = "video/mp4"
-    progress: tuple[int, ...] = (50,)
-
-
-@dataclass(frozen=True, slots=True)
-class Fail:
-    """The task runs and fails for good with `code` and `message`."""
-
-    code: str = "MODEL_ERROR"
-    message: str = "the model failed"
-    progress: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class TimeOut:
-    """The task runs past its processing timeout (TIMEOUT, error code PROCESSING_TIMEOUT)."""
-
-    message: str = "the task ran past its processing timeout"
-
-
-@dataclass(frozen=True, slots=True)
-class Hold:
-    """The task stays QUEUED until the test calls `server.finish()` or cancels it."""
-
-
-Outcome = Succeed | Fail | TimeOut | Hold
-Script = Outcome | Callable[[Task], Outcome | None]  # a function's None means Succeed()
-SUCCEED = Succeed()
-
-
-@dataclass(frozen=True, slots=True)
-class ModelLimits:
-    """What the fake accepts for a model: the services' defaults for a model spec."""
-
-    default_frames: int = 9
-    default_width: int = 32
-    default_height: int = 32
-    default_steps: int = 4
-    default_guidance: float = 5.0
-    default_fps: int = 8
-    max_frames: int = 81
-    frame_step: int = 4
-    max_size: int = 1280
-    size_multiple: int = 16
-    max_steps: int = 100
-    max_guidance: float = 30.0
-    max_fps: int = 60
-
-
-def rpc_error(code: grpc.StatusCode, message: str, *details: Message) -> grpc.aio.AioRpcError:
-    """The error a real call fails with: `code`, `message` and google.rpc details in the trailing metadata."""
-    packed = []
-    for detail in details:
-        anyp = any_pb2.Any()
-        anyp.Pack(detail)
-        packed.append(anyp)
-    status = status_pb2.Status(code=code.value[0], message=message, details=packed)
-    trailing = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=message)
-
-
-def _info(reason: str, **metadata: str) -> error_details_pb2.ErrorInfo:
-    return error_details_pb2.ErrorInfo(reason=reason, domain=reasons.DOMAIN, metadata=metadata)
-
-
-def _invalid(violations: list[tuple[str, str]]) -> grpc.aio.AioRpcError:
-    bad = error_details_pb2.BadRequest(
-        field_violations=[error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in violations]
-    )
-    summary = "; ".join(f"{f}: {d}" for f, d in violations)
-    return rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {summary}", bad)
-
-
-def _not_found(what: str = "task") -> grpc.aio.AioRpcError:
-    return rpc_error(grpc.StatusCode.NOT_FOUND, f"{what} not found", _info(reasons.NOT_FOUND))
-
-
-class _Call:
-    """A server-streaming call: iterate it, cancel it."""
-
-    def __init__(self, source: AsyncIterator[Any]) -> None:
-        self._source = source
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._source
-
-    def cancel(self) -> bool:
-        return True
-
-
-class _Unimplemented:
-    """What an RPC the fake does not serve returns, awaited or iterated: UNIMPLEMENTED."""
-
-    def __init__(self, name: str) -> None:
-        self._error = rpc_error(grpc.StatusCode.UNIMPLEMENTED, f"the fake taskgate does not serve {name}")
-
-    async def _fail(self) -> NoReturn:
-        raise self._error
-
-    def __await__(self) -> Any:
-        return self._fail().__await__()
-
-    def __aiter__(self) -> _Unimplemented:
-        return self
-
-    async def initial_metadata(self) -> tuple[()]:  # a stream's headers: none, the call is over
-        return ()
-
-    def done(self) -> bool:
-        return True
-
-    async def __anext__(self) -> NoReturn:
-        raise self._error
-
-    def cancel(self) -> bool:
-        return True
-
-
-class _Stub:
-    """Serves the named RPCs from `methods`; any other is UNIMPLEMENTED, as on a server without it."""
-
-    def __init__(self, methods: dict[str, Callable[..., Any]]) -> None:
-        self._methods = methods
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = self._methods.get(name)
-        if method is not None:
-            return method
-        return lambda *args, **kwargs: _Unimplemented(name)
-
-
-@dataclass
-class _Entry:
-    task: task_pb2.Task
-    fingerprint: str
-    history: list[task_pb2.TaskEvent] = field(default_factory=list)
-    data: bytes = b""
-    output: list[tuple[int, task_pb2.OutputChunk]] = field(default_factory=list)  # (the version it came after, chunk)
-
-
-def _ts(at: datetime) -> Timestamp:
-    ts = Timestamp()
-    ts.FromDatetime(at)
-    return ts
-
-
-_IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")  # PNG, JPEG; WebP is RIFF....WEBP
-
-
-class FakeTaskgate:
-    """The in-memory services behind the fake clients: tasks, their history, results, and the test's controls."""
-
-    def __init__(
-        self,
-        *,
-        outcome: Script = SUCCEED,
-        models: Iterable[str] = ("wan-tiny",),
-        default_model: str = "wan-tiny",
-        limits: ModelLimits | None = None,
-        max_pending: int | None = None,
-        image_models: Iterable[str] = (),
-        gpu_seconds_per_day: float | None = None,
-        gpu_seconds_per_task: float = 60.0,
-        chat_models: Iterable[str] = ("llama-tiny",),
-        tokens_per_day: int | None = None,
-    ) -> None:
-        self.outcome = outcome
-        self.image_models = tuple(image_models)
-        """Models that serve image-to-video (the others serve text-to-video); the fake decodes no image: it checks
-        the file's signature and names an input by the sha256 of the bytes sent (of the URL, which it never fetches)."""
-        self.chat_models = tuple(chat_models)
-        """Models that serve chat tasks: a succeeded one answers with deterministic text (or Succeed's `data`), its
-        tokens counted as words (the fake has no tokenizer)."""
-        self.models = (*models, *self.image_models, *self.chat_models)
-        self._uploads: set[str] = set()
-        self._texts: dict[str, str] = {}  # text attachments by sha256
-        self.default_model = default_model
-        self.limits = limits or ModelLimits()
-        self.max_pending = max_pending
-        self.gpu_seconds_per_day = gpu_seconds_per_day
-        """A GPU-second budget as the server keeps one: each new task reserves `gpu_seconds_per_task` (a task cancelled
-        before it ran releases it), and one that does not fit is refused QUOTA_EXCEEDED with RetryInfo until the fake
-        clock's next midnight. The fake's budget never resets and measures nothing: every task costs its estimate."""
-        self.gpu_seconds_per_task = gpu_seconds_per_task
-        self.tokens_per_day = tokens_per_day
-        """A token budget as the server keeps one: a chat task reserves its input (words) and its max_output_tokens
-        while it is unfinished, is settled to the tokens it used when it succeeds and releases them otherwise; one that
-        does not fit is refused QUOTA_EXCEEDED (metadata budget 'tokens') with RetryInfo until the fake clock's next
-        midnight. The fake's budget never resets."""
-        self._tasks: dict[int, _Entry] = {}
-        self._keys: dict[tuple[str, str], int] = {}  # (end user, key): keys are each end user's own
-        self._log: list[task_pb2.TaskEvent] = []
-        self._sequence = 0  # the output stream's last sequence (one stream for every task, as TASK_OUTPUT)
-        self._ticks = 0
-        self._failures: dict[str, list[grpc.aio.AioRpcError]] = {}
-        self._changed = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.gateway = _Stub(
+    @cached_property
+    def gateway(self) -> _Stub:
+        return _Stub(
             {
                 "SubmitTask": self._submit,
                 "UploadInput": self._upload,
@@ -260,337 +72,21 @@ class FakeTaskgate:
                 "GetTaskResult": lambda request, **_: _Call(self._result(request)),
             }
         )
-        self.events = _Stub(
+
+    @cached_property
+    def events(self) -> _Stub:
+        return _Stub(
             {
                 "WatchTask": lambda request, **_: _Call(self._watch_task(request)),
                 "WatchTasks": lambda request, **_: _Call(self._watch_tasks(request)),
             }
         )
-        self.admin = _Stub({})
 
-    # -- the test's controls -------------------------------------------------------------------------------------
-
-    def tasks(self) -> list[Task]:
-        """Every task submitted so far, in submission order, as it is now."""
-        return [Task.from_proto(self._copy(entry.task)) for _, entry in sorted(self._tasks.items())]
-
-    def finish(self, task_id: str, outcome: Succeed | Fail | TimeOut = SUCCEED) -> Task:
-        """Runs a waiting (CREATED or QUEUED) task to `outcome` now; a task that already ran is returned as it is."""
-        entry = self._tasks[int(task_id)]
-        if entry.task.status in (task_pb2.TASK_STATUS_CREATED, task_pb2.TASK_STATUS_QUEUED):
-            self._run(entry, outcome)
-        return Task.from_proto(self._copy(entry.task))
-
-    def fail_next(
-        self, rpc: str, code: grpc.StatusCode, message: str = "injected", *, reason: str = "", retry_delay: float | None = None
-    ) -> None:
-        """The next call of `rpc` (e.g. "SubmitTask") fails with `code`; call it again to queue more failures."""
-        details: list[Message] = [_info(reason or code.name)]
-        if retry_delay is not None:
-            delay = duration_pb2.Duration()
-            delay.FromNanoseconds(int(retry_delay * 1e9))
-            details.append(error_details_pb2.RetryInfo(retry_delay=delay))
-        self._failures.setdefault(rpc, []).append(rpc_error(code, message, *details))
-
-    # -- plumbing ------------------------------------------------------------------------------------------------
-
-    def _injected(self, rpc: str) -> None:
-        queued = self._failures.get(rpc)
-        if queued:
-            raise queued.pop(0)
-
-    def _now(self) -> datetime:
-        self._ticks += 1
-        return START + timedelta(seconds=self._ticks)
-
-    def _notify(self) -> None:
-        """Wakes every stream waiting for a change (from any thread)."""
-        changed, self._changed = self._changed, asyncio.Event()
-        loop = self._loop
-        try:
-            here = asyncio.get_running_loop()
-        except RuntimeError:
-            here = None
-        if loop is not None and loop is not here and loop.is_running():
-            loop.call_soon_threadsafe(changed.set)
-        else:
-            changed.set()
-
-    async def _changes(self, seen: int) -> None:
-        """Returns once the log holds more than `seen` events."""
-        self._loop = asyncio.get_running_loop()
-        while True:
-            changed = self._changed  # taken before the check, so a change made after it still wakes us
-            if len(self._log) > seen:
-                return
-            await changed.wait()
-
-    def _entry(self, task_id: str) -> _Entry:
-        if not task_id.isdigit():
-            raise _invalid([("task_id", "must be a decimal task id")])
-        entry = self._tasks.get(int(task_id))
-        if entry is None:
-            raise _not_found()
-        return entry
-
-    def _copy(self, task: task_pb2.Task, *, position: bool = False) -> task_pb2.Task:
-        out = task_pb2.Task()
-        out.CopyFrom(task)
-        if position and task.status == task_pb2.TASK_STATUS_QUEUED:
-            ahead = [
-                e.task
-                for e in self._tasks.values()
-                if e.task.status == task_pb2.TASK_STATUS_QUEUED and e.task.model_id == task.model_id
-                and (-e.task.priority, int(e.task.id)) < (-task.priority, int(task.id))
-            ]
-            out.queue_position = len(ahead) + 1
-        return out
-
-    def _move(
-        self,
-        entry: _Entry,
-        to: Status,
-        *,
-        reason: str,
-        actor: str,
-        progress: int | None = None,
-        error: tuple[str, str] | None = None,
-        result: task_pb2.TaskResult | None = None,
-    ) -> None:
-        """One state change: the row, its history and the tenant's event log, as the services' trigger records it."""
-        task = entry.task
-        before = task.status
-        now = _ts(self._now())
-        task.status = to.to_proto()
-        task.version += 1
-        task.updated_at.CopyFrom(now)
-        if to is Status.QUEUED:
-            task.queued_at.CopyFrom(now)
-        if to is Status.PROCESSING and before != task.status:
-            task.attempt += 1
-            task.worker_id = "fake-worker"
-            task.started_at.CopyFrom(now)
-        if progress is not None:
-            task.progress = progress
-        if error is not None:
-            task.error_code, task.error_message = error
-        if result is not None:
-            task.result.CopyFrom(result)
-        if to.terminal:
-            task.finished_at.CopyFrom(now)
-        event = task_pb2.TaskEvent(
-            task_id=task.id,
-            user_id=task.user_id,
-            model_id=task.model_id,
-            version=task.version,
-            to_status=task.status,
-            progress=task.progress,
-            error_code=task.error_code,
-            error_message=task.error_message,
-            attempt=task.attempt,
-            worker_id=task.worker_id,
-            reason=reason,
-            actor=actor,
-            event_id=len(self._log) + 1,
-        )
-        if before != task_pb2.TASK_STATUS_UNSPECIFIED:
-            event.from_status = before
-        event.at.CopyFrom(now)
-        if result is not None:
-            event.result.CopyFrom(result)
-        entry.history.append(event)
-        self._log.append(event)
-        self._notify()
-
-    def _run(self, entry: _Entry, outcome: Outcome) -> None:
-        """Plays the worker: claim, progress, then the outcome's end."""
-        if isinstance(outcome, Hold):
-            return
-        self._move(entry, Status.PROCESSING, reason="claimed", actor="worker", progress=0)
-        for pct in outcome.progress if not isinstance(outcome, TimeOut) else ():
-            self._move(entry, Status.PROCESSING, reason="progress", actor="worker", progress=pct)
-        if isinstance(outcome, Succeed):
-            task = entry.task
-            chat = task.task_type == CHAT
-            entry.data = outcome.data if outcome.data is not None else (self._answer(task) if chat else self._video(task))
-            if chat:
-                text = entry.data.decode(errors="replace")
-                self._stream_text(entry, text)
-                task.text.CopyFrom(task_pb2.TextResult(text=text, finish_reason="stop", chars=len(text)))
-                task.usage.output_tokens = len(text.split())
-            result = task_pb2.TaskResult(
-                uri=f"fake://results/{task.id}-a{task.attempt}.{'txt' if chat else 'mp4'}",
-                content_type="text/plain; charset=utf-8" if chat and outcome.data is None else outcome.content_type,
-                size_bytes=len(entry.data),
-                sha256=hashlib.sha256(entry.data).hexdigest(),
-            )
-            self._move(entry, Status.SUCCEEDED, reason="succeeded", actor="worker", progress=100, result=result)
-        elif isinstance(outcome, Fail):
-            self._move(entry, Status.FAILED, reason="failed", actor="worker", error=(outcome.code, outcome.message))
-        else:
-            self._move(entry, Status.TIMEOUT, reason="processing timeout", actor="scheduler", error=("PROCESSING_TIMEOUT", outcome.message))
-
-    def _stream_text(self, entry: _Entry, text: str) -> None:
-        """Plays the worker's streamed output: the answer in word-sized chunks, as a real stream carries them."""
-        offset = 0
-        for piece in re.findall(r"\S+\s*|\s+", text):
-            self._sequence += 1
-            chunk = task_pb2.OutputChunk(
-                task_id=entry.task.id, attempt=max(1, entry.task.attempt), kind=task_pb2.OUTPUT_KIND_TEXT, text=piece,
-                offset=offset, sequence=self._sequence,
-            )
-            chunk.at.CopyFrom(_ts(self._now()))
-            entry.output.append((entry.task.version, chunk))
-            offset += len(piece)
-
-    @staticmethod
-    def _answer(task: task_pb2.Task) -> bytes:
-        """A chat task's deterministic stand-in answer: the same request gives the same text."""
-        digest = hashlib.sha256(f"{task.model_id}\n{task.prompt}\n{task.chat.seed}".encode()).hexdigest()
-        return f"A fake answer to {task.prompt[:40]!r} ({digest[:12]}).".encode()
-
-    @staticmethod
-    def _video(task: task_pb2.Task) -> bytes:
-        """Deterministic stand-in bytes: the same request gives the same output."""
-        digest = hashlib.sha256(f"{task.model_id}\n{task.prompt}\n{task.params.seed}\n{task.image.sha256}".encode()).digest()
-        return b"FAKE-MP4\n" + digest * 8
-
-    def _autorun(self, entry: _Entry) -> None:
-        if entry.task.status in (task_pb2.TASK_STATUS_CREATED, task_pb2.TASK_STATUS_QUEUED):
-            script = self.outcome
-            outcome = script(Task.from_proto(self._copy(entry.task))) if callable(script) else script
-            self._run(entry, outcome or SUCCEED)
+    @cached_property
+    def admin(self) -> _Stub:
+        return _Stub({})
 
     # -- TaskGateway ---------------------------------------------------------------------------------------------
-
-    def _check(self, req: gateway_pb2.SubmitTaskRequest) -> tuple[str, dict[str, Any]]:
-        """INVALID_ARGUMENT naming every bad field (the services' rules for a default model), or the model and params."""
-        bad: list[tuple[str, str]] = []
-        if (req.task_type or "text-to-video") == CHAT:
-            return self._check_chat(req, bad)
-        if req.HasField("chat"):
-            bad.append(("chat", "only a chat task takes chat parameters"))
-        if not req.prompt.strip():
-            bad.append(("prompt", "must not be empty"))
-        model = req.model_id or self.default_model
-        if model not in self.models:
-            bad.append(("model_id", f"unknown model; known: {', '.join(sorted(self.models))}"))
-        served = "image-to-video" if model in self.image_models else CHAT if model in self.chat_models else "text-to-video"
-        task_type = req.task_type or "text-to-video"
-        if task_type != served:
-            bad.append(("task_type", f"model {model} supports {served}"))
-        image = self._image(req, task_type, bad)
-        lim, p = self.limits, req.params
-        frames = p.num_frames or lim.default_frames
-        if frames < 1 or frames > lim.max_frames or (frames - 1) % lim.frame_step:
-            bad.append(("params.num_frames", f"must be 1..{lim.max_frames} with num_frames - 1 a multiple of {lim.frame_step}"))
-        width, height = p.width or lim.default_width, p.height or lim.default_height
-        for name, size in (("width", width), ("height", height)):
-            if size < 1 or size > lim.max_size or size % lim.size_multiple:
-                bad.append((f"params.{name}", f"must be a multiple of {lim.size_multiple} up to {lim.max_size}"))
-        steps = p.num_inference_steps or lim.default_steps
-        if steps < 1 or steps > lim.max_steps:
-            bad.append(("params.num_inference_steps", f"must be 1..{lim.max_steps}"))
-        guidance = p.guidance_scale or lim.default_guidance
-        if guidance < 0 or guidance > lim.max_guidance:
-            bad.append(("params.guidance_scale", f"must be 0..{lim.max_guidance}"))
-        fps = p.fps or lim.default_fps
-        if fps < 1 or fps > lim.max_fps:
-            bad.append(("params.fps", f"must be 1..{lim.max_fps}"))
-        if p.HasField("seed") and p.seed < 0:
-            bad.append(("params.seed", "must not be negative"))
-        if req.HasField("max_retries") and not 0 <= req.max_retries <= 10:
-            bad.append(("max_retries", "must be 0..10"))
-        if req.HasField("max_queue_seconds") and not 0 < req.max_queue_seconds <= 7 * 86400:
-            bad.append(("max_queue_seconds", "must be above 0 and at most 604800"))
-        events = set(req.callback_events)
-        if events - CALLBACK_EVENTS:
-            bad.append(("callback_events", f"each must be one of {', '.join(sorted(CALLBACK_EVENTS))}"))
-        elif events and not req.callback_url:
-            bad.append(("callback_events", "need a callback_url"))
-        if req.callback_url and not req.callback_url.startswith(("http://", "https://")):
-            bad.append(("callback_url", "must be an http or https URL"))
-        if bad:
-            raise _invalid(bad)
-        params = {
-            "num_frames": frames, "width": width, "height": height, "num_inference_steps": steps,
-            "guidance_scale": round(guidance, 4), "fps": fps, "seed": p.seed if p.HasField("seed") else None,
-            "negative_prompt": p.negative_prompt,
-        }
-        if image is not None:
-            params["image"] = image
-        return model, params
-
-    def _check_chat(self, req: gateway_pb2.SubmitTaskRequest, bad: list[tuple[str, str]]) -> tuple[str, dict[str, Any]]:
-        """A chat request by the services' rules (no token count: the fake has no tokenizer), or INVALID_ARGUMENT."""
-        model = req.model_id or self.default_model
-        if model not in self.chat_models:
-            bad.append(("model_id" if model not in self.models else "task_type", f"model {model} serves no chat tasks"))
-        for given, _ in req.params.ListFields():
-            bad.append((f"params.{given.name}", "a chat task takes no video parameters; use chat"))
-        c = req.chat
-        if c.messages and req.prompt:
-            bad.append(("prompt", "give the prompt or chat.messages, not both"))
-        messages = [{"role": m.role, "content": self._attached(m, i, bad)} for i, m in enumerate(c.messages)] or [
-            {"role": "user", "content": req.prompt}]
-        for i, m in enumerate(messages):
-            if m["role"] not in ("system", "user", "assistant"):
-                bad.append((f"chat.messages[{i}].role", "must be one of system, user, assistant"))
-        if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
-            bad.append(("chat.messages" if c.messages else "prompt", "must end with a user message that is not empty"))
-        max_tokens = c.max_output_tokens if c.HasField("max_output_tokens") else 256
-        if max_tokens < 1:
-            bad.append(("chat.max_output_tokens", "must be at least 1"))
-        if c.HasField("temperature") and not 0 <= c.temperature <= 2:
-            bad.append(("chat.temperature", "must be 0..2"))
-        if c.HasField("top_p") and not 0 < c.top_p <= 1:
-            bad.append(("chat.top_p", "must be above 0 and at most 1"))
-        if c.HasField("seed") and c.seed < 0:
-            bad.append(("chat.seed", "must not be negative"))
-        if bad:
-            raise _invalid(bad)
-        return model, {
-            "messages": messages, "max_output_tokens": max_tokens, "temperature": c.temperature if c.HasField("temperature") else 1.0,
-            "top_p": c.top_p if c.HasField("top_p") else 1.0, "stop": list(c.stop), "seed": c.seed if c.HasField("seed") else None,
-        }
-
-    def _image(self, req: gateway_pb2.SubmitTaskRequest, task_type: str, bad: list[tuple[str, str]]) -> str | None:
-        """The sha256 naming the request's image, or None (with the reason in `bad` when one was due or wrong)."""
-        if task_type != "image-to-video":
-            if req.HasField("image"):
-                bad.append(("image", f"task_type {task_type} takes no image; use image-to-video"))
-            return None
-        if not req.HasField("image"):
-            bad.append(("image", f"task_type {task_type} needs an input image"))
-            return None
-        source = req.image.WhichOneof("source")
-        if source == "data":
-            if not req.image.data.startswith(_IMAGE_SIGNATURES) and req.image.data[8:12] != b"WEBP":
-                bad.append(("image.data", "is not an image in an allowed format (PNG, JPEG, WEBP)"))
-                return None
-            return hashlib.sha256(req.image.data).hexdigest()
-        if source == "url":
-            if not req.image.url.startswith("https://"):
-                bad.append(("image.url", "may not be fetched: only https URLs are"))
-                return None
-            return hashlib.sha256(req.image.url.encode()).hexdigest()
-        if source == "upload_sha256":
-            if req.image.upload_sha256 not in self._uploads:
-                bad.append(("image.upload_sha256", "names no input image of this tenant (never uploaded, or expired)"))
-                return None
-            return req.image.upload_sha256
-        bad.append(("image", "needs one of data, url or upload_sha256"))
-        return None
-
-    def _attached(self, message: task_pb2.ChatMessage, i: int, bad: list[tuple[str, str]]) -> str:
-        """A chat message's content with the text upload it names appended (after a blank line), as the gateway does."""
-        if not message.content_sha256:
-            return message.content
-        text = self._texts.get(message.content_sha256)
-        if text is None:
-            bad.append((f"chat.messages[{i}].content_sha256", "names no text attachment of this tenant (never uploaded, or expired)"))
-            return message.content
-        return f"{message.content}\n\n{text}" if message.content else text
 
     async def _upload(self, parts: AsyncIterator[gateway_pb2.UploadInputRequest], **_: Any) -> gateway_pb2.UploadInputResponse:
         self._injected("UploadInput")
