@@ -95,27 +95,51 @@ SIMULATED = 20_000  # claims simulated one by one; beyond, the levels' shares ar
 def place(inputs: EtaInputs, weights: tuple[int, int, int]) -> tuple[float, int]:
     """How many of its model's claims come up to and including a QUEUED task's (its position, and the claims that
     take time): the workers' smooth weighted round robin over the levels that still have tasks, claim by claim (as
-    services/worker/consumer.py Weighted picks, a level that empties losing its credit), or as rates when long."""
+    services/worker/consumer.py Weighted picks, a level that empties losing its credit), or as rates when long.
+
+    The round robin repeats itself: once the credits at the end of a round (a round: the weights' sum of claims) are
+    ones already seen since the last level emptied, every round until a level runs short takes the same claims, so
+    those rounds are skipped whole — the answer is the claim-by-claim one, at a cost that does not grow with the
+    position (one GetTask of a task 1,000 deep simulated 1,000 claims, ~2 ms of Python)."""
     by_priority = {Priority.HIGH: weights[0], Priority.NORMAL: weights[1], Priority.LOW: weights[2]}
+    mine = inputs.priority
     target = max(inputs.level_position, 1)
-    left = {p: n for p, n in inputs.queued.items() if n > 0 and p != inputs.priority}
-    left[inputs.priority] = target
+    left = {p: n for p, n in inputs.queued.items() if n > 0 and p != mine}
+    left[mine] = target
     if sum(left.values()) > SIMULATED:
-        return _as_rates(left, inputs.priority, by_priority)
+        return _as_rates(left, mine, by_priority)
     credit = dict.fromkeys(left, 0)
     claims = 0
+    seen: dict[tuple[int, ...], tuple[int, dict[int, int]]] = {}  # credits at a round's end -> claims, tasks left then
     while True:
         total = sum(max(1, by_priority[p]) for p in left)
-        for p in left:
-            credit[p] += max(1, by_priority[p])
-        best = max(left, key=lambda p: (credit[p], p))
-        credit[best] -= total
-        claims += 1
-        left[best] -= 1
-        if best == inputs.priority and left[best] == 0:
-            return float(claims), claims
-        if left[best] == 0:
-            del left[best], credit[best]
+        emptied = False
+        for _ in range(total):
+            for p in left:
+                credit[p] += max(1, by_priority[p])
+            best = max(left, key=lambda p: (credit[p], p))
+            credit[best] -= total
+            claims += 1
+            left[best] -= 1
+            if best == mine and left[best] == 0:
+                return float(claims), claims
+            if left[best] == 0:
+                del left[best], credit[best]
+                emptied = True
+                break
+        if emptied:
+            seen.clear()  # fewer levels: a new round robin
+            continue
+        state = tuple(credit.values())
+        if state in seen:  # a cycle: skip as many of them as leave every level a task
+            then, was = seen[state]
+            taken = {p: was[p] - left[p] for p in left}
+            cycles = min((left[p] - 1) // taken[p] for p in left if taken[p] > 0)
+            claims += cycles * (claims - then)
+            for p in left:
+                left[p] -= cycles * taken[p]
+            seen.clear()
+        seen[state] = (claims, dict(left))
 
 
 def _as_rates(left: dict[int, int], priority: int, by_priority: dict[int, int]) -> tuple[float, int]:
