@@ -46,23 +46,23 @@ def summary(result: LoadResult) -> dict[str, Any]:
 
 async def submit_levels(
     stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, levels: tuple[int, ...],
-    raw_key: str,
+    raw_key: str, profiled: tuple[int, ...] = (64,),
 ) -> dict[int, LoadResult]:
-    """SubmitTask at each concurrency; every level starts with an empty queue."""
+    """SubmitTask at each concurrency; every level starts with an empty queue; the `profiled` levels are profiled
+    when opts.profile_dir is set."""
     results: dict[int, LoadResult] = {}
     for level in levels:
         spec = LoadSpec(stack.submit_address, stack.api_key, "submit", level, opts.seconds, opts.warmup, opts.channels,
                         tag=f"{raw_key}-c{level}")
         before = cpu.snapshot(stack)
-        async with profile.record(stack, opts.profile_dir if level == 64 else None, f"{raw_key}-c{level}"):
+        async with profile.record(stack, opts.profile_dir if level in profiled else None, f"{raw_key}-c{level}"):
             result = await load(executor, spec)
         costs = cpu.per_task(before, cpu.snapshot(stack), result.total, result.cpu)
         results[level] = result
         report.raw.setdefault(raw_key, {})[str(level)] = summary(result) | {"cpu_ms_per_task": costs}
         p50, p99 = ms(result.latencies)
-        if level == 64:
-            report.add(section, f"CPU per submitted task, {level} in flight", sum(costs.values()), "ms",
-                       note=", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
+        report.add(section, f"CPU per submitted task, {level} in flight", sum(costs.values()), "ms",
+                   note=", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
         errors = f"{sum(result.errors.values())} errors {dict(result.errors)}" if result.errors else ""
         if level == 64:
             report.add(section, f"SubmitTask throughput, {level} in flight", result.rate, "tasks/s", at_least=1500, note=errors)

@@ -222,6 +222,7 @@ $$;
 
 CREATE FUNCTION public.submit_tasks(p_items jsonb, p_default_max_pending integer, p_history_seconds double precision DEFAULT 86400, p_history_runs integer DEFAULT 20, p_now timestamp with time zone DEFAULT NULL::timestamp with time zone, p_default_max_pending_per_end_user integer DEFAULT 3, p_default_per_minute_per_end_user integer DEFAULT 30) RETURNS TABLE(ord integer, outcome text, retry_after double precision, pending_limit integer, budget_window text, budget_left double precision, gpu_estimate double precision, limit_scope text, rate_limit integer, task_row public.task, budget_unit text, token_estimate bigint)
     LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -633,6 +634,7 @@ $$;
 
 CREATE FUNCTION public.take_rate_slots_each(p_tenant text, p_per_minute integer, p_end_users text[], p_per_end_user integer) RETURNS text[]
     LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
     w timestamptz := date_trunc('minute', now());
