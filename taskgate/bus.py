@@ -29,7 +29,7 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
-from taskgate.config import Settings
+from taskgate.config import CommonSettings
 from taskgate.states import Priority
 
 log = logging.getLogger("taskgate.bus")
@@ -205,7 +205,7 @@ def _not_ready(exc: Exception) -> bool:
 DECLARE_SECONDS = 60.0
 
 
-async def declare(bus: Bus, settings: Settings, within: float = DECLARE_SECONDS) -> None:
+async def declare(bus: Bus, settings: CommonSettings, within: float = DECLARE_SECONDS) -> None:
     """Creates (or updates) every stream, durable consumer and bucket; safe to run from every replica.
 
     A JetStream API that times out, has no leader yet (a cluster electing one, or busy with every replica declaring
@@ -226,7 +226,7 @@ async def declare(bus: Bus, settings: Settings, within: float = DECLARE_SECONDS)
             delay = min(delay * 2, 5.0)
 
 
-async def _declare_once(bus: Bus, settings: Settings) -> None:
+async def _declare_once(bus: Bus, settings: CommonSettings) -> None:
     js = bus.js
     replicas = settings.stream_replicas
     await _ensure_stream(
@@ -287,7 +287,7 @@ async def _declare_once(bus: Bus, settings: Settings) -> None:
         )
 
 
-async def ensure_task_consumer(bus: Bus, settings: Settings, model_id: str, priority: int) -> str:
+async def ensure_task_consumer(bus: Bus, settings: CommonSettings, model_id: str, priority: int) -> str:
     name = consumer_name(model_id, priority)
     config = ConsumerConfig(
         durable_name=name,

@@ -8,18 +8,18 @@ from typing import Any
 
 import grpc
 
-from taskgate.config import Settings
+from taskgate.config import CommonSettings
 
 WORKER_TLS_NAME = "taskgate-worker"  # workers are reached by pod IP: their certificate names them so
 
 
-def local_target(settings: Settings, port: int) -> str:
+def local_target(settings: CommonSettings, port: int) -> str:
     """This host's address of a service on `port` (the bind address, or loopback for a wildcard bind)."""
     host = "127.0.0.1" if settings.grpc_host in ("0.0.0.0", "::") else settings.grpc_host
     return f"{host}:{port}"
 
 
-def credentials(settings: Settings) -> grpc.ChannelCredentials | None:
+def credentials(settings: CommonSettings) -> grpc.ChannelCredentials | None:
     """Verifies servers against tls_ca_file, presenting this service's own certificate (for mutual TLS) when it has
     one; None when the deployment configures no CA (plaintext, loopback or a trusted network only)."""
     if settings.tls_ca_file is None:
@@ -31,7 +31,7 @@ def credentials(settings: Settings) -> grpc.ChannelCredentials | None:
 
 
 def channel(
-    settings: Settings, target: str, options: Sequence[tuple[str, Any]] = (), *, server_name: str | None = None
+    settings: CommonSettings, target: str, options: Sequence[tuple[str, Any]] = (), *, server_name: str | None = None
 ) -> grpc.aio.Channel:
     """A channel to another taskgate service at `target`, TLS when configured; `server_name`: the name its certificate
     must carry when `target` is an address (a worker's pod IP)."""

@@ -6,7 +6,7 @@ import base64
 import binascii
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -243,8 +243,8 @@ TINY_DEFAULTS: dict[str, Any] = {
 }
 
 
-class Settings(BaseSettings):
-    """All of taskgate's configuration. Each field is the env var TASKGATE_<FIELD NAME>."""
+class CommonSettings(BaseSettings):
+    """What every process reads (and what more than one service reads). Each field is the env var TASKGATE_<FIELD NAME>."""
 
     model_config = SettingsConfigDict(env_prefix="TASKGATE_", extra="ignore")
 
@@ -283,48 +283,14 @@ class Settings(BaseSettings):
         description="How long a task's partial output (text deltas, previews, log lines) stays in the TASK_OUTPUT stream for "
         "streams to resume from; the finished result itself is kept by the result store's retention.",
     )
-    output_coalesce_seconds: float = Field(
-        default=0.05,
-        ge=0,
-        description="A running task's text deltas are gathered for this long into one output chunk (one NATS message); "
-        "its first delta goes at once.",
-    )
 
-    # gRPC and metrics endpoints
+    # gRPC endpoints (each service's own port, and how the others reach it) and TLS
     grpc_host: str = Field(default="127.0.0.1", description="Address the gRPC servers bind ('0.0.0.0' in a cluster).")
     submit_port: int = Field(default=50051, ge=0, le=65535, description="gRPC port of the submit service (TaskGateway); 0 = ephemeral.")
     notifier_port: int = Field(default=50052, ge=0, le=65535, description="gRPC port of the notifier (TaskEvents).")
     scheduler_port: int = Field(default=50053, ge=0, le=65535, description="gRPC port of the scheduler (TaskAdmin).")
     worker_port: int = Field(default=50054, ge=0, le=65535, description="gRPC port of a worker (WorkerControl).")
     metrics_host: str = Field(default="127.0.0.1", description="Address the /metrics endpoints bind.")
-    submit_metrics_port: int = Field(default=9101, ge=0, le=65535, description="0 disables /metrics.")
-    notifier_metrics_port: int = Field(default=9102, ge=0, le=65535, description="/metrics port of the notifier; 0 disables.")
-    scheduler_metrics_port: int = Field(default=9103, ge=0, le=65535, description="/metrics port of the scheduler; 0 disables.")
-    worker_metrics_port: int = Field(default=9104, ge=0, le=65535, description="/metrics port of a worker; 0 disables.")
-    http_port: int = Field(
-        default=8000, ge=0, le=65535, description="Port of the HTTP/JSON API and dashboard (services.http); 0 = ephemeral."
-    )
-    http_host: str = Field(default="127.0.0.1", description="Address the HTTP service binds ('0.0.0.0' in a cluster).")
-    http_metrics_port: int = Field(default=9105, ge=0, le=65535, description="/metrics port of the HTTP service; 0 disables.")
-    http_gateway_target: str | None = Field(
-        default=None, description="gRPC target of TaskGateway for the HTTP service; default: grpc_host:submit_port."
-    )
-    http_events_target: str | None = Field(
-        default=None, description="gRPC target of TaskEvents for the HTTP service; default: grpc_host:notifier_port."
-    )
-    http_admin_target: str | None = Field(
-        default=None, description="gRPC target of TaskAdmin for the HTTP service (dashboard); default: grpc_host:scheduler_port."
-    )
-    http_json_max_depth: int = Field(
-        default=32, ge=2, le=500, description="HTTP service: how deep a JSON request body may nest (deeper: 400 on body)."
-    )
-    http_cors_origins: list[str] = Field(
-        default_factory=list,
-        description="Origins whose pages may call the HTTP API from a browser (CORS), e.g. https://app.example.com; "
-        "empty: none (no CORS headers).",
-    )
-    http_call_timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of each gRPC call the HTTP service makes.")
-    http_shutdown_grace_seconds: float = Field(default=5.0, ge=0, description="SIGTERM: time open HTTP requests get to finish.")
     tls_cert_file: Path | None = Field(default=None, description="Server certificate (PEM); enables TLS.")
     tls_key_file: Path | None = Field(default=None, description="Server private key (PEM).")
     tls_client_ca_file: Path | None = Field(default=None, description="CA for client certificates; enables mutual TLS.")
@@ -349,38 +315,23 @@ class Settings(BaseSettings):
     grpc_min_ping_interval_seconds: float = Field(
         default=10.0, gt=0, description="Most frequent keepalive ping accepted from a client (the SDK pings every 30 s)."
     )
+    stream_keepalive_seconds: float = Field(default=15.0, gt=0, description="Keep-alive period on idle WatchTask/WatchTasks streams.")
+    stream_max_age_seconds: float = Field(
+        default=300.0, gt=0,
+        description="A WatchTask/WatchTasks stream ends after this long (90-100%) with UNAVAILABLE and where to resume; "
+        "the servers' connection grace is raised to cover it, so no stream is cut off by a connection's age without a status.",
+    )
 
-    # Authentication
+    # Authentication and callers' limits (every gRPC service)
     api_key_pepper: str = Field(default="taskgate-dev-pepper", min_length=8, description="Secret mixed into API-key hashes.")
     api_key_cache_seconds: float = Field(
         default=5.0, ge=0,
         description="How long a service trusts a key's looked-up answer; a revocation reaches it sooner (LISTEN/NOTIFY).",
     )
-    client_token_max_overlap_seconds: float = Field(
-        default=7 * 86400.0, ge=0,
-        description="Longest a tenant's rotated-out client-token secret keeps its tokens valid (the overlap it asks for).",
-    )
-    webhook_secret_max_overlap_seconds: float = Field(
-        default=7 * 86400.0, ge=0, description="Longest overlap a tenant may ask for when it rotates its own webhook secret."
-    )
     secrets_keys: list[SecretStr] = Field(
         default_factory=list,
         description="Fernet keys sealing webhook secrets at rest, newest first (the first seals, each opens); "
         "empty: one derived from api_key_pepper.",
-    )
-
-    # Submission limits
-    max_pending_per_tenant: int = Field(
-        default=100, ge=1, description="Unfinished tasks a tenant may hold, its end users' together."
-    )
-    submits_per_minute: int = Field(
-        default=600, ge=1, description="Submissions a tenant may make per minute, its end users' together."
-    )
-    max_pending_per_end_user: int = Field(
-        default=3, ge=1, description="Unfinished tasks one end user of a tenant may hold (inside the tenant's limit)."
-    )
-    submits_per_minute_per_end_user: int = Field(
-        default=30, ge=1, description="Submissions one end user of a tenant may make per minute (inside the tenant's)."
     )
     tenant_calls_per_second: float = Field(
         default=100.0, ge=0,
@@ -407,22 +358,143 @@ class Settings(BaseSettings):
     )
     max_streams_per_tenant: int = Field(default=100, ge=1, description="WatchTask/WatchTasks streams a tenant may hold open per process.")
     max_streams_per_process: int = Field(default=10000, ge=1, description="Streams one notifier holds open in all.")
-    max_prompt_chars: int = Field(default=2000, ge=1, description="Longest prompt accepted, in characters.")
-    max_input_chars: int = Field(
-        default=2 * 1024 * 1024, ge=1,
-        description="Chat tasks: most characters of a request's input (its messages together; the model's max_input_tokens also applies).",
-    )
-    max_stop_sequences: int = Field(default=4, ge=0, description="Chat tasks: most stop strings a request may give.")
-    result_inline_chars: int = Field(
-        default=65536, ge=0,
-        description="Chat tasks: Task.text (GetTask; not ListTasks) holds the answer up to this many characters (GetTaskResult: all).",
-    )
-    max_metadata_bytes: int = Field(default=4096, ge=0, description="Size of the metadata map as JSON.")
-    callback_allow_hosts: list[str] = Field(default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1'].")
+
+    # Models and tasks (the registry, leases, limits more than one service applies)
     default_model: str = Field(default="wan-tiny", description="Model used when a request names none.")
     models: dict[str, ModelSpec] = Field(
         default_factory=dict, description="Model registry as JSON; default: wan-tiny, ltx-i2v-tiny and llama-tiny (chat) under state_dir."
     )
+    lease_seconds: float = Field(default=10.0, gt=0, description="A claim's lease; also the JetStream ack wait.")
+    queue_timeout_seconds: float = Field(
+        default=180.0, gt=0,
+        description="QUEUED longer than this at a model whose queue does not move (no claim within it, nothing running): "
+        "missing messages re-published, then TIMEOUT.",
+    )
+    max_worker_losses: int = Field(
+        default=2, ge=1, description="Attempts of one task whose worker was lost (lease expired) before it is FAILED WORKER_LOST."
+    )
+    max_input_chars: int = Field(
+        default=2 * 1024 * 1024, ge=1,
+        description="Chat tasks: most characters of a request's input (its messages together; the model's max_input_tokens also applies).",
+    )
+    input_max_bytes: int = Field(
+        default=20 * 1024 * 1024, ge=1, description="Largest input image UploadInput stores or the gateway fetches from a URL."
+    )
+    callback_allow_hosts: list[str] = Field(default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1'].")
+    submit_publish_timeout_seconds: float = Field(
+        default=1.0, gt=0, description="Wait for JetStream's acks of one dispatcher pass; on timeout its tasks stay CREATED."
+    )
+    submit_db_timeout_seconds: float = Field(
+        default=5.0, gt=0, description="Cap on each database call of the submit service (a batch's own, whatever its callers' deadlines)."
+    )
+    id_node_lease_seconds: float = Field(
+        default=60.0, ge=1, description="Lease of a submit replica's task id node number (renewed four times per lease)."
+    )
+
+    # Result store
+    result_store: Literal["objectstore", "fs", "s3"] = Field(
+        default="objectstore", description="JetStream object store, a folder (fs), or an S3-compatible bucket (s3)."
+    )
+    result_dir: Path | None = Field(default=None, description="Folder for result_store=fs; default state_dir/results.")
+    result_stall_seconds: float = Field(
+        default=30.0, gt=0, description="A result store read that receives nothing for this long fails (retryable) instead of waiting on."
+    )
+    s3_bucket: str = Field(default="taskgate-results", description="Bucket of result_store=s3 (it must exist).")
+    s3_prefix: str = Field(default="results/", description="Key prefix of outputs in the bucket.")
+    s3_endpoint_url: str | None = Field(default=None, description="S3 API endpoint; unset = AWS for s3_region.")
+    s3_public_endpoint_url: str | None = Field(
+        default=None, description="Endpoint written into download URLs, when receivers reach S3 by another address."
+    )
+    s3_region: str = Field(default="us-east-1", description="Region the requests are signed for.")
+    s3_addressing_style: Literal["auto", "path", "virtual"] = Field(
+        default="auto", description="Bucket in the path or in the host name ('path' for most self-hosted servers)."
+    )
+    s3_access_key_id: str | None = Field(default=None, description="Access key; unset = the AWS default chain (env, role).")
+    s3_secret_access_key: str | None = Field(default=None, description="Secret key (from a Secret in a cluster).")
+    result_url_ttl_seconds: float = Field(
+        default=3600.0, gt=0, le=604800, description="Lifetime of a result_url (presigned GET; S3 allows 7 days at most)."
+    )
+
+    # ETA (GetTask, WatchTask, progress webhooks)
+    eta_history_seconds: float = Field(
+        default=86400.0, gt=0, description="How far back an ETA looks for its model's successful runs of the task's size class."
+    )
+    eta_history_runs: int = Field(
+        default=20, ge=1, le=1000, description="Latest successful runs whose median run time an ETA uses."
+    )
+    priority_weights: tuple[int, int, int] = Field(default=(6, 3, 1), description="Fetch weights HIGH, NORMAL, LOW.")
+
+    @field_validator("secrets_keys")
+    @classmethod
+    def _fernet_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        """Each key is a Fernet key: 32 bytes in URL-safe base64 (`python -c 'from cryptography.fernet import Fernet;
+        print(Fernet.generate_key().decode())'`)."""
+        for key in keys:
+            try:
+                raw = base64.urlsafe_b64decode(key.get_secret_value().encode())
+            except (ValueError, binascii.Error):
+                raw = b""
+            if len(raw) != 32:
+                raise ValueError("each secrets key is 32 bytes in URL-safe base64 (a Fernet key)")
+        return keys
+
+    @model_validator(mode="after")
+    def _check_common(self) -> CommonSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
+            raise ValueError("s3_access_key_id and s3_secret_access_key go together")
+        if not self.models:
+            self.models = {  # the tiny local models (taskgate_local.tinymodel builds them): text- and image-to-video
+                name: ModelSpec(path=self.state_dir / "models" / name, pipeline=pipeline, **TINY_DEFAULTS)
+                for name, pipeline in (("wan-tiny", "WanPipeline"), ("ltx-i2v-tiny", "LTXImageToVideoPipeline"))
+            }
+            # the tiny chat model (taskgate_local.tinylm): a few hundred tokens of random text, quick on a CPU
+            self.models["llama-tiny"] = ModelSpec(
+                kind="transformers", path=self.state_dir / "models" / "llama-tiny", max_sequences=8, max_input_tokens=4096,
+                max_output_tokens=1024, default_max_output_tokens=64,
+            )
+        if self.default_model not in self.models:
+            raise ValueError(f"default_model {self.default_model!r} is not in models")
+        return self
+
+    @property
+    def ack_wait_seconds(self) -> float:
+        """JetStream ack wait, derived from the lease so the two never disagree."""
+        return self.lease_seconds
+
+    def queue_timeout_for(self, model_id: str) -> float:
+        spec = self.models.get(model_id)
+        return (spec.queue_timeout_seconds if spec else None) or self.queue_timeout_seconds
+
+
+class GatewaySettings(CommonSettings):
+    """The gateway (services.submit: TaskGateway): admission limits, inputs, batches, task ids."""
+
+    submit_metrics_port: int = Field(default=9101, ge=0, le=65535, description="0 disables /metrics.")
+    max_retries: int = Field(default=3, ge=0, description="Default retries of retryable failures.")
+    client_token_max_overlap_seconds: float = Field(
+        default=7 * 86400.0, ge=0,
+        description="Longest a tenant's rotated-out client-token secret keeps its tokens valid (the overlap it asks for).",
+    )
+    webhook_secret_max_overlap_seconds: float = Field(
+        default=7 * 86400.0, ge=0, description="Longest overlap a tenant may ask for when it rotates its own webhook secret."
+    )
+    max_pending_per_tenant: int = Field(
+        default=100, ge=1, description="Unfinished tasks a tenant may hold, its end users' together."
+    )
+    submits_per_minute: int = Field(
+        default=600, ge=1, description="Submissions a tenant may make per minute, its end users' together."
+    )
+    max_pending_per_end_user: int = Field(
+        default=3, ge=1, description="Unfinished tasks one end user of a tenant may hold (inside the tenant's limit)."
+    )
+    submits_per_minute_per_end_user: int = Field(
+        default=30, ge=1, description="Submissions one end user of a tenant may make per minute (inside the tenant's)."
+    )
+    max_prompt_chars: int = Field(default=2000, ge=1, description="Longest prompt accepted, in characters.")
+    max_stop_sequences: int = Field(default=4, ge=0, description="Chat tasks: most stop strings a request may give.")
+    max_metadata_bytes: int = Field(default=4096, ge=0, description="Size of the metadata map as JSON.")
     result_cache_size: int = Field(default=10000, ge=0, description="Terminal tasks kept in the submit service's cache.")
     result_cache_seconds: float = Field(
         default=300.0, gt=0,
@@ -451,17 +523,10 @@ class Settings(BaseSettings):
     batch_max_window_seconds: float = Field(
         default=7 * 86400.0, gt=0, description="Longest completion window a batch may ask for (its lines' queue TTL)."
     )
-    openai_windows: dict[str, float] = Field(
-        default_factory=lambda: {"1h": 3600.0, "24h": 86400.0},
-        description="OpenAI face: the completion windows a batch may name, in seconds (its lines' max_queue_seconds).",
-    )
     max_callback_url_chars: int = Field(default=2048, ge=16, description="Longest callback URL.")
     callback_resolve_timeout_seconds: float = Field(default=2.0, gt=0, description="DNS lookup of a callback host (SSRF guard).")
     input_formats: list[InputFormat] = Field(
         default_factory=lambda: list(INPUT_FORMATS), min_length=1, description="Image formats an input may arrive in."
-    )
-    input_max_bytes: int = Field(
-        default=20 * 1024 * 1024, ge=1, description="Largest input image UploadInput stores or the gateway fetches from a URL."
     )
     input_max_side: int = Field(default=8192, ge=16, description="Widest and tallest input image UploadInput stores, pixels.")
     input_max_pixels: int = Field(
@@ -481,12 +546,6 @@ class Settings(BaseSettings):
     input_fetch_ca_file: Path | None = Field(
         default=None, description="CA bundle (PEM) that input image URLs are verified against; default: the system's."
     )
-    submit_publish_timeout_seconds: float = Field(
-        default=1.0, gt=0, description="Wait for JetStream's acks of one dispatcher pass; on timeout its tasks stay CREATED."
-    )
-    submit_db_timeout_seconds: float = Field(
-        default=5.0, gt=0, description="Cap on each database call of the submit service (a batch's own, whatever its callers' deadlines)."
-    )
     submit_min_time_left_seconds: float = Field(
         default=0.005, ge=0,
         description="A submit call arriving with less time than this before its deadline gets DEADLINE_EXCEEDED at once.",
@@ -494,27 +553,26 @@ class Settings(BaseSettings):
     list_default_page_size: int = Field(default=50, ge=1, description="ListTasks page size when the caller gives none.")
     list_max_page_size: int = Field(default=500, ge=1, description="Largest ListTasks page.")
     submit_shutdown_grace_seconds: float = Field(default=10.0, ge=0, description="SIGTERM: time in-flight calls get to finish.")
-    id_node_lease_seconds: float = Field(
-        default=60.0, ge=1, description="Lease of a submit replica's task id node number (renewed four times per lease)."
-    )
     id_node: int | None = Field(
         default=None, ge=0, le=1023, description="A fixed task id node number instead of a leased one; never share one."
     )
+    eta_snapshot_seconds: float = Field(
+        default=1.0, ge=0,
+        description="How old the queue snapshot a process answers queue positions and ETAs from may be before it is read"
+        " again (every poll of a level shares it; 0: read for every poll).",
+    )
 
-    # Leases, retries and timeouts (seconds)
-    lease_seconds: float = Field(default=10.0, gt=0, description="A claim's lease; also the JetStream ack wait.")
-    heartbeat_seconds: float = Field(default=2.0, gt=0, description="How often a worker renews its lease.")
+
+class SchedulerSettings(CommonSettings):
+    """The scheduler (services.scheduler: scans, retention, TaskAdmin)."""
+
+    scheduler_metrics_port: int = Field(default=9103, ge=0, le=65535, description="/metrics port of the scheduler; 0 disables.")
     scan_interval_seconds: float = Field(default=2.0, gt=0, description="Scheduler scan period.")
     scan_batch_size: int = Field(default=100, ge=1, description="Rows one scheduler scan moves per pass.")
     created_timeout_seconds: float = Field(
         default=10.0, gt=0,
         description="CREATED longer than this was never dispatched (its submit process died, or the publish failed): "
         "the scheduler dispatches it.",
-    )
-    queue_timeout_seconds: float = Field(
-        default=180.0, gt=0,
-        description="QUEUED longer than this at a model whose queue does not move (no claim within it, nothing running): "
-        "missing messages re-published, then TIMEOUT.",
     )
     max_republish: int = Field(
         default=2, ge=0, description="Rounds of a queue timeout with nothing moving that a QUEUED task waits before QUEUE_TIMEOUT."
@@ -523,14 +581,9 @@ class Settings(BaseSettings):
         default=300.0, gt=0, description="Processing longer than this, all attempts together (plus one grace), is TIMEOUT."
     )
     processing_grace_seconds: float = Field(default=60.0, ge=0, description="One extension for a slow but live worker.")
-    max_retries: int = Field(default=3, ge=0, description="Default retries of retryable failures.")
-    max_worker_losses: int = Field(
-        default=2, ge=1, description="Attempts of one task whose worker was lost (lease expired) before it is FAILED WORKER_LOST."
+    preempt_window_seconds: float = Field(
+        default=300.0, ge=0, description="A preempted task is not preempted again within this many seconds (no thrashing)."
     )
-    retry_backoff_seconds: float = Field(default=2.0, gt=0, description="First retry delay; doubles each retry.")
-    retry_backoff_max_seconds: float = Field(default=120.0, gt=0, description="Cap of the retry delay.")
-
-    # Scheduler and TaskAdmin
     worker_forget_seconds: float = Field(default=100.0, gt=0, description="Worker rows silent this long are deleted (about 10 leases).")
     dead_letter_window_seconds: float = Field(
         default=86400.0, gt=0, description="How far back the scheduler looks for FAILED tasks missing a dead letter."
@@ -558,7 +611,15 @@ class Settings(BaseSettings):
         description="Input images no kept task refers to are deleted this long after their last use (upload or submission).",
     )
 
-    # Worker
+    def processing_timeout_for(self, model_id: str) -> float:
+        spec = self.models.get(model_id)
+        return (spec.processing_timeout_seconds if spec else None) or self.processing_timeout_seconds
+
+
+class WorkerSettings(CommonSettings):
+    """A worker (services.worker): slots, fetching, runs, retries, draining."""
+
+    worker_metrics_port: int = Field(default=9104, ge=0, le=65535, description="/metrics port of a worker; 0 disables.")
     worker_id: str | None = Field(default=None, description="Default: hostname-pid.")
     worker_admin_target: str | None = Field(
         default=None,
@@ -584,10 +645,8 @@ class Settings(BaseSettings):
         description="Tasks per device: one in its device phase (denoising, VAE decode), the others encoding and storing meanwhile.",
     )
     worker_models: list[str] = Field(default_factory=list, description="Models this worker serves; empty = all.")
+    heartbeat_seconds: float = Field(default=2.0, gt=0, description="How often a worker renews its lease.")
     drain_grace_seconds: float = Field(default=30.0, ge=0, description="SIGTERM: time running tasks get to finish.")
-    preempt_window_seconds: float = Field(
-        default=300.0, ge=0, description="A preempted task is not preempted again within this many seconds (no thrashing)."
-    )
     drain_stop_seconds: float = Field(
         default=30.0, ge=0, description="After the grace: time stopped tasks get to release; any left then are abandoned (leases expire)."
     )
@@ -596,28 +655,15 @@ class Settings(BaseSettings):
         description="Minimum time between a running task's progress writes to PostgreSQL (each a `progress` event: history, "
         "relay, webhooks); every step reaches WatchTask streams live over NATS without one.",
     )
-    priority_weights: tuple[int, int, int] = Field(default=(6, 3, 1), description="Fetch weights HIGH, NORMAL, LOW.")
-    result_store: Literal["objectstore", "fs", "s3"] = Field(
-        default="objectstore", description="JetStream object store, a folder (fs), or an S3-compatible bucket (s3)."
+    output_coalesce_seconds: float = Field(
+        default=0.05,
+        ge=0,
+        description="A running task's text deltas are gathered for this long into one output chunk (one NATS message); "
+        "its first delta goes at once.",
     )
-    result_dir: Path | None = Field(default=None, description="Folder for result_store=fs; default state_dir/results.")
-    result_stall_seconds: float = Field(
-        default=30.0, gt=0, description="A result store read that receives nothing for this long fails (retryable) instead of waiting on."
-    )
-    s3_bucket: str = Field(default="taskgate-results", description="Bucket of result_store=s3 (it must exist).")
-    s3_prefix: str = Field(default="results/", description="Key prefix of outputs in the bucket.")
-    s3_endpoint_url: str | None = Field(default=None, description="S3 API endpoint; unset = AWS for s3_region.")
-    s3_public_endpoint_url: str | None = Field(
-        default=None, description="Endpoint written into download URLs, when receivers reach S3 by another address."
-    )
-    s3_region: str = Field(default="us-east-1", description="Region the requests are signed for.")
-    s3_addressing_style: Literal["auto", "path", "virtual"] = Field(
-        default="auto", description="Bucket in the path or in the host name ('path' for most self-hosted servers)."
-    )
-    s3_access_key_id: str | None = Field(default=None, description="Access key; unset = the AWS default chain (env, role).")
-    s3_secret_access_key: str | None = Field(default=None, description="Secret key (from a Secret in a cluster).")
-    result_url_ttl_seconds: float = Field(
-        default=3600.0, gt=0, le=604800, description="Lifetime of a result_url (presigned GET; S3 allows 7 days at most)."
+    result_inline_chars: int = Field(
+        default=65536, ge=0,
+        description="Chat tasks: Task.text (GetTask; not ListTasks) holds the answer up to this many characters (GetTaskResult: all).",
     )
     worker_fetch_linger_seconds: float = Field(
         default=1.0, gt=0, description="How long an idle worker's pull request waits on the server before it is renewed."
@@ -625,22 +671,21 @@ class Settings(BaseSettings):
     worker_cap_retry_seconds: float = Field(
         default=0.5, gt=0, description="Redelivery delay of a message refused by its model's concurrency cap."
     )
+    retry_backoff_seconds: float = Field(default=2.0, gt=0, description="First retry delay; doubles each retry.")
+    retry_backoff_max_seconds: float = Field(default=120.0, gt=0, description="Cap of the retry delay.")
     retry_jitter: float = Field(default=0.2, ge=0, lt=1, description="Retry delays are scaled by a random factor in [1-j, 1+j].")
 
-    # ETA (GetTask, WatchTask, progress webhooks)
-    eta_history_seconds: float = Field(
-        default=86400.0, gt=0, description="How far back an ETA looks for its model's successful runs of the task's size class."
-    )
-    eta_history_runs: int = Field(
-        default=20, ge=1, le=1000, description="Latest successful runs whose median run time an ETA uses."
-    )
-    eta_snapshot_seconds: float = Field(
-        default=1.0, ge=0,
-        description="How old the queue snapshot a process answers queue positions and ETAs from may be before it is read"
-        " again (every poll of a level shares it; 0: read for every poll).",
-    )
+    @model_validator(mode="after")
+    def _check_worker(self) -> WorkerSettings:
+        if self.heartbeat_seconds * 2 > self.lease_seconds:
+            raise ValueError("heartbeat_seconds must be at most half of lease_seconds")
+        return self
 
-    # Notifier
+
+class NotifierSettings(CommonSettings):
+    """The notifier (services.notifier: TaskEvents streams, the event relay, webhooks)."""
+
+    notifier_metrics_port: int = Field(default=9102, ge=0, le=65535, description="/metrics port of the notifier; 0 disables.")
     webhook_schedule_seconds: list[float] = Field(
         default_factory=lambda: [0.0, 5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0],
         description="Delay before each attempt; after the last one the delivery is FAILED.",
@@ -667,12 +712,6 @@ class Settings(BaseSettings):
     webhook_breaker_seconds: float = Field(
         default=60.0, gt=0, description="How long an open breaker holds a destination's webhooks before one trial attempt."
     )
-    stream_keepalive_seconds: float = Field(default=15.0, gt=0, description="Keep-alive period on idle WatchTask/WatchTasks streams.")
-    stream_max_age_seconds: float = Field(
-        default=300.0, gt=0,
-        description="A WatchTask/WatchTasks stream ends after this long (90-100%) with UNAVAILABLE and where to resume; "
-        "the servers' connection grace is raised to cover it, so no stream is cut off by a connection's age without a status.",
-    )
     stream_buffer_size: int = Field(default=1000, ge=1, description="Events buffered per slow subscriber.")
     event_feed_heartbeat_seconds: float = Field(
         default=5.0, gt=0, description="The notifier's live event feed: heartbeat period; two missed ones recreate its consumer."
@@ -684,7 +723,49 @@ class Settings(BaseSettings):
     webhook_lease_seconds: float = Field(default=30.0, gt=0, description="A sender's hold on a delivery (at least 2x the timeout).")
     webhook_jitter: float = Field(default=0.1, ge=0, lt=1, description="Retry delays vary by up to this fraction.")
 
-    # Local stack (`make run`: taskgate_local.dev)
+    @model_validator(mode="after")
+    def _check_notifier(self) -> NotifierSettings:
+        if not self.webhook_schedule_seconds:
+            raise ValueError("webhook_schedule_seconds needs at least one attempt")
+        return self
+
+
+class HttpSettings(CommonSettings):
+    """The HTTP/JSON API and dashboard (services.http)."""
+
+    http_port: int = Field(
+        default=8000, ge=0, le=65535, description="Port of the HTTP/JSON API and dashboard (services.http); 0 = ephemeral."
+    )
+    http_host: str = Field(default="127.0.0.1", description="Address the HTTP service binds ('0.0.0.0' in a cluster).")
+    http_metrics_port: int = Field(default=9105, ge=0, le=65535, description="/metrics port of the HTTP service; 0 disables.")
+    http_gateway_target: str | None = Field(
+        default=None, description="gRPC target of TaskGateway for the HTTP service; default: grpc_host:submit_port."
+    )
+    http_events_target: str | None = Field(
+        default=None, description="gRPC target of TaskEvents for the HTTP service; default: grpc_host:notifier_port."
+    )
+    http_admin_target: str | None = Field(
+        default=None, description="gRPC target of TaskAdmin for the HTTP service (dashboard); default: grpc_host:scheduler_port."
+    )
+    http_json_max_depth: int = Field(
+        default=32, ge=2, le=500, description="HTTP service: how deep a JSON request body may nest (deeper: 400 on body)."
+    )
+    http_cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins whose pages may call the HTTP API from a browser (CORS), e.g. https://app.example.com; "
+        "empty: none (no CORS headers).",
+    )
+    http_call_timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of each gRPC call the HTTP service makes.")
+    http_shutdown_grace_seconds: float = Field(default=5.0, ge=0, description="SIGTERM: time open HTTP requests get to finish.")
+    openai_windows: dict[str, float] = Field(
+        default_factory=lambda: {"1h": 3600.0, "24h": 86400.0},
+        description="OpenAI face: the completion windows a batch may name, in seconds (its lines' max_queue_seconds).",
+    )
+
+
+class LocalSettings(CommonSettings):
+    """The local stack (`make run`: taskgate_local.dev)."""
+
     dev_start_timeout_seconds: float = Field(default=180.0, gt=0, description="make run: time the services get to become healthy.")
     dev_demo_timeout_seconds: float = Field(default=300.0, gt=0, description="make run: time the demo task gets to finish.")
     dev_stop_timeout_seconds: float = Field(
@@ -692,62 +773,35 @@ class Settings(BaseSettings):
     )
     dev_demo_only: bool = Field(default=False, description="make run: stop everything and exit after the demo video is saved.")
 
-    @field_validator("secrets_keys")
-    @classmethod
-    def _fernet_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
-        """Each key is a Fernet key: 32 bytes in URL-safe base64 (`python -c 'from cryptography.fernet import Fernet;
-        print(Fernet.generate_key().decode())'`)."""
-        for key in keys:
-            try:
-                raw = base64.urlsafe_b64decode(key.get_secret_value().encode())
-            except (ValueError, binascii.Error):
-                raw = b""
-            if len(raw) != 32:
-                raise ValueError("each secrets key is 32 bytes in URL-safe base64 (a Fernet key)")
-        return keys
 
-    @model_validator(mode="after")
-    def _check(self) -> Settings:
-        if self.heartbeat_seconds * 2 > self.lease_seconds:
-            raise ValueError("heartbeat_seconds must be at most half of lease_seconds")
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file go together")
-        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
-            raise ValueError("s3_access_key_id and s3_secret_access_key go together")
-        if not self.webhook_schedule_seconds:
-            raise ValueError("webhook_schedule_seconds needs at least one attempt")
-        if not self.models:
-            self.models = {  # the tiny local models (taskgate_local.tinymodel builds them): text- and image-to-video
-                name: ModelSpec(path=self.state_dir / "models" / name, pipeline=pipeline, **TINY_DEFAULTS)
-                for name, pipeline in (("wan-tiny", "WanPipeline"), ("ltx-i2v-tiny", "LTXImageToVideoPipeline"))
-            }
-            # the tiny chat model (taskgate_local.tinylm): a few hundred tokens of random text, quick on a CPU
-            self.models["llama-tiny"] = ModelSpec(
-                kind="transformers", path=self.state_dir / "models" / "llama-tiny", max_sequences=8, max_input_tokens=4096,
-                max_output_tokens=1024, default_max_output_tokens=64,
-            )
-        if self.default_model not in self.models:
-            raise ValueError(f"default_model {self.default_model!r} is not in models")
-        return self
-
-    @property
-    def ack_wait_seconds(self) -> float:
-        """JetStream ack wait, derived from the lease so the two never disagree."""
-        return self.lease_seconds
-
-    def queue_timeout_for(self, model_id: str) -> float:
-        spec = self.models.get(model_id)
-        return (spec.queue_timeout_seconds if spec else None) or self.queue_timeout_seconds
-
-    def processing_timeout_for(self, model_id: str) -> float:
-        spec = self.models.get(model_id)
-        return (spec.processing_timeout_seconds if spec else None) or self.processing_timeout_seconds
+class Settings(GatewaySettings, SchedulerSettings, WorkerSettings, NotifierSettings, HttpSettings, LocalSettings):
+    """Every group at once: for tools, tests, the bench and `make run`, which start or inspect every service. A service
+    reads its own group only (services.<name> takes its <Name>Settings; tests/unit/test_architecture.py keeps it so)."""
 
 
-def load_settings(**overrides: object) -> Settings:
-    """Reads the environment; a bad value exits with one line naming the variable and why."""
+# Each group and the services that read it (docs/configuration.md's sections, in this order).
+GROUPS: tuple[tuple[type[CommonSettings], str], ...] = (
+    (CommonSettings, "every process"),
+    (GatewaySettings, "services.submit (TaskGateway)"),
+    (SchedulerSettings, "services.scheduler (scans, retention, TaskAdmin)"),
+    (WorkerSettings, "services.worker"),
+    (NotifierSettings, "services.notifier (TaskEvents, relay, webhooks)"),
+    (HttpSettings, "services.http (HTTP/JSON API, dashboard)"),
+    (LocalSettings, "taskgate_local.dev (`make run`)"),
+)
+
+S = TypeVar("S", bound=CommonSettings)
+
+
+@overload
+def load_settings(**overrides: object) -> Settings: ...
+@overload
+def load_settings(group: type[S], /, **overrides: object) -> S: ...
+def load_settings(group: type[CommonSettings] = Settings, /, **overrides: object) -> CommonSettings:
+    """Reads the environment into `group` (default: every setting); a bad value exits with one line naming the variable
+    and why."""
     try:
-        return Settings(**overrides)  # type: ignore[arg-type]
+        return group(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "settings"

@@ -23,7 +23,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from taskgate.config import Settings
+from taskgate.config import CommonSettings
 from taskgate.model import timestamp
 from taskgate.states import Priority, Status
 from taskgate.store import Conn
@@ -156,7 +156,7 @@ def _as_rates(left: dict[int, int], priority: int, by_priority: dict[int, int]) 
 
 
 async def estimates(
-    db: Conn, task_ids: Collection[int], settings: Settings, *, within: float | None = None
+    db: Conn, task_ids: Collection[int], settings: CommonSettings, *, within: float | None = None
 ) -> dict[int, Estimate]:
     """Each task's estimate by id, in one statement; a missing task is absent."""
     found = await eta_inputs(
@@ -179,7 +179,7 @@ ESTIMATED = frozenset({Status.QUEUED, Status.PROCESSING})  # the states whose ta
 
 
 async def current(
-    db: Conn, task_id: int, status: Status, settings: Settings, *, within: float | None = None
+    db: Conn, task_id: int, status: Status, settings: CommonSettings, *, within: float | None = None
 ) -> Estimate | None:
     """The estimate of a task seen in `status`, while it is still there: None for a state without one (not QUEUED or
     PROCESSING) and for a task that has moved on since it was seen."""
@@ -187,7 +187,7 @@ async def current(
 
 
 async def current_many(
-    db: Conn, seen: Sequence[tuple[int, Status]], settings: Settings, *, within: float | None = None
+    db: Conn, seen: Sequence[tuple[int, Status]], settings: CommonSettings, *, within: float | None = None
 ) -> list[Estimate | None]:
     """`current` of each (task id, status) seen, in order, in one statement (none when no state has an estimate)."""
     wanted = {task_id for task_id, status in seen if status in ESTIMATED}

@@ -15,7 +15,7 @@ import asyncpg
 import grpc
 
 from taskgate import auth
-from taskgate.config import Settings, load_settings
+from taskgate.config import GatewaySettings, load_settings
 from taskgate.runtime import resolve_urls
 from taskgate.sealing import Sealer
 from taskgate.stackfile import SERVERS_FILE
@@ -35,10 +35,10 @@ from taskgate_api.cli import (
 
 _PRIORITY_BY_NAME = {name: value for value, name in Priority.NAMES.items()}
 
-Handler = Callable[[asyncpg.Connection, Settings, argparse.Namespace, Output], Awaitable[int]]
+Handler = Callable[[asyncpg.Connection, GatewaySettings, argparse.Namespace, Output], Awaitable[int]]
 
 
-async def create(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+async def create(conn: asyncpg.Connection, settings: GatewaySettings, args: argparse.Namespace, out: Output) -> int:
     """Creates a key (and the tenant, with its webhook secret, if new) and prints it once."""
     invalid = EXIT_BY_CODE[grpc.StatusCode.INVALID_ARGUMENT]
     if not auth.valid_tenant_name(args.tenant):
@@ -72,7 +72,7 @@ async def create(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
     return EXIT_OK
 
 
-async def _create_admin(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+async def _create_admin(conn: asyncpg.Connection, settings: GatewaySettings, args: argparse.Namespace, out: Output) -> int:
     """An admin credential (TaskAdmin only) named after --tenant, with its scope and expiry, printed once."""
     key, expires = await auth.create_admin_key(
         conn, settings.api_key_pepper, args.tenant, scope=args.scope, expires_in_seconds=args.expires_in
@@ -86,7 +86,7 @@ async def _create_admin(conn: asyncpg.Connection, settings: Settings, args: argp
     return EXIT_OK
 
 
-async def tenant(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+async def tenant(conn: asyncpg.Connection, settings: GatewaySettings, args: argparse.Namespace, out: Output) -> int:
     """Changes an existing tenant's limits (those given) and prints them all."""
     changed = None
     if auth.valid_tenant_name(args.tenant):
@@ -167,7 +167,7 @@ def _weight(text: str) -> float:
     return value
 
 
-async def revoke(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+async def revoke(conn: asyncpg.Connection, settings: GatewaySettings, args: argparse.Namespace, out: Output) -> int:
     """Revokes the live keys with a prefix."""
     rows = await tenants.revoke_api_keys(conn, args.prefix)
     if out.json:
@@ -179,7 +179,7 @@ async def revoke(conn: asyncpg.Connection, settings: Settings, args: argparse.Na
     return EXIT_OK
 
 
-async def list_keys(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+async def list_keys(conn: asyncpg.Connection, settings: GatewaySettings, args: argparse.Namespace, out: Output) -> int:
     """Lists every key by prefix (the keys themselves are not stored)."""
     keys = [
         {"prefix": k.prefix, "tenant": k.tenant_id, "admin": k.scope or "", "created_at": k.created_at,
@@ -198,7 +198,7 @@ async def list_keys(conn: asyncpg.Connection, settings: Settings, args: argparse
     return EXIT_OK
 
 
-async def seal_secrets(conn: asyncpg.Connection, settings: Settings, args: argparse.Namespace, out: Output) -> int:
+async def seal_secrets(conn: asyncpg.Connection, settings: GatewaySettings, args: argparse.Namespace, out: Output) -> int:
     """Seals every webhook secret with the newest key: ones stored before sealing existed, and ones an older key
     sealed (run it after prepending a key to TASKGATE_SECRETS_KEYS, before dropping the old one)."""
     sealer = Sealer.of(settings)

@@ -15,7 +15,7 @@ import asyncpg
 from nats.errors import Error as NatsError
 
 from taskgate import sql, telemetry
-from taskgate.config import Settings, load_settings
+from taskgate.config import CommonSettings, load_settings
 from taskgate.stackfile import local_stack_urls
 
 log = logging.getLogger("taskgate.migrate")
@@ -105,7 +105,7 @@ async def migrate_database(database_url: str) -> list[int]:
         await conn.close()
 
 
-async def declare_streams(settings: Settings, nats_url: str) -> None:
+async def declare_streams(settings: CommonSettings, nats_url: str) -> None:
     """Creates or updates every JetStream stream, consumer and bucket (the services' NATS users may not)."""
     from taskgate import bus  # late: the database-only path needs no NATS client
 

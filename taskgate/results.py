@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TYPE, ObjectStore
 
 from taskgate import bus as busmod
-from taskgate.config import Settings
+from taskgate.config import CommonSettings
 from taskgate_api.v1 import task_pb2
 
 CHUNK = 256 * 1024
@@ -191,7 +191,7 @@ class FolderResults:
         return None
 
 
-def _s3_client(settings: Settings, endpoint_url: str | None) -> Any:
+def _s3_client(settings: CommonSettings, endpoint_url: str | None) -> Any:
     config = Config(
         signature_version="s3v4",
         s3={"addressing_style": settings.s3_addressing_style},
@@ -213,7 +213,7 @@ class S3Results:
     """Outputs in an S3-compatible bucket: uri s3://<bucket>/<key>, stored with their content type and sha256
     (object metadata `sha256`); links are presigned GET URLs valid for result_url_ttl_seconds."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: CommonSettings) -> None:
         self._bucket = settings.s3_bucket
         self._prefix = settings.s3_prefix
         self._ttl = settings.result_url_ttl_seconds
@@ -282,7 +282,7 @@ class S3Results:
         return ResultLink(url, expires_at)
 
 
-def result_store(settings: Settings, bus: busmod.Bus) -> ResultStore:
+def result_store(settings: CommonSettings, bus: busmod.Bus) -> ResultStore:
     """The store the settings choose."""
     if settings.result_store == "fs":
         return FolderResults(settings.result_dir or settings.state_dir / "results")

@@ -17,7 +17,7 @@ from nats.errors import Error as NatsError
 
 from taskgate import bus as busmod
 from taskgate import telemetry, tracing
-from taskgate.config import Settings, load_settings
+from taskgate.config import CommonSettings, S, load_settings
 from taskgate.migrate import migrate
 from taskgate.stackfile import local_stack_urls
 from taskgate.store import create_pool
@@ -50,7 +50,7 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], within: float = STOP_TA
 class Backends:
     """A service's connections to PostgreSQL and NATS."""
 
-    settings: Settings
+    settings: CommonSettings
     pool: asyncpg.Pool
     bus: busmod.Bus
     database_url: str
@@ -63,7 +63,7 @@ class Backends:
             await asyncio.wait_for(self.pool.close(), 5)
 
 
-def resolve_urls(settings: Settings) -> tuple[str, str]:
+def resolve_urls(settings: CommonSettings) -> tuple[str, str]:
     """Configured URLs win; else a running embedded stack under state_dir; else an error saying what to do."""
     if settings.database_url and settings.nats_url:
         return settings.database_url, settings.nats_url
@@ -82,7 +82,7 @@ STARTUP_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-async def _first(what: str, settings: Settings, connecting: Callable[[], Awaitable[T]]) -> T:
+async def _first(what: str, settings: CommonSettings, connecting: Callable[[], Awaitable[T]]) -> T:
     """`connecting` (a coroutine function), retried with backoff (0.5 s doubling to 10 s) for startup_connect_seconds,
     a log line per failure."""
 
@@ -101,7 +101,7 @@ async def _first(what: str, settings: Settings, connecting: Callable[[], Awaitab
     return await retrying(connecting)
 
 
-async def connect(settings: Settings, name: str, *, setup: bool | None = None) -> Backends:
+async def connect(settings: CommonSettings, name: str, *, setup: bool | None = None) -> Backends:
     """Connects to both backends (each first connection retried, see _first); with `setup` (default:
     settings.setup_on_start), applies migrations and declares streams (idempotent)."""
     setup = settings.setup_on_start if setup is None else setup
@@ -149,9 +149,12 @@ async def serve_until_signal(start: Callable[[], Awaitable[Stoppable]], *, grace
     await handle.stop()
 
 
-def run_service(name: str, main: Callable[[Settings], Coroutine[None, None, None]], metrics_port: Callable[[Settings], int]) -> None:
-    """Entry point of `python -m services.<name>`: reads settings, sets up logs, /metrics and tracing, runs `main`."""
-    settings = load_settings()
+def run_service(
+    name: str, group: type[S], main: Callable[[S], Coroutine[None, None, None]], metrics_port: Callable[[S], int]
+) -> None:
+    """Entry point of `python -m services.<name>`: reads the service's own settings group (and no other), sets up logs,
+    /metrics and tracing, runs `main`."""
+    settings = load_settings(group)
     telemetry.configure_logging(name, settings.log_level)
     telemetry.serve_metrics(metrics_port(settings), settings.metrics_host)
     tracing.configure(name)  # before any server or connection exists: the instrumentations wrap them

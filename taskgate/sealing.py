@@ -16,7 +16,7 @@ from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from taskgate.config import Settings
+from taskgate.config import CommonSettings
 
 PREFIX = "sealed:v1:"
 
@@ -40,7 +40,7 @@ class Sealer:
         self._fernet = MultiFernet([Fernet(k) for k in keys])
 
     @classmethod
-    def of(cls, settings: Settings) -> Sealer:
+    def of(cls, settings: CommonSettings) -> Sealer:
         """The sealer `settings` configure: TASKGATE_SECRETS_KEYS, else the pepper's derived key."""
         keys = [k.get_secret_value().encode() for k in settings.secrets_keys]
         return cls(keys or [key_from_pepper(settings.api_key_pepper)])

@@ -21,7 +21,7 @@ from nats.errors import Error as NatsError
 
 from taskgate import errors, loops, telemetry, text, throttle, tracing
 from taskgate.bus import Bus
-from taskgate.config import Settings
+from taskgate.config import CommonSettings
 from taskgate.runtime import stop_tasks
 from taskgate.store import ping
 from taskgate_api import reasons
@@ -61,7 +61,7 @@ CONFLICT_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def connection_grace(settings: Settings) -> float:
+def connection_grace(settings: CommonSettings) -> float:
     """How long calls on a connection closed for its age get: the configured grace, or longer when a stream opened
     just before the close needs longer to reach its own maximum age."""
     return max(settings.grpc_max_connection_age_grace_seconds, settings.stream_max_age_seconds + 2 * settings.stream_keepalive_seconds)
@@ -229,7 +229,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
+def _credentials(settings: CommonSettings) -> grpc.ServerCredentials | None:
     if settings.tls_cert_file is None or settings.tls_key_file is None:
         return None
     chain = [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())]
@@ -262,7 +262,7 @@ class Health:
     served API's own name follows) — so a database or NATS outage or a drain takes a pod out of its Service without
     its liveness probe restarting it."""
 
-    def __init__(self, servicer: health.aio.HealthServicer, names: list[str], probes: Probes, settings: Settings) -> None:
+    def __init__(self, servicer: health.aio.HealthServicer, names: list[str], probes: Probes, settings: CommonSettings) -> None:
         self.servicer = servicer
         self.names = names
         self.probes = probes
@@ -321,7 +321,7 @@ class Health:
 
 
 async def start_server(
-    settings: Settings,
+    settings: CommonSettings,
     port: int,
     register: Callable[[grpc.aio.Server], Iterable[str]],
     probes: Probes | None = None,
@@ -392,7 +392,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def _health_only(settings: Settings, servicer: health.aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
+async def _health_only(settings: CommonSettings, servicer: health.aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
     """A plaintext server with the health service alone, on grpc_health_port: kubelet's gRPC probes speak no TLS, and
     health answers (SERVING or not) are the one thing worth no secret."""
     plain = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

@@ -12,7 +12,7 @@ from typing import Any
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
 
-from taskgate.config import Settings
+from taskgate.config import CommonSettings
 from taskgate_api.version import __version__
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -68,7 +68,7 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host)
 
 
-def export_limits(settings: Settings) -> None:
+def export_limits(settings: CommonSettings) -> None:
     """Publishes the configured limits that alert rules compare gauges against (per-model queue timeouts)."""
     for model_id in settings.models:
         QUEUE_TIMEOUT.labels(model_id).set(settings.queue_timeout_for(model_id))

@@ -21,7 +21,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
 from taskgate import errors, telemetry
-from taskgate.config import Settings
+from taskgate.config import CommonSettings
 from taskgate_api import reasons
 
 # The place a unary call holds, set around the call by call_scope: None outside one (streams take none), [] in a call
@@ -184,7 +184,7 @@ class Throttle:
         self._streams: Counter[str] = Counter()
 
     @classmethod
-    def of(cls, settings: Settings) -> Throttle:
+    def of(cls, settings: CommonSettings) -> Throttle:
         """The limits `settings` name."""
         return cls(
             calls_per_second=settings.tenant_calls_per_second, calls_burst=settings.tenant_calls_burst,

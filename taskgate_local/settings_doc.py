@@ -1,4 +1,5 @@
-"""`python -m taskgate_local.settings_doc`: docs/configuration.md's table of settings, made from the Settings class itself."""
+"""`python -m taskgate_local.settings_doc`: docs/configuration.md's tables of settings, one per owner's group, made from
+the settings classes themselves (taskgate.config.GROUPS)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from pydantic_core import PydanticUndefined
 
-from taskgate.config import Settings
+from taskgate.config import GROUPS, CommonSettings, Settings
 
 START = "<!-- settings:start -->"
 END = "<!-- settings:end -->"
@@ -31,13 +32,23 @@ def _default(name: str) -> str:
     return "unset" if value is None else f"`{value}`"
 
 
+def _own_fields(group: type[CommonSettings]) -> list[str]:
+    """The fields `group` adds to the common ones (all of them for CommonSettings itself)."""
+    inherited = set() if group is CommonSettings else set(CommonSettings.model_fields)
+    return [name for name in group.model_fields if name not in inherited]
+
+
 def table() -> str:
-    """One row per setting: env var, default, meaning."""
-    rows = ["| variable | default | meaning |", "|---|---|---|"]
-    for name, field in Settings.model_fields.items():
-        meaning = (field.description or "").replace("|", "\\|")
-        rows.append(f"| `TASKGATE_{name.upper()}` | {_default(name)} | {meaning} |")
-    return "\n".join(rows)
+    """One section per settings group (its owner, who reads it), one row per setting: env var, default, meaning."""
+    sections = []
+    for group, readers in GROUPS:
+        doc = (group.__doc__ or "").strip().split("\n")[0]
+        rows = [f"### {group.__name__}: {readers}", "", doc, "", "| variable | default | meaning |", "|---|---|---|"]
+        for name in _own_fields(group):
+            meaning = (Settings.model_fields[name].description or "").replace("|", "\\|")
+            rows.append(f"| `TASKGATE_{name.upper()}` | {_default(name)} | {meaning} |")
+        sections.append("\n".join(rows))
+    return "\n\n".join(sections)
 
 
 def render(readme: str) -> str:

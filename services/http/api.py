@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from taskgate.config import Settings
+from taskgate.config import HttpSettings
 from taskgate_api.v1 import events_pb2, gateway_pb2, task_pb2
 
 from .inputs import BadInput, integer, json_body
@@ -111,7 +111,7 @@ def _answering(handler: Callable[[Any, Request], Awaitable[Response]]) -> Callab
 class Api:
     """The routes of /v1 over one set of upstream channels."""
 
-    def __init__(self, upstream: Upstream, settings: Settings, closing: asyncio.Event) -> None:
+    def __init__(self, upstream: Upstream, settings: HttpSettings, closing: asyncio.Event) -> None:
         self.upstream = upstream
         self.settings = settings
         self.closing = closing

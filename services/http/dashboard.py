@@ -32,7 +32,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import BaseRoute, Route
 
 from taskgate import auth, channels
-from taskgate.config import Settings
+from taskgate.config import HttpSettings
 from taskgate_api.v1 import admin_pb2, task_pb2, worker_pb2, worker_pb2_grpc
 
 from . import dashboard_page
@@ -386,7 +386,7 @@ def _form(raw: bytes) -> dict[str, str]:
 class Dashboard:
     """The dashboard's routes over the upstream TaskAdmin channel."""
 
-    def __init__(self, upstream: Upstream, settings: Settings) -> None:
+    def __init__(self, upstream: Upstream, settings: HttpSettings) -> None:
         self.upstream = upstream
         self.settings = settings
         self.sessions = Sessions()
@@ -656,6 +656,6 @@ class Dashboard:
         return True, f"Worker {worker_id} is draining ({answer.running} running)."
 
 
-def routes(upstream: Upstream, settings: Settings) -> list[BaseRoute]:
+def routes(upstream: Upstream, settings: HttpSettings) -> list[BaseRoute]:
     """The dashboard's routes over the upstream channels."""
     return Dashboard(upstream, settings).routes()

@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from taskgate import telemetry
-from taskgate.config import Settings
+from taskgate.config import HttpSettings
 from taskgate.runtime import serve_until_signal
 from taskgate.server import READINESS
 
@@ -69,7 +69,7 @@ async def _ready(channel: grpc.aio.Channel, within: float) -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
-def build_app(settings: Settings, upstream: Upstream, closing: asyncio.Event) -> Starlette:
+def build_app(settings: HttpSettings, upstream: Upstream, closing: asyncio.Event) -> Starlette:
     """The ASGI application over `upstream`: the API, its document, health, and the dashboard."""
     api = Api(upstream, settings, closing)
 
@@ -120,7 +120,7 @@ class HttpHandle:
     sockets: list[socket.socket]
     upstream: Upstream
     closing: asyncio.Event
-    settings: Settings
+    settings: HttpSettings
 
     @property
     def url(self) -> str:
@@ -139,7 +139,7 @@ class HttpHandle:
             await self.upstream.close()
 
 
-async def start(settings: Settings) -> HttpHandle:
+async def start(settings: HttpSettings) -> HttpHandle:
     """Starts the HTTP service on settings.http_port (0 = ephemeral) in this event loop."""
     upstream = Upstream.connect(settings)
     closing = asyncio.Event()
@@ -168,6 +168,6 @@ async def start(settings: Settings) -> HttpHandle:
     return HttpHandle(port, app, server, serving, [sock], upstream, closing, settings)
 
 
-async def main(settings: Settings) -> None:
+async def main(settings: HttpSettings) -> None:
     """Runs the HTTP service until SIGTERM or SIGINT."""
     await serve_until_signal(lambda: start(settings), grace_seconds=settings.http_shutdown_grace_seconds)

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from taskgate import channels
-from taskgate.config import Settings
+from taskgate.config import HttpSettings
 from taskgate_api.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc
 
 # google.rpc.Code -> HTTP status, as Google's APIs map them (google/rpc/code.proto).
@@ -106,7 +106,7 @@ class Upstream:
     timeout: float
 
     @classmethod
-    def connect(cls, settings: Settings) -> Upstream:
+    def connect(cls, settings: HttpSettings) -> Upstream:
         """Opens (lazily) one channel per service; targets from the http_*_target settings or the local ports."""
         def channel(target: str | None, port: int) -> grpc.aio.Channel:
             options = [

@@ -25,7 +25,7 @@ from services.notifier.output_feed import OutputHub
 from services.notifier.streams import Closing, EventHub, Overflow, Subscriber
 from services.notifier.webhooks import WebhookSender
 from taskgate import output
-from taskgate.config import Settings
+from taskgate.config import NotifierSettings
 from taskgate.states import Status
 from taskgate.store.events import RelayEvent
 from taskgate_api.v1 import task_pb2
@@ -60,7 +60,7 @@ def _size(chunk: task_pb2.OutputChunk) -> int:
 class OutputHooks:
     """The opted-in running tasks whose relay events this process published, each followed until it ends."""
 
-    def __init__(self, settings: Settings, sender: WebhookSender, hub: EventHub, outputs: OutputHub) -> None:
+    def __init__(self, settings: NotifierSettings, sender: WebhookSender, hub: EventHub, outputs: OutputHub) -> None:
         self._settings = settings
         self._sender = sender
         self._hub = hub

@@ -16,7 +16,7 @@ from opentelemetry.trace import Span, SpanKind
 from services.notifier import outbox
 from taskgate import bus as busmod
 from taskgate import loops, telemetry, tracing
-from taskgate.config import Settings
+from taskgate.config import NotifierSettings
 from taskgate.store import events as event_store
 from taskgate.waiting import cancelling
 from taskgate.wire import events as event_wire
@@ -38,7 +38,7 @@ class EventRelay:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: NotifierSettings,
         pool: asyncpg.Pool,
         bus: busmod.Bus,
         *,

@@ -22,7 +22,7 @@ from services.notifier.streams import SERVICE, EventHub, TaskEventsService, regi
 from services.notifier.webhooks import WebhookSender
 from taskgate import results, runtime, server
 from taskgate.auth import REVOKED_CHANNEL, Authenticator
-from taskgate.config import Settings
+from taskgate.config import NotifierSettings
 from taskgate.listen import Listener
 from taskgate.store.pool import create_pool
 from taskgate.throttle import Throttle
@@ -117,7 +117,7 @@ class NotifierHandle:
 
 
 async def start(
-    settings: Settings, backends: runtime.Backends | None = None, *, signals: TestSignals | None = None
+    settings: NotifierSettings, backends: runtime.Backends | None = None, *, signals: TestSignals | None = None
 ) -> NotifierHandle:
     """Starts the relay, the webhook sender and the TaskEvents server; `backends` is shared if given, else owned;
     `signals`: a test's TestSignals."""
@@ -164,7 +164,7 @@ async def start(
     )
 
 
-async def main(settings: Settings) -> None:
+async def main(settings: NotifierSettings) -> None:
     """Runs until SIGTERM/SIGINT, then stops gracefully."""
     async with runtime.stop_signal() as stop:
         handle = await start(settings)

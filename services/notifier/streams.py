@@ -27,7 +27,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from taskgate import bus as busmod
 from taskgate import clienttokens, errors, eta, ids, output, results, store
 from taskgate.auth import Authenticator, Caller
-from taskgate.config import Settings
+from taskgate.config import NotifierSettings
 from taskgate.states import Status
 from taskgate.store import events as event_store
 from taskgate.store import submissions
@@ -201,7 +201,7 @@ class Estimates:
     KEEP_SECONDS = 1.0
     KEPT = 10_000  # answers kept at most
 
-    def __init__(self, pool: asyncpg.Pool, settings: Settings) -> None:
+    def __init__(self, pool: asyncpg.Pool, settings: NotifierSettings) -> None:
         self._pool = pool
         self._settings = settings
         self._kept: OrderedDict[tuple[int, int], tuple[float, asyncio.Future[eta.Estimate | None]]] = OrderedDict()
@@ -447,7 +447,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
 
     def __init__(
         self,
-        settings: Settings,
+        settings: NotifierSettings,
         pool: asyncpg.Pool,
         hub: EventHub,
         authenticator: Authenticator,

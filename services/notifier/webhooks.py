@@ -15,7 +15,7 @@ import httpx
 
 from services.notifier.outbox import iso
 from taskgate import auth, eta, loops, netguard, results, telemetry, tracing
-from taskgate.config import Settings
+from taskgate.config import NotifierSettings
 from taskgate.sealing import Sealer
 from taskgate.states import CallbackStatus, Status
 from taskgate.store import webhooks as webhook_store
@@ -49,7 +49,7 @@ class WebhookSender:
     """
 
     def __init__(
-        self, settings: Settings, pool: asyncpg.Pool, owner: str, *, outputs: results.ResultStore | None = None
+        self, settings: NotifierSettings, pool: asyncpg.Pool, owner: str, *, outputs: results.ResultStore | None = None
     ) -> None:
         self._settings = settings
         self._pool = pool

@@ -20,7 +20,7 @@ from services.scheduler.scans import Action, Retention, RetentionScan, TaskScan,
 from taskgate import auth, errors, ids, output, paging, results, store, text
 from taskgate import bus as busmod
 from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator
-from taskgate.config import Settings
+from taskgate.config import SchedulerSettings
 from taskgate.model import timestamp
 from taskgate.sealing import Sealer
 from taskgate.states import UNFINISHED, CallbackStatus, Status
@@ -64,7 +64,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     """The TaskAdmin servicer; every call needs an admin key."""
 
     def __init__(
-        self, settings: Settings, pool: asyncpg.Pool, bus: busmod.Bus, task_scans: Sequence[TaskScan], retention: RetentionScan
+        self, settings: SchedulerSettings, pool: asyncpg.Pool, bus: busmod.Bus, task_scans: Sequence[TaskScan], retention: RetentionScan
     ) -> None:
         self.settings = settings
         self.pool = pool

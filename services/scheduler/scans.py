@@ -20,7 +20,7 @@ from nats.errors import Error as NatsError
 
 from taskgate import bus as busmod
 from taskgate import results, store, telemetry
-from taskgate.config import Settings
+from taskgate.config import SchedulerSettings
 from taskgate.dispatcher import dispatch_pass
 from taskgate.model import TaskRow
 from taskgate.store import maintenance
@@ -66,7 +66,7 @@ class Action(enum.StrEnum):
 class ScanContext:
     """What every scan needs: settings, the pool and the bus."""
 
-    settings: Settings
+    settings: SchedulerSettings
     pool: asyncpg.Pool
     bus: busmod.Bus
 
@@ -95,7 +95,7 @@ class TaskScan(Scan, Protocol):
     async def due(self, conn: asyncpg.Connection, now: datetime | None, limit: int) -> list[TaskRow]: ...
 
 
-def _timeouts(settings: Settings, timeout_for: Callable[[str], float]) -> dict[str, float]:
+def _timeouts(settings: SchedulerSettings, timeout_for: Callable[[str], float]) -> dict[str, float]:
     return {m: timeout_for(m) for m in settings.models}
 
 
@@ -426,7 +426,7 @@ class Retention:
     inputs: float | None = None
 
     @classmethod
-    def of(cls, settings: Settings) -> Retention:
+    def of(cls, settings: SchedulerSettings) -> Retention:
         """The configured retention (a setting of 0 keeps forever)."""
         return cls(
             settings.retain_tasks_seconds or None, settings.retain_events_seconds or None,

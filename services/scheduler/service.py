@@ -33,7 +33,7 @@ from services.scheduler.scans import (
 )
 from taskgate import bus as busmod
 from taskgate import loops, runtime, server, telemetry
-from taskgate.config import Settings
+from taskgate.config import SchedulerSettings
 from taskgate.store import maintenance
 from taskgate_api.v1 import admin_pb2_grpc
 
@@ -56,7 +56,7 @@ class ScanReport:
 class Scheduler:
     """Runs every scan in turn, on a timer (run) or on demand (run_once), and refreshes the queue gauges."""
 
-    def __init__(self, settings: Settings, pool: asyncpg.Pool, bus: busmod.Bus) -> None:
+    def __init__(self, settings: SchedulerSettings, pool: asyncpg.Pool, bus: busmod.Bus) -> None:
         self.settings = settings
         self.pool = pool
         ctx = ScanContext(settings, pool, bus)
@@ -152,7 +152,7 @@ class SchedulerHandle:
                 await self.backends.close()
 
 
-async def start(settings: Settings, backends: runtime.Backends | None = None, *, scan_loop: bool = True) -> SchedulerHandle:
+async def start(settings: SchedulerSettings, backends: runtime.Backends | None = None, *, scan_loop: bool = True) -> SchedulerHandle:
     """Starts TaskAdmin on settings.scheduler_port and (unless scan_loop=False, for tests) the scan loop."""
     owns = backends is None
     b = backends if backends is not None else await runtime.connect(settings, "scheduler")
@@ -178,7 +178,7 @@ async def start(settings: Settings, backends: runtime.Backends | None = None, *,
     return SchedulerHandle(port, scheduler, b, srv, health_servicer, stop, loop, owns, listening)
 
 
-async def main(settings: Settings) -> None:
+async def main(settings: SchedulerSettings) -> None:
     """Runs the scheduler until SIGTERM or SIGINT."""
     async with runtime.stop_signal() as stopping:
         handle = await start(settings)

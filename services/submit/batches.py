@@ -31,7 +31,7 @@ from google.rpc import error_details_pb2
 
 from taskgate import errors, ids
 from taskgate.auth import Principal
-from taskgate.config import Settings
+from taskgate.config import GatewaySettings
 from taskgate.model import TaskRow, timestamp
 from taskgate.results import ResultNotFound, ResultStore
 from taskgate.states import Status
@@ -172,7 +172,7 @@ class Batches:
 
     pool: Conn
     results: ResultStore
-    settings: Settings
+    settings: GatewaySettings
     next_id: Callable[[], int]
     submit: Submit
     cancel_task: CancelTask

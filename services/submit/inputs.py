@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from taskgate import errors, images, netguard, text
-from taskgate.config import ModelSpec, Settings
+from taskgate.config import GatewaySettings, ModelSpec
 from taskgate.results import ResultNotFound, ResultStore
 from taskgate.store import inputs as input_store
 from taskgate.store.inputs import StoredInput, StoredText
@@ -51,7 +51,7 @@ class Checked:
         return self.new.sha256
 
 
-def _limits(settings: Settings, spec: ModelSpec | None) -> images.Limits:
+def _limits(settings: GatewaySettings, spec: ModelSpec | None) -> images.Limits:
     """A model's image limits, or the upload limits without a model."""
     formats, most = tuple(settings.input_formats), settings.input_max_pixels
     if spec is None:
@@ -106,7 +106,7 @@ class PixelBudget:
 class InputImages:
     """Checks, fetches and keeps input images for one gateway: its pool, its result store, its settings."""
 
-    def __init__(self, pool: Conn, store: ResultStore, settings: Settings) -> None:
+    def __init__(self, pool: Conn, store: ResultStore, settings: GatewaySettings) -> None:
         self._pool = pool
         self._store = store
         self._settings = settings

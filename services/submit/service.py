@@ -19,7 +19,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from taskgate import auth, chat, clienttokens, errors, eta, ids, output, paging, store, telemetry, tracing
 from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator, Caller, Principal
-from taskgate.config import Settings
+from taskgate.config import GatewaySettings
 from taskgate.dispatcher import Dispatcher
 from taskgate.model import TaskRow, timestamp
 from taskgate.queueview import QueueView
@@ -91,7 +91,7 @@ def _prompt_fingerprint(prompt: str) -> dict[str, object]:
 class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
     """The TaskGateway servicer over one pool and one bus."""
 
-    def __init__(self, settings: Settings, backends: Backends, batch_signals: BatchSignals | None = None) -> None:
+    def __init__(self, settings: GatewaySettings, backends: Backends, batch_signals: BatchSignals | None = None) -> None:
         self._settings = settings
         self._pool = backends.pool
         self._bus = backends.bus
@@ -760,7 +760,7 @@ class SubmitHandle:
     gateway: Gateway
     backends: Backends
     owns_backends: bool
-    settings: Settings
+    settings: GatewaySettings
     listening: asyncio.Task[None]
 
     async def stop(self, grace: float | None = None) -> None:
@@ -781,7 +781,7 @@ class SubmitHandle:
 
 
 async def start(
-    settings: Settings, backends: Backends | None = None, *, batch_signals: BatchSignals | None = None
+    settings: GatewaySettings, backends: Backends | None = None, *, batch_signals: BatchSignals | None = None
 ) -> SubmitHandle:
     """Starts the gateway on settings.submit_port (0 = ephemeral), connecting its own backends unless given."""
     owns = backends is None
@@ -806,6 +806,6 @@ async def start(
     return SubmitHandle(port, server, health_servicer, gateway, backends, owns, settings, listening)
 
 
-async def main(settings: Settings) -> None:
+async def main(settings: GatewaySettings) -> None:
     """Runs the gateway until SIGTERM or SIGINT, then shuts down in stages."""
     await serve_until_signal(lambda: start(settings), grace_seconds=settings.submit_shutdown_grace_seconds)

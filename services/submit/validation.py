@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from google.protobuf.message import Message
 
 from taskgate import chat, errors, netguard, text
-from taskgate.config import ModelSpec, Settings
+from taskgate.config import GatewaySettings, ModelSpec
 from taskgate.model import TaskRow
 from taskgate.states import Priority
 from taskgate.store.inputs import StoredInput
@@ -147,7 +147,7 @@ def request_hash(
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-async def check_callback_url(url: str, settings: Settings, *, resolve: bool = True) -> str | None:
+async def check_callback_url(url: str, settings: GatewaySettings, *, resolve: bool = True) -> str | None:
     """Why a callback URL is refused, or None when a webhook may be sent to it (without `resolve`: as far as its text
     says)."""
     if len(url) > settings.max_callback_url_chars:
@@ -184,7 +184,7 @@ def _positive_or_default(value: int, default: int) -> int:
 
 
 def _check_params(
-    req: gateway_pb2.SubmitTaskRequest, spec: ModelSpec, settings: Settings, bad: list[tuple[str, str]]
+    req: gateway_pb2.SubmitTaskRequest, spec: ModelSpec, settings: GatewaySettings, bad: list[tuple[str, str]]
 ) -> dict[str, Any]:
     """Fills defaults from the model spec, records each out-of-range value, returns the canonical parameters."""
     p = req.params
@@ -258,7 +258,7 @@ async def _attachments(
 
 
 def _check_chat(
-    req: gateway_pb2.SubmitTaskRequest, spec: ModelSpec, settings: Settings, bad: list[tuple[str, str]],
+    req: gateway_pb2.SubmitTaskRequest, spec: ModelSpec, settings: GatewaySettings, bad: list[tuple[str, str]],
     attached: dict[int, str] | None = None,
 ) -> dict[str, Any]:
     """A chat request's conversation and generation parameters, defaults filled from the model spec; each bad value
@@ -366,7 +366,7 @@ def end_user_problem(end_user: str) -> str | None:
     return text.unstorable(end_user)
 
 
-def key_problem(key: str, settings: Settings) -> str | None:
+def key_problem(key: str, settings: GatewaySettings) -> str | None:
     """What is wrong with an idempotency key, or None (checked before the key is looked up anywhere)."""
     if len(key) > settings.max_idempotency_key_chars:
         return f"longer than {settings.max_idempotency_key_chars} characters"
@@ -376,7 +376,7 @@ def key_problem(key: str, settings: Settings) -> str | None:
 
 
 async def validate(
-    tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: Settings, inputs: InputImages | None = None,
+    tenant: str, req: gateway_pb2.SubmitTaskRequest, settings: GatewaySettings, inputs: InputImages | None = None,
     *, within: float = 5.0, replay: bool = False,
 ) -> Submission:
     """The canonical submission, or INVALID_ARGUMENT naming every bad field.

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from services.worker.consumer import Level
 from services.worker.run import ACTOR
 from services.worker.settle import Fate, MessageAction, Step
-from taskgate.config import Settings
+from taskgate.config import WorkerSettings
 from taskgate.model import TaskRow
 from taskgate.store import ResultRef, workers
 from taskgate.store.workers import Verdict
@@ -44,7 +44,7 @@ class Declined:
 class Claimer:
     """Claims on one connection kept for claims: a pool checkout less on the dispatch path."""
 
-    def __init__(self, *, pool: asyncpg.Pool, settings: Settings, worker_id: str) -> None:
+    def __init__(self, *, pool: asyncpg.Pool, settings: WorkerSettings, worker_id: str) -> None:
         self.pool = pool
         self.settings = settings
         self.worker_id = worker_id

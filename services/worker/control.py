@@ -11,7 +11,7 @@ import grpc
 
 from services.worker.engine import Worker
 from taskgate import channels, errors
-from taskgate.config import Settings
+from taskgate.config import WorkerSettings
 from taskgate_api.v1 import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 # TaskAdmin's refusals the worker passes on as they came; anything else means the check could not be made
@@ -21,7 +21,7 @@ _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 class Operators:
     """Asks TaskAdmin whether a WorkerControl caller's credential may do an action here."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: WorkerSettings) -> None:
         target = settings.worker_admin_target or channels.local_target(settings, settings.scheduler_port)
         self.channel = channels.channel(settings, target)
         self.admin = admin_pb2_grpc.TaskAdminStub(self.channel)

@@ -34,7 +34,7 @@ from services.worker.run import Attempts, Halt, Run
 from services.worker.settle import Fate, Step
 from services.worker.upstream import Upstream
 from taskgate import results, runtime, telemetry, tracing
-from taskgate.config import Settings
+from taskgate.config import WorkerSettings
 from taskgate.model import timestamp
 from taskgate.runtime import Backends
 from taskgate.signals import Signal
@@ -82,7 +82,7 @@ class Worker:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: WorkerSettings,
         backends: Backends,
         runners: dict[tuple[str, str], runmod.ModelRunner | ChatRunner | Upstream],
         plan: runmod.DevicePlan,

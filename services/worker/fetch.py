@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from services.worker.consumer import Level, Puller, Weighted, make_levels
 from taskgate import bus as busmod
 from taskgate import loops
-from taskgate.config import Settings
+from taskgate.config import WorkerSettings
 
 log = logging.getLogger("taskgate.worker")
 
@@ -47,7 +47,7 @@ class Fetcher:
         self,
         *,
         bus: busmod.Bus,
-        settings: Settings,
+        settings: WorkerSettings,
         worker_id: str,
         models: list[str],
         slots: int,

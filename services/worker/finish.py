@@ -18,7 +18,7 @@ from services.worker.run import ACTOR, Halt, Run
 from services.worker.settle import Fate, MessageAction, Produced, Released, Step, decide
 from taskgate import bus as busmod
 from taskgate import chat, results, store, tracing
-from taskgate.config import Settings
+from taskgate.config import WorkerSettings
 from taskgate.store import ResultRef, workers
 from taskgate.wire import dead_letter, ended, preempt
 
@@ -53,7 +53,7 @@ class Finisher:
         pool: asyncpg.Pool,
         bus: busmod.Bus,
         outputs: results.ResultStore,
-        settings: Settings,
+        settings: WorkerSettings,
         report: Report,
     ) -> None:
         self.pool = pool

@@ -15,7 +15,7 @@ from services.worker.consumer import Level
 from services.worker.run import ACTOR, Run
 from taskgate import bus as busmod
 from taskgate import loops, telemetry
-from taskgate.config import Settings
+from taskgate.config import WorkerSettings
 from taskgate.model import TaskRow
 from taskgate.store import workers
 
@@ -38,7 +38,7 @@ class Heartbeat:
         *,
         pool: asyncpg.Pool,
         bus: busmod.Bus,
-        settings: Settings,
+        settings: WorkerSettings,
         worker_id: str,
         levels: list[Level],
         runs: dict[int, Run],

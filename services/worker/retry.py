@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from services.worker import runner as runmod
 from taskgate import store
-from taskgate.config import Settings
+from taskgate.config import WorkerSettings
 from taskgate.model import TaskRow
 from taskgate.server import BACKEND_ERRORS
 
@@ -57,14 +57,14 @@ class PermanentError(RunError):
         return "retries exhausted" if self.dead_letter else "permanent failure"
 
 
-def backoff(settings: Settings, retry_count: int) -> float:
+def backoff(settings: WorkerSettings, retry_count: int) -> float:
     """Delay before retry number retry_count + 1: doubling from retry_backoff_seconds, jittered, capped."""
     base = settings.retry_backoff_seconds * 2**retry_count
     jitter = random.uniform(1 - settings.retry_jitter, 1 + settings.retry_jitter)
     return min(settings.retry_backoff_max_seconds, base * jitter)
 
 
-def failure_of(exc: BaseException, *, task: TaskRow, settings: Settings) -> RetryableError | PermanentError:
+def failure_of(exc: BaseException, *, task: TaskRow, settings: WorkerSettings) -> RetryableError | PermanentError:
     """What a run's failure means for its task: retried after a backoff while retries remain, else failed."""
     retryable, code = runmod.classify(exc)
     message = f"{type(exc).__name__}: {exc}"[:ERROR_MSG_CHARS]

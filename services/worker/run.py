@@ -24,7 +24,7 @@ from services.worker.fetch import SlotHold
 from services.worker.settle import MessageAction, Step
 from taskgate import bus as busmod
 from taskgate import chat, output, results, store, telemetry, tracing
-from taskgate.config import Settings
+from taskgate.config import WorkerSettings
 from taskgate.model import TaskRow
 from taskgate.server import BACKEND_ERRORS
 from taskgate.waiting import Interrupted, unless
@@ -150,7 +150,7 @@ class Attempts:
         self,
         *,
         pool: asyncpg.Pool,
-        settings: Settings,
+        settings: WorkerSettings,
         runners: dict[tuple[str, str], runmod.ModelRunner | chatrun.ChatRunner | upstream.Upstream],
         devices: Devices,
         encoders: concurrent.futures.Executor,

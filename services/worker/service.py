@@ -16,7 +16,7 @@ import grpc
 from services.worker import runner as runmod
 from services.worker.control import Operators, WorkerControlServicer
 from services.worker.engine import TestSignals, Worker
-from taskgate.config import Settings
+from taskgate.config import WorkerSettings
 from taskgate.runtime import Backends, connect, stop_signal
 from taskgate.server import Health, Probes, mark_not_serving, start_server
 from taskgate_api.v1 import worker_pb2_grpc
@@ -80,7 +80,7 @@ def default_worker_id() -> str:
     return base if n == 0 else f"{base}-{n}"
 
 
-def served_models(settings: Settings) -> list[str]:
+def served_models(settings: WorkerSettings) -> list[str]:
     """The models this worker serves: worker_models, or every registered model."""
     wanted = settings.worker_models or list(settings.models)
     unknown = [m for m in wanted if m not in settings.models]
@@ -89,7 +89,7 @@ def served_models(settings: Settings) -> list[str]:
     return wanted
 
 
-def advertised_host(settings: Settings) -> str:
+def advertised_host(settings: WorkerSettings) -> str:
     """The host other services reach this worker's WorkerControl at: worker_advertise_host (a pod's IP), else the bind
     address, else (bound to every address) the host name."""
     if settings.worker_advertise_host:
@@ -99,7 +99,7 @@ def advertised_host(settings: Settings) -> str:
     return socket.gethostname()
 
 
-async def start(settings: Settings, backends: Backends | None = None, *, signals: TestSignals | None = None) -> WorkerHandle:
+async def start(settings: WorkerSettings, backends: Backends | None = None, *, signals: TestSignals | None = None) -> WorkerHandle:
     """Loads the models, then starts consuming and serves WorkerControl on settings.worker_port (0 = ephemeral);
     `signals`: a test's armed TestSignals."""
     models = served_models(settings)
@@ -132,7 +132,7 @@ async def start(settings: Settings, backends: Backends | None = None, *, signals
     return WorkerHandle(port, worker, server, health_servicer, backends, owns, operators)
 
 
-async def main(settings: Settings) -> None:
+async def main(settings: WorkerSettings) -> None:
     """Runs a worker until SIGTERM/SIGINT, then drains and exits. A Drain call is a cordon, not a stop: the worker
     takes no more work and is not ready, but stays up (alive, answering) until it is told to stop."""
     async with stop_signal() as stop:

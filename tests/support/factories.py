@@ -228,6 +228,12 @@ def proto_messages(cls: type[Message], depth: int = 0) -> st.SearchStrategy[Mess
 SLEEPY = "sleepy"
 
 
+def all_settings(backends: Backends) -> Settings:
+    """Every setting the test's backends were connected with (Backends types them as the common group only)."""
+    assert isinstance(backends.settings, Settings)
+    return backends.settings
+
+
 def sleepy_settings(settings: Settings, sleep: float = 0.0, **spec: Any) -> Settings:
     """Settings for a worker serving only the 'sleep' model, with short leases."""
     models = dict(settings.models)

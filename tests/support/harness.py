@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from taskgate import auth
-from taskgate.config import Settings
+from taskgate.config import CommonSettings, Settings
 from taskgate_api.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc
 from taskgate_client.errors import details_of as details_of  # what a client reads; tests import it from here
 from taskgate_local.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedStack, free_port
@@ -42,7 +42,7 @@ PORT_FIELDS = {
 }
 
 
-def settings_env(settings: Settings) -> dict[str, str]:
+def settings_env(settings: CommonSettings) -> dict[str, str]:
     """Every set field of `settings` as the TASKGATE_* variable a service process reads back into the same value."""
     env: dict[str, str] = {}
     for name, value in settings.model_dump(mode="json").items():

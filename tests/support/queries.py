@@ -12,7 +12,7 @@ from nats.js.api import RawStreamMsg
 from services.worker.engine import RunReport
 from taskgate import bus as busmod
 from taskgate import results, store
-from taskgate.config import Settings
+from taskgate.config import CommonSettings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Status
@@ -61,7 +61,7 @@ def report_for(task_id: int, outcome: str | None = None) -> Callable[[RunReport]
     return lambda r: r.task_id == task_id and (outcome is None or r.outcome == outcome)
 
 
-async def read_result(settings: Settings, backends: Backends, uri: str) -> bytes:
+async def read_result(settings: CommonSettings, backends: Backends, uri: str) -> bytes:
     return b"".join([chunk async for chunk in results.result_store(settings, backends.bus).read(uri)])
 
 

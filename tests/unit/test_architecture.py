@@ -5,7 +5,8 @@ taskgate_api.v1, Status, reason codes, webhook signing, the CLI contract: what b
 services never import taskgate_client; taskgate_local -> anything; no production code imports taskgate_local; services
 never import each other; a test module imports no other test
 module (shared helpers live in tests/support, fixtures in a conftest.py); no service's modules import each other
-in a cycle.
+in a cycle; a service's modules import its own settings group (or the common one), never another service's nor the
+whole `Settings`, and no core module takes the whole `Settings` (each takes the narrowest group it reads).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from tests.support.harness import ROOT
 SKIPPED = {".venv", ".git", "build", "__pycache__", ".taskgate"}
 PRODUCTION = ("taskgate", "services", "taskgate_client", "taskgate_api")
 HEAVY = ("torch", "diffusers", "asyncpg", "nats")
+# The settings group each service reads (taskgate.config); CommonSettings is every service's too.
+SETTINGS_GROUPS = {
+    "submit": "GatewaySettings", "scheduler": "SchedulerSettings", "worker": "WorkerSettings",
+    "notifier": "NotifierSettings", "http": "HttpSettings",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +106,11 @@ def broken_rule(imp: Import) -> str | None:
             return "the client imports server or local code"
     if any(_within(module, p) for p in PRODUCTION) and _within(target, "taskgate_local"):
         return "production code imports the local tooling"
+    setting = target.removeprefix("taskgate.config.") if _within(target, "taskgate.config") else ""
+    if here is not None and setting.endswith("Settings") and setting not in {"CommonSettings", SETTINGS_GROUPS.get(here)}:
+        return f"a service takes settings beyond its own group ({SETTINGS_GROUPS.get(here)} and CommonSettings)"
+    if _within(module, "taskgate") and module != "taskgate.config" and setting == "Settings":
+        return "the core takes every setting (each core module takes the narrowest group it reads)"
     if _within(module, "tests") and _within(target, "tests") and target != "tests" and not _within(target, "tests.support"):
         return "a test module imports another test module (shared helpers go in tests/support, fixtures in a conftest.py)"
     return None
@@ -139,6 +150,10 @@ def test_the_rules_catch_each_kind_of_arrow() -> None:
         Import("tests.integration.worker.test_backlog", "tests.integration.worker.test_worker.submit", 1),
         Import("tests.system.test_packaging", "tests.conftest", 1),
         Import("tests.support.stacks", "tests.integration.client.conftest", 1),
+        Import("services.worker.engine", "taskgate.config.Settings", 1),
+        Import("services.worker.engine", "taskgate.config.SchedulerSettings", 1),
+        Import("services.http.api", "taskgate.config.GatewaySettings", 1),
+        Import("taskgate.results", "taskgate.config.Settings", 1),
     ]
     good = [
         Import("services.worker.engine", "services.worker.inference", 1),
@@ -152,6 +167,12 @@ def test_the_rules_catch_each_kind_of_arrow() -> None:
         Import("tests.integration.worker.test_backlog", "tests.support.factories", 1),
         Import("tests.conftest", "tests.support.harness.WorkerFactory", 1),
         Import("bench.stack", "tests.support.harness", 1),
+        Import("services.worker.engine", "taskgate.config.WorkerSettings", 1),
+        Import("services.submit.validation", "taskgate.config.GatewaySettings", 1),
+        Import("services.http.api", "taskgate.config.CommonSettings", 1),
+        Import("services.http.api", "taskgate.config.ModelSpec", 1),
+        Import("taskgate.results", "taskgate.config.CommonSettings", 1),
+        Import("taskgate_local.dev", "taskgate.config.Settings", 1),
     ]
     assert [imp for imp in bad if broken_rule(imp) is None] == []
     assert [(imp, broken_rule(imp)) for imp in good if broken_rule(imp) is not None] == []

@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from taskgate.config import Settings
+from taskgate.config import HttpSettings
 from taskgate_api.v1 import batches_pb2, events_pb2, gateway_pb2, task_pb2
 
 from ..inputs import BadInput, integer, json_body
@@ -77,7 +77,7 @@ def _listing(data: list[dict[str, Any]], has_more: bool) -> JSONResponse:
 class Face:
     """The OpenAI face over one set of upstream channels."""
 
-    def __init__(self, upstream: Upstream, settings: Settings, closing: asyncio.Event) -> None:
+    def __init__(self, upstream: Upstream, settings: HttpSettings, closing: asyncio.Event) -> None:
         self.upstream = upstream
         self.settings = settings
         self.closing = closing
@@ -438,7 +438,7 @@ class Face:
         return JSONResponse(shapes.batch_object(got))
 
 
-def translate_input(data: bytes, endpoint: str, window_seconds: float, settings: Settings) -> bytes:
+def translate_input(data: bytes, endpoint: str, window_seconds: float, settings: HttpSettings) -> bytes:
     """An OpenAI batch input (JSONL of {custom_id, method, url, body}) as the gateway's: each line a submission
     (its priority and queue TTL from the completion window) or the error that keeps it from being one."""
     priority = task_pb2.PRIORITY_NORMAL if window_seconds <= 3600 else task_pb2.PRIORITY_LOW

@@ -13,7 +13,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from taskgate.config import Settings
+from taskgate.config import HttpSettings
 from taskgate_api.v1 import batches_pb2, gateway_pb2, task_pb2
 
 RESPONSE_PREFIX = "resp_"
@@ -68,7 +68,7 @@ def task_id_of(text: str, prefix: str) -> str | None:
     return rest
 
 
-def model_of(body: dict[str, Any], settings: Settings) -> str:
+def model_of(body: dict[str, Any], settings: HttpSettings) -> str:
     """The model entry a request names (404 when there is none of that name)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -148,7 +148,7 @@ def _unknown(body: dict[str, Any], known: set[str]) -> None:
             raise Refused(name, "is not supported by this gateway", "unsupported_parameter")
 
 
-def response_request(body: dict[str, Any], settings: Settings) -> gateway_pb2.SubmitTaskRequest:
+def response_request(body: dict[str, Any], settings: HttpSettings) -> gateway_pb2.SubmitTaskRequest:
     """A Responses create body as a chat task submission."""
     _unknown(body, _RESPONSE_FIELDS)
     model = model_of(body, settings)
@@ -175,7 +175,7 @@ def response_request(body: dict[str, Any], settings: Settings) -> gateway_pb2.Su
     )
 
 
-def chat_request(body: dict[str, Any], settings: Settings) -> gateway_pb2.SubmitTaskRequest:
+def chat_request(body: dict[str, Any], settings: HttpSettings) -> gateway_pb2.SubmitTaskRequest:
     """A Chat Completions body (a batch line's) as a chat task submission."""
     _unknown(body, _CHAT_FIELDS)
     model = model_of(body, settings)

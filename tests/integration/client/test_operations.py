@@ -21,7 +21,7 @@ from taskgate.store import tenants
 from taskgate_api.v1 import task_pb2
 from taskgate_client import AsyncTaskgateClient, connect_async
 from taskgate_client.errors import TaskgateError
-from tests.support.factories import insert_task
+from tests.support.factories import all_settings, insert_task
 from tests.support.harness import wait_for
 from tests.support.notifier import TENANT, fast, independent_signature, run_to
 from tests.support.webhooks import Reply, WebhookReceiver
@@ -30,7 +30,7 @@ from tests.support.webhooks import Reply, WebhookReceiver
 @pytest.fixture
 async def ops(backends: Backends) -> AsyncIterator[AsyncTaskgateClient]:
     """An SDK client holding an admin key, talking to a scheduler's TaskAdmin (scan loop off)."""
-    handle = await scheduler_service.start(backends.settings, backends, scan_loop=False)
+    handle = await scheduler_service.start(all_settings(backends), backends, scan_loop=False)
     admin_key, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, "ops", admin=True)
     address = f"127.0.0.1:{handle.port}"
     try:
@@ -49,7 +49,7 @@ async def test_rotation_signs_with_both_secrets_until_the_overlap_ends(backends:
     assert set(await auth.webhook_secrets(backends.pool, TENANT, Sealer.of(backends.settings))) == {old, new}
 
     async with WebhookReceiver(lambda _r: Reply(204, body=b"")) as rx:
-        notifier = await start_notifier(fast(backends.settings), backends)
+        notifier = await start_notifier(fast(all_settings(backends)), backends)
         try:
             task = await insert_task(backends.pool, callback_url=rx.url())
             await run_to(backends.pool, task.id, Status.SUCCEEDED)
@@ -76,7 +76,7 @@ async def test_a_tenant_rotates_its_own_webhook_secret_over_task_gateway(backend
     pepper = backends.settings.api_key_pepper
     key, old = await auth.create_key(backends.pool, pepper, TENANT)
     _, theirs = await auth.create_key(backends.pool, pepper, "another-tenant")
-    gateway = await submit_service.start(backends.settings, backends)
+    gateway = await submit_service.start(all_settings(backends), backends)
     address = f"127.0.0.1:{gateway.port}"
     try:
         async with connect_async(address, key) as client:
@@ -135,7 +135,7 @@ async def test_keys_are_listed_and_revoked_over_task_admin(backends: Backends, o
 async def test_failed_deliveries_are_listed_with_their_last_error(backends: Backends, ops: AsyncTaskgateClient) -> None:
     await auth.create_key(backends.pool, backends.settings.api_key_pepper, TENANT)
     async with WebhookReceiver(lambda _r: Reply(503, body=b"down")) as rx:
-        notifier = await start_notifier(fast(backends.settings, webhook_schedule_seconds=[0.0, 0.1]), backends)
+        notifier = await start_notifier(fast(all_settings(backends), webhook_schedule_seconds=[0.0, 0.1]), backends)
         try:
             failed = await insert_task(backends.pool, callback_url=rx.url())
             await run_to(backends.pool, failed.id, Status.FAILED)

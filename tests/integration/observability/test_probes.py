@@ -21,6 +21,7 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate.server import LIVENESS, READINESS, Probes, start_server
 from taskgate_api.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.factories import all_settings
 from tests.support.harness import ROOT, Cluster, settings_env, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -94,7 +95,7 @@ async def test_liveness_fails_when_a_loop_the_process_needs_has_ended(settings: 
 async def test_a_drained_worker_stays_up_alive_and_answering_but_not_ready(
     settings: Settings, backends: Backends, tmp_path: Path
 ) -> None:
-    admin = await scheduler_service.start(backends.settings, backends, scan_loop=False)  # vouches for WorkerControl callers
+    admin = await scheduler_service.start(all_settings(backends), backends, scan_loop=False)  # vouches for WorkerControl callers
     key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "ops", admin=True)
     operator = (("authorization", f"Bearer {key}"),)
     s = quick(settings).model_copy(update={"worker_admin_target": f"127.0.0.1:{admin.port}",

@@ -11,12 +11,13 @@ from services.scheduler import service
 from taskgate import auth
 from taskgate.runtime import Backends
 from taskgate_api.v1 import admin_pb2_grpc
+from tests.support.factories import all_settings
 from tests.support.stacks import Admin
 
 
 @pytest.fixture
 async def admin(backends: Backends) -> AsyncIterator[Admin]:
-    handle = await service.start(backends.settings, backends, scan_loop=False)
+    handle = await service.start(all_settings(backends), backends, scan_loop=False)
     pepper = backends.settings.api_key_pepper
     admin_key, _ = await auth.create_key(backends.pool, pepper, "ops", admin=True)
     user_key, _ = await auth.create_key(backends.pool, pepper, "tenant-a")

@@ -15,7 +15,7 @@ from taskgate.states import Status
 from taskgate.store import events, submissions, tenants
 from taskgate.store.submissions import Candidate, NewTask
 from taskgate_api.v1 import admin_pb2
-from tests.support.factories import SLEEPY, claimed, params, publish, sleepy_settings, submit, with_
+from tests.support.factories import SLEEPY, all_settings, claimed, params, publish, sleepy_settings, submit, with_
 from tests.support.harness import WorkerFactory as Factory
 from tests.support.queries import is_status, wait_task
 from tests.support.stacks import Admin
@@ -26,7 +26,7 @@ SLEEP = 0.3  # each attempt's device phase
 async def test_a_retried_task_is_metered_per_attempt_and_summed_per_tenant_and_hour(
     backends: Backends, workers: Factory, admin: Admin
 ) -> None:
-    s = with_(sleepy_settings(backends.settings, sleep=SLEEP, fail_times=1, fail_code="TRANSIENT_IO", encode_seconds=0.1),
+    s = with_(sleepy_settings(all_settings(backends), sleep=SLEEP, fail_times=1, fail_code="TRANSIENT_IO", encode_seconds=0.1),
               retry_backoff_seconds=0.05, retry_jitter=0.0)
     await workers(s)
     task = await submit(backends, params=params(steps=2), max_retries=1, callback_url="https://example.invalid/hook")
@@ -95,7 +95,7 @@ async def test_a_budgeted_task_run_by_a_worker_is_charged_what_it_measured(backe
     await auth.create_key(pool, backends.settings.api_key_pepper, "tenant-a")
     await tenants.update_tenant(pool, "tenant-a", max_pending=None, submits_per_minute=None, max_priority=None,
                                 gpu_seconds_per_day=1000.0)
-    await workers(sleepy_settings(backends.settings, sleep=SLEEP))
+    await workers(sleepy_settings(all_settings(backends), sleep=SLEEP))
     new = NewTask(
         id=ids.new_id(), user_id="tenant-a", idempotency_key="budgeted", key_derived=False, request_hash="h",
         task_type="text-to-video", model_id=SLEEPY, prompt="p", payload=params(steps=2), metadata={}, priority=5,
@@ -112,7 +112,7 @@ async def test_a_budgeted_task_run_by_a_worker_is_charged_what_it_measured(backe
 
 
 async def test_usage_per_end_user_sums_to_the_tenants(backends: Backends, workers: Factory, admin: Admin) -> None:
-    await workers(sleepy_settings(backends.settings, sleep=0.05))
+    await workers(sleepy_settings(all_settings(backends), sleep=0.05))
     who = ["ann", "ann", "bob", ""]  # '' the tenant's own task
     tasks = [await submit(backends, params=params(steps=1, seed=n), end_user=eu) for n, eu in enumerate(who)]
     rows = [await wait_task(backends, t.id, is_status(Status.SUCCEEDED)) for t in tasks]

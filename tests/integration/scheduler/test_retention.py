@@ -26,7 +26,7 @@ from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate_api import cli
 from taskgate_client import connect_async
-from tests.support.factories import Claim, insert_task, moved, put_in
+from tests.support.factories import Claim, all_settings, insert_task, moved, put_in
 from tests.support.queries import db_now
 
 DAY = 86400.0
@@ -181,7 +181,7 @@ async def test_batches_are_bounded_skip_locked_rows_and_counted(backends: Backen
 
 @pytest.fixture
 async def admin_key(backends: Backends) -> AsyncIterator[tuple[str, int]]:
-    handle = await service.start(backends.settings, backends, scan_loop=False)
+    handle = await service.start(all_settings(backends), backends, scan_loop=False)
     key, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, "ops", admin=True)
     try:
         yield key, handle.port

@@ -15,6 +15,7 @@ from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import admin as admin_store
 from taskgate.store import maintenance
+from tests.support.factories import all_settings
 from tests.support.harness import plan_nodes
 
 # 100k tasks, mostly finished, as a long-running installation holds them; states get consistent columns.
@@ -63,7 +64,7 @@ async def big(backends: Backends) -> Backends:
 
 
 async def test_every_scan_query_uses_an_index_on_task(big: Backends) -> None:
-    s = big.settings
+    s = all_settings(big)
     limit = s.scan_batch_size
     queue_timeouts = {m: s.queue_timeout_for(m) for m in s.models}
     processing_timeouts = {m: s.processing_timeout_for(m) for m in s.models}
@@ -118,8 +119,8 @@ async def test_every_scan_query_uses_an_index_on_task(big: Backends) -> None:
 
 
 async def test_the_scans_still_find_their_rows_on_the_big_table(big: Backends) -> None:
-    report = await Scheduler(big.settings, big.pool, big.bus).run_once()
-    batch = big.settings.scan_batch_size
+    report = await Scheduler(all_settings(big), big.pool, big.bus).run_once()
+    batch = all_settings(big).scan_batch_size
     assert not report.failed and report.full
     # hundreds of rows are due for each scan; each takes exactly one bounded batch per pass
     assert (report[Action.QUEUE], report[Action.QUEUE_TTL], report[Action.RELEASE]) == (batch, batch, batch)

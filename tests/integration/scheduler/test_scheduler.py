@@ -28,14 +28,14 @@ from taskgate.store import Rejection
 from taskgate.wire import dispatch
 from taskgate_api.v1 import task_pb2
 from taskgate_local.embedded import free_port
-from tests.support.factories import MEM_RESULT, claimed, put_in
+from tests.support.factories import MEM_RESULT, all_settings, claimed, put_in
 from tests.support.harness import wait_for
 from tests.support.queries import db_now, dispatches, row
 
 
 @pytest.fixture
 def scheduler(backends: Backends) -> Scheduler:
-    return Scheduler(backends.settings, backends.pool, backends.bus)
+    return Scheduler(all_settings(backends), backends.pool, backends.bus)
 
 
 async def test_lost_publish_is_repaired(backends: Backends, scheduler: Scheduler) -> None:
@@ -132,7 +132,7 @@ async def test_queue_timeout_is_per_model(settings: Settings) -> None:
     models["sleepy"] = ModelSpec(kind="sleep", queue_timeout_seconds=5)
     b = await connect(settings.model_copy(update={"models": models}), "test")
     try:
-        sched = Scheduler(b.settings, b.pool, b.bus)
+        sched = Scheduler(all_settings(b), b.pool, b.bus)
         fast = await put_in(b.pool, Status.QUEUED, model_id="sleepy")
         slow = await put_in(b.pool, Status.QUEUED, model_id="wan-tiny")
         report = await sched.run_once(await db_now(b.pool) + timedelta(seconds=6))
@@ -176,7 +176,7 @@ async def test_expired_lease_requeues_and_fences_out_the_old_attempt(backends: B
 
 
 async def test_slow_but_alive_worker_gets_one_grace_then_timeout_and_cancel(backends: Backends, scheduler: Scheduler) -> None:
-    s = backends.settings
+    s = all_settings(backends)
     task = await put_in(backends.pool, Status.PROCESSING)
     assert task.started_at is not None
     sub = await backends.bus.nc.subscribe(busmod.CANCEL_SUBJECT)

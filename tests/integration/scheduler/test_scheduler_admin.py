@@ -18,7 +18,7 @@ from taskgate.states import Status
 from taskgate.store import admin as admin_store
 from taskgate_api.v1 import admin_pb2, task_pb2
 from taskgate_client.repair import repair
-from tests.support.factories import claimed, dead, insert_task, put_in, sleepy_settings
+from tests.support.factories import all_settings, claimed, dead, insert_task, put_in, sleepy_settings
 from tests.support.harness import wait_for
 from tests.support.queries import dispatches, row
 from tests.support.stacks import Admin
@@ -389,7 +389,7 @@ async def task_count(pool: asyncpg.Pool) -> int:
 
 
 async def test_a_dead_letter_and_a_timeout_are_replayed_as_linked_new_tasks_that_run(admin: Admin) -> None:
-    pool, settings = admin.backends.pool, admin.backends.settings
+    pool, settings = admin.backends.pool, all_settings(admin.backends)
     image = {"sha256": "ab" * 32, "width": 32, "height": 32, "size_bytes": 1234}
     failed = await dead(pool, Status.FAILED, model_id="sleepy", priority=10, callback_url="http://127.0.0.1:9/hook")
     timed_out = await dead(pool, Status.TIMEOUT, params={

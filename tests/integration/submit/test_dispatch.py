@@ -22,7 +22,7 @@ from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store.workers import Verdict
 from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.support.factories import claim, insert_task, key_for
+from tests.support.factories import all_settings, claim, insert_task, key_for
 from tests.support.harness import wait_for
 
 
@@ -51,7 +51,7 @@ class _DiesAfterPublish:
 
 
 async def test_a_dispatcher_crash_between_publish_and_queued_loses_nothing_and_runs_once(backends: Backends) -> None:
-    pool, settings = backends.pool, backends.settings
+    pool, settings = backends.pool, all_settings(backends)
     task = await insert_task(pool)
     conn = await asyncpg.connect(backends.database_url)
     dying = busmod.Bus(nc=backends.bus.nc, js=_DiesAfterPublish(backends.bus.js, conn))  # type: ignore[arg-type]

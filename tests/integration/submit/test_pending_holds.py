@@ -19,7 +19,7 @@ from taskgate.states import Status
 from taskgate.store import CancelMode
 from taskgate.store import workers as registry
 from taskgate_api.v1 import gateway_pb2
-from tests.support.factories import claimed, insert_task, key_for
+from tests.support.factories import all_settings, claimed, insert_task, key_for
 from tests.support.harness import wait_for
 from tests.support.queries import row
 
@@ -91,7 +91,7 @@ async def test_a_soft_cancelled_run_holds_the_pending_slot_until_its_worker_lets
 
 async def test_a_dead_workers_hold_lapses_and_the_scheduler_frees_the_slot(backends: Backends) -> None:
     pool = backends.pool
-    scheduler = Scheduler(backends.settings, pool, backends.bus)
+    scheduler = Scheduler(all_settings(backends), pool, backends.bus)
     held, other, queued = [await insert_task(pool, model_id=SLEEPY, prompt=f"p{n}") for n in range(3)]
     for task in (held, other):
         await claimed(pool, task.id, lease_seconds=10.0)

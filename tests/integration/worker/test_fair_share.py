@@ -11,7 +11,7 @@ from taskgate.queueview import QueueView
 from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
 from taskgate.store import workers as registry
-from tests.support.factories import SLEEPY, insert_task, params, sleepy_settings, submit
+from tests.support.factories import SLEEPY, all_settings, insert_task, params, sleepy_settings, submit
 from tests.support.harness import WorkerFactory as Factory
 from tests.support.harness import wait_for
 
@@ -192,12 +192,12 @@ async def test_end_users_take_turns_inside_their_tenants_turn(backends: Backends
     # GetTask's answer (the process's queue snapshot) places it the same way
     row = await store.get_task(backends.pool, light.id)
     assert row is not None
-    polled = await QueueView(backends.pool, backends.settings).estimate(row)
+    polled = await QueueView(backends.pool, all_settings(backends)).estimate(row)
     assert polled is not None and polled.queue_position == estimate.queue_position
     heavy_next = await backends.pool.fetchval(
         "SELECT id FROM task WHERE end_user = 'heavy' AND status = 'QUEUED' ORDER BY queued_at, id OFFSET 5 LIMIT 1")
     heavy_row = await store.get_task(backends.pool, heavy_next)
     assert heavy_row is not None
     by_sql = (await eta.estimates(backends.pool, [heavy_next], backends.settings))[heavy_next].queue_position
-    by_view = await QueueView(backends.pool, backends.settings).estimate(heavy_row)
+    by_view = await QueueView(backends.pool, all_settings(backends)).estimate(heavy_row)
     assert by_view is not None and by_view.queue_position == by_sql > 6  # light's task comes before heavy's 6th

@@ -30,7 +30,7 @@ from taskgate.store import CancelMode, Rejection, ResultRef, TaskError
 from taskgate.store import workers as registry
 from taskgate.wire import cancel
 from taskgate_api.v1 import worker_pb2, worker_pb2_grpc
-from tests.support.factories import SLEEPY, claimed, insert_task, key_for, params, publish, sleepy_settings, submit, with_
+from tests.support.factories import SLEEPY, all_settings, claimed, insert_task, key_for, params, publish, sleepy_settings, submit, with_
 from tests.support.harness import ROOT, stored_objects, wait_for
 from tests.support.harness import WorkerFactory as Factory
 from tests.support.queries import events, is_status, read_result, report_for, wait_consumer_empty, wait_task
@@ -46,7 +46,7 @@ class Operator:
 
 @pytest.fixture
 async def operator(backends: Backends) -> AsyncIterator[Operator]:
-    handle = await scheduler_service.start(backends.settings, backends, scan_loop=False)
+    handle = await scheduler_service.start(all_settings(backends), backends, scan_loop=False)
     key, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, "ops", admin=True)
     try:
         yield Operator(f"127.0.0.1:{handle.port}", (("authorization", f"Bearer {key}"),))

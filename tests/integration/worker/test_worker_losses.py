@@ -26,7 +26,7 @@ from taskgate.states import Status
 from taskgate.store.workers import Verdict
 from taskgate.wire import dispatch
 from tests.support import factories
-from tests.support.factories import insert_task
+from tests.support.factories import all_settings, insert_task
 from tests.support.harness import ROOT, settings_env, wait_for
 from tests.support.queries import db_now, row
 
@@ -36,7 +36,7 @@ POISON = "POISON-PILL"
 
 @pytest.fixture
 def scheduler(backends: Backends) -> Scheduler:
-    return Scheduler(backends.settings, backends.pool, backends.bus)
+    return Scheduler(all_settings(backends), backends.pool, backends.bus)
 
 
 async def claimed(pool: asyncpg.Pool, task_id: int, worker: str, lease: float = 10.0) -> TaskRow:
@@ -94,7 +94,7 @@ async def test_a_claim_taking_over_a_lost_attempt_counts_it_and_refuses_the_last
 
 
 async def test_processing_timeout_counts_earlier_attempts(backends: Backends, scheduler: Scheduler) -> None:
-    pool, s = backends.pool, backends.settings
+    pool, s = backends.pool, all_settings(backends)
     task = await insert_task(pool)
     await claimed(pool, task.id, "w1")
     assert (await store.release(pool, task.id, actor="test", worker_lost=False)).applied
