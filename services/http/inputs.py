@@ -1,11 +1,13 @@
 """What the HTTP face reads from a request, in one place: JSON bodies within a depth bound, integers from headers and
-query strings. Every route goes through these, so a bad input is a 400 naming its field, never a 500."""
+query strings, task states by name. Every route goes through these, so a bad input is a 400 naming its field, never a 500."""
 
 from __future__ import annotations
 
 import json
 import re
 from typing import Any
+
+from taskgate_api.v1 import task_pb2
 
 _ASCII_DIGITS = re.compile(r"[0-9]{1,19}")
 
@@ -57,3 +59,11 @@ def integer(value: str, field: str, *, low: int = 0, high: int = 2**63 - 1) -> i
     if not low <= number <= high:
         raise BadInput(field, f"must be between {low} and {high}")
     return number
+
+
+def status_value(name: str) -> int | None:
+    """A TaskStatus by name, with or without its TASK_STATUS_ prefix, any case."""
+    key = name.strip().upper()
+    key = key if key.startswith("TASK_STATUS_") else f"TASK_STATUS_{key}"
+    known = set(task_pb2.TaskStatus.keys()) - {"TASK_STATUS_UNSPECIFIED"}
+    return task_pb2.TaskStatus.Value(key) if key in known else None

@@ -300,7 +300,7 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
 def _running_view(task_id: str) -> Any:
     from types import SimpleNamespace
 
-    from services.http.dashboard import TaskLine
+    from services.http.dashboard_view import TaskLine
 
     line = TaskLine(id=task_id, tenant="tenant-a", model=MODEL, status="PROCESSING", priority="NORMAL", prompt="a fox", progress=40,
                     attempt=1, worker="w", error_code="", error_message="", replay_of="", updated=None, started=None, finished=None)
