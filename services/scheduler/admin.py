@@ -11,11 +11,10 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import grpc
 from google.protobuf import json_format, text_format
-from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import Message
-from google.protobuf.timestamp_pb2 import Timestamp
 
-from services.scheduler.requeue import REPLAYABLE, Item, Requeuer
+from services.scheduler import adminwire
+from services.scheduler.requeue import REPLAYABLE, Requeuer
 from services.scheduler.scans import Action, Retention, RetentionScan, TaskScan, count
 from taskgate import auth, errors, ids, output, paging, results, store, text
 from taskgate import bus as busmod
@@ -36,28 +35,6 @@ log = logging.getLogger("taskgate.admin")
 
 _DEAD_LETTERS = paging.filter_key("admin.dead_letters")  # no filter, but its tokens fit no other listing
 
-
-def _duration(seconds: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
-    return d
-
-
-def _statuses(values: Sequence[int], field: str) -> list[Status]:
-    try:
-        return [Status.from_proto(v) for v in values]
-    except ValueError:
-        raise errors.invalid_argument([(field, "unknown or unspecified task status")]) from None
-
-
-def _state_counts(counts: list[admin_store.StateCount]) -> list[admin_pb2.StateCount]:
-    return [
-        admin_pb2.StateCount(
-            model_id=c.model_id, status=c.status.to_proto(), count=c.count,
-            priority=c.priority if c.priority is not None else task_pb2.PRIORITY_UNSPECIFIED,  # type: ignore[arg-type]
-        )
-        for c in counts
-    ]
 
 
 class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
@@ -101,7 +78,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         text.check("filter.model_id", [f.model_id], bad)
         if bad:
             raise errors.invalid_argument(bad)
-        return _statuses(f.statuses, "filter.statuses"), f.model_id or None, older
+        return adminwire.statuses(f.statuses, "filter.statuses"), f.model_id or None, older
 
     async def GetStats(self, request: admin_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.GetStatsResponse:
         """Counts per state and model (and the unfinished ones per priority too), the oldest QUEUED age, tasks per
@@ -115,14 +92,14 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             deliveries = await admin_store.callback_counts(conn)
             load = await worker_store.cluster_load(conn, lease_seconds=self.settings.lease_seconds)
         response = admin_pb2.GetStatsResponse(
-            counts=_state_counts(counts),
-            live=_state_counts(live),
+            counts=adminwire.state_counts(counts),
+            live=adminwire.state_counts(live),
             callbacks=[admin_pb2.CallbackCount(status=c.status.to_proto(), count=c.count) for c in deliveries],
             capacity=load.capacity,
             running=load.running,
         )
         if oldest is not None:
-            response.oldest_queued_age.CopyFrom(_duration(oldest))
+            response.oldest_queued_age.CopyFrom(adminwire.duration(oldest))
         for w in workers:
             stats = response.workers.add(
                 worker_id=w.worker_id, running=w.running, slots=w.slots, alive=w.alive, device=w.device, draining=w.draining,
@@ -204,7 +181,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
                     )
                 summary = await admin_store.live_counts(self.pool)
                 yield admin_pb2.RequeueBatch(
-                    batch=number, items=[_requeue_item(i) for i in items], summary=_state_counts(summary),
+                    batch=number, items=[adminwire.requeue_item(i) for i in items], summary=adminwire.state_counts(summary),
                     dry_run=request.dry_run,
                 )
         finally:
@@ -380,8 +357,8 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         if request.tenant and not auth.valid_tenant_name(request.tenant):
             bad.append(("tenant", "must be 1-64 of A-Z a-z 0-9 _ -"))
         now = datetime.now(UTC)
-        until = _moment(request.until, "until", bad) if request.HasField("until") else now
-        since = _moment(request.since, "since", bad) if request.HasField("since") else now - timedelta(days=1)
+        until = adminwire.moment(request.until, "until", bad) if request.HasField("until") else now
+        since = adminwire.moment(request.since, "since", bad) if request.HasField("since") else now - timedelta(days=1)
         if not bad and since >= until:
             bad.append(("since", "must be before until"))
         end_user = request.end_user if request.HasField("end_user") else None
@@ -443,7 +420,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             would = await maintenance.retention_counts(self.pool, older_than_seconds=older)
             return admin_pb2.PurgeTasksResponse(
                 tasks=would.tasks, results=would.results, reusable_results=would.reusable_results, dry_run=True,
-                kept=_kept(would),
+                kept=adminwire.kept(would),
             )
         limit = self.settings.scan_batch_size
         done: Counter[Action] = Counter()
@@ -456,7 +433,7 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         left = await maintenance.retention_counts(self.pool, older_than_seconds=older)
         return admin_pb2.PurgeTasksResponse(
             tasks=done[Action.PURGE_TASK], results=done[Action.PURGE_RESULT], reusable_results=done[Action.PURGE_REUSABLE],
-            kept=_kept(left),
+            kept=adminwire.kept(left),
         )
 
     async def _audit(
@@ -507,27 +484,3 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
 
 
 WORKER_ACTIONS = frozenset({"worker.status", "worker.drain"})  # what Authorize vouches for
-
-
-def _kept(counts: maintenance.RetentionCounts) -> list[admin_pb2.PurgeKept]:
-    """The finished tasks a purge at that cut-off leaves in place, by reason (reasons with none left out)."""
-    reasons = (("webhook_undelivered", counts.kept_webhook), ("attempt_running", counts.kept_running))
-    return [admin_pb2.PurgeKept(reason=reason, tasks=n) for reason, n in reasons if n]
-
-
-def _requeue_item(item: Item) -> admin_pb2.RequeueItem:
-    return admin_pb2.RequeueItem(
-        task_id=str(item.task_id),
-        from_status=item.from_status.to_proto() if item.from_status else task_pb2.TASK_STATUS_UNSPECIFIED,
-        action=item.outcome.value,
-        detail=item.detail,
-    )
-
-
-def _moment(value: Timestamp, name: str, bad: list[tuple[str, str]]) -> datetime:
-    """A request's timestamp as a datetime; out of the years 1-9999 is a violation (and answers now)."""
-    try:
-        return value.ToDatetime(tzinfo=UTC)
-    except (ValueError, OverflowError):
-        bad.append((name, "must be a time between the years 1 and 9999"))
-        return datetime.now(UTC)
