@@ -50,7 +50,7 @@ OUTPUT_LIVE_SUBJECTS = "taskgate.live.output.>"
 CANCEL_SUBJECT = "taskgate.control.cancel"  # core NATS: a hint to the worker running a task
 PREEMPT_SUBJECT = "taskgate.control.preempt"  # core NATS: checkpoint and release a task for a higher-priority one
 ENDED_SUBJECTS = "taskgate.control.ended.>"  # core NATS: a terminal version committed, a hint to the notifiers
-PROGRESS_SUBJECTS = "taskgate.live.progress.>"  # core NATS: a running task's progress at each step (no row)
+PROGRESS_SUBJECTS = "taskgate.live.progress.>"  # core NATS: running tasks' steps, one message per tenant per tick (no row)
 
 PRIORITY_NAMES = {Priority.HIGH: "high", Priority.NORMAL: "normal", Priority.LOW: "low"}
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -86,9 +86,9 @@ def output_live_subject(user_id: str, task_id: int) -> str:
     return f"taskgate.live.output.{check_token(user_id)}.{task_id}"
 
 
-def progress_subject(user_id: str, task_id: int) -> str:
-    """Where a task's worker publishes its progress at each step (core NATS, taskgate.wire.progress)."""
-    return f"taskgate.live.progress.{check_token(user_id)}.{task_id}"
+def progress_subject(user_id: str) -> str:
+    """Where workers publish the progress of a tenant's running tasks, each step (core NATS, taskgate.wire.progress)."""
+    return f"taskgate.live.progress.{check_token(user_id)}"
 
 
 def dead_subject(model_id: str) -> str:

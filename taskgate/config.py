@@ -655,6 +655,11 @@ class WorkerSettings(CommonSettings):
         description="Minimum time between a running task's progress writes to PostgreSQL (each a `progress` event: history, "
         "relay, webhooks); every step reaches WatchTask streams live over NATS without one.",
     )
+    live_progress_tick_seconds: float = Field(
+        default=0.1, ge=0,
+        description="A worker hands its slots' steps to its event loop and publishes them live at most once per this "
+        "long (one NATS message per tenant with the newest step of each task that moved); the first step goes at once.",
+    )
     output_coalesce_seconds: float = Field(
         default=0.05,
         ge=0,

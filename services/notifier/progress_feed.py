@@ -1,9 +1,10 @@
-"""A running task's progress, live, for the WatchTask streams of this process (taskgate.wire.progress).
+"""Running tasks' progress, live, for the WatchTask streams of this process (taskgate.wire.progress).
 
-This process follows a task's progress subject with ONE core subscription while a stream of it here sees the task
-PROCESSING, shared by every such stream and dropped with the last of them: a notifier holding streams of queued
-tasks subscribes to nothing, and NATS sends it the progress of watched running tasks only. Nothing is read back: a
-step missed (before the subscription reached the server, in a reconnect) is superseded by the next one.
+Workers publish one message per tenant per tick (the newest step of each of its tasks that moved). This process
+follows a tenant's progress subject with ONE core subscription while a stream here sees one of that tenant's tasks
+PROCESSING, shared by every such stream and dropped with the last of them, and hands each item to the streams of its
+task: a notifier holding streams of queued tasks subscribes to nothing. Nothing is read back: a step missed (before
+the subscription reached the server, in a reconnect) is superseded by the next one.
 """
 
 from __future__ import annotations
@@ -32,31 +33,44 @@ class Receiver(Protocol):
 
 @dataclass(eq=False)
 class _Follow:
-    """One followed task: the streams of this process that follow it, and its subscription once made."""
+    """One followed task: its tenant and the streams of this process that follow it."""
 
+    user_id: str
     receivers: set[Receiver] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Tenant:
+    """One tenant whose progress this process follows: its followed tasks, and its subscription once made."""
+
+    tasks: set[int] = field(default_factory=set)
     subscription: Any = None
     ended: bool = False
 
 
 class ProgressHub:
-    """The core subscriptions of the running tasks whose progress this process's streams follow, one per task."""
+    """The core subscriptions of the tenants whose running tasks this process's streams follow, one per tenant."""
 
     def __init__(self, bus: busmod.Bus) -> None:
         self._bus = bus
         self._follows: dict[int, _Follow] = {}
+        self._tenants: dict[str, _Tenant] = {}
         self._pending: set[asyncio.Task[None]] = set()  # SUBs and UNSUBs on their way (held: a task nobody holds may vanish)
 
     def follow(self, user_id: str, task_id: int, receiver: Receiver) -> None:
-        """Offers `receiver` the task's progress from (about) now on; the subscription is made in the background."""
+        """Offers `receiver` the task's progress from (about) now on; a subscription is made in the background."""
         follow = self._follows.get(task_id)
         if follow is None:
-            follow = self._follows[task_id] = _Follow()
-            self._spawn(self._subscribe(task_id, follow, busmod.progress_subject(user_id, task_id)), "notifier-progress-follow")
+            follow = self._follows[task_id] = _Follow(user_id)
+            tenant = self._tenants.get(user_id)
+            if tenant is None:
+                tenant = self._tenants[user_id] = _Tenant()
+                self._spawn(self._subscribe(user_id, tenant), "notifier-progress-follow")
+            tenant.tasks.add(task_id)
         follow.receivers.add(receiver)
 
     def unfollow(self, task_id: int, receiver: Receiver) -> None:
-        """Stops offering progress to `receiver`; the task's subscription ends with its last receiver."""
+        """Stops offering progress to `receiver`; the tenant's subscription ends with its last followed task."""
         follow = self._follows.get(task_id)
         if follow is None:
             return
@@ -64,9 +78,16 @@ class ProgressHub:
         if follow.receivers:
             return
         del self._follows[task_id]
-        follow.ended = True
-        if follow.subscription is not None:
-            self._spawn(_unsubscribe(follow.subscription), "notifier-progress-unfollow")
+        tenant = self._tenants.get(follow.user_id)
+        if tenant is None:
+            return
+        tenant.tasks.discard(task_id)
+        if tenant.tasks:
+            return
+        del self._tenants[follow.user_id]
+        tenant.ended = True
+        if tenant.subscription is not None:
+            self._spawn(_unsubscribe(tenant.subscription), "notifier-progress-unfollow")
 
     async def stop(self) -> None:
         """Waits for the SUBs and UNSUBs on their way (their connection's close drops the subscriptions)."""
@@ -80,28 +101,33 @@ class ProgressHub:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _subscribe(self, task_id: int, follow: _Follow, subject: str) -> None:
+    async def _subscribe(self, user_id: str, tenant: _Tenant) -> None:
         try:
-            subscription = await self._bus.nc.subscribe(subject, cb=self._deliver(task_id, follow))
+            subscription = await self._bus.nc.subscribe(busmod.progress_subject(user_id), cb=self._deliver(user_id))
         except Exception:  # a stream's progress is a nicety: it still gets every event
-            log.warning("progress subscription failed", extra={"task_id": str(task_id)}, exc_info=True)
-            if self._follows.get(task_id) is follow:
-                del self._follows[task_id]  # the next stream that follows tries again
+            log.warning("progress subscription failed", extra={"user_id": user_id}, exc_info=True)
+            if self._tenants.get(user_id) is tenant:  # the next stream that follows one of its tasks tries again
+                del self._tenants[user_id]
+                for task_id in tenant.tasks:
+                    self._follows.pop(task_id, None)
             return
-        if follow.ended:  # its last stream left meanwhile
+        if tenant.ended:  # its last stream left meanwhile
             await _unsubscribe(subscription)
         else:
-            follow.subscription = subscription
+            tenant.subscription = subscription
 
-    @staticmethod
-    def _deliver(task_id: int, follow: _Follow) -> Callable[[Msg], Awaitable[None]]:
+    def _deliver(self, user_id: str) -> Callable[[Msg], Awaitable[None]]:
         async def deliver(msg: Msg) -> None:
-            item = progress_wire.decode(msg, task_id)
-            if item is None:
+            items = progress_wire.decode(msg.data)
+            if items is None:
                 log.error("undecodable progress dropped", extra={"subject": msg.subject})
                 return
-            for receiver in list(follow.receivers):
-                receiver.offer_progress(item)
+            for item in items:
+                follow = self._follows.get(int(item.task_id))
+                if follow is None or follow.user_id != user_id:  # not followed here, or not this tenant's task
+                    continue
+                for receiver in list(follow.receivers):
+                    receiver.offer_progress(item)
 
         return deliver
 
@@ -109,6 +135,11 @@ class ProgressHub:
     def followed(self) -> int:
         """How many tasks this process follows (tests and gauges)."""
         return len(self._follows)
+
+    @property
+    def subscriptions(self) -> int:
+        """How many tenants' progress this process follows (tests)."""
+        return len(self._tenants)
 
 
 async def _unsubscribe(subscription: Any) -> None:

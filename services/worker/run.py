@@ -22,6 +22,7 @@ from services.worker import runner as runmod
 from services.worker.devices import Devices
 from services.worker.fetch import SlotHold
 from services.worker.settle import MessageAction, Step
+from services.worker.steps import StepInbox
 from taskgate import bus as busmod
 from taskgate import chat, output, results, store, telemetry, tracing
 from taskgate.config import WorkerSettings
@@ -58,6 +59,7 @@ class Run:
     finishing: bool = False
     steps_done: int = 0
     total_steps: int = 0
+    reached: int = 0  # the newest step its device thread reported (written there; steps_done follows on the loop)
     written: int = 0  # the progress last sent (the claim wrote 0)
     published_step: int = 0  # the step last published live (live.py)
     last_write: float = field(default_factory=time.monotonic)  # when it was sent (monotonic)
@@ -109,7 +111,7 @@ class Run:
             self.keeper.ask_on_stop()  # before the abort flag: the device thread reads that flag first
         if self.stopped_by is None:
             self.stopped_by = reason
-            self.steps_at_abort = self.steps_done
+            self.steps_at_abort = max(self.steps_done, self.reached)
         self.abort.set()
         self.halted.set()
 
@@ -169,6 +171,8 @@ class Attempts:
         self.encoders = encoders
         self._progressed = progressed  # the heartbeat writes it, coalesced, batched with the other runs' (lease.py)
         self._stepped = stepped  # each step goes out live, coalesced to the newest (live.py)
+        # the device threads' steps reach the loop coalesced, at most once per tick for all the slots
+        self.steps: StepInbox[Run] = StepInbox(settings.live_progress_tick_seconds, self._on_step)
         self._kept = kept  # each checkpoint recorded (TestSignals.checkpointed)
 
     def checkpoints(self, run: Run) -> checkpoint.Policy | None:
@@ -187,7 +191,8 @@ class Attempts:
         loop = asyncio.get_running_loop()
 
         def on_step(step: int, total: int) -> None:
-            loop.call_soon_threadsafe(self._on_step, run, step, total)
+            run.reached = step
+            self.steps.report(loop, run, step, total)
 
         # the threads run in a copy of this context: the phase spans they open are children of the attempt's
         policy = self.checkpoints(run)
@@ -243,6 +248,7 @@ class Attempts:
                 finally:  # a failed or aborted device phase held the device too
                     run.device_seconds += time.monotonic() - held
                     run.held_since = None
+                    self.steps.flush(run)  # its last steps are the run's before what it does next
             finally:
                 self.devices.release(lane)
             if said is not None:
