@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from taskgate.config import CommonSettings
-from taskgate.model import timestamp
+from taskgate.model import set_timestamp
 from taskgate.states import Priority, Status
 from taskgate.store import Conn
 from taskgate.store.estimates import EtaInputs, eta_inputs
@@ -43,9 +43,9 @@ class Estimate:
     def stamp(self, msg: task_pb2.Task | task_pb2.TaskEvent) -> None:
         """Sets estimated_start and estimated_finish on a message, each when known."""
         if self.start is not None:
-            msg.estimated_start.CopyFrom(timestamp(self.start))
+            set_timestamp(msg.estimated_start, self.start)
         if self.finish is not None:
-            msg.estimated_finish.CopyFrom(timestamp(self.finish))
+            set_timestamp(msg.estimated_finish, self.finish)
 
 
 def estimate(inputs: EtaInputs, *, cap: int = 0, weights: tuple[int, int, int] = (6, 3, 1)) -> Estimate:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -188,14 +188,25 @@ class TaskRow:
         for name in ("created_at", "queued_at", "started_at", "finished_at", "updated_at", "start_after", "queue_expires_at"):
             value = getattr(self, name)
             if value is not None:
-                getattr(msg, name).CopyFrom(timestamp(value))
+                set_timestamp(getattr(msg, name), value)
         return msg
 
 
 _FIELDS = dataclasses.fields(TaskRow)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def set_timestamp(ts: Timestamp, value: datetime) -> None:
+    """Timestamp.FromDatetime's result (a naive value is UTC), without its Python detour through a time tuple (a
+    third of the time: a GetTask sets five)."""
+    since = (value if value.tzinfo is not None else value.replace(tzinfo=UTC)) - _EPOCH
+    ts.seconds = since.days * 86_400 + since.seconds
+    ts.nanos = since.microseconds * 1000
+
+
 def timestamp(value: datetime) -> Timestamp:
     ts = Timestamp()
-    ts.FromDatetime(value)
+    set_timestamp(ts, value)
     return ts

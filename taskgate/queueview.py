@@ -6,8 +6,8 @@ queue is read once per `eta_snapshot_seconds` for the whole process (`store.esti
 tenants with their passes, weights and their due tasks' keys in claim order; the live workers' slots), and a poll
 places its task in that snapshot with a binary search and a sum over its level's tenants — the same formula as the
 `eta_inputs` block (fair share inside the level, the model's levels by the fetch weights, slots shared among models).
-The run-time history a task's size class has is a bounded read, kept as long as a snapshot. So a poll is the task's
-row (one primary-key read, or the terminal cache) and a few lookups in memory.
+The run-time history a task's size class has is a bounded read, kept and refreshed as a snapshot is. So a poll is
+the task's row (one primary-key read, or the terminal cache) and a few lookups in memory.
 
 A snapshot older than the period is answered from while the next is read in the background, up to three periods;
 beyond that (or with none yet) the poll waits for the read in flight. A period of 0 reads the queue for every poll
@@ -47,6 +47,15 @@ _STALE_PERIODS = 3  # a snapshot up to this many periods old still answers while
 def size_class(payload: Mapping[str, Any]) -> int:
     """The SQL function task_size_class in Python: floor(log2(frames x width x height)), each 1 unless a JSON number,
     the product at least 1 (the history of one class says nothing about another)."""
+    whole = 1
+    for name in ("num_frames", "width", "height"):  # whole numbers (the usual payload): no fractions needed
+        value = payload.get(name)
+        if type(value) is int:
+            whole *= value
+        elif isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)):
+            break
+    else:
+        return whole.bit_length() - 1 if whole >= 1 else 0
     product = Fraction(1)
     for name in ("num_frames", "width", "height"):
         value = payload.get(name)
@@ -225,21 +234,27 @@ class QueueView:
         self._period = settings.eta_snapshot_seconds
         self._snapshot: Snapshot | None = None
         self._reading: asyncio.Task[Snapshot] | None = None
-        self._runs: dict[tuple[str, str, int], tuple[float, asyncio.Task[RunHistory]]] = {}
+        self._runs: dict[tuple[str, str, int], _Runs] = {}
         self._offset = timedelta(0)  # the database's clock minus this process's, as of the latest read
 
     async def estimate(self, task: TaskRow, *, within: float | None = None) -> Estimate | None:
-        """The task's position and ETA as of its row and the snapshot; None for a state without one."""
+        """The task's position and ETA as of its row and the snapshot; None for a state without one. Answered without
+        waiting (nor a timer) while the snapshot and the class's run history are young enough."""
         if task.status not in ESTIMATED:
             return None
         spec = self._settings.models.get(task.model_id)
         cap = spec.max_concurrency if spec else 0
         weights = self._settings.priority_weights
-        async with asyncio.timeout(within):
-            run = await self._run_history(task)
-            if task.status is Status.PROCESSING:
-                return estimate(history_inputs(task, run, self._now()), cap=cap, weights=weights)
-            snap = await self._fresh()
+        run = self._run_history_now(task)
+        snap = self._snapshot_now() if task.status is Status.QUEUED else None
+        if isinstance(run, asyncio.Task) or isinstance(snap, asyncio.Task):
+            async with asyncio.timeout(within):  # shielded: a caller that gives up must not cancel the others' read
+                if isinstance(run, asyncio.Task):
+                    run = await asyncio.shield(run)
+                if isinstance(snap, asyncio.Task):
+                    snap = await asyncio.shield(snap)
+        if snap is None:  # PROCESSING
+            return estimate(history_inputs(task, run, self._now()), cap=cap, weights=weights)
         return estimate(snap.inputs(task, run, self._now()), cap=cap, weights=weights)
 
     def _now(self) -> datetime:
@@ -248,6 +263,11 @@ class QueueView:
 
     async def _fresh(self) -> Snapshot:
         """A snapshot young enough to answer from (see the module's docstring)."""
+        snap = self._snapshot_now()
+        return await asyncio.shield(snap) if isinstance(snap, asyncio.Task) else snap
+
+    def _snapshot_now(self) -> Snapshot | asyncio.Task[Snapshot]:
+        """The snapshot to answer from, or the read to wait for (see the module's docstring)."""
         snap = self._snapshot
         age = time.monotonic() - snap.taken if snap is not None else 0.0
         if snap is not None and age <= self._period:
@@ -257,7 +277,7 @@ class QueueView:
             self._reading.add_done_callback(_log_failure)
         if snap is not None and age <= self._period * _STALE_PERIODS:
             return snap
-        return await asyncio.shield(self._reading)  # a caller that gives up must not cancel the others' read
+        return self._reading
 
     async def _read(self) -> Snapshot:
         taken = time.monotonic()
@@ -270,21 +290,46 @@ class QueueView:
         return snap
 
     async def _run_history(self, task: TaskRow) -> RunHistory:
-        """The run history of the task's model, type and size class, kept as long as a snapshot."""
+        """The run history of the task's model, type and size class (as the snapshot: read once per period, an older
+        one answering while the next is read, up to three periods)."""
+        run = self._run_history_now(task)
+        return await asyncio.shield(run) if isinstance(run, asyncio.Task) else run
+
+    def _run_history_now(self, task: TaskRow) -> RunHistory | asyncio.Task[RunHistory]:
+        """The task's class's run history to answer from, or the read to wait for."""
         key = (task.model_id, task.task_type, size_class(task.request_payload))
-        now = time.monotonic()
         kept = self._runs.get(key)
-        if kept is None or kept[0] < now or (kept[1].done() and kept[1].exception() is not None):
+        if kept is None:
             if len(self._runs) >= _MAX_CLASSES:
                 self._runs.clear()  # that many classes seen: start over rather than grow without bound
-            read = asyncio.create_task(store.run_history(
-                self._pool, *key, window_seconds=self._settings.eta_history_seconds,
-                max_runs=self._settings.eta_history_runs, within=self._settings.submit_db_timeout_seconds,
-            ), name="eta-run-history")
-            read.add_done_callback(_log_failure)
-            kept = (now + self._period, read)
-            self._runs[key] = kept
-        return await asyncio.shield(kept[1])
+            kept = self._runs[key] = _Runs()
+        age = time.monotonic() - kept.taken
+        if kept.value is not None and age <= self._period:
+            return kept.value
+        if kept.reading is None or kept.reading.done():
+            kept.reading = asyncio.create_task(self._read_runs(key, kept), name="eta-run-history")
+            kept.reading.add_done_callback(_log_failure)
+        if kept.value is not None and age <= self._period * _STALE_PERIODS:
+            return kept.value
+        return kept.reading
+
+    async def _read_runs(self, key: tuple[str, str, int], kept: _Runs) -> RunHistory:
+        taken = time.monotonic()
+        run = await store.run_history(
+            self._pool, *key, window_seconds=self._settings.eta_history_seconds,
+            max_runs=self._settings.eta_history_runs, within=self._settings.submit_db_timeout_seconds,
+        )
+        kept.value, kept.taken = run, taken
+        return run
+
+
+@dataclass(slots=True)
+class _Runs:
+    """One class's run history as last read (None: not yet), when that read began, and the read in flight."""
+
+    value: RunHistory | None = None
+    taken: float = 0.0
+    reading: asyncio.Task[RunHistory] | None = None
 
 
 _MAX_CLASSES = 10_000  # (model, task type, size class) run histories kept at most

@@ -440,7 +440,8 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         token, for another end user's task or one it does not list)."""
         task = self._cache.get(task_id)
         if task is None:
-            task = await asyncio.wait_for(store.get_task(self._pool, task_id), self._budget(context))
+            async with asyncio.timeout(self._budget(context)):  # no task per call, as wait_for would make
+                task = await store.get_task(self._pool, task_id)
             if task is not None:
                 self._cache.put(task)
         who = tenant if isinstance(tenant, Caller) else Caller(Principal(tenant, None, None))
