@@ -16,7 +16,7 @@ from taskgate_client.channels import ClientCore
 from taskgate_client.errors import NotFound, TaskFailed, TaskgateError, WaitTimeout, from_rpc_error
 from taskgate_client.handles import AsyncTaskHandle
 from taskgate_client.messages import StatusFilter, wire_statuses
-from taskgate_client.resume import RESUMABLE, AsyncEventStream, pause_before_resume
+from taskgate_client.resume import AsyncEventStream, Resumer
 from taskgate_client.streaming import Output, Preview, TextAssembler, TextDelta
 from taskgate_client.types import Status, TaskEvent
 
@@ -35,13 +35,12 @@ class FollowCalls(ClientCore):
         """
         last = after_version
         limit = self.config.watch_resume_attempts if resume_attempts is None else resume_attempts
-        failures = 0
+        resume = Resumer(limit, self.config.retry_max_delay, "event stream keeps ending early")
         while True:
             call = self._events.WatchTask(
                 events_pb2.WatchTaskRequest(task_id=task_id, after_version=last), metadata=self.metadata
             )
-            error: TaskgateError | None = None
-            try:
+            with resume.following(call):
                 async for msg in call:
                     kind = msg.WhichOneof("kind")
                     if kind == "snapshot":
@@ -52,25 +51,19 @@ class FollowCalls(ClientCore):
                         continue
                     if event.version <= last:
                         continue
-                    last, failures = event.version, 0
+                    last = event.version
+                    resume.progressed()
                     yield event
                     if event.terminal:
                         return
-            except grpc.aio.AioRpcError as exc:
-                error = from_rpc_error(exc)
-                if exc.code() not in RESUMABLE:
-                    raise error from None
-            finally:
-                call.cancel()
-            if error is None:
+            if resume.error is None:
                 # The server ended the stream without a terminal event: maybe we resumed after the end.
                 task = await self.get(task_id)
                 if task.terminal:
                     if task.version > last:
                         yield TaskEvent.from_snapshot(task.proto)
                     return
-            failures += 1
-            await pause_before_resume(error, failures, limit, self.config.retry_max_delay, "event stream keeps ending early")
+            await resume.pause()
 
     async def output(
         self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None
@@ -83,21 +76,21 @@ class FollowCalls(ClientCore):
         """
         version, sequence = 0, after_sequence
         limit = self.config.watch_resume_attempts if resume_attempts is None else resume_attempts
-        failures = 0
+        resume = Resumer(limit, self.config.retry_max_delay, "output stream keeps ending early")
         while True:
             request = events_pb2.WatchTaskRequest(
                 task_id=task_id, after_version=version, include_output=True, after_output_sequence=sequence
             )
             call = self._events.WatchTask(request, metadata=self.metadata)
-            error: TaskgateError | None = None
             ended = False
-            try:
+            with resume.following(call):
                 async for msg in call:
                     kind = msg.WhichOneof("kind")
                     if kind == "output":
                         if msg.output.sequence <= sequence:
                             continue
-                        sequence, failures = msg.output.sequence, 0
+                        sequence = msg.output.sequence
+                        resume.progressed()
                         yield Output.from_proto(msg.output)
                     elif kind == "snapshot":
                         version = max(version, msg.snapshot.version)
@@ -107,16 +100,9 @@ class FollowCalls(ClientCore):
                         ended = Status.from_proto(msg.event.to_status).terminal
                 if ended:
                     return  # the server ended the stream after the terminal state: the output is complete
-            except grpc.aio.AioRpcError as exc:
-                error = from_rpc_error(exc)
-                if exc.code() not in RESUMABLE:
-                    raise error from None
-            finally:
-                call.cancel()
-            if error is None and (await self.get(task_id)).terminal:
+            if resume.error is None and (await self.get(task_id)).terminal:
                 return  # resumed after the end: the server sent what was left of the output, then ended
-            failures += 1
-            await pause_before_resume(error, failures, limit, self.config.retry_max_delay, "output stream keeps ending early")
+            await resume.pause()
 
     async def stream_text(self, task_id: str, *, resume_attempts: int | None = None) -> AsyncIterator[TextDelta]:
         """The task's text as it is generated, one delta (a `str`) at a time, until the task ends; a delta with

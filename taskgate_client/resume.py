@@ -4,8 +4,10 @@ every task's events (WatchTasks) that resumes from its cursor."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
+from typing import Protocol
 
 import grpc
 
@@ -30,6 +32,47 @@ async def pause_before_resume(
         raise error or Unavailable(grpc.StatusCode.UNAVAILABLE, ended)
     hint = error.retry_delay if error is not None and error.retry_delay else 0.0
     await asyncio.sleep(max(hint, min(0.1 * 2 ** (failures - 1), max_delay)))
+
+
+class Call(Protocol):
+    """A server-streaming call, as far as following it needs."""
+
+    def cancel(self) -> bool: ...
+
+
+class Resumer:
+    """The drops of one followed stream: each call's resumable end kept (`error`, None when the server just ended the
+    call), any other end raised, and the pause before the next call, past `attempts` drops in a row the last error."""
+
+    def __init__(self, attempts: int, max_delay: float, ended: str) -> None:
+        self.error: TaskgateError | None = None
+        self._failures = 0
+        self._attempts = attempts
+        self._max_delay = max_delay
+        self._ended = ended
+
+    def progressed(self) -> None:
+        """The stream brought something new: the drops in a row start again from none."""
+        self._failures = 0
+
+    @contextlib.contextmanager
+    def following(self, call: Call) -> Iterator[None]:
+        """Around one call's iteration: a resumable error is kept in `error`, another raises as a TaskgateError; the
+        call is cancelled when the block ends, however it ends."""
+        self.error = None
+        try:
+            yield
+        except grpc.aio.AioRpcError as exc:
+            self.error = from_rpc_error(exc)
+            if exc.code() not in RESUMABLE:
+                raise self.error from None
+        finally:
+            call.cancel()
+
+    async def pause(self) -> None:
+        """Before the next call: one more drop in a row (see pause_before_resume)."""
+        self._failures += 1
+        await pause_before_resume(self.error, self._failures, self._attempts, self._max_delay, self._ended)
 
 
 class AsyncEventStream:
@@ -64,13 +107,12 @@ class AsyncEventStream:
 
     async def _follow(self) -> AsyncGenerator[TaskEvent, None]:
         seen: OrderedDict[str, int] = OrderedDict()
-        failures = 0
+        resume = Resumer(self._resume_attempts, self._max_delay, "event stream keeps ending")
         while True:
             call = self._open(self.cursor)
-            error: TaskgateError | None = None
-            try:
+            with resume.following(call):
                 async for msg in call:
-                    failures = 0
+                    resume.progressed()
                     if msg.cursor:
                         self.cursor = msg.cursor
                     if msg.WhichOneof("kind") != "event" or seen.get(msg.event.task_id, 0) >= msg.event.version:
@@ -80,11 +122,4 @@ class AsyncEventStream:
                     if len(seen) > TRACKED_TASKS:
                         seen.popitem(last=False)
                     yield TaskEvent.from_proto(msg.event)
-            except grpc.aio.AioRpcError as exc:
-                error = from_rpc_error(exc)
-                if exc.code() not in RESUMABLE:
-                    raise error from None
-            finally:
-                call.cancel()
-            failures += 1
-            await pause_before_resume(error, failures, self._resume_attempts, self._max_delay, "event stream keeps ending")
+            await resume.pause()
