@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
 from collections.abc import Iterable, Sequence
 
 from taskgate import telemetry
 from taskgate.bus import Bus
 from taskgate.model import TaskRow
+from taskgate.passes import Passes
 from taskgate.server import BACKEND_ERRORS
 from taskgate.store import Conn, submissions
 from taskgate.wire import dispatch
@@ -52,36 +52,27 @@ class Dispatcher:
         self._actor = actor
         self._ack_timeout = ack_timeout
         self._db_timeout = db_timeout
-        self._max_batch = max_batch
-        self._pending: deque[TaskRow] = deque()
-        self._runner: asyncio.Task[None] | None = None
+        self._passes: Passes[TaskRow] = Passes(self._pass, max_batch=max_batch, name="dispatcher")
 
     def hand(self, tasks: Iterable[TaskRow]) -> None:
         """Takes committed CREATED tasks to dispatch; returns at once."""
-        self._pending.extend(tasks)
-        if self._pending and self._runner is None:
-            self._runner = asyncio.create_task(self._drain(), name="dispatcher")
+        self._passes.add(tasks)
 
-    async def _drain(self) -> None:
+    async def _pass(self, batch: list[TaskRow]) -> None:
         try:
-            while self._pending:
-                batch = [self._pending.popleft() for _ in range(min(self._max_batch, len(self._pending)))]
-                try:
-                    await dispatch_pass(
-                        self._pool, self._bus, batch, actor=self._actor, reason="dispatched",
-                        ack_timeout=self._ack_timeout, within=self._db_timeout,
-                    )
-                except PASS_ERRORS as exc:
-                    log.warning("dispatch pass failed; its tasks stay CREATED for the scheduler's scan",
-                                extra={"tasks": len(batch), "error": type(exc).__name__})
-                except Exception:  # never lose the loop to one bad pass; the scan repairs what it left
-                    log.exception("dispatch pass failed", extra={"tasks": len(batch)})
-        finally:
-            self._runner = None
+            await dispatch_pass(
+                self._pool, self._bus, batch, actor=self._actor, reason="dispatched",
+                ack_timeout=self._ack_timeout, within=self._db_timeout,
+            )
+        except PASS_ERRORS as exc:
+            log.warning("dispatch pass failed; its tasks stay CREATED for the scheduler's scan",
+                        extra={"tasks": len(batch), "error": type(exc).__name__})
+        except Exception:  # never lose the loop to one bad pass; the scan repairs what it left
+            log.exception("dispatch pass failed", extra={"tasks": len(batch)})
 
     async def close(self, grace: float) -> None:
         """Lets the passes still to run finish within `grace` seconds, then stops (what is left stays CREATED)."""
-        runner = self._runner
+        runner = self._passes.runner
         if runner is None:
             return
         with contextlib.suppress(TimeoutError):
@@ -90,4 +81,4 @@ class Dispatcher:
             runner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await runner
-        self._pending.clear()
+        self._passes.pending.clear()

@@ -1,4 +1,5 @@
-"""Natural batching without a timer: calls queue while a batch is in flight, and the next batch is all that queued.
+"""Natural batching without a timer: calls queue while a batch is in flight, and the next batch is all that queued
+(taskgate.passes), each call awaiting its own item's result.
 
 A lone call runs at once; under load each round trip carries every call that arrived during the previous one. The
 submit service admits its tasks this way: one statement per batch, not per task.
@@ -7,7 +8,6 @@ submit service admits its tasks this way: one statement per batch, not per task.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -15,6 +15,7 @@ import grpc
 
 from taskgate import errors
 from taskgate.dispatcher import Dispatcher
+from taskgate.passes import Passes
 from taskgate.store import Conn, submissions
 from taskgate.store.submissions import Admission, AdmitVerdict, Candidate
 
@@ -34,9 +35,9 @@ class Batcher(Generic[In, Out]):
 
     def __init__(self, flush: Callable[[list[In]], Awaitable[Sequence[Out | BaseException]]], *, max_size: int) -> None:
         self._flush = flush
-        self._max_size = max_size
-        self._queue: deque[tuple[In, asyncio.Future[Out], float | None]] = deque()
-        self._runner: asyncio.Task[None] | None = None
+        self._passes: Passes[tuple[In, asyncio.Future[Out], float | None]] = Passes(
+            self._pass, max_batch=max_size, stopped=_cancel_waiting
+        )
 
     async def run(self, items: Sequence[In], deadline: float | None) -> list[Out | BaseException]:
         """Each item's result or exception once the batches carrying them have run; DEADLINE_EXCEEDED (raised) when
@@ -44,13 +45,8 @@ class Batcher(Generic[In, Out]):
         if not items:
             return []
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Out]] = []
-        for item in items:
-            future: asyncio.Future[Out] = loop.create_future()
-            self._queue.append((item, future, deadline))
-            futures.append(future)
-        if self._runner is None:
-            self._runner = asyncio.create_task(self._drain())
+        futures: list[asyncio.Future[Out]] = [loop.create_future() for _ in items]
+        self._passes.add(zip(items, futures, [deadline] * len(futures), strict=True))
         try:
             async with asyncio.timeout_at(deadline):
                 results = await asyncio.gather(*futures, return_exceptions=True)
@@ -61,42 +57,38 @@ class Batcher(Generic[In, Out]):
                 raise result
         return results
 
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _pass(self, taken: list[tuple[In, asyncio.Future[Out], float | None]]) -> None:
+        now = asyncio.get_running_loop().time()
+        live = []
+        for item, future, deadline in taken:
+            if future.done():
+                continue
+            if deadline is not None and deadline <= now:  # its caller is out of time: it does not join
+                future.set_exception(deadline_exceeded())
+                continue
+            live.append((item, future))
+        if not live:
+            return
         try:
-            while self._queue:
-                taken = [self._queue.popleft() for _ in range(min(self._max_size, len(self._queue)))]
-                now = loop.time()
-                live = []
-                for item, future, deadline in taken:
-                    if future.done():
-                        continue
-                    if deadline is not None and deadline <= now:  # its caller is out of time: it does not join
-                        future.set_exception(deadline_exceeded())
-                        continue
-                    live.append((item, future))
-                if not live:
-                    continue
-                try:
-                    results: Sequence[Out | BaseException] = await self._flush([item for item, _ in live])
-                except asyncio.CancelledError:
-                    for _, future in live:
-                        future.cancel()
-                    raise
-                except Exception as exc:  # the whole batch failed: each caller hears why
-                    results = [exc] * len(live)
-                for (_, future), result in zip(live, results, strict=True):
-                    if future.done():
-                        continue
-                    if isinstance(result, BaseException):
-                        future.set_exception(result)
-                    else:
-                        future.set_result(result)
-        finally:
-            self._runner = None
-            for _, future, _ in self._queue:  # left only when the runner itself was cancelled
+            results: Sequence[Out | BaseException] = await self._flush([item for item, _ in live])
+        except asyncio.CancelledError:
+            for _, future in live:
                 future.cancel()
-            self._queue.clear()
+            raise
+        except Exception as exc:  # the whole batch failed: each caller hears why
+            results = [exc] * len(live)
+        for (_, future), result in zip(live, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+def _cancel_waiting(left: list[tuple[In, asyncio.Future[Out], float | None]]) -> None:
+    for _, future, _ in left:  # left only when the passes themselves were cancelled
+        future.cancel()
 
 
 NOT_ADMITTED = "the call's deadline passed before its submission joined a batch: this call admitted nothing; retry"
