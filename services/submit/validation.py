@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import secrets
 from dataclasses import dataclass, replace
@@ -14,7 +13,7 @@ from urllib.parse import urlsplit
 
 from google.protobuf.message import Message
 
-from taskgate import chat, errors, netguard, text
+from taskgate import chat, errors, netguard, text, videoparams
 from taskgate.config import GatewaySettings, ModelSpec
 from taskgate.model import TaskRow
 from taskgate.states import Priority
@@ -176,33 +175,13 @@ async def check_callback_url(url: str, settings: GatewaySettings, *, resolve: bo
     return None
 
 
-def _positive_or_default(value: int, default: int) -> int:
-    return default if value == 0 else value
-
-
 def _check_params(
     req: gateway_pb2.SubmitTaskRequest, spec: ModelSpec, settings: GatewaySettings, bad: list[tuple[str, str]]
 ) -> dict[str, Any]:
     """Fills defaults from the model spec, records each out-of-range value, returns the canonical parameters."""
     p = req.params
-    frames = _positive_or_default(p.num_frames, spec.default_frames)
-    if frames < 1 or frames > spec.max_frames or (frames - 1) % spec.frame_step:
-        bad.append(("params.num_frames", f"must be 1..{spec.max_frames} with num_frames - 1 a multiple of {spec.frame_step}"))
-    width = _positive_or_default(p.width, spec.default_width)
-    if width < 1 or width > spec.max_width or width % spec.size_multiple:
-        bad.append(("params.width", f"must be a multiple of {spec.size_multiple} up to {spec.max_width}"))
-    height = _positive_or_default(p.height, spec.default_height)
-    if height < 1 or height > spec.max_height or height % spec.size_multiple:
-        bad.append(("params.height", f"must be a multiple of {spec.size_multiple} up to {spec.max_height}"))
-    steps = _positive_or_default(p.num_inference_steps, spec.default_steps)
-    if steps < 1 or steps > spec.max_steps:
-        bad.append(("params.num_inference_steps", f"must be 1..{spec.max_steps}"))
-    guidance = float(p.guidance_scale) if p.guidance_scale != 0 else spec.default_guidance
-    if not math.isfinite(guidance) or guidance < 0 or guidance > spec.max_guidance:
-        bad.append(("params.guidance_scale", f"must be 0..{spec.max_guidance}"))
-    fps = _positive_or_default(p.fps, spec.default_fps)
-    if fps < 1 or fps > settings.max_fps:
-        bad.append(("params.fps", f"must be 1..{settings.max_fps}"))
+    params = videoparams.requested(p, spec)
+    bad.extend(videoparams.violations(params, spec, max_fps=settings.max_fps))
     if p.HasField("seed") and not 0 <= p.seed <= MAX_SEED:
         bad.append(("params.seed", "must not be negative"))
     if p.negative_prompt and not spec.negative_prompt:
@@ -213,17 +192,7 @@ def _check_params(
         bad.append(("params.negative_prompt", "contains control characters"))
     else:
         text.check("params.negative_prompt", [p.negative_prompt], bad)
-    return {
-        "num_frames": frames,
-        "width": width,
-        "height": height,
-        "num_inference_steps": steps,
-        # float32 on the wire: round so 5.1 is stored as 5.1, not 5.099999904632568
-        "guidance_scale": round(guidance, 4) if math.isfinite(guidance) else 0.0,
-        "fps": fps,
-        "seed": int(p.seed) if p.HasField("seed") else None,
-        "negative_prompt": p.negative_prompt,
-    }
+    return params.payload()
 
 
 _VIDEO_FIELDS = tuple(f.name for f in task_pb2.VideoParams.DESCRIPTOR.fields)

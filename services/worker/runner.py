@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from taskgate import images, tracing
+from taskgate import images, tracing, videoparams
 from taskgate.config import ModelSpec
 
 from .runtypes import InjectedFailure as InjectedFailure  # the run types, re-exported for runmod.X
@@ -52,11 +52,6 @@ def classify(exc: BaseException) -> tuple[bool, str]:
     return False, "PIPELINE_ERROR"
 
 
-def _param(params: dict[str, Any], name: str, default: Any) -> Any:
-    value = params.get(name)
-    return default if value is None else value
-
-
 class SleepRunner:
     """Holds its device for `sleep_seconds`, one 'step' at a time, then (off the device) `encode_seconds`, and returns
     a small deterministic JSON payload."""
@@ -68,7 +63,7 @@ class SleepRunner:
 
     def render(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> Rendered:
         """Sleeps step by step, checking the abort flag between steps; fails or kills its process on purpose when configured."""
-        steps = max(1, int(_param(inp.params, "num_inference_steps", self.spec.default_steps)))
+        steps = max(1, videoparams.stored(inp.params, self.spec).num_inference_steps)
         per_step = self.spec.sleep_seconds / steps
         began = time.time_ns()
         for step in range(1, steps + 1):
@@ -130,10 +125,11 @@ class DiffusersRunner:
         if wrong:
             raise ValueError(f"model {model_id!r}: its registry rules let through sizes the pipeline cannot make: {'; '.join(wrong)}")
         # At the default request's shape, so a compiled transformer is compiled for the usual request before readiness.
+        usual = videoparams.defaults(spec)
         seconds = pipeline.warmup(
             inference.GenerationRequest(
-                prompt="warmup", num_frames=spec.default_frames, width=spec.default_width, height=spec.default_height,
-                num_inference_steps=1, guidance_scale=spec.default_guidance, fps=spec.default_fps, seed=0,
+                prompt="warmup", num_frames=usual.num_frames, width=usual.width, height=usual.height,
+                num_inference_steps=1, guidance_scale=usual.guidance_scale, fps=usual.fps, seed=0,
             )
         )
         log.info(
@@ -154,21 +150,18 @@ class DiffusersRunner:
         from the checkpoint `inp.resume` when it is one of this very request."""
         from services.worker import inference
 
-        p, s = inp.params, self.spec
-        seed = p.get("seed")
-        width = int(_param(p, "width", s.default_width))
-        height = int(_param(p, "height", s.default_height))
+        v = videoparams.stored(inp.params, self.spec)
         request = inference.GenerationRequest(
             prompt=inp.prompt,
-            negative_prompt=str(_param(p, "negative_prompt", "")),
-            num_frames=int(_param(p, "num_frames", s.default_frames)),
-            width=width,
-            height=height,
-            num_inference_steps=int(_param(p, "num_inference_steps", s.default_steps)),
-            guidance_scale=float(_param(p, "guidance_scale", s.default_guidance)),
-            fps=int(_param(p, "fps", s.default_fps)),
-            seed=None if seed is None else int(seed),
-            image=None if inp.image is None else self._fitted(inp.image, width, height),
+            negative_prompt=v.negative_prompt,
+            num_frames=v.num_frames,
+            width=v.width,
+            height=v.height,
+            num_inference_steps=v.num_inference_steps,
+            guidance_scale=v.guidance_scale,
+            fps=v.fps,
+            seed=v.seed,
+            image=None if inp.image is None else self._fitted(inp.image, v.width, v.height),
         )
         video = self.pipeline.render(
             request, on_step, should_abort, resume=inp.resume, capture=inp.capture, preview=inp.previews
