@@ -423,6 +423,11 @@ class CommonSettings(BaseSettings):
         default=20, ge=1, le=1000, description="Latest successful runs whose median run time an ETA uses."
     )
     priority_weights: tuple[int, int, int] = Field(default=(6, 3, 1), description="Fetch weights HIGH, NORMAL, LOW.")
+    eta_snapshot_seconds: float = Field(
+        default=1.0, ge=0,
+        description="How old the queue snapshot a process (gateway, notifier) answers queue positions and ETAs from may be"
+        " before it is read again (every poll of a level shares it; 0: read for every poll).",
+    )
 
     @field_validator("secrets_keys")
     @classmethod
@@ -555,11 +560,6 @@ class GatewaySettings(CommonSettings):
     submit_shutdown_grace_seconds: float = Field(default=10.0, ge=0, description="SIGTERM: time in-flight calls get to finish.")
     id_node: int | None = Field(
         default=None, ge=0, le=1023, description="A fixed task id node number instead of a leased one; never share one."
-    )
-    eta_snapshot_seconds: float = Field(
-        default=1.0, ge=0,
-        description="How old the queue snapshot a process answers queue positions and ETAs from may be before it is read"
-        " again (every poll of a level shares it; 0: read for every poll).",
     )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import asyncpg
 
 from taskgate import chat
-from taskgate.config import GatewaySettings
+from taskgate.config import CommonSettings
 from taskgate.eta import ESTIMATED, Estimate, estimate
 from taskgate.model import TaskRow
 from taskgate.states import Priority, Status
@@ -228,7 +228,7 @@ def history_inputs(task: TaskRow, run: RunHistory, now: datetime) -> EtaInputs:
 class QueueView:
     """Position and ETA of a task row from the process's shared snapshot; one per process."""
 
-    def __init__(self, pool: asyncpg.Pool, settings: GatewaySettings) -> None:
+    def __init__(self, pool: asyncpg.Pool, settings: CommonSettings) -> None:
         self._pool = pool
         self._settings = settings
         self._period = settings.eta_snapshot_seconds

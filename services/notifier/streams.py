@@ -28,9 +28,10 @@ from taskgate import bus as busmod
 from taskgate import clienttokens, errors, eta, ids, output, results, store
 from taskgate.auth import Authenticator, Caller
 from taskgate.config import NotifierSettings
+from taskgate.model import TaskRow
+from taskgate.queueview import QueueView
 from taskgate.states import Status
 from taskgate.store import events as event_store
-from taskgate.store import submissions
 from taskgate.throttle import Throttle
 from taskgate.waiting import Interrupted, unless
 from taskgate.wire import events as event_wire
@@ -244,7 +245,7 @@ class Estimates:
             keys = list(asked)
             found: list[eta.Estimate | None] = [None] * len(keys)
             try:
-                found = await eta.current_many(self._pool, [(t, asked[(t, v)][0]) for t, v in keys], self._settings)
+                found = await self._read_many([(t, asked[(t, v)][0]) for t, v in keys])
             except Exception:
                 log.warning("ETA read failed; events go without one", exc_info=True)
                 for key in keys:
@@ -254,6 +255,11 @@ class Estimates:
                     answer = asked[key][1]
                     if not answer.done():
                         answer.set_result(estimate)
+
+
+    async def _read_many(self, seen: list[tuple[int, Status]]) -> list[eta.Estimate | None]:
+        """The estimates of the tasks seen (id, status), in order: one statement for all of them."""
+        return await eta.current_many(self._pool, seen, self._settings)
 
 
 class Newest(Generic[K]):
@@ -466,9 +472,34 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self._output_hub = output_hub  # None: no output is sent (include_output ignored)
         self._progress_hub = progress_hub  # None: no live progress is sent (the events' progress only)
         self.keepalive = Keepalive(settings.stream_keepalive_seconds, settings.stream_max_age_seconds)
-        self.estimates = Estimates(pool, settings)
+        self.estimates = Estimates(pool, settings)  # live events' ETAs (one read per task version)
+        self.queue = QueueView(pool, settings)  # opening streams' positions and ETAs (one shared snapshot)
         self.task_versions: Newest[int] = Newest(lambda ids: event_store.task_versions(pool, ids))
         self.tenant_events: Newest[str] = Newest(lambda users: event_store.last_event_ids(pool, users))
+
+    async def _estimate(self, task: TaskRow) -> eta.Estimate | None:
+        """A task's position and ETA from the process's shared queue snapshot (taskgate.queueview, as GetTask): an
+        opening stream reads nothing for it (each stream's own statement grew with the backlog: 10,000 streams opening
+        on 10,000 queued tasks read ~14 a second). None for a state without one, and when the snapshot cannot be read
+        (the stream goes on without an ETA)."""
+        try:
+            return await self.queue.estimate(task, within=self._settings.submit_db_timeout_seconds)
+        except QUIET_READ_ERRORS:
+            log.warning("queue snapshot read failed; a snapshot goes without its ETA", exc_info=True)
+            return None
+
+    async def _stamped_latest(self, event: task_pb2.TaskEvent, task: TaskRow) -> task_pb2.TaskEvent:
+        """The latest replayed event with its ETA: from the queue snapshot when it is the version the row was read at,
+        else (a version committed since) from the live events' shared read."""
+        if event.version != task.version:
+            return await self.estimates.stamped(event)
+        estimate = await self._estimate(task)
+        if estimate is None:
+            return event
+        out = task_pb2.TaskEvent()
+        out.CopyFrom(event)
+        estimate.stamp(out)
+        return out
 
     async def _quiet_check(self, read: Awaitable[list[event_store.Event]]) -> list[event_store.Event]:
         """The events a quiet stream has not had, read from the table; none when the read fails (the keep-alive goes
@@ -563,12 +594,10 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                         yield out
 
             if last == 0:
-                estimate = await self.estimates.estimate(task_id, task.version, task.status)
+                estimate = await self._estimate(task)
+                snapshot = task.to_proto(estimate.queue_position if estimate is not None else 0)
                 if estimate is not None:
-                    snapshot = task.to_proto(estimate.queue_position)
                     estimate.stamp(snapshot)
-                else:
-                    snapshot = task.to_proto(await submissions.queue_position(self._pool, task))
                 if self._outputs is not None:
                     results.add_link(self._outputs, snapshot.result)
                 yield events_pb2.WatchTaskResponse(snapshot=snapshot)
@@ -577,11 +606,13 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 async for out in stored(final=True):  # a terminal snapshot: its output follows, then the end
                     yield out
                 return
-            history = await event_store.task_events(self._pool, task_id, after_version=last)
+            # After a snapshot nothing is read: an event after the row's version committed after the row was read,
+            # after this stream subscribed, so the feed brings it (and the quiet check, should the feed lose it).
+            history = [] if last == task.version else await event_store.task_events(self._pool, task_id, after_version=last)
             for i, row in enumerate(history):
                 event = event_wire.message(row)
                 if i == len(history) - 1:  # the ETA is as of now: only the latest replayed version gets one
-                    event = await self.estimates.stamped(event)
+                    event = await self._stamped_latest(event, task)
                 async for out in before_end(event):
                     yield out
                 yield events_pb2.WatchTaskResponse(event=self._linked(event))
@@ -659,7 +690,12 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                             return
                 async for out in before_end(live):
                     yield out
-                yield events_pb2.WatchTaskResponse(event=self._linked(await self.estimates.stamped(live)))
+                if Status.from_proto(live.to_status) in eta.ESTIMATED:
+                    # its ETA is one read shared by every stream: a later event (the end) that comes while it runs is
+                    # not held back behind it; this one goes without its ETA and the later one follows at once
+                    with contextlib.suppress(Interrupted):
+                        live = await sub.unless_news(self.estimates.stamped(live))
+                yield events_pb2.WatchTaskResponse(event=self._linked(live))
                 last = live.version
                 moved(Status.from_proto(live.to_status), live.attempt, live.progress)
                 if event_wire.is_terminal(live):

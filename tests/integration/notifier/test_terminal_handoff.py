@@ -9,12 +9,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import pytest
 
+from services.notifier import streams
 from services.notifier.relay import TestSignals
 from taskgate import bus as busmod
 from taskgate import store
 from taskgate.config import Settings
 from taskgate.runtime import Backends
+from taskgate.states import Status
 from taskgate_api.v1 import events_pb2, task_pb2
 from tests.support.factories import insert_task, sleepy_settings, submit
 from tests.support.harness import bearer
@@ -123,3 +126,68 @@ async def test_a_burst_of_terminal_events_reaches_every_stream_while_the_streams
             for conn in held:
                 await notifier.backends.pool.release(conn)
     assert len(received) == BURST, f"{len(received)} of {BURST} streams got their terminal event"
+
+
+HELD_BURST = 1_000
+
+
+async def test_a_burst_reaches_every_stream_while_its_previous_events_eta_read_is_slow(
+    backends: Backends, settings: Settings, notifier_factory: Any, api_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The streams benchmark (10,000 WatchTask streams on queued tasks, a burst of 1,000 cancels): the scheduler's
+    'queued too long' event (QUEUED -> QUEUED) reached every stream, and each waited for that event's ETA, one read
+    for all of them that grew with the backlog and ran for minutes; the burst's terminal events sat buffered behind it
+    (486 of 1,000 arrived in 30 s, at p50 33.8 s) and no stream got a keep-alive. Here that ETA read is held outright:
+    a later event, the end, goes out all the same (the QUEUED event before it without its ETA)."""
+    pool = backends.pool
+    asked = asyncio.Event()
+    never = asyncio.Event()  # the ETA read is not answered until the burst is checked
+
+    async def held(_self: Any, seen: list[tuple[int, Status]]) -> list[Any]:
+        asked.set()
+        await never.wait()
+        return [None] * len(seen)
+
+    monkeypatch.setattr(streams.Estimates, "_read_many", held)
+    # a keep-alive period beyond the test: the quiet check cannot be what delivers; the stream limits lifted
+    tuned = fast(settings, stream_keepalive_seconds=120.0, max_streams_per_tenant=HELD_BURST, tenant_calls_per_second=0.0)
+    notifier = await notifier_factory(tuned)
+    gate = asyncio.Semaphore(16)
+
+    async def queued() -> int:
+        async with gate:
+            task = await insert_task(pool)
+            assert (await store.queue(pool, task.id, actor="test")).applied
+            return task.id
+
+    ids = await asyncio.gather(*(queued() for _ in range(HELD_BURST)))
+    await all_relayed(pool)
+    received: dict[int, int] = {}
+    async with events_stub(notifier) as stub:
+        calls = {i: stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(i)), metadata=bearer(api_key)) for i in ids}
+        for call in calls.values():
+            assert (await asyncio.wait_for(call.read(), 30)).WhichOneof("kind") == "snapshot"
+
+        async def until_terminal(task_id: int, call: Any) -> None:
+            while (item := await call.read()) is not grpc.aio.EOF:
+                if item.HasField("event") and item.event.to_status in TERMINAL:
+                    received[task_id] = item.event.version
+                    return
+
+        following = [asyncio.create_task(until_terminal(i, c)) for i, c in calls.items()]
+        try:
+            async def changed(task_id: int, change: store.Change, actor: str) -> None:
+                async with gate:
+                    assert (await store.apply(pool, task_id, change, actor=actor)).applied
+
+            # every stream gets a QUEUED event and asks for its ETA (one read for all of them, held)
+            await asyncio.gather(*(changed(i, store.Republish(), "scheduler") for i in ids))
+            await asyncio.wait_for(asked.wait(), 30)
+            await asyncio.gather(*(changed(i, store.Cancel(store.CancelMode.HARD), "test") for i in ids))
+            await asyncio.wait(following, timeout=30)
+        finally:
+            for waiting in following:
+                waiting.cancel()
+            never.set()
+    assert len(received) == HELD_BURST, f"{len(received)} of {HELD_BURST} streams got their terminal event"
+    assert set(received.values()) == {4}  # created 1, queued 2, re-published 3, canceled 4
