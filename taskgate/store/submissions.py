@@ -8,6 +8,7 @@ a statement may run before asyncpg cancels it on the server (TimeoutError).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -213,15 +214,20 @@ async def create(db: Conn, new: NewTask) -> TaskRow | None:
 async def queue_created(
     db: Conn, tasks: Sequence[TaskRow], *, actor: str, reason: str | None = None, within: float | None = None
 ) -> list[TaskRow]:
-    """CREATED -> QUEUED for tasks whose dispatch is on JetStream, in one statement; returns the tasks it moved.
+    """CREATED -> QUEUED for tasks whose dispatch is on JetStream, in one statement; returns the tasks it moved: each
+    the caller's row with the columns this move set (the statement returns only those).
 
     Committed asynchronously: a lost QUEUED mark leaves the task CREATED, which the scheduler dispatches again. A task
     no longer CREATED (a worker's claim outran this, or a cancel) is left as it is.
     """
     rows = await db.fetch(sql.query("submit_queue_created"), [t.id for t in tasks], actor, reason, timeout=within)
+    given = {t.id: t for t in tasks}
     moved = []
     for rec in rows:
-        row = TaskRow.from_record(rec)
+        row = dataclasses.replace(
+            given[rec["id"]], status=Status(rec["status"]), version=rec["version"], queued_at=rec["queued_at"],
+            updated_at=rec["updated_at"], last_actor=rec["last_actor"], last_reason=rec["last_reason"],
+        )
         applied(row, Status.CREATED, actor=actor, reason=reason)
         moved.append(row)
     return moved
