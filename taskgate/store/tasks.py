@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -425,6 +426,12 @@ async def get_task(db: Conn, task_id: int) -> TaskRow | None:
     """One task by id, or None."""
     rec = await db.fetchrow(sql.query("get_task"), task_id)
     return TaskRow.from_record(rec) if rec is not None else None
+
+
+async def get_tasks(db: Conn, task_ids: Sequence[int]) -> dict[int, TaskRow]:
+    """The tasks of these ids that exist, by id (one statement)."""
+    rows = await db.fetch(sql.query("get_tasks"), list(task_ids))
+    return {int(r["id"]): TaskRow.from_record(r) for r in rows}
 
 
 async def let_go(db: Conn, task_id: int, *, attempt: int) -> bool:

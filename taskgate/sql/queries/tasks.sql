@@ -129,6 +129,10 @@ RETURNING t.*, o.old_status;
 -- One task by id.
 SELECT * FROM task WHERE id = $1;
 
+-- name: get_tasks
+-- The tasks of these ids that exist (primary-key reads).
+SELECT * FROM task WHERE id = ANY($1::bigint[]);
+
 -- name: let_go_task
 -- The worker stopped running a soft-cancelled attempt: its lease (and pending slot) ends. No new version.
 -- $1 id, $2 attempt.

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import pytest
 from google.rpc import error_details_pb2
 
-from taskgate import eta
+from services.notifier.streams import Estimates
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
@@ -25,21 +24,25 @@ STREAMS = 20
 
 
 class EtaReads:
-    """Counts the ETA statements the notifier runs (eta.current_many is their one path) and what each covered."""
+    """Counts the live events' ETA reads of the notifier (Estimates._read_many is their one path) and what each covered."""
 
     def __init__(self) -> None:
         self.calls: list[list[tuple[int, Status]]] = []
-        self._original = eta.current_many
+        self._original = Estimates._read_many
 
-    async def __call__(self, db: Any, seen: Sequence[tuple[int, Status]], settings: Settings, **kw: Any) -> Any:
+    async def __call__(self, estimates: Estimates, seen: list[tuple[int, Status]]) -> Any:
         self.calls.append(list(seen))
-        return await self._original(db, seen, settings, **kw)
+        return await self._original(estimates, seen)
 
 
 @pytest.fixture
 def eta_reads(monkeypatch: pytest.MonkeyPatch) -> EtaReads:
     reads = EtaReads()
-    monkeypatch.setattr(eta, "current_many", reads)
+
+    async def counted(estimates: Estimates, seen: list[tuple[int, Status]]) -> Any:
+        return await reads(estimates, seen)
+
+    monkeypatch.setattr(Estimates, "_read_many", counted)
     return reads
 
 
