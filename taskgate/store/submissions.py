@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -211,6 +212,12 @@ async def create(db: Conn, new: NewTask) -> TaskRow | None:
     return TaskRow.from_record(rec) if rec is not None else None
 
 
+# Every field of a TaskRow in __init__'s order (each one an __init__ parameter): TaskRow(*_ALL_FIELDS(row)) copies a
+# row in about 2 us, where dataclasses.replace took about 9 (py-spy: replace was 4.7% of a bulk submit process).
+_ALL_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(TaskRow)))
+assert all(f.init for f in dataclasses.fields(TaskRow))
+
+
 async def queue_created(
     db: Conn, tasks: Sequence[TaskRow], *, actor: str, reason: str | None = None, within: float | None = None
 ) -> list[TaskRow]:
@@ -224,10 +231,10 @@ async def queue_created(
     given = {t.id: t for t in tasks}
     moved = []
     for rec in rows:
-        row = dataclasses.replace(
-            given[rec["id"]], status=Status(rec["status"]), version=rec["version"], queued_at=rec["queued_at"],
-            updated_at=rec["updated_at"], last_actor=rec["last_actor"], last_reason=rec["last_reason"],
-        )
+        # a copy through _ALL_FIELDS: the caller's row may still be answering its submission
+        row = TaskRow(*_ALL_FIELDS(given[rec["id"]]))
+        row.status, row.version, row.queued_at = Status(rec["status"]), rec["version"], rec["queued_at"]
+        row.updated_at, row.last_actor, row.last_reason = rec["updated_at"], rec["last_actor"], rec["last_reason"]
         applied(row, Status.CREATED, actor=actor, reason=reason)
         moved.append(row)
     return moved

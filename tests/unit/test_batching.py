@@ -113,3 +113,22 @@ def test_an_admission_row_has_exactly_the_fields_submit_tasks_reads() -> None:
     )
     [row] = submissions.admission_rows([submissions.Candidate(new, 10, 1.5)])
     assert sorted(row) == sorted(fields)
+
+
+def test_the_queued_move_copies_the_callers_row_field_by_field() -> None:
+    """queue_created answers with copies of the caller's rows (TaskRow(*_ALL_FIELDS(row))): equal, not the same object,
+    so setting the move's columns on the copy leaves the row that answers the submission as it was."""
+    from datetime import UTC, datetime
+
+    from taskgate.model import TaskRow
+    from taskgate.states import Status
+
+    now = datetime.now(UTC)
+    row = TaskRow(id=7, user_id="t", idempotency_key="k", request_hash="h", task_type="text-to-video", model_id="m",
+                  prompt="p", request_payload={"seed": 1}, priority=1, queue_name="q", status=Status.CREATED, progress=0,
+                  version=1, attempt=0, retry_count=0, max_retries=3, created_at=now, updated_at=now,
+                  metadata={"a": "b"}, end_user="e", last_reason="r")
+    copy = TaskRow(*submissions._ALL_FIELDS(row))
+    assert copy == row and copy is not row
+    copy.status, copy.version = Status.QUEUED, 2
+    assert row.status is Status.CREATED and row.version == 1
