@@ -2,9 +2,10 @@
 
 Each route is the gateway call the SDK would make, with the caller's `Authorization` header (a tenant API key as the
 bearer token, or a client token where the gateway takes one) as its metadata; answers and errors are in OpenAI's
-shapes (shapes.py, errors.py). A create without `background: true` is refused (400 on `background`): a response here
-is a task in a GPU queue of unknown length, and an HTTP request held open for it would tie a connection (and the
-client's timeout) to the queue; a caller that wants to wait creates it in the background and streams it.
+shapes (shapes.py, errors.py; a batch's lines: batchlines.py). A create without `background: true` is refused (400
+on `background`): a response here is a task in a GPU queue of unknown length, and an HTTP request held open for it
+would tie a connection (and the client's timeout) to the queue; a caller that wants to wait creates it in the
+background and streams it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
-from google.rpc import status_pb2
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect, Request
@@ -30,7 +29,7 @@ from taskgate_api.v1 import batches_pb2, events_pb2, gateway_pb2, task_pb2
 
 from ..inputs import BadInput, integer, json_body
 from ..upstream import Upstream, credentials
-from . import errors, shapes
+from . import batchlines, errors, shapes
 from .stream import Events
 
 log = logging.getLogger("taskgate.http.openai")
@@ -371,7 +370,7 @@ class Face:
             req = batches_pb2.GetBatchRequest(batch_id=info.batch_id)
             batch = await self._call(lambda: self.upstream.gateway.GetBatch(req, metadata=credentials(request), timeout=self._timeout))
             if batch.source_file_id:  # a batch of this face: its lines in OpenAI's shape
-                lines = [json.dumps(result_line(json.loads(raw), batch.endpoint)) for raw in data.splitlines() if raw.strip()]
+                lines = [json.dumps(batchlines.result_line(json.loads(raw), batch.endpoint)) for raw in data.splitlines() if raw.strip()]
                 data = ("\n".join(lines) + "\n").encode() if lines else b""
         return StreamingResponse(iter([data]), media_type="application/jsonl", headers={"content-length": str(len(data))})
 
@@ -403,7 +402,7 @@ class Face:
         info, data = await self._content(request, source)
         if info.purpose != "batch":
             raise shapes.Refused("input_file_id", f"a file of purpose {info.purpose!r}, not 'batch'")
-        translated = translate_input(data, endpoint, seconds, self.settings)
+        translated = batchlines.translate_input(data, endpoint, seconds, self.settings)
         md = credentials(request)
 
         async def parts() -> AsyncIterator[batches_pb2.UploadFileRequest]:
@@ -436,70 +435,3 @@ class Face:
         req = batches_pb2.CancelBatchRequest(batch_id=request.path_params["batch_id"])
         got = await self._call(lambda: self.upstream.gateway.CancelBatch(req, metadata=credentials(request), timeout=self._timeout))
         return JSONResponse(shapes.batch_object(got))
-
-
-def translate_input(data: bytes, endpoint: str, window_seconds: float, settings: HttpSettings) -> bytes:
-    """An OpenAI batch input (JSONL of {custom_id, method, url, body}) as the gateway's: each line a submission
-    (its priority and queue TTL from the completion window) or the error that keeps it from being one."""
-    priority = task_pb2.PRIORITY_NORMAL if window_seconds <= 3600 else task_pb2.PRIORITY_LOW
-    translate = shapes.response_request if endpoint == "/v1/responses" else shapes.chat_request
-    out: list[bytes] = []
-    seen: set[str] = set()
-    for number, raw in enumerate(line for line in data.split(b"\n") if line.strip()):
-        custom_id = f"line-{number + 1}"
-        try:
-            try:
-                line = json.loads(raw)
-            except ValueError as exc:
-                raise shapes.Refused("", f"line {number + 1} is not JSON: {exc}", "invalid_json") from None
-            if not isinstance(line, dict):
-                raise shapes.Refused("", f"line {number + 1} is not a JSON object", "invalid_json")
-            if isinstance(line.get("custom_id"), str) and line["custom_id"]:
-                custom_id = line["custom_id"]
-            else:
-                raise shapes.Refused("custom_id", f"line {number + 1} has no custom_id", "missing_required_parameter")
-            if custom_id in seen:
-                raise shapes.Refused("custom_id", f"custom_id {custom_id!r} is not unique in the file", "duplicate_custom_id")
-            seen.add(custom_id)
-            if line.get("method", "POST") != "POST" or line.get("url") != endpoint:
-                raise shapes.Refused("url", f"line {number + 1} must be a POST to the batch's endpoint {endpoint}", "invalid_url")
-            body = line.get("body")
-            if not isinstance(body, dict):
-                raise shapes.Refused("body", f"line {number + 1} has no body object", "missing_required_parameter")
-            req = translate(body, settings)
-            req.priority = priority
-            req.max_queue_seconds = window_seconds
-            out.append(json.dumps({"custom_id": custom_id, "request": json_format.MessageToDict(req)}).encode())
-        except shapes.Refused as refused:
-            error = {"code": refused.code, "message": refused.message, "param": refused.param or None, "line": number + 1}
-            out.append(json.dumps({"custom_id": custom_id, "error": error}).encode())
-    return b"\n".join(out) + b"\n"
-
-
-def result_line(line: dict[str, Any], endpoint: str) -> dict[str, Any]:
-    """One line of a batch's output or error file in OpenAI's shape: the response body of a task, or the error."""
-    custom_id = line.get("custom_id")
-    if "task" in line:
-        task = json_format.ParseDict(line["task"], task_pb2.Task(), ignore_unknown_fields=True)
-        request_id = f"batch_req_{task.id}"
-        if task.status == task_pb2.TASK_STATUS_SUCCEEDED:
-            text = line.get("text")
-            body = shapes.response(task, text) if endpoint == "/v1/responses" else shapes.chat_completion(task, text)
-            return {"id": request_id, "custom_id": custom_id,
-                    "response": {"status_code": 200, "request_id": task.id, "body": body}, "error": None}
-        if task.error_code == "QUEUE_TTL_EXPIRED":
-            error = {"code": "batch_expired",
-                     "message": "This request could not be executed before the completion window expired."}
-        elif task.status == task_pb2.TASK_STATUS_CANCELED:
-            error = {"code": "batch_cancelled", "message": "This request was cancelled with its batch."}
-        else:
-            error = {"code": (task.error_code or "failed").lower(), "message": task.error_message or "the task failed"}
-        return {"id": request_id, "custom_id": custom_id, "response": None, "error": error}
-    error = line.get("error") or {}
-    if isinstance(error.get("code"), int):  # the gateway refused the line: its status as the HTTP answer it would be
-        status = json_format.ParseDict(error, status_pb2.Status(), ignore_unknown_fields=True)
-        refusal = errors.of_proto(status)
-        return {"id": f"batch_req_{custom_id}", "custom_id": custom_id,
-                "response": {"status_code": refusal.pop("status_code"), "request_id": "", "body": refusal}, "error": None}
-    return {"id": f"batch_req_{custom_id}", "custom_id": custom_id, "response": None,
-            "error": {"code": error.get("code"), "message": error.get("message")}}
