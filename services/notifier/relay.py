@@ -81,10 +81,10 @@ class EventRelay:
         created = 0
         relayed_rows: list[event_store.RelayEvent] = []
         async with self._pool.acquire() as conn, conn.transaction():
-            relay_time = await event_store.lock_relay(conn)
+            # the lock and the events in one round trip: the streams wait for the publish that follows
+            relay_time, rows = await event_store.lock_and_take(conn, limit=self._settings.relay_batch_size)
             if relay_time is None:
                 return 0  # another replica is relaying; it was woken by the same NOTIFY
-            rows = await event_store.take_unpublished(conn, limit=self._settings.relay_batch_size)
             if not rows:
                 return 0
             # one span per event in its task's trace (none when tracing is off); the message and the webhook continue it

@@ -101,26 +101,35 @@ async def lock_relay(conn: asyncpg.Connection) -> datetime | None:
 
 async def take_unpublished(conn: asyncpg.Connection, *, limit: int) -> list[RelayEvent]:
     """The oldest events not yet on JetStream, in id order, locked for this pass (others' locked ones skipped)."""
-    rows = await conn.fetch(sql.query("relay_take_events"), limit)
-    return [
-        RelayEvent(
-            event=Event.from_record(r),
-            callback_url=r["callback_url"],
-            callback_events=tuple(r["callback_events"] or ()),
-            metadata=r["task_metadata"] or {},
-            result_reused=bool(r["task_result_reused"]),
-            created_at=r["task_created_at"],
-            queued_at=r["task_queued_at"],
-            started_at=r["task_started_at"],
-            finished_at=r["task_finished_at"],
-            trace_context=r["task_trace_context"],
-            device_seconds=r["task_device_seconds"],
-            slot_seconds=r["task_slot_seconds"],
-            input_tokens=r["task_input_tokens"],
-            output_tokens=r["task_output_tokens"],
-        )
-        for r in rows
-    ]
+    return [_relay_event(r) for r in await conn.fetch(sql.query("relay_take_events"), limit)]
+
+
+async def lock_and_take(conn: asyncpg.Connection, *, limit: int) -> tuple[datetime | None, list[RelayEvent]]:
+    """lock_relay then take_unpublished, in one statement: the pass's relay time (None: another replica has the lock,
+    and nothing was taken) and its events."""
+    rows = await conn.fetch(sql.query("relay_lock_take"), RELAY_LOCK_KEY, limit)
+    if not rows or not rows[0]["relay_locked"]:
+        return None, []
+    return rows[0]["relay_at"], [_relay_event(r) for r in rows if r["id"] is not None]
+
+
+def _relay_event(r: asyncpg.Record) -> RelayEvent:
+    return RelayEvent(
+        event=Event.from_record(r),
+        callback_url=r["callback_url"],
+        callback_events=tuple(r["callback_events"] or ()),
+        metadata=r["task_metadata"] or {},
+        result_reused=bool(r["task_result_reused"]),
+        created_at=r["task_created_at"],
+        queued_at=r["task_queued_at"],
+        started_at=r["task_started_at"],
+        finished_at=r["task_finished_at"],
+        trace_context=r["task_trace_context"],
+        device_seconds=r["task_device_seconds"],
+        slot_seconds=r["task_slot_seconds"],
+        input_tokens=r["task_input_tokens"],
+        output_tokens=r["task_output_tokens"],
+    )
 
 
 async def mark_published(conn: asyncpg.Connection, event_ids: Sequence[int], *, at: datetime) -> None:

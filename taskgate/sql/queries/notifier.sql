@@ -17,6 +17,25 @@ JOIN task_event e ON e.id = o.event_id
 JOIN task t ON t.id = e.task_id
 ORDER BY e.id;
 
+-- name: relay_lock_take
+-- relay_lock and relay_take_events in one round trip: the lock (none of the outbox is read or locked without it),
+-- the pass's relay time, and its events. One row with NULL event columns when the lock went to another replica or
+-- the outbox is empty. $1 key, $2 limit.
+WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($1) AS locked, clock_timestamp() AS at)
+SELECT l.locked AS relay_locked, l.at AS relay_at, r.*
+FROM lock l
+LEFT JOIN LATERAL (
+    SELECT e.*, t.callback_url, t.callback_events, t.created_at AS task_created_at, t.queued_at AS task_queued_at,
+           t.started_at AS task_started_at, t.finished_at AS task_finished_at, t.metadata AS task_metadata,
+           t.result_reused AS task_result_reused, t.trace_context AS task_trace_context,
+           t.device_seconds AS task_device_seconds, t.slot_seconds AS task_slot_seconds,
+           t.input_tokens AS task_input_tokens, t.output_tokens AS task_output_tokens
+    FROM (SELECT o.event_id FROM event_outbox o WHERE l.locked ORDER BY o.event_id LIMIT $2 FOR UPDATE SKIP LOCKED) o
+    JOIN task_event e ON e.id = o.event_id
+    JOIN task t ON t.id = e.task_id
+) r ON true
+ORDER BY r.id;
+
 -- name: relay_mark_published
 -- Records that events are on JetStream: out of the outbox, and one row for the pass (the event rows stay as they
 -- were written). $1 event ids, $2 the pass's relay time.

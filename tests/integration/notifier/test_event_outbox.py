@@ -14,9 +14,8 @@ from tests.support.factories import insert_task
 async def _relay_pass(pool: asyncpg.Pool) -> list[int]:
     """One relay pass as the notifier's relay runs it (without the publish): the ids it took and recorded."""
     async with pool.acquire() as conn, conn.transaction():
-        at = await event_store.lock_relay(conn)
+        at, rows = await event_store.lock_and_take(conn, limit=100)
         assert at is not None
-        rows = await event_store.take_unpublished(conn, limit=100)
         ids = [r.event.id for r in rows]
         if ids:
             await event_store.mark_published(conn, ids, at=at)
@@ -66,3 +65,23 @@ async def test_a_cursor_after_an_out_of_order_commit_still_finds_the_earlier_id(
     waiting_event = await pool.fetchval("SELECT max(id) FROM task_event WHERE task_id = $1", waiting.id)
     assert await event_store.relayed_at(pool, event_id=waiting_event, user_id="tenant-a") is None
     assert await event_store.relayed_at(pool, event_id=cursor, user_id="another-tenant") is None
+
+
+async def test_the_lock_and_the_take_are_one_statement_that_takes_nothing_without_the_lock(backends: Backends) -> None:
+    pool = backends.pool
+    tasks = [await insert_task(pool) for _ in range(3)]
+    async with pool.acquire() as holder, holder.transaction():
+        assert await event_store.lock_relay(holder) is not None  # another replica's pass holds the lock
+        async with pool.acquire() as conn, conn.transaction():
+            assert await event_store.lock_and_take(conn, limit=100) == (None, [])
+            # ...and locked none of the outbox: the holder's pass takes every event
+            taken = await event_store.take_unpublished(holder, limit=100)
+            assert {r.event.task_id for r in taken} == {t.id for t in tasks}
+    async with pool.acquire() as conn, conn.transaction():
+        at, rows = await event_store.lock_and_take(conn, limit=2)
+        assert at is not None and [r.event.task_id for r in rows] == [t.id for t in tasks[:2]]
+        assert rows[0].event.id < rows[1].event.id and rows[0].callback_url is None
+    await _relay_pass(pool)
+    async with pool.acquire() as conn, conn.transaction():
+        at, rows = await event_store.lock_and_take(conn, limit=100)
+        assert at is not None and rows == []  # the lock, and an empty outbox
