@@ -279,7 +279,9 @@ def _sync_session(stack: Stack) -> tuple[str, list[int], str, list[str]]:
     with connect(stack.address, stack.api_key, events_address=stack.events_address, admin_address=stack.admin_address) as c:
         task = c.submit("from blocking code", **SMALL)  # type: ignore[arg-type]
         events = c.watch(task.task_id)
-        first = next(events)
+        # the dispatcher queues the task after the answer: the watch may open on the CREATED snapshot (v1), and then
+        # streams the QUEUED move, which is awaited here (the cancel below is of a QUEUED task)
+        first = next(e for e in events if e.status is not Status.CREATED)
         events.close()  # leaving a watch early closes its stream
         canceled = c.cancel(task.task_id)
         versions = [e.version for e in c.watch(task.task_id)]
