@@ -52,7 +52,6 @@ PREEMPT_SUBJECT = "taskgate.control.preempt"  # core NATS: checkpoint and releas
 ENDED_SUBJECTS = "taskgate.control.ended.>"  # core NATS: a terminal version committed, a hint to the notifiers
 PROGRESS_SUBJECTS = "taskgate.live.progress.>"  # core NATS: running tasks' steps, one message per tenant per tick (no row)
 
-PRIORITY_NAMES = {Priority.HIGH: "high", Priority.NORMAL: "normal", Priority.LOW: "low"}
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -64,7 +63,7 @@ def check_token(value: str) -> str:
 
 
 def task_subject(model_id: str, priority: int) -> str:
-    return f"taskgate.tasks.{check_token(model_id)}.{PRIORITY_NAMES[priority]}"
+    return f"taskgate.tasks.{check_token(model_id)}.{Priority.NAMES[priority]}"
 
 
 def event_subject(user_id: str, task_id: int) -> str:
@@ -97,7 +96,7 @@ def dead_subject(model_id: str) -> str:
 
 def consumer_name(model_id: str, priority: int) -> str:
     """The durable consumer that every worker of a model shares for one priority level."""
-    return f"tasks-{check_token(model_id)}-{PRIORITY_NAMES[priority]}"
+    return f"tasks-{check_token(model_id)}-{Priority.NAMES[priority]}"
 
 
 @dataclass(frozen=True)

@@ -65,4 +65,4 @@ class Priority:
     NORMAL = 5
     HIGH = 10
     ALL = (LOW, NORMAL, HIGH)
-    NAMES = {LOW: "low", NORMAL: "normal", HIGH: "high"}
+    NAMES = {LOW: "low", NORMAL: "normal", HIGH: "high"}  # the one table of their names (subjects, consumers, messages)
