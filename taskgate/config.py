@@ -371,7 +371,9 @@ class CommonSettings(BaseSettings):
         "missing messages re-published, then TIMEOUT.",
     )
     max_worker_losses: int = Field(
-        default=2, ge=1, description="Attempts of one task whose worker was lost (lease expired) before it is FAILED WORKER_LOST."
+        default=2, ge=1,
+        description="Attempts of one task whose worker was lost (lease expired) while it held no other task, before the "
+        "task is FAILED WORKER_LOST (a loss in company is counted apart; a task runs alone after any loss).",
     )
     max_input_chars: int = Field(
         default=2 * 1024 * 1024, ge=1,

@@ -43,7 +43,10 @@ class TaskRow:
     worker_id: str | None = None
     lease_expires_at: datetime | None = None
     timeout_extended: bool = False
-    worker_losses: int = 0
+    worker_losses: int = 0  # attempts lost alone (its worker held nothing else): toward max_worker_losses
+    company_losses: int = 0  # attempts lost in company (its worker held other tasks too): not toward the cap
+    run_alone: bool = False  # it lost a worker: every later attempt runs on a worker that holds nothing else
+    alone_for: str | None = None  # QUEUED run_alone: the worker draining to run it
     processed_seconds: float = 0.0
     device_seconds: float = 0.0  # metered, summed over the attempts that ended on their worker
     slot_seconds: float = 0.0

@@ -243,6 +243,12 @@ class LeaseScan:
     counted; the loss that makes max_worker_losses fails the task WORKER_LOST (dead-lettered) instead: a task that
     kills its worker is not run on every worker in turn.
 
+    Bystanders are not blamed: a loss is alone (the worker held only this task: counted in worker_losses, toward
+    max_worker_losses) or in company (it held others too, any of which may have killed it: counted in company_losses,
+    never toward the cap). Either way the task runs alone from then on, so its next death is its own: a task that
+    kills its worker reaches the cap after at most one death in company, and one that only shared a worker runs alone
+    and finishes.
+
     The next claim increments the attempt, so the old attempt's writes (guarded by expected_attempt) are refused.
     """
 
@@ -263,16 +269,19 @@ class LeaseScan:
         async with self.ctx.pool.acquire() as conn, conn.transaction():
             tasks = await self.due(conn, now, self.ctx.settings.scan_batch_size)
             result.examined = len(tasks)
-            again = [(t, Reason.RELEASED) for t in tasks if t.worker_losses + 1 < limit]
-            lost = [t for t in tasks if t.worker_losses + 1 >= limit]
+            # judged before any of them moves: a worker's count is recorded by the first of its tasks found lost
+            company = {t.id for t in tasks if await maintenance.lost_holding(conn, t.worker_id) > 1}
+            again = [(t, Reason.RELEASED) for t in tasks if t.id in company or t.worker_losses + 1 < limit]
+            lost = [t for t in tasks if t.id not in company and t.worker_losses + 1 >= limit]
             for task, _ in await dispatch.publish_many(self.ctx.bus, again):
+                shared = task.id in company
                 out = await store.release(
-                    conn, task.id, actor=ACTOR, reason="lease expired: worker lost", expected_version=task.version,
-                    worker_lost=True,
+                    conn, task.id, actor=ACTOR, expected_version=task.version, worker_lost=True, in_company=shared,
+                    reason="lease expired: worker lost, in company" if shared else "lease expired: worker lost",
                 )
                 result.actions[Action.RELEASE] += out.applied
             for task in lost:
-                error = store.TaskError(WORKER_LOST, f"the worker running it was lost {task.worker_losses + 1} times")
+                error = store.TaskError(WORKER_LOST, f"its worker was lost {task.worker_losses + 1} times while it held no other task")
                 out = await store.fail(
                     conn, task.id, error=error, actor=ACTOR, reason="worker lost", expected_version=task.version,
                     dead_letter=True, worker_lost=True,

@@ -39,6 +39,7 @@ class Declined:
 
     task_id: int | None
     step: Step
+    alone: bool = False  # a task that must run alone waits for this worker: take nothing new until it holds no task
 
 
 class Claimer:
@@ -87,6 +88,12 @@ class Claimer:
                 return Declined(task_id, Step(MessageAction.NAK, Fate.WAITING, delay=max(got.wait_seconds or 0.0, 0.001)))
             case Verdict.BUSY:
                 return Declined(task_id, Step(MessageAction.NAK, Fate.WAITING, delay=retry_in))
+            case Verdict.ALONE:
+                log.info(
+                    "draining to run a task alone",
+                    extra={"task_id": str(current.id) if current else None, "worker": self.worker_id, "consumer": level.consumer},
+                )
+                return Declined(task_id, Step(MessageAction.NAK, Fate.WAITING, delay=retry_in), alone=True)
             case Verdict.NOT_FOUND:
                 return _drop(task_id, "no such task")
             case Verdict.OTHER_MODEL:

@@ -250,6 +250,8 @@ class Worker:
                 if task_id is not None:
                     tracing.annotate({tracing.TASK_ID: str(task_id)})
                 if isinstance(got, Claimed):
+                    if got.task.run_alone:  # it lost a worker: nothing else is taken while it runs
+                        self.fetcher.run_alone(hold)
                     await self._run(hold, msg, got)
                 else:
                     await self._decline(level, msg, got)
@@ -262,6 +264,8 @@ class Worker:
 
     async def _decline(self, level: Level, msg: Msg, declined: Declined) -> None:
         step = declined.step
+        if declined.alone:
+            self.fetcher.drain_for(level)
         if step.fate is Fate.CAPPED and step.delay is not None:
             self.fetcher.cap(level.model_id, step.delay)
         await act(msg, step)

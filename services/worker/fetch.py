@@ -1,4 +1,9 @@
-"""What to take next: dispatch messages while a slot is free, weighted across priorities, the rest handed back."""
+"""What to take next: dispatch messages while a slot is free, weighted across priorities, the rest handed back.
+
+A task that lost a worker runs alone (migration 0047): while one runs here nothing else is taken, and when the claim
+says one waits for this worker ('alone'), it takes nothing new until it holds no task, then takes from that task's
+level only, one message, whose claim gets it.
+"""
 
 from __future__ import annotations
 
@@ -76,6 +81,9 @@ class Fetcher:
         self._ready: list[tuple[Level, Msg]] = []
         self._wake = asyncio.Event()
         self._capped_until: dict[str, float] = {}
+        self._alone: SlotHold | None = None  # a run alone: nothing else is taken until its hold is released
+        self._drain_for: Level | None = None  # a task to run alone waits in this level for this worker
+        self._drain_empty_at: float | None = None  # when this worker was first found empty while draining for it
 
     async def start(self) -> None:
         """Makes sure every level's durable consumer exists, then opens this worker's pull inboxes."""
@@ -113,6 +121,45 @@ class Fetcher:
             self._changed()
             self._wake.set()
 
+    def run_alone(self, hold: SlotHold) -> None:
+        """`hold`'s task runs alone: nothing else is taken until it is released."""
+        if not hold.released:
+            self._alone = hold
+            self._changed()
+
+    def drain_for(self, level: Level) -> None:
+        """A task to run alone waits for this worker in `level`: nothing new is taken until every slot is free, then one
+        message of `level` (given up when none comes within a lease)."""
+        if self._drain_for is None:
+            self._drain_for, self._drain_empty_at = level, None
+            log.info("draining to run a task alone", extra={"worker": self.worker_id, "consumer": level.consumer})
+            self._changed()
+
+    @property
+    def held_alone(self) -> bool:
+        """Whether this worker takes nothing now: a task runs alone here, or it drains for one and still holds tasks."""
+        if self._alone is not None and self._alone.released:
+            self._alone = None
+        return self._alone is not None or (self._drain_for is not None and self._busy())
+
+    def _shut(self, level: Level) -> bool:
+        """Whether `level` gives nothing now (a run alone, or a drain for another level or not yet empty)."""
+        if self.held_alone:
+            return True
+        if self._drain_for is None:
+            return False
+        now = time.monotonic()
+        if self._drain_empty_at is None:
+            self._drain_empty_at = now
+        elif now - self._drain_empty_at > self.settings.lease_seconds:
+            log.info("no message came to run a task alone; taking any again", extra={"worker": self.worker_id})
+            self._drain_for = None
+            return False
+        return level is not self._drain_for
+
+    def _busy(self) -> bool:
+        return any(slot.busy for slot in self.slots)
+
     def cap(self, model_id: str, delay: float) -> None:
         """The model's concurrency cap is reached: leave its levels alone for `delay` seconds."""
         self._capped_until[model_id] = time.monotonic() + delay
@@ -130,7 +177,7 @@ class Fetcher:
 
     def _on_delivery(self, level: Level, msg: Msg | None) -> None:
         if msg is not None:
-            if self.draining or not self.free_slots(level.model_id):
+            if self.draining or not self.free_slots(level.model_id) or self._shut(level):
                 self._spawn(_bounce(msg))
                 return
             if not self._ready:
@@ -146,14 +193,18 @@ class Fetcher:
 
     async def _once(self) -> None:
         ready, self._ready = self._ready, []
-        if not self.free_slots():
+        if not self.free_slots() or self.held_alone:
             for _, msg in ready:
                 await _bounce(msg)
             await self._wake.wait()
             return
+        shut = [(lv, msg) for lv, msg in ready if self._shut(lv)]
+        for _, msg in shut:
+            await _bounce(msg)
+        ready = [(lv, msg) for lv, msg in ready if not self._shut(lv)]
         now = time.monotonic()
         active = [lv for lv in self.levels if lv.paused_until <= now and self._capped_until.get(lv.model_id, 0.0) <= now
-                  and self.free_slots(lv.model_id)]
+                  and self.free_slots(lv.model_id) and not self._shut(lv)]
         holding = {lv for lv, _ in ready}
         to_probe = [lv for lv in active if not lv.open(now) and lv not in holding]
         found = ready + (await self.puller.probe(to_probe) if to_probe else [])
@@ -180,7 +231,7 @@ class Fetcher:
         has = {lv for lv, _ in pending}
         Weighted.forget([lv for lv in self.levels if lv not in has])
         while pending and not self.draining:
-            startable = [lv for lv in dict.fromkeys(lv for lv, _ in pending) if self.free_slots(lv.model_id)]
+            startable = [lv for lv in dict.fromkeys(lv for lv, _ in pending) if self.free_slots(lv.model_id) and not self._shut(lv)]
             if not startable:
                 break
             level = Weighted.pick(startable)
@@ -190,6 +241,9 @@ class Fetcher:
             hold = SlotHold(free[0])
             hold.slot.busy = True
             self._spawn(self._start(hold, level, msg))
+            if self._drain_for is not None:  # the drain's one message: its claim takes the task to run alone
+                self._drain_for = None
+                break
         for _, msg in pending:
             self._spawn(_bounce(msg))
         self._changed()

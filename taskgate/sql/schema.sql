@@ -137,11 +137,15 @@ CREATE TABLE public.task (
     tokens_reserved bigint DEFAULT 0 NOT NULL,
     token_budget_day date,
     preview_uris text[] DEFAULT '{}'::text[] NOT NULL,
+    company_losses integer DEFAULT 0 NOT NULL,
+    run_alone boolean DEFAULT false NOT NULL,
+    alone_for text,
     CONSTRAINT task_attempt_check CHECK ((attempt >= 0)),
     CONSTRAINT task_callback_consistent CHECK (((callback_url IS NOT NULL) OR (callback_status = 'NONE'::text))),
     CONSTRAINT task_callback_status_check CHECK ((callback_status = ANY (ARRAY['NONE'::text, 'PENDING'::text, 'DELIVERED'::text, 'FAILED'::text]))),
     CONSTRAINT task_cancel_mode_check CHECK ((cancel_mode = ANY (ARRAY['soft'::text, 'hard'::text]))),
     CONSTRAINT task_checkpoint_step_check CHECK ((checkpoint_step >= 0)),
+    CONSTRAINT task_company_losses_check CHECK ((company_losses >= 0)),
     CONSTRAINT task_device_seconds_check CHECK ((device_seconds >= (0)::double precision)),
     CONSTRAINT task_end_user_check CHECK ((octet_length(end_user) <= 128)),
     CONSTRAINT task_failed_has_error CHECK (((status <> ALL (ARRAY['FAILED'::public.task_status, 'TIMEOUT'::public.task_status])) OR (error_code IS NOT NULL))),
@@ -925,6 +929,10 @@ DECLARE
     v_new_floor float8;
     v_eu record;
     v_eu_floor float8;
+    v_company boolean := false;
+    v_held integer;
+    v_alone record;
+    v_any_alone boolean;
 BEGIN
     -- a claim commits durably (no synchronous_commit=off here): a claim lost in a crash would hand its attempt number
     -- to a second worker, and writes are fenced by that number
@@ -938,6 +946,15 @@ BEGIN
         RETURN;
     END IF;
     v_priority := claimed.priority;
+    -- tasks to run alone are few (only after a worker death): one look at their index, usually empty, and the rest of
+    -- their checks only when there are some
+    v_any_alone := EXISTS (SELECT 1 FROM task a WHERE a.run_alone AND a.status IN ('QUEUED', 'PROCESSING'));
+    -- a run alone: this worker takes nothing else while it runs
+    IF v_any_alone AND EXISTS (SELECT 1 FROM task a WHERE a.run_alone AND a.status = 'PROCESSING'
+                               AND a.worker_id = p_worker_id AND a.lease_expires_at > now()) THEN
+        verdict := 'busy';
+        RETURN;
+    END IF;
     -- each cap is exact: claims queue on its lock until the claiming transaction commits (model first, then cluster,
     -- always in that order, so two claims never wait on each other's)
     IF p_cap > 0 THEN
@@ -960,10 +977,46 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    IF claimed.status = 'PROCESSING' AND claimed.lease_expires_at < now()
-       AND (p_max_losses IS NULL OR claimed.worker_losses + 1 < p_max_losses) THEN
-        v_id := p_task_id;  -- a redelivery after its worker was lost: take the attempt over
-    ELSE
+    IF claimed.status = 'PROCESSING' AND claimed.lease_expires_at < now() AND NOT EXISTS (
+        SELECT 1 FROM task l WHERE l.worker_id = p_worker_id AND task_holds_lease(l.status, l.lease_expires_at)
+                               AND l.lease_expires_at > now()) THEN
+        -- a redelivery after its worker was lost: take the attempt over (this worker holds nothing else), unless the
+        -- loss is alone and reaches p_max_losses (the scheduler's lease scan fails it)
+        v_company := worker_lost_holding(claimed.worker_id) > 1;
+        IF v_company OR p_max_losses IS NULL OR claimed.worker_losses + 1 < p_max_losses THEN
+            v_id := p_task_id;
+        END IF;
+    END IF;
+    IF v_id IS NULL AND v_any_alone THEN
+        -- the level's due run_alone task: this worker's reservation first, then an open one (no live worker drains
+        -- for it), oldest first
+        SELECT q.id, (q.alone_for IS NULL OR q.alone_for = p_worker_id
+                      OR coalesce(w.last_heartbeat <= now() - make_interval(secs => p_lease_seconds), true)) AS open
+        INTO v_alone
+        FROM task q LEFT JOIN worker w ON w.id = q.alone_for
+        WHERE q.run_alone AND q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
+          AND (q.not_before IS NULL OR q.not_before <= now())
+          AND (q.queue_expires_at IS NULL OR q.queue_expires_at > now())
+        ORDER BY q.alone_for IS NOT DISTINCT FROM p_worker_id DESC,
+                 (q.alone_for IS NULL OR coalesce(w.last_heartbeat <= now() - make_interval(secs => p_lease_seconds), true)) DESC,
+                 q.queued_at, q.id
+        LIMIT 1
+        FOR UPDATE OF q SKIP LOCKED;
+        IF FOUND THEN
+            v_seen := true;
+            SELECT count(*) INTO v_held FROM task l
+            WHERE l.worker_id = p_worker_id AND task_holds_lease(l.status, l.lease_expires_at) AND l.lease_expires_at > now();
+            IF v_held = 0 THEN
+                v_id := v_alone.id;  -- an empty worker: it runs alone here
+            ELSIF v_alone.open THEN  -- this worker drains for it
+                UPDATE task SET alone_for = p_worker_id WHERE id = v_alone.id AND alone_for IS DISTINCT FROM p_worker_id;
+                verdict := 'alone';
+                SELECT t.* INTO claimed FROM task t WHERE t.id = v_alone.id;
+                RETURN;
+            END IF;
+        END IF;
+    END IF;
+    IF v_id IS NULL THEN
         SELECT l.floor INTO v_floor FROM fair_level l WHERE l.model_id = p_model_id AND l.priority = v_priority;
         v_floor := coalesce(v_floor, 0);
         -- the tenants with a due QUEUED task in the level (a skip scan of task_fair_idx), lowest pass first
@@ -1031,6 +1084,7 @@ BEGIN
                   AND q.user_id = v_pick.user_id AND q.end_user = v_eu.end_user
                   AND (q.not_before IS NULL OR q.not_before <= now())
                   AND (q.queue_expires_at IS NULL OR q.queue_expires_at > now())
+                  AND NOT q.run_alone
                 ORDER BY q.queued_at, q.id LIMIT 1
                 FOR UPDATE SKIP LOCKED;
                 IF v_id IS NOT NULL THEN
@@ -1072,13 +1126,16 @@ BEGIN
     END IF;
     UPDATE task t SET status = 'PROCESSING', version = t.version + 1, attempt = t.attempt + 1, worker_id = p_worker_id,
            lease_expires_at = now() + make_interval(secs => p_lease_seconds), started_at = now(), progress = 0,
-           worker_losses = t.worker_losses + (t.status = 'PROCESSING')::int,
+           worker_losses = t.worker_losses + (t.status = 'PROCESSING' AND NOT v_company)::int,
+           company_losses = t.company_losses + (t.status = 'PROCESSING' AND v_company)::int,
+           run_alone = t.run_alone OR t.status = 'PROCESSING', alone_for = NULL,
            processed_seconds = t.processed_seconds + CASE WHEN t.status = 'PROCESSING' THEN
                GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8 ELSE 0 END,
            updated_at = now(), last_actor = p_actor, last_reason = p_reason
     FROM (SELECT id, status AS old_status FROM task WHERE id = v_id FOR UPDATE) o
     WHERE t.id = v_id AND t.id = o.id AND t.status IN ('CREATED', 'QUEUED', 'PROCESSING')
-      AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now() AND (p_max_losses IS NULL OR t.worker_losses + 1 < p_max_losses)))
+      AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now()
+                                        AND (v_company OR p_max_losses IS NULL OR t.worker_losses + 1 < p_max_losses)))
     RETURNING o.old_status INTO old_status;
     verdict := CASE WHEN FOUND THEN 'claimed' ELSE 'refused' END;
     IF verdict = 'claimed' THEN  -- the level moves (the scheduler's QueuedScan reads claimed_at); a fair pick's floor
@@ -1090,6 +1147,32 @@ BEGIN
     SELECT t.* INTO claimed FROM task t WHERE t.id = v_id;
     SELECT r.* INTO reusable FROM reusable_result r
     WHERE r.user_id = claimed.user_id AND r.request_hash = claimed.request_hash;
+END
+$$;
+
+--
+-- Name: worker_lost_holding(text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.worker_lost_holding(p_worker_id text) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_holding integer;
+BEGIN
+    UPDATE worker w
+    SET lost_holding = CASE WHEN w.lost_at IS NULL OR w.lost_at < w.last_heartbeat THEN (
+                                SELECT count(*)::int FROM task t
+                                WHERE task_holds_lease(t.status, t.lease_expires_at) AND t.worker_id = p_worker_id)
+                            ELSE w.lost_holding END,
+        lost_at = CASE WHEN w.lost_at IS NULL OR w.lost_at < w.last_heartbeat THEN now() ELSE w.lost_at END
+    WHERE w.id = p_worker_id
+    RETURNING w.lost_holding INTO v_holding;
+    IF NOT FOUND THEN
+        SELECT count(*)::int INTO v_holding FROM task t
+        WHERE task_holds_lease(t.status, t.lease_expires_at) AND t.worker_id = p_worker_id;
+    END IF;
+    RETURN GREATEST(v_holding, 1);
 END
 $$;
 
@@ -1669,6 +1752,8 @@ CREATE TABLE public.worker (
     control_address text,
     devices integer DEFAULT 0 NOT NULL,
     capacity double precision,
+    lost_holding integer,
+    lost_at timestamp with time zone,
     CONSTRAINT worker_slots_check CHECK ((slots >= 1))
 );
 
@@ -2182,6 +2267,12 @@ CREATE INDEX task_request_hash_idx ON public.task USING btree (user_id, request_
 --
 
 CREATE INDEX task_result_kept_idx ON public.task USING btree (finished_at) WHERE ((finished_at IS NOT NULL) AND (result_uri IS NOT NULL) AND (result_expired_at IS NULL));
+
+--
+-- Name: task_run_alone_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX task_run_alone_idx ON public.task USING btree (model_id, priority, queued_at, id) WHERE (run_alone AND (status = ANY (ARRAY['QUEUED'::public.task_status, 'PROCESSING'::public.task_status])));
 
 --
 -- Name: task_status_updated_idx; Type: INDEX; Schema: public; Owner: -

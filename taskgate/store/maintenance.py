@@ -79,6 +79,14 @@ async def lease_expired(db: Conn, *, now: datetime | None = None, limit: int) ->
     return await _tasks(db, "sched_lease_expired", now, limit)
 
 
+async def lost_holding(db: Conn, worker_id: str | None) -> int:
+    """How many tasks a lost worker held when its first lost lease was found (at least 1; functions/worker_lost.sql):
+    above 1, each of them died in company."""
+    if worker_id is None:
+        return 1
+    return int(await db.fetchval(sql.query("sched_worker_lost_holding"), worker_id))
+
+
 async def processing_overdue(
     db: Conn,
     *,

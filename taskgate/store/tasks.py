@@ -200,16 +200,18 @@ class Retry:
 class Release:
     """PROCESSING -> QUEUED without spending a retry (a lost or drained worker, an operator's requeue).
 
-    `worker_lost` counts the attempt toward max_worker_losses.
+    `worker_lost`: the attempt's worker was lost (the task runs alone from then on); counted toward
+    max_worker_losses unless `in_company` (the worker held other tasks too: counted in company_losses).
     """
 
     worker_lost: bool = False
     metered: Metered = UNMETERED
     keep_order: bool = False  # a preempted task keeps its place in its level's queue
+    in_company: bool = False
     move: ClassVar[Move] = Move.RELEASE
 
     def params(self) -> tuple[object, ...]:
-        return (self.worker_lost, *self.metered.params(), self.keep_order)
+        return (self.worker_lost, *self.metered.params(), self.keep_order, self.in_company)
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,11 +353,14 @@ async def release(
     worker_lost: bool = False,
     metered: Metered = UNMETERED,
     keep_order: bool = False,
+    in_company: bool = False,
 ) -> Outcome:
-    """PROCESSING -> QUEUED without spending a retry; `worker_lost` counts a lost worker's attempt; `keep_order`
+    """PROCESSING -> QUEUED without spending a retry; `worker_lost` counts a lost worker's attempt (in company_losses
+    when `in_company`: its worker held other tasks too) and makes the task run alone from then on; `keep_order`
     leaves its place in the queue as it was (a preempted task)."""
     return await apply(
-        db, task_id, Release(worker_lost, metered, keep_order), actor=actor, reason=reason, expected_version=expected_version,
+        db, task_id, Release(worker_lost, metered, keep_order, in_company), actor=actor, reason=reason,
+        expected_version=expected_version,
         expected_attempt=expected_attempt,
     )
 

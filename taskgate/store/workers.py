@@ -51,7 +51,10 @@ class Verdict(enum.Enum):
     CAPPED = "capped"  # the model's cap or the cluster's slots are full
     REFUSED = "refused"  # a live lease, or a takeover that would reach max_worker_losses
     EARLY = "early"  # the level's QUEUED tasks are not due yet (wait_seconds until the first is)
-    BUSY = "busy"  # every due task of the level is being claimed by another worker right now
+    BUSY = "busy"  # every due task of the level is being claimed by another worker right now, or this worker runs
+    # a task alone (it takes nothing else meanwhile)
+    ALONE = "alone"  # the level's task that must run alone is reserved for this worker (task): take nothing new until
+    # this worker holds no task, then claim again from the level
 
 
 @dataclass(frozen=True, slots=True)

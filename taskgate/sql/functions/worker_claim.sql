@@ -6,9 +6,15 @@
 -- the end user with the lowest pass wins, its oldest task first, and its pass grows by 1), else its own task while
 -- that is still CREATED (the message outran the commit); its own task PROCESSING under a lapsed lease (its worker
 -- was lost) is taken over first.
+-- Bystanders (migration 0047): a task that lost a worker runs alone from then on (run_alone). A worker that runs such a
+-- task claims nothing else ('busy'); an empty worker claims the level's due run_alone task first (before the fair
+-- pick); a worker holding tasks reserves it instead (alone_for) and is told to drain ('alone': claimed is that task),
+-- unless another live worker already drains for it (then the fair pick, which passes run_alone tasks by). A takeover
+-- is one more run alone: only a worker that holds nothing takes one over, and counts the loss as alone or in company
+-- (worker_lost_holding); only a loss alone counts toward p_max_losses.
 -- verdict: 'claimed' (claimed is the new attempt, old_status what it left), 'not_found', 'other_model', 'capped';
 -- with nothing to claim in the level: 'finished' (its own task ended), 'refused' (its own task runs under a live
--- lease, or a takeover would reach p_max_losses), 'early' (the level's QUEUED tasks are not due yet: wait_seconds until the first is) or
+-- lease, or a takeover would reach p_max_losses or this worker holds other tasks), 'alone' (drain, see above), 'early' (the level's QUEUED tasks are not due yet: wait_seconds until the first is) or
 -- 'busy' (every due task is being claimed by others right now); claimed is otherwise the message's own task.
 -- reusable: a soft-cancelled run's output for the claimed task's request.
 -- plpgsql: each statement takes a fresh snapshot, so the model's count after its lock sees every committed claim.
@@ -29,6 +35,10 @@ DECLARE
     v_new_floor float8;
     v_eu record;
     v_eu_floor float8;
+    v_company boolean := false;
+    v_held integer;
+    v_alone record;
+    v_any_alone boolean;
 BEGIN
     -- a claim commits durably (no synchronous_commit=off here): a claim lost in a crash would hand its attempt number
     -- to a second worker, and writes are fenced by that number
@@ -42,6 +52,15 @@ BEGIN
         RETURN;
     END IF;
     v_priority := claimed.priority;
+    -- tasks to run alone are few (only after a worker death): one look at their index, usually empty, and the rest of
+    -- their checks only when there are some
+    v_any_alone := EXISTS (SELECT 1 FROM task a WHERE a.run_alone AND a.status IN ('QUEUED', 'PROCESSING'));
+    -- a run alone: this worker takes nothing else while it runs
+    IF v_any_alone AND EXISTS (SELECT 1 FROM task a WHERE a.run_alone AND a.status = 'PROCESSING'
+                               AND a.worker_id = p_worker_id AND a.lease_expires_at > now()) THEN
+        verdict := 'busy';
+        RETURN;
+    END IF;
     -- each cap is exact: claims queue on its lock until the claiming transaction commits (model first, then cluster,
     -- always in that order, so two claims never wait on each other's)
     IF p_cap > 0 THEN
@@ -64,10 +83,46 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    IF claimed.status = 'PROCESSING' AND claimed.lease_expires_at < now()
-       AND (p_max_losses IS NULL OR claimed.worker_losses + 1 < p_max_losses) THEN
-        v_id := p_task_id;  -- a redelivery after its worker was lost: take the attempt over
-    ELSE
+    IF claimed.status = 'PROCESSING' AND claimed.lease_expires_at < now() AND NOT EXISTS (
+        SELECT 1 FROM task l WHERE l.worker_id = p_worker_id AND task_holds_lease(l.status, l.lease_expires_at)
+                               AND l.lease_expires_at > now()) THEN
+        -- a redelivery after its worker was lost: take the attempt over (this worker holds nothing else), unless the
+        -- loss is alone and reaches p_max_losses (the scheduler's lease scan fails it)
+        v_company := worker_lost_holding(claimed.worker_id) > 1;
+        IF v_company OR p_max_losses IS NULL OR claimed.worker_losses + 1 < p_max_losses THEN
+            v_id := p_task_id;
+        END IF;
+    END IF;
+    IF v_id IS NULL AND v_any_alone THEN
+        -- the level's due run_alone task: this worker's reservation first, then an open one (no live worker drains
+        -- for it), oldest first
+        SELECT q.id, (q.alone_for IS NULL OR q.alone_for = p_worker_id
+                      OR coalesce(w.last_heartbeat <= now() - make_interval(secs => p_lease_seconds), true)) AS open
+        INTO v_alone
+        FROM task q LEFT JOIN worker w ON w.id = q.alone_for
+        WHERE q.run_alone AND q.status = 'QUEUED' AND q.model_id = p_model_id AND q.priority = v_priority
+          AND (q.not_before IS NULL OR q.not_before <= now())
+          AND (q.queue_expires_at IS NULL OR q.queue_expires_at > now())
+        ORDER BY q.alone_for IS NOT DISTINCT FROM p_worker_id DESC,
+                 (q.alone_for IS NULL OR coalesce(w.last_heartbeat <= now() - make_interval(secs => p_lease_seconds), true)) DESC,
+                 q.queued_at, q.id
+        LIMIT 1
+        FOR UPDATE OF q SKIP LOCKED;
+        IF FOUND THEN
+            v_seen := true;
+            SELECT count(*) INTO v_held FROM task l
+            WHERE l.worker_id = p_worker_id AND task_holds_lease(l.status, l.lease_expires_at) AND l.lease_expires_at > now();
+            IF v_held = 0 THEN
+                v_id := v_alone.id;  -- an empty worker: it runs alone here
+            ELSIF v_alone.open THEN  -- this worker drains for it
+                UPDATE task SET alone_for = p_worker_id WHERE id = v_alone.id AND alone_for IS DISTINCT FROM p_worker_id;
+                verdict := 'alone';
+                SELECT t.* INTO claimed FROM task t WHERE t.id = v_alone.id;
+                RETURN;
+            END IF;
+        END IF;
+    END IF;
+    IF v_id IS NULL THEN
         SELECT l.floor INTO v_floor FROM fair_level l WHERE l.model_id = p_model_id AND l.priority = v_priority;
         v_floor := coalesce(v_floor, 0);
         -- the tenants with a due QUEUED task in the level (a skip scan of task_fair_idx), lowest pass first
@@ -135,6 +190,7 @@ BEGIN
                   AND q.user_id = v_pick.user_id AND q.end_user = v_eu.end_user
                   AND (q.not_before IS NULL OR q.not_before <= now())
                   AND (q.queue_expires_at IS NULL OR q.queue_expires_at > now())
+                  AND NOT q.run_alone
                 ORDER BY q.queued_at, q.id LIMIT 1
                 FOR UPDATE SKIP LOCKED;
                 IF v_id IS NOT NULL THEN
@@ -176,13 +232,16 @@ BEGIN
     END IF;
     UPDATE task t SET status = 'PROCESSING', version = t.version + 1, attempt = t.attempt + 1, worker_id = p_worker_id,
            lease_expires_at = now() + make_interval(secs => p_lease_seconds), started_at = now(), progress = 0,
-           worker_losses = t.worker_losses + (t.status = 'PROCESSING')::int,
+           worker_losses = t.worker_losses + (t.status = 'PROCESSING' AND NOT v_company)::int,
+           company_losses = t.company_losses + (t.status = 'PROCESSING' AND v_company)::int,
+           run_alone = t.run_alone OR t.status = 'PROCESSING', alone_for = NULL,
            processed_seconds = t.processed_seconds + CASE WHEN t.status = 'PROCESSING' THEN
                GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8 ELSE 0 END,
            updated_at = now(), last_actor = p_actor, last_reason = p_reason
     FROM (SELECT id, status AS old_status FROM task WHERE id = v_id FOR UPDATE) o
     WHERE t.id = v_id AND t.id = o.id AND t.status IN ('CREATED', 'QUEUED', 'PROCESSING')
-      AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now() AND (p_max_losses IS NULL OR t.worker_losses + 1 < p_max_losses)))
+      AND (t.status <> 'PROCESSING' OR (t.lease_expires_at < now()
+                                        AND (v_company OR p_max_losses IS NULL OR t.worker_losses + 1 < p_max_losses)))
     RETURNING o.old_status INTO old_status;
     verdict := CASE WHEN FOUND THEN 'claimed' ELSE 'refused' END;
     IF verdict = 'claimed' THEN  -- the level moves (the scheduler's QueuedScan reads claimed_at); a fair pick's floor

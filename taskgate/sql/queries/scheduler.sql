@@ -60,6 +60,10 @@ ORDER BY lease_expires_at
 LIMIT $2
 FOR UPDATE SKIP LOCKED;
 
+-- name: sched_worker_lost_holding
+-- How many tasks a lost worker held when its first lost lease was found (functions/worker_lost.sql). $1 worker id.
+SELECT worker_lost_holding($1);
+
 -- name: sched_processing_overdue
 -- PROCESSING tasks with a live lease whose processing time, earlier attempts included, ran past their model's
 -- processing timeout (plus @grace_seconds once it was granted). @models and their timeouts in @seconds,

@@ -85,11 +85,15 @@ RETURNING t.*, o.old_status;
 -- PROCESSING -> QUEUED without spending a retry: a lost worker, a drained worker, an operator's requeue.
 -- $7 whether the attempt's worker was lost (counted toward max_worker_losses), $8 and $9 the attempt's device and
 -- slot seconds (0 when its worker is not the one releasing), $10 its wasted device seconds (after its newest checkpoint),
--- $11 whether it keeps its place in its level's queue (a preempted task: queued_at unchanged).
+-- $11 whether it keeps its place in its level's queue (a preempted task: queued_at unchanged), $12 whether the lost
+-- worker held other tasks too (a loss in company: counted in company_losses, not toward max_worker_losses). A task
+-- whose worker was lost runs alone from then on (migration 0047).
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, worker_id = NULL, lease_expires_at = NULL,
        device_seconds = t.device_seconds + $8, slot_seconds = t.slot_seconds + $9,
        wasted_seconds = t.wasted_seconds + $10,
-       worker_losses = t.worker_losses + $7::boolean::int,
+       worker_losses = t.worker_losses + ($7::boolean AND NOT $12::boolean)::int,
+       company_losses = t.company_losses + ($7::boolean AND $12::boolean)::int,
+       run_alone = t.run_alone OR $7::boolean, alone_for = NULL,
        processed_seconds = t.processed_seconds
            + GREATEST(0, EXTRACT(EPOCH FROM LEAST(now(), t.lease_expires_at) - t.started_at))::float8,
        progress = 0, queued_at = CASE WHEN $11 THEN t.queued_at ELSE now() END, publish_count = 0, not_before = NULL, updated_at = now(),

@@ -159,8 +159,10 @@ async def test_a_claim_reads_the_live_leases_only_however_stale_the_statistics(b
         )
         claimed = await conn.fetchrow("SELECT status::text, worker_id FROM task WHERE id = 1")
     # the fair pick (a skip scan over the level's tenants, the stride rows) reads about 60 more than the caps alone, and
-    # the end users' pick inside the winning tenant (#35: its skip scan, its stride row) about 35 more (169 -> 203)
-    assert explained["Plan"]["Shared Hit Blocks"] + explained["Plan"].get("Shared Read Blocks", 0) < 250, explained
+    # the end users' pick inside the winning tenant (#35: its skip scan, its stride row) about 35 more (169 -> 203);
+    # the look for tasks to run alone (#41, migration 0047: one probe of their empty index, and the checks it gates) about
+    # 40 more on this second call of a session (242 -> 283), most of it planning: each statement runs in 1-4 blocks
+    assert explained["Plan"]["Shared Hit Blocks"] + explained["Plan"].get("Shared Read Blocks", 0) < 300, explained
     assert (claimed["status"], claimed["worker_id"]) == ("PROCESSING", "w")  # under both caps: claimed
 
 
@@ -185,5 +187,5 @@ async def test_a_fair_claim_reads_one_task_per_tenant_however_long_the_queue(bac
         claimed = await conn.fetch("SELECT id FROM task WHERE status = 'PROCESSING' ORDER BY id")
     assert [r["id"] for r in claimed] == [1, 20_001]  # the single task second, ahead of bulk's 19,999
     # a constant per claim: the end users' pick inside the winning tenant (#35) added about 40 (171 -> 212); a walk of
-    # bulk's backlog would read thousands
-    assert explained["Plan"]["Shared Hit Blocks"] + explained["Plan"].get("Shared Read Blocks", 0) < 250, explained
+    # bulk's backlog would read thousands; the look for tasks to run alone (#41) about 25 more (248 -> 274)
+    assert explained["Plan"]["Shared Hit Blocks"] + explained["Plan"].get("Shared Read Blocks", 0) < 300, explained

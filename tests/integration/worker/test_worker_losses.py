@@ -23,11 +23,13 @@ from taskgate.config import ModelSpec, Settings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Status
+from taskgate.store import workers as registry
 from taskgate.store.workers import Verdict
 from taskgate.wire import dispatch
 from tests.support import factories
-from tests.support.factories import all_settings, insert_task
-from tests.support.harness import ROOT, settings_env, wait_for
+from tests.support.factories import SLEEPY as SLEEP_MODEL
+from tests.support.factories import all_settings, insert_task, params, publish, sleepy_settings, submit
+from tests.support.harness import ROOT, WorkerFactory, settings_env, wait_for
 from tests.support.queries import db_now, row
 
 SLEEPY = "sleepy"
@@ -200,3 +202,185 @@ async def test_a_task_that_kills_its_worker_ends_failed_worker_lost_and_others_k
         assert (letter["task"]["id"], letter["task"]["error_code"], letter["reason"]) == (str(poison.id), WORKER_LOST, "worker lost")
     finally:
         await sched.stop(0)
+
+
+# ---- bystanders: a task that only shared a worker with a poison task is never blamed ----
+
+
+async def registered(pool: asyncpg.Pool, *worker_ids: str) -> None:
+    for worker_id in worker_ids:
+        await registry.register(pool, registry.Registration(worker_id, ("wan-tiny",), 2, 0, "cpu", False))
+
+
+async def test_a_loss_in_company_is_not_counted_and_the_task_runs_alone_after_it(
+    backends: Backends, scheduler: Scheduler
+) -> None:
+    pool = backends.pool
+    await registered(pool, "w1")
+    poison, innocent = await insert_task(pool), await insert_task(pool)
+    for task in (poison, innocent):
+        assert (await store.queue(pool, task.id, actor="submit")).applied
+    await claimed(pool, poison.id, "w1")
+    await claimed(pool, innocent.id, "w1", lease=20.0)  # its lease runs out a scan later: the worker's count holds
+    now = await db_now(pool)
+    assert (await scheduler.run_once(now + timedelta(seconds=11)))[Action.RELEASE] == 1
+    assert (await scheduler.run_once(now + timedelta(seconds=21)))[Action.RELEASE] == 1
+    for task in (poison, innocent):
+        lost = await row(pool, task.id)
+        assert (lost.status, lost.worker_losses, lost.company_losses, lost.run_alone) == (Status.QUEUED, 0, 1, True)
+
+    # alone from now on: its next loss is its own, counted; the one that reaches the cap fails it
+    await registered(pool, "w2", "w3")
+    await claimed(pool, poison.id, "w2")
+    assert (await factories.claim(pool, poison.id, worker_id="w2")).verdict is Verdict.BUSY  # w2 takes nothing else
+    await pool.execute("UPDATE worker SET last_heartbeat = now() - interval '1 minute' WHERE id = 'w2'")
+    now = await db_now(pool)
+    assert (await scheduler.run_once(now + timedelta(seconds=11)))[Action.RELEASE] == 1
+    again = await row(pool, poison.id)
+    assert (again.worker_losses, again.company_losses, again.attempt) == (1, 1, 2)
+    await registered(pool, "w4")
+    solo = await claimed(pool, innocent.id, "w3", lease=60.0)  # the oldest task to run alone, on an empty worker
+    assert (solo.attempt, solo.worker_losses, solo.run_alone) == (2, 0, True)
+    await claimed(pool, poison.id, "w4")
+    now = await db_now(pool)
+    assert (await scheduler.run_once(now + timedelta(seconds=11)))[Action.WORKER_LOST] == 1
+    dead = await row(pool, poison.id)
+    assert (dead.status, dead.error_code, dead.worker_losses, dead.company_losses) == (Status.FAILED, WORKER_LOST, 2, 1)
+
+
+async def test_a_task_to_run_alone_is_reserved_by_a_busy_worker_and_taken_by_an_empty_one(backends: Backends) -> None:
+    pool = backends.pool
+    await registered(pool, "busy", "other", "empty")
+    for worker_id in ("busy", "other"):
+        running = await insert_task(pool)
+        assert (await store.queue(pool, running.id, actor="submit")).applied
+        await claimed(pool, running.id, worker_id)
+    alone, normal = await insert_task(pool), await insert_task(pool)
+    for task in (alone, normal):
+        assert (await store.queue(pool, task.id, actor="submit")).applied
+    await pool.execute("UPDATE task SET run_alone = true WHERE id = $1", alone.id)
+
+    # a worker holding a task reserves it and is told to drain; it claims nothing else meanwhile
+    got = await factories.claim(pool, normal.id, worker_id="busy")
+    assert got.verdict is Verdict.ALONE and got.task is not None and got.task.id == alone.id
+    assert (await row(pool, alone.id)).alone_for == "busy"
+    # another busy worker passes it by (one worker drains for it, not all): it takes the fairest other task
+    taken = await factories.claim(pool, alone.id, worker_id="other")
+    assert taken.verdict is Verdict.CLAIMED and taken.task is not None and taken.task.id == normal.id
+    # an empty worker takes it at once, reserved or not, and takes nothing else while it runs
+    solo = await claimed(pool, alone.id, "empty")
+    assert solo.run_alone and solo.alone_for is None and solo.attempt == 1
+    later = await insert_task(pool)
+    assert (await store.queue(pool, later.id, actor="submit")).applied
+    assert (await factories.claim(pool, later.id, worker_id="empty")).verdict is Verdict.BUSY
+
+
+async def test_a_drain_for_a_dead_worker_is_taken_over_and_a_drained_worker_claims_its_reservation(
+    backends: Backends,
+) -> None:
+    pool = backends.pool
+    await registered(pool, "gone", "drainer")
+    held, alone = await insert_task(pool), await insert_task(pool)
+    assert (await store.queue(pool, held.id, actor="submit")).applied
+    mine = await claimed(pool, held.id, "drainer")
+    assert (await store.queue(pool, alone.id, actor="submit")).applied
+    await pool.execute("UPDATE task SET run_alone = true, alone_for = 'gone' WHERE id = $1", alone.id)
+    await pool.execute("UPDATE worker SET last_heartbeat = now() - interval '1 minute' WHERE id = 'gone'")
+    got = await factories.claim(pool, alone.id, worker_id="drainer")  # the reservation of a dead worker is open
+    assert got.verdict is Verdict.ALONE and (await row(pool, alone.id)).alone_for == "drainer"
+    assert (await store.release(pool, held.id, actor="worker", expected_attempt=mine.attempt)).applied  # drained
+    assert (await claimed(pool, alone.id, "drainer")).run_alone
+
+
+async def test_a_takeover_of_a_task_lost_in_company_runs_it_alone_and_does_not_count_it(backends: Backends) -> None:
+    pool = backends.pool
+    await registered(pool, "w1", "w2", "w3")
+    first, second, other = await insert_task(pool), await insert_task(pool), await insert_task(pool)
+    await claimed(pool, first.id, "w1", lease=-1.0)  # both leases already ran out: w1 is gone
+    await claimed(pool, second.id, "w1", lease=-1.0)
+    await claimed(pool, other.id, "w2")
+    # a worker holding a task does not take one over (it would not run alone)
+    assert (await factories.claim(pool, first.id, worker_id="w2", max_worker_losses=1)).verdict is Verdict.REFUSED
+    taken = await factories.claimed(pool, first.id, worker_id="w3", max_worker_losses=1)  # in company: the cap of 1 does not stop it
+    assert (taken.attempt, taken.worker_losses, taken.company_losses, taken.run_alone) == (2, 0, 1, True)
+
+
+async def test_a_task_sharing_a_worker_with_a_task_that_kills_it_is_never_blamed(
+    settings: Settings, backends: Backends
+) -> None:
+    """Rounds of a poison task and an innocent one submitted together to one worker with two slots: today's claim ran
+    the pair together again after the first death, and the innocent one ended FAILED WORKER_LOST with the poison."""
+    s = settings.model_copy(
+        update={
+            # the poison task dies half way through its run: the innocent one runs beside it by then
+            "models": {SLEEPY: ModelSpec(kind="sleep", sleep_seconds=0.6, default_steps=2, kill_on_prompt=POISON)},
+            "default_model": SLEEPY,
+            "worker_models": [SLEEPY],
+            "worker_slots": 2,
+            "lease_seconds": 1.0,
+            "heartbeat_seconds": 0.25,
+            "scan_interval_seconds": 0.2,
+            "worker_cap_retry_seconds": 0.1,
+            "max_worker_losses": 2,
+        }
+    )
+    sched = await scheduler_service.start(s, backends)
+    rounds = 2
+    try:
+        async with worker_kept_running(s) as exits:
+            for n in range(rounds):
+                pair = []
+                for prompt in (f"a harmless prompt {n}", f"{POISON} {n}"):
+                    task = await insert_task(backends.pool, model_id=SLEEPY, prompt=prompt, params={"num_inference_steps": 2})
+                    assert (await store.queue(backends.pool, task.id, actor="submit")).applied
+                    await backends.bus.js.publish(
+                        busmod.task_subject(SLEEPY, task.priority), dispatch.encode(task),
+                        headers={"Nats-Msg-Id": f"{task.id}.q0"},
+                    )
+                    pair.append(task)
+                innocent, poison = pair
+
+                async def finished(pair: list[TaskRow] = pair) -> bool:
+                    return all([(await row(backends.pool, t.id)).status.terminal for t in pair])
+
+                await wait_for(finished, within=60, every=0.1)
+                done, dead = await row(backends.pool, innocent.id), await row(backends.pool, poison.id)
+                # the first death was in company (not counted); then each ran alone: the innocent one finished, the
+                # poison one killed two more workers, each death its own
+                assert done.status is Status.SUCCEEDED, (n, done.status, done.error_code, done.attempt)
+                assert (done.worker_losses, done.company_losses, done.attempt) == (0, 1, 2)
+                assert (dead.status, dead.error_code) == (Status.FAILED, WORKER_LOST)
+                assert (dead.worker_losses, dead.company_losses, dead.attempt) == (2, 1, 3)
+            assert exits[: 3 * rounds] == [-9] * (3 * rounds)
+    finally:
+        await sched.stop(0)
+
+
+async def test_a_worker_holding_a_task_drains_to_run_a_task_alone_and_takes_nothing_beside_it(
+    settings: Settings, backends: Backends, workers: WorkerFactory
+) -> None:
+    s = sleepy_settings(settings, sleep=1.0).model_copy(update={"worker_slots": 2, "worker_cap_retry_seconds": 0.1})
+    await workers(s)
+    first = await submit(backends, params=params(steps=2, seed=1))
+
+    async def started() -> bool:
+        return (await row(backends.pool, first.id)).started_at is not None
+
+    await wait_for(started, within=20)
+    alone = await insert_task(backends.pool, model_id=SLEEP_MODEL, params=params(steps=2, seed=2))
+    assert (await store.queue(backends.pool, alone.id, actor="submit")).applied
+    await backends.pool.execute("UPDATE task SET run_alone = true WHERE id = $1", alone.id)  # as after a lost worker
+    await publish(backends, alone, f"{alone.id}.q0")
+    after = await submit(backends, params=params(steps=2, seed=3))  # an ordinary task, queued behind it
+    tasks = (first, alone, after)
+
+    async def done() -> bool:
+        return all([(await row(backends.pool, t.id)).status is Status.SUCCEEDED for t in tasks])
+
+    await wait_for(done, within=30)
+    ran = [await row(backends.pool, t.id) for t in tasks]
+    assert [(r.worker_id, r.attempt) for r in ran] == [(ran[0].worker_id, 1)] * 3
+    spans = [(r.started_at, r.finished_at) for r in ran]
+    assert all(a is not None and b is not None for a, b in spans)
+    # the worker's free slot waited for the first task to end (it drained), then ran the task alone, then the next
+    assert spans[0][1] <= spans[1][0] and spans[1][1] <= spans[2][0], spans  # type: ignore[operator]
