@@ -384,3 +384,42 @@ async def test_a_worker_holding_a_task_drains_to_run_a_task_alone_and_takes_noth
     assert all(a is not None and b is not None for a, b in spans)
     # the worker's free slot waited for the first task to end (it drained), then ran the task alone, then the next
     assert spans[0][1] <= spans[1][0] and spans[1][1] <= spans[2][0], spans  # type: ignore[operator]
+
+
+async def test_with_several_workers_only_the_task_that_kills_them_is_blamed(settings: Settings, backends: Backends) -> None:
+    """Two workers of two slots, four tasks at once (one of them poison): every slot is taken, the poison task's
+    neighbour dies with it in company, and both run alone after, on the restarted worker or on the other once it
+    drains."""
+    s = settings.model_copy(
+        update={
+            "models": {SLEEPY: ModelSpec(kind="sleep", sleep_seconds=0.6, default_steps=2, kill_on_prompt=POISON)},
+            "default_model": SLEEPY,
+            "worker_models": [SLEEPY],
+            "worker_slots": 2,
+            "lease_seconds": 1.0,
+            "heartbeat_seconds": 0.25,
+            "scan_interval_seconds": 0.2,
+            "worker_cap_retry_seconds": 0.1,
+            "max_worker_losses": 2,
+        }
+    )
+    sched = await scheduler_service.start(s, backends)
+    try:
+        async with worker_kept_running(s) as exits, worker_kept_running(s) as other_exits:
+            tasks = []
+            for n in range(4):
+                prompt = f"{POISON} {n}" if n == 1 else f"a harmless prompt {n}"
+                tasks.append(await submit(backends, model=SLEEPY, prompt=prompt, params={"num_inference_steps": 2}))
+
+            async def finished() -> bool:
+                return all([(await row(backends.pool, t.id)).status.terminal for t in tasks])
+
+            await wait_for(finished, within=90, every=0.1)
+            rows = [await row(backends.pool, t.id) for t in tasks]
+            poison, innocents = rows[1], rows[:1] + rows[2:]
+            assert [(r.status, r.worker_losses) for r in innocents] == [(Status.SUCCEEDED, 0)] * 3, innocents
+            assert (poison.status, poison.error_code, poison.worker_losses) == (Status.FAILED, WORKER_LOST, 2)
+            assert sum(r.company_losses for r in rows) <= 2  # one death in company at most: the poison's first
+            assert sorted(exits + other_exits)[:3] == [-9, -9, -9]
+    finally:
+        await sched.stop(0)
