@@ -87,10 +87,15 @@ BEGIN
         SELECT 1 FROM task l WHERE l.worker_id = p_worker_id AND task_holds_lease(l.status, l.lease_expires_at)
                                AND l.lease_expires_at > now()) THEN
         -- a redelivery after its worker was lost: take the attempt over (this worker holds nothing else), unless the
-        -- loss is alone and reaches p_max_losses (the scheduler's lease scan fails it)
-        v_company := worker_lost_holding(claimed.worker_id) > 1;
-        IF v_company OR p_max_losses IS NULL OR claimed.worker_losses + 1 < p_max_losses THEN
-            v_id := p_task_id;
+        -- loss is alone and reaches p_max_losses (the scheduler's lease scan fails it). The row is locked before the
+        -- lost worker's registry row, in the lease scan's order (its tasks, then their worker's row): no deadlock.
+        PERFORM 1 FROM task t WHERE t.id = p_task_id AND t.status = 'PROCESSING' AND t.lease_expires_at < now()
+        FOR UPDATE;
+        IF FOUND THEN
+            v_company := worker_lost_holding(claimed.worker_id) > 1;
+            IF v_company OR p_max_losses IS NULL OR claimed.worker_losses + 1 < p_max_losses THEN
+                v_id := p_task_id;
+            END IF;
         END IF;
     END IF;
     IF v_id IS NULL AND v_any_alone THEN
