@@ -32,6 +32,7 @@ from taskgate.store import bench as bench_store
 from taskgate.wire import dispatch
 from taskgate_local import tinymodel
 from taskgate_local.embedded import EmbeddedStack
+from tests.support import sleepy
 from tests.support.factories import insert_task
 
 
@@ -108,7 +109,7 @@ async def measure(state_dir: Path, tasks: int, previews: bool = False, rounds: i
             models={
                 "wan-tiny": ModelSpec(path=model_dir),
                 "wan-prev": ModelSpec(path=model_dir, preview_every_fraction=0.1, preview_size=128, preview_frames=4),
-                "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.3, encode_seconds=0.1, default_steps=3),
+                "sleepy": sleepy.spec(0.3, encode_seconds=0.1, default_steps=3),
             },
             result_store="fs",
             worker_metrics_port=0,

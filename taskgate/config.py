@@ -29,19 +29,26 @@ class ModelSpec(BaseModel):
         default=None,
         description="Folder holding a diffusers pipeline (save_pretrained), or for 'transformers' a causal LM with its tokenizer.",
     )
-    kind: Literal["diffusers", "sleep", "transformers", "openai-compatible"] = Field(
+    kind: Literal["diffusers", "sleep", "transformers", "openai-compatible", "python"] = Field(
         default="diffusers",
         description="'sleep' holds a slot without a GPU; 'transformers' runs chat tasks on an in-process causal LM; "
-        "'openai-compatible' forwards chat tasks to an OpenAI-compatible server at base_url.",
+        "'openai-compatible' forwards chat tasks to an OpenAI-compatible server at base_url; 'python' runs a runner of "
+        "your own that factory makes.",
+    )
+    factory: str | None = Field(
+        default=None,
+        description="'python' kind: 'module:callable' the worker imports and calls as callable(model_id, spec, device) "
+        "for each device the model may use, getting a runner (render and encode, see services/worker/runtypes.py); it "
+        "needs no GPU unless another model of the worker does.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="'python' kind: the factory's own options (JSON), which it reads from spec.options."
     )
     pipeline: str | None = Field(
         default=None,
         description="diffusers pipeline class (model_index.json's _class_name); its family fills the limits and defaults left out.",
     )
     sleep_seconds: float = Field(default=0.0, ge=0, description="How long a 'sleep' model runs.")
-    encode_seconds: float = Field(
-        default=0.0, ge=0, description="Test/bench only, 'sleep' kind: a CPU phase after the device phase (as MP4 encoding)."
-    )
     task_types: list[str] = Field(
         default_factory=lambda: ["text-to-video"], description="Task types this model serves (a 'transformers' model: chat)."
     )
@@ -186,12 +193,6 @@ class ModelSpec(BaseModel):
     )
     queue_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global queue timeout.")
     processing_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global processing timeout.")
-    fail_times: int = Field(default=0, ge=0, description="Test/bench only, 'sleep' kind: attempts 1..N of every task fail.")
-    fail_code: str = Field(default="INJECTED_FAILURE", description="Test/bench only: error code of an injected failure.")
-    fail_retryable: bool = Field(default=True, description="Test/bench only: whether an injected failure is retryable.")
-    kill_on_prompt: str | None = Field(
-        default=None, description="Test only, 'sleep' kind: a prompt containing this text kills the worker process mid-run."
-    )
 
     @model_validator(mode="before")
     @classmethod
@@ -209,6 +210,8 @@ class ModelSpec(BaseModel):
     def _check(self) -> ModelSpec:
         if self.kind == "openai-compatible" and not self.base_url:
             raise ValueError("an 'openai-compatible' model needs base_url")
+        if self.kind == "python" and (not self.factory or not all(self.factory.partition(":")[::2])):
+            raise ValueError("a 'python' model needs factory as 'module:callable'")
         if not 1 <= self.default_frames <= self.max_frames or (self.default_frames - 1) % self.frame_step:
             raise ValueError(f"default_frames {self.default_frames} breaks max_frames {self.max_frames} / frame_step {self.frame_step}")
         for name, value, limit in (("default_width", self.default_width, self.max_width),

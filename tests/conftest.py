@@ -35,7 +35,7 @@ from taskgate.migrate import migrate
 from taskgate.runtime import Backends, connect
 from taskgate_api.v1 import gateway_pb2_grpc
 from taskgate_local.embedded import EmbeddedStack
-from tests.support import grpcleaks, llamaserver
+from tests.support import grpcleaks, llamaserver, sleepy
 from tests.support.factories import settings_for
 from tests.support.harness import ROOT, WorkerFactory, with_database
 from tests.support.llamaserver import LlamaServer
@@ -299,7 +299,7 @@ async def cli(settings: Settings, backends: Backends, tmp_path: Path) -> AsyncIt
     models = {
         **settings.models,
         "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.6, default_steps=3),
-        "failing": ModelSpec(kind="sleep", fail_times=9, fail_retryable=False, fail_code="MODEL_CRASHED"),
+        "failing": sleepy.spec(fail_times=9, fail_retryable=False, fail_code="MODEL_CRASHED"),
         "sleepy-i2v": ModelSpec(kind="sleep", task_types=["image-to-video"]),
     }
     # progress at most once per interval, the claim counting as the first write: a short interval shows 0.2 s steps

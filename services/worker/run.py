@@ -277,7 +277,7 @@ class Attempts:
                     "error_code": failure.code,
                     "retryable": isinstance(failure, retry.RetryableError) or failure.dead_letter,
                 },
-                exc_info=not isinstance(exc, runmod.InjectedFailure),
+                exc_info=not isinstance(exc, runmod.RunFailure),  # a failure the runner itself named needs no traceback
             )
             raise failure from exc
         finally:

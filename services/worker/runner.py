@@ -1,13 +1,13 @@
-"""Model runners: what a slot executes for one task, on its own thread (a diffusers pipeline or a 'sleep' stand-in)."""
+"""Model runners: what a slot executes for one task, on its own thread (a diffusers pipeline, a 'sleep' stand-in, or a
+'python' model's runner from its factory)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import math
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,12 +17,12 @@ from typing import Any
 from taskgate import images, tracing, videoparams
 from taskgate.config import ModelSpec
 
-from .runtypes import InjectedFailure as InjectedFailure  # the run types, re-exported for runmod.X
-from .runtypes import InputMissing as InputMissing
+from .runtypes import InputMissing as InputMissing  # the run types, re-exported for runmod.X
 from .runtypes import ModelRunner as ModelRunner
 from .runtypes import OnStep as OnStep
 from .runtypes import Rendered as Rendered
 from .runtypes import RunAborted as RunAborted
+from .runtypes import RunFailure as RunFailure
 from .runtypes import RunInput as RunInput
 from .runtypes import RunOutput as RunOutput
 from .runtypes import ShouldAbort as ShouldAbort
@@ -32,7 +32,7 @@ log = logging.getLogger("taskgate.worker.runner")
 
 def classify(exc: BaseException) -> tuple[bool, str]:
     """(retryable, error_code) of a run's failure: loading, rendering or encoding, of any model."""
-    if isinstance(exc, InjectedFailure):
+    if isinstance(exc, RunFailure):
         return exc.retryable, exc.code
     from services.worker.upstream import UpstreamFailure  # late: the openai client loads only where it is used
 
@@ -53,8 +53,7 @@ def classify(exc: BaseException) -> tuple[bool, str]:
 
 
 class SleepRunner:
-    """Holds its device for `sleep_seconds`, one 'step' at a time, then (off the device) `encode_seconds`, and returns
-    a small deterministic JSON payload."""
+    """Holds its device for `sleep_seconds`, one 'step' at a time, and returns a small deterministic JSON payload."""
 
     def __init__(self, model_id: str, spec: ModelSpec) -> None:
         self.model_id = model_id
@@ -62,7 +61,7 @@ class SleepRunner:
         self._idle = threading.Event()  # never set: its wait() is an interruptible sleep
 
     def render(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> Rendered:
-        """Sleeps step by step, checking the abort flag between steps; fails or kills its process on purpose when configured."""
+        """Sleeps step by step, checking the abort flag between steps."""
         steps = max(1, videoparams.stored(inp.params, self.spec).num_inference_steps)
         per_step = self.spec.sleep_seconds / steps
         began = time.time_ns()
@@ -72,22 +71,15 @@ class SleepRunner:
             if per_step > 0:
                 self._idle.wait(per_step)
             on_step(step, steps)
-            if self.spec.kill_on_prompt and self.spec.kill_on_prompt in inp.prompt:
-                log.warning("killing this worker process: a poison prompt", extra={"task_id": str(inp.task_id)})
-                os.kill(os.getpid(), signal.SIGKILL)  # like an OOM kill or a segfault: nothing is released
         tracing.phase("denoise", start_ns=began, end_ns=time.time_ns(), attributes={"taskgate.steps": steps})
         if should_abort():
             raise RunAborted("aborted after the last step")
-        if inp.attempt <= self.spec.fail_times:
-            raise InjectedFailure(self.spec.fail_code, self.spec.fail_retryable, inp.attempt)
         return Rendered(inp, steps)
 
     def encode(self, rendered: Rendered) -> RunOutput:
-        """Sleeps `encode_seconds` (a stand-in for MP4 encoding), then writes the JSON payload."""
+        """Writes the JSON payload."""
         inp = rendered.inp
         encoding = time.time_ns()
-        if self.spec.encode_seconds > 0:
-            self._idle.wait(self.spec.encode_seconds)
         body = {
             "model": self.model_id,
             "prompt_sha256": hashlib.sha256(inp.prompt.encode()).hexdigest(),
@@ -99,6 +91,13 @@ class SleepRunner:
         data = json.dumps(body, sort_keys=True).encode()
         tracing.phase("encode", start_ns=encoding, end_ns=time.time_ns())
         return RunOutput(data, "application/json", "json", hashlib.sha256(data).hexdigest())
+
+
+def python_runner(model_id: str, spec: ModelSpec, device: str) -> Any:
+    """A 'python' model's runner: its factory ('module:callable') imported and called with (model_id, spec, device)."""
+    module, _, name = (spec.factory or "").partition(":")
+    factory = getattr(importlib.import_module(module), name)
+    return factory(model_id, spec, device)
 
 
 class DiffusersRunner:
@@ -261,6 +260,8 @@ def load_runners(models: dict[str, ModelSpec], devices: list[str]) -> dict[tuple
         for device in model_devices(model_id, spec, devices):
             if spec.kind == "sleep":
                 runners[(model_id, device)] = SleepRunner(model_id, spec)
+            elif spec.kind == "python":
+                runners[(model_id, device)] = python_runner(model_id, spec, device)
             elif spec.kind == "transformers":
                 from services.worker.chatrun import ChatRunner
 

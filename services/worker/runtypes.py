@@ -27,11 +27,12 @@ class InputMissing(Exception):
     """A task's input image is not in the result store (or is not what its sha256 says): no retry brings it back."""
 
 
-class InjectedFailure(Exception):
-    """A failure the 'sleep' model raises on purpose (ModelSpec.fail_times; tests and benchmarks only)."""
+class RunFailure(Exception):
+    """A failure a runner raises with its own error code and whether a retry may help (a 'python' model's runner says
+    so through it; any other exception is classified by its type, services.worker.runner.classify)."""
 
-    def __init__(self, code: str, retryable: bool, attempt: int) -> None:
-        super().__init__(f"injected failure on attempt {attempt}")
+    def __init__(self, message: str, *, code: str, retryable: bool) -> None:
+        super().__init__(message)
         self.code = code
         self.retryable = retryable
 

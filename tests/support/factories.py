@@ -22,6 +22,7 @@ from taskgate.runtime import Backends
 from taskgate.states import Priority, Status
 from taskgate.store import CancelMode, Change, Conn, Move, ResultRef, TaskError, submissions, workers
 from taskgate.wire import dispatch
+from tests.support import sleepy
 
 Metadata = tuple[tuple[str, str], ...]
 MEM_RESULT = store.ResultRef("mem://x", "video/mp4", 10, "ab" * 32)  # a result no store holds
@@ -235,9 +236,10 @@ def all_settings(backends: Backends) -> Settings:
 
 
 def sleepy_settings(settings: Settings, sleep: float = 0.0, **spec: Any) -> Settings:
-    """Settings for a worker serving only the 'sleep' model, with short leases."""
+    """Settings for a worker serving only the 'sleep' model (`spec`: its ModelSpec fields and faults, see
+    tests/support/sleepy.py), with short leases."""
     models = dict(settings.models)
-    models[SLEEPY] = ModelSpec(kind="sleep", sleep_seconds=sleep, **spec)
+    models[SLEEPY] = sleepy.spec(sleep, **spec)
     return settings.model_copy(
         update={
             "models": models,

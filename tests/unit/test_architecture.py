@@ -7,7 +7,8 @@ never import each other; a test module imports no other test
 module (shared helpers live in tests/support, fixtures in a conftest.py); no service's modules import each other
 in a cycle; a service's modules import its own settings group (or the common one), never another service's nor the
 whole `Settings`, and no core module takes the whole `Settings` (each takes the narrowest group it reads); no module of
-services/ or taskgate_client/ is past 500 lines but the listed ones.
+services/ or taskgate_client/ is past 500 lines but the listed ones; production code imports neither the tests nor the
+bench, and no production setting is a test hook.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ import ast
 import graphlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel
+
+from taskgate.config import GROUPS, ModelSpec
 from taskgate.states import Status as ServerStatus
 from taskgate_api.v1 import task_pb2
 from taskgate_client import Status
@@ -107,6 +112,8 @@ def broken_rule(imp: Import) -> str | None:
             return "the client imports server or local code"
     if any(_within(module, p) for p in PRODUCTION) and _within(target, "taskgate_local"):
         return "production code imports the local tooling"
+    if any(_within(module, p) for p in PRODUCTION) and (_within(target, "tests") or _within(target, "bench")):
+        return "production code imports the tests or the bench (a test's model is a 'python' ModelSpec naming its factory)"
     setting = target.removeprefix("taskgate.config.") if _within(target, "taskgate.config") else ""
     if here is not None and setting.endswith("Settings") and setting not in {"CommonSettings", SETTINGS_GROUPS.get(here)}:
         return f"a service takes settings beyond its own group ({SETTINGS_GROUPS.get(here)} and CommonSettings)"
@@ -155,6 +162,8 @@ def test_the_rules_catch_each_kind_of_arrow() -> None:
         Import("services.worker.engine", "taskgate.config.SchedulerSettings", 1),
         Import("services.http.api", "taskgate.config.GatewaySettings", 1),
         Import("taskgate.results", "taskgate.config.Settings", 1),
+        Import("services.worker.runner", "tests.support.sleepy", 1),
+        Import("taskgate.config", "bench.stack", 1),
     ]
     good = [
         Import("services.worker.engine", "services.worker.inference", 1),
@@ -174,6 +183,8 @@ def test_the_rules_catch_each_kind_of_arrow() -> None:
         Import("services.http.api", "taskgate.config.ModelSpec", 1),
         Import("taskgate.results", "taskgate.config.CommonSettings", 1),
         Import("taskgate_local.dev", "taskgate.config.Settings", 1),
+        Import("tests.support.sleepy", "services.worker.runner", 1),
+        Import("bench.device_busy", "tests.support.sleepy", 1),
     ]
     assert [imp for imp in bad if broken_rule(imp) is None] == []
     assert [(imp, broken_rule(imp)) for imp in good if broken_rule(imp) is not None] == []
@@ -331,3 +342,18 @@ def test_the_length_rule_catches_a_long_module(tmp_path: Path) -> None:
     (tmp_path / "services" / "probe" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
     (tmp_path / "services" / "probe" / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
     assert long_modules(tmp_path) == {"services/probe/long.py": MAX_MODULE_LINES + 1}
+
+
+TEST_HOOK = re.compile(r"\btest(s|ing)?\b|\bbench(mark)?s?\b|\bfault", re.IGNORECASE)
+
+
+def test_no_production_setting_is_a_test_hook() -> None:
+    """A test's or the bench's needs are met from their side (TestSignals, a 'python' model of tests/support): no field
+    of a settings group or of ModelSpec exists for them (what says so in its description is one)."""
+    classes: list[type[BaseModel]] = [*(group for group, _ in GROUPS), ModelSpec]
+    fields = {f"{cls.__name__}.{name}": field.description or "" for cls in classes for name, field in cls.model_fields.items()}
+    assert len(fields) > 200, len(fields)  # the walk saw every group and the model registry's fields
+    hooks = {name: text for name, text in fields.items() if TEST_HOOK.search(text)}
+    assert hooks == {}, "settings that exist for tests or the bench (meet the need from the test side):\n" + "\n".join(
+        f"{name}: {text}" for name, text in hooks.items()
+    )

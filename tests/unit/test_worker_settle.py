@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from services.worker.retry import PermanentError, RetryableError, failure_of
-from services.worker.runner import InjectedFailure
 from services.worker.settle import Fate, MessageAction, Produced, Released, Running, RunOutcome, Step, decide
 from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.states import Status
+from tests.support.sleepy import InjectedFailure
 
 ATTEMPT = 2
 URI = "nats-os://results/7-a2.json"

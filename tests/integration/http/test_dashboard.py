@@ -33,7 +33,7 @@ from taskgate import auth
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
-from tests.support import harness
+from tests.support import harness, sleepy
 from tests.support.factories import put_in
 from tests.support.harness import ROOT, HttpStack
 from tests.support.webhooks import Reply, WebhookReceiver
@@ -54,7 +54,7 @@ def settings(settings: Settings) -> Settings:
     models = {
         **settings.models,
         "later": ModelSpec(kind="sleep", sleep_seconds=1.5),  # no worker serves it until the test starts one
-        "flaky": ModelSpec(kind="sleep", sleep_seconds=0.2, fail_times=1),  # every task's first attempt fails (retryable)
+        "flaky": sleepy.spec(0.2, fail_times=1),  # every task's first attempt fails (retryable)
     }
     return settings.model_copy(update={
         "models": models, "default_model": "later", "progress_interval_seconds": 0.05, "submits_per_minute": 10_000,

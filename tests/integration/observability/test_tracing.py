@@ -24,11 +24,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from taskgate import auth, bus, telemetry, tracing
-from taskgate.config import ModelSpec, Settings
+from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Priority
 from taskgate_client import __version__, connect_async, tracecontext
 from taskgate_local.embedded import free_port
+from tests.support import sleepy
 from tests.support.harness import Cluster, wait_for
 from tests.support.webhooks import WebhookReceiver
 
@@ -120,7 +121,7 @@ async def test_one_task_is_one_trace_across_the_four_service_processes(
         update={
             # attempt 1 fails (retried); no worker at first, and the dispatch message is lost (purged below), so the
             # scheduler re-publishes the QUEUED task (a queue that merely waits is not re-published)
-            "models": {"sleepy": ModelSpec(kind="sleep", sleep_seconds=0.2, fail_times=1)},
+            "models": {"sleepy": sleepy.spec(0.2, fail_times=1)},
             "default_model": "sleepy",
             "worker_models": ["sleepy"],
             "worker_slots": 1,

@@ -19,14 +19,14 @@ from services.scheduler.scans import WORKER_LOST, Action
 from services.scheduler.service import Scheduler
 from taskgate import auth, store
 from taskgate import bus as busmod
-from taskgate.config import ModelSpec, Settings
+from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate.store import workers as registry
 from taskgate.store.workers import Verdict
 from taskgate.wire import dispatch
-from tests.support import factories
+from tests.support import factories, sleepy
 from tests.support.factories import SLEEPY as SLEEP_MODEL
 from tests.support.factories import all_settings, insert_task, params, publish, sleepy_settings, submit
 from tests.support.harness import ROOT, WorkerFactory, settings_env, wait_for
@@ -151,7 +151,7 @@ async def test_a_task_that_kills_its_worker_ends_failed_worker_lost_and_others_k
 ) -> None:
     s = settings.model_copy(
         update={
-            "models": {SLEEPY: ModelSpec(kind="sleep", sleep_seconds=0.2, default_steps=2, kill_on_prompt=POISON)},
+            "models": {SLEEPY: sleepy.spec(0.2, default_steps=2, kill_on_prompt=POISON)},
             "default_model": SLEEPY,
             "worker_models": [SLEEPY],
             "worker_slots": 1,
@@ -313,7 +313,7 @@ async def test_a_task_sharing_a_worker_with_a_task_that_kills_it_is_never_blamed
     s = settings.model_copy(
         update={
             # the poison task dies half way through its run: the innocent one runs beside it by then
-            "models": {SLEEPY: ModelSpec(kind="sleep", sleep_seconds=0.6, default_steps=2, kill_on_prompt=POISON)},
+            "models": {SLEEPY: sleepy.spec(0.6, default_steps=2, kill_on_prompt=POISON)},
             "default_model": SLEEPY,
             "worker_models": [SLEEPY],
             "worker_slots": 2,
@@ -392,7 +392,7 @@ async def test_with_several_workers_only_the_task_that_kills_them_is_blamed(sett
     drains."""
     s = settings.model_copy(
         update={
-            "models": {SLEEPY: ModelSpec(kind="sleep", sleep_seconds=0.6, default_steps=2, kill_on_prompt=POISON)},
+            "models": {SLEEPY: sleepy.spec(0.6, default_steps=2, kill_on_prompt=POISON)},
             "default_model": SLEEPY,
             "worker_models": [SLEEPY],
             "worker_slots": 2,
