@@ -55,11 +55,14 @@ class TimeOut:
 
 
 @dataclass(frozen=True, slots=True)
-class Hold:
+class StayQueued:
     """The task stays QUEUED until the test calls `server.finish()` or cancels it."""
 
 
-Outcome = Succeed | Fail | TimeOut | Hold
+Hold = StayQueued  # its name before #40 ('hold' is a soft-cancelled attempt keeping its lease): kept for existing tests
+
+
+Outcome = Succeed | Fail | TimeOut | StayQueued
 Script = Outcome | Callable[[Task], Outcome | None]  # a function's None means Succeed()
 SUCCEED = Succeed()
 
@@ -285,7 +288,7 @@ class FakeTaskgateState:
 
     def _run(self, entry: _Entry, outcome: Outcome) -> None:
         """Plays the worker: claim, progress, then the outcome's end."""
-        if isinstance(outcome, Hold):
+        if isinstance(outcome, StayQueued):
             return
         self._move(entry, Status.PROCESSING, reason="claimed", actor="worker", progress=0)
         for pct in outcome.progress if not isinstance(outcome, TimeOut) else ():

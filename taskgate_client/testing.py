@@ -10,7 +10,8 @@
 The fake answers the real clients' calls the way the services do: the same states and versions, the same typed
 errors (NotFound, InvalidArgument, AlreadyExists for a reused idempotency key, FailedPrecondition with its reason),
 no network and no clock. A task runs when someone follows it (watch, wait, run, a handle's download) and ends as its
-outcome says: `Succeed` (default), `Fail`, `TimeOut`, or `Hold` (it stays QUEUED until `server.finish()`).
+outcome says: `Succeed` (default), `Fail`, `TimeOut`, or `StayQueued` (it stays QUEUED until `server.finish()`;
+`Hold` is its former name).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from taskgate_client.fakestate import (
     ModelLimits,
     Outcome,
     Script,
+    StayQueued,
     Succeed,
     TimeOut,
     _Entry,
@@ -400,6 +402,7 @@ __all__ = [
     "Hold",
     "ModelLimits",
     "Outcome",
+    "StayQueued",
     "Succeed",
     "TimeOut",
     "rpc_error",

@@ -25,7 +25,7 @@ from services.worker.chatrun import ChatRunner
 from services.worker.claim import Claimed, Claimer, Declined
 from services.worker.consumer import Level
 from services.worker.devices import Devices
-from services.worker.fetch import Fetcher, SlotHold
+from services.worker.fetch import Fetcher, SlotTicket
 from services.worker.finish import Finisher, act
 from services.worker.lease import Heartbeat
 from services.worker.live import LiveProgress
@@ -235,7 +235,7 @@ class Worker:
 
     # ---- one message ----
 
-    async def _handle(self, hold: SlotHold, level: Level, msg: Msg) -> None:
+    async def _handle(self, ticket: SlotTicket, level: Level, msg: Msg) -> None:
         try:
             # a child of the dispatch that sent the message: a redelivery (after a retry, a release) is one more child
             with tracing.span(
@@ -251,8 +251,8 @@ class Worker:
                     tracing.annotate({tracing.TASK_ID: str(task_id)})
                 if isinstance(got, Claimed):
                     if got.task.run_alone:  # it lost a worker: nothing else is taken while it runs
-                        self.fetcher.run_alone(hold)
-                    await self._run(hold, msg, got)
+                        self.fetcher.run_alone(ticket)
+                    await self._run(ticket, msg, got)
                 else:
                     await self._decline(level, msg, got)
         except asyncio.CancelledError:
@@ -260,7 +260,7 @@ class Worker:
         except Exception:
             log.exception("message handling failed", extra={"worker": self.worker_id})
         finally:
-            self.fetcher.release(hold)
+            self.fetcher.release(ticket)
 
     async def _decline(self, level: Level, msg: Msg, declined: Declined) -> None:
         step = declined.step
@@ -272,11 +272,11 @@ class Worker:
         if declined.task_id is not None and step.fate is not None:
             self._report(RunReport(declined.task_id, step.fate, delay=step.delay))
 
-    async def _run(self, hold: SlotHold, msg: Msg, claimed: Claimed) -> None:
+    async def _run(self, ticket: SlotTicket, msg: Msg, claimed: Claimed) -> None:
         task = claimed.task
         # Restart the ack wait now, so a redelivery after a crash comes after the lease has expired.
         await msg.in_progress()
-        run = Run(task, msg, hold)
+        run = Run(task, msg, ticket)
         self.runs[task.id] = run
         self._gauges()
         wait = _seconds(task.queued_at or task.created_at, task.started_at)

@@ -24,7 +24,7 @@ from taskgate.config import WorkerSettings
 
 log = logging.getLogger("taskgate.worker")
 
-Start = Callable[["SlotHold", Level, Msg], Coroutine[Any, Any, None]]
+Start = Callable[["SlotTicket", Level, Msg], Coroutine[Any, Any, None]]
 Spawn = Callable[[Coroutine[Any, Any, Any]], object]
 
 
@@ -38,8 +38,8 @@ class Slot:
 
 
 @dataclass(eq=False)
-class SlotHold:
-    """One message's hold on a slot; releasing it twice frees the slot once, never a later holder's."""
+class SlotTicket:
+    """One message's ticket for a slot; releasing it twice frees the slot once, never a later ticket's."""
 
     slot: Slot
     released: bool = False
@@ -81,7 +81,7 @@ class Fetcher:
         self._ready: list[tuple[Level, Msg]] = []
         self._wake = asyncio.Event()
         self._capped_until: dict[str, float] = {}
-        self._alone: SlotHold | None = None  # a run alone: nothing else is taken until its hold is released
+        self._alone: SlotTicket | None = None  # a run alone: nothing else is taken until its ticket is released
         self._drain_for: Level | None = None  # a task to run alone waits in this level for this worker
         self._drain_empty_at: float | None = None  # when this worker was first found empty while draining for it
 
@@ -113,18 +113,18 @@ class Fetcher:
         pool = model_id if model_id in self._pools else ""
         return [slot for slot in self.slots if not slot.busy and slot.pool == pool]
 
-    def release(self, hold: SlotHold) -> None:
-        """Frees a held slot; only the first release of a hold counts."""
-        if not hold.released:
-            hold.released = True
-            hold.slot.busy = False
+    def release(self, ticket: SlotTicket) -> None:
+        """Frees a ticket's slot; only the first release of a ticket counts."""
+        if not ticket.released:
+            ticket.released = True
+            ticket.slot.busy = False
             self._changed()
             self._wake.set()
 
-    def run_alone(self, hold: SlotHold) -> None:
-        """`hold`'s task runs alone: nothing else is taken until it is released."""
-        if not hold.released:
-            self._alone = hold
+    def run_alone(self, ticket: SlotTicket) -> None:
+        """`ticket`'s task runs alone: nothing else is taken until it is released."""
+        if not ticket.released:
+            self._alone = ticket
             self._changed()
 
     def drain_for(self, level: Level) -> None:
@@ -238,9 +238,9 @@ class Fetcher:
             free = self.free_slots(level.model_id)
             index = next(i for i, (lv, _) in enumerate(pending) if lv is level)
             _, msg = pending.pop(index)
-            hold = SlotHold(free[0])
-            hold.slot.busy = True
-            self._spawn(self._start(hold, level, msg))
+            ticket = SlotTicket(free[0])
+            ticket.slot.busy = True
+            self._spawn(self._start(ticket, level, msg))
             if self._drain_for is not None:  # the drain's one message: its claim takes the task to run alone
                 self._drain_for = None
                 break

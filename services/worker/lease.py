@@ -100,14 +100,14 @@ class Heartbeat:
         whose progress is due; each due progress rides along (its write renews its lease too)."""
         now = time.monotonic()
         interval = self.settings.progress_interval_seconds
-        holds: list[workers.Hold] = []
+        attempts: list[workers.BeatAttempt] = []
         named: list[tuple[Run, int | None, int]] = []  # each run named, the progress it carries, the one before
         for run in list(self.runs.values()):
             at = run.progress_at(interval)
             percent = run.percent if at is not None and at <= now else None
             # a soft-cancelled run renews too: its lease holds the tenant's slot until it ends
             if percent is not None or (full and run.stopped_by is None):
-                holds.append(workers.Hold(run.task.id, run.attempt, percent))
+                attempts.append(workers.BeatAttempt(run.task.id, run.attempt, percent))
                 named.append((run, percent, run.written))
             elif full:
                 named.append((run, None, run.written))  # not renewed (stopping), its message's ack wait still is
@@ -120,7 +120,7 @@ class Heartbeat:
         try:
             renewed = await workers.beat(
                 self.pool,
-                holds,
+                attempts,
                 lease_seconds=self.settings.lease_seconds,
                 worker=self._registration() if full else None,
                 actor=ACTOR,

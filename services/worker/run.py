@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from services.worker import chatrun, checkpoint, partial, resume, retry, settle, textgen, upstream
 from services.worker import runner as runmod
 from services.worker.devices import Devices
-from services.worker.fetch import SlotHold
+from services.worker.fetch import SlotTicket
 from services.worker.settle import MessageAction, Step
 from services.worker.steps import StepInbox
 from taskgate import bus as busmod
@@ -50,7 +50,7 @@ class Run:
 
     task: TaskRow
     msg: Msg
-    hold: SlotHold
+    ticket: SlotTicket
     abort: threading.Event = field(default_factory=threading.Event)  # the device phase's thread looks at it each step
     halted: asyncio.Event = field(default_factory=asyncio.Event)  # the same, for what the run awaits on the loop
     stopped_by: Step | Halt | None = None

@@ -69,7 +69,7 @@ class WorkerClaim:
 
 
 @dataclass(frozen=True, slots=True)
-class Hold:
+class BeatAttempt:
     """One attempt a worker runs, as its beat names it: the lease to renew, and new progress to write (None: none)."""
 
     task_id: int
@@ -86,9 +86,9 @@ class Renewal:
 
 
 async def beat(
-    db: Conn, holds: Sequence[Hold], *, lease_seconds: float, worker: Registration | None = None, actor: str = "worker"
+    db: Conn, attempts: Sequence[BeatAttempt], *, lease_seconds: float, worker: Registration | None = None, actor: str = "worker"
 ) -> dict[int, Renewal]:
-    """One statement: renews every lease in `holds` (fenced by its attempt), writes their new progress (each a guarded
+    """One statement: renews every lease in `attempts` (fenced by its attempt), writes their new progress (each a guarded
     PROCESSING -> PROCESSING move, logged once), and records `worker`'s registry heartbeat when given.
 
     Returns the renewals by task id; a task absent from it is no longer its attempt's.
@@ -96,9 +96,9 @@ async def beat(
     reg = worker or Registration("", (), 0, 0, "", False)
     rows = await db.fetch(
         sql.query("worker_beat"),
-        [h.task_id for h in holds],
-        [h.attempt for h in holds],
-        [h.progress for h in holds],
+        [a.task_id for a in attempts],
+        [a.attempt for a in attempts],
+        [a.progress for a in attempts],
         lease_seconds,
         worker.worker_id if worker is not None else None,
         list(reg.models),
@@ -127,7 +127,7 @@ async def register(db: Conn, worker: Registration) -> None:
 
 async def renew_lease(db: Conn, task_id: int, *, attempt: int, lease_seconds: float) -> bool:
     """Extends a running (or soft-cancelled, still running) attempt's lease; False when it no longer holds the task."""
-    return task_id in await beat(db, [Hold(task_id, attempt)], lease_seconds=lease_seconds)
+    return task_id in await beat(db, [BeatAttempt(task_id, attempt)], lease_seconds=lease_seconds)
 
 
 async def unregister(db: Conn, worker_id: str) -> None:

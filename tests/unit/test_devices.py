@@ -79,15 +79,15 @@ def test_device_plan_gives_one_and_a_half_tasks_per_device() -> None:
 def test_a_chat_models_slots_are_its_sequences_apart_from_the_shared_ones() -> None:
     from types import SimpleNamespace
 
-    from services.worker.fetch import Fetcher, SlotHold
+    from services.worker.fetch import Fetcher, SlotTicket
     from taskgate.config import Settings
 
     chat_only = runmod.device_plan({"transformers"}, 0, 1.5)
     assert (chat_only.slots, chat_only.capacity) == (0, 0.0)  # every slot of a chat-only worker is a sequence
     started: list[str] = []
 
-    async def start(hold: SlotHold, level: object, msg: object) -> None:
-        started.append(hold.slot.pool)
+    async def start(ticket: SlotTicket, level: object, msg: object) -> None:
+        started.append(ticket.slot.pool)
 
     fetcher = Fetcher(
         bus=SimpleNamespace(nc=None), settings=Settings(), worker_id="w", models=["wan", "chat"], slots=2 + 3,  # type: ignore[arg-type]

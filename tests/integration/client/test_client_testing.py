@@ -41,7 +41,7 @@ from taskgate_client.testing import (
     FakeAsyncTaskgateClient,
     FakeTaskgate,
     FakeTaskgateClient,
-    Hold,
+    StayQueued,
     Succeed,
     TimeOut,
 )
@@ -259,7 +259,7 @@ SCENARIOS = [lifecycle, errors, idempotency, failure, run_in_one_call, image_to_
 @pytest.mark.parametrize("scenario", SCENARIOS)
 async def test_scenario_against_the_fake(scenario: Callable[[Backend], Awaitable[None]], tmp_path: Path) -> None:
     # the test plays the worker, as for the real services
-    async with FakeAsyncTaskgateClient(FakeTaskgate(outcome=Hold(), image_models=[I2V_MODEL])) as client:
+    async with FakeAsyncTaskgateClient(FakeTaskgate(outcome=StayQueued(), image_models=[I2V_MODEL])) as client:
 
         async def play(task_id: str, outcome: Succeed | Fail) -> None:
             client.server.finish(task_id, outcome)
@@ -352,7 +352,7 @@ async def test_watch_all_resumes_from_a_cursor() -> None:
 
 
 def _blocking_fake(tmp_path: Path) -> tuple[list[str], str, str]:
-    with FakeTaskgateClient(outcome=Hold()) as client:
+    with FakeTaskgateClient(outcome=StayQueued()) as client:
         task = client.submit("held", **SMALL)  # type: ignore[arg-type]
         stream = client.watch_all(cursor="0")  # from the start: the stream opens at the first next()
         statuses = []

@@ -30,7 +30,7 @@ class Beat:
     """One call of the beat statement, as the spy saw it."""
 
     at: float
-    holds: tuple[registry.Hold, ...]
+    attempts: tuple[registry.BeatAttempt, ...]
     registered: bool
     renewed: dict[int, registry.Renewal]
     rows: list[Any] = field(default_factory=list)  # (id, xmin) of the named rows and the worker's row, read just after
@@ -45,17 +45,17 @@ class Spy:
         self._changed = asyncio.Condition()
 
     async def __call__(
-        self, db: store.Conn, holds: Sequence[registry.Hold], *, lease_seconds: float, worker: registry.Registration | None = None,
-        actor: str = "worker",
+        self, db: store.Conn, attempts: Sequence[registry.BeatAttempt], *, lease_seconds: float,
+        worker: registry.Registration | None = None, actor: str = "worker",
     ) -> dict[int, registry.Renewal]:
-        renewed = await ORIGINAL(db, holds, lease_seconds=lease_seconds, worker=worker, actor=actor)
-        beat = Beat(time.monotonic(), tuple(holds), worker is not None, renewed)
-        if holds and worker is not None:
+        renewed = await ORIGINAL(db, attempts, lease_seconds=lease_seconds, worker=worker, actor=actor)
+        beat = Beat(time.monotonic(), tuple(attempts), worker is not None, renewed)
+        if attempts and worker is not None:
             beat.rows = list(
                 await self.backends.pool.fetch(
                     "SELECT id::text, xmin::text FROM task WHERE id = ANY($1) UNION ALL "
                     "SELECT id, xmin::text FROM worker WHERE id = $2",
-                    [h.task_id for h in holds], worker.worker_id,
+                    [a.task_id for a in attempts], worker.worker_id,
                 )
             )
         async with self._changed:
@@ -104,9 +104,9 @@ async def test_one_statement_per_beat_renews_every_running_attempt_and_the_regis
     ids = {t.id for t in tasks}
     for task in tasks:
         await wait_task(backends, task.id, is_status(Status.PROCESSING))
-    full = await spy.wait(lambda b: b.registered and {h.task_id for h in b.holds} == ids, count=3)
+    full = await spy.wait(lambda b: b.registered and {a.task_id for a in b.attempts} == ids, count=3)
     for beat in full:
-        assert len(beat.holds) == 3 and set(beat.renewed) == ids  # every lease in the one statement, every one renewed
+        assert len(beat.attempts) == 3 and set(beat.renewed) == ids  # every lease in the one statement, every one renewed
         assert len({xmin for _, xmin in beat.rows}) == 1 and len(beat.rows) == 4  # 3 tasks + the worker: one transaction
     # Nothing else ran between the beats: one statement per beat.
     between = [b for b in spy.beats if full[0].at <= b.at <= full[-1].at]
@@ -133,7 +133,7 @@ async def test_a_lost_lease_among_several_stops_its_run_and_the_others_keep_thei
         await claimed(conn, lost.id, worker_id="elsewhere", lease_seconds=30.0)
     report: RunReport = await handle.worker.signals.reported.wait_for(report_for(lost.id), within=5)
     assert report.outcome == "lost" and report.attempt == 1
-    after = await spy.wait(lambda b: b.registered and {h.task_id for h in b.holds} == kept, count=2)
+    after = await spy.wait(lambda b: b.registered and {a.task_id for a in b.attempts} == kept, count=2)
     assert all(set(b.renewed) == kept for b in after)
     row = await store.get_task(backends.pool, lost.id)
     assert row is not None and (row.status, row.attempt, row.worker_id) == (Status.PROCESSING, 2, "elsewhere")
@@ -185,8 +185,8 @@ async def test_the_progress_of_all_running_tasks_goes_in_one_statement_per_inter
     for rows in by_task.values():
         gaps = [(b["at"] - a["at"]).total_seconds() for a, b in itertools.pairwise(rows)]
         assert min(gaps, default=interval) >= interval - TOLERANCE, gaps
-    carrying = [b for b in spy.beats if any(h.progress is not None for h in b.holds)]
-    assert len(moves) == sum(1 for b in carrying for h in b.holds if h.progress is not None)
+    carrying = [b for b in spy.beats if any(a.progress is not None for a in b.attempts)]
+    assert len(moves) == sum(1 for b in carrying for a in b.attempts if a.progress is not None)
     # After the first interval the three are due together: one statement writes all three (one transaction's history).
     shared: dict[str, set[int]] = {}
     for m in moves:
