@@ -35,7 +35,7 @@ async def submit_tasks(stack: BenchStack, executor: ProcessPoolExecutor, opts: O
     before = cpu.snapshot(stack)
     async with profile.record(stack, opts.profile_dir, "submit-tasks"):
         result = await load(executor, spec)
-    statuses, messages, settle = await _dispatched(stack, [int(i) for i in result.ids], result.created)
+    statuses, messages, dispatched_in = await _dispatched(stack, [int(i) for i in result.ids], result.created)
     costs = cpu.per_task(before, cpu.snapshot(stack), result.total, result.cpu)  # the dispatch of the last calls included
     rows, queued = sum(statuses.values()), statuses.get("QUEUED", 0)
     report.raw.setdefault(BULK_RAW_KEY, {})["taskgate"] = summary(result) | {
@@ -47,7 +47,7 @@ async def submit_tasks(stack: BenchStack, executor: ProcessPoolExecutor, opts: O
     report.add(section, "SubmitTasks: created tasks without their row or their JetStream message",
                max(0, result.created - rows) + max(0, result.created - messages), "tasks", at_most=0,
                note=f"{result.created:,} created: {rows:,} rows ({queued:,} QUEUED), {messages:,} messages on TASKS"
-                    f" ({settle:.2f} s after the last answer)")
+                    f" ({dispatched_in:.2f} s after the last answer)")
     report.add(section, "CPU per task, SubmitTasks", sum(costs.values()), "ms", at_most=1.2,
                note=", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
     await stack.close_open_tasks()

@@ -167,7 +167,7 @@ async def _run(spec: LoadSpec) -> LoadResult:
                 elif spec.method == "submit_many":
                     many = await stub.SubmitTasks(_batch(spec, pid, n, params), metadata=md, timeout=60)
                     ended = time.perf_counter()
-                    tasks = _settle_batch(spec, many, result, counted=window.counts(ended))
+                    tasks = _record_batch(spec, many, result, counted=window.counts(ended))
                 else:
                     task_id = spec.ids[n % len(spec.ids)]
                     await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=md, timeout=30)
@@ -201,7 +201,7 @@ def _batch(spec: LoadSpec, pid: int, n: int, params: task_pb2.VideoParams) -> ga
     ])
 
 
-def _settle_batch(spec: LoadSpec, response: gateway_pb2.SubmitTasksResponse, result: LoadResult, *, counted: bool) -> int:
+def _record_batch(spec: LoadSpec, response: gateway_pb2.SubmitTasksResponse, result: LoadResult, *, counted: bool) -> int:
     """Records one SubmitTasks answer (created ids, per-item errors); returns how many of its tasks were admitted."""
     admitted = 0
     for item in response.results:

@@ -140,7 +140,7 @@ class FakeTaskgateState:
         self.gpu_seconds_per_task = gpu_seconds_per_task
         self.tokens_per_day = tokens_per_day
         """A token budget as the server keeps one: a chat task reserves its input (words) and its max_output_tokens
-        while it is unfinished, is settled to the tokens it used when it succeeds and releases them otherwise; one that
+        while it is unfinished, is trued up to the tokens it used when it succeeds and releases them otherwise; one that
         does not fit is refused QUOTA_EXCEEDED (metadata budget 'tokens') with RetryInfo until the fake clock's next
         midnight. The fake's budget never resets."""
         self._tasks: dict[int, _Entry] = {}

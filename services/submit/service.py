@@ -287,7 +287,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
         admissions = await self._submitter.admit(candidates, self._caller_deadline(context))
         for i, candidate, admission in zip(order, candidates, admissions, strict=True):
             try:
-                task, new = self._settle(candidate, subs[i], admission)
+                task, new = self._resolve(candidate, subs[i], admission)
             except errors.ApiError as exc:
                 answers[i] = exc
                 continue
@@ -368,7 +368,7 @@ class Gateway(gateway_pb2_grpc.TaskGatewayServicer):
             end_user=sub.end_user,
         )
 
-    def _settle(self, candidate: Candidate, sub: Submission, admission: Admission | BaseException) -> tuple[TaskRow, bool]:
+    def _resolve(self, candidate: Candidate, sub: Submission, admission: Admission | BaseException) -> tuple[TaskRow, bool]:
         """The tenant's task for this submission and whether it is new, or the error its admission calls for."""
         if isinstance(admission, BaseException):
             raise admission

@@ -383,7 +383,7 @@ async def test_the_fakes_budget_refuses_quota_exceeded_and_answers_a_retry() -> 
         assert (await client.submit("two")).prompt == "two"
 
 
-async def test_the_fakes_token_budget_refuses_and_settles_to_the_tokens_used() -> None:
+async def test_the_fakes_token_budget_refuses_and_is_trued_up_to_the_tokens_used() -> None:
     fake = FakeTaskgate(tokens_per_day=60)
     async with FakeAsyncTaskgateClient(fake) as client:
         first = await client.chat("two words", "llama-tiny", max_output_tokens=40)  # reserves 2 + 40

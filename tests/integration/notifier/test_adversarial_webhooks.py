@@ -75,7 +75,7 @@ async def succeed_with_callback(backends: Backends, url: str) -> int:
     return task.id
 
 
-async def deliveries_settled(backends: Backends, task_ids: list[int]) -> bool:
+async def deliveries_ended(backends: Backends, task_ids: list[int]) -> bool:
     pending = await backends.pool.fetchval(
         "SELECT count(*) FROM callback_delivery WHERE task_id = ANY($1::bigint[]) AND status = 'PENDING'", task_ids
     )
@@ -95,7 +95,7 @@ async def test_hostile_receivers_fail_on_schedule_and_a_good_one_still_gets_its_
         started = time.monotonic()
         tasks["good"] = await succeed_with_callback(backends, good.url())
         budget = len(HOSTILE) * len(SCHEDULE) * (TIMEOUT + 0.5) + 10
-        await wait_for(lambda: deliveries_settled(backends, list(tasks.values())), budget)
+        await wait_for(lambda: deliveries_ended(backends, list(tasks.values())), budget)
         elapsed = time.monotonic() - started
 
         rows = {
@@ -130,7 +130,7 @@ async def test_redirects_are_not_followed_even_in_a_loop(backends: Backends, not
         looping.reply = lambda r: Reply(status=307, headers={"location": looping.url(r.path)})
         async with WebhookReceiver(always(Reply(status=302, headers={"location": target.url()}))) as redirecting:
             ids = [await succeed_with_callback(backends, looping.url()), await succeed_with_callback(backends, redirecting.url())]
-            await wait_for(lambda: deliveries_settled(backends, ids), 30)
+            await wait_for(lambda: deliveries_ended(backends, ids), 30)
             logged = await backends.pool.fetch(
                 "SELECT d.task_id, a.attempt, a.status_code, a.error FROM callback_attempt a "
                 "JOIN callback_delivery d ON d.id = a.delivery_id WHERE d.task_id = ANY($1::bigint[]) ORDER BY a.id",

@@ -1,6 +1,6 @@
 """GPU-second budgets at admission: an estimate reserved in the admission statement under the tenant lock, refused
 with QUOTA_EXCEEDED when it does not fit the UTC day or month (RetryInfo until the window resets), reset by the clock
-(injected: the statement's `now`), settled to the measured seconds when the task ends, released by a cancel."""
+(injected: the statement's `now`), trued up to the measured seconds when the task ends, released by a cancel."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ async def test_the_month_budget_counts_every_day_of_the_month(backends: Backends
     assert april.verdict is AdmitVerdict.CREATED
 
 
-async def test_the_charge_is_settled_to_the_measured_seconds_and_a_cancel_releases_it(backends: Backends) -> None:
+async def test_the_charge_is_trued_up_to_the_measured_seconds_and_a_cancel_releases_it(backends: Backends) -> None:
     await budget(backends, "settled", day=1000.0)
     ran, dropped = await admit(backends, candidate("settled", "ran"), candidate("settled", "dropped"), now=LATE)
     assert ran.task is not None and dropped.task is not None

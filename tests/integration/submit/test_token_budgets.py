@@ -1,6 +1,6 @@
 """Token budgets at admission (#34): a chat task reserves its max_output_tokens plus its counted input in the admission
 statement under the tenant lock, is refused QUOTA_EXCEEDED (budget 'tokens') when that does not fit the UTC day or
-month, and its charge is settled to the tokens its row records when it ends (a failed or cancelled one releases it)."""
+month, and its charge is trued up to the tokens its row records when it ends (a failed or cancelled one releases it)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ async def test_the_month_token_budget_and_the_gpu_budget_both_apply(backends: Ba
     assert gpu.verdict is AdmitVerdict.QUOTA_EXCEEDED and gpu.budget is not None and gpu.budget.unit == "gpu_seconds"
 
 
-async def test_the_charge_settles_to_the_tokens_used_and_a_cancel_or_failure_releases_it(backends: Backends) -> None:
+async def test_the_charge_is_trued_up_to_the_tokens_used_and_a_cancel_or_failure_releases_it(backends: Backends) -> None:
     await budget(backends, "settles", day=270)
     ran, failed = await admit(backends.pool, chat_candidate("settles", "ran"), chat_candidate("settles", "failed"), now=LATE)
     assert ran.task is not None and failed.task is not None
@@ -159,13 +159,13 @@ def settings(settings: Settings, tiny_lm: Path) -> Settings:
 
 
 def chat_request(key: str) -> gateway_pb2.SubmitTaskRequest:
-    # stop strings any second word meets: the answer ends well inside its 60 tokens, so settling frees room
+    # stop strings any second word meets: the answer ends well inside its 60 tokens, so the true-up frees room
     params = task_pb2.ChatParams(messages=[task_pb2.ChatMessage(role="user", content="Review this diff: return value")],
                                  max_output_tokens=60, temperature=0.0, stop=[" ", "\n", "e", "a"])
     return gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params, idempotency_key=key)
 
 
-async def test_through_the_gateway_a_refused_task_fits_once_a_real_answer_settled_its_charge(
+async def test_through_the_gateway_a_refused_task_fits_once_a_real_answer_trued_up_its_charge(
     settings: Settings, backends: Backends, stub: Any, workers: WorkerFactory
 ) -> None:
     md = await key_for(backends, "gateway-talker", max_pending=10)
