@@ -347,8 +347,10 @@ class CommonSettings(BaseSettings):
         "RESOURCE_EXHAUSTED TENANT_RATE_LIMITED.",
     )
     tenant_calls_in_flight: int = Field(
-        default=4, ge=0,
-        description="Unary calls of one tenant a process runs at once; its further calls wait behind them, in its own line (0 = no cap).",
+        default=1, ge=0,
+        description="Unary calls of one tenant a process runs at once; its further calls wait behind them, in its own line "
+        "(0 = no cap). 1: on one event loop each running call of a tenant puts its steps in front of every other "
+        "tenant's; a GetTask takes a few ms, so one place still serves a tenant's whole call rate.",
     )
     process_calls_in_flight: int = Field(
         default=16, ge=0,

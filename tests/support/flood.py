@@ -3,7 +3,7 @@ process — CALLS GetTask calls in flight, a refused one sent again after its Re
 
 Driven by lines on stdin: `go N` starts the flood (answered `flooding` once N calls were answered: past the burst,
 in full flow), `pause` stops sending and waits for the calls in
-flight (answered `paused`), end of input ends it: it prints `served refused` and exits."""
+flight (answered `paused SERVED REFUSED`, the counts so far), end of input ends it: it prints `served refused` and exits."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ async def main(address: str, key: str, task_id: str, calls: int) -> None:
                 going.clear()
                 async with idle:
                     await idle.wait_for(lambda: busy == 0)
-                print("paused", flush=True)
+                print("paused", counts["served"], counts["refused"], flush=True)
         for task in readers:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
