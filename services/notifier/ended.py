@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.notifier.streams import EventHub
+from services.notifier.event_feed import EventHub
 from taskgate import bus as busmod
 from taskgate.store import events as event_store
 from taskgate.wire import ended

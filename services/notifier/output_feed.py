@@ -28,7 +28,7 @@ log = logging.getLogger("taskgate.notifier.output")
 
 
 class Receiver(Protocol):
-    """What a stream offers its live chunks to (streams.Subscriber)."""
+    """What a stream offers its live chunks to (subscriber.Subscriber)."""
 
     def offer_output(self, item: output.Live) -> bool: ...
 

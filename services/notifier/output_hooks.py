@@ -21,8 +21,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from services.notifier import outbox
+from services.notifier.event_feed import EventHub
 from services.notifier.output_feed import OutputHub
-from services.notifier.streams import Closing, EventHub, Overflow, Subscriber
+from services.notifier.subscriber import Closing, Overflow, Subscriber
 from services.notifier.webhooks import WebhookSender
 from taskgate import output
 from taskgate.config import NotifierSettings

@@ -26,7 +26,7 @@ log = logging.getLogger("taskgate.notifier.progress")
 
 
 class Receiver(Protocol):
-    """What a stream offers its live progress to (streams.Subscriber)."""
+    """What a stream offers its live progress to (subscriber.Subscriber)."""
 
     def offer_progress(self, item: task_pb2.TaskProgress) -> None: ...
 

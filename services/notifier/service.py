@@ -15,11 +15,12 @@ import asyncpg
 import grpc
 
 from services.notifier.ended import EndedHints
+from services.notifier.event_feed import EventHub
 from services.notifier.output_feed import OutputHub
 from services.notifier.output_hooks import OutputHooks
 from services.notifier.progress_feed import ProgressHub
 from services.notifier.relay import EventRelay, TestSignals
-from services.notifier.streams import SERVICE, EventHub, TaskEventsService, register
+from services.notifier.streams import SERVICE, TaskEventsService, register
 from services.notifier.webhooks import WebhookSender
 from taskgate import results, runtime, server
 from taskgate.auth import REVOKED_CHANNEL, Authenticator

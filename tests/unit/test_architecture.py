@@ -313,7 +313,6 @@ SIZED = ("services", "taskgate_client")
 # it is split; never add one.
 OVER_MAX_LINES = {
     "services/submit/service.py": 811,  # the TaskGateway servicer
-    "services/notifier/streams.py": 784,  # the TaskEvents streams
     "services/scheduler/scans.py": 515,  # the scheduler's scans
 }
 

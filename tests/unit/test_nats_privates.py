@@ -11,7 +11,7 @@ from nats.js.client import JetStreamContext
 
 
 def test_an_ordered_consumer_is_recreated_from_the_start_sequence_the_event_feed_sets() -> None:
-    """services/notifier/streams.py (the event feed's start) sets `subscription._sub._jsi._sseq`: nats-py recreates a
+    """services/notifier/event_feed.py (the event feed's start) sets `subscription._sub._jsi._sseq`: nats-py recreates a
     lost ordered consumer from `_sseq + 1`, which is 0 before its first delivery (the whole stream), and offers no
     public way to set it (nats-py 2.16). Checked: the subscription keeps its core subscription as `_sub`, the consumer
     state starts at `_sseq` 0, and both recreation points read it."""

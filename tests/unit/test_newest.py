@@ -7,7 +7,7 @@ import asyncio
 import asyncpg
 import pytest
 
-from services.notifier.streams import Newest
+from services.notifier.shared_reads import Newest
 
 
 class Reads:

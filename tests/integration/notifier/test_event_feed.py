@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from nats.js.api import ConsumerInfo
 
-from services.notifier.streams import EventHub
+from services.notifier.event_feed import EventHub
 from taskgate import bus as busmod
 from taskgate import store
 from taskgate.config import Settings

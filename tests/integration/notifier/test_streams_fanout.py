@@ -11,7 +11,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 
-from services.notifier.streams import Estimates
+from services.notifier.shared_reads import Estimates
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status

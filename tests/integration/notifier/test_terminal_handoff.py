@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from services.notifier import streams
+from services.notifier import shared_reads
 from services.notifier.relay import TestSignals
 from taskgate import bus as busmod
 from taskgate import store
@@ -148,7 +148,7 @@ async def test_a_burst_reaches_every_stream_while_its_previous_events_eta_read_i
         await never.wait()
         return [None] * len(seen)
 
-    monkeypatch.setattr(streams.Estimates, "_read_many", held)
+    monkeypatch.setattr(shared_reads.Estimates, "_read_many", held)
     # a keep-alive period beyond the test: the quiet check cannot be what delivers; the stream limits lifted
     tuned = fast(settings, stream_keepalive_seconds=120.0, max_streams_per_tenant=HELD_BURST, tenant_calls_per_second=0.0)
     notifier = await notifier_factory(tuned)
