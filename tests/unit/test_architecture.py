@@ -312,7 +312,6 @@ SIZED = ("services", "taskgate_client")
 # Still over, to be split in a later pass (issue #40): each names its length when it was listed. Take a file off when
 # it is split; never add one.
 OVER_MAX_LINES = {
-    "services/submit/service.py": 811,  # the TaskGateway servicer
     "services/scheduler/scans.py": 515,  # the scheduler's scans
 }
 
