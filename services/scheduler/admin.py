@@ -15,7 +15,8 @@ from google.protobuf.message import Message
 
 from services.scheduler import adminwire
 from services.scheduler.requeue import REPLAYABLE, Requeuer
-from services.scheduler.scans import Action, Retention, RetentionScan, TaskScan, count
+from services.scheduler.retention import Retention, RetentionScan
+from services.scheduler.scans import Action, TaskScan, count
 from taskgate import auth, errors, ids, output, paging, results, store, text
 from taskgate import bus as busmod
 from taskgate.auth import DEFAULT_SECRET_OVERLAP, Authenticator

@@ -14,6 +14,7 @@ import asyncpg
 import grpc
 
 from services.scheduler.admin import TaskAdminService
+from services.scheduler.retention import RetentionScan
 from services.scheduler.scans import (
     Action,
     CreatedScan,
@@ -24,7 +25,6 @@ from services.scheduler.scans import (
     ProcessingTimeoutScan,
     QueuedScan,
     QueueTTLScan,
-    RetentionScan,
     Scan,
     ScanContext,
     TaskScan,

@@ -24,7 +24,8 @@ import torch
 from PIL import Image
 
 from services.http.dashboard import Dashboard
-from services.scheduler.scans import Action, Retention
+from services.scheduler.retention import Retention
+from services.scheduler.scans import Action
 from services.worker import partial
 from services.worker.inference import GenerationRequest, LoadOptions, VideoPipeline
 from taskgate import output

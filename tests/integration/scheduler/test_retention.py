@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from services.scheduler import service
-from services.scheduler.scans import Action, RetentionScan, ScanContext
+from services.scheduler.retention import RetentionScan
+from services.scheduler.scans import Action, ScanContext
 from services.scheduler.service import Scheduler
 from taskgate import auth, store, telemetry
 from taskgate.config import Settings

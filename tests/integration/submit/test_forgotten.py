@@ -12,7 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.scheduler.scans import Action, RetentionScan, ScanContext
+from services.scheduler.retention import RetentionScan
+from services.scheduler.scans import Action, ScanContext
 from services.submit.cache import TerminalCache
 from services.submit.service import SubmitHandle
 from services.submit.service import start as start_submit

@@ -17,7 +17,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from PIL import Image
 
-from services.scheduler.scans import Action, Retention, RetentionScan, ScanContext
+from services.scheduler.retention import Retention, RetentionScan
+from services.scheduler.scans import Action, ScanContext
 from services.submit.service import SubmitHandle
 from taskgate import images, store
 from taskgate.config import ModelSpec, Settings

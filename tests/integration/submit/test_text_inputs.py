@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services.scheduler.scans import Action, Retention, RetentionScan, ScanContext
+from services.scheduler.retention import Retention, RetentionScan
+from services.scheduler.scans import Action, ScanContext
 from taskgate.config import ModelSpec, Settings
 from taskgate.results import ResultNotFound, result_store
 from taskgate.runtime import Backends
