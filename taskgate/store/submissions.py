@@ -85,13 +85,8 @@ COLUMNS: dict[str, Callable[[NewTask], object]] = {
 }
 
 
-def columns(tasks: Sequence[NewTask]) -> list[list[object]]:
-    """One array per column of COLUMNS, one element per task."""
-    return [[column(t) for t in tasks] for column in COLUMNS.values()]
-
-
 def by_column(tasks: Sequence[NewTask]) -> dict[str, list[object]]:
-    """columns() by column name, to bind as a named block's parameters."""
+    """One array per column of COLUMNS by its name, one element per task: a named block's parameters."""
     return {name: [column(t) for t in tasks] for name, column in COLUMNS.items()}
 
 
@@ -179,8 +174,17 @@ async def admit(
     """Admits a batch in one statement; one Admission per candidate, in order, as if admitted one by one. `now`: the
     budgets' clock (None: the database's)."""
     rows = await db.fetch(
-        sql.query("submit_tasks"), admission_rows(batch), default_max_pending, history.seconds, history.runs, now,
-        end_users.max_pending, end_users.per_minute, timeout=within,
+        *sql.bind(
+            "submit_tasks",
+            items=admission_rows(batch),
+            default_max_pending=default_max_pending,
+            history_seconds=history.seconds,
+            history_runs=history.runs,
+            now=now,
+            default_max_pending_per_end_user=end_users.max_pending,
+            default_per_minute_per_end_user=end_users.per_minute,
+        ),
+        timeout=within,
     )
     out = []
     for rec in rows:
@@ -208,7 +212,7 @@ async def admit(
 
 async def create(db: Conn, new: NewTask) -> TaskRow | None:
     """Inserts a task in CREATED without any limit; None when its idempotency key is taken."""
-    rec = await db.fetchrow(sql.query("submit_insert_tasks"), *columns([new]))
+    rec = await db.fetchrow(*sql.bind("submit_insert_tasks", **by_column([new])))
     return TaskRow.from_record(rec) if rec is not None else None
 
 

@@ -12,7 +12,7 @@ import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import asyncpg
 
@@ -104,7 +104,27 @@ class TaskError:
     message: str
 
 
-# ---- the moves: each knows its Move and its own parameters ----
+class Guard(TypedDict):
+    """The parameters every move's block takes first (sql/queries/tasks.sql): which task, the states it may leave,
+    the version and attempt it must still have (None: any), and who moves it and why."""
+
+    task_id: int
+    sources: list[str]
+    expected_version: int | None
+    expected_attempt: int | None
+    actor: str
+    reason: str | None
+
+
+class Seconds(TypedDict):
+    """An attempt's measured seconds as the blocks that add them take them (Metered.seconds())."""
+
+    device_seconds: float
+    slot_seconds: float
+    wasted_seconds: float
+
+
+# ---- the moves: each knows its Move and binds its own block (the guard, then its own parameters by name) ----
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +133,8 @@ class Queue:
 
     move: ClassVar[Move] = Move.QUEUE
 
-    def params(self) -> tuple[object, ...]:
-        return ()
+    def bind(self, guard: Guard) -> tuple[Any, ...]:
+        return sql.bind("queue_task", **guard)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +143,8 @@ class Republish:
 
     move: ClassVar[Move] = Move.REPUBLISH
 
-    def params(self) -> tuple[object, ...]:
-        return ()
+    def bind(self, guard: Guard) -> tuple[Any, ...]:
+        return sql.bind("republish_task", **guard)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +155,8 @@ class Progress:
     lease_seconds: float
     move: ClassVar[Move] = Move.PROGRESS
 
-    def params(self) -> tuple[object, ...]:
-        return (self.percent, self.lease_seconds)
+    def bind(self, guard: Guard) -> tuple[Any, ...]:
+        return sql.bind("progress_task", **guard, percent=self.percent, lease_seconds=self.lease_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +168,12 @@ class Metered:
     slot_seconds: float = 0.0
     wasted_seconds: float = 0.0
 
-    def params(self) -> tuple[float, float, float]:
-        return (max(self.device_seconds, 0.0), max(self.slot_seconds, 0.0), max(self.wasted_seconds, 0.0))
+    def seconds(self) -> Seconds:
+        return Seconds(
+            device_seconds=max(self.device_seconds, 0.0),
+            slot_seconds=max(self.slot_seconds, 0.0),
+            wasted_seconds=max(self.wasted_seconds, 0.0),
+        )
 
 
 UNMETERED = Metered()  # a move made by anyone but the attempt's own worker: no seconds of its own to add
@@ -164,10 +188,23 @@ class Succeed:
     text: TextOutcome | None = None  # a chat task's answer and tokens
     move: ClassVar[Move] = Move.SUCCEED
 
-    def params(self) -> tuple[object, ...]:
+    def bind(self, guard: Guard) -> tuple[Any, ...]:
         r, t = self.result, self.text
-        answer = (t.text, t.chars, t.finish_reason, t.input_tokens, t.output_tokens) if t else (None,) * 5
-        return (r.uri, r.content_type, r.size, r.sha256, r.reused, *self.metered.params(), *answer)
+        return sql.bind(
+            "succeed_task",
+            **guard,
+            uri=r.uri,
+            content_type=r.content_type,
+            size=r.size,
+            sha256=r.sha256,
+            reused=r.reused,
+            **self.metered.seconds(),
+            text=t.text if t else None,
+            chars=t.chars if t else None,
+            finish_reason=t.finish_reason if t else None,
+            input_tokens=t.input_tokens if t else None,
+            output_tokens=t.output_tokens if t else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +216,15 @@ class Fail:
     metered: Metered = UNMETERED
     move: ClassVar[Move] = Move.FAIL
 
-    def params(self) -> tuple[object, ...]:
-        return (self.error.code, self.error.message, self.worker_lost, *self.metered.params())
+    def bind(self, guard: Guard) -> tuple[Any, ...]:
+        return sql.bind(
+            "fail_task",
+            **guard,
+            error_code=self.error.code,
+            error_message=self.error.message,
+            worker_lost=self.worker_lost,
+            **self.metered.seconds(),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,8 +236,15 @@ class Retry:
     metered: Metered = UNMETERED
     move: ClassVar[Move] = Move.RETRY
 
-    def params(self) -> tuple[object, ...]:
-        return (self.error.code, self.error.message, self.delay_seconds, *self.metered.params())
+    def bind(self, guard: Guard) -> tuple[Any, ...]:
+        return sql.bind(
+            "retry_task",
+            **guard,
+            error_code=self.error.code,
+            error_message=self.error.message,
+            delay_seconds=self.delay_seconds,
+            **self.metered.seconds(),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,8 +261,15 @@ class Release:
     in_company: bool = False
     move: ClassVar[Move] = Move.RELEASE
 
-    def params(self) -> tuple[object, ...]:
-        return (self.worker_lost, *self.metered.params(), self.keep_order, self.in_company)
+    def bind(self, guard: Guard) -> tuple[Any, ...]:
+        return sql.bind(
+            "release_task",
+            **guard,
+            worker_lost=self.worker_lost,
+            **self.metered.seconds(),
+            keep_order=self.keep_order,
+            in_company=self.in_company,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,8 +279,8 @@ class Cancel:
     mode: CancelMode
     move: ClassVar[Move] = Move.CANCEL
 
-    def params(self) -> tuple[object, ...]:
-        return (self.mode.value,)
+    def bind(self, guard: Guard) -> tuple[Any, ...]:
+        return sql.bind("cancel_task", **guard, mode=self.mode.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,8 +290,8 @@ class TimeOut:
     error: TaskError
     move: ClassVar[Move] = Move.TIMEOUT
 
-    def params(self) -> tuple[object, ...]:
-        return (self.error.code, self.error.message)
+    def bind(self, guard: Guard) -> tuple[Any, ...]:
+        return sql.bind("timeout_task", **guard, error_code=self.error.code, error_message=self.error.message)
 
 
 Change = Queue | Republish | Progress | Succeed | Fail | Retry | Release | Cancel | TimeOut
@@ -254,16 +312,15 @@ async def apply(
     move = change.move
     allowed = sources if sources is not None else move.sources
     assert set(allowed) <= set(move.sources), f"{move.name} cannot leave {allowed}"
-    rec = await db.fetchrow(
-        sql.query(move.query),
-        task_id,
-        [s.value for s in allowed],
-        expected_version,
-        expected_attempt,
-        actor,
-        reason,
-        *change.params(),
+    guard = Guard(
+        task_id=task_id,
+        sources=[s.value for s in allowed],
+        expected_version=expected_version,
+        expected_attempt=expected_attempt,
+        actor=actor,
+        reason=reason,
     )
+    rec = await db.fetchrow(*change.bind(guard))
     if rec is not None:
         task = TaskRow.from_record(rec)
         old = Status(rec["old_status"])

@@ -97,13 +97,23 @@ class Redelivery:
 
 async def insert_deliveries(db: Conn, deliveries: Sequence[NewDelivery], *, first_delay: float) -> None:
     """Adds deliveries (idempotent per event and url), the first attempt due after `first_delay` seconds."""
-    await db.executemany(
-        sql.query("outbox_insert_delivery"),
-        [
-            (d.task_id, d.event_id, d.user_id, d.webhook_id, d.event_type, d.url, d.payload, first_delay, d.trace_context)
-            for d in deliveries
-        ],
-    )
+    bound = [
+        sql.bind(
+            "outbox_insert_delivery",
+            task_id=d.task_id,
+            event_id=d.event_id,
+            user_id=d.user_id,
+            webhook_id=d.webhook_id,
+            event_type=d.event_type,
+            url=d.url,
+            payload=d.payload,
+            first_delay=first_delay,
+            trace_context=d.trace_context,
+        )
+        for d in deliveries
+    ]
+    if bound:  # one statement, each delivery's arguments
+        await db.executemany(bound[0][0], [args for _, *args in bound])
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,21 +95,23 @@ async def beat(
     """
     reg = worker or Registration("", (), 0, 0, "", False)
     rows = await db.fetch(
-        sql.query("worker_beat"),
-        [a.task_id for a in attempts],
-        [a.attempt for a in attempts],
-        [a.progress for a in attempts],
-        lease_seconds,
-        worker.worker_id if worker is not None else None,
-        list(reg.models),
-        reg.slots,
-        reg.running,
-        reg.device,
-        reg.draining,
-        actor,
-        reg.control_address,
-        reg.devices,
-        reg.capacity,
+        *sql.bind(
+            "worker_beat",
+            task_ids=[a.task_id for a in attempts],
+            attempts=[a.attempt for a in attempts],
+            progress=[a.progress for a in attempts],
+            lease_seconds=lease_seconds,
+            worker_id=worker.worker_id if worker is not None else None,
+            models=list(reg.models),
+            slots=reg.slots,
+            running=reg.running,
+            device=reg.device,
+            draining=reg.draining,
+            actor=actor,
+            control_address=reg.control_address,
+            devices=reg.devices,
+            capacity=reg.capacity,
+        )
     )
     out = {}
     for rec in rows:

@@ -4,16 +4,29 @@ parameters its block names (read from the call sites' syntax trees, so a query a
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 import pytest
 
 from taskgate import sql
+from taskgate.store import tasks
 from taskgate.store.submissions import COLUMNS
 from tests.support.harness import ROOT
 
 SOURCES = ("taskgate", "services", "bench", "taskgate_local")
-SPREADS = {"by_column": tuple(COLUMNS)}  # `**by_column(tasks)` binds one parameter per submission column
+# a spread's names by what it spreads: `**by_column(new)` one per submission column, `**guard` a move's guard
+# (tasks.Guard), `**metered.seconds()` an attempt's measured seconds (tasks.Seconds)
+SPREADS = {
+    "by_column": tuple(COLUMNS),
+    "guard": tuple(tasks.Guard.__annotations__),
+    "seconds": tuple(tasks.Seconds.__annotations__),
+}
+MOST_POSITIONAL = 4  # a block with more parameters than this names them
+STILL_POSITIONAL = {
+    "create_admin_credential", "eta_inputs", "eta_run_history", "admin_requeue_page", "submit_take_rate_slots",
+    "submit_keep_text", "worker_checkpoint",
+}
 
 
 def test_names_are_numbered_by_first_use_and_casts_literals_and_comments_are_left_alone() -> None:
@@ -65,10 +78,10 @@ def _binds() -> Iterator[tuple[str, str, set[str]]]:
                     if keyword.arg is not None:
                         bound.add(keyword.arg)
                         continue
-                    spread = keyword.value
-                    assert isinstance(spread, ast.Call) and isinstance(spread.func, ast.Name), where
-                    assert spread.func.id in SPREADS, f"{where}: **{spread.func.id}(...) names no known parameters"
-                    bound |= set(SPREADS[spread.func.id])
+                    spread = keyword.value.func if isinstance(keyword.value, ast.Call) else keyword.value
+                    what = spread.attr if isinstance(spread, ast.Attribute) else getattr(spread, "id", None)
+                    assert what in SPREADS, f"{where}: **{ast.unparse(keyword.value)} names no known parameters"
+                    bound |= set(SPREADS[what])
                 for choice in choices:
                     assert isinstance(choice, ast.Constant)
                     yield where, str(choice.value), bound
@@ -92,3 +105,29 @@ def test_a_named_block_is_run_only_through_bind() -> None:
             text = path.read_text()
             for block in sql.named_queries():
                 assert f'sql.query("{block}")' not in text, f"{path}: run {block} with sql.bind"
+
+
+def test_no_block_takes_more_than_a_few_positional_parameters() -> None:
+    many = {}
+    for name, text in sql.queries().items():
+        if name not in sql.named_queries():
+            count = len(set(re.findall(r"\$(\d+)", text)))
+            if count > MOST_POSITIONAL and name not in STILL_POSITIONAL:
+                many[name] = count
+    assert many == {}, f"name the parameters of {many}"
+
+
+def test_each_move_binds_its_own_block() -> None:
+    guard = tasks.Guard(task_id=1, sources=["PROCESSING"], expected_version=None, expected_attempt=2, actor="a", reason="r")
+    error = tasks.TaskError("E", "m")
+    result = tasks.ResultRef("u", "video/mp4", 1, "s")
+    changes: list[tasks.Change] = [
+        tasks.Queue(), tasks.Republish(), tasks.Progress(5, 30.0), tasks.Succeed(result), tasks.Fail(error),
+        tasks.Retry(error, 1.0), tasks.Release(), tasks.Cancel(tasks.CancelMode.SOFT), tasks.TimeOut(error),
+    ]
+    assert {type(c).move for c in changes} == set(tasks.Move)
+    for change in changes:
+        text, *values = change.bind(guard)
+        assert text == sql.query(change.move.query)
+        named = sql.named_queries()[change.move.query].params
+        assert dict(zip(named, values, strict=True))["task_id"] == 1

@@ -53,15 +53,14 @@ SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - (
 -- name: outbox_insert_delivery
 -- A webhook to send for one event (idempotent per event and url), not due before its destination's breaker closes;
 -- the task's older progress webhooks to the same url that are still waiting (not in flight) go: only the newest
--- progress is worth sending. $1 task, $2 event, $3 user, $4 webhook id, $5 event type, $6 url, $7 payload,
--- $8 seconds before the first attempt, $9 trace context (NULL: tracing off).
+-- progress is worth sending. @first_delay the seconds before the first attempt; @trace_context NULL: tracing off.
 WITH added AS (
     INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, next_attempt_at,
                                    trace_context)
-    VALUES ($1, $2, $3, $4, $5, $6, $7,
-            greatest(now() + make_interval(secs => $8),
-                     (SELECT w.open_until FROM webhook_destination w WHERE w.destination = webhook_destination_of($6))),
-            $9)
+    VALUES (@task_id, @event_id, @user_id, @webhook_id, @event_type, @url, @payload,
+            greatest(now() + make_interval(secs => @first_delay),
+                     (SELECT w.open_until FROM webhook_destination w WHERE w.destination = webhook_destination_of(@url))),
+            @trace_context)
     ON CONFLICT DO NOTHING
     RETURNING task_id, event_id, url
 )

@@ -29,24 +29,27 @@ ORDER BY item.ord;
 
 -- name: submit_insert_tasks
 -- New tasks in CREATED without the limits (functions/submit_fast_path.sql): test rows. No row for an item whose
--- idempotency key is taken. $1..$19 the columns, one array element per task (submissions.NewTask.COLUMNS).
+-- idempotency key is taken. One array per column (submissions.COLUMNS), one element per task.
 SELECT * FROM insert_tasks(
-    p_id => $1, p_user_id => $2, p_idempotency_key => $3, p_idempotency_derived => $4, p_request_hash => $5,
-    p_task_type => $6, p_model_id => $7, p_prompt => $8, p_request_payload => $9, p_metadata => $10,
-    p_priority => $11, p_queue_name => $12, p_max_retries => $13, p_callback_url => $14, p_callback_events => $15,
-    p_trace_context => $16, p_start_after => $17, p_max_queue_seconds => $18, p_end_user => $19);
+    p_id => @id, p_user_id => @user_id, p_idempotency_key => @idempotency_key,
+    p_idempotency_derived => @idempotency_derived, p_request_hash => @request_hash, p_task_type => @task_type,
+    p_model_id => @model_id, p_prompt => @prompt, p_request_payload => @request_payload, p_metadata => @metadata,
+    p_priority => @priority, p_queue_name => @queue_name, p_max_retries => @max_retries,
+    p_callback_url => @callback_url, p_callback_events => @callback_events, p_trace_context => @trace_context,
+    p_start_after => @start_after, p_max_queue_seconds => @max_queue_seconds, p_end_user => @end_user);
 
 -- name: submit_tasks
 -- A batch of submissions in one round trip (functions/submit_fast_path.sql): rate slots, tenant locks, idempotent
--- lookups, pending limits, budgets, one insert. $1 the batch: a JSON array of objects with admission_item's fields
--- (submissions.admission_rows), $2 default max pending, $3 and $4 the history an estimate reads (seconds, runs), $5 the
--- budgets' clock (NULL: now), $6 and $7 the defaults of max pending and submissions per minute per end user (a
--- tenant's own override them). One row per item, in order.
+-- lookups, pending limits, budgets, one insert. @items the batch: a JSON array of objects with admission_item's fields
+-- (submissions.admission_rows); @history_seconds and @history_runs the history an estimate reads; @now the budgets'
+-- clock (NULL: now); the @default_... limits are a tenant's unless it sets its own. One row per item, in order.
 SELECT f.ord, f.outcome, f.retry_after, f.pending_limit, f.budget_window, f.budget_left, f.gpu_estimate, f.limit_scope,
        f.rate_limit, f.budget_unit, f.token_estimate, (f.task_row).*
 FROM submit_tasks(
-    p_items => $1::jsonb, p_default_max_pending => $2, p_history_seconds => $3, p_history_runs => $4, p_now => $5,
-    p_default_max_pending_per_end_user => $6, p_default_per_minute_per_end_user => $7) f;
+    p_items => @items::jsonb, p_default_max_pending => @default_max_pending, p_history_seconds => @history_seconds,
+    p_history_runs => @history_runs, p_now => @now,
+    p_default_max_pending_per_end_user => @default_max_pending_per_end_user,
+    p_default_per_minute_per_end_user => @default_per_minute_per_end_user) f;
 
 -- name: submit_queue_created
 -- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (history: one trigger run for the pass).

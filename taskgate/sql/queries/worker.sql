@@ -4,16 +4,17 @@
 -- A worker's heartbeat, one statement however many attempts it runs: renews the lease of each attempt named (as long
 -- as it still holds its task: PROCESSING, or CANCELED by a soft cancel that kept the lease), writes the new progress
 -- of those given one (the progress_task move, PROCESSING only: a new version, recorded per row by the history
--- trigger), and registers the worker or records its heartbeat when $5 is set. Returns each renewed row and whether
--- its progress was written; an attempt absent from the answer no longer holds its task.
--- $1 task ids, $2 their attempts, $3 their new progress (NULL = renew only), $4 lease seconds, $5 worker id (NULL =
--- no registry write), $6 models, $7 slots, $8 running, $9 device, $10 draining, $11 actor, $12 its WorkerControl
--- address (NULL: not known yet, the one recorded stays), $13 devices, $14 capacity (its share of the cluster cap).
+-- trigger), and registers the worker or records its heartbeat when @worker_id is set (NULL: no registry write).
+-- Returns each renewed row and whether its progress was written; an attempt absent from the answer no longer holds
+-- its task. @task_ids, @attempts and @progress one element per attempt (progress NULL = renew only);
+-- @control_address its WorkerControl address (NULL: not known yet, the one recorded stays); @capacity its share of
+-- the cluster cap.
 WITH registered AS (
     INSERT INTO worker (id, models, slots, running, device, draining, started_at, last_heartbeat, control_address,
                         devices, capacity)
-    SELECT $5::text, $6::text[], $7::int, $8::int, $9::text, $10::boolean, now(), now(), $12::text, $13::int, $14::float8
-    WHERE $5::text IS NOT NULL
+    SELECT @worker_id::text, @models::text[], @slots::int, @running::int, @device::text, @draining::boolean, now(),
+           now(), @control_address::text, @devices::int, @capacity::float8
+    WHERE @worker_id::text IS NOT NULL
     ON CONFLICT (id) DO UPDATE SET models = EXCLUDED.models, slots = EXCLUDED.slots, running = EXCLUDED.running,
                                    device = EXCLUDED.device, draining = EXCLUDED.draining, last_heartbeat = now(),
                                    control_address = COALESCE(EXCLUDED.control_address, worker.control_address),
@@ -21,17 +22,17 @@ WITH registered AS (
 ), held AS MATERIALIZED (
     -- locked in id order: two beats naming the same tasks (one of them taken over meanwhile) never deadlock
     SELECT h.id, b.attempt, b.progress, (b.progress IS NOT NULL AND h.status = 'PROCESSING') AS moves
-    FROM (SELECT id, status FROM task WHERE id = ANY($1::bigint[]) ORDER BY id FOR UPDATE) h
-    JOIN unnest($1::bigint[], $2::int[], $3::int[]) AS b(id, attempt, progress) ON b.id = h.id
+    FROM (SELECT id, status FROM task WHERE id = ANY(@task_ids::bigint[]) ORDER BY id FOR UPDATE) h
+    JOIN unnest(@task_ids::bigint[], @attempts::int[], @progress::int[]) AS b(id, attempt, progress) ON b.id = h.id
 )
-UPDATE task t SET lease_expires_at = now() + make_interval(secs => $4::float8),
+UPDATE task t SET lease_expires_at = now() + make_interval(secs => @lease_seconds::float8),
        version = t.version + h.moves::int,
        progress = CASE WHEN h.moves THEN h.progress ELSE t.progress END,
        updated_at = CASE WHEN h.moves THEN now() ELSE t.updated_at END,
-       last_actor = CASE WHEN h.moves THEN $11::text ELSE t.last_actor END,
+       last_actor = CASE WHEN h.moves THEN @actor::text ELSE t.last_actor END,
        last_reason = CASE WHEN h.moves THEN 'progress' ELSE t.last_reason END
 FROM held h
-WHERE t.id = ANY($1::bigint[]) AND t.id = h.id AND t.attempt = h.attempt
+WHERE t.id = ANY(@task_ids::bigint[]) AND t.id = h.id AND t.attempt = h.attempt
   AND (t.status = 'PROCESSING' OR (t.status = 'CANCELED' AND t.lease_expires_at IS NOT NULL))
 RETURNING t.*, h.moves AS progressed;
 
