@@ -155,7 +155,14 @@ async def requeue_page(
 ) -> list[int]:
     """Ids of tasks in `statuses` matching a requeue filter, by id after `after_id` (stable while they are requeued)."""
     rows = await db.fetch(
-        sql.query("admin_requeue_page"), [s.value for s in statuses], model_id, older_than_seconds, after_id, limit
+        *sql.bind(
+            "admin_requeue_page",
+            statuses=[s.value for s in statuses],
+            model_id=model_id,
+            older_than_seconds=older_than_seconds,
+            after_id=after_id,
+            limit=limit,
+        )
     )
     return [r["id"] for r in rows]
 

@@ -40,7 +40,16 @@ async def create(
     db: Conn, *, name: str, key_hash: str, prefix: str, scope: str, expires_in_seconds: float | None
 ) -> datetime | None:
     """Stores an admin credential; when it expires (None: never)."""
-    row = await db.fetchrow(sql.query("create_admin_credential"), name, key_hash, prefix, scope, expires_in_seconds)
+    row = await db.fetchrow(
+        *sql.bind(
+            "create_admin_credential",
+            name=name,
+            key_hash=key_hash,
+            prefix=prefix,
+            scope=scope,
+            expires_in_seconds=expires_in_seconds,
+        )
+    )
     assert row is not None
     expires: datetime | None = row["expires_at"]
     return expires

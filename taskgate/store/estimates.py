@@ -59,7 +59,15 @@ async def eta_inputs(
     """The inputs of each task's ETA, by id; a missing task is absent. One statement, index-backed.
     `weights`: the workers' fetch weights of HIGH, NORMAL and LOW."""
     rows = await db.fetch(
-        sql.query("eta_inputs"), list(task_ids), window_seconds, max_runs, alive_seconds, list(weights), timeout=within
+        *sql.bind(
+            "eta_inputs",
+            task_ids=list(task_ids),
+            window_seconds=window_seconds,
+            max_runs=max_runs,
+            alive_seconds=alive_seconds,
+            weights=list(weights),
+        ),
+        timeout=within,
     )
     return {
         rec["id"]: EtaInputs(
@@ -139,7 +147,15 @@ async def run_history(
     """A model's latest successful runs of one task type and size class, summed up; a bounded read of
     task_recent_runs_idx."""
     rec = await db.fetchrow(
-        sql.query("eta_run_history"), model_id, task_type, size_class, window_seconds, max_runs, timeout=within
+        *sql.bind(
+            "eta_run_history",
+            model_id=model_id,
+            task_type=task_type,
+            size_class=size_class,
+            window_seconds=window_seconds,
+            max_runs=max_runs,
+        ),
+        timeout=within,
     )
     assert rec is not None
     return RunHistory(

@@ -71,7 +71,15 @@ async def keep_text(db: Conn, tenant: str, text: StoredText, *, within: float) -
     """Records the tenant's text attachment (or marks it used again); call before writing the object. None when the
     tenant holds an image of that sha256 (no text and image share one)."""
     rec = await db.fetchrow(
-        sql.query("submit_keep_text"), tenant, text.sha256, text.uri, text.size_bytes, text.chars, timeout=within
+        *sql.bind(
+            "submit_keep_text",
+            user_id=tenant,
+            sha256=text.sha256,
+            uri=text.uri,
+            size_bytes=text.size_bytes,
+            chars=text.chars,
+        ),
+        timeout=within,
     )
     return None if rec is None else _text(rec)
 

@@ -265,7 +265,15 @@ async def take_rate_slots(
     takes none. `per_end_user`: each end user's allowance unless the tenant sets its own."""
     eus = list(end_users) if end_users is not None else [""] * len(keys)
     rows = await db.fetch(
-        sql.query("submit_take_rate_slots"), tenant, per_minute, list(keys), eus, per_end_user, timeout=within
+        *sql.bind(
+            "submit_take_rate_slots",
+            tenant=tenant,
+            per_minute=per_minute,
+            keys=list(keys),
+            end_users=eus,
+            per_end_user=per_end_user,
+        ),
+        timeout=within,
     )
     return [
         Slot(float(r["retry_after"]) if r["retry_after"] is not None else None, r["replay"], r["scope"], r["rate_limit"])

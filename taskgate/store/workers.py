@@ -224,7 +224,9 @@ async def record_checkpoint(
 ) -> list[str] | None:
     """Records a running attempt's newest checkpoint, `deleted` the objects deleted since its last record; returns the
     objects to delete now (the replaced one among them), or None when the attempt no longer runs the task."""
-    rows = await db.fetch(sql.query("worker_checkpoint"), task_id, attempt, uri, step, list(deleted))
+    rows = await db.fetch(
+        *sql.bind("worker_checkpoint", task_id=task_id, attempt=attempt, uri=uri, step=step, deleted=list(deleted))
+    )
     return list(rows[0]["checkpoint_garbage"]) if rows else None
 
 

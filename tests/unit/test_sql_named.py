@@ -23,10 +23,6 @@ SPREADS = {
     "seconds": tuple(tasks.Seconds.__annotations__),
 }
 MOST_POSITIONAL = 4  # a block with more parameters than this names them
-STILL_POSITIONAL = {
-    "create_admin_credential", "eta_inputs", "eta_run_history", "admin_requeue_page", "submit_take_rate_slots",
-    "submit_keep_text", "worker_checkpoint",
-}
 
 
 def test_names_are_numbered_by_first_use_and_casts_literals_and_comments_are_left_alone() -> None:
@@ -112,7 +108,7 @@ def test_no_block_takes_more_than_a_few_positional_parameters() -> None:
     for name, text in sql.queries().items():
         if name not in sql.named_queries():
             count = len(set(re.findall(r"\$(\d+)", text)))
-            if count > MOST_POSITIONAL and name not in STILL_POSITIONAL:
+            if count > MOST_POSITIONAL:
                 many[name] = count
     assert many == {}, f"name the parameters of {many}"
 

@@ -84,9 +84,9 @@ RETURNING id, max_pending, submits_per_minute, max_priority, share_weight, gpu_s
 SELECT EXISTS (SELECT 1 FROM tenant WHERE id = $1);
 
 -- name: create_admin_credential
--- An admin credential. $1 name, $2 key hash, $3 prefix, $4 scope, $5 seconds until it expires (NULL: never).
+-- An admin credential; @expires_in_seconds NULL: it never expires.
 INSERT INTO admin_credential (name, key_hash, prefix, scope, expires_at)
-VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))
+VALUES (@name, @key_hash, @prefix, @scope, now() + make_interval(secs => @expires_in_seconds))
 RETURNING id, expires_at;
 
 -- name: lookup_admin_credential

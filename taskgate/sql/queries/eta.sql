@@ -11,20 +11,20 @@
 -- queued_high/normal/low, the due QUEUED tasks of each of its model's levels (the weighted pick shares the model's
 -- slots among them); and slots, the live, not draining workers' slots that serve its model, each worker's slots
 -- shared among its models by the weights of their levels with QUEUED tasks. Only QUEUED and PROCESSING tasks read
--- the history. $1 task ids, $2 window seconds, $3 most runs read, $4 seconds a live worker's heartbeat is within,
--- $5 the priority weights (HIGH, NORMAL, LOW).
+-- the history. @window_seconds and @max_runs the history read, @alive_seconds how recent a live worker's heartbeat
+-- is, @weights the priority weights (HIGH, NORMAL, LOW).
 WITH levels AS MATERIALIZED (
     SELECT q.model_id, q.priority, count(*) AS n,
-           CASE q.priority WHEN 10 THEN ($5::int[])[1] WHEN 5 THEN ($5::int[])[2] ELSE ($5::int[])[3] END AS weight
+           CASE q.priority WHEN 10 THEN (@weights::int[])[1] WHEN 5 THEN (@weights::int[])[2] ELSE (@weights::int[])[3] END AS weight
     FROM task q
     WHERE q.status = 'QUEUED' AND (q.not_before IS NULL OR q.not_before <= now())
-      AND EXISTS (SELECT 1 FROM task a WHERE a.id = ANY($1::bigint[]) AND a.status = 'QUEUED')
+      AND EXISTS (SELECT 1 FROM task a WHERE a.id = ANY(@task_ids::bigint[]) AND a.status = 'QUEUED')
     GROUP BY q.model_id, q.priority
 ), serving AS MATERIALIZED (
     SELECT w.models, w.slots::float8 AS slots,
            (SELECT coalesce(sum(l.weight), 0) FROM levels l WHERE l.model_id = ANY(w.models)) AS weights
     FROM worker w
-    WHERE NOT w.draining AND w.last_heartbeat > now() - make_interval(secs => $4)
+    WHERE NOT w.draining AND w.last_heartbeat > now() - make_interval(secs => @alive_seconds)
 )
 SELECT t.id, t.status, t.version, t.progress, t.model_id, t.priority, now() AS now,
        CASE WHEN t.task_type = 'chat' THEN (t.request_payload ->> 'max_output_tokens')::bigint END AS max_output_tokens,
@@ -50,9 +50,9 @@ CROSS JOIN LATERAL (
             AND s.status = 'SUCCEEDED' AND NOT s.result_reused AND s.started_at IS NOT NULL
             AND s.model_id = t.model_id AND s.task_type = t.task_type
             AND task_size_class(s.request_payload) = task_size_class(t.request_payload)
-            AND s.finished_at > now() - make_interval(secs => $2)
+            AND s.finished_at > now() - make_interval(secs => @window_seconds)
           ORDER BY s.finished_at DESC
-          LIMIT $3) h
+          LIMIT @max_runs) h
 ) r
 LEFT JOIN LATERAL (
     -- its tenant's k-th turn comes at pass p + (k - 1) / w; another tenant's j-th at q + (j - 1) / v (passes from
@@ -95,7 +95,7 @@ LEFT JOIN LATERAL (
                FROM tenants o WHERE o.user_id <> t.user_id), 0) AS position
     FROM mine
 ) f ON t.status = 'QUEUED'
-WHERE t.id = ANY($1::bigint[]);
+WHERE t.id = ANY(@task_ids::bigint[]);
 
 -- name: queue_snapshot_levels
 -- The queue that every poll of a process shares (taskgate/queueview.py), read once per refresh, never per poll: one
@@ -137,15 +137,15 @@ SELECT now() AS now,
 -- name: eta_run_history
 -- The median seconds from start to finish of a model's latest successful runs of one task type and size class within
 -- the window (task_recent_runs_idx; NULL when none) and how many there were; of those that generated tokens (chat),
--- the median seconds per output token and the mean output tokens. $1 model, $2 task type, $3 size class
--- (task_size_class), $4 window seconds, $5 most runs read.
+-- the median seconds per output token and the mean output tokens. @size_class as task_size_class gives it,
+-- @max_runs the most runs read.
 SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds) AS run_seconds, count(*) AS runs,
        percentile_cont(0.5) WITHIN GROUP (ORDER BY h.seconds / h.tokens) FILTER (WHERE h.tokens > 0) AS token_seconds,
        avg(h.tokens) FILTER (WHERE h.tokens > 0)::float8 AS mean_output_tokens
 FROM (SELECT extract(epoch FROM s.finished_at - s.started_at)::float8 AS seconds, s.output_tokens AS tokens
       FROM task s
       WHERE s.status = 'SUCCEEDED' AND NOT s.result_reused AND s.started_at IS NOT NULL
-        AND s.model_id = $1 AND s.task_type = $2 AND task_size_class(s.request_payload) = $3
-        AND s.finished_at > now() - make_interval(secs => $4)
+        AND s.model_id = @model_id AND s.task_type = @task_type AND task_size_class(s.request_payload) = @size_class
+        AND s.finished_at > now() - make_interval(secs => @window_seconds)
       ORDER BY s.finished_at DESC
-      LIMIT $5) h;
+      LIMIT @max_runs) h;

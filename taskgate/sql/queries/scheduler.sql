@@ -202,15 +202,15 @@ LIMIT @limit;
 -- name: admin_requeue_page
 -- Ids of tasks matching a requeue filter, by id (stable while they are requeued), leaving out tasks already replayed
 -- (only a FAILED or TIMEOUT one can be): a replay by filter sent again replays only what is left.
--- $1 states, $2 model (NULL = all), $3 minimum seconds since updated_at (NULL = any), $4 after id, $5 limit.
+-- @model_id NULL = all, @older_than_seconds the minimum seconds since updated_at (NULL = any).
 SELECT t.id FROM task t
-WHERE t.status = ANY($1::task_status[])
-  AND ($2::text IS NULL OR t.model_id = $2)
-  AND ($3::float8 IS NULL OR t.updated_at < now() - make_interval(secs => $3))
-  AND t.id > $4
+WHERE t.status = ANY(@statuses::task_status[])
+  AND (@model_id::text IS NULL OR t.model_id = @model_id)
+  AND (@older_than_seconds::float8 IS NULL OR t.updated_at < now() - make_interval(secs => @older_than_seconds))
+  AND t.id > @after_id
   AND NOT EXISTS (SELECT 1 FROM task r WHERE r.replay_of = t.id)
 ORDER BY t.id
-LIMIT $5;
+LIMIT @limit;
 
 -- name: admin_peek_tasks
 -- Tasks by id, without locking, whether each holds a live lease, and the task replaying each (NULL: none). $1 ids.

@@ -3,27 +3,27 @@
 -- name: submit_take_rate_slots
 -- Counts submissions in the tenant's and their end users' minute windows, as far as they have room, in one statement
 -- (the one rate rule: take_rate_slots_each); one whose idempotency key already names a task of its end user (a
--- replay) takes no slot. $1 tenant, $2 allowed per minute, $3 each submission's key ('': none given), $4 each one's
--- end user ('': the tenant), $5 the default allowed per minute per end user (the tenant's own overrides it). One row
--- per submission, in order: replay, retry_after (NULL when counted or a replay), scope (the limit that refused it:
+-- replay) takes no slot. @per_minute the tenant's allowance, @keys each submission's key ('': none given),
+-- @end_users each one's end user ('': the tenant), @per_end_user the default allowance per end user (the tenant's own
+-- overrides it). One row per submission, in order: replay, retry_after (NULL when counted or a replay), scope (the limit that refused it:
 -- 'end_user' or 'tenant') and rate_limit (that limit's submissions per minute).
 WITH item AS (
     SELECT k.ord, k.end_user, e.id IS NOT NULL AS replay
-    FROM unnest($3::text[], $4::text[]) WITH ORDINALITY k(key, end_user, ord)
-    LEFT JOIN task e ON k.key <> '' AND e.user_id = $1 AND e.end_user = k.end_user AND e.idempotency_key = k.key
+    FROM unnest(@keys::text[], @end_users::text[]) WITH ORDINALITY k(key, end_user, ord)
+    LEFT JOIN task e ON k.key <> '' AND e.user_id = @tenant AND e.end_user = k.end_user AND e.idempotency_key = k.key
 ), fresh AS (
     SELECT item.ord, item.end_user, row_number() OVER (ORDER BY item.ord) AS n FROM item WHERE NOT item.replay
 ), per_end_user AS (
-    SELECT coalesce((SELECT t.submits_per_minute_per_end_user FROM tenant t WHERE t.id = $1), $5::integer) AS lim
+    SELECT coalesce((SELECT t.submits_per_minute_per_end_user FROM tenant t WHERE t.id = @tenant), @per_end_user::integer) AS lim
 ), slots AS (
-    SELECT take_rate_slots_each($1, $2, ARRAY(SELECT f.end_user FROM fresh f ORDER BY f.ord), p.lim) AS verdicts,
+    SELECT take_rate_slots_each(@tenant, @per_minute, ARRAY(SELECT f.end_user FROM fresh f ORDER BY f.ord), p.lim) AS verdicts,
            p.lim
     FROM per_end_user p
 )
 SELECT item.replay,
        CASE WHEN s.verdicts[f.n] IS NOT NULL THEN rate_window_left() END AS retry_after,
        s.verdicts[f.n] AS scope,
-       CASE s.verdicts[f.n] WHEN 'end_user' THEN s.lim WHEN 'tenant' THEN $2 END AS rate_limit
+       CASE s.verdicts[f.n] WHEN 'end_user' THEN s.lim WHEN 'tenant' THEN @per_minute END AS rate_limit
 FROM item LEFT JOIN fresh f ON f.ord = item.ord CROSS JOIN slots s
 ORDER BY item.ord;
 
@@ -102,10 +102,10 @@ RETURNING *;
 
 -- name: submit_keep_text
 -- Records a tenant's text attachment (or marks it used again), before its object is written, under the input's
--- advisory lock as submit_keep_input. $1 user, $2 sha256, $3 uri, $4 bytes, $5 characters.
+-- advisory lock as submit_keep_input.
 INSERT INTO task_input (user_id, sha256, uri, size_bytes, content_type, chars)
-SELECT $1, $2, $3, $4, 'text/plain', $5
-FROM (SELECT pg_advisory_xact_lock(hashtextextended('taskgate.input:' || $2, 0))) lock
+SELECT @user_id, @sha256, @uri, @size_bytes, 'text/plain', @chars
+FROM (SELECT pg_advisory_xact_lock(hashtextextended('taskgate.input:' || @sha256, 0))) lock
 ON CONFLICT (user_id, sha256) DO UPDATE SET last_used_at = now(), uri = EXCLUDED.uri
     WHERE task_input.content_type = 'text/plain'
 RETURNING *;

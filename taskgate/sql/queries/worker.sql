@@ -87,12 +87,12 @@ RETURNING id;
 -- name: worker_checkpoint
 -- Records a running attempt's newest checkpoint (stored since its intent); the one it replaces joins the garbage, and
 -- the objects the caller deleted since its last record leave it; returns the garbage to delete now. No row when the
--- attempt no longer runs the task. $1 task id, $2 attempt, $3 uri, $4 step, $5 uris deleted since.
-UPDATE task t SET checkpoint_uri = $3, checkpoint_step = $4,
-       checkpoint_garbage = ARRAY(SELECT g FROM unnest(t.checkpoint_garbage) g WHERE g <> $3 AND g <> ALL($5::text[]))
-                            || CASE WHEN o.old_uri IS NULL OR o.old_uri = $3 THEN '{}'::text[] ELSE ARRAY[o.old_uri] END
-FROM (SELECT id, checkpoint_uri AS old_uri FROM task WHERE id = $1 FOR UPDATE) o
-WHERE t.id = $1 AND t.id = o.id AND t.attempt = $2 AND t.status = 'PROCESSING' AND t.lease_expires_at IS NOT NULL
+-- attempt no longer runs the task. @deleted the uris deleted since.
+UPDATE task t SET checkpoint_uri = @uri, checkpoint_step = @step,
+       checkpoint_garbage = ARRAY(SELECT g FROM unnest(t.checkpoint_garbage) g WHERE g <> @uri AND g <> ALL(@deleted::text[]))
+                            || CASE WHEN o.old_uri IS NULL OR o.old_uri = @uri THEN '{}'::text[] ELSE ARRAY[o.old_uri] END
+FROM (SELECT id, checkpoint_uri AS old_uri FROM task WHERE id = @task_id FOR UPDATE) o
+WHERE t.id = @task_id AND t.id = o.id AND t.attempt = @attempt AND t.status = 'PROCESSING' AND t.lease_expires_at IS NOT NULL
 RETURNING t.checkpoint_garbage;
 
 -- name: worker_drop_checkpoint

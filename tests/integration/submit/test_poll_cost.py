@@ -108,9 +108,11 @@ async def test_a_poll_behind_100000_queued_tasks_is_one_primary_key_read(deep: t
             assert await _rows_touched(conn, query.query, query.args) <= 1, query.query
         # what a poll ran before: the per-task statement, whose cost was the backlog's
         ids = [behind[-1]]
-        old = await conn.fetch(sql.query("eta_inputs"), ids, 86400.0, 20, 10.0, [6, 3, 1])
-        assert old and await _rows_touched(
-            conn, sql.query("eta_inputs"), (ids, 86400.0, 20, 10.0, [6, 3, 1])) >= BACKLOG
+        per_task = sql.bind(
+            "eta_inputs", task_ids=ids, window_seconds=86400.0, max_runs=20, alive_seconds=10.0, weights=[6, 3, 1]
+        )
+        old = await conn.fetch(*per_task)
+        assert old and await _rows_touched(conn, per_task[0], per_task[1:]) >= BACKLOG
 
 
 async def test_the_snapshot_gives_the_answers_of_the_per_task_statement(settings: Settings, backends: Backends) -> None:
