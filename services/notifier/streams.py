@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import asyncpg
 import grpc
@@ -34,9 +34,11 @@ from .event_feed import EventHub
 from .output_feed import OutputHub
 from .progress_feed import ProgressHub
 from .shared_reads import Estimates, Newest
-from .subscriber import Closing, Keepalive, Overflow, ended
+from .subscriber import Closing, Keepalive, Overflow, Subscriber, ended
 
 log = logging.getLogger("taskgate.notifier.streams")
+R = TypeVar("R")
+Live = task_pb2.TaskEvent | output.Live | task_pb2.TaskProgress | None  # what a stream's subscriber brings
 
 SERVICE_NAME = "taskgate.v1.TaskEvents"
 SERVICE = "events"  # the throttle's label for this service
@@ -138,14 +140,47 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         """A terminal event with a result gets a fresh download URL (a replayed one would carry a stale URL)."""
         return results.linked_event(self._outputs, event) if self._outputs is not None else event
 
+    async def _serve(
+        self, context: grpc.aio.ServicerContext, handle: Callable[[Caller], AsyncIterator[R]]
+    ) -> AsyncIterator[R]:
+        """What WatchTask and WatchTasks do around their stream: the caller authenticated (the stream ends when its key
+        is revoked or its client token expires) and the stream's place in its tenant's throttle held until it ends."""
+        async with self._auth.stream_caller(context, clienttokens.WATCH) as caller:
+            with self._throttle.stream(caller.principal.tenant_id, SERVICE):  # the stream's place, held until it ends
+                async for response in caller.guard(handle(caller.caller)):
+                    yield response
+
+    @contextlib.contextmanager
+    def _live(self, sub: Subscriber) -> Iterator[Subscriber]:
+        """A stream's subscriber, kept alive (and ended at its age) while the stream lasts, then dropped from the
+        keep-alive tick and the feed."""
+        self.keepalive.add(sub)
+        try:
+            yield sub
+        finally:
+            self.keepalive.discard(sub)
+            self._hub.drop(sub)
+
+    @staticmethod
+    async def _next(sub: Subscriber, resume: Callable[[], tuple[str, dict[str, str]]]) -> Live:
+        """The stream's next live item (None: a keep-alive is due). When the server ends the stream (its subscriber
+        overflowed, a shutdown, its age) it ends with why and `resume()`: the request field to resume with, and the
+        same as the status's metadata."""
+        try:
+            return await sub.next()
+        except (Overflow, Closing) as exc:
+            where, metadata = resume()
+            raise ended(exc, where, **metadata) from None
+
+    async def _missed(self, task_id: int, after: int, live: task_pb2.TaskEvent) -> list[event_store.Event]:
+        """The task's events after version `after` and before the live event that showed the feed missed them."""
+        return await event_store.task_events(self._pool, task_id, after_version=after, up_to_version=live.version - 1)
+
     async def WatchTask(
         self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
-        # ends the stream when its key is revoked (or its client token expires)
-        async with self._auth.stream_caller(context, clienttokens.WATCH) as caller:
-            with self._throttle.stream(caller.principal.tenant_id, SERVICE):  # the stream's place, held until it ends
-                async for response in caller.guard(self._watch_task(caller.caller, request)):
-                    yield response
+        async for response in self._serve(context, lambda who: self._watch_task(who, request)):
+            yield response
 
     async def _watch_task(
         self, who: Caller, request: events_pb2.WatchTaskRequest
@@ -158,174 +193,176 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         tenant = who.tenant_id
         outputs = self._output_hub if request.include_output else None
         progress = self._progress_hub
-        # Subscribe before reading, so an event committed after the read is buffered: no gap at the seam.
-        sub = self._hub.watch_task(task_id, self._settings.stream_buffer_size)
-        self.keepalive.add(sub)
         sent = request.after_output_sequence  # the last output chunk sent (its stream sequence)
-        try:
-            if outputs is not None:  # the same for the output: followed before it is read
-                await outputs.follow(tenant, task_id, sub)
-            task = await store.get_task(self._pool, task_id)
-            if task is None or not who.may_see(task.user_id, task.end_user, task.id):
-                raise errors.not_found()
-            last = request.after_version
-            if last > task.version:
-                raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
-            status = task.status
-            attempt, shown = task.attempt, (task.progress, 0)  # the live progress sent last: (percent, step)
-            following = False  # whether this stream follows the task's live progress (while it is PROCESSING)
+        # Subscribe before reading, so an event committed after the read is buffered: no gap at the seam.
+        with self._live(self._hub.watch_task(task_id, self._settings.stream_buffer_size)) as sub:
+            try:
+                if outputs is not None:  # the same for the output: followed before it is read
+                    await outputs.follow(tenant, task_id, sub)
+                task = await store.get_task(self._pool, task_id)
+                if task is None or not who.may_see(task.user_id, task.end_user, task.id):
+                    raise errors.not_found()
+                last = request.after_version
+                if last > task.version:
+                    raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
+                status = task.status
+                attempt, shown = task.attempt, (task.progress, 0)  # the live progress sent last: (percent, step)
+                following = False  # whether this stream follows the task's live progress (while it is PROCESSING)
 
-            def moved(now: Status, at_attempt: int, percent: int) -> None:
-                """The stream sent a state: its live progress is followed while that is PROCESSING."""
-                nonlocal status, attempt, shown, following
-                if at_attempt != attempt:
-                    attempt, shown = at_attempt, (0, 0)
-                status, shown = now, (max(shown[0], percent), shown[1])
-                if progress is None or (now is Status.PROCESSING) == following:
+                def moved(now: Status, at_attempt: int, percent: int) -> None:
+                    """The stream sent a state: its live progress is followed while that is PROCESSING."""
+                    nonlocal status, attempt, shown, following
+                    if at_attempt != attempt:
+                        attempt, shown = at_attempt, (0, 0)
+                    status, shown = now, (max(shown[0], percent), shown[1])
+                    if progress is None or (now is Status.PROCESSING) == following:
+                        return
+                    following = not following
+                    if following:
+                        progress.follow(task.user_id, task_id, sub)
+                    else:
+                        progress.unfollow(task_id, sub)
+
+                async def stored(final: bool = False) -> AsyncIterator[events_pb2.WatchTaskResponse]:
+                    """The task's stored output after the last chunk sent (`final`: all of it, read from the leader)."""
+                    nonlocal sent
+                    if outputs is None:
+                        return
+                    while (chunk := await outputs.read_after(tenant, task_id, sent, final=final)) is not None:
+                        sent = chunk.sequence
+                        yield events_pb2.WatchTaskResponse(output=chunk)
+
+                async def before_end(event: task_pb2.TaskEvent) -> AsyncIterator[events_pb2.WatchTaskResponse]:
+                    """A terminal event comes after the output stored before it; any event after a chunk's catch-up."""
+                    if event_wire.is_terminal(event):
+                        async for out in stored(final=True):
+                            yield out
+
+                def resume() -> tuple[str, dict[str, str]]:
+                    """Where the stream resumes (the request fields, and the same as the status's metadata)."""
+                    where = f"after_version={last}" + (f" and after_output_sequence={sent}" if outputs else "")
+                    return where, {"last_version": str(last)} | ({"last_output_sequence": str(sent)} if outputs else {})
+
+                if last == 0:
+                    estimate = await self._estimate(task)
+                    snapshot = task.to_proto(estimate.queue_position if estimate is not None else 0)
+                    if estimate is not None:
+                        estimate.stamp(snapshot)
+                    if self._outputs is not None:
+                        results.add_link(self._outputs, snapshot.result)
+                    yield events_pb2.WatchTaskResponse(snapshot=snapshot)
+                    last = task.version
+                if task.status.terminal and last >= task.version:
+                    async for out in stored(final=True):  # a terminal snapshot: its output follows, then the end
+                        yield out
                     return
-                following = not following
-                if following:
-                    progress.follow(task.user_id, task_id, sub)
-                else:
-                    progress.unfollow(task_id, sub)
-
-            async def stored(final: bool = False) -> AsyncIterator[events_pb2.WatchTaskResponse]:
-                """The task's stored output after the last chunk sent (`final`: all of it, read from the leader)."""
-                nonlocal sent
-                if outputs is None:
-                    return
-                while (chunk := await outputs.read_after(tenant, task_id, sent, final=final)) is not None:
-                    sent = chunk.sequence
-                    yield events_pb2.WatchTaskResponse(output=chunk)
-
-            async def before_end(event: task_pb2.TaskEvent) -> AsyncIterator[events_pb2.WatchTaskResponse]:
-                """A terminal event comes after the output stored before it; any event after a chunk's catch-up."""
-                if event_wire.is_terminal(event):
+                # After a snapshot nothing is read: an event after the row's version committed after the row was read,
+                # after this stream subscribed, so the feed brings it (and the quiet check, should the feed lose it).
+                history: list[event_store.Event] = []
+                if last != task.version:
+                    history = await event_store.task_events(self._pool, task_id, after_version=last)
+                for i, row in enumerate(history):
+                    event = event_wire.message(row)
+                    if i == len(history) - 1:  # the ETA is as of now: only the latest replayed version gets one
+                        event = await self._stamped_latest(event, task)
+                    async for out in before_end(event):
+                        yield out
+                    yield events_pb2.WatchTaskResponse(event=self._linked(event))
+                    last = event.version
+                    moved(Status.from_proto(event.to_status), event.attempt, event.progress)
+                    if event_wire.is_terminal(event):
+                        return
+                if task.status.terminal:
                     async for out in stored(final=True):
                         yield out
-
-            if last == 0:
-                estimate = await self._estimate(task)
-                snapshot = task.to_proto(estimate.queue_position if estimate is not None else 0)
-                if estimate is not None:
-                    estimate.stamp(snapshot)
-                if self._outputs is not None:
-                    results.add_link(self._outputs, snapshot.result)
-                yield events_pb2.WatchTaskResponse(snapshot=snapshot)
-                last = task.version
-            if task.status.terminal and last >= task.version:
-                async for out in stored(final=True):  # a terminal snapshot: its output follows, then the end
+                    return  # its history was deleted by retention: nothing more will come
+                async for out in stored():  # caught up on the output stored so far: live from here
                     yield out
-                return
-            # After a snapshot nothing is read: an event after the row's version committed after the row was read,
-            # after this stream subscribed, so the feed brings it (and the quiet check, should the feed lose it).
-            history = [] if last == task.version else await event_store.task_events(self._pool, task_id, after_version=last)
-            for i, row in enumerate(history):
-                event = event_wire.message(row)
-                if i == len(history) - 1:  # the ETA is as of now: only the latest replayed version gets one
-                    event = await self._stamped_latest(event, task)
-                async for out in before_end(event):
-                    yield out
-                yield events_pb2.WatchTaskResponse(event=self._linked(event))
-                last = event.version
-                moved(Status.from_proto(event.to_status), event.attempt, event.progress)
-                if event_wire.is_terminal(event):
-                    return
-            if task.status.terminal:
-                async for out in stored(final=True):
-                    yield out
-                return  # its history was deleted by retention: nothing more will come
-            async for out in stored():  # caught up on the output stored so far: live from here
-                yield out
-            moved(status, attempt, shown[0])  # live from here: its progress too, if it runs
-            while True:
-                try:
-                    live = await sub.next()
-                except (Overflow, Closing) as exc:
-                    resume = f"after_version={last}" + (f" and after_output_sequence={sent}" if outputs else "")
-                    meta = {"last_version": str(last)} | ({"last_output_sequence": str(sent)} if outputs else {})
-                    raise ended(exc, resume, **meta) from None
-                if isinstance(live, task_pb2.TaskProgress):  # newer than what was sent, of the attempt that runs
-                    if status is Status.PROCESSING and live.attempt == attempt and (live.progress, live.step) > shown:
-                        shown = (live.progress, live.step)
-                        yield events_pb2.WatchTaskResponse(progress=live)
-                    continue
-                if isinstance(live, output.Live):
-                    if live.chunk.sequence <= sent:
-                        continue  # already read from the stream
-                    if live.previous > sent:  # a chunk this stream never saw (before it followed, a lost message)
-                        async for out in stored():
-                            yield out
+                moved(status, attempt, shown[0])  # live from here: its progress too, if it runs
+                while True:
+                    live = await self._next(sub, resume)
+                    if isinstance(live, task_pb2.TaskProgress):  # newer than what was sent, of the attempt that runs
+                        if (
+                            status is Status.PROCESSING and live.attempt == attempt
+                            and (live.progress, live.step) > shown
+                        ):
+                            shown = (live.progress, live.step)
+                            yield events_pb2.WatchTaskResponse(progress=live)
+                        continue
+                    if isinstance(live, output.Live):
                         if live.chunk.sequence <= sent:
-                            continue
-                    sent = live.chunk.sequence
-                    yield events_pb2.WatchTaskResponse(output=live.chunk)
-                    continue
-                if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
-                    try:  # a read that waits (a busy pool) never holds back what the feed brings meanwhile
-                        newest = await sub.unless_news(self.task_versions.of(task_id))
-                        missed = [] if newest is None or newest <= last else await sub.unless_news(self._quiet_check(
-                            event_store.task_events(self._pool, task_id, after_version=last, up_to_version=newest)
-                        ))
-                    except Interrupted:
-                        continue  # it goes first; the table is checked again next quiet period
-                    for row in missed:
-                        event = event_wire.message(row)
-                        async for out in before_end(event):
-                            yield out
-                        yield events_pb2.WatchTaskResponse(event=self._linked(event))
-                        last = event.version
-                        moved(Status.from_proto(event.to_status), event.attempt, event.progress)
-                        if event_wire.is_terminal(event):
-                            return
-                    if status is Status.PROCESSING:  # and what the stream stored that the live subject did not bring
-                        try:
+                            continue  # already read from the stream
+                        if live.previous > sent:  # a chunk this stream never saw (before it followed, a lost message)
                             async for out in stored():
                                 yield out
-                        except OUTPUT_READ_ERRORS:
-                            log.warning("a quiet stream's read of the output stream failed", exc_info=True)
-                    yield events_pb2.WatchTaskResponse(keepalive=events_pb2.KeepAlive())
-                    continue
-                if live.version <= last:
-                    continue  # already sent from the history (or a relay replay)
-                if live.version > last + 1:  # the live feed missed some: they are in the table
-                    missed = await event_store.task_events(
-                        self._pool, task_id, after_version=last, up_to_version=live.version - 1
-                    )
-                    for row in missed:
-                        event = event_wire.message(row)
-                        async for out in before_end(event):
-                            yield out
-                        yield events_pb2.WatchTaskResponse(event=self._linked(event))
-                        if event_wire.is_terminal(event):
-                            return
-                async for out in before_end(live):
-                    yield out
-                if Status.from_proto(live.to_status) in eta.ESTIMATED:
-                    # its ETA is one read shared by every stream: a later event (the end) that comes while it runs is
-                    # not held back behind it; this one goes without its ETA and the later one follows at once
-                    with contextlib.suppress(Interrupted):
-                        live = await sub.unless_news(self.estimates.stamped(live))
-                yield events_pb2.WatchTaskResponse(event=self._linked(live))
-                last = live.version
-                moved(Status.from_proto(live.to_status), live.attempt, live.progress)
-                if event_wire.is_terminal(live):
-                    return
-        finally:
-            self.keepalive.discard(sub)
-            self._hub.drop(sub)
-            if outputs is not None:
-                outputs.unfollow(tenant, task_id, sub)
-            if progress is not None:
-                progress.unfollow(task_id, sub)
+                            if live.chunk.sequence <= sent:
+                                continue
+                        sent = live.chunk.sequence
+                        yield events_pb2.WatchTaskResponse(output=live.chunk)
+                        continue
+                    # quiet for a keep-alive period: first, what the table has that the feed did not bring
+                    if live is None:
+                        try:  # a read that waits (a busy pool) never holds back what the feed brings meanwhile
+                            newest = await sub.unless_news(self.task_versions.of(task_id))
+                            missed: list[event_store.Event] = []
+                            if newest is not None and newest > last:
+                                behind = event_store.task_events(
+                                    self._pool, task_id, after_version=last, up_to_version=newest
+                                )
+                                missed = await sub.unless_news(self._quiet_check(behind))
+                        except Interrupted:
+                            continue  # it goes first; the table is checked again next quiet period
+                        for row in missed:
+                            event = event_wire.message(row)
+                            async for out in before_end(event):
+                                yield out
+                            yield events_pb2.WatchTaskResponse(event=self._linked(event))
+                            last = event.version
+                            moved(Status.from_proto(event.to_status), event.attempt, event.progress)
+                            if event_wire.is_terminal(event):
+                                return
+                        # and what the output stream stored that the live subject did not bring
+                        if status is Status.PROCESSING:
+                            try:
+                                async for out in stored():
+                                    yield out
+                            except OUTPUT_READ_ERRORS:
+                                log.warning("a quiet stream's read of the output stream failed", exc_info=True)
+                        yield events_pb2.WatchTaskResponse(keepalive=events_pb2.KeepAlive())
+                        continue
+                    if live.version <= last:
+                        continue  # already sent from the history (or a relay replay)
+                    if live.version > last + 1:  # the live feed missed some: they are in the table
+                        for row in await self._missed(task_id, last, live):
+                            event = event_wire.message(row)
+                            async for out in before_end(event):
+                                yield out
+                            yield events_pb2.WatchTaskResponse(event=self._linked(event))
+                            if event_wire.is_terminal(event):
+                                return
+                    async for out in before_end(live):
+                        yield out
+                    if Status.from_proto(live.to_status) in eta.ESTIMATED:
+                        # its ETA is one read shared by every stream: a later event (the end) that comes while it runs
+                        # is not held back behind it; this one goes without its ETA and the later one follows at once
+                        with contextlib.suppress(Interrupted):
+                            live = await sub.unless_news(self.estimates.stamped(live))
+                    yield events_pb2.WatchTaskResponse(event=self._linked(live))
+                    last = live.version
+                    moved(Status.from_proto(live.to_status), live.attempt, live.progress)
+                    if event_wire.is_terminal(live):
+                        return
+            finally:
+                if outputs is not None:
+                    outputs.unfollow(tenant, task_id, sub)
+                if progress is not None:
+                    progress.unfollow(task_id, sub)
 
     async def WatchTasks(
         self, request: events_pb2.WatchTasksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTasksResponse]:
-        async with self._auth.stream_caller(context, clienttokens.WATCH) as caller:
-            with self._throttle.stream(caller.principal.tenant_id, SERVICE):
-                async for response in caller.guard(self._watch_tasks(caller.caller, request)):
-                    yield response
+        async for response in self._serve(context, lambda who: self._watch_tasks(who, request)):
+            yield response
 
     async def _watch_tasks(
         self, who: Caller, request: events_pb2.WatchTasksRequest
@@ -341,9 +378,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 cursor = -1
             if not 0 <= cursor <= MAX_CURSOR:  # an event id: a PostgreSQL bigint
                 raise errors.invalid_argument([("cursor", "not a cursor from this API")])
-        sub = self._hub.watch_user(tenant, self._settings.stream_buffer_size)
-        self.keepalive.add(sub)
-        try:
+        with self._live(self._hub.watch_user(tenant, self._settings.stream_buffer_size)) as sub:
             versions: OrderedDict[str, int] = OrderedDict()
 
             def fresh(event: task_pb2.TaskEvent) -> bool:
@@ -385,10 +420,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             # cursor moved since: an event that commits within a quiet period of the cursor passing it is found.
             floor = checked = cursor
             while True:
-                try:
-                    live = await sub.next()
-                except (Overflow, Closing) as exc:
-                    raise ended(exc, f"cursor={cursor}", cursor=str(cursor)) from None
+                live = await self._next(sub, lambda: (f"cursor={cursor}", {"cursor": str(cursor)}))
                 if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
                     try:  # a read that waits (a busy pool) never holds back what the feed brings meanwhile
                         newest = await sub.unless_news(self.tenant_events.of(tenant))
@@ -408,17 +440,11 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     continue  # output is WatchTask's alone (a tenant's streams never follow it)
                 known = versions.get(live.task_id)
                 if known is not None and live.version > known + 1:  # the live feed missed some: they are in the table
-                    rows = await event_store.task_events(
-                        self._pool, int(live.task_id), after_version=known, up_to_version=live.version - 1
-                    )
-                    for row in rows:
+                    for row in await self._missed(int(live.task_id), known, live):
                         if (out := send(event_wire.message(row))) is not None:
                             yield out
                 if (out := send(live)) is not None:
                     yield out
-        finally:
-            self.keepalive.discard(sub)
-            self._hub.drop(sub)
 
 
 def register(service: TaskEventsService) -> Any:
