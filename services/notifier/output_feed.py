@@ -12,7 +12,6 @@ remaining chunks from the stream's leader before it sends the terminal event.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,8 @@ from nats.aio.msg import Msg
 from taskgate import bus as busmod
 from taskgate import output
 from taskgate_api.v1 import task_pb2
+
+from .subscriptions import Background, unsubscribe
 
 log = logging.getLogger("taskgate.notifier.output")
 
@@ -49,7 +50,7 @@ class OutputHub:
         self._bus = bus
         self._replicated = replicated
         self._follows: dict[tuple[str, int], _Follow] = {}
-        self._ending: set[asyncio.Task[None]] = set()  # UNSUBs on their way (held: a task nobody holds may vanish)
+        self._ending = Background()  # UNSUBs on their way
 
     async def read_after(self, user_id: str, task_id: int, after: int, *, final: bool = False) -> task_pb2.OutputChunk | None:
         """The task's next stored chunk after sequence `after`, None when there is none. From the stream's leader when
@@ -98,14 +99,7 @@ class OutputHub:
             return
         del self._follows[key]  # a stream that starts from now on makes its own subscription
         if follow.subscription is not None:
-            ending = asyncio.create_task(self._unsubscribe(follow.subscription), name="notifier-output-unfollow")
-            self._ending.add(ending)
-            ending.add_done_callback(self._ending.discard)
-
-    @staticmethod
-    async def _unsubscribe(subscription: Any) -> None:
-        with contextlib.suppress(Exception):  # a closed connection has dropped it already
-            await subscription.unsubscribe()
+            self._ending.spawn(unsubscribe(follow.subscription), "notifier-output-unfollow")
 
     def _deliver(self, task_id: int, follow: _Follow) -> Callable[[Msg], Awaitable[None]]:
         async def deliver(msg: Msg) -> None:

@@ -9,8 +9,6 @@ the subscription reached the server, in a reconnect) is superseded by the next o
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,6 +19,8 @@ from nats.aio.msg import Msg
 from taskgate import bus as busmod
 from taskgate.wire import progress as progress_wire
 from taskgate_api.v1 import task_pb2
+
+from .subscriptions import Background, unsubscribe
 
 log = logging.getLogger("taskgate.notifier.progress")
 
@@ -55,7 +55,7 @@ class ProgressHub:
         self._bus = bus
         self._follows: dict[int, _Follow] = {}
         self._tenants: dict[str, _Tenant] = {}
-        self._pending: set[asyncio.Task[None]] = set()  # SUBs and UNSUBs on their way (held: a task nobody holds may vanish)
+        self._pending = Background()  # SUBs and UNSUBs on their way
 
     def follow(self, user_id: str, task_id: int, receiver: Receiver) -> None:
         """Offers `receiver` the task's progress from (about) now on; a subscription is made in the background."""
@@ -65,7 +65,7 @@ class ProgressHub:
             tenant = self._tenants.get(user_id)
             if tenant is None:
                 tenant = self._tenants[user_id] = _Tenant()
-                self._spawn(self._subscribe(user_id, tenant), "notifier-progress-follow")
+                self._pending.spawn(self._subscribe(user_id, tenant), "notifier-progress-follow")
             tenant.tasks.add(task_id)
         follow.receivers.add(receiver)
 
@@ -87,19 +87,11 @@ class ProgressHub:
         del self._tenants[follow.user_id]
         tenant.ended = True
         if tenant.subscription is not None:
-            self._spawn(_unsubscribe(tenant.subscription), "notifier-progress-unfollow")
+            self._pending.spawn(unsubscribe(tenant.subscription), "notifier-progress-unfollow")
 
     async def stop(self) -> None:
         """Waits for the SUBs and UNSUBs on their way (their connection's close drops the subscriptions)."""
-        for task in list(self._pending):
-            task.cancel()
-        await asyncio.gather(*self._pending, return_exceptions=True)
-
-    def _spawn(self, work: Awaitable[None], name: str) -> None:
-        task = asyncio.ensure_future(work)
-        task.set_name(name)
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        await self._pending.stop()
 
     async def _subscribe(self, user_id: str, tenant: _Tenant) -> None:
         try:
@@ -112,7 +104,7 @@ class ProgressHub:
                     self._follows.pop(task_id, None)
             return
         if tenant.ended:  # its last stream left meanwhile
-            await _unsubscribe(subscription)
+            await unsubscribe(subscription)
         else:
             tenant.subscription = subscription
 
@@ -140,8 +132,3 @@ class ProgressHub:
     def subscriptions(self) -> int:
         """How many tenants' progress this process follows (tests)."""
         return len(self._tenants)
-
-
-async def _unsubscribe(subscription: Any) -> None:
-    with contextlib.suppress(Exception):  # a closed connection has dropped it already
-        await subscription.unsubscribe()
