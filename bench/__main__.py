@@ -21,7 +21,20 @@ from bench.stack import LLM_SEQUENCES, BenchStack, bench_settings
 from bench.stats import Report
 
 DEFAULT_OUT = Path("bench-results/latest.json")
-PHASES = ("submit", "sdk", "bulk", "get", "fleet", "streams", "latency", "recovery", "history", "llm", "device_busy", "wasted")
+PHASES = (
+    "submit",
+    "sdk",
+    "bulk",
+    "get",
+    "fleet",
+    "streams",
+    "latency",
+    "recovery",
+    "history",
+    "llm",
+    "device_busy",
+    "wasted",
+)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -29,7 +42,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="short levels and a 100,000-row history (a smoke run)")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per load level")
     parser.add_argument("--submit-procs", type=int, default=2, help="submit processes sharing the port")
-    parser.add_argument("--history", type=int, default=1_000_000, help="historical tasks for the large-table phase (0: skip)")
+    parser.add_argument(
+        "--history", type=int, default=1_000_000, help="historical tasks for the large-table phase (0: skip)"
+    )
     parser.add_argument("--latency-tasks", type=int, default=300, help="tasks sent one by one for the latency figures")
     parser.add_argument("--no-recovery", action="store_true", help="skip the dead-worker recovery phases")
     parser.add_argument("--no-peers", action="store_true", help="skip the peers (Celery, procrastinate, PgQueuer)")
@@ -38,28 +53,39 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated peers to measure ({', '.join(peers.PEERS)}); default all")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON report goes")
     parser.add_argument("--keep", action="store_true", help="keep the stack's folder (logs) after the run")
-    parser.add_argument("--bulk-inflight", type=int, default=8, help="calls in flight in the bulk enqueue phases (100 tasks each)")
+    parser.add_argument(
+        "--bulk-inflight", type=int, default=8, help="calls in flight in the bulk enqueue phases (100 tasks each)"
+    )
     parser.add_argument("--only", default="",
-                        help=f"comma-separated phases to run ({', '.join(PHASES)}; history needs submit and get); default all")
+                        help=f"comma-separated phases to run ({', '.join(PHASES)}; history needs submit and get); "
+                        f"default all")
     fleet_opts = parser.add_argument_group("fleet phase (sleep-only workers, every slot busy)")
     fleet_opts.add_argument("--fleet-workers", type=int, default=2, help="worker processes")
     fleet_opts.add_argument("--fleet-slots", type=int, default=100, help="slots per worker")
     fleet_opts.add_argument("--fleet-tasks", type=int, default=0, help="tasks (0: one per slot)")
     fleet_opts.add_argument("--fleet-seconds", type=float, default=20.0, help="how long each task runs")
-    fleet_opts.add_argument("--fleet-steps", type=int, default=20, help="steps per task (a progress report each, at most 100)")
+    fleet_opts.add_argument(
+        "--fleet-steps", type=int, default=20, help="steps per task (a progress report each, at most 100)"
+    )
     streams_opts = parser.add_argument_group("streams phase (WatchTask streams on one notifier)")
     streams_opts.add_argument("--streams", type=int, default=10_000, help="WatchTask streams, one task each")
-    streams_opts.add_argument("--streams-channels", type=int, default=20, help="gRPC channels (HTTP/2 connections) they share")
+    streams_opts.add_argument(
+        "--streams-channels", type=int, default=20, help="gRPC channels (HTTP/2 connections) they share"
+    )
     streams_opts.add_argument("--streams-idle", type=float, default=0.0,
                               help="seconds of idle CPU measurement (0: one keep-alive period)")
-    streams_opts.add_argument("--streams-burst", type=int, default=1_000, help="watched tasks cancelled at once at the end")
+    streams_opts.add_argument(
+        "--streams-burst", type=int, default=1_000, help="watched tasks cancelled at once at the end"
+    )
     llm_opts = parser.add_argument_group("llm phase (chat tasks on the tiny causal LM, one worker, one model instance)")
     llm_opts.add_argument("--llm-tokens", type=int, default=128, help="output tokens per task at most")
     llm_opts.add_argument("--llm-rounds", type=int, default=2, help="rounds of 1, 4 and 16 tasks at once")
     llm_opts.add_argument("--llm-ttft", type=int, default=20, help="tasks one at a time for the first-token latency")
     llm_opts.add_argument("--llm-threads", type=int, default=1,
                           help="torch intra-op threads, the worker's and this process's (docs/benchmarks.md: why 1)")
-    parser.add_argument("--busy-tasks", type=int, default=20, help="device_busy phase: 'sleep' tasks per queue (half as many tiny Wan)")
+    parser.add_argument(
+        "--busy-tasks", type=int, default=20, help="device_busy phase: 'sleep' tasks per queue (half as many tiny Wan)"
+    )
     parser.add_argument("--wasted-tasks", type=int, default=6, help="wasted phase: tiny Wan tasks per queue")
     parser.add_argument("--wasted-kills", type=int, default=4, help="wasted phase: worker crashes per queue")
     parser.add_argument("--profile", action="store_true",
@@ -70,7 +96,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown phase(s) {', '.join(sorted(unknown))}; choose from {', '.join(PHASES)}")
     args.peer = {name.strip() for name in args.peer.split(",") if name.strip()}
     if args.peer - set(peers.PEERS):
-        parser.error(f"unknown peer(s) {', '.join(sorted(args.peer - set(peers.PEERS)))}; choose from {', '.join(peers.PEERS)}")
+        parser.error(
+            f"unknown peer(s) {', '.join(sorted(args.peer - set(peers.PEERS)))}; choose from {', '.join(peers.PEERS)}"
+        )
     if args.quick:
         args.busy_tasks = min(args.busy_tasks, 8)
         args.wasted_tasks, args.wasted_kills = min(args.wasted_tasks, 3), min(args.wasted_kills, 2)
@@ -87,13 +115,18 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
     report = Report()
     report.context = {"cpus": os.cpu_count(), "submit_processes": args.submit_procs, "seconds_per_level": args.seconds,
                       "load_average_at_start": os.getloadavg(),
-                      # taskgate.runtime runs every service on uvloop when it is importable (pgqueuer's requirements bring it)
+                      # taskgate.runtime runs every service on uvloop when it is importable (pgqueuer's requirements
+                      # bring it)
                       "services_on_uvloop": importlib.util.find_spec("uvloop") is not None}
     opts = throughput.Options(seconds=args.seconds, warmup=min(1.0, args.seconds / 2), bulk_inflight=args.bulk_inflight,
                               profile_dir=profile.new_folder() if args.profile else None)
     stack = BenchStack(state_dir, args.submit_procs, 2, bench_settings(state_dir, fleet_seconds=args.fleet_seconds))
-    fleet_size = fleet.FleetOptions(args.fleet_workers, args.fleet_slots, args.fleet_tasks, args.fleet_seconds, args.fleet_steps)
-    streams_size = streams.StreamsOptions(args.streams, args.streams_channels, idle=args.streams_idle, burst=args.streams_burst)
+    fleet_size = fleet.FleetOptions(
+        args.fleet_workers, args.fleet_slots, args.fleet_tasks, args.fleet_seconds, args.fleet_steps
+    )
+    streams_size = streams.StreamsOptions(
+        args.streams, args.streams_channels, idle=args.streams_idle, burst=args.streams_burst
+    )
     executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     section = f"submit ({args.submit_procs} submit processes, workers stopped)"
     submit: dict[int, LoadResult] = {}
@@ -144,7 +177,9 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
         await phase(f"starting the stack under {state_dir}", stack.start)
         if wanted("submit") and await phase("SubmitTask at 1, 16, 64, 256 in flight", submit_phase):
             best = max(r.rate for r in submit.values())
-            await phase("64 in flight over 16 tenants", lambda: throughput.many_tenants(stack, executor, opts, report, section))
+            await phase(
+                "64 in flight over 16 tenants", lambda: throughput.many_tenants(stack, executor, opts, report, section)
+            )
             await phase("p99 at about half the maximum throughput",
                         lambda: throughput.half_max_latency(stack, executor, opts, report, section, best))
             await phase("raw ceiling", lambda: throughput.ceiling(stack, executor, opts, report, "raw ceiling", submit))
@@ -152,7 +187,10 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
             await phase("SDK submit(), 64 concurrent: SubmitStream and unary",
                         lambda: throughput.sdk_submits(stack, executor, opts, report, section))
         if wanted("bulk"):
-            await phase(f"SubmitTasks, {opts.bulk_batch} per call", lambda: bulk.submit_tasks(stack, executor, opts, report, section))
+            await phase(
+                f"SubmitTasks, {opts.bulk_batch} per call",
+                lambda: bulk.submit_tasks(stack, executor, opts, report, section),
+            )
         if wanted("get"):
             await phase("GetTask", get_phase)
         if wanted("latency"):
@@ -160,13 +198,21 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
         if recovery_wanted:
             await phase("dead-worker recovery, shipped defaults", lambda: recovery.dead_worker(
                 stack, report, "dead-worker recovery", "shipped defaults (lease 10 s)", 15.0))
-        # after latency and recovery: a notifier that held 10,000 streams answers its next events slower (docs/benchmarks.md)
+        # after latency and recovery: a notifier that held 10,000 streams answers its next events slower
+        # (docs/benchmarks.md)
         if wanted("fleet"):
             f = fleet_size
             await stack.stop_group(stack.worker_names())  # the latency phase's workers: the fleet alone runs
-            await phase(f"fleet: {f.workers} x {f.slots} slots, {f.count} tasks of {f.seconds:g} s", lambda: fleet.measure(
-                stack, report, f"fleet ({f.workers} sleep workers x {f.slots} slots, {f.count} tasks of {f.seconds:g} s,"
-                f" {f.steps} steps each)", f))
+            await phase(
+                f"fleet: {f.workers} x {f.slots} slots, {f.count} tasks of {f.seconds:g} s",
+                lambda: fleet.measure(
+                    stack,
+                    report,
+                    f"fleet ({f.workers} sleep workers x {f.slots} slots, {f.count} tasks of {f.seconds:g} s,"
+                    f" {f.steps} steps each)",
+                    f,
+                ),
+            )
         if wanted("streams"):
             m = streams_size
             await phase(f"{m.streams:,} WatchTask streams", lambda: streams.measure(
@@ -175,27 +221,47 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
             await phase(f"{args.history:,} historical tasks", history_phase)
         if wanted("llm"):
             await stack.stop_group(stack.worker_names())  # the model's worker alone runs
-            size = llm.LlmOptions(rounds=args.llm_rounds, tokens=args.llm_tokens, ttft_tasks=args.llm_ttft, threads=args.llm_threads)
-            await phase("chat tasks on the tiny language model", lambda: llm.measure(
-                stack, report, f"llm (tiny causal LM on CPU, one worker, one model instance of {LLM_SEQUENCES} sequences,"
-                f" {size.tokens} tokens per task)", size))
+            size = llm.LlmOptions(
+                rounds=args.llm_rounds, tokens=args.llm_tokens, ttft_tasks=args.llm_ttft, threads=args.llm_threads
+            )
+            await phase(
+                "chat tasks on the tiny language model",
+                lambda: llm.measure(
+                    stack,
+                    report,
+                    f"llm (tiny causal LM on CPU, one worker, one model instance of {LLM_SEQUENCES} sequences,"
+                    f" {size.tokens} tokens per task)",
+                    size,
+                ),
+            )
         if recovery_wanted:
-            await phase("dead-worker recovery, lease 5 s", lambda: recovery.with_lease(stack, report, "dead-worker recovery", 5.0))
+            await phase(
+                "dead-worker recovery, lease 5 s",
+                lambda: recovery.with_lease(stack, report, "dead-worker recovery", 5.0),
+            )
     finally:
         executor.shutdown(cancel_futures=True)
         await stack.stop()
     # each on an embedded stack of its own, with the tiny Wan pipeline on CPU
     if wanted("device_busy"):
-        busy_section = "device busy (one CPU device, a saturated queue; tiny Wan with step checkpoints off and on, previews)"
+        busy_section = (
+            "device busy (one CPU device, a saturated queue; tiny Wan with step checkpoints off and on, previews)"
+        )
 
         async def busy_phase() -> None:
-            device_busy.add_figures(report, busy_section, await device_busy.measure(state_dir / "busy", args.busy_tasks))
-            previews = await device_busy.measure(state_dir / "previews", max(4, args.busy_tasks // 2), previews=True, rounds=2)
+            device_busy.add_figures(
+                report, busy_section, await device_busy.measure(state_dir / "busy", args.busy_tasks)
+            )
+            previews = await device_busy.measure(
+                state_dir / "previews", max(4, args.busy_tasks // 2), previews=True, rounds=2
+            )
             device_busy.add_previews_figures(report, busy_section, previews)
 
         await phase("device busy, checkpoints off and on, previews off and on", busy_phase)
     if wanted("wasted"):
-        wasted_section = f"wasted GPU-seconds ({args.wasted_kills} worker crashes on a seeded schedule, tiny Wan, 20 steps)"
+        wasted_section = (
+            f"wasted GPU-seconds ({args.wasted_kills} worker crashes on a seeded schedule, tiny Wan, 20 steps)"
+        )
 
         async def wasted_phase() -> None:
             found = await wasted.measure(state_dir / "wasted", args.wasted_tasks, args.wasted_kills, seed=37)
@@ -229,8 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             say(f"logs kept in {state_dir}/logs")
     print(report.table())
-    print(f"load average (1, 5, 15 min) at start {report.context['load_average_at_start']}, at end {report.context['load_average_at_end']}"
-          " - other work on this machine skews every figure")
+    print(
+        f"load average (1, 5, 15 min) at start {report.context['load_average_at_start']}, at end "
+        f"{report.context['load_average_at_end']}"
+        " - other work on this machine skews every figure"
+    )
     report.write(args.out)
     say(f"wrote {args.out}")
     return 0

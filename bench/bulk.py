@@ -27,7 +27,9 @@ from taskgate.store import bench as bench_store
 DISPATCH_WITHIN = 15.0  # seconds the dispatch of the created tasks may take (the CreatedScan repairs after 10 s)
 
 
-async def submit_tasks(stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str) -> None:
+async def submit_tasks(
+    stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str
+) -> None:
     """SubmitTasks with workers stopped, then every created task's row and message counted."""
     await stack.purge_tasks_stream()  # earlier phases' cancelled tasks leave their messages behind
     spec = LoadSpec(stack.submit_address, stack.api_key, "submit_many", opts.bulk_inflight, opts.seconds, opts.warmup,
@@ -36,7 +38,8 @@ async def submit_tasks(stack: BenchStack, executor: ProcessPoolExecutor, opts: O
     async with profile.record(stack, opts.profile_dir, "submit-tasks"):
         result = await load(executor, spec)
     statuses, messages, dispatched_in = await _dispatched(stack, [int(i) for i in result.ids], result.created)
-    costs = cpu.per_task(before, cpu.snapshot(stack), result.total, result.cpu)  # the dispatch of the last calls included
+    # the dispatch of the last calls included
+    costs = cpu.per_task(before, cpu.snapshot(stack), result.total, result.cpu)
     rows, queued = sum(statuses.values()), statuses.get("QUEUED", 0)
     report.raw.setdefault(BULK_RAW_KEY, {})["taskgate"] = summary(result) | {
         "cpu_ms_per_task": costs, "created": result.created, "rows": statuses, "messages": messages}
@@ -80,13 +83,20 @@ def compare(report: Report) -> None:
 
 async def run(args: argparse.Namespace, state_dir: Path) -> Report:
     report = Report()
-    opts = Options(seconds=args.seconds, warmup=min(1.0, args.seconds / 2), bulk_batch=args.batch, bulk_inflight=args.inflight,
-                   profile_dir=profile.new_folder() if args.profile else None)
+    opts = Options(
+        seconds=args.seconds,
+        warmup=min(1.0, args.seconds / 2),
+        bulk_batch=args.batch,
+        bulk_inflight=args.inflight,
+        profile_dir=profile.new_folder() if args.profile else None,
+    )
     stack = BenchStack(state_dir, args.submit_procs, 2, bench_settings(state_dir))
     executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     try:
         await stack.start()
-        await submit_tasks(stack, executor, opts, report, f"submit ({args.submit_procs} submit processes, workers stopped)")
+        await submit_tasks(
+            stack, executor, opts, report, f"submit ({args.submit_procs} submit processes, workers stopped)"
+        )
     finally:
         executor.shutdown(cancel_futures=True)
         await stack.stop()
@@ -105,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=100, help="tasks per call")
     parser.add_argument("--inflight", type=int, default=8, help="calls in flight")
     parser.add_argument("--no-peers", action="store_true", help="SubmitTasks only")
-    parser.add_argument("--profile", action="store_true", help="py-spy profiles of the service processes (.taskgate/bench/)")
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy profiles of the service processes (.taskgate/bench/)"
+    )
     args = parser.parse_args(argv)
     state_dir = Path(tempfile.mkdtemp(prefix="taskgate-bench-bulk-"))
     try:

@@ -1,4 +1,5 @@
-"""`python -m bench.ceiling`: the raw ceiling, a bare grpc.aio SubmitTask doing only INSERT + JetStream publish + UPDATE.
+"""`python -m bench.ceiling`: the raw ceiling, a bare grpc.aio SubmitTask doing only INSERT + JetStream publish +
+UPDATE.
 
 No authentication, limits, validation, idempotency or interceptor: what is left is the work every durable submit
 must do, so the gateway's throughput can be read as a fraction of it. Configured by TASKGATE_DATABASE_URL,
@@ -43,7 +44,9 @@ class Ceiling:
         message = dispatch.encode_fields(task_id, model, task_pb2.PRIORITY_NORMAL)
         await self.bus.js.publish(subject, message, headers={"Nats-Msg-Id": f"{task_id}.q0"})
         await bench_store.ceiling_queue(self.pool, task_id)
-        return gateway_pb2.SubmitTaskResponse(task=task_pb2.Task(id=str(task_id), status=task_pb2.TASK_STATUS_QUEUED), created=True)
+        return gateway_pb2.SubmitTaskResponse(
+            task=task_pb2.Task(id=str(task_id), status=task_pb2.TASK_STATUS_QUEUED), created=True
+        )
 
 
 async def main() -> None:
@@ -55,7 +58,9 @@ async def main() -> None:
         request_deserializer=gateway_pb2.SubmitTaskRequest.FromString,
         response_serializer=gateway_pb2.SubmitTaskResponse.SerializeToString,
     )
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("taskgate.v1.TaskGateway", {"SubmitTask": handler})])
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("taskgate.v1.TaskGateway", {"SubmitTask": handler})]
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"127.0.0.1:{os.environ['TASKGATE_SUBMIT_PORT']}")

@@ -48,7 +48,9 @@ class Variant:
         return f"checkpoints {'on' if self.checkpoints else 'off'}"
 
     def spec(self, base: ModelSpec) -> ModelSpec:
-        return base.model_copy(update={"checkpoint_every_steps": 1 if self.checkpoints else 0, "checkpoint_every_seconds": 0.0})
+        return base.model_copy(
+            update={"checkpoint_every_steps": 1 if self.checkpoints else 0, "checkpoint_every_seconds": 0.0}
+        )
 
 
 VARIANTS = (Variant(checkpoints=False), Variant(checkpoints=True))
@@ -71,19 +73,34 @@ class Figure:
 
 
 async def drain_queue(
-    backends: Backends, settings: Settings, model: str, slots: int, tasks: int, params: dict[str, Any], variant: str = ""
+    backends: Backends,
+    settings: Settings,
+    model: str,
+    slots: int,
+    tasks: int,
+    params: dict[str, Any],
+    variant: str = "",
 ) -> Figure:
     """Queues `tasks` tasks, then runs one worker with `slots` slots on one device until every one SUCCEEDED."""
     rows = []
     for n in range(tasks):
-        task = await insert_task(backends.pool, model_id=model, prompt=f"busy {slots} {n}", params={**params, "seed": n})
+        task = await insert_task(
+            backends.pool, model_id=model, prompt=f"busy {slots} {n}", params={**params, "seed": n}
+        )
         out = await store.queue(backends.pool, task.id, actor="bench")
         assert out.task is not None
         await dispatch.publish(backends.bus, out.task, dispatch.Reason.SUBMITTED)
         rows.append(task.id)
     specs = {model: settings.models[model]}
     runners = await asyncio.to_thread(runmod.load_runners, specs, ["cpu"])
-    worker = Worker(settings, backends, runners, runmod.DevicePlan(["cpu"], slots, False, float(slots)), f"busy-{model}-{slots}", [model])
+    worker = Worker(
+        settings,
+        backends,
+        runners,
+        runmod.DevicePlan(["cpu"], slots, False, float(slots)),
+        f"busy-{model}-{slots}",
+        [model],
+    )
     started = time.monotonic()
     await worker.start()
     try:
@@ -118,7 +135,14 @@ async def measure(state_dir: Path, tasks: int, previews: bool = False, rounds: i
         backends = await connect(settings, "bench")
         figures = []
         try:
-            wan = {"num_frames": 33, "width": 32, "height": 32, "num_inference_steps": 1, "guidance_scale": 5.0, "fps": 8}
+            wan = {
+                "num_frames": 33,
+                "width": 32,
+                "height": 32,
+                "num_inference_steps": 1,
+                "guidance_scale": 5.0,
+                "fps": 8,
+            }
             if previews:  # ten steps, a preview after each of the first nine (when the writer is free)
                 stepped = {**wan, "num_frames": 17, "width": 64, "height": 64, "num_inference_steps": 10}
                 for _ in range(rounds):
@@ -127,7 +151,9 @@ async def measure(state_dir: Path, tasks: int, previews: bool = False, rounds: i
                 return figures
             stepped = {**wan, "num_inference_steps": 4}  # checkpoints after three steps (never after the last)
             for slots in (1, 2):
-                figures.append(await drain_queue(backends, settings, "sleepy", slots, tasks, {"num_inference_steps": 3}))
+                figures.append(
+                    await drain_queue(backends, settings, "sleepy", slots, tasks, {"num_inference_steps": 3})
+                )
                 for variant in VARIANTS:
                     models = {**settings.models, "wan-tiny": variant.spec(settings.models["wan-tiny"])}
                     figures.append(await drain_queue(
@@ -143,7 +169,9 @@ async def measure(state_dir: Path, tasks: int, previews: bool = False, rounds: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.device_busy", description=__doc__)
-    parser.add_argument("--tasks", type=int, default=20, help="tasks per 'sleep' queue (half as many for the tiny model)")
+    parser.add_argument(
+        "--tasks", type=int, default=20, help="tasks per 'sleep' queue (half as many for the tiny model)"
+    )
     parser.add_argument("--previews", action="store_true", help="the tiny Wan queue with previews against without")
     parser.add_argument("--rounds", type=int, default=3, help="--previews: alternations of the two queues")
     args = parser.parse_args()
@@ -151,7 +179,10 @@ def main() -> None:
         figures = asyncio.run(measure(Path(tmp), args.tasks, args.previews, args.rounds))
     print(f"{'workload':10} {'variant':16} {'slots':>5} {'tasks':>5} {'wall s':>8} {'busy s':>8} {'busy':>6}")
     for f in figures:
-        print(f"{f.workload:10} {f.variant:16} {f.slots:>5} {f.tasks:>5} {f.wall_s:>8.2f} {f.busy_s:>8.2f} {f.busy_fraction:>6.1%}")
+        print(
+            f"{f.workload:10} {f.variant:16} {f.slots:>5} {f.tasks:>5} {f.wall_s:>8.2f} {f.busy_s:>8.2f} "
+            f"{f.busy_fraction:>6.1%}"
+        )
     if args.previews:
         print(previews_summary(figures))
 
@@ -174,7 +205,9 @@ def add_figures(report: Report, section: str, figures: list[Figure]) -> None:
     base = {f.slots: f for f in figures if f.workload == "wan-tiny" and f.variant == VARIANTS[0].label}
     for f in figures:
         name = f"{f.workload}{', ' + f.variant if f.variant else ''}, {f.slots} slot(s)"
-        report.add(section, f"device busy: {name}", 100 * f.busy_fraction, "%", note=f"{f.tasks} tasks in {f.wall_s:.1f} s")
+        report.add(
+            section, f"device busy: {name}", 100 * f.busy_fraction, "%", note=f"{f.tasks} tasks in {f.wall_s:.1f} s"
+        )
         first = base.get(f.slots)
         if first is not None and f.variant and f is not first:
             report.add(section, f"busy with {f.variant} / {first.variant}, {f.slots} slot(s)",
@@ -188,8 +221,14 @@ def add_previews_figures(report: Report, section: str, figures: list[Figure]) ->
     def median(model: str) -> float:
         return statistics.median(f.busy_fraction for f in figures if f.workload == model)
 
-    report.add(section, "device busy with previews / without (medians)", 100 * median("wan-prev") / median("wan-tiny"), "%",
-               at_least=97.0, note=f"{len(figures) // 2} rounds")
+    report.add(
+        section,
+        "device busy with previews / without (medians)",
+        100 * median("wan-prev") / median("wan-tiny"),
+        "%",
+        at_least=97.0,
+        note=f"{len(figures) // 2} rounds",
+    )
 
 
 if __name__ == "__main__":

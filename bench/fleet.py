@@ -65,7 +65,10 @@ async def measure(stack: BenchStack, report: Report, section: str, opts: FleetOp
     md = (("authorization", f"Bearer {stack.api_key}"),)
     streamed: list[tuple[task_pb2.TaskEvent, float]] = []
     try:
-        async with grpc.aio.insecure_channel(stack.submit_address) as gw, grpc.aio.insecure_channel(stack.notifier_address) as ev:
+        async with (
+            grpc.aio.insecure_channel(stack.submit_address) as gw,
+            grpc.aio.insecure_channel(stack.notifier_address) as ev,
+        ):
             gateway = gateway_pb2_grpc.TaskGatewayStub(gw)
             watch = events_pb2_grpc.TaskEventsStub(ev).WatchTasks(events_pb2.WatchTasksRequest(), metadata=md)
             live = asyncio.Event()
@@ -142,8 +145,13 @@ async def _run(stack: BenchStack, gateway: gateway_pb2_grpc.TaskGatewayStub, md:
     wanted = {str(i) for i in ids}
     inside = [(event, when) for event, when in streamed if event.task_id in wanted and start <= when <= end]
     return {
-        "ids": ids, "running_at_start": running, "ramp_s": ramp, "window_s": end - start, "task_seconds": task_seconds,
-        "costs": cpu.per_unit(before, after, task_seconds), "latencies": [when - _wall(event.at) for event, when in inside],
+        "ids": ids,
+        "running_at_start": running,
+        "ramp_s": ramp,
+        "window_s": end - start,
+        "task_seconds": task_seconds,
+        "costs": cpu.per_unit(before, after, task_seconds),
+        "latencies": [when - _wall(event.at) for event, when in inside],
         "progress_events": sum(1 for event, _ in inside if event.to_status == event.from_status),
     }
 
@@ -156,8 +164,8 @@ def _report(report: Report, section: str, opts: FleetOptions, figures: dict[str,
     window, task_seconds, costs = figures["window_s"], figures["task_seconds"], figures["costs"]
     mean_running = task_seconds / window if window > 0 else 0.0
     report.add(section, "tasks running in the measured window (mean)", mean_running, "tasks",
-               note=f"{figures['running_at_start']} of {opts.count} running {figures['ramp_s']:.1f} s after the submit began;"
-                    f" window {window:.1f} s, {task_seconds:,.0f} running task-seconds")
+               note=f"{figures['running_at_start']} of {opts.count} running {figures['ramp_s']:.1f} s after the submit "
+                    f"began; window {window:.1f} s, {task_seconds:,.0f} running task-seconds")
     if window < 2.0 or task_seconds <= 0:
         report.skip(section, "server-side CPU per running task-second",
                     f"window too short ({window:.1f} s): make the tasks longer (--fleet-seconds) or fewer")
@@ -167,8 +175,9 @@ def _report(report: Report, section: str, opts: FleetOptions, figures: dict[str,
                note=", ".join(f"{k} {v:.3f}" for k, v in costs.items()))
     for part, value in costs.items():
         report.add(section, f"CPU per running task-second: {part}", value, "ms",
-                   note=f"{idle.get(part, 0.0):.3f} cores with nothing running ({idle.get(part, 0.0) * 1000 / mean_running:.3f} ms"
-                        f" per running task-second of the {mean_running:.0f})" if mean_running else "")
+                   note=f"{idle.get(part, 0.0):.3f} cores with nothing running "
+                        f"({idle.get(part, 0.0) * 1000 / mean_running:.3f} ms per running task-second of the "
+                        f"{mean_running:.0f})" if mean_running else "")
     above = sum(costs.values()) - sum(idle.values()) * 1000 / mean_running if mean_running else float("nan")
     report.add(section, "server-side CPU per running task-second above the idle stack", above, "ms",
                note=f"the idle stack: {sum(idle.values()):.3f} cores, measured {IDLE_SECONDS:g} s before the submit")

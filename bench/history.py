@@ -13,8 +13,8 @@ from taskgate.store import bench as bench_store
 
 
 async def fill(stack: BenchStack, rows: int) -> float:
-    """Inserts `rows` finished tasks (a tenth of them the bench tenant's) and their terminal events as the retentions leave
-    them, vacuums; returns seconds."""
+    """Inserts `rows` finished tasks (a tenth of them the bench tenant's) and their terminal events as the retentions
+    leave them, vacuums; returns seconds."""
     start = time.monotonic()
     async with stack.db.acquire() as conn:
         await bench_store.fill_history(

@@ -16,7 +16,12 @@ from taskgate_api.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb
 from tests.support.harness import wait_for
 from tests.support.webhooks import WebhookReceiver
 
-TERMINAL = {task_pb2.TASK_STATUS_SUCCEEDED, task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_TIMEOUT, task_pb2.TASK_STATUS_CANCELED}
+TERMINAL = {
+    task_pb2.TASK_STATUS_SUCCEEDED,
+    task_pb2.TASK_STATUS_FAILED,
+    task_pb2.TASK_STATUS_TIMEOUT,
+    task_pb2.TASK_STATUS_CANCELED,
+}
 
 
 def _wall(ts: Any) -> float:
@@ -30,9 +35,11 @@ async def measure(stack: BenchStack, report: Report, section: str, count: int) -
     returned: dict[str, float] = {}
     e2e: list[float] = []
     ended: list[float] = []  # a terminal event's row written -> its WatchTask stream receives it
-    async with WebhookReceiver() as receiver, grpc.aio.insecure_channel(stack.submit_address) as gw, grpc.aio.insecure_channel(
-        stack.notifier_address
-    ) as ev:
+    async with (
+        WebhookReceiver() as receiver,
+        grpc.aio.insecure_channel(stack.submit_address) as gw,
+        grpc.aio.insecure_channel(stack.notifier_address) as ev,
+    ):
         gateway = gateway_pb2_grpc.TaskGatewayStub(gw)
         events = events_pb2_grpc.TaskEventsStub(ev)
         watch_all = events.WatchTasks(events_pb2.WatchTasksRequest(), metadata=md)
@@ -52,7 +59,9 @@ async def measure(stack: BenchStack, report: Report, section: str, count: int) -
             resp = await gateway.SubmitTask(request, metadata=md, timeout=10)
             done_at = time.time()
             returned[resp.task.id] = done_at
-            async for item in events.WatchTask(events_pb2.WatchTaskRequest(task_id=resp.task.id), metadata=md, timeout=30):
+            async for item in events.WatchTask(
+                events_pb2.WatchTaskRequest(task_id=resp.task.id), metadata=md, timeout=30
+            ):
                 status = item.snapshot.status if item.HasField("snapshot") else item.event.to_status
                 if item.HasField("keepalive"):
                     continue
@@ -111,7 +120,14 @@ async def measure(stack: BenchStack, report: Report, section: str, count: int) -
     report.add(section, "stream: event committed -> WatchTasks receives, p99", p99, "ms", at_most=20)
     hooks = list(first_hook.values())
     p50, p99 = ms(hooks)
-    report.add(section, "webhook: terminal event -> first POST arrives, p50", p50, "ms", at_most=20, note=f"{len(hooks)} webhooks")
+    report.add(
+        section,
+        "webhook: terminal event -> first POST arrives, p50",
+        p50,
+        "ms",
+        at_most=20,
+        note=f"{len(hooks)} webhooks",
+    )
     report.add(section, "webhook: terminal event -> first POST arrives, p99", p99, "ms", at_most=100)
     report.raw["latency"] = {
         "tasks": count, "dispatch_ms": sorted(round(x * 1000, 3) for x in dispatch),

@@ -119,14 +119,20 @@ async def measure(stack: BenchStack, report: Report, section: str, opts: LlmOpti
         finally:
             await asyncio.to_thread(runner.close)
         pid = cpu.service_pid(stack, WORKER)
-        async with connect_async(stack.submit_address, stack.api_key, events_address=stack.notifier_address, call_timeout=60) as client:
-            await _gateway_task(client, TTFT_BASE - 1, opts.ttft_tokens)  # warm: the gateway's tokenizer, the worker's consumers
-            gateway_ttft = [await _gateway_task(client, TTFT_BASE + j, opts.ttft_tokens) for j in range(opts.ttft_tasks)]
+        async with connect_async(
+            stack.submit_address, stack.api_key, events_address=stack.notifier_address, call_timeout=60
+        ) as client:
+            # warm: the gateway's tokenizer, the worker's consumers
+            await _gateway_task(client, TTFT_BASE - 1, opts.ttft_tokens)
+            gateway_ttft = [
+                await _gateway_task(client, TTFT_BASE + j, opts.ttft_tokens) for j in range(opts.ttft_tasks)
+            ]
             began, before = time.monotonic(), cpu.snapshot(stack)
             await asyncio.sleep(IDLE_SECONDS)
             idle = {k: v / 1000 for k, v in cpu.per_unit(before, cpu.snapshot(stack), time.monotonic() - began).items()}
             gateway = {
-                n: [await _gateway_round(stack, client, pid, tasks, opts.tokens) for tasks in level_rounds(n, opts)] for n in opts.levels
+                n: [await _gateway_round(stack, client, pid, tasks, opts.tokens) for tasks in level_rounds(n, opts)]
+                for n in opts.levels
             }
     finally:
         if not here.done():
@@ -180,7 +186,9 @@ def _first_delta(runner: Any, i: int, tokens: int) -> float | None:
 
 def _ttft_here(runner: Any, opts: LlmOptions) -> list[float]:
     _first_delta(runner, TTFT_BASE - 1, opts.ttft_tokens)  # warm
-    return [t for j in range(opts.ttft_tasks) if (t := _first_delta(runner, TTFT_BASE + j, opts.ttft_tokens)) is not None]
+    return [
+        t for j in range(opts.ttft_tasks) if (t := _first_delta(runner, TTFT_BASE + j, opts.ttft_tokens)) is not None
+    ]
 
 
 def _level_here(runner: Any, n: int, opts: LlmOptions) -> list[Round]:
@@ -219,7 +227,9 @@ async def _gateway_task(client: AsyncTaskgateClient, i: int, tokens: int) -> tup
     return (first if first is not None else float("nan")), ok
 
 
-async def _gateway_round(stack: BenchStack, client: AsyncTaskgateClient, pid: int, indexes: list[int], tokens: int) -> Round:
+async def _gateway_round(
+    stack: BenchStack, client: AsyncTaskgateClient, pid: int, indexes: list[int], tokens: int
+) -> Round:
     before, decoding, mine = cpu.snapshot(stack), cpu.thread_seconds(pid, DECODING_THREADS), time.process_time()
     streamed = await asyncio.gather(*(_streamed(client, i, tokens) for i in indexes))
     after, decoded, mine = cpu.snapshot(stack), cpu.thread_seconds(pid, DECODING_THREADS), time.process_time() - mine
@@ -311,7 +321,8 @@ def _report(
             f"model decoding CPU per token, {n} at once",
             decoding,
             "ms",
-            note=f"the worker's {DECODING_THREADS}* threads (forward, sampling, detokenizing), {opts.threads} intra-op thread(s)",
+            note=f"the worker's {DECODING_THREADS}* threads (forward, sampling, detokenizing), {opts.threads} intra-op "
+            f"thread(s)",
         )
     wrong = mismatches + sum(r.mismatches for rounds in gateway.values() for r in rounds)
     report.add(section, "tasks not SUCCEEDED with their streamed text as the answer", wrong, "tasks", at_most=0)
@@ -329,5 +340,7 @@ def _report(
             "gateway_p90": round(percentile(gateway_ttft, 90) * 1000, 2),
         },
         "idle_cores": {k: round(v, 4) for k, v in idle.items()},
-        "cpu_ms_per_token": {n: dict(zip(("parts", "decoding"), cpu_per_token(gateway[n]), strict=True)) for n in opts.levels},
+        "cpu_ms_per_token": {
+            n: dict(zip(("parts", "decoding"), cpu_per_token(gateway[n]), strict=True)) for n in opts.levels
+        },
     }

@@ -1,4 +1,5 @@
-"""The load client: runs in its own (spawned) process and drives SubmitTask, SubmitTasks or GetTask at a fixed concurrency."""
+"""The load client: runs in its own (spawned) process and drives SubmitTask, SubmitTasks or GetTask at a fixed
+concurrency."""
 
 from __future__ import annotations
 
@@ -111,7 +112,9 @@ async def _run_sdk(spec: LoadSpec) -> LoadResult:
                 if not window.open(began):
                     return
                 try:
-                    handle = await client.submit(f"{spec.tag} task {n}", spec.model, steps=1, idempotency_key=f"{spec.tag}-{pid}-{n}")
+                    handle = await client.submit(
+                        f"{spec.tag} task {n}", spec.model, steps=1, idempotency_key=f"{spec.tag}-{pid}-{n}"
+                    )
                 except TaskgateError as exc:
                     if window.counts(time.perf_counter()):
                         result.errors[exc.code.name] += 1
@@ -201,7 +204,9 @@ def _batch(spec: LoadSpec, pid: int, n: int, params: task_pb2.VideoParams) -> ga
     ])
 
 
-def _record_batch(spec: LoadSpec, response: gateway_pb2.SubmitTasksResponse, result: LoadResult, *, counted: bool) -> int:
+def _record_batch(
+    spec: LoadSpec, response: gateway_pb2.SubmitTasksResponse, result: LoadResult, *, counted: bool
+) -> int:
     """Records one SubmitTasks answer (created ids, per-item errors); returns how many of its tasks were admitted."""
     admitted = 0
     for item in response.results:

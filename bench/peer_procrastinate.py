@@ -9,7 +9,9 @@ import time
 import procrastinate
 
 app = procrastinate.App(
-    connector=procrastinate.PsycopgConnector(conninfo=os.environ.get("BENCH_PROCRASTINATE_DSN", ""), min_size=1, max_size=16)
+    connector=procrastinate.PsycopgConnector(
+        conninfo=os.environ.get("BENCH_PROCRASTINATE_DSN", ""), min_size=1, max_size=16
+    )
 )
 
 START_TABLE = "CREATE TABLE IF NOT EXISTS bench_peer_start (token text NOT NULL, at float8 NOT NULL)"
@@ -17,7 +19,9 @@ START_TABLE = "CREATE TABLE IF NOT EXISTS bench_peer_start (token text NOT NULL,
 
 async def _started(token: str) -> None:
     at = time.time()
-    await app.connector.execute_query_async("INSERT INTO bench_peer_start (token, at) VALUES (%(token)s, %(at)s)", token=token, at=at)
+    await app.connector.execute_query_async(
+        "INSERT INTO bench_peer_start (token, at) VALUES (%(token)s, %(at)s)", token=token, at=at
+    )
 
 
 @app.task(name="noop")

@@ -68,8 +68,11 @@ async def run_all(report: Report, state_dir: Path, opts: Options, *, bulk_only: 
         if not installed("procrastinate", "psycopg"):
             report.skip("peer: procrastinate", "all figures", f"skipped: procrastinate not installed ({INSTALL})")
         else:
-            await _guarded(report, "peer: procrastinate",
-                           lambda: procrastinate_peer(report, state_dir, opts, bulk_only=bulk_only, status_only=status_only))
+            await _guarded(
+                report,
+                "peer: procrastinate",
+                lambda: procrastinate_peer(report, state_dir, opts, bulk_only=bulk_only, status_only=status_only),
+            )
     if "pgqueuer" in only:
         if not installed("pgqueuer"):
             report.skip("peer: PgQueuer", "all figures", f"skipped: pgqueuer not installed ({INSTALL})")
@@ -92,7 +95,11 @@ def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 
 
 async def _recovery_after_kill(
-    starts: Callable[[], Awaitable[int]], worker: subprocess.Popen[bytes], worker_cmd: list[str], env: dict[str, str], log: Path
+    starts: Callable[[], Awaitable[int]],
+    worker: subprocess.Popen[bytes],
+    worker_cmd: list[str],
+    env: dict[str, str],
+    log: Path,
 ) -> tuple[subprocess.Popen[bytes], float | None]:
     """Once the held job has started, SIGKILLs the worker, starts a fresh one and times until the job starts again.
 
@@ -128,7 +135,13 @@ def _report(report: Report, section: str, enqueue: dict[int, LoadResult], dispat
             recovery: float | None, recovery_note: str) -> None:
     for level, result in enqueue.items():
         p50, p99 = ms(result.latencies)
-        report.add(section, f"enqueue throughput, {level} in flight", result.rate, "tasks/s", note=f"p50 {p50:.2f} / p99 {p99:.1f} ms")
+        report.add(
+            section,
+            f"enqueue throughput, {level} in flight",
+            result.rate,
+            "tasks/s",
+            note=f"p50 {p50:.2f} / p99 {p99:.1f} ms",
+        )
     p50, p99 = ms(dispatch)
     report.add(section, "dispatch: enqueue returned -> body starts, p50 / p99", p50, "ms", note=f"p99 {p99:.1f} ms")
     p50, p99 = ms(e2e)
@@ -136,7 +149,9 @@ def _report(report: Report, section: str, enqueue: dict[int, LoadResult], dispat
     shown = f"> {RECOVERY_WAIT:g} s" if recovery is None else ""
     report.add(section, "dead-worker recovery (fresh worker started)", recovery, "s", note=recovery_note, shown=shown)
 
-def _report_bulk(report: Report, section: str, opts: Options, result: LoadResult, system: str, queued: int, where: str) -> None:
+def _report_bulk(
+    report: Report, section: str, opts: Options, result: LoadResult, system: str, queued: int, where: str
+) -> None:
     """The bulk enqueue row, and whether every job sent is where its workers would take it from."""
     p50, p99 = ms(result.latencies)
     report.raw.setdefault(BULK_RAW_KEY, {})[system] = summary(result) | {"sent": result.total, "queued": queued}
@@ -186,7 +201,8 @@ def _threaded(call: Callable[[], int], concurrency: int, seconds: float, warmup:
 
 
 async def _gathered(call: Callable[[], Awaitable[int]], concurrency: int, seconds: float, warmup: float) -> LoadResult:
-    """`concurrency` coroutines repeating `call` (which returns the tasks it enqueued), measured by bench.load.Window."""
+    """`concurrency` coroutines repeating `call` (which returns the tasks it enqueued), measured by
+    bench.load.Window."""
     result = LoadResult()
     window = Window.after(warmup, seconds)
 
@@ -236,7 +252,9 @@ def celery_bulk(url: str, batch: int, concurrency: int, seconds: float, warmup: 
     return _threaded(call, concurrency, seconds, warmup)
 
 
-def celery_status(url: str, sample: int, levels: tuple[int, ...], seconds: float, warmup: float) -> dict[int, LoadResult]:
+def celery_status(
+    url: str, sample: int, levels: tuple[int, ...], seconds: float, warmup: float
+) -> dict[int, LoadResult]:
     """In a client process: enqueues `sample` no-ops (no worker runs them), then reads one's state from the result
     backend (AsyncResult.state: a GET of its meta key; PENDING while queued) in turn, at each level of threads."""
     os.environ["BENCH_REDIS_URL"] = url
@@ -302,9 +320,23 @@ async def celery_peer(
     section = "peer: Celery + Redis (acks_late, prefetch 1)"
     folder = state_dir / "peers" / "celery"
     folder.mkdir(parents=True, exist_ok=True)
-    worker_cmd = [sys.executable, "-m", "celery", "-A", "bench.peer_celery", "worker", "--concurrency=1", "--pool=prefork",
-                  "--prefetch-multiplier=1", "-O", "fair", "--without-gossip", "--without-mingle", "--without-heartbeat",
-                  "--loglevel=WARNING"]
+    worker_cmd = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "bench.peer_celery",
+        "worker",
+        "--concurrency=1",
+        "--pool=prefork",
+        "--prefetch-multiplier=1",
+        "-O",
+        "fair",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+        "--loglevel=WARNING",
+    ]
     worker: subprocess.Popen[bytes] | None = None
     executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     loop = asyncio.get_running_loop()
@@ -316,7 +348,9 @@ async def celery_peer(
             enqueue = {}
             if not bulk_only and not status_only:
                 for level in (1, 64):
-                    enqueue[level] = await loop.run_in_executor(executor, celery_enqueue, url, level, opts.seconds, opts.warmup)
+                    enqueue[level] = await loop.run_in_executor(
+                        executor, celery_enqueue, url, level, opts.seconds, opts.warmup
+                    )
                 client.flushdb()
             if not bulk_only:
                 status = await loop.run_in_executor(
@@ -345,7 +379,11 @@ async def celery_peer(
 
             worker, recovery = await _recovery_after_kill(celery_starts, worker, worker_cmd, env, folder / "worker.log")
             _kill(worker)
-        note = "" if recovery is not None else f"not redelivered within {RECOVERY_WAIT:g} s (Redis visibility timeout: 1 h)"
+        note = (
+            ""
+            if recovery is not None
+            else f"not redelivered within {RECOVERY_WAIT:g} s (Redis visibility timeout: 1 h)"
+        )
         _report(report, section, enqueue, dispatch, e2e, recovery, note)
     finally:
         executor.shutdown(cancel_futures=True)
@@ -390,7 +428,9 @@ def procrastinate_bulk(dsn: str, batch: int, concurrency: int, seconds: float, w
     return asyncio.run(run())
 
 
-def procrastinate_status(dsn: str, sample: int, levels: tuple[int, ...], seconds: float, warmup: float) -> dict[int, LoadResult]:
+def procrastinate_status(
+    dsn: str, sample: int, levels: tuple[int, ...], seconds: float, warmup: float
+) -> dict[int, LoadResult]:
     """In a client process: defers `sample` no-ops (no worker runs them), then reads one job's status
     (JobManager.get_job_status_async: its row in procrastinate_jobs) in turn, at each level of coroutines."""
     os.environ["BENCH_PROCRASTINATE_DSN"] = dsn
@@ -459,8 +499,15 @@ async def procrastinate_peer(
     postgres = await asyncio.to_thread(EmbeddedPostgres(folder / "pg").start)
     dsn = postgres.url.replace("/postgres?", "/procrastinate?")
     env = {**os.environ, "BENCH_PROCRASTINATE_DSN": dsn}
-    worker_cmd = [sys.executable, "-m", "procrastinate", "--app=bench.peer_procrastinate.app", "--log-level=warning", "worker",
-                  "--concurrency=1"]
+    worker_cmd = [
+        sys.executable,
+        "-m",
+        "procrastinate",
+        "--app=bench.peer_procrastinate.app",
+        "--log-level=warning",
+        "worker",
+        "--concurrency=1",
+    ]
     worker: subprocess.Popen[bytes] | None = None
     executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     loop = asyncio.get_running_loop()
@@ -477,7 +524,9 @@ async def procrastinate_peer(
             enqueue = {}
             if not bulk_only and not status_only:
                 for level in (1, 64):
-                    enqueue[level] = await loop.run_in_executor(executor, procrastinate_enqueue, dsn, level, opts.seconds, opts.warmup)
+                    enqueue[level] = await loop.run_in_executor(
+                        executor, procrastinate_enqueue, dsn, level, opts.seconds, opts.warmup
+                    )
                 await conn.execute("DELETE FROM procrastinate_jobs")
             if not bulk_only:
                 status = await loop.run_in_executor(
@@ -488,7 +537,9 @@ async def procrastinate_peer(
                     return
             bulk = await loop.run_in_executor(
                 executor, procrastinate_bulk, dsn, opts.bulk_batch, opts.bulk_inflight, opts.seconds, opts.warmup)
-            cur = await conn.execute("SELECT count(*) FROM procrastinate_jobs WHERE status = 'todo' AND task_name = 'noop'")
+            cur = await conn.execute(
+                "SELECT count(*) FROM procrastinate_jobs WHERE status = 'todo' AND task_name = 'noop'"
+            )
             row = await cur.fetchone()
             _report_bulk(report, section, opts, bulk, "procrastinate", int(row[0]) if row else 0, "waiting as jobs")
             await conn.execute("DELETE FROM procrastinate_jobs")
@@ -567,14 +618,18 @@ def pgqueuer_bulk(dsn: str, batch: int, concurrency: int, seconds: float, warmup
     return asyncio.run(run())
 
 
-def pgqueuer_status(dsn: str, sample: int, levels: tuple[int, ...], seconds: float, warmup: float) -> dict[int, LoadResult]:
+def pgqueuer_status(
+    dsn: str, sample: int, levels: tuple[int, ...], seconds: float, warmup: float
+) -> dict[int, LoadResult]:
     """In a client process: enqueues `sample` no-ops (no worker runs them), then reads one job's status
     (Queries.job_status of one id: its row in PgQueuer's table) in turn, at each level of coroutines."""
     import itertools
 
     async def run() -> dict[int, LoadResult]:
         async with _pgqueuer_queries(dsn) as queries:
-            ids = await queries.enqueue(["noop"] * sample, [uuid.uuid4().hex.encode() for _ in range(sample)], [0] * sample)
+            ids = await queries.enqueue(
+                ["noop"] * sample, [uuid.uuid4().hex.encode() for _ in range(sample)], [0] * sample
+            )
             turn = itertools.count()
 
             async def call() -> int:
@@ -605,7 +660,9 @@ def pgqueuer_latency(dsn: str, count: int) -> tuple[list[float], list[float]]:
                     if any(status in PGQUEUER_TERMINAL for _id, status in await queries.job_status([job_id])):
                         break
                     if time.time() - returned > 30:
-                        raise TimeoutError(f"job {job_id} not finished within 30 s (is the worker running? see its log)")
+                        raise TimeoutError(
+                            f"job {job_id} not finished within 30 s (is the worker running? see its log)"
+                        )
                     await asyncio.sleep(0.001)
                 e2e.append(time.time() - returned)
                 started = await queries.driver.fetch("SELECT at FROM bench_peer_start WHERE token = $1", token)
@@ -634,7 +691,8 @@ async def pgqueuer_peer(
     postgres = await asyncio.to_thread(EmbeddedPostgres(folder / "pg").start)
     dsn = postgres.url.replace("/postgres?", "/pgqueuer?")
     env = {**os.environ, DSN_VAR: dsn}
-    worker_cmd = [sys.executable, "-m", "bench.peer_pgqueuer", str(batch), f"{heartbeat:g}"]  # pgqueuer.run, as `pgq run`
+    # pgqueuer.run, as `pgq run`
+    worker_cmd = [sys.executable, "-m", "bench.peer_pgqueuer", str(batch), f"{heartbeat:g}"]
     worker: subprocess.Popen[bytes] | None = None
     executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     loop = asyncio.get_running_loop()
@@ -651,7 +709,9 @@ async def pgqueuer_peer(
             enqueue = {}
             if not bulk_only and not status_only:
                 for level in (1, 64):
-                    enqueue[level] = await loop.run_in_executor(executor, pgqueuer_enqueue, dsn, level, opts.seconds, opts.warmup)
+                    enqueue[level] = await loop.run_in_executor(
+                        executor, pgqueuer_enqueue, dsn, level, opts.seconds, opts.warmup
+                    )
                 await conn.execute(f"DELETE FROM {QUEUE_TABLE}")
             if not bulk_only:
                 status = await loop.run_in_executor(
@@ -662,7 +722,9 @@ async def pgqueuer_peer(
                     return
             bulk = await loop.run_in_executor(
                 executor, pgqueuer_bulk, dsn, opts.bulk_batch, opts.bulk_inflight, opts.seconds, opts.warmup)
-            queued = await conn.fetchval(f"SELECT count(*) FROM {QUEUE_TABLE} WHERE status = 'queued' AND entrypoint = 'noop'")
+            queued = await conn.fetchval(
+                f"SELECT count(*) FROM {QUEUE_TABLE} WHERE status = 'queued' AND entrypoint = 'noop'"
+            )
             _report_bulk(report, section, opts, bulk, "pgqueuer", int(queued or 0), "waiting as jobs")
             await conn.execute(f"DELETE FROM {QUEUE_TABLE}")
             if bulk_only:

@@ -61,12 +61,15 @@ async def record(stack: BenchStack, folder: Path | None, phase: str) -> AsyncIte
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
             _, err = await spy.communicate()
             if spy.returncode:
-                failures.append(f"{name}: py-spy exited {spy.returncode}: {err.decode(errors='replace').strip()[-300:]}")
+                failures.append(
+                    f"{name}: py-spy exited {spy.returncode}: {err.decode(errors='replace').strip()[-300:]}"
+                )
         (out / "summary.txt").write_text(summary(out, failures))
 
 
 def summary(folder: Path, failures: list[str]) -> str:
-    """Each profiled process's top functions by self share of its samples, and taskgate's own by total (on-stack) share."""
+    """Each profiled process's top functions by self share of its samples, and taskgate's own by total (on-stack)
+    share."""
     lines = [f"py-spy at {RATE} Hz; share of each process's busy samples (idle threads are not sampled)", *failures]
     for path in sorted(folder.glob("*.speedscope.json")):
         self_time, total_time, samples = _tally(json.loads(path.read_text()))

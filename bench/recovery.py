@@ -48,7 +48,11 @@ async def dead_worker(stack: BenchStack, report: Report, section: str, label: st
         stack.cluster.kill(victim)
 
         async def again() -> bool:
-            return bool(await stack.db.fetchval("SELECT status = 'PROCESSING' AND attempt >= 2 FROM task WHERE id = $1", task_id))
+            return bool(
+                await stack.db.fetchval(
+                    "SELECT status = 'PROCESSING' AND attempt >= 2 FROM task WHERE id = $1", task_id
+                )
+            )
 
         try:
             await _wait(again, WAIT)

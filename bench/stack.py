@@ -24,7 +24,8 @@ from tests.support.harness import Cluster, ServiceProcess
 TENANT = "bench"
 LONG_MODEL = "sleepy-long"
 FLEET_MODEL = "sleepy-fleet"  # the fleet phase's tasks: a 'sleep' of `fleet_seconds`, one step per request step
-LLM_MODEL = "llama-tiny"  # the llm phase's chat model (taskgate_local.tinylm), built under the stack's folder by the phase
+# the llm phase's chat model (taskgate_local.tinylm), built under the stack's folder by the phase
+LLM_MODEL = "llama-tiny"
 LLM_SEQUENCES = 16  # sequences the llm phase's one model instance decodes at once
 
 
@@ -34,10 +35,18 @@ def bench_settings(state_dir: Path, *, fleet_seconds: float = 20.0, **overrides:
     processes would fight over their ports)."""
     base: dict[str, Any] = {
         "state_dir": state_dir,
-        "models": {"sleepy": ModelSpec(kind="sleep", sleep_seconds=0.0), LONG_MODEL: ModelSpec(kind="sleep", sleep_seconds=600.0),
-                   FLEET_MODEL: ModelSpec(kind="sleep", sleep_seconds=fleet_seconds),
-                   LLM_MODEL: ModelSpec(kind="transformers", path=state_dir / "models" / LLM_MODEL, max_sequences=LLM_SEQUENCES,
-                                        max_input_tokens=4096, max_output_tokens=1024)},
+        "models": {
+            "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.0),
+            LONG_MODEL: ModelSpec(kind="sleep", sleep_seconds=600.0),
+            FLEET_MODEL: ModelSpec(kind="sleep", sleep_seconds=fleet_seconds),
+            LLM_MODEL: ModelSpec(
+                kind="transformers",
+                path=state_dir / "models" / LLM_MODEL,
+                max_sequences=LLM_SEQUENCES,
+                max_input_tokens=4096,
+                max_output_tokens=1024,
+            ),
+        },
         "default_model": "sleepy",
         "callback_allow_hosts": ["127.0.0.1"],
         # one bench tenant is the whole load: its per-process limits are out of the way (the buckets still run)
@@ -94,7 +103,8 @@ class BenchStack:
         return [f"worker-{i}" for i in range(1, self.workers + 1)]
 
     async def start(self) -> None:
-        """Servers, schema, the bench tenant's key (limits lifted), and every process declared; starts the always-on ones."""
+        """Servers, schema, the bench tenant's key (limits lifted), and every process declared; starts the always-on
+        ones."""
         await asyncio.to_thread(self.cluster.start_servers)
         assert self.settings.database_url is not None
         self.pool = await asyncpg.create_pool(self.settings.database_url, min_size=1, max_size=4)
@@ -111,7 +121,11 @@ class BenchStack:
         keys = []
         for i in range(count):
             key, _ = await auth.create_key(
-                self.db, self.settings.api_key_pepper, f"{TENANT}-{i}", max_pending=10_000_000, submits_per_minute=100_000_000
+                self.db,
+                self.settings.api_key_pepper,
+                f"{TENANT}-{i}",
+                max_pending=10_000_000,
+                submits_per_minute=100_000_000,
             )
             keys.append(key)
         return keys

@@ -25,7 +25,12 @@ from bench.stats import Report, ms
 from taskgate_api.v1 import events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
 
 BASELINE_SECONDS = 5.0  # the notifier's idle CPU before any stream opens, for comparison
-TERMINAL = {task_pb2.TASK_STATUS_SUCCEEDED, task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_TIMEOUT, task_pb2.TASK_STATUS_CANCELED}
+TERMINAL = {
+    task_pb2.TASK_STATUS_SUCCEEDED,
+    task_pb2.TASK_STATUS_FAILED,
+    task_pb2.TASK_STATUS_TIMEOUT,
+    task_pb2.TASK_STATUS_CANCELED,
+}
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,8 @@ class Watch:
     opened: float | None = None
     keepalives: int = 0
     terminal: tuple[float, float] | None = None  # (event committed, received), wall clock
-    ended: str | None = None  # None: still open; "client": we ended it; "terminal": after its terminal event; else a drop
+    # None: still open; "client": we ended it; "terminal": after its terminal event; else a drop
+    ended: str | None = None
     details: str = ""
     ended_at: float | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set on the snapshot or the end, whichever comes first
@@ -134,7 +140,9 @@ async def measure(stack: BenchStack, report: Report, section: str, opts: Streams
     pid = cpu.service_pid(stack, "notifier")
     idle_seconds = opts.idle or stack.settings.stream_keepalive_seconds
     options = [("grpc.use_local_subchannel_pool", 1)]  # one HTTP/2 connection per channel
-    channels = [grpc.aio.insecure_channel(stack.notifier_address, options=options) for _ in range(max(1, opts.channels))]
+    channels = [
+        grpc.aio.insecure_channel(stack.notifier_address, options=options) for _ in range(max(1, opts.channels))
+    ]
     watches: list[Watch] = []
     followers: list[asyncio.Task[None]] = []
     try:
@@ -151,7 +159,9 @@ async def measure(stack: BenchStack, report: Report, section: str, opts: Streams
             gate = asyncio.Semaphore(opts.opening)
             began = time.time()
             watches = [Watch(task_id) for task_id in ids]
-            followers = [asyncio.create_task(_follow(w, stubs[i % len(stubs)], md, gate)) for i, w in enumerate(watches)]
+            followers = [
+                asyncio.create_task(_follow(w, stubs[i % len(stubs)], md, gate)) for i, w in enumerate(watches)
+            ]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*(w.ready.wait() for w in watches)), opts.open_within)
             open_seconds = time.time() - began
@@ -206,7 +216,8 @@ async def measure(stack: BenchStack, report: Report, section: str, opts: Streams
     report.add(section, "notifier RSS per open stream", per_stream / 1024, "KiB", at_most=10,
                note=f"RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
     report.add(section, f"notifier CPU with {opened:,} idle streams", idle_cores, "cores", at_most=0.05,
-               note=f"over {idle_seconds:g} s; {keepalives:,} keep-alives received; {baseline:.3f} cores before any stream opened")
+               note=f"over {idle_seconds:g} s; {keepalives:,} keep-alives received; {baseline:.3f} cores before any "
+               f"stream opened")
     p50, p99 = ms(latencies)
     report.add(section, f"burst: {len(chosen):,} watched tasks cancelled, terminal event -> its stream, p50", p50, "ms",
                note=f"{len(latencies):,} of {len(chosen):,} received within {opts.burst_within:g} s;"

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--submit-procs", type=int, default=2, help="submit processes sharing the port")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 64], help="requests in flight, one run each")
     parser.add_argument("--profile", action="store_true",
-                        help="py-spy every service process at each level (bench/profile.py; the figures then carry its cost)")
+                        help="py-spy every service process at each level (bench/profile.py; the figures then carry its "
+                        "cost)")
     args = parser.parse_args(argv)
     state_dir = Path(tempfile.mkdtemp(prefix="taskgate-bench-submit-"))
     try:

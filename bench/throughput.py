@@ -24,7 +24,8 @@ class Options:
     warmup: float = 1.0
     channels: int = 8
     levels: tuple[int, ...] = (1, 16, 64, 256)
-    bulk_batch: int = 100  # tasks per call in the bulk enqueue phases (SubmitTasks, Celery group, procrastinate batch defer)
+    # tasks per call in the bulk enqueue phases (SubmitTasks, Celery group, procrastinate batch defer)
+    bulk_batch: int = 100
     bulk_inflight: int = 8  # calls in flight there
     profile_dir: Path | None = None  # py-spy profiles of the load phases go here (--profile)
 
@@ -45,8 +46,14 @@ def summary(result: LoadResult) -> dict[str, Any]:
 
 
 async def submit_levels(
-    stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, levels: tuple[int, ...],
-    raw_key: str, profiled: tuple[int, ...] = (64,),
+    stack: BenchStack,
+    executor: ProcessPoolExecutor,
+    opts: Options,
+    report: Report,
+    section: str,
+    levels: tuple[int, ...],
+    raw_key: str,
+    profiled: tuple[int, ...] = (64,),
 ) -> dict[int, LoadResult]:
     """SubmitTask at each concurrency; every level starts with an empty queue; the `profiled` levels are profiled
     when opts.profile_dir is set."""
@@ -65,7 +72,9 @@ async def submit_levels(
                    note=", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
         errors = f"{sum(result.errors.values())} errors {dict(result.errors)}" if result.errors else ""
         if level == 64:
-            report.add(section, f"SubmitTask throughput, {level} in flight", result.rate, "tasks/s", at_least=1500, note=errors)
+            report.add(
+                section, f"SubmitTask throughput, {level} in flight", result.rate, "tasks/s", at_least=1500, note=errors
+            )
         else:
             report.add(section, f"SubmitTask throughput, {level} in flight", result.rate, "tasks/s", note=errors)
         report.add(section, f"SubmitTask p50 / p99, {level} in flight", p50, "ms", note=f"p99 {p99:.1f} ms")
@@ -111,7 +120,8 @@ async def many_tenants(
 async def half_max_latency(
     stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, best: float
 ) -> None:
-    """p99 at about half the best throughput: a paced open loop would be exact; a concurrency that lands there will do."""
+    """p99 at about half the best throughput: a paced open loop would be exact; a concurrency that lands there will
+    do."""
     target_rate = best / 2
     # Little's law: in flight = rate x latency; start from the latency at 1 in flight and search a few levels.
     chosen: LoadResult | None = None
@@ -131,7 +141,12 @@ async def half_max_latency(
 
 
 async def ceiling(
-    stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, gateway: dict[int, LoadResult]
+    stack: BenchStack,
+    executor: ProcessPoolExecutor,
+    opts: Options,
+    report: Report,
+    section: str,
+    gateway: dict[int, LoadResult],
 ) -> None:
     """The bare INSERT + publish + UPDATE handler in as many processes as the gateway, at the same concurrencies."""
     names = [f"ceiling-{i}" for i in range(1, stack.submit_procs + 1)]
@@ -151,7 +166,13 @@ async def ceiling(
                            note=", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
             ratio = gateway[level].rate / result.rate if result.rate else float("nan")
             p50, p99 = ms(result.latencies)
-            report.add(section, f"raw ceiling, {level} in flight", result.rate, "tasks/s", note=f"p50 {p50:.1f} / p99 {p99:.1f} ms")
+            report.add(
+                section,
+                f"raw ceiling, {level} in flight",
+                result.rate,
+                "tasks/s",
+                note=f"p50 {p50:.1f} / p99 {p99:.1f} ms",
+            )
             report.add(section, f"gateway / ceiling, {level} in flight", ratio * 100, "%")
             await stack.close_open_tasks()
     finally:
@@ -162,18 +183,23 @@ async def get_task(
     stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, raw_key: str,
     sample: int = 2000,
 ) -> dict[int, LoadResult]:
-    """GetTask of QUEUED tasks (so the submit service's cache of finished tasks does not answer): `sample` fresh tasks."""
+    """GetTask of QUEUED tasks (so the submit service's cache of finished tasks does not answer): `sample` fresh
+    tasks."""
     seed = LoadSpec(stack.submit_address, stack.api_key, "submit", 16, 60.0, 0.0, opts.channels, tag=f"{raw_key}-seed",
                     keep_ids=sample)
     ids = await _submit_exactly(stack, executor, seed, sample)
     results: dict[int, LoadResult] = {}
     for level in (1, 16):
-        spec = LoadSpec(stack.submit_address, stack.api_key, "get", level, opts.seconds, opts.warmup, opts.channels, ids=tuple(ids))
+        spec = LoadSpec(
+            stack.submit_address, stack.api_key, "get", level, opts.seconds, opts.warmup, opts.channels, ids=tuple(ids)
+        )
         result = await load(executor, spec)
         results[level] = result
         report.raw.setdefault(raw_key, {})[str(level)] = summary(result)
         p50, p99 = ms(result.latencies)
-        report.add(section, f"GetTask p50 / p99, {level} in flight", p50, "ms", note=f"p99 {p99:.1f} ms, {result.rate:.0f}/s")
+        report.add(
+            section, f"GetTask p50 / p99, {level} in flight", p50, "ms", note=f"p99 {p99:.1f} ms, {result.rate:.0f}/s"
+        )
     await stack.close_open_tasks()
     return results
 

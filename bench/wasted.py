@@ -77,7 +77,9 @@ async def run_queue(
     rows, wasted, interrupted = [], 0.0, 0
     try:
         for n in range(tasks):
-            task = await insert_task(backends.pool, model_id=MODEL, prompt=f"wasted {variant.label} {n}", params={**PARAMS, "seed": n})
+            task = await insert_task(
+                backends.pool, model_id=MODEL, prompt=f"wasted {variant.label} {n}", params={**PARAMS, "seed": n}
+            )
             out = await store.queue(backends.pool, task.id, actor="bench")
             assert out.task is not None
             await dispatch.publish(backends.bus, out.task, dispatch.Reason.SUBMITTED)
@@ -88,7 +90,9 @@ async def run_queue(
 
         for n in range(kills + 1):
             runners = await asyncio.to_thread(runmod.load_runners, settings.models, ["cpu"])  # a fresh process's
-            worker = Worker(settings, backends, runners, runmod.DevicePlan(["cpu"], 1, False, 1.0), f"wasted-{n}", [MODEL])
+            worker = Worker(
+                settings, backends, runners, runmod.DevicePlan(["cpu"], 1, False, 1.0), f"wasted-{n}", [MODEL]
+            )
             await worker.start()
             if n == kills:  # the last worker finishes the queue
                 await wait_for(done, within=600, every=0.05)
@@ -107,7 +111,9 @@ async def run_queue(
                 interrupted += 1
             await worker.kill()
         counted, metered_waste = await bench_store.metered(backends.pool, rows)
-        return Waste(variant.label, tasks, kills, interrupted, wasted + metered_waste, counted, time.monotonic() - began)
+        return Waste(
+            variant.label, tasks, kills, interrupted, wasted + metered_waste, counted, time.monotonic() - began
+        )
     finally:
         await sched.stop()
         await backends.close()
@@ -148,7 +154,10 @@ def main() -> None:
         found = asyncio.run(measure(Path(tmp), args.tasks, args.kills, args.seed))
     print(f"{'variant':16} {'tasks':>5} {'kills':>5} {'runs hit':>8} {'wasted s':>9} {'counted s':>9} {'wall s':>7}")
     for w in found:
-        print(f"{w.variant:16} {w.tasks:>5} {w.kills:>5} {w.interrupted:>8} {w.wasted_s:>9.2f} {w.counted_s:>9.2f} {w.wall_s:>7.1f}")
+        print(
+            f"{w.variant:16} {w.tasks:>5} {w.kills:>5} {w.interrupted:>8} {w.wasted_s:>9.2f} {w.counted_s:>9.2f} "
+            f"{w.wall_s:>7.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,11 @@ class Seen:
             return True
 
 
-def make_server(host: str, port: int, secrets: list[str], on_event: Callable[[Event], None], path: str = "/hook") -> ThreadingHTTPServer:
-    """An HTTP server that answers 204 to verified webhooks on `path` (401 to anything else) and calls `on_event` once per id."""
+def make_server(
+    host: str, port: int, secrets: list[str], on_event: Callable[[Event], None], path: str = "/hook"
+) -> ThreadingHTTPServer:
+    """An HTTP server that answers 204 to verified webhooks on `path` (401 to anything else) and calls `on_event` once
+    per id."""
     seen = Seen()
 
     class Handler(BaseHTTPRequestHandler):

@@ -1,4 +1,5 @@
-"""GPU check: every family's tiny model on CUDA: seconds per step, peak GPU memory, determinism, abort, device-busy fraction."""
+"""GPU check: every family's tiny model on CUDA: seconds per step, peak GPU memory, determinism, abort, device-busy
+fraction."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def input_image(size: int) -> bytes:
     return images.canonical(out.getvalue(), images.Limits()).png
 
 
-def run_input(task_id: int, frames: int, size: int, steps: int, seed: int = 1234, *, pipeline: str = "") -> runmod.RunInput:
+def run_input(
+    task_id: int, frames: int, size: int, steps: int, seed: int = 1234, *, pipeline: str = ""
+) -> runmod.RunInput:
     """One task's inputs as the worker hands them to a runner (with an input image for an image-to-video class)."""
     params: dict[str, Any] = {"num_frames": frames, "width": size, "height": size, "num_inference_steps": steps,
                               "guidance_scale": 5.0, "fps": 8, "seed": seed, "negative_prompt": ""}
@@ -60,7 +63,9 @@ def run_input(task_id: int, frames: int, size: int, steps: int, seed: int = 1234
     return runmod.RunInput(task_id, 1, "a red car drives on a road at night", params, image=image)
 
 
-async def saturate(runner: runmod.DiffusersRunner, device: str, inputs: list[runmod.RunInput], *, slots: int) -> tuple[float, float]:
+async def saturate(
+    runner: runmod.DiffusersRunner, device: str, inputs: list[runmod.RunInput], *, slots: int
+) -> tuple[float, float]:
     """The worker's split with a saturated queue: `slots` of `inputs` at once, the device phase (denoise, VAE decode)
     one at a time on the device's lane, MP4 encoding on other threads meanwhile; (device-busy seconds, wall seconds)."""
     devices = Devices([device])
@@ -71,7 +76,9 @@ async def saturate(runner: runmod.DiffusersRunner, device: str, inputs: list[run
     async def one(inp: runmod.RunInput) -> None:
         async with slot:
             async with devices.use({device}) as lane:
-                rendered = await loop.run_in_executor(lane.executor, runner.render, inp, lambda _d, _t: sync(device), lambda: False)
+                rendered = await loop.run_in_executor(
+                    lane.executor, runner.render, inp, lambda _d, _t: sync(device), lambda: False
+                )
             await loop.run_in_executor(encoders, runner.encode, rendered)
 
     started = time.monotonic()
@@ -83,7 +90,9 @@ async def saturate(runner: runmod.DiffusersRunner, device: str, inputs: list[run
     return devices.busy_seconds, time.monotonic() - started
 
 
-async def busy_fraction(runner: runmod.DiffusersRunner, device: str, *, tasks: int, slots: int, inp: runmod.RunInput) -> float:
+async def busy_fraction(
+    runner: runmod.DiffusersRunner, device: str, *, tasks: int, slots: int, inp: runmod.RunInput
+) -> float:
     """The share of wall time the device was busy with `tasks` copies of `inp` queued at once (saturate)."""
     busy, wall = await saturate(runner, device, [inp] * tasks, slots=slots)
     return busy / wall
@@ -128,7 +137,10 @@ def check_family(name: str, pipeline: str, device: str, args: argparse.Namespace
         digests.append(output.sha256)
         info = decode_mp4_info(output.data)
         assert info == (frames, size, size), f"decoded (frames, width, height) {info}, asked for {(frames, size, size)}"
-        print(f"  run {run}: {elapsed:.3f}s, {mean:.4f} s/step, peak {peak:.0f} MiB, sha256 {output.sha256[:16]}", flush=True)
+        print(
+            f"  run {run}: {elapsed:.3f}s, {mean:.4f} s/step, peak {peak:.0f} MiB, sha256 {output.sha256[:16]}",
+            flush=True,
+        )
 
     aborted_at: list[int] = []
     try:
@@ -141,9 +153,17 @@ def check_family(name: str, pipeline: str, device: str, args: argparse.Namespace
     deterministic = len(set(digests)) == 1 and after.sha256 == digests[0]
     print(f"  {name}: {min(per_step):.4f} s/step (best run), peak {peak_mib:.0f} MiB, device busy {busy:.1%} "
           f"({args.busy_tasks} tasks, {args.slots} at once), deterministic {deterministic}", flush=True)
-    return {"model": name, "pipeline": pipeline, "frames": frames, "size": size, "steps": args.steps,
-            "seconds_per_step": [round(s, 5) for s in per_step], "peak_mib": round(peak_mib), "device_busy": round(busy, 4),
-            "deterministic": deterministic}
+    return {
+        "model": name,
+        "pipeline": pipeline,
+        "frames": frames,
+        "size": size,
+        "steps": args.steps,
+        "seconds_per_step": [round(s, 5) for s in per_step],
+        "peak_mib": round(peak_mib),
+        "device_busy": round(busy, 4),
+        "deterministic": deterministic,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

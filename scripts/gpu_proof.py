@@ -1,5 +1,5 @@
-"""GPU proof at real model sizes (issue 28): every family's transformer and VAE built from its published configuration with
-random weights, timed at the family's default size and frames on CUDA; the tiny pipelines' correctness on CUDA.
+"""GPU proof at real model sizes (issue 28): every family's transformer and VAE built from its published configuration
+with random weights, timed at the family's default size and frames on CUDA; the tiny pipelines' correctness on CUDA.
 
 For Wan 2.1 T2V 1.3B, CogVideoX-2B, LTX-Video (0.9.0) and HunyuanVideo: seconds per denoising step, VAE decode time and
 peak GPU memory through the worker's own call (services.worker.inference.VideoPipeline), then the step time again with
@@ -52,33 +52,76 @@ SEED = 1234
 #
 # Wan 2.1 T2V 1.3B (Wan-AI/Wan2.1-T2V-1.3B-Diffusers): diffusers' scripts/convert_wan_to_diffusers.py, model type
 # "Wan-T2V-1.3B" (dim 1536 = 12 heads x 128, ffn 8960, 30 layers, as Wan's own configs/wan_t2v_1_3B.py says); the rest
-# are WanTransformer3DModel's defaults, which that config leaves as they are. VAE: AutoencoderKLWan() defaults, which the
-# same script converts the Wan2.1 VAE into.
+# are WanTransformer3DModel's defaults, which that config leaves as they are. VAE: AutoencoderKLWan() defaults, which
+# the same script converts the Wan2.1 VAE into.
 WAN_T2V_1_3B: dict[str, Any] = {
-    "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
-    "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None, "added_kv_proj_dim": None, "rope_max_seq_len": 1024,
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 12,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 8960,
+    "num_layers": 30,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "image_dim": None,
+    "added_kv_proj_dim": None,
+    "rope_max_seq_len": 1024,
 }
 WAN_VAE: dict[str, Any] = {
     "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
     "temperal_downsample": [False, True, True], "dropout": 0.0,
 }
-# CogVideoX-2B (THUDM/CogVideoX-2b): scripts/convert_cogvideox_to_diffusers.py builds it from CogVideoXTransformer3DModel's
-# defaults with num_layers 30, num_attention_heads 30 and no RoPE ("For CogVideoX-2B ..."), its VAE from
-# AutoencoderKLCogVideoX's defaults with scaling_factor 1.15258426.
+# CogVideoX-2B (THUDM/CogVideoX-2b): scripts/convert_cogvideox_to_diffusers.py builds it from
+# CogVideoXTransformer3DModel's defaults with num_layers 30, num_attention_heads 30 and no RoPE ("For CogVideoX-2B
+# ..."), its VAE from AutoencoderKLCogVideoX's defaults with scaling_factor 1.15258426.
 COGVIDEOX_2B: dict[str, Any] = {
-    "num_attention_heads": 30, "attention_head_dim": 64, "in_channels": 16, "out_channels": 16, "flip_sin_to_cos": True,
-    "freq_shift": 0, "time_embed_dim": 512, "text_embed_dim": 4096, "num_layers": 30, "dropout": 0.0, "attention_bias": True,
-    "sample_width": 90, "sample_height": 60, "sample_frames": 49, "patch_size": 2, "temporal_compression_ratio": 4,
-    "max_text_seq_length": 226, "activation_fn": "gelu-approximate", "timestep_activation_fn": "silu",
-    "norm_elementwise_affine": True, "norm_eps": 1e-5, "spatial_interpolation_scale": 1.875, "temporal_interpolation_scale": 1.0,
-    "use_rotary_positional_embeddings": False, "use_learned_positional_embeddings": False,
+    "num_attention_heads": 30,
+    "attention_head_dim": 64,
+    "in_channels": 16,
+    "out_channels": 16,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "time_embed_dim": 512,
+    "text_embed_dim": 4096,
+    "num_layers": 30,
+    "dropout": 0.0,
+    "attention_bias": True,
+    "sample_width": 90,
+    "sample_height": 60,
+    "sample_frames": 49,
+    "patch_size": 2,
+    "temporal_compression_ratio": 4,
+    "max_text_seq_length": 226,
+    "activation_fn": "gelu-approximate",
+    "timestep_activation_fn": "silu",
+    "norm_elementwise_affine": True,
+    "norm_eps": 1e-5,
+    "spatial_interpolation_scale": 1.875,
+    "temporal_interpolation_scale": 1.0,
+    "use_rotary_positional_embeddings": False,
+    "use_learned_positional_embeddings": False,
 }
 COGVIDEOX_VAE: dict[str, Any] = {
-    "in_channels": 3, "out_channels": 3, "down_block_types": ["CogVideoXDownBlock3D"] * 4,
-    "up_block_types": ["CogVideoXUpBlock3D"] * 4, "block_out_channels": [128, 256, 256, 512], "latent_channels": 16,
-    "layers_per_block": 3, "act_fn": "silu", "norm_eps": 1e-6, "norm_num_groups": 32, "temporal_compression_ratio": 4,
-    "sample_height": 480, "sample_width": 720, "scaling_factor": 1.15258426, "use_quant_conv": False, "use_post_quant_conv": False,
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ["CogVideoXDownBlock3D"] * 4,
+    "up_block_types": ["CogVideoXUpBlock3D"] * 4,
+    "block_out_channels": [128, 256, 256, 512],
+    "latent_channels": 16,
+    "layers_per_block": 3,
+    "act_fn": "silu",
+    "norm_eps": 1e-6,
+    "norm_num_groups": 32,
+    "temporal_compression_ratio": 4,
+    "sample_height": 480,
+    "sample_width": 720,
+    "scaling_factor": 1.15258426,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
 }
 # LTX-Video 0.9.0 (Lightricks/LTX-Video): scripts/convert_ltx_to_diffusers.py builds the transformer as
 # LTXVideoTransformer3DModel() (28 layers, 32 heads x 64, cross-attention 2048, captions 4096) and the VAE from its
@@ -102,9 +145,21 @@ LTX_VAE: dict[str, Any] = {
 # numbers as the original's mm_double_blocks_depth 20 / mm_single_blocks_depth 40 / rope_dim_list [16, 56, 56]) and the
 # VAE as AutoencoderKLHunyuanVideo() (scaling_factor 0.476986).
 HUNYUAN_VIDEO: dict[str, Any] = {
-    "in_channels": 16, "out_channels": 16, "num_attention_heads": 24, "attention_head_dim": 128, "num_layers": 20,
-    "num_single_layers": 40, "num_refiner_layers": 2, "mlp_ratio": 4.0, "patch_size": 2, "patch_size_t": 1, "qk_norm": "rms_norm",
-    "guidance_embeds": True, "text_embed_dim": 4096, "pooled_projection_dim": 768, "rope_theta": 256.0,
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_attention_heads": 24,
+    "attention_head_dim": 128,
+    "num_layers": 20,
+    "num_single_layers": 40,
+    "num_refiner_layers": 2,
+    "mlp_ratio": 4.0,
+    "patch_size": 2,
+    "patch_size_t": 1,
+    "qk_norm": "rms_norm",
+    "guidance_embeds": True,
+    "text_embed_dim": 4096,
+    "pooled_projection_dim": 768,
+    "rope_theta": 256.0,
     "rope_axes_dim": [16, 56, 56],
 }
 HUNYUAN_VAE: dict[str, Any] = {
@@ -139,26 +194,65 @@ class Proof:
 
 PROOFS: dict[str, Proof] = {
     "wan": Proof(
-        key="wan", pipeline="WanPipeline", model="Wan 2.1 T2V 1.3B", repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-        transformer_class="WanTransformer3DModel", transformer=WAN_T2V_1_3B, vae_class="AutoencoderKLWan", vae=WAN_VAE,
-        layer_keys=("num_layers",), text_width="text_dim", compile="blocks", core_estimate_s=35.0,
+        key="wan",
+        pipeline="WanPipeline",
+        model="Wan 2.1 T2V 1.3B",
+        repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        transformer_class="WanTransformer3DModel",
+        transformer=WAN_T2V_1_3B,
+        vae_class="AutoencoderKLWan",
+        vae=WAN_VAE,
+        layer_keys=("num_layers",),
+        text_width="text_dim",
+        compile="blocks",
+        core_estimate_s=35.0,
     ),
     "ltx": Proof(
-        key="ltx", pipeline="LTXPipeline", model="LTX-Video 0.9.0 (2B)", repo="Lightricks/LTX-Video",
-        transformer_class="LTXVideoTransformer3DModel", transformer=LTX_VIDEO, vae_class="AutoencoderKLLTXVideo", vae=LTX_VAE,
-        layer_keys=("num_layers",), text_width="caption_channels", compile="blocks", core_estimate_s=30.0,
+        key="ltx",
+        pipeline="LTXPipeline",
+        model="LTX-Video 0.9.0 (2B)",
+        repo="Lightricks/LTX-Video",
+        transformer_class="LTXVideoTransformer3DModel",
+        transformer=LTX_VIDEO,
+        vae_class="AutoencoderKLLTXVideo",
+        vae=LTX_VAE,
+        layer_keys=("num_layers",),
+        text_width="caption_channels",
+        compile="blocks",
+        core_estimate_s=30.0,
     ),
     "cogvideox": Proof(
-        key="cogvideox", pipeline="CogVideoXPipeline", model="CogVideoX-2B", repo="THUDM/CogVideoX-2b",
-        transformer_class="CogVideoXTransformer3DModel", transformer=COGVIDEOX_2B, vae_class="AutoencoderKLCogVideoX",
-        vae=COGVIDEOX_VAE, layer_keys=("num_layers",), text_width="text_embed_dim", compile="transformer", vae_tiling=True,
-        vae_slicing=True, core_estimate_s=40.0,
+        key="cogvideox",
+        pipeline="CogVideoXPipeline",
+        model="CogVideoX-2B",
+        repo="THUDM/CogVideoX-2b",
+        transformer_class="CogVideoXTransformer3DModel",
+        transformer=COGVIDEOX_2B,
+        vae_class="AutoencoderKLCogVideoX",
+        vae=COGVIDEOX_VAE,
+        layer_keys=("num_layers",),
+        text_width="text_embed_dim",
+        compile="transformer",
+        vae_tiling=True,
+        vae_slicing=True,
+        core_estimate_s=40.0,
     ),
     "hunyuan": Proof(
-        key="hunyuan", pipeline="HunyuanVideoPipeline", model="HunyuanVideo (13B)", repo="hunyuanvideo-community/HunyuanVideo",
-        transformer_class="HunyuanVideoTransformer3DModel", transformer=HUNYUAN_VIDEO, vae_class="AutoencoderKLHunyuanVideo",
-        vae=HUNYUAN_VAE, layer_keys=("num_layers", "num_single_layers", "num_refiner_layers"), text_width="text_embed_dim",
-        compile="blocks", pooled_width="pooled_projection_dim", vae_tiling=True, core_estimate_s=70.0, full_blocks=60,
+        key="hunyuan",
+        pipeline="HunyuanVideoPipeline",
+        model="HunyuanVideo (13B)",
+        repo="hunyuanvideo-community/HunyuanVideo",
+        transformer_class="HunyuanVideoTransformer3DModel",
+        transformer=HUNYUAN_VIDEO,
+        vae_class="AutoencoderKLHunyuanVideo",
+        vae=HUNYUAN_VAE,
+        layer_keys=("num_layers", "num_single_layers", "num_refiner_layers"),
+        text_width="text_embed_dim",
+        compile="blocks",
+        pooled_width="pooled_projection_dim",
+        vae_tiling=True,
+        core_estimate_s=70.0,
+        full_blocks=60,
     ),
 }
 
@@ -169,7 +263,16 @@ CUDA_BACKENDS: tuple[tuple[str, str | None], ...] = (
 )
 CPU_BACKENDS: tuple[tuple[str, str | None], ...] = (("_native_math", None),)
 # What the script imports beyond torch once it runs (the device machine's image lacks some: carry them as wheels).
-NEEDED_MODULES = ("diffusers", "transformers", "numpy", "av", "pydantic", "pydantic_settings", "opentelemetry", "prometheus_client")
+NEEDED_MODULES = (
+    "diffusers",
+    "transformers",
+    "numpy",
+    "av",
+    "pydantic",
+    "pydantic_settings",
+    "opentelemetry",
+    "prometheus_client",
+)
 
 
 # ---- small helpers ----
@@ -377,9 +480,14 @@ def worker_call(video: Any, request: Any, device: str) -> dict[str, Any]:
     shape = tuple(int(n) for n in rendered.frames.shape)
     wanted = (request.num_frames, request.height, request.width, 3)
     return {
-        **step_figures(began, stamps), "decode_s": round(ended - stamps[-1], 3) if stamps else None,
-        "call_s": round(ended - began, 3), "encode_s": round(encode_s, 3), "mp4_bytes": len(encoded.data), "peak_mib": peak,
-        "progress_monotonic": monotonic(progress, request.num_inference_steps), "frames_shape": list(shape),
+        **step_figures(began, stamps),
+        "decode_s": round(ended - stamps[-1], 3) if stamps else None,
+        "call_s": round(ended - began, 3),
+        "encode_s": round(encode_s, 3),
+        "mp4_bytes": len(encoded.data),
+        "peak_mib": peak,
+        "progress_monotonic": monotonic(progress, request.num_inference_steps),
+        "frames_shape": list(shape),
         "shape_ok": shape == wanted,
     }
 
@@ -408,7 +516,11 @@ def latent_call(pipe: Any, request: Any, device: str) -> dict[str, Any]:
     began = time.perf_counter()
     pipe(**kwargs)
     sync(device)
-    return {**step_figures(began, stamps), "call_s": round(time.perf_counter() - began, 3), "peak_mib": peak_mib(device)}
+    return {
+        **step_figures(began, stamps),
+        "call_s": round(time.perf_counter() - began, 3),
+        "peak_mib": peak_mib(device),
+    }
 
 
 def backend_candidates(device: str, wanted: str) -> list[str]:
@@ -421,8 +533,15 @@ def backend_candidates(device: str, wanted: str) -> list[str]:
     return [name for name, module in table if module is None or importlib.util.find_spec(module) is not None]
 
 
-def prove_family(proof: Proof, args: argparse.Namespace, device: str, dtype: torch.dtype, budget: Budget, report: Report,
-                 reserve: float) -> dict[str, Any]:
+def prove_family(
+    proof: Proof,
+    args: argparse.Namespace,
+    device: str,
+    dtype: torch.dtype,
+    budget: Budget,
+    report: Report,
+    reserve: float,
+) -> dict[str, Any]:
     """Build one family's real-size pipeline and time it: the worker's call, an attention backend, torch_compile."""
     from services.worker import inference
     from taskgate.families import FAMILIES
@@ -431,14 +550,23 @@ def prove_family(proof: Proof, args: argparse.Namespace, device: str, dtype: tor
     fraction = depth_fraction(proof, counts)
     full = {k: int(proof.transformer[k]) for k in proof.layer_keys}
     out: dict[str, Any] = {
-        "model": proof.model, "repo": proof.repo, "pipeline": proof.pipeline, "transformer_class": proof.transformer_class,
-        "layers": counts, "published_layers": full, "depth_fraction": round(fraction, 4), "dtype": str(dtype).removeprefix("torch."),
-        "vae_tiling": proof.vae_tiling, "vae_slicing": proof.vae_slicing, "runs": {},
+        "model": proof.model,
+        "repo": proof.repo,
+        "pipeline": proof.pipeline,
+        "transformer_class": proof.transformer_class,
+        "layers": counts,
+        "published_layers": full,
+        "depth_fraction": round(fraction, 4),
+        "dtype": str(dtype).removeprefix("torch."),
+        "vae_tiling": proof.vae_tiling,
+        "vae_slicing": proof.vae_slicing,
+        "runs": {},
     }
     report.doc["families"][proof.key] = out  # in every write from here on, also if a later phase breaks
     if counts != full:
         report.note(f"{proof.model}: built with {counts} of the published {full} blocks "
-                    f"({fraction:.0%} of the step's blocks); seconds_per_step_full_estimate scales the step by block count")
+                    f"({fraction:.0%} of the step's blocks); seconds_per_step_full_estimate scales the step by block "
+                    f"count")
     started = time.perf_counter()
     pipe = build_pipeline(proof, counts, device, dtype)
     pipe = inference._place(pipe, torch.device(device), inference.LoadOptions(
@@ -450,8 +578,12 @@ def prove_family(proof: Proof, args: argparse.Namespace, device: str, dtype: tor
     request = request_for(proof, args, args.steps)
     out.update(frames=request.num_frames, width=request.width, height=request.height, steps=request.num_inference_steps,
                guidance_scale=request.guidance_scale)
-    print(f"{proof.model}: built in {out['build_s']}s ({counts}, transformer {out['weights_mib'].get('transformer', 0):.0f} MiB); "
-          f"{request.num_frames} frames at {request.width}x{request.height}, {request.num_inference_steps} steps", flush=True)
+    print(
+        f"{proof.model}: built in {out['build_s']}s ({counts}, transformer "
+        f"{out['weights_mib'].get('transformer', 0):.0f} MiB); {request.num_frames} frames at "
+        f"{request.width}x{request.height}, {request.num_inference_steps} steps",
+        flush=True,
+    )
 
     eager = worker_call(video, request, device)
     out["runs"]["eager"] = eager
@@ -471,14 +603,19 @@ def prove_family(proof: Proof, args: argparse.Namespace, device: str, dtype: tor
         for name in backend_candidates(device, args.attention_backend)[:2]:
             need = (args.steps + 1) * step + 5
             if not budget.allows(need, reserve):
-                out["runs"][f"attention:{name}"] = {"skipped": f"time budget: {budget.left():.0f}s left, ~{need:.0f}s needed"}
+                out["runs"][f"attention:{name}"] = {
+                    "skipped": f"time budget: {budget.left():.0f}s left, ~{need:.0f}s needed"
+                }
                 report.note(f"{proof.model}: attention backend {name} skipped (time budget)")
                 break
             try:
                 inference._place(pipe, torch.device(device), inference.LoadOptions(attention_backend=name))
                 run = latent_call(pipe, request, device)
                 out["runs"][f"attention:{name}"] = run
-                print(f"  attention {name}: {run['seconds_per_step']} s/step, peak {shown_mib(run['peak_mib'])}", flush=True)
+                print(
+                    f"  attention {name}: {run['seconds_per_step']} s/step, peak {shown_mib(run['peak_mib'])}",
+                    flush=True,
+                )
                 break
             except Exception as exc:  # a backend that cannot take these shapes or masks: noted, the next one tried
                 out["runs"][f"attention:{name}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -493,7 +630,9 @@ def prove_family(proof: Proof, args: argparse.Namespace, device: str, dtype: tor
         compile_guess = args.compile_estimate * (2.0 if proof.compile == "transformer" else 1.0)
         need = compile_guess + args.steps * step
         if not budget.allows(need, reserve):
-            out["runs"][f"compile:{proof.compile}"] = {"skipped": f"time budget: {budget.left():.0f}s left, ~{need:.0f}s needed"}
+            out["runs"][f"compile:{proof.compile}"] = {
+                "skipped": f"time budget: {budget.left():.0f}s left, ~{need:.0f}s needed"
+            }
             report.note(f"{proof.model}: torch_compile={proof.compile!r} skipped (time budget)")
         else:
             try:
@@ -532,10 +671,20 @@ def tiny_checks(device: str, folder: Path, steps: int) -> dict[str, Any]:
         frames, size = 1 + 2 * family.frame_step, 64
         try:
             tinymodel.build_tiny_pipeline(folder / name, pipeline=pipeline)
-            spec = tinymodel.tiny_spec(pipeline, folder / name, default_frames=frames, default_width=size, default_height=size)
+            spec = tinymodel.tiny_spec(
+                pipeline, folder / name, default_frames=frames, default_width=size, default_height=size
+            )
             runner = runmod.DiffusersRunner.load(name, spec, device)
-            params = {"num_frames": frames, "width": size, "height": size, "num_inference_steps": steps, "guidance_scale": 5.0,
-                      "fps": 8, "seed": SEED, "negative_prompt": ""}
+            params = {
+                "num_frames": frames,
+                "width": size,
+                "height": size,
+                "num_inference_steps": steps,
+                "guidance_scale": 5.0,
+                "fps": 8,
+                "seed": SEED,
+                "negative_prompt": "",
+            }
             from scripts.gpu_check import input_image  # an image-to-video class runs from a stored input image
 
             image = input_image(size) if family.task_type == IMAGE_TO_VIDEO else None
@@ -547,7 +696,9 @@ def tiny_checks(device: str, folder: Path, steps: int) -> dict[str, Any]:
                 progress: list[tuple[int, int]] = []
                 stamps: list[float] = []
 
-                def on_step(done: int, total: int, progress: list[tuple[int, int]] = progress, stamps: list[float] = stamps) -> None:
+                def on_step(
+                    done: int, total: int, progress: list[tuple[int, int]] = progress, stamps: list[float] = stamps
+                ) -> None:
                     sync(device)
                     stamps.append(time.perf_counter())
                     progress.append((done, total))
@@ -629,7 +780,9 @@ async def worker_busy(runner: Any, spec: Any, device: str, state_dir: Path, *, t
             for slots in slot_counts:
                 rows = []
                 for n in range(tasks):
-                    task = await insert_task(backends.pool, model_id=model, prompt=f"{PROMPT} {slots} {n}", params={**params, "seed": n})
+                    task = await insert_task(
+                        backends.pool, model_id=model, prompt=f"{PROMPT} {slots} {n}", params={**params, "seed": n}
+                    )
                     queued = await store.queue(backends.pool, task.id, actor="gpu-proof")
                     assert queued.task is not None
                     await dispatch.publish(backends.bus, queued.task, dispatch.Reason.SUBMITTED)
@@ -650,8 +803,16 @@ async def worker_busy(runner: Any, spec: Any, device: str, state_dir: Path, *, t
                 finally:
                     await worker.close()
                 busy = worker.devices.busy_seconds
-                figures.append({"tasks": tasks, "slots": slots, "wall_s": round(wall, 2), "busy_s": round(busy, 2),
-                                "busy_fraction": round(busy / wall, 4), "tasks_per_minute": round(60 * tasks / wall, 2)})
+                figures.append(
+                    {
+                        "tasks": tasks,
+                        "slots": slots,
+                        "wall_s": round(wall, 2),
+                        "busy_s": round(busy, 2),
+                        "busy_fraction": round(busy / wall, 4),
+                        "tasks_per_minute": round(60 * tasks / wall, 2),
+                    }
+                )
                 print(f"  worker, {slots} slot(s): {figures[-1]}", flush=True)
         finally:
             await backends.close()
@@ -684,8 +845,12 @@ def prove_busy(proof: Proof, args: argparse.Namespace, device: str, dtype: torch
         pipeline=proof.pipeline, vae_tiling=proof.vae_tiling, vae_slicing=proof.vae_slicing))
     pipe.set_progress_bar_config(disable=True)
     request = request_for(proof, args, args.busy_steps)
-    spec = ModelSpec(path=Path(tempfile.gettempdir()) / "gpu-proof-model", pipeline=proof.pipeline, vae_tiling=proof.vae_tiling,
-                     vae_slicing=proof.vae_slicing)
+    spec = ModelSpec(
+        path=Path(tempfile.gettempdir()) / "gpu-proof-model",
+        pipeline=proof.pipeline,
+        vae_tiling=proof.vae_tiling,
+        vae_slicing=proof.vae_slicing,
+    )
     runner = runmod.DiffusersRunner(proof.key, spec, inference.VideoPipeline(proof.key, pipe, device, dtype))
     params = {"num_frames": request.num_frames, "width": request.width, "height": request.height,
               "num_inference_steps": args.busy_steps, "guidance_scale": request.guidance_scale, "fps": request.fps,
@@ -701,8 +866,11 @@ def prove_busy(proof: Proof, args: argparse.Namespace, device: str, dtype: torch
             print(f"  lanes, slots_per_device {per_device} ({slots} at once): {figure}", flush=True)
     else:
         with tempfile.TemporaryDirectory(prefix="taskgate-gpu-proof-") as tmp:
-            figures = asyncio.run(worker_busy(runner, spec, device, Path(tmp), tasks=args.busy_tasks, slot_counts=slot_counts,
-                                              params=params))
+            figures = asyncio.run(
+                worker_busy(
+                    runner, spec, device, Path(tmp), tasks=args.busy_tasks, slot_counts=slot_counts, params=params
+                )
+            )
         for per_device, figure in zip((1.0, 1.5), figures, strict=True):
             figure["worker_slots_per_device"] = per_device
             out["settings"].append(figure)
@@ -725,8 +893,8 @@ def table(doc: dict[str, Any]) -> str:
     if "skipped" in doc or "error" in doc:
         return f"skipped: {doc['skipped']}" if "skipped" in doc else f"error: {doc['error']}"
     lines = [
-        "| model | blocks built | frames, WxH | s/step eager | attention backend: s/step | torch_compile: s/step (compile s) "
-        "| VAE decode s | MP4 encode s | peak GiB |",
+        "| model | blocks built | frames, WxH | s/step eager | attention backend: s/step | torch_compile: s/step "
+        "(compile s) | VAE decode s | MP4 encode s | peak GiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for fam in doc.get("families", {}).values():
@@ -739,27 +907,54 @@ def table(doc: dict[str, Any]) -> str:
         step = _cell(eager.get("seconds_per_step"))
         if "seconds_per_step_full_estimate" in fam:
             step += f" (full depth ≈ {_cell(fam['seconds_per_step_full_estimate'], 2)})"
-        attention = next(((k.split(":", 1)[1], v) for k, v in runs.items() if k.startswith("attention:") and "seconds_per_step" in v), None)
+        attention = next(
+            (
+                (k.split(":", 1)[1], v)
+                for k, v in runs.items()
+                if k.startswith("attention:") and "seconds_per_step" in v
+            ),
+            None,
+        )
         attn = f"{attention[0]}: {_cell(attention[1]['seconds_per_step'])}" if attention else "—"
-        compiled = next(((k.split(":", 1)[1], v) for k, v in runs.items() if k.startswith("compile:") and "seconds_per_step" in v), None)
-        comp = f"{compiled[0]}: {_cell(compiled[1]['seconds_per_step'])} ({_cell(compiled[1].get('compile_s'), 0)})" if compiled else "—"
+        compiled = next(
+            ((k.split(":", 1)[1], v) for k, v in runs.items() if k.startswith("compile:") and "seconds_per_step" in v),
+            None,
+        )
+        comp = (
+            f"{compiled[0]}: {_cell(compiled[1]['seconds_per_step'])} ({_cell(compiled[1].get('compile_s'), 0)})"
+            if compiled
+            else "—"
+        )
         peak = eager.get("peak_mib")
         lines.append(
             f"| {fam['model']} | {blocks} | {fam['frames']}, {fam['width']}x{fam['height']} | {step} | {attn} | {comp} "
-            f"| {_cell(eager.get('decode_s'), 2)} | {_cell(eager.get('encode_s'), 2)} | {_cell(peak / 1024 if peak else None, 1)} |"
+            f"| {_cell(eager.get('decode_s'), 2)} | {_cell(eager.get('encode_s'), 2)} | "
+            f"{_cell(peak / 1024 if peak else None, 1)} |"
         )
     busy = doc.get("busy", {})
     if busy.get("settings"):
-        lines += ["", "| device-busy (" + busy["mode"] + f", {busy['model']}, {busy['steps']} steps) | slots | busy | tasks/min | wall s |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| device-busy ("
+            + busy["mode"]
+            + f", {busy['model']}, {busy['steps']} steps) | slots | busy | tasks/min | wall s |",
+            "|---|---|---|---|---|",
+        ]
         for figure in busy["settings"]:
             lines.append(f"| worker_slots_per_device {figure['worker_slots_per_device']} | {figure['slots']} "
                          f"| {figure['busy_fraction']:.1%} | {figure['tasks_per_minute']} | {figure['wall_s']} |")
     tiny = doc.get("tiny", {})
     if tiny:
-        ok = [n for n, r in tiny.items() if r.get("deterministic") and r.get("progress_monotonic") and r.get("abort_within_one_step")]
-        lines += ["", f"tiny pipelines on {doc.get('device', '?')}: same bytes, monotonic progress, abort within one step: "
-                  f"{', '.join(ok) or 'none'} of {', '.join(tiny)}"]
+        ok = [
+            n
+            for n, r in tiny.items()
+            if r.get("deterministic") and r.get("progress_monotonic") and r.get("abort_within_one_step")
+        ]
+        lines += [
+            "",
+            f"tiny pipelines on {doc.get('device', '?')}: same bytes, monotonic progress, abort within one step: "
+            f"{', '.join(ok) or 'none'} of {', '.join(tiny)}",
+        ]
     return "\n".join(lines)
 
 
@@ -771,27 +966,40 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     state = Path(os.environ.get("TASKGATE_STATE_DIR") or ".taskgate")
     parser.add_argument("--out", type=Path, default=state / "gpu-proof.json", help="the JSON of every figure")
     parser.add_argument("--device", default="cuda", help="cuda (skips without it) or cpu (the dry mode)")
-    parser.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run; what does not fit is skipped")
+    parser.add_argument(
+        "--budget", type=float, default=480.0, help="seconds for the whole run; what does not fit is skipped"
+    )
     parser.add_argument("--families", default=",".join(PROOFS), help=f"comma-separated, of {', '.join(PROOFS)}")
     parser.add_argument("--steps", type=int, default=3, help="denoising steps per timed call (the first is set apart)")
     parser.add_argument("--layers", type=int, default=0, help="cap every repeated-block count at this (0: published)")
     parser.add_argument("--hunyuan-layers", type=int, default=2,
                         help="HunyuanVideo dual-stream blocks (twice as many single-stream); 0: the full 20 + 40")
-    parser.add_argument("--tiny", action="store_true", help="the smallest valid frames and size instead of the defaults")
-    parser.add_argument("--attention-backend", default="auto", help="auto (installed, best first), none, or a diffusers name")
-    parser.add_argument("--compile", choices=["on", "off"], default="on", help="also time torch_compile (blocks/transformer)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the smallest valid frames and size instead of the defaults"
+    )
+    parser.add_argument(
+        "--attention-backend", default="auto", help="auto (installed, best first), none, or a diffusers name"
+    )
+    parser.add_argument(
+        "--compile", choices=["on", "off"], default="on", help="also time torch_compile (blocks/transformer)"
+    )
     parser.add_argument("--compile-backend", default=None,
                         help="torch.compile backend (default inductor on CUDA, eager on the CPU: there it only traces)")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode")
-    parser.add_argument("--compile-estimate", type=float, default=60.0, help="seconds a regional compile is assumed to take")
-    parser.add_argument("--tiny-checks", choices=["on", "off"], default="on", help="same-seed bytes, progress, abort (tiny models)")
+    parser.add_argument(
+        "--compile-estimate", type=float, default=60.0, help="seconds a regional compile is assumed to take"
+    )
+    parser.add_argument(
+        "--tiny-checks", choices=["on", "off"], default="on", help="same-seed bytes, progress, abort (tiny models)"
+    )
     parser.add_argument("--busy", choices=["lanes", "worker", "off"], default="lanes",
                         help="device-busy phase: lanes (no servers), worker (embedded PostgreSQL + NATS), off")
     parser.add_argument("--busy-family", default="wan", choices=sorted(PROOFS))
     parser.add_argument("--busy-tasks", type=int, default=3, help="tasks per queue")
     parser.add_argument("--busy-steps", type=int, default=2, help="denoising steps per queued task")
     parser.add_argument("--grace", type=float, default=120.0,
-                        help="on CUDA, a phase still running this long past the budget is stopped (stacks printed, exit 1)")
+                        help="on CUDA, a phase still running this long past the budget is stopped (stacks printed, "
+                        "exit 1)")
     parser.add_argument("--report", type=Path, default=None, help="print the GPU proof table of this JSON and exit")
     return parser.parse_args(argv)
 
@@ -803,8 +1011,13 @@ def main(argv: list[str] | None = None) -> int:
         print(table(json.loads(args.report.read_text())))
         return 0
     report = Report(args.out)
-    base: dict[str, Any] = {"script": "scripts/gpu_proof.py", "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                            "torch": torch.__version__, "cuda_build": torch.version.cuda, "python": platform.python_version()}
+    base: dict[str, Any] = {
+        "script": "scripts/gpu_proof.py",
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "python": platform.python_version(),
+    }
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         reason = (f"no CUDA device is visible to torch {torch.__version__} (CUDA build {torch.version.cuda}); "
                   "nothing measured (--device cpu runs the dry mode)")
@@ -838,12 +1051,25 @@ def main(argv: list[str] | None = None) -> int:
         # One phase cannot be cut short from inside; a hung one (a compile, a kernel) ends the run with its stack, the
         # JSON keeping every phase done before it.
         faulthandler.dump_traceback_later(args.budget + args.grace, exit=True)
-    report.doc = {**base, "diffusers": diffusers.__version__, "transformers": transformers.__version__, "device": device,
-                  "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu",
-                  "dtype": str(dtype).removeprefix("torch."), "budget_s": args.budget, "steps": args.steps, "tiny_sizes": args.tiny,
-                  "attention_backends_installed": backend_candidates(device, "auto"), "families": {}, "notes": []}
-    print(f"gpu proof on {report.doc['device_name']} ({device}, {report.doc['dtype']}), torch {torch.__version__}, diffusers "
-          f"{diffusers.__version__}; budget {args.budget:.0f}s; families {', '.join(keys)}", flush=True)
+    report.doc = {
+        **base,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "budget_s": args.budget,
+        "steps": args.steps,
+        "tiny_sizes": args.tiny,
+        "attention_backends_installed": backend_candidates(device, "auto"),
+        "families": {},
+        "notes": [],
+    }
+    print(
+        f"gpu proof on {report.doc['device_name']} ({device}, {report.doc['dtype']}), torch {torch.__version__}, "
+        f"diffusers {diffusers.__version__}; budget {args.budget:.0f}s; families {', '.join(keys)}",
+        flush=True,
+    )
     report.write()
 
     if args.tiny_checks == "on":
@@ -853,7 +1079,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, r in report.doc["tiny"].items():
                 if "error" in r:
                     report.fail(f"tiny {name}: {r['error']}")
-                elif not (r["deterministic"] and r["same_after_abort"] and r["progress_monotonic"] and r["abort_within_one_step"]):
+                elif not (
+                    r["deterministic"]
+                    and r["same_after_abort"]
+                    and r["progress_monotonic"]
+                    and r["abort_within_one_step"]
+                ):
                     report.fail(f"tiny {name}: {r}")
         else:
             report.note("tiny checks skipped (time budget)")
@@ -870,7 +1101,8 @@ def main(argv: list[str] | None = None) -> int:
             report.doc["families"][key] = prove_family(proof, args, device, dtype, budget, report, reserve)
         except Exception as exc:
             traceback.print_exc()
-            entry = report.doc["families"].setdefault(key, {"model": proof.model})  # what was measured before it broke stays
+            # what was measured before it broke stays
+            entry = report.doc["families"].setdefault(key, {"model": proof.model})
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
             report.fail(f"{proof.model}: {type(exc).__name__}: {str(exc)[:300]}")
             free_memory(device)

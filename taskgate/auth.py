@@ -24,7 +24,9 @@ from taskgate.sealing import Sealer
 from taskgate.store import admins, tenants
 from taskgate.store.admins import Admin as Admin  # re-exported: TaskAdmin names its caller taskgate.auth.Admin
 from taskgate.store.pool import Conn
-from taskgate.store.tenants import Principal as Principal  # re-exported: services name the caller taskgate.auth.Principal
+
+# re-exported: services name the caller taskgate.auth.Principal
+from taskgate.store.tenants import Principal as Principal
 from taskgate.throttle import Throttle
 from taskgate.waiting import Interrupted, unless
 from taskgate_api import reasons
@@ -107,7 +109,12 @@ async def create_admin_key(
     """An admin credential for `name` (an operator or a tool) with `scope`; returns (key, when it expires)."""
     key = ADMIN_KEY_PREFIX + secrets.token_urlsafe(32)
     expires = await admins.create(
-        db, name=name, key_hash=hash_key(pepper, key), prefix=key[:10], scope=scope, expires_in_seconds=expires_in_seconds
+        db,
+        name=name,
+        key_hash=hash_key(pepper, key),
+        prefix=key[:10],
+        scope=scope,
+        expires_in_seconds=expires_in_seconds,
     )
     return key, expires
 
@@ -116,7 +123,9 @@ async def rotate_webhook_secret(pool: asyncpg.Pool, tenant_id: str, overlap_seco
     """Adds a new secret (stored sealed); the previous ones stay valid for `overlap_seconds`."""
     secret = new_webhook_secret()
     async with pool.acquire() as conn, conn.transaction():
-        await tenants.rotate_webhook_secret(conn, tenant_id, secret=sealer.seal(secret), overlap_seconds=overlap_seconds)
+        await tenants.rotate_webhook_secret(
+            conn, tenant_id, secret=sealer.seal(secret), overlap_seconds=overlap_seconds
+        )
         valid = await tenants.webhook_secrets(conn, tenant_id)
     return Rotated(secret, datetime.now(UTC) + timedelta(seconds=overlap_seconds), len(valid))
 
@@ -176,7 +185,13 @@ class Authenticator:
     CACHE_ENTRIES = 10_000  # per kind; a full cache is emptied (bounded memory whatever callers send)
 
     def __init__(
-        self, pool: Conn, pepper: str, cache_seconds: float = 5.0, *, throttle: Throttle | None = None, service: str = ""
+        self,
+        pool: Conn,
+        pepper: str,
+        cache_seconds: float = 5.0,
+        *,
+        throttle: Throttle | None = None,
+        service: str = "",
     ) -> None:
         self._pool = pool
         self._throttle = throttle  # every call of a known key takes a token from its tenant's bucket
@@ -305,7 +320,8 @@ class Authenticator:
 
     async def admin(self, context: grpc.aio.ServicerContext, *, scope: str) -> Admin:
         """The admin calling TaskAdmin with a credential of `scope` (READ: any admin key; OPERATOR: an operator's):
-        UNAUTHENTICATED for an unknown, revoked or expired key, PERMISSION_DENIED for a tenant key or a read-only one."""
+        UNAUTHENTICATED for an unknown, revoked or expired key, PERMISSION_DENIED for a tenant key or a read-only
+        one."""
         digest = self._digest(context)
         now = time.monotonic()
         hit = self._admins.get(digest)
@@ -328,7 +344,8 @@ class Authenticator:
             raise errors.unauthenticated(f"the admin key {found.prefix} expired")
         if scope == OPERATOR and found.scope != OPERATOR:
             raise errors.permission_denied(
-                f"this call needs an operator admin key; {found.prefix} is {found.scope}-only", reason=reasons.ADMIN_SCOPE
+                f"this call needs an operator admin key; {found.prefix} is {found.scope}-only",
+                reason=reasons.ADMIN_SCOPE,
             )
         if self._throttle is not None:
             await self._throttle.call(found.name, self._service)
@@ -401,7 +418,9 @@ def _bearer(context: grpc.aio.ServicerContext) -> str:
 def _refusal(why: str) -> errors.ApiError:
     """The error for a key refused by the service asking: unknown, a tenant's on TaskAdmin, an admin's elsewhere."""
     if why == "tenant":
-        return errors.permission_denied("this call needs an admin key; a tenant API key is not one", reason=reasons.NOT_AN_ADMIN_KEY)
+        return errors.permission_denied(
+            "this call needs an admin key; a tenant API key is not one", reason=reasons.NOT_AN_ADMIN_KEY
+        )
     if why == "admin":
         return errors.permission_denied(
             "an admin key is not accepted here: use a tenant's API key", reason=reasons.ADMIN_KEY_NOT_ACCEPTED

@@ -50,7 +50,8 @@ OUTPUT_LIVE_SUBJECTS = "taskgate.live.output.>"
 CANCEL_SUBJECT = "taskgate.control.cancel"  # core NATS: a hint to the worker running a task
 PREEMPT_SUBJECT = "taskgate.control.preempt"  # core NATS: checkpoint and release a task for a higher-priority one
 ENDED_SUBJECTS = "taskgate.control.ended.>"  # core NATS: a terminal version committed, a hint to the notifiers
-PROGRESS_SUBJECTS = "taskgate.live.progress.>"  # core NATS: running tasks' steps, one message per tenant per tick (no row)
+# core NATS: running tasks' steps, one message per tenant per tick (no row)
+PROGRESS_SUBJECTS = "taskgate.live.progress.>"
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -220,7 +221,9 @@ async def declare(bus: Bus, settings: CommonSettings, within: float = DECLARE_SE
         except (NatsTimeoutError, NoRespondersError, ServiceUnavailableError, BadRequestError) as exc:
             if not _not_ready(exc) or time.monotonic() + delay > deadline:
                 raise
-            log.warning("JetStream declare did not answer; retrying", extra={"error": type(exc).__name__, "retry_in": delay})
+            log.warning(
+                "JetStream declare did not answer; retrying", extra={"error": type(exc).__name__, "retry_in": delay}
+            )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 

@@ -86,7 +86,12 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return cls(tokenizer, env.from_string(source), _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        return cls(
+            tokenizer,
+            env.from_string(source),
+            _token_text(config.get("bos_token")),
+            _token_text(config.get("eos_token")),
+        )
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The model's input text for a conversation, ending where the assistant's answer begins."""

@@ -27,7 +27,8 @@ class ModelSpec(BaseModel):
 
     path: Path | None = Field(
         default=None,
-        description="Folder holding a diffusers pipeline (save_pretrained), or for 'transformers' a causal LM with its tokenizer.",
+        description="Folder holding a diffusers pipeline (save_pretrained), or for 'transformers' a causal LM with its "
+        "tokenizer.",
     )
     kind: Literal["diffusers", "sleep", "transformers", "openai-compatible", "python"] = Field(
         default="diffusers",
@@ -42,25 +43,38 @@ class ModelSpec(BaseModel):
         "needs no GPU unless another model of the worker does.",
     )
     options: dict[str, Any] = Field(
-        default_factory=dict, description="'python' kind: the factory's own options (JSON), which it reads from spec.options."
+        default_factory=dict,
+        description="'python' kind: the factory's own options (JSON), which it reads from spec.options.",
     )
     pipeline: str | None = Field(
         default=None,
-        description="diffusers pipeline class (model_index.json's _class_name); its family fills the limits and defaults left out.",
+        description="diffusers pipeline class (model_index.json's _class_name); its family fills the limits and "
+        "defaults left out.",
     )
     sleep_seconds: float = Field(default=0.0, ge=0, description="How long a 'sleep' model runs.")
     task_types: list[str] = Field(
-        default_factory=lambda: ["text-to-video"], description="Task types this model serves (a 'transformers' model: chat)."
+        default_factory=lambda: ["text-to-video"],
+        description="Task types this model serves (a 'transformers' model: chat).",
     )
     max_sequences: int = Field(
-        default=8, ge=1, description="Chat models: sequences generated at once on one loaded model (continuous batching)."
+        default=8,
+        ge=1,
+        description="Chat models: sequences generated at once on one loaded model (continuous batching).",
     )
     max_input_tokens: int = Field(
-        default=4096, ge=1, description="Chat models: most tokens of a request's input, counted with the model's tokenizer at admission."
+        default=4096,
+        ge=1,
+        description="Chat models: most tokens of a request's input, counted with the model's tokenizer at admission.",
     )
-    max_output_tokens: int = Field(default=2048, ge=1, description="Chat models: largest max_output_tokens a request may ask for.")
-    default_max_output_tokens: int = Field(default=256, ge=1, description="Chat models: max_output_tokens when a request gives none.")
-    default_temperature: float = Field(default=1.0, ge=0, le=2, description="Chat models: temperature when a request gives none.")
+    max_output_tokens: int = Field(
+        default=2048, ge=1, description="Chat models: largest max_output_tokens a request may ask for."
+    )
+    default_max_output_tokens: int = Field(
+        default=256, ge=1, description="Chat models: max_output_tokens when a request gives none."
+    )
+    default_temperature: float = Field(
+        default=1.0, ge=0, le=2, description="Chat models: temperature when a request gives none."
+    )
     default_top_p: float = Field(default=1.0, gt=0, le=1, description="Chat models: top_p when a request gives none.")
     tokenizer: Path | None = Field(
         default=None,
@@ -85,14 +99,19 @@ class ModelSpec(BaseModel):
         description="How an input image is fitted to the requested frame size: crop (cover, cut the centre), "
         "resize (stretch) or pad (fit inside, black bars).",
     )
-    max_image_width: int = Field(default=4096, ge=16, description="Widest input image of an image-to-video request, pixels.")
-    max_image_height: int = Field(default=4096, ge=16, description="Tallest input image of an image-to-video request, pixels.")
+    max_image_width: int = Field(
+        default=4096, ge=16, description="Widest input image of an image-to-video request, pixels."
+    )
+    max_image_height: int = Field(
+        default=4096, ge=16, description="Tallest input image of an image-to-video request, pixels."
+    )
     max_image_bytes: int = Field(default=10 * 1024 * 1024, ge=1, description="Largest input image file as sent, bytes.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="Weights' dtype; auto = bfloat16 on CUDA (float16 without bf16), float32 on CPU."
     )
     offload: Literal["none", "model", "sequential"] = Field(
-        default="none", description="CPU offload on CUDA: whole components (model) or layer by layer (sequential, slowest)."
+        default="none",
+        description="CPU offload on CUDA: whole components (model) or layer by layer (sequential, slowest).",
     )
     allow_pickle_weights: bool = Field(
         default=False, description="Also load .bin/.pt weights (pickle runs code on load); default: safetensors only."
@@ -100,34 +119,44 @@ class ModelSpec(BaseModel):
     vae_tiling: bool = Field(default=False, description="Decode the video in tiles: less GPU memory at large sizes.")
     vae_slicing: bool = Field(default=False, description="Decode batch entries one at a time.")
     attention_backend: str | None = Field(
-        default=None, description="diffusers attention backend of the transformer ('flash', 'sage', '_native_cudnn', ...)."
+        default=None,
+        description="diffusers attention backend of the transformer ('flash', 'sage', '_native_cudnn', ...).",
     )
     torch_compile: Literal["off", "transformer", "blocks"] = Field(
-        default="off", description="torch.compile the whole transformer, or its repeated blocks (faster to compile); warmed up at start."
+        default="off",
+        description="torch.compile the whole transformer, or its repeated blocks (faster to compile); warmed up at "
+        "start.",
     )
     compile_mode: str | None = Field(default=None, description="torch.compile mode, e.g. 'max-autotune-no-cudagraphs'.")
     compile_backend: str = Field(
-        default="inductor", description="torch.compile backend; 'eager' traces without making kernels (checks, not speed)."
+        default="inductor",
+        description="torch.compile backend; 'eager' traces without making kernels (checks, not speed).",
     )
     gpus: list[Annotated[int, Field(ge=0)]] | None = Field(
         default=None, description="CUDA device indices this model may run on; unset = every GPU of the worker."
     )
     pipeline_options: dict[str, str | int | float | bool] = Field(
-        default_factory=dict, description="Extra keyword arguments of every pipeline call, e.g. {'decode_timestep': 0.05}."
+        default_factory=dict,
+        description="Extra keyword arguments of every pipeline call, e.g. {'decode_timestep': 0.05}.",
     )
-    max_concurrency: int = Field(default=0, ge=0, description="Running tasks of this model across all workers; 0 = no cap.")
+    max_concurrency: int = Field(
+        default=0, ge=0, description="Running tasks of this model across all workers; 0 = no cap."
+    )
     checkpoint_every_seconds: float = Field(
         default=30.0, ge=0,
-        description="A step checkpoint (resumed by a later attempt) every this many device seconds of a run; 0 = not by time.",
+        description="A step checkpoint (resumed by a later attempt) every this many device seconds of a run; 0 = not "
+        "by time.",
     )
     preempt_after_seconds: float | None = Field(
         default=None, gt=0,
-        description="Opt-in: a task queued this long at a higher priority, not yet running, makes the scheduler preempt this "
-        "model's lowest-priority run with the most steps left (checkpointed at its next step, released, resumed later); "
-        "never when checkpoints are off. Unset = never.",
+        description="Opt-in: a task queued this long at a higher priority, not yet running, makes the scheduler "
+        "preempt this model's lowest-priority run with the most steps left (checkpointed at its next step, released, "
+        "resumed later); never when checkpoints are off. Unset = never.",
     )
     checkpoint_every_steps: int = Field(
-        default=0, ge=0, description="A step checkpoint every this many steps; 0 = not by steps (both 0: checkpoints off)."
+        default=0,
+        ge=0,
+        description="A step checkpoint every this many steps; 0 = not by steps (both 0: checkpoints off).",
     )
     preview_every_fraction: float = Field(
         default=0.0, ge=0, le=1,
@@ -141,7 +170,10 @@ class ModelSpec(BaseModel):
         default=128, ge=8, le=1024, description="A preview frame's longer side in pixels (the video's aspect kept)."
     )
     preview_frames: int = Field(
-        default=4, ge=1, le=16, description="How many of the video's frames, evenly spaced, a preview shows side by side."
+        default=4,
+        ge=1,
+        le=16,
+        description="How many of the video's frames, evenly spaced, a preview shows side by side.",
     )
     preview_format: Literal["webp", "png"] = Field(default="webp", description="The preview images' format.")
     preview_rgb_factors: list[Annotated[list[float], Field(min_length=3, max_length=3)]] | None = Field(
@@ -154,45 +186,55 @@ class ModelSpec(BaseModel):
     )
     base_url: str | None = Field(
         default=None,
-        description="'openai-compatible' kind: the upstream server's API root, e.g. http://vllm:8000/v1 (vLLM, SGLang, TGI, "
-        "llama.cpp's server, Ollama).",
+        description="'openai-compatible' kind: the upstream server's API root, e.g. http://vllm:8000/v1 (vLLM, SGLang, "
+        "TGI, llama.cpp's server, Ollama).",
     )
     upstream_model: str | None = Field(
-        default=None, description="'openai-compatible' kind: the model name the upstream serves; unset = this entry's id."
+        default=None,
+        description="'openai-compatible' kind: the model name the upstream serves; unset = this entry's id.",
     )
     api_key_env: str | None = Field(
         default=None,
-        description="'openai-compatible' kind: the environment variable holding the upstream's API key (a secret, never the "
-        "registry); unset = no key.",
+        description="'openai-compatible' kind: the environment variable holding the upstream's API key (a secret, "
+        "never the registry); unset = no key.",
     )
     upstream_max_requests: int = Field(
-        default=4, ge=1, description="'openai-compatible' kind: most requests one worker has open to this upstream at once."
+        default=4,
+        ge=1,
+        description="'openai-compatible' kind: most requests one worker has open to this upstream at once.",
     )
     upstream_connect_timeout_seconds: float = Field(
-        default=10.0, gt=0, description="'openai-compatible' kind: how long connecting to the upstream may take (then a retryable failure)."
+        default=10.0,
+        gt=0,
+        description="'openai-compatible' kind: how long connecting to the upstream may take (then a retryable "
+        "failure).",
     )
     upstream_read_timeout_seconds: float = Field(
         default=300.0,
         gt=0,
-        description="'openai-compatible' kind: the longest wait for the upstream's next streamed chunk, the first one included "
-        "(then a retryable failure).",
+        description="'openai-compatible' kind: the longest wait for the upstream's next streamed chunk, the first one "
+        "included (then a retryable failure).",
     )
     upstream_extra_body: dict[str, Any] = Field(
         default_factory=dict,
-        description="'openai-compatible' kind: extra fields of every request, the server's own options (e.g. vLLM's top_k, "
-        "min_tokens); a task's own parameters win.",
+        description="'openai-compatible' kind: extra fields of every request, the server's own options (e.g. vLLM's "
+        "top_k, min_tokens); a task's own parameters win.",
     )
     upstream_stream_usage: bool = Field(
         default=True,
-        description="'openai-compatible' kind: ask for token usage in the stream's last chunk (stream_options.include_usage); "
-        "without it, or from a server that sends none, output tokens are counted as streamed.",
+        description="'openai-compatible' kind: ask for token usage in the stream's last chunk "
+        "(stream_options.include_usage); without it, or from a server that sends none, output tokens are counted as "
+        "streamed.",
     )
     gpu_seconds_estimate: float = Field(
         default=60.0, ge=0,
-        description="GPU-seconds a task is reserved of a budgeted tenant's budget when its model has no recent metered runs.",
+        description="GPU-seconds a task is reserved of a budgeted tenant's budget when its model has no recent metered "
+        "runs.",
     )
     queue_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global queue timeout.")
-    processing_timeout_seconds: float | None = Field(default=None, gt=0, description="Overrides the global processing timeout.")
+    processing_timeout_seconds: float | None = Field(
+        default=None, gt=0, description="Overrides the global processing timeout."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -213,11 +255,16 @@ class ModelSpec(BaseModel):
         if self.kind == "python" and (not self.factory or not all(self.factory.partition(":")[::2])):
             raise ValueError("a 'python' model needs factory as 'module:callable'")
         if not 1 <= self.default_frames <= self.max_frames or (self.default_frames - 1) % self.frame_step:
-            raise ValueError(f"default_frames {self.default_frames} breaks max_frames {self.max_frames} / frame_step {self.frame_step}")
+            raise ValueError(
+                f"default_frames {self.default_frames} breaks max_frames {self.max_frames} / frame_step "
+                f"{self.frame_step}"
+            )
         for name, value, limit in (("default_width", self.default_width, self.max_width),
                                    ("default_height", self.default_height, self.max_height)):
             if not 1 <= value <= limit or value % self.size_multiple:
-                raise ValueError(f"{name} {value} is not a multiple of size_multiple {self.size_multiple} up to {limit}")
+                raise ValueError(
+                    f"{name} {value} is not a multiple of size_multiple {self.size_multiple} up to {limit}"
+                )
         if not 1 <= self.default_steps <= self.max_steps:
             raise ValueError(f"default_steps {self.default_steps} is not 1..max_steps {self.max_steps}")
         if not 0 <= self.default_guidance <= self.max_guidance:
@@ -229,7 +276,8 @@ class ModelSpec(BaseModel):
             raise ValueError(f"{self.pipeline} declares no repeated blocks: use torch_compile 'transformer'")
         if self.default_max_output_tokens > self.max_output_tokens:
             raise ValueError(
-                f"default_max_output_tokens {self.default_max_output_tokens} is above max_output_tokens {self.max_output_tokens}"
+                f"default_max_output_tokens {self.default_max_output_tokens} is above max_output_tokens "
+                f"{self.max_output_tokens}"
             )
         clash = sorted(RESERVED_CALL_OPTIONS & set(self.pipeline_options))
         if clash:
@@ -242,54 +290,79 @@ INPUT_FORMATS: tuple[InputFormat, ...] = ("PNG", "JPEG", "WEBP")  # Pillow's nam
 
 # Request defaults of the tiny local models: a few frames at thumbnail size, quick on a CPU.
 TINY_DEFAULTS: dict[str, Any] = {
-    "default_frames": 9, "default_width": 32, "default_height": 32, "default_steps": 4, "default_guidance": 5.0, "default_fps": 8,
+    "default_frames": 9,
+    "default_width": 32,
+    "default_height": 32,
+    "default_steps": 4,
+    "default_guidance": 5.0,
+    "default_fps": 8,
 }
 
 
 class CommonSettings(BaseSettings):
-    """What every process reads (and what more than one service reads). Each field is the env var TASKGATE_<FIELD NAME>."""
+    """What every process reads (and what more than one service reads). Each field is the env var TASKGATE_<FIELD
+    NAME>."""
 
     model_config = SettingsConfigDict(env_prefix="TASKGATE_", extra="ignore")
 
     # Where things are
-    database_url: str | None = Field(default=None, description="PostgreSQL URL; unset = embedded server under state_dir.")
+    database_url: str | None = Field(
+        default=None, description="PostgreSQL URL; unset = embedded server under state_dir."
+    )
     nats_url: str | None = Field(
-        default=None, description="NATS URL, or a cluster's server URLs comma-separated; unset = embedded nats-server under state_dir."
+        default=None,
+        description="NATS URL, or a cluster's server URLs comma-separated; unset = embedded nats-server under "
+        "state_dir.",
     )
     nats_tls_ca_file: Path | None = Field(
-        default=None, description="CA that signed the NATS servers' certificates (TLS on; tls:// URLs alone use the system CAs)."
+        default=None,
+        description="CA that signed the NATS servers' certificates (TLS on; tls:// URLs alone use the system CAs).",
     )
     setup_on_start: bool = Field(
         default=True,
         description="Each service applies migrations and declares the NATS streams as it starts; false: only "
         "`python -m taskgate.migrate` does, with the owner credentials (least privilege: the manifests).",
     )
-    state_dir: Path = Field(default=Path(".taskgate"), description="Local state folder (embedded servers, models, results).")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level of the JSON logs.")
+    state_dir: Path = Field(
+        default=Path(".taskgate"), description="Local state folder (embedded servers, models, results)."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Log level of the JSON logs."
+    )
     db_pool_size: int = Field(default=10, ge=1, le=200, description="asyncpg pool size per process.")
     health_check_seconds: float = Field(
-        default=2.0, gt=0, le=60, description="How often a service re-checks PostgreSQL and NATS for its readiness probe."
+        default=2.0,
+        gt=0,
+        le=60,
+        description="How often a service re-checks PostgreSQL and NATS for its readiness probe.",
     )
     health_check_timeout_seconds: float = Field(
-        default=1.0, gt=0, le=30, description="A readiness check's PostgreSQL round trip longer than this counts as down."
+        default=1.0,
+        gt=0,
+        le=30,
+        description="A readiness check's PostgreSQL round trip longer than this counts as down.",
     )
     startup_connect_seconds: float = Field(
         default=300.0,
         gt=0,
-        description="Start-up: how long a service retries its first connections to PostgreSQL and NATS (backoff, a log line per "
-        "attempt) before it exits.",
+        description="Start-up: how long a service retries its first connections to PostgreSQL and NATS (backoff, a log "
+        "line per attempt) before it exits.",
     )
-    stream_replicas: int = Field(default=1, ge=1, le=5, description="Replicas of each JetStream stream (3 in a 3-node NATS cluster).")
+    stream_replicas: int = Field(
+        default=1, ge=1, le=5, description="Replicas of each JetStream stream (3 in a 3-node NATS cluster)."
+    )
     output_max_age_seconds: float = Field(
         default=86400.0,
         gt=0,
-        description="How long a task's partial output (text deltas, previews, log lines) stays in the TASK_OUTPUT stream for "
-        "streams to resume from; the finished result itself is kept by the result store's retention.",
+        description="How long a task's partial output (text deltas, previews, log lines) stays in the TASK_OUTPUT "
+        "stream for streams to resume from; the finished result itself is kept by the result store's retention.",
     )
 
     # gRPC endpoints (each service's own port, and how the others reach it) and TLS
     grpc_host: str = Field(default="127.0.0.1", description="Address the gRPC servers bind ('0.0.0.0' in a cluster).")
-    submit_port: int = Field(default=50051, ge=0, le=65535, description="gRPC port of the submit service (TaskGateway); 0 = ephemeral.")
+    submit_port: int = Field(
+        default=50051, ge=0, le=65535, description="gRPC port of the submit service (TaskGateway); 0 = ephemeral."
+    )
     notifier_port: int = Field(default=50052, ge=0, le=65535, description="gRPC port of the notifier (TaskEvents).")
     scheduler_port: int = Field(default=50053, ge=0, le=65535, description="gRPC port of the scheduler (TaskAdmin).")
     worker_port: int = Field(default=50054, ge=0, le=65535, description="gRPC port of a worker (WorkerControl).")
@@ -299,37 +372,50 @@ class CommonSettings(BaseSettings):
     tls_client_ca_file: Path | None = Field(default=None, description="CA for client certificates; enables mutual TLS.")
     grpc_allow_plaintext: bool = Field(
         default=False,
-        description="Serve gRPC without TLS on a non-loopback grpc_host (only where the network itself is trusted or encrypted).",
+        description="Serve gRPC without TLS on a non-loopback grpc_host (only where the network itself is trusted or "
+        "encrypted).",
     )
     grpc_health_port: int | None = Field(
         default=None, ge=0, le=65535,
-        description="Also serve the health service alone, in plaintext, on this port (kubelet's gRPC probes speak no TLS).",
+        description="Also serve the health service alone, in plaintext, on this port (kubelet's gRPC probes speak no "
+        "TLS).",
     )
     tls_ca_file: Path | None = Field(
-        default=None, description="CA the services verify each other's gRPC certificates with; set: internal calls use TLS."
+        default=None,
+        description="CA the services verify each other's gRPC certificates with; set: internal calls use TLS.",
     )
     grpc_max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted.")
     grpc_max_connection_age_seconds: float = Field(
-        default=300.0, gt=0, description="A client connection is closed (GOAWAY) after this long, so clients re-resolve and reach new pods."
+        default=300.0,
+        gt=0,
+        description="A client connection is closed (GOAWAY) after this long, so clients re-resolve and reach new pods.",
     )
     grpc_max_connection_age_grace_seconds: float = Field(
         default=30.0, ge=0, description="Time calls on a connection closed for its age get to finish."
     )
     grpc_min_ping_interval_seconds: float = Field(
-        default=10.0, gt=0, description="Most frequent keepalive ping accepted from a client (the SDK pings every 30 s)."
+        default=10.0,
+        gt=0,
+        description="Most frequent keepalive ping accepted from a client (the SDK pings every 30 s).",
     )
-    stream_keepalive_seconds: float = Field(default=15.0, gt=0, description="Keep-alive period on idle WatchTask/WatchTasks streams.")
+    stream_keepalive_seconds: float = Field(
+        default=15.0, gt=0, description="Keep-alive period on idle WatchTask/WatchTasks streams."
+    )
     stream_max_age_seconds: float = Field(
         default=300.0, gt=0,
-        description="A WatchTask/WatchTasks stream ends after this long (90-100%) with UNAVAILABLE and where to resume; "
-        "the servers' connection grace is raised to cover it, so no stream is cut off by a connection's age without a status.",
+        description="A WatchTask/WatchTasks stream ends after this long (90-100%) with UNAVAILABLE and where to "
+        "resume; the servers' connection grace is raised to cover it, so no stream is cut off by a connection's age "
+        "without a status.",
     )
 
     # Authentication and callers' limits (every gRPC service)
-    api_key_pepper: str = Field(default="taskgate-dev-pepper", min_length=8, description="Secret mixed into API-key hashes.")
+    api_key_pepper: str = Field(
+        default="taskgate-dev-pepper", min_length=8, description="Secret mixed into API-key hashes."
+    )
     api_key_cache_seconds: float = Field(
         default=5.0, ge=0,
-        description="How long a service trusts a key's looked-up answer; a revocation reaches it sooner (LISTEN/NOTIFY).",
+        description="How long a service trusts a key's looked-up answer; a revocation reaches it sooner "
+        "(LISTEN/NOTIFY).",
     )
     secrets_keys: list[SecretStr] = Field(
         default_factory=list,
@@ -338,9 +424,12 @@ class CommonSettings(BaseSettings):
     )
     tenant_calls_per_second: float = Field(
         default=100.0, ge=0,
-        description="RPCs a tenant may make per second on each process (paced: a call past it waits its turn); 0 = no limit."
+        description="RPCs a tenant may make per second on each process (paced: a call past it waits its turn); 0 = no "
+        "limit."
     )
-    tenant_calls_burst: int = Field(default=20, ge=1, description="Calls a tenant may make at once before its rate applies.")
+    tenant_calls_burst: int = Field(
+        default=20, ge=1, description="Calls a tenant may make at once before its rate applies."
+    )
     tenant_calls_wait_seconds: float = Field(
         default=2.0, ge=0,
         description="How long a call past its tenant's rate waits for its turn; one that would wait longer is refused "
@@ -348,54 +437,69 @@ class CommonSettings(BaseSettings):
     )
     tenant_calls_in_flight: int = Field(
         default=1, ge=0,
-        description="Unary calls of one tenant a process runs at once; its further calls wait behind them, in its own line "
-        "(0 = no cap). 1: on one event loop each running call of a tenant puts its steps in front of every other "
+        description="Unary calls of one tenant a process runs at once; its further calls wait behind them, in its own "
+        "line (0 = no cap). 1: on one event loop each running call of a tenant puts its steps in front of every other "
         "tenant's; a GetTask takes a few ms, so one place still serves a tenant's whole call rate.",
     )
     process_calls_in_flight: int = Field(
         default=16, ge=0,
-        description="Unary calls a process runs at once over all tenants; further calls wait, the waiting tenants served in "
-        "turn (0 = no cap).",
+        description="Unary calls a process runs at once over all tenants; further calls wait, the waiting tenants "
+        "served in turn (0 = no cap).",
     )
     tenant_calls_waiting: int = Field(
         default=1000, ge=1,
-        description="Calls of one tenant that may wait for a place on a process; more are refused RESOURCE_EXHAUSTED TENANT_RATE_LIMITED.",
+        description="Calls of one tenant that may wait for a place on a process; more are refused RESOURCE_EXHAUSTED "
+        "TENANT_RATE_LIMITED.",
     )
-    max_streams_per_tenant: int = Field(default=100, ge=1, description="WatchTask/WatchTasks streams a tenant may hold open per process.")
+    max_streams_per_tenant: int = Field(
+        default=100, ge=1, description="WatchTask/WatchTasks streams a tenant may hold open per process."
+    )
     max_streams_per_process: int = Field(default=10000, ge=1, description="Streams one notifier holds open in all.")
 
     # Models and tasks (the registry, leases, limits more than one service applies)
     default_model: str = Field(default="wan-tiny", description="Model used when a request names none.")
     models: dict[str, ModelSpec] = Field(
-        default_factory=dict, description="Model registry as JSON; default: wan-tiny, ltx-i2v-tiny and llama-tiny (chat) under state_dir."
+        default_factory=dict,
+        description="Model registry as JSON; default: wan-tiny, ltx-i2v-tiny and llama-tiny (chat) under state_dir.",
     )
     lease_seconds: float = Field(default=10.0, gt=0, description="A claim's lease; also the JetStream ack wait.")
     queue_timeout_seconds: float = Field(
         default=180.0, gt=0,
-        description="QUEUED longer than this at a model whose queue does not move (no claim within it, nothing running): "
-        "missing messages re-published, then TIMEOUT.",
+        description="QUEUED longer than this at a model whose queue does not move (no claim within it, nothing "
+        "running): missing messages re-published, then TIMEOUT.",
     )
     max_worker_losses: int = Field(
         default=2, ge=1,
-        description="Attempts of one task whose worker was lost (lease expired) while it held no other task, before the "
-        "task is FAILED WORKER_LOST (a loss in company is counted apart; a task runs alone after any loss).",
+        description="Attempts of one task whose worker was lost (lease expired) while it held no other task, before "
+        "the task is FAILED WORKER_LOST (a loss in company is counted apart; a task runs alone after any loss).",
     )
     max_input_chars: int = Field(
         default=2 * 1024 * 1024, ge=1,
-        description="Chat tasks: most characters of a request's input (its messages together; the model's max_input_tokens also applies).",
+        description="Chat tasks: most characters of a request's input (its messages together; the model's "
+        "max_input_tokens also applies).",
     )
     input_max_bytes: int = Field(
-        default=20 * 1024 * 1024, ge=1, description="Largest input image UploadInput stores or the gateway fetches from a URL."
+        default=20 * 1024 * 1024,
+        ge=1,
+        description="Largest input image UploadInput stores or the gateway fetches from a URL.",
     )
-    callback_allow_hosts: list[str] = Field(default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1'].")
+    callback_allow_hosts: list[str] = Field(
+        default_factory=list, description="Hosts exempt from the SSRF guard, e.g. ['127.0.0.1']."
+    )
     submit_publish_timeout_seconds: float = Field(
-        default=1.0, gt=0, description="Wait for JetStream's acks of one dispatcher pass; on timeout its tasks stay CREATED."
+        default=1.0,
+        gt=0,
+        description="Wait for JetStream's acks of one dispatcher pass; on timeout its tasks stay CREATED.",
     )
     submit_db_timeout_seconds: float = Field(
-        default=5.0, gt=0, description="Cap on each database call of the submit service (a batch's own, whatever its callers' deadlines)."
+        default=5.0,
+        gt=0,
+        description="Cap on each database call of the submit service (a batch's own, whatever its callers' deadlines).",
     )
     id_node_lease_seconds: float = Field(
-        default=60.0, ge=1, description="Lease of a submit replica's task id node number (renewed four times per lease)."
+        default=60.0,
+        ge=1,
+        description="Lease of a submit replica's task id node number (renewed four times per lease).",
     )
 
     # Result store
@@ -404,7 +508,9 @@ class CommonSettings(BaseSettings):
     )
     result_dir: Path | None = Field(default=None, description="Folder for result_store=fs; default state_dir/results.")
     result_stall_seconds: float = Field(
-        default=30.0, gt=0, description="A result store read that receives nothing for this long fails (retryable) instead of waiting on."
+        default=30.0,
+        gt=0,
+        description="A result store read that receives nothing for this long fails (retryable) instead of waiting on.",
     )
     s3_bucket: str = Field(default="taskgate-results", description="Bucket of result_store=s3 (it must exist).")
     s3_prefix: str = Field(default="results/", description="Key prefix of outputs in the bucket.")
@@ -416,15 +522,22 @@ class CommonSettings(BaseSettings):
     s3_addressing_style: Literal["auto", "path", "virtual"] = Field(
         default="auto", description="Bucket in the path or in the host name ('path' for most self-hosted servers)."
     )
-    s3_access_key_id: str | None = Field(default=None, description="Access key; unset = the AWS default chain (env, role).")
+    s3_access_key_id: str | None = Field(
+        default=None, description="Access key; unset = the AWS default chain (env, role)."
+    )
     s3_secret_access_key: str | None = Field(default=None, description="Secret key (from a Secret in a cluster).")
     result_url_ttl_seconds: float = Field(
-        default=3600.0, gt=0, le=604800, description="Lifetime of a result_url (presigned GET; S3 allows 7 days at most)."
+        default=3600.0,
+        gt=0,
+        le=604800,
+        description="Lifetime of a result_url (presigned GET; S3 allows 7 days at most).",
     )
 
     # ETA (GetTask, WatchTask, progress webhooks)
     eta_history_seconds: float = Field(
-        default=86400.0, gt=0, description="How far back an ETA looks for its model's successful runs of the task's size class."
+        default=86400.0,
+        gt=0,
+        description="How far back an ETA looks for its model's successful runs of the task's size class.",
     )
     eta_history_runs: int = Field(
         default=20, ge=1, le=1000, description="Latest successful runs whose median run time an ETA uses."
@@ -432,8 +545,8 @@ class CommonSettings(BaseSettings):
     priority_weights: tuple[int, int, int] = Field(default=(6, 3, 1), description="Fetch weights HIGH, NORMAL, LOW.")
     eta_snapshot_seconds: float = Field(
         default=1.0, ge=0,
-        description="How old the queue snapshot a process (gateway, notifier) answers queue positions and ETAs from may be"
-        " before it is read again (every poll of a level shares it; 0: read for every poll).",
+        description="How old the queue snapshot a process (gateway, notifier) answers queue positions and ETAs from "
+        "may be before it is read again (every poll of a level shares it; 0: read for every poll).",
     )
 
     @field_validator("secrets_keys")
@@ -463,8 +576,12 @@ class CommonSettings(BaseSettings):
             }
             # the tiny chat model (taskgate_local.tinylm): a few hundred tokens of random text, quick on a CPU
             self.models["llama-tiny"] = ModelSpec(
-                kind="transformers", path=self.state_dir / "models" / "llama-tiny", max_sequences=8, max_input_tokens=4096,
-                max_output_tokens=1024, default_max_output_tokens=64,
+                kind="transformers",
+                path=self.state_dir / "models" / "llama-tiny",
+                max_sequences=8,
+                max_input_tokens=4096,
+                max_output_tokens=1024,
+                default_max_output_tokens=64,
             )
         if self.default_model not in self.models:
             raise ValueError(f"default_model {self.default_model!r} is not in models")
@@ -487,10 +604,13 @@ class GatewaySettings(CommonSettings):
     max_retries: int = Field(default=3, ge=0, description="Default retries of retryable failures.")
     client_token_max_overlap_seconds: float = Field(
         default=7 * 86400.0, ge=0,
-        description="Longest a tenant's rotated-out client-token secret keeps its tokens valid (the overlap it asks for).",
+        description="Longest a tenant's rotated-out client-token secret keeps its tokens valid (the overlap it asks "
+        "for).",
     )
     webhook_secret_max_overlap_seconds: float = Field(
-        default=7 * 86400.0, ge=0, description="Longest overlap a tenant may ask for when it rotates its own webhook secret."
+        default=7 * 86400.0,
+        ge=0,
+        description="Longest overlap a tenant may ask for when it rotates its own webhook secret.",
     )
     max_pending_per_tenant: int = Field(
         default=100, ge=1, description="Unfinished tasks a tenant may hold, its end users' together."
@@ -507,7 +627,9 @@ class GatewaySettings(CommonSettings):
     max_prompt_chars: int = Field(default=2000, ge=1, description="Longest prompt accepted, in characters.")
     max_stop_sequences: int = Field(default=4, ge=0, description="Chat tasks: most stop strings a request may give.")
     max_metadata_bytes: int = Field(default=4096, ge=0, description="Size of the metadata map as JSON.")
-    result_cache_size: int = Field(default=10000, ge=0, description="Terminal tasks kept in the submit service's cache.")
+    result_cache_size: int = Field(
+        default=10000, ge=0, description="Terminal tasks kept in the submit service's cache."
+    )
     result_cache_seconds: float = Field(
         default=300.0, gt=0,
         description="How long the submit service's cache keeps a terminal task (deletions also reach it by NOTIFY).",
@@ -536,14 +658,19 @@ class GatewaySettings(CommonSettings):
         default=7 * 86400.0, gt=0, description="Longest completion window a batch may ask for (its lines' queue TTL)."
     )
     max_callback_url_chars: int = Field(default=2048, ge=16, description="Longest callback URL.")
-    callback_resolve_timeout_seconds: float = Field(default=2.0, gt=0, description="DNS lookup of a callback host (SSRF guard).")
+    callback_resolve_timeout_seconds: float = Field(
+        default=2.0, gt=0, description="DNS lookup of a callback host (SSRF guard)."
+    )
     input_formats: list[InputFormat] = Field(
         default_factory=lambda: list(INPUT_FORMATS), min_length=1, description="Image formats an input may arrive in."
     )
-    input_max_side: int = Field(default=8192, ge=16, description="Widest and tallest input image UploadInput stores, pixels.")
+    input_max_side: int = Field(
+        default=8192, ge=16, description="Widest and tallest input image UploadInput stores, pixels."
+    )
     input_max_pixels: int = Field(
         default=4096 * 4096, ge=256,
-        description="Most pixels an input image may decode to (its sides multiplied), checked from its header before decoding.",
+        description="Most pixels an input image may decode to (its sides multiplied), checked from its header before "
+        "decoding.",
     )
     input_decode_pixels: int = Field(
         default=4096 * 4096, ge=256,
@@ -553,18 +680,22 @@ class GatewaySettings(CommonSettings):
         default=10.0, gt=0, description="Whole fetch of an input image URL: resolving, connecting, reading."
     )
     input_fetch_allow_hosts: list[str] = Field(
-        default_factory=list, description="Hosts exempt from the SSRF guard when fetching input images, e.g. an internal bucket."
+        default_factory=list,
+        description="Hosts exempt from the SSRF guard when fetching input images, e.g. an internal bucket.",
     )
     input_fetch_ca_file: Path | None = Field(
         default=None, description="CA bundle (PEM) that input image URLs are verified against; default: the system's."
     )
     submit_min_time_left_seconds: float = Field(
         default=0.005, ge=0,
-        description="A submit call arriving with less time than this before its deadline gets DEADLINE_EXCEEDED at once.",
+        description="A submit call arriving with less time than this before its deadline gets DEADLINE_EXCEEDED at "
+        "once.",
     )
     list_default_page_size: int = Field(default=50, ge=1, description="ListTasks page size when the caller gives none.")
     list_max_page_size: int = Field(default=500, ge=1, description="Largest ListTasks page.")
-    submit_shutdown_grace_seconds: float = Field(default=10.0, ge=0, description="SIGTERM: time in-flight calls get to finish.")
+    submit_shutdown_grace_seconds: float = Field(
+        default=10.0, ge=0, description="SIGTERM: time in-flight calls get to finish."
+    )
     id_node: int | None = Field(
         default=None, ge=0, le=1023, description="A fixed task id node number instead of a leased one; never share one."
     )
@@ -573,7 +704,9 @@ class GatewaySettings(CommonSettings):
 class SchedulerSettings(CommonSettings):
     """The scheduler (services.scheduler: scans, retention, TaskAdmin)."""
 
-    scheduler_metrics_port: int = Field(default=9103, ge=0, le=65535, description="/metrics port of the scheduler; 0 disables.")
+    scheduler_metrics_port: int = Field(
+        default=9103, ge=0, le=65535, description="/metrics port of the scheduler; 0 disables."
+    )
     scan_interval_seconds: float = Field(default=2.0, gt=0, description="Scheduler scan period.")
     scan_batch_size: int = Field(default=100, ge=1, description="Rows one scheduler scan moves per pass.")
     created_timeout_seconds: float = Field(
@@ -582,27 +715,43 @@ class SchedulerSettings(CommonSettings):
         "the scheduler dispatches it.",
     )
     max_republish: int = Field(
-        default=2, ge=0, description="Rounds of a queue timeout with nothing moving that a QUEUED task waits before QUEUE_TIMEOUT."
+        default=2,
+        ge=0,
+        description="Rounds of a queue timeout with nothing moving that a QUEUED task waits before QUEUE_TIMEOUT.",
     )
     processing_timeout_seconds: float = Field(
-        default=300.0, gt=0, description="Processing longer than this, all attempts together (plus one grace), is TIMEOUT."
+        default=300.0,
+        gt=0,
+        description="Processing longer than this, all attempts together (plus one grace), is TIMEOUT.",
     )
     processing_grace_seconds: float = Field(default=60.0, ge=0, description="One extension for a slow but live worker.")
     preempt_window_seconds: float = Field(
-        default=300.0, ge=0, description="A preempted task is not preempted again within this many seconds (no thrashing)."
+        default=300.0,
+        ge=0,
+        description="A preempted task is not preempted again within this many seconds (no thrashing).",
     )
-    worker_forget_seconds: float = Field(default=100.0, gt=0, description="Worker rows silent this long are deleted (about 10 leases).")
+    worker_forget_seconds: float = Field(
+        default=100.0, gt=0, description="Worker rows silent this long are deleted (about 10 leases)."
+    )
     dead_letter_window_seconds: float = Field(
         default=86400.0, gt=0, description="How far back the scheduler looks for FAILED tasks missing a dead letter."
     )
-    requeue_batch_size: int = Field(default=50, ge=1, le=1000, description="RequeueTasks batch size when the caller gives none.")
+    requeue_batch_size: int = Field(
+        default=50, ge=1, le=1000, description="RequeueTasks batch size when the caller gives none."
+    )
     admin_page_size: int = Field(default=100, ge=1, description="Admin listings' page size when the caller gives none.")
-    admin_max_page_size: int = Field(default=1000, ge=1, description="Largest admin listing page (and ListStuckTasks limit).")
-    usage_max_rows: int = Field(default=10000, ge=1, description="Most rows one GetUsage answer holds (it says when more matched).")
+    admin_max_page_size: int = Field(
+        default=1000, ge=1, description="Largest admin listing page (and ListStuckTasks limit)."
+    )
+    usage_max_rows: int = Field(
+        default=10000, ge=1, description="Most rows one GetUsage answer holds (it says when more matched)."
+    )
 
     # Retention (the scheduler deletes what expired, scan_batch_size rows of each kind per pass; 0 keeps forever)
     retain_tasks_seconds: float = Field(
-        default=30 * 86400.0, ge=0, description="Finished tasks (with events, webhook logs, dead letters, output) kept this long."
+        default=30 * 86400.0,
+        ge=0,
+        description="Finished tasks (with events, webhook logs, dead letters, output) kept this long.",
     )
     retain_events_seconds: float = Field(
         default=7 * 86400.0, ge=0, description="Events and webhook attempt logs of finished tasks kept this long."
@@ -615,7 +764,8 @@ class SchedulerSettings(CommonSettings):
     )
     retain_inputs_seconds: float = Field(
         default=7 * 86400.0, ge=0,
-        description="Input images no kept task refers to are deleted this long after their last use (upload or submission).",
+        description="Input images no kept task refers to are deleted this long after their last use (upload or "
+        "submission).",
     )
 
     def processing_timeout_for(self, model_id: str) -> float:
@@ -630,37 +780,45 @@ class WorkerSettings(CommonSettings):
     worker_id: str | None = Field(default=None, description="Default: hostname-pid.")
     worker_admin_target: str | None = Field(
         default=None,
-        description="gRPC target of TaskAdmin, which checks each WorkerControl caller's admin key; default: grpc_host:scheduler_port.",
+        description="gRPC target of TaskAdmin, which checks each WorkerControl caller's admin key; default: "
+        "grpc_host:scheduler_port.",
     )
     worker_authorize_timeout_seconds: float = Field(
         default=5.0, gt=0, description="Deadline of the TaskAdmin check a WorkerControl call waits for."
     )
     worker_advertise_host: str | None = Field(
         default=None,
-        description="Host the dashboard reaches this worker's WorkerControl at (a pod's IP); default: grpc_host or the host name.",
+        description="Host the dashboard reaches this worker's WorkerControl at (a pod's IP); default: grpc_host or the "
+        "host name.",
     )
     worker_slots: int = Field(
-        default=0, ge=0, description="Concurrent tasks; 0 = ceil(devices x worker_slots_per_device) (CPU: one device; sleep-only: 1)."
+        default=0,
+        ge=0,
+        description="Concurrent tasks; 0 = ceil(devices x worker_slots_per_device) (CPU: one device; sleep-only: 1).",
     )
     cluster_cap: bool = Field(
         default=True,
-        description="A claim waits while running tasks reach floor(sum of the live workers' capacities); the rest stays QUEUED.",
+        description="A claim waits while running tasks reach floor(sum of the live workers' capacities); the rest "
+        "stays QUEUED.",
     )
     worker_slots_per_device: float = Field(
         default=1.5,
         ge=1,
-        description="Tasks per device: one in its device phase (denoising, VAE decode), the others encoding and storing meanwhile.",
+        description="Tasks per device: one in its device phase (denoising, VAE decode), the others encoding and "
+        "storing meanwhile.",
     )
     worker_models: list[str] = Field(default_factory=list, description="Models this worker serves; empty = all.")
     heartbeat_seconds: float = Field(default=2.0, gt=0, description="How often a worker renews its lease.")
     drain_grace_seconds: float = Field(default=30.0, ge=0, description="SIGTERM: time running tasks get to finish.")
     drain_stop_seconds: float = Field(
-        default=30.0, ge=0, description="After the grace: time stopped tasks get to release; any left then are abandoned (leases expire)."
+        default=30.0,
+        ge=0,
+        description="After the grace: time stopped tasks get to release; any left then are abandoned (leases expire).",
     )
     progress_interval_seconds: float = Field(
         default=5.0, ge=0,
-        description="Minimum time between a running task's progress writes to PostgreSQL (each a `progress` event: history, "
-        "relay, webhooks); every step reaches WatchTask streams live over NATS without one.",
+        description="Minimum time between a running task's progress writes to PostgreSQL (each a `progress` event: "
+        "history, relay, webhooks); every step reaches WatchTask streams live over NATS without one.",
     )
     live_progress_tick_seconds: float = Field(
         default=0.1, ge=0,
@@ -675,17 +833,22 @@ class WorkerSettings(CommonSettings):
     )
     result_inline_chars: int = Field(
         default=65536, ge=0,
-        description="Chat tasks: Task.text (GetTask; not ListTasks) holds the answer up to this many characters (GetTaskResult: all).",
+        description="Chat tasks: Task.text (GetTask; not ListTasks) holds the answer up to this many characters "
+        "(GetTaskResult: all).",
     )
     worker_fetch_linger_seconds: float = Field(
-        default=1.0, gt=0, description="How long an idle worker's pull request waits on the server before it is renewed."
+        default=1.0,
+        gt=0,
+        description="How long an idle worker's pull request waits on the server before it is renewed.",
     )
     worker_cap_retry_seconds: float = Field(
         default=0.5, gt=0, description="Redelivery delay of a message refused by its model's concurrency cap."
     )
     retry_backoff_seconds: float = Field(default=2.0, gt=0, description="First retry delay; doubles each retry.")
     retry_backoff_max_seconds: float = Field(default=120.0, gt=0, description="Cap of the retry delay.")
-    retry_jitter: float = Field(default=0.2, ge=0, lt=1, description="Retry delays are scaled by a random factor in [1-j, 1+j].")
+    retry_jitter: float = Field(
+        default=0.2, ge=0, lt=1, description="Retry delays are scaled by a random factor in [1-j, 1+j]."
+    )
 
     @model_validator(mode="after")
     def _check_worker(self) -> WorkerSettings:
@@ -697,7 +860,9 @@ class WorkerSettings(CommonSettings):
 class NotifierSettings(CommonSettings):
     """The notifier (services.notifier: TaskEvents streams, the event relay, webhooks)."""
 
-    notifier_metrics_port: int = Field(default=9102, ge=0, le=65535, description="/metrics port of the notifier; 0 disables.")
+    notifier_metrics_port: int = Field(
+        default=9102, ge=0, le=65535, description="/metrics port of the notifier; 0 disables."
+    )
     webhook_schedule_seconds: list[float] = Field(
         default_factory=lambda: [0.0, 5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0],
         description="Delay before each attempt; after the last one the delivery is FAILED.",
@@ -706,23 +871,32 @@ class NotifierSettings(CommonSettings):
     webhook_max_response_bytes: int = Field(default=4096, ge=0, description="Bytes of a response body read.")
     webhook_concurrency: int = Field(default=32, ge=1, description="Terminal webhook POSTs in flight per notifier.")
     webhook_progress_concurrency: int = Field(
-        default=8, ge=1, description="Progress webhook POSTs in flight per notifier (their own lane: never a result's slot)."
+        default=8,
+        ge=1,
+        description="Progress webhook POSTs in flight per notifier (their own lane: never a result's slot).",
     )
     webhook_output_window_seconds: float = Field(
         default=1.0, gt=0,
-        description="An opted-in task's output (callback event OUTPUT) is gathered this long into one task.output webhook.",
+        description="An opted-in task's output (callback event OUTPUT) is gathered this long into one task.output "
+        "webhook.",
     )
     webhook_output_max_bytes: int = Field(
-        default=262144, ge=1024, description="Output text one task.output webhook carries at most; the rest goes in the next."
+        default=262144,
+        ge=1024,
+        description="Output text one task.output webhook carries at most; the rest goes in the next.",
     )
     webhook_concurrency_per_destination: int = Field(
         default=4, ge=1, description="Webhook POSTs in flight to one scheme://host:port, over every notifier replica."
     )
     webhook_breaker_failures: int = Field(
-        default=5, ge=1, description="Consecutive failed attempts (5xx, timeout, no answer) that open a destination's breaker."
+        default=5,
+        ge=1,
+        description="Consecutive failed attempts (5xx, timeout, no answer) that open a destination's breaker.",
     )
     webhook_breaker_seconds: float = Field(
-        default=60.0, gt=0, description="How long an open breaker holds a destination's webhooks before one trial attempt."
+        default=60.0,
+        gt=0,
+        description="How long an open breaker holds a destination's webhooks before one trial attempt.",
     )
     stream_buffer_size: int = Field(default=1000, ge=1, description="Events buffered per slow subscriber.")
     notifier_gc_full_threshold: int = Field(
@@ -732,13 +906,23 @@ class NotifierSettings(CommonSettings):
         "of idle streams instead of every 10 s.",
     )
     event_feed_heartbeat_seconds: float = Field(
-        default=5.0, gt=0, description="The notifier's live event feed: heartbeat period; two missed ones recreate its consumer."
+        default=5.0,
+        gt=0,
+        description="The notifier's live event feed: heartbeat period; two missed ones recreate its consumer.",
     )
     relay_batch_size: int = Field(default=500, ge=1, description="Events one relay pass publishes and records.")
-    relay_scan_interval_seconds: float = Field(default=1.0, gt=0, description="Relay catch-up scan period (NOTIFY wakes it sooner).")
-    relay_publish_timeout_seconds: float = Field(default=5.0, gt=0, description="Wait for JetStream acks of one relay pass.")
-    webhook_scan_interval_seconds: float = Field(default=1.0, gt=0, description="Safety-net scan period of the webhook outbox.")
-    webhook_lease_seconds: float = Field(default=30.0, gt=0, description="A sender's hold on a delivery (at least 2x the timeout).")
+    relay_scan_interval_seconds: float = Field(
+        default=1.0, gt=0, description="Relay catch-up scan period (NOTIFY wakes it sooner)."
+    )
+    relay_publish_timeout_seconds: float = Field(
+        default=5.0, gt=0, description="Wait for JetStream acks of one relay pass."
+    )
+    webhook_scan_interval_seconds: float = Field(
+        default=1.0, gt=0, description="Safety-net scan period of the webhook outbox."
+    )
+    webhook_lease_seconds: float = Field(
+        default=30.0, gt=0, description="A sender's hold on a delivery (at least 2x the timeout)."
+    )
     webhook_jitter: float = Field(default=0.1, ge=0, lt=1, description="Retry delays vary by up to this fraction.")
 
     @model_validator(mode="after")
@@ -752,10 +936,15 @@ class HttpSettings(CommonSettings):
     """The HTTP/JSON API and dashboard (services.http)."""
 
     http_port: int = Field(
-        default=8000, ge=0, le=65535, description="Port of the HTTP/JSON API and dashboard (services.http); 0 = ephemeral."
+        default=8000,
+        ge=0,
+        le=65535,
+        description="Port of the HTTP/JSON API and dashboard (services.http); 0 = ephemeral.",
     )
     http_host: str = Field(default="127.0.0.1", description="Address the HTTP service binds ('0.0.0.0' in a cluster).")
-    http_metrics_port: int = Field(default=9105, ge=0, le=65535, description="/metrics port of the HTTP service; 0 disables.")
+    http_metrics_port: int = Field(
+        default=9105, ge=0, le=65535, description="/metrics port of the HTTP service; 0 disables."
+    )
     http_gateway_target: str | None = Field(
         default=None, description="gRPC target of TaskGateway for the HTTP service; default: grpc_host:submit_port."
     )
@@ -763,18 +952,26 @@ class HttpSettings(CommonSettings):
         default=None, description="gRPC target of TaskEvents for the HTTP service; default: grpc_host:notifier_port."
     )
     http_admin_target: str | None = Field(
-        default=None, description="gRPC target of TaskAdmin for the HTTP service (dashboard); default: grpc_host:scheduler_port."
+        default=None,
+        description="gRPC target of TaskAdmin for the HTTP service (dashboard); default: grpc_host:scheduler_port.",
     )
     http_json_max_depth: int = Field(
-        default=32, ge=2, le=500, description="HTTP service: how deep a JSON request body may nest (deeper: 400 on body)."
+        default=32,
+        ge=2,
+        le=500,
+        description="HTTP service: how deep a JSON request body may nest (deeper: 400 on body).",
     )
     http_cors_origins: list[str] = Field(
         default_factory=list,
         description="Origins whose pages may call the HTTP API from a browser (CORS), e.g. https://app.example.com; "
         "empty: none (no CORS headers).",
     )
-    http_call_timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of each gRPC call the HTTP service makes.")
-    http_shutdown_grace_seconds: float = Field(default=5.0, ge=0, description="SIGTERM: time open HTTP requests get to finish.")
+    http_call_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="Deadline of each gRPC call the HTTP service makes."
+    )
+    http_shutdown_grace_seconds: float = Field(
+        default=5.0, ge=0, description="SIGTERM: time open HTTP requests get to finish."
+    )
     openai_windows: dict[str, float] = Field(
         default_factory=lambda: {"1h": 3600.0, "24h": 86400.0},
         description="OpenAI face: the completion windows a batch may name, in seconds (its lines' max_queue_seconds).",
@@ -784,12 +981,18 @@ class HttpSettings(CommonSettings):
 class LocalSettings(CommonSettings):
     """The local stack (`make run`: taskgate_local.dev)."""
 
-    dev_start_timeout_seconds: float = Field(default=180.0, gt=0, description="make run: time the services get to become healthy.")
-    dev_demo_timeout_seconds: float = Field(default=300.0, gt=0, description="make run: time the demo task gets to finish.")
+    dev_start_timeout_seconds: float = Field(
+        default=180.0, gt=0, description="make run: time the services get to become healthy."
+    )
+    dev_demo_timeout_seconds: float = Field(
+        default=300.0, gt=0, description="make run: time the demo task gets to finish."
+    )
     dev_stop_timeout_seconds: float = Field(
         default=45.0, gt=0, description="make run: time the services get to stop after SIGTERM before they are killed."
     )
-    dev_demo_only: bool = Field(default=False, description="make run: stop everything and exit after the demo video is saved.")
+    dev_demo_only: bool = Field(
+        default=False, description="make run: stop everything and exit after the demo video is saved."
+    )
 
 
 class Settings(GatewaySettings, SchedulerSettings, WorkerSettings, NotifierSettings, HttpSettings, LocalSettings):

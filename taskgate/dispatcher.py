@@ -33,7 +33,9 @@ async def dispatch_pass(
 ) -> list[TaskRow]:
     """Publishes `tasks` (acks pipelined, `ack_timeout` for the whole pass), then one CREATED -> QUEUED move for those
     acknowledged; returns the tasks that moved, as they now are."""
-    published = await dispatch.publish_many(bus, [(t, dispatch.Reason.SUBMITTED) for t in tasks], ack_timeout=ack_timeout)
+    published = await dispatch.publish_many(
+        bus, [(t, dispatch.Reason.SUBMITTED) for t in tasks], ack_timeout=ack_timeout
+    )
     if len(published) < len(tasks):
         telemetry.DISPATCH_PUBLISH_FAILURES.inc(len(tasks) - len(published))
     if not published:

@@ -32,7 +32,9 @@ class IdGenerator:
     """Monotonic within a process; distinct across processes by a random node number."""
 
     def __init__(self, node: int | None = None) -> None:
-        self._node = (node if node is not None else random.SystemRandom().getrandbits(_NODE_BITS)) & ((1 << _NODE_BITS) - 1)
+        self._node = (node if node is not None else random.SystemRandom().getrandbits(_NODE_BITS)) & (
+            (1 << _NODE_BITS) - 1
+        )
         self._lock = threading.Lock()
         self._last_ms = 0
         self._seq = 0
@@ -148,7 +150,8 @@ MAX_ID = 2**63 - 1
 
 
 def parse(text: str) -> int | None:
-    """The task id a decimal string names (1 to 2**63 - 1, ASCII digits only), or None: the one rule for every reader."""
+    """The task id a decimal string names (1 to 2**63 - 1, ASCII digits only), or None: the one rule for every
+    reader."""
     if not text or len(text) > 19 or not text.isascii() or not text.isdigit():
         return None
     value = int(text)

@@ -89,7 +89,9 @@ def _opened(data: bytes, limits: Limits) -> Iterator[Image.Image]:
             if width < 1 or height < 1:
                 raise ImageRefused("has no pixels")
             if width * height > limits.max_pixels:
-                raise ImageRefused(f"is {width}x{height} = {width * height} pixels; at most {limits.max_pixels} are allowed")
+                raise ImageRefused(
+                    f"is {width}x{height} = {width * height} pixels; at most {limits.max_pixels} are allowed"
+                )
             if getattr(image, "is_animated", False) or getattr(image, "n_frames", 1) > 1:
                 raise ImageRefused("is animated; send a single frame")
             yield image

@@ -1,7 +1,8 @@
 """`taskgate-keys` (`python -m taskgate.keys`): create, revoke and list API keys, straight in the database.
 
 A server-side command: it needs the database (TASKGATE_DATABASE_URL, or the stack `make run` started), not the gateway.
-Exit codes are the `taskgate` command's (taskgate_api.cli): 0 success, 2 usage, 3 no such key, 4 invalid tenant name, 10 database down.
+Exit codes are the `taskgate` command's (taskgate_api.cli): 0 success, 2 usage, 3 no such key, 4 invalid tenant name, 10
+database down.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ async def create(conn: asyncpg.Connection, settings: GatewaySettings, args: argp
     except asyncpg.CheckViolationError:
         raise CliError(f"invalid tenant name {args.tenant!r}: use 1-64 of A-Z a-z 0-9 _ -", invalid) from None
     if out.json:
-        out.document({"tenant": args.tenant, "api_key": key, "prefix": key[:10], "admin": args.admin, "webhook_secret": secret})
+        out.document(
+            {"tenant": args.tenant, "api_key": key, "prefix": key[:10], "admin": args.admin, "webhook_secret": secret}
+        )
         return EXIT_OK
     out.fields(
         [
@@ -72,14 +75,18 @@ async def create(conn: asyncpg.Connection, settings: GatewaySettings, args: argp
     return EXIT_OK
 
 
-async def _create_admin(conn: asyncpg.Connection, settings: GatewaySettings, args: argparse.Namespace, out: Output) -> int:
+async def _create_admin(
+    conn: asyncpg.Connection, settings: GatewaySettings, args: argparse.Namespace, out: Output
+) -> int:
     """An admin credential (TaskAdmin only) named after --tenant, with its scope and expiry, printed once."""
     key, expires = await auth.create_admin_key(
         conn, settings.api_key_pepper, args.tenant, scope=args.scope, expires_in_seconds=args.expires_in
     )
     until = expires.isoformat() if expires is not None else None
     if out.json:
-        out.document({"admin": args.tenant, "api_key": key, "prefix": key[:10], "scope": args.scope, "expires_at": until})
+        out.document(
+            {"admin": args.tenant, "api_key": key, "prefix": key[:10], "scope": args.scope, "expires_at": until}
+        )
         return EXIT_OK
     out.fields([("admin", args.tenant), ("admin key", key), ("scope", args.scope), ("expires", until or "never")])
     out.line("\nStore it now: it is not shown again. It works on TaskAdmin (and WorkerControl) only, never to submit.")
@@ -99,7 +106,11 @@ async def tenant(conn: asyncpg.Connection, settings: GatewaySettings, args: argp
             submits_per_minute_per_end_user=args.submits_per_minute_per_end_user,
         )
     if changed is None:
-        raise CliError(f"no tenant {args.tenant!r}", EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND], "create it with `taskgate-keys create`")
+        raise CliError(
+            f"no tenant {args.tenant!r}",
+            EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND],
+            "create it with `taskgate-keys create`",
+        )
     doc = {
         "tenant": changed.id,
         "max_pending": changed.max_pending,
@@ -116,10 +127,15 @@ async def tenant(conn: asyncpg.Connection, settings: GatewaySettings, args: argp
     if out.json:
         out.document(doc)
     else:
-        out.fields([
-            (k.replace("_", " "), ("(none)" if k.startswith(("gpu", "tokens")) else "(global setting)") if v is None else v)
-            for k, v in doc.items()
-        ])
+        out.fields(
+            [
+                (
+                    k.replace("_", " "),
+                    ("(none)" if k.startswith(("gpu", "tokens")) else "(global setting)") if v is None else v,
+                )
+                for k, v in doc.items()
+            ]
+        )
     return EXIT_OK
 
 
@@ -175,7 +191,11 @@ async def revoke(conn: asyncpg.Connection, settings: GatewaySettings, args: argp
     elif rows:
         out.line(f"revoked {len(rows)} key(s) with prefix {args.prefix}")
     if not rows:
-        raise CliError(f"no live key with prefix {args.prefix!r}", EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND], "see `taskgate-keys list`")
+        raise CliError(
+            f"no live key with prefix {args.prefix!r}",
+            EXIT_BY_CODE[grpc.StatusCode.NOT_FOUND],
+            "see `taskgate-keys list`",
+        )
     return EXIT_OK
 
 
@@ -193,12 +213,17 @@ async def list_keys(conn: asyncpg.Connection, settings: GatewaySettings, args: a
     else:
         out.table(
             ["PREFIX", "TENANT/ADMIN", "ADMIN SCOPE", "CREATED", "EXPIRES", "REVOKED"],
-            [[k["prefix"], k["tenant"], k["admin"], k["created_at"], k["expires_at"] or "", k["revoked_at"] or ""] for k in keys],
+            [
+                [k["prefix"], k["tenant"], k["admin"], k["created_at"], k["expires_at"] or "", k["revoked_at"] or ""]
+                for k in keys
+            ],
         )
     return EXIT_OK
 
 
-async def seal_secrets(conn: asyncpg.Connection, settings: GatewaySettings, args: argparse.Namespace, out: Output) -> int:
+async def seal_secrets(
+    conn: asyncpg.Connection, settings: GatewaySettings, args: argparse.Namespace, out: Output
+) -> int:
     """Seals every webhook secret with the newest key: ones stored before sealing existed, and ones an older key
     sealed (run it after prepending a key to TASKGATE_SECRETS_KEYS, before dropping the old one)."""
     sealer = Sealer.of(settings)
@@ -217,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line; --json is accepted before or after the action."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output (JSON)")
-    parser = argparse.ArgumentParser(prog="taskgate-keys", parents=[common], description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="taskgate-keys", parents=[common], description=__doc__.split("\n", 1)[0] if __doc__ else None
+    )
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     limits = argparse.ArgumentParser(add_help=False)
@@ -245,11 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--share-weight", type=_weight, help="the tenant's share against other tenants of one priority (default 1)"
     )
-    p.add_argument("--gpu-seconds-per-day", type=_budget, metavar="N", help="the tenant's GPU-second budget per UTC day (0: none)")
+    p.add_argument(
+        "--gpu-seconds-per-day", type=_budget, metavar="N", help="the tenant's GPU-second budget per UTC day (0: none)"
+    )
     p.add_argument("--gpu-seconds-per-month", type=_budget, metavar="N", help="its budget per UTC month (0: none)")
     p.add_argument("--tokens-per-day", type=_token_budget, metavar="N",
                    help="the tenant's chat token budget per UTC day: input + max_output_tokens reserved (0: none)")
-    p.add_argument("--tokens-per-month", type=_token_budget, metavar="N", help="its token budget per UTC month (0: none)")
+    p.add_argument(
+        "--tokens-per-month", type=_token_budget, metavar="N", help="its token budget per UTC month (0: none)"
+    )
     p.add_argument("--max-pending-per-end-user", type=_positive, metavar="N",
                    help="unfinished tasks each of the tenant's end users may hold (default: the global setting)")
     p.add_argument("--submits-per-minute-per-end-user", type=_positive, metavar="N",
@@ -268,11 +299,15 @@ async def _run(handler: Handler, args: argparse.Namespace, out: Output) -> int:
     try:
         database_url, _ = resolve_urls(settings)
     except SystemExit as exc:
-        raise CliError(str(exc.code), EXIT_UNAVAILABLE, "start the stack with `make run`, or set TASKGATE_DATABASE_URL") from None
+        raise CliError(
+            str(exc.code), EXIT_UNAVAILABLE, "start the stack with `make run`, or set TASKGATE_DATABASE_URL"
+        ) from None
     try:
         conn = await asyncpg.connect(database_url, timeout=10)
     except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
-        raise CliError(f"cannot reach the database: {exc}", EXIT_UNAVAILABLE, "is the stack running (`make run`)?") from None
+        raise CliError(
+            f"cannot reach the database: {exc}", EXIT_UNAVAILABLE, "is the stack running (`make run`)?"
+        ) from None
     try:
         return await handler(conn, settings, args, out)
     finally:

@@ -49,7 +49,9 @@ async def repeat(
             if cancelling():  # a client library reported our cancellation as its own error
                 raise asyncio.CancelledError from exc
             error = f"{type(exc).__name__}: {exc}"[:300]
-            log.log(level, failed, extra={**(extra() if extra else {}), "error": error}, exc_info=exc if traceback else None)
+            log.log(
+                level, failed, extra={**(extra() if extra else {}), "error": error}, exc_info=exc if traceback else None
+            )
             wait = every
         if on_pass is not None:
             on_pass()

@@ -60,9 +60,13 @@ async def migrate(conn: asyncpg.Connection) -> list[int]:
                 applied_now.append(migration.version)
             elif recorded[migration.version] is None:  # applied before checksums were kept: trust the file once
                 await conn.execute(
-                    "UPDATE schema_migration SET checksum = $2 WHERE version = $1", migration.version, migration.checksum
+                    "UPDATE schema_migration SET checksum = $2 WHERE version = $1",
+                    migration.version,
+                    migration.checksum,
                 )
-                log.info("migration checksum baselined", extra={"version": migration.version, "migration": migration.name})
+                log.info(
+                    "migration checksum baselined", extra={"version": migration.version, "migration": migration.name}
+                )
         if max(recorded, default=0) > files[-1].version:
             # an older release must not put back the functions a newer schema replaced
             log.warning("database is newer than this code: functions left as they are",

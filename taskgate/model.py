@@ -71,7 +71,8 @@ class TaskRow:
     queued_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
-    trace_context: dict[str, str] | None = None  # W3C headers of the submit's span: every later span continues its trace
+    # W3C headers of the submit's span: every later span continues its trace
+    trace_context: dict[str, str] | None = None
     replay_of: int | None = None  # the FAILED or TIMEOUT task an operator replayed as this one
     start_after: datetime | None = None  # asked for at submission: no claim before it
     max_queue_seconds: float | None = None  # asked for at submission: the queue's TTL
@@ -84,7 +85,8 @@ class TaskRow:
     output_tokens: int = 0  # chat: tokens its finishing attempt generated
     checkpoint_uri: str | None = None  # the newest step checkpoint a later attempt resumes from (None: step 0)
     checkpoint_step: int = 0  # the steps that checkpoint holds
-    checkpoint_garbage: list[str] = field(default_factory=list)  # checkpoint objects named or replaced, maybe still stored
+    # checkpoint objects named or replaced, maybe still stored
+    checkpoint_garbage: list[str] = field(default_factory=list)
     wasted_seconds: float = 0.0  # device seconds of steps its attempts had to compute again (metered apart)
     preempted_at: datetime | None = None  # when the scheduler last preempted it for a task of higher priority
 
@@ -188,7 +190,15 @@ class TaskRow:
                 msg.result.deleted_at.CopyFrom(timestamp(self.result_expired_at))
         if self.max_queue_seconds is not None:
             msg.max_queue_seconds = self.max_queue_seconds
-        for name in ("created_at", "queued_at", "started_at", "finished_at", "updated_at", "start_after", "queue_expires_at"):
+        for name in (
+            "created_at",
+            "queued_at",
+            "started_at",
+            "finished_at",
+            "updated_at",
+            "start_after",
+            "queue_expires_at",
+        ):
             value = getattr(self, name)
             if value is not None:
                 set_timestamp(getattr(msg, name), value)

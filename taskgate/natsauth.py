@@ -3,9 +3,9 @@
 A worker's credentials cannot publish task events, purge a stream or read another service's traffic; the notifier
 alone publishes `taskgate.events.>` (workers and submit hint terminal versions on `taskgate.control.ended.>`, subjects
 without a payload that the notifier checks against the table; workers send running tasks' progress on
-`taskgate.live.progress.>`, which the notifier passes to the task's streams only); only the `admin` user (the migrate step, operators)
-may create, change or purge streams. `python -m taskgate.natsauth` prints nats-server's `authorization` block, each
-password read from the server's environment (`$TASKGATE_NATS_<ROLE>_PASSWORD`).
+`taskgate.live.progress.>`, which the notifier passes to the task's streams only); only the `admin` user (the migrate
+step, operators) may create, change or purge streams. `python -m taskgate.natsauth` prints nats-server's `authorization`
+block, each password read from the server's environment (`$TASKGATE_NATS_<ROLE>_PASSWORD`).
 
 JetStream's API is subjects too (`$JS.API.<operation>.<stream>...`), so each role lists the API calls it makes.
 """
@@ -48,35 +48,70 @@ RESULTS_WRITE = (f"$O.{bus.RESULTS_BUCKET}.>", f"$JS.API.STREAM.PURGE.{OBJECTS}"
 ROLES: Mapping[str, Permissions] = {
     # dispatches tasks, hints cancels, stores input images, reads outputs back
     "submit": Permissions(
-        publish=(bus.TASK_SUBJECTS, bus.CANCEL_SUBJECT, bus.ENDED_SUBJECTS, f"$JS.API.STREAM.INFO.{TASKS}", *RESULTS_WRITE)
+        publish=(
+            bus.TASK_SUBJECTS,
+            bus.CANCEL_SUBJECT,
+            bus.ENDED_SUBJECTS,
+            f"$JS.API.STREAM.INFO.{TASKS}",
+            *RESULTS_WRITE,
+        )
     ),
     # re-dispatches, dead-letters, hints cancels and preemptions, reads queue depths, deletes expired outputs
     "scheduler": Permissions(
         publish=(
-            bus.TASK_SUBJECTS, bus.DEAD_SUBJECTS, bus.CANCEL_SUBJECT, bus.PREEMPT_SUBJECT, f"$JS.API.STREAM.INFO.{TASKS}",
-            f"$JS.API.CONSUMER.INFO.{TASKS}.>", f"$JS.API.CONSUMER.LIST.{TASKS}", *RESULTS_WRITE,
+            bus.TASK_SUBJECTS,
+            bus.DEAD_SUBJECTS,
+            bus.CANCEL_SUBJECT,
+            bus.PREEMPT_SUBJECT,
+            f"$JS.API.STREAM.INFO.{TASKS}",
+            f"$JS.API.CONSUMER.INFO.{TASKS}.>",
+            f"$JS.API.CONSUMER.LIST.{TASKS}",
+            *RESULTS_WRITE,
         ),
     ),
-    # pulls its models' dispatches and acks them, stores outputs, reads inputs, dead-letters; hears cancel and preemption hints
+    # pulls its models' dispatches and acks them, stores outputs, reads inputs, dead-letters; hears cancel and
+    # preemption hints
     "worker": Permissions(
         publish=(
-            f"$JS.API.CONSUMER.MSG.NEXT.{TASKS}.>", f"$JS.ACK.{TASKS}.>", f"$JS.API.CONSUMER.INFO.{TASKS}.>",
-            f"$JS.API.CONSUMER.CREATE.{TASKS}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{TASKS}.>",
-            f"$JS.API.STREAM.INFO.{TASKS}", bus.DEAD_SUBJECTS, bus.OUTPUT_SUBJECTS, *RESULTS_WRITE,
-            f"$JS.API.STREAM.INFO.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
-            f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>", bus.ENDED_SUBJECTS, bus.PROGRESS_SUBJECTS,
+            f"$JS.API.CONSUMER.MSG.NEXT.{TASKS}.>",
+            f"$JS.ACK.{TASKS}.>",
+            f"$JS.API.CONSUMER.INFO.{TASKS}.>",
+            f"$JS.API.CONSUMER.CREATE.{TASKS}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{TASKS}.>",
+            f"$JS.API.STREAM.INFO.{TASKS}",
+            bus.DEAD_SUBJECTS,
+            bus.OUTPUT_SUBJECTS,
+            *RESULTS_WRITE,
+            f"$JS.API.STREAM.INFO.{OUTPUT}",
+            f"$JS.API.CONSUMER.CREATE.{OUTPUT}",
+            f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
+            f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>",
+            f"$JS.FC.{OUTPUT}.>",
+            bus.ENDED_SUBJECTS,
+            bus.PROGRESS_SUBJECTS,
         ),
         subscribe=(REPLIES, bus.CANCEL_SUBJECT, bus.PREEMPT_SUBJECT),
     ),
     # relays task events (their only publisher) and follows them for the streams; links outputs
     "notifier": Permissions(
         publish=(
-            bus.EVENT_SUBJECTS, f"$JS.API.STREAM.INFO.{EVENTS}", f"$JS.API.CONSUMER.CREATE.{EVENTS}",
-            f"$JS.API.CONSUMER.CREATE.{EVENTS}.>", f"$JS.API.CONSUMER.DELETE.{EVENTS}.>",
-            f"$JS.API.CONSUMER.INFO.{EVENTS}.>", f"$JS.FC.{EVENTS}.>", *RESULTS_READ,
-            f"$JS.API.STREAM.INFO.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}", f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
-            f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>", f"$JS.API.CONSUMER.INFO.{OUTPUT}.>", f"$JS.FC.{OUTPUT}.>",
-            f"$JS.API.DIRECT.GET.{OUTPUT}", f"$JS.API.DIRECT.GET.{OUTPUT}.>", f"$JS.API.STREAM.MSG.GET.{OUTPUT}",
+            bus.EVENT_SUBJECTS,
+            f"$JS.API.STREAM.INFO.{EVENTS}",
+            f"$JS.API.CONSUMER.CREATE.{EVENTS}",
+            f"$JS.API.CONSUMER.CREATE.{EVENTS}.>",
+            f"$JS.API.CONSUMER.DELETE.{EVENTS}.>",
+            f"$JS.API.CONSUMER.INFO.{EVENTS}.>",
+            f"$JS.FC.{EVENTS}.>",
+            *RESULTS_READ,
+            f"$JS.API.STREAM.INFO.{OUTPUT}",
+            f"$JS.API.CONSUMER.CREATE.{OUTPUT}",
+            f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
+            f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>",
+            f"$JS.API.CONSUMER.INFO.{OUTPUT}.>",
+            f"$JS.FC.{OUTPUT}.>",
+            f"$JS.API.DIRECT.GET.{OUTPUT}",
+            f"$JS.API.DIRECT.GET.{OUTPUT}.>",
+            f"$JS.API.STREAM.MSG.GET.{OUTPUT}",
         ),
         # the committers' hints of terminal versions, stored output chunks republished live, running tasks' progress
         # (core subjects)

@@ -207,7 +207,9 @@ async def read_after(
     subject = busmod.output_subject(user_id, task_id)
     while True:
         try:
-            raw = await bus.js.get_msg(busmod.OUTPUT_STREAM, seq=after + 1, subject=subject, next=True, direct=not consistent)
+            raw = await bus.js.get_msg(
+                busmod.OUTPUT_STREAM, seq=after + 1, subject=subject, next=True, direct=not consistent
+            )
         except NotFoundError:
             return None
         if raw.seq is None or raw.data is None:

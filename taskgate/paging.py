@@ -47,7 +47,8 @@ class Pager:
         micros = (cursor.at - _EPOCH) // timedelta(microseconds=1)
         task_id = str(cursor.task_id)
         raw = json.dumps(
-            {"c": micros, "i": task_id, "f": filter_fp, "s": self._signature(micros, task_id, filter_fp)}, separators=(",", ":")
+            {"c": micros, "i": task_id, "f": filter_fp, "s": self._signature(micros, task_id, filter_fp)},
+            separators=(",", ":"),
         )
         return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 

@@ -1,7 +1,8 @@
 """Natural batching without a timer: items handed in while a pass runs wait for the next pass, which takes all of them
 (up to `max_batch`). A lone item goes at once; under load each pass carries what arrived during the one before.
 
-The dispatcher's passes (taskgate/dispatcher.py) and the gateway's admissions (services/submit/batching.py) run this way.
+The dispatcher's passes (taskgate/dispatcher.py) and the gateway's admissions (services/submit/batching.py) run this
+way.
 """
 
 from __future__ import annotations

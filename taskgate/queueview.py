@@ -161,11 +161,20 @@ class Snapshot:
 
     def weight(self, priority: int) -> int:
         """The workers' fetch weight of a priority (as the eta_inputs block maps it)."""
-        return self._weights[0] if priority == Priority.HIGH else self._weights[1] if priority == Priority.NORMAL else self._weights[2]
+        return (
+            self._weights[0]
+            if priority == Priority.HIGH
+            else self._weights[1]
+            if priority == Priority.NORMAL
+            else self._weights[2]
+        )
 
     def queued(self, model_id: str) -> dict[int, int]:
         """The due QUEUED tasks of each of a model's levels."""
-        return {p: (lv.due if (lv := self._levels.get((model_id, p))) else 0) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW)}
+        return {
+            p: (lv.due if (lv := self._levels.get((model_id, p))) else 0)
+            for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW)
+        }
 
     def slots(self, model_id: str, joining: int | None = None) -> float:
         """The live workers' slots serving a model, each worker's slots shared among its models by the weights of

@@ -122,15 +122,20 @@ class ObjectStoreResults:
         while len(data) < size:
             try:
                 chunk = await asyncio.wait_for(
-                    self._bus.js.get_msg(self._stream, seq=seq + 1, subject=subject, direct=True, next=True), self._stall
+                    self._bus.js.get_msg(self._stream, seq=seq + 1, subject=subject, direct=True, next=True),
+                    self._stall,
                 )
             except NotFoundError as exc:  # its description is there, its chunks are not (a delete under way)
                 raise ResultNotFound(f"{uri}: {len(data)} of {size} bytes, then no more chunks") from exc
             except (TimeoutError, nats.errors.TimeoutError) as exc:
-                raise ResultStoreUnavailable(f"{uri}: no chunk within {self._stall:g} s ({len(data)} of {size} bytes read)") from exc
+                raise ResultStoreUnavailable(
+                    f"{uri}: no chunk within {self._stall:g} s ({len(data)} of {size} bytes read)"
+                ) from exc
             seq = chunk.seq or seq + 1
             data += chunk.data or b""
-        expected = base64.urlsafe_b64decode((info.digest or "").replace(OBJ_DIGEST_TYPE, "").replace(OBJ_DIGEST_TYPE.upper(), ""))
+        expected = base64.urlsafe_b64decode(
+            (info.digest or "").replace(OBJ_DIGEST_TYPE, "").replace(OBJ_DIGEST_TYPE.upper(), "")
+        )
         if len(data) != size or hashlib.sha256(data).digest() != expected:
             raise ResultStoreUnavailable(f"{uri}: read {len(data)} bytes that do not match the stored digest")
         for offset in range(0, len(data), CHUNK):
@@ -229,7 +234,8 @@ class S3Results:
         return uri[len(prefix) :]
 
     async def _call(self, uri: str, call: Callable[[], T]) -> T:
-        """Runs one blocking client call in a thread; a missing key is ResultNotFound, an outage ResultStoreUnavailable."""
+        """Runs one blocking client call in a thread; a missing key is ResultNotFound, an outage
+        ResultStoreUnavailable."""
         try:
             return await asyncio.to_thread(call)
         except ClientError as exc:

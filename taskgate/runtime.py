@@ -111,7 +111,9 @@ async def connect(settings: CommonSettings, name: str, *, setup: bool | None = N
         if setup:
             async with pool.acquire() as conn:
                 await migrate(conn)
-        bus = await _first("NATS", settings, functools.partial(busmod.connect, nats_url, name, tls_ca_file=settings.nats_tls_ca_file))
+        bus = await _first(
+            "NATS", settings, functools.partial(busmod.connect, nats_url, name, tls_ca_file=settings.nats_tls_ca_file)
+        )
     except BaseException:
         await pool.close()
         raise

@@ -27,7 +27,9 @@ class SealedSecretUnreadable(Exception):
 
 def key_from_pepper(pepper: str) -> bytes:
     """The Fernet key derived from the API-key pepper (for deployments that set no TASKGATE_SECRETS_KEYS)."""
-    derived = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"taskgate webhook secrets").derive(pepper.encode())
+    derived = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"taskgate webhook secrets").derive(
+        pepper.encode()
+    )
     return base64.urlsafe_b64encode(derived)
 
 

@@ -64,7 +64,10 @@ CONFLICT_ERRORS: tuple[type[BaseException], ...] = (
 def connection_grace(settings: CommonSettings) -> float:
     """How long calls on a connection closed for its age get: the configured grace, or longer when a stream opened
     just before the close needs longer to reach its own maximum age."""
-    return max(settings.grpc_max_connection_age_grace_seconds, settings.stream_max_age_seconds + 2 * settings.stream_keepalive_seconds)
+    return max(
+        settings.grpc_max_connection_age_grace_seconds,
+        settings.stream_max_age_seconds + 2 * settings.stream_keepalive_seconds,
+    )
 
 
 def _split(method: str) -> tuple[str, str]:
@@ -218,7 +221,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 async for request in stream:
                     yield decoded(request)
 
-            async def stream_stream(stream: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def stream_stream(
+                stream: AsyncIterator[Any], context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
                 async with scope(context):
                     async for item in inner_ss(stream_requests(stream), context):
                         yield item
@@ -262,7 +267,9 @@ class Health:
     served API's own name follows) — so a database or NATS outage or a drain takes a pod out of its Service without
     its liveness probe restarting it."""
 
-    def __init__(self, servicer: health.aio.HealthServicer, names: list[str], probes: Probes, settings: CommonSettings) -> None:
+    def __init__(
+        self, servicer: health.aio.HealthServicer, names: list[str], probes: Probes, settings: CommonSettings
+    ) -> None:
         self.servicer = servicer
         self.names = names
         self.probes = probes
@@ -299,8 +306,13 @@ class Health:
 
     async def _run(self) -> None:
         await loops.repeat(
-            self.check, every=self.settings.health_check_seconds, wait_first=True, log=log, failed="health check failed",
-            level=logging.ERROR, traceback=True,
+            self.check,
+            every=self.settings.health_check_seconds,
+            wait_first=True,
+            log=log,
+            failed="health check failed",
+            level=logging.ERROR,
+            traceback=True,
         )
 
     async def start(self) -> None:

@@ -52,7 +52,9 @@ class CallbackStatus(StrEnum):
 # is final: a task with it has no URL, or its terminal event asked for no webhook, so it has none to redeliver.
 CALLBACK_LEGAL: dict[CallbackStatus, frozenset[CallbackStatus]] = {
     CallbackStatus.NONE: frozenset(),
-    CallbackStatus.PENDING: frozenset({CallbackStatus.NONE, CallbackStatus.DELIVERED, CallbackStatus.FAILED, CallbackStatus.PENDING}),
+    CallbackStatus.PENDING: frozenset(
+        {CallbackStatus.NONE, CallbackStatus.DELIVERED, CallbackStatus.FAILED, CallbackStatus.PENDING}
+    ),
     CallbackStatus.DELIVERED: frozenset({CallbackStatus.PENDING}),
     CallbackStatus.FAILED: frozenset({CallbackStatus.PENDING}),
 }

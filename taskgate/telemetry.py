@@ -23,7 +23,8 @@ _ENCODER = json.JSONEncoder(default=str)
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, service, logger, message, request id, trace and span ids, every `extra` field."""
+    """One JSON object per line: time, level, service, logger, message, request id, trace and span ids, every `extra`
+    field."""
 
     def __init__(self, service: str) -> None:
         super().__init__()
@@ -103,7 +104,9 @@ DISPATCH_PUBLISH_FAILURES = Counter(
     "taskgate_dispatch_publish_failures_total",
     "Dispatch publishes that failed in a dispatcher pass (the task stays CREATED until the scheduler's scan).",
 )
-QUEUE_WAIT = Histogram("taskgate_task_queue_wait_seconds", "Time from QUEUED to claimed.", ["model"], buckets=JOB_BUCKETS)
+QUEUE_WAIT = Histogram(
+    "taskgate_task_queue_wait_seconds", "Time from QUEUED to claimed.", ["model"], buckets=JOB_BUCKETS
+)
 RUN_TIME = Histogram("taskgate_task_run_seconds", "Time from claimed to finished.", ["model"], buckets=JOB_BUCKETS)
 END_TO_END = Histogram(
     "taskgate_task_end_to_end_seconds", "Time from created to a terminal state.", ["model"], buckets=JOB_BUCKETS
@@ -111,14 +114,20 @@ END_TO_END = Histogram(
 BUILD = Info("taskgate_build", "The taskgate release this process runs (label version).")
 QUEUE_DEPTH = Gauge("taskgate_queue_depth", "QUEUED tasks.", ["model"])
 QUEUE_OLDEST_AGE = Gauge("taskgate_queue_oldest_age_seconds", "Age of the oldest QUEUED task.", ["model"])
-QUEUE_TIMEOUT = Gauge("taskgate_queue_timeout_seconds", "Configured QUEUED timeout, for alerts on the oldest age.", ["model"])
+QUEUE_TIMEOUT = Gauge(
+    "taskgate_queue_timeout_seconds", "Configured QUEUED timeout, for alerts on the oldest age.", ["model"]
+)
 PROCESSING = Gauge("taskgate_tasks_processing", "PROCESSING tasks.", ["model"])
 WORKER_RUNNING = Gauge("taskgate_worker_running_tasks", "Tasks this worker is running.")
 WORKER_FREE_SLOTS = Gauge("taskgate_worker_free_slots", "Free slots of this worker.")
-WORKER_HEARTBEAT = Gauge("taskgate_worker_last_heartbeat_timestamp_seconds", "Unix time of this worker's last heartbeat.")
+WORKER_HEARTBEAT = Gauge(
+    "taskgate_worker_last_heartbeat_timestamp_seconds", "Unix time of this worker's last heartbeat."
+)
 WORKERS_ALIVE = Gauge("taskgate_workers_alive", "Workers whose heartbeat is within the lease.")
 CONSUMER_PENDING = Gauge("taskgate_consumer_pending_messages", "JetStream messages not yet delivered.", ["consumer"])
-CONSUMER_ACK_PENDING = Gauge("taskgate_consumer_ack_pending_messages", "JetStream messages delivered, not acked.", ["consumer"])
+CONSUMER_ACK_PENDING = Gauge(
+    "taskgate_consumer_ack_pending_messages", "JetStream messages delivered, not acked.", ["consumer"]
+)
 GPU_MEMORY = Gauge("taskgate_gpu_memory_used_bytes", "CUDA memory allocated by this worker.", ["device"])
 WASTED_GPU_SECONDS = Counter(
     "taskgate_wasted_gpu_seconds",
@@ -131,32 +140,44 @@ DEVICE_BUSY = Counter(
     "Time a device spent in a task's device phase (denoising, VAE decode); its rate is the device's busy fraction.",
     ["device"],
 )
-CALLBACK_DELIVERIES = Counter("taskgate_callback_deliveries_total", "Webhook deliveries finished, by outcome.", ["outcome"])
+CALLBACK_DELIVERIES = Counter(
+    "taskgate_callback_deliveries_total", "Webhook deliveries finished, by outcome.", ["outcome"]
+)
 CALLBACK_BREAKER_OPENED = Counter(
     "taskgate_callback_breaker_opened_total", "Times a webhook destination's circuit breaker opened (it kept failing)."
 )
 CALLBACK_ATTEMPTS = Counter("taskgate_callback_attempts_total", "Webhook POST attempts, by result class.", ["result"])
 CALLBACK_ATTEMPTS_PER_DELIVERY = Histogram(
-    "taskgate_callback_attempts_per_delivery", "Attempts a finished delivery took.", buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10)
+    "taskgate_callback_attempts_per_delivery",
+    "Attempts a finished delivery took.",
+    buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10),
 )
 CALLBACK_LATENCY = Histogram(
-    "taskgate_callback_delivery_latency_seconds", "Event time to delivered webhook.", buckets=FAST_BUCKETS + JOB_BUCKETS[8:]
+    "taskgate_callback_delivery_latency_seconds",
+    "Event time to delivered webhook.",
+    buckets=FAST_BUCKETS + JOB_BUCKETS[8:],
 )
 RELAY_LAG = Gauge("taskgate_event_relay_lag_seconds", "Age of the oldest event not yet relayed to JetStream.")
 EVENTS_RELAYED = Counter("taskgate_events_relayed_total", "Task events relayed to JetStream.")
-SCHEDULER_ACTIONS = Counter("taskgate_scheduler_actions_total", "Tasks moved by scheduler scans, by action.", ["action"])
+SCHEDULER_ACTIONS = Counter(
+    "taskgate_scheduler_actions_total", "Tasks moved by scheduler scans, by action.", ["action"]
+)
 SCHEDULER_SCAN_SECONDS = Histogram(
     "taskgate_scheduler_scan_duration_seconds", "Time one scheduler scan batch took.", ["scan"], buckets=FAST_BUCKETS
 )
 SCHEDULER_SCAN_ERRORS = Counter("taskgate_scheduler_scan_errors_total", "Scheduler scan batches that failed.", ["scan"])
 THROTTLED = Counter(
-    "taskgate_throttled_total", "Calls and streams refused by the per-tenant limits (taskgate.throttle).", ["service", "kind"]
+    "taskgate_throttled_total",
+    "Calls and streams refused by the per-tenant limits (taskgate.throttle).",
+    ["service", "kind"],
 )
 GRPC_REQUESTS = Counter("taskgate_grpc_requests_total", "gRPC calls served.", ["service", "method", "code"])
 GRPC_LATENCY = Histogram(
     "taskgate_grpc_request_duration_seconds", "gRPC call duration.", ["service", "method"], buckets=FAST_BUCKETS
 )
-HTTP_REQUESTS = Counter("taskgate_http_requests_total", "HTTP requests served (services.http).", ["method", "route", "code"])
+HTTP_REQUESTS = Counter(
+    "taskgate_http_requests_total", "HTTP requests served (services.http).", ["method", "route", "code"]
+)
 HTTP_LATENCY = Histogram(
     "taskgate_http_request_duration_seconds", "HTTP request duration, to the end of the body (streams included).",
     ["method", "route"], buckets=FAST_BUCKETS,

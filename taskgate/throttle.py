@@ -26,7 +26,9 @@ from taskgate_api import reasons
 
 # The place a unary call holds, set around the call by call_scope: None outside one (streams take none), [] in a call
 # that has not taken a place yet, [release] once it has.
-_held: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar("taskgate_call_place", default=None)
+_held: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
+    "taskgate_call_place", default=None
+)
 
 
 @contextlib.contextmanager
@@ -55,7 +57,8 @@ class Places:
         self._waiting_cap = waiting_per_tenant
         self._running: Counter[str] = Counter()
         self._total = 0
-        self._lines: dict[str, deque[asyncio.Future[None]]] = {}  # the tenants with waiting calls, in their turn's order
+        # the tenants with waiting calls, in their turn's order
+        self._lines: dict[str, deque[asyncio.Future[None]]] = {}
 
     @property
     def running(self) -> int:
@@ -204,7 +207,8 @@ class Throttle:
             except Late as late:
                 telemetry.THROTTLED.labels(service, "calls").inc()
                 raise errors.resource_exhausted(
-                    reasons.TENANT_RATE_LIMITED, f"more than {self._rate:g} calls per second from this tenant; slow down",
+                    reasons.TENANT_RATE_LIMITED,
+                    f"more than {self._rate:g} calls per second from this tenant; slow down",
                     retry_after=late.seconds,
                 ) from None
             if delay:
@@ -227,7 +231,9 @@ class Throttle:
             telemetry.THROTTLED.labels(service, "streams").inc()
             whose = "this tenant's" if self._streams[tenant] >= self._per_tenant else "this server's"
             raise errors.resource_exhausted(
-                reasons.TOO_MANY_STREAMS, f"{whose} open streams are at their limit; close one or retry later", retry_after=1.0
+                reasons.TOO_MANY_STREAMS,
+                f"{whose} open streams are at their limit; close one or retry later",
+                retry_after=1.0,
             )
         self._streams[tenant] += 1
         try:

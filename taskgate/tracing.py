@@ -62,7 +62,9 @@ def configure(service: str) -> bool:
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-            protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+                "OTEL_EXPORTER_OTLP_PROTOCOL"
+            )
             if protocol not in (None, "", "grpc"):
                 log.warning("only OTLP over gRPC is built in; exporting with it", extra={"protocol": protocol})
             exporters.append(OTLPSpanExporter())
@@ -126,7 +128,9 @@ def server_interceptors() -> list[Any]:
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
     from opentelemetry.instrumentation.grpc.filters import any_of, negate, service_prefix
 
-    return [aio_server_interceptor(filter_=negate(any_of(service_prefix("grpc.health"), service_prefix("grpc.reflection"))))]
+    return [
+        aio_server_interceptor(filter_=negate(any_of(service_prefix("grpc.health"), service_prefix("grpc.reflection"))))
+    ]
 
 
 def _context(parent: Mapping[str, str] | None) -> Context | None:
@@ -144,7 +148,11 @@ def _context(parent: Mapping[str, str] | None) -> Context | None:
 
 
 def span(
-    name: str, *, parent: Mapping[str, str] | None = None, kind: SpanKind = SpanKind.INTERNAL, attributes: Attributes | None = None
+    name: str,
+    *,
+    parent: Mapping[str, str] | None = None,
+    kind: SpanKind = SpanKind.INTERNAL,
+    attributes: Attributes | None = None,
 ) -> AbstractContextManager[Span | None]:
     """A span made current for a `with` block, in the trace of `parent` (a row's or a message's carrier) or else of
     the current span; it records an exception that ends the block. Off: a shared no-op yielding None."""
@@ -154,7 +162,11 @@ def span(
 
 
 def start(
-    name: str, *, parent: Mapping[str, str] | None = None, kind: SpanKind = SpanKind.INTERNAL, attributes: Attributes | None = None
+    name: str,
+    *,
+    parent: Mapping[str, str] | None = None,
+    kind: SpanKind = SpanKind.INTERNAL,
+    attributes: Attributes | None = None,
 ) -> Span | None:
     """A span not made current (several at once, ended with `end`); None when off."""
     if _tracer is None:

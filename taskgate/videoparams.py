@@ -60,7 +60,8 @@ def _or_default(value: int, default: int) -> int:
 
 
 def requested(p: task_pb2.VideoParams, spec: ModelSpec) -> VideoParams:
-    """A SubmitTask request's parameters: each 0 (proto3's unset) is the model's default; the seed is None when absent."""
+    """A SubmitTask request's parameters: each 0 (proto3's unset) is the model's default; the seed is None when
+    absent."""
     return VideoParams(
         num_frames=_or_default(p.num_frames, spec.default_frames),
         width=_or_default(p.width, spec.default_width),
@@ -100,7 +101,9 @@ def violations(params: VideoParams, spec: ModelSpec, *, max_fps: int) -> list[tu
     bad = []
     frames = params.num_frames
     if frames < 1 or frames > spec.max_frames or (frames - 1) % spec.frame_step:
-        bad.append(("params.num_frames", f"must be 1..{spec.max_frames} with num_frames - 1 a multiple of {spec.frame_step}"))
+        bad.append(
+            ("params.num_frames", f"must be 1..{spec.max_frames} with num_frames - 1 a multiple of {spec.frame_step}")
+        )
     if params.width < 1 or params.width > spec.max_width or params.width % spec.size_multiple:
         bad.append(("params.width", f"must be a multiple of {spec.size_multiple} up to {spec.max_width}"))
     if params.height < 1 or params.height > spec.max_height or params.height % spec.size_multiple:

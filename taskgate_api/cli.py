@@ -82,7 +82,12 @@ class Output:
             self.line("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
     def listing(
-        self, key: str, items: Sequence[Message], empty: str, headers: Sequence[str], row: Callable[[Any], Sequence[object]]
+        self,
+        key: str,
+        items: Sequence[Message],
+        empty: str,
+        headers: Sequence[str],
+        row: Callable[[Any], Sequence[object]],
     ) -> int:
         """A list of messages: `{key: [...]}` with --json, else a table (or `empty` when there is nothing)."""
         if self.json:

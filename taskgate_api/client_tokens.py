@@ -31,7 +31,9 @@ class Secret:
     key: bytes
 
     def __str__(self) -> str:
-        return ".".join([SECRET_PREFIX, self.tenant_id, self.kid, base64.urlsafe_b64encode(self.key).decode().rstrip("=")])
+        return ".".join(
+            [SECRET_PREFIX, self.tenant_id, self.kid, base64.urlsafe_b64encode(self.key).decode().rstrip("=")]
+        )
 
     @classmethod
     def parse(cls, text: str) -> Secret:

@@ -28,7 +28,8 @@ CLIENT_TOKEN_SCOPE: Final = "CLIENT_TOKEN_SCOPE"  # a client token without the s
 # submitting
 RATE_LIMITED: Final = "RATE_LIMITED"  # the tenant's submissions per minute (RetryInfo)
 TOO_MANY_PENDING_TASKS: Final = "TOO_MANY_PENDING_TASKS"  # the tenant's unfinished-task limit (metadata limit)
-QUOTA_EXCEEDED: Final = "QUOTA_EXCEEDED"  # the task's GPU-seconds or tokens do not fit the tenant's budget (metadata budget; RetryInfo)
+# the task's GPU-seconds or tokens do not fit the tenant's budget (metadata budget; RetryInfo)
+QUOTA_EXCEEDED: Final = "QUOTA_EXCEEDED"
 IDEMPOTENCY_KEY_REUSED: Final = "IDEMPOTENCY_KEY_REUSED"  # ALREADY_EXISTS: the key names a different request (task_id)
 PRIORITY_NOT_ALLOWED: Final = "PRIORITY_NOT_ALLOWED"  # above the tenant's highest priority
 

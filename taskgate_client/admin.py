@@ -30,7 +30,9 @@ class AdminCalls(ClientCore):
         """Tasks the scheduler considers stuck, each with why."""
         response = await self._call(
             lambda: self.admin_stub.ListStuckTasks(
-                admin_pb2.ListStuckTasksRequest(limit=limit), metadata=self.admin_metadata, timeout=self.config.call_timeout
+                admin_pb2.ListStuckTasksRequest(limit=limit),
+                metadata=self.admin_metadata,
+                timeout=self.config.call_timeout,
             )
         )
         return list(response.tasks)
@@ -54,7 +56,11 @@ class AdminCalls(ClientCore):
         at once; without it they are SKIPPED, as SUCCEEDED and CANCELED tasks always are.
         """
         request = admin_pb2.RequeueTasksRequest(
-            task_ids=list(task_ids), dry_run=dry_run, batch_size=batch_size, reason=reason, replay_finished=replay_finished
+            task_ids=list(task_ids),
+            dry_run=dry_run,
+            batch_size=batch_size,
+            reason=reason,
+            replay_finished=replay_finished,
         )
         if status is not None or model or older_than is not None:
             request.filter.CopyFrom(admin_pb2.TaskFilter(statuses=wire_statuses(status), model_id=model or ""))
@@ -89,13 +95,18 @@ class AdminCalls(ClientCore):
         """Sends a task's callbacks again (failed or delivered); returns the deliveries scheduled."""
         response = await self._call(
             lambda: self.admin_stub.RedeliverCallback(
-                admin_pb2.RedeliverCallbackRequest(task_id=task_id), metadata=self.admin_metadata, timeout=self.config.call_timeout
+                admin_pb2.RedeliverCallbackRequest(task_id=task_id),
+                metadata=self.admin_metadata,
+                timeout=self.config.call_timeout,
             )
         )
         return list(response.deliveries)
 
-    async def deliveries(self, status: str | None = None, *, page_size: int = 100) -> AsyncIterator[admin_pb2.DeliveryRecord]:
-        """Webhook deliveries in a state (PENDING, DELIVERED, FAILED; None: all), newest first, with attempts and last error."""
+    async def deliveries(
+        self, status: str | None = None, *, page_size: int = 100
+    ) -> AsyncIterator[admin_pb2.DeliveryRecord]:
+        """Webhook deliveries in a state (PENDING, DELIVERED, FAILED; None: all), newest first, with attempts and last
+        error."""
         wanted = task_pb2.CallbackStatus.Value(f"CALLBACK_STATUS_{status.upper()}") if status else 0
         token = ""
         while True:
@@ -127,14 +138,18 @@ class AdminCalls(ClientCore):
             if not token:
                 return
 
-    async def rotate_webhook_secret(self, tenant: str, *, overlap: float = 24 * 3600.0) -> admin_pb2.RotateWebhookSecretResponse:
+    async def rotate_webhook_secret(
+        self, tenant: str, *, overlap: float = 24 * 3600.0
+    ) -> admin_pb2.RotateWebhookSecretResponse:
         """A new webhook secret for `tenant` (shown once); its current ones keep signing for `overlap` seconds.
 
         Not retried: a retry after a lost answer would rotate again and the secret shown first would be lost.
         """
         request = admin_pb2.RotateWebhookSecretRequest(tenant=tenant, overlap=duration(overlap))
         try:
-            return await self.admin_stub.RotateWebhookSecret(request, metadata=self.admin_metadata, timeout=self.config.call_timeout)
+            return await self.admin_stub.RotateWebhookSecret(
+                request, metadata=self.admin_metadata, timeout=self.config.call_timeout
+            )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
@@ -150,7 +165,9 @@ class AdminCalls(ClientCore):
         """Revokes the live keys with a prefix (as `api_keys` lists it); how many. NotFound when none is live."""
         request = admin_pb2.RevokeApiKeysRequest(prefix=prefix)
         response = await self._call(
-            lambda: self.admin_stub.RevokeApiKeys(request, metadata=self.admin_metadata, timeout=self.config.call_timeout)
+            lambda: self.admin_stub.RevokeApiKeys(
+                request, metadata=self.admin_metadata, timeout=self.config.call_timeout
+            )
         )
         return response.revoked
 

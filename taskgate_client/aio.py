@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # 3.11 typing names, in annotations only: the client also run
     from typing import Self, Unpack
 
 MAX_SUBMIT_BATCH = 1000  # tasks per SubmitTasks call, the gateway's limit
-INLINE_IMAGE_BYTES = 2 * 1024 * 1024  # an image file up to this size travels in the request; a larger one is uploaded first
+# an image file up to this size travels in the request; a larger one is uploaded first
+INLINE_IMAGE_BYTES = 2 * 1024 * 1024
 UPLOAD_PART = 1024 * 1024
 
 
@@ -59,7 +60,9 @@ class AsyncTaskgateClient(FollowCalls, AdminCalls):
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.close()
 
     # -- tasks ------------------------------------------------------------------------------------------------
@@ -100,16 +103,34 @@ class AsyncTaskgateClient(FollowCalls, AdminCalls):
         (opaque, at most 128 bytes); its limits, idempotency keys, fair share and usage are its own inside yours.
         """
         request = submit_request(
-            prompt, model, frames=frames, width=width, height=height, steps=steps, guidance=guidance, fps=fps, seed=seed,
-            negative_prompt=negative_prompt, priority=priority, idempotency_key=idempotency_key,
-            callback_url=callback_url, callback_events=callback_events, metadata=metadata, max_retries=max_retries,
-            task_type=task_type, image=await self._image_input(image), start_after=start_after,
-            max_queue_seconds=max_queue_seconds, end_user=end_user,
+            prompt,
+            model,
+            frames=frames,
+            width=width,
+            height=height,
+            steps=steps,
+            guidance=guidance,
+            fps=fps,
+            seed=seed,
+            negative_prompt=negative_prompt,
+            priority=priority,
+            idempotency_key=idempotency_key,
+            callback_url=callback_url,
+            callback_events=callback_events,
+            metadata=metadata,
+            max_retries=max_retries,
+            task_type=task_type,
+            image=await self._image_input(image),
+            start_after=start_after,
+            max_queue_seconds=max_queue_seconds,
+            end_user=end_user,
         )
         response = await self._submit_one(request)
         return self._handle(Task.from_proto(response.task, created=response.created))
 
-    async def chat(self, messages: ChatInput, model: str | None = None, **options: Unpack[ChatOptions]) -> AsyncTaskHandle:
+    async def chat(
+        self, messages: ChatInput, model: str | None = None, **options: Unpack[ChatOptions]
+    ) -> AsyncTaskHandle:
         """Submits a chat task (task_type "chat") and returns its handle: `messages` is one user message or the
         conversation (dicts of role and content, oldest first, ending with the user's); `system` (an option) goes
         first. Unset options take the model's defaults: `max_output_tokens`, `temperature` (0: greedy), `top_p`,
@@ -140,7 +161,9 @@ class AsyncTaskgateClient(FollowCalls, AdminCalls):
         ]
         out: builtins.list[AsyncTaskHandle | TaskgateError] = []
         for start in range(0, len(requests), chunk_size):
-            response = await self._submit_chunk(gateway_pb2.SubmitTasksRequest(requests=requests[start:start + chunk_size]))
+            response = await self._submit_chunk(
+                gateway_pb2.SubmitTasksRequest(requests=requests[start : start + chunk_size])
+            )
             for result in response.results:
                 if result.HasField("error"):
                     out.append(from_status(result.error))
@@ -222,7 +245,9 @@ class AsyncTaskgateClient(FollowCalls, AdminCalls):
         pipe = self._pipes.get(address)
         if pipe is None:
             auth = (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else ()
-            pipe = self._pipes[address] = SubmitPipe(lambda requests: self._gateway.SubmitStream(requests, metadata=auth))
+            pipe = self._pipes[address] = SubmitPipe(
+                lambda requests: self._gateway.SubmitStream(requests, metadata=auth)
+            )
         return pipe
 
     async def _submit_chunk(self, request: gateway_pb2.SubmitTasksRequest) -> gateway_pb2.SubmitTasksResponse:
@@ -234,7 +259,9 @@ class AsyncTaskgateClient(FollowCalls, AdminCalls):
         """The caller's tasks, newest first, fetching pages as the iteration goes."""
         token = ""
         while True:
-            request = gateway_pb2.ListTasksRequest(statuses=wire_statuses(status), page_size=page_size, page_token=token)
+            request = gateway_pb2.ListTasksRequest(
+                statuses=wire_statuses(status), page_size=page_size, page_token=token
+            )
             response = await self._call(
                 lambda r=request: self._gateway.ListTasks(r, metadata=self.metadata, timeout=self.config.call_timeout)  # type: ignore[misc]
             )
@@ -266,7 +293,9 @@ class AsyncTaskgateClient(FollowCalls, AdminCalls):
                 raise from_rpc_error(exc) from None
         else:
             response = await self._call(
-                lambda: self._gateway.GetClientTokenSecret(request, metadata=self.metadata, timeout=self.config.call_timeout)
+                lambda: self._gateway.GetClientTokenSecret(
+                    request, metadata=self.metadata, timeout=self.config.call_timeout
+                )
             )
         return response.secret
 
@@ -284,12 +313,17 @@ class AsyncTaskgateClient(FollowCalls, AdminCalls):
         )
         return response.token
 
-    async def regenerate(self, task_id: str, *, seed: int | None = None, idempotency_key: str | None = None) -> AsyncTaskHandle:
-        """A new task from a finished one's request: a new seed (random unless given), at HIGH when the tenant may use it.
+    async def regenerate(
+        self, task_id: str, *, seed: int | None = None, idempotency_key: str | None = None
+    ) -> AsyncTaskHandle:
+        """A new task from a finished one's request: a new seed (random unless given), at HIGH when the tenant may use
+        it.
 
         Without `idempotency_key` a fresh one is generated once per call, so the built-in retries make one task only.
         """
-        request = gateway_pb2.RegenerateTaskRequest(task_id=task_id, idempotency_key=idempotency_key or str(uuid.uuid4()))
+        request = gateway_pb2.RegenerateTaskRequest(
+            task_id=task_id, idempotency_key=idempotency_key or str(uuid.uuid4())
+        )
         if seed is not None:
             request.seed = seed
         response = await self._call(
@@ -306,7 +340,9 @@ class AsyncTaskgateClient(FollowCalls, AdminCalls):
         """
         request = gateway_pb2.TaskGatewayRotateWebhookSecretRequest(overlap=duration(overlap))
         try:
-            return await self._gateway.RotateWebhookSecret(request, metadata=self.metadata, timeout=self.config.call_timeout)
+            return await self._gateway.RotateWebhookSecret(
+                request, metadata=self.metadata, timeout=self.config.call_timeout
+            )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 

@@ -75,18 +75,26 @@ class ClientCore:
 
     @property
     def _gateway(self) -> gateway_pb2_grpc.TaskGatewayAsyncStub:
-        return cast("gateway_pb2_grpc.TaskGatewayAsyncStub", gateway_pb2_grpc.TaskGatewayStub(self._channel(self.config.address)))
+        return cast(
+            "gateway_pb2_grpc.TaskGatewayAsyncStub",
+            gateway_pb2_grpc.TaskGatewayStub(self._channel(self.config.address)),
+        )
 
     @property
     def _events(self) -> events_pb2_grpc.TaskEventsAsyncStub:
         assert self.config.events_address is not None
-        return cast("events_pb2_grpc.TaskEventsAsyncStub", events_pb2_grpc.TaskEventsStub(self._channel(self.config.events_address)))
+        return cast(
+            "events_pb2_grpc.TaskEventsAsyncStub",
+            events_pb2_grpc.TaskEventsStub(self._channel(self.config.events_address)),
+        )
 
     @property
     def admin_stub(self) -> admin_pb2_grpc.TaskAdminAsyncStub:
         """The raw TaskAdmin stub (pass `admin_metadata` with each call)."""
         assert self.config.admin_address is not None
-        return cast("admin_pb2_grpc.TaskAdminAsyncStub", admin_pb2_grpc.TaskAdminStub(self._channel(self.config.admin_address)))
+        return cast(
+            "admin_pb2_grpc.TaskAdminAsyncStub", admin_pb2_grpc.TaskAdminStub(self._channel(self.config.admin_address))
+        )
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -116,7 +124,8 @@ class ClientCore:
         return AsyncTaskHandle.bind(task, cast("AsyncTaskgateClient", self))  # every client is a ClientCore
 
     async def _call(self, make: Callable[[], Awaitable[T]]) -> T:
-        """Runs one unary call, retrying UNAVAILABLE (and ABORTED with RetryInfo) with backoff; errors become TaskgateError subclasses."""
+        """Runs one unary call, retrying UNAVAILABLE (and ABORTED with RetryInfo) with backoff; errors become
+        TaskgateError subclasses."""
         async for attempt in self._retrying():
             with attempt:
                 try:
@@ -131,7 +140,11 @@ class ClientCore:
         response = await self._call(
             lambda: self._gateway.GetTask(request, metadata=self.metadata, timeout=self.config.call_timeout)
         )
-        interval = response.suggested_poll_interval.ToNanoseconds() / 1e9 if response.HasField("suggested_poll_interval") else 0
+        interval = (
+            response.suggested_poll_interval.ToNanoseconds() / 1e9
+            if response.HasField("suggested_poll_interval")
+            else 0
+        )
         return Task.from_proto(response.task), interval or DEFAULT_POLL_SECONDS
 
     async def get(self, task_id: str) -> AsyncTaskHandle:

@@ -15,7 +15,8 @@ class FakeChecks(FakeTaskgateState):
     """What the fake refuses in a submission, as the gateway's validation does."""
 
     def _check(self, req: gateway_pb2.SubmitTaskRequest) -> tuple[str, dict[str, Any]]:
-        """INVALID_ARGUMENT naming every bad field (the services' rules for a default model), or the model and params."""
+        """INVALID_ARGUMENT naming every bad field (the services' rules for a default model), or the model and
+        params."""
         bad: list[tuple[str, str]] = []
         if (req.task_type or "text-to-video") == CHAT:
             return self._check_chat(req, bad)
@@ -26,7 +27,9 @@ class FakeChecks(FakeTaskgateState):
         model = req.model_id or self.default_model
         if model not in self.models:
             bad.append(("model_id", f"unknown model; known: {', '.join(sorted(self.models))}"))
-        served = "image-to-video" if model in self.image_models else CHAT if model in self.chat_models else "text-to-video"
+        served = (
+            "image-to-video" if model in self.image_models else CHAT if model in self.chat_models else "text-to-video"
+        )
         task_type = req.task_type or "text-to-video"
         if task_type != served:
             bad.append(("task_type", f"model {model} supports {served}"))
@@ -34,7 +37,9 @@ class FakeChecks(FakeTaskgateState):
         lim, p = self.limits, req.params
         frames = p.num_frames or lim.default_frames
         if frames < 1 or frames > lim.max_frames or (frames - 1) % lim.frame_step:
-            bad.append(("params.num_frames", f"must be 1..{lim.max_frames} with num_frames - 1 a multiple of {lim.frame_step}"))
+            bad.append(
+                ("params.num_frames", f"must be 1..{lim.max_frames} with num_frames - 1 a multiple of {lim.frame_step}")
+            )
         width, height = p.width or lim.default_width, p.height or lim.default_height
         for name, size in (("width", width), ("height", height)):
             if size < 1 or size > lim.max_size or size % lim.size_multiple:
@@ -101,8 +106,12 @@ class FakeChecks(FakeTaskgateState):
         if bad:
             raise _invalid(bad)
         return model, {
-            "messages": messages, "max_output_tokens": max_tokens, "temperature": c.temperature if c.HasField("temperature") else 1.0,
-            "top_p": c.top_p if c.HasField("top_p") else 1.0, "stop": list(c.stop), "seed": c.seed if c.HasField("seed") else None,
+            "messages": messages,
+            "max_output_tokens": max_tokens,
+            "temperature": c.temperature if c.HasField("temperature") else 1.0,
+            "top_p": c.top_p if c.HasField("top_p") else 1.0,
+            "stop": list(c.stop),
+            "seed": c.seed if c.HasField("seed") else None,
         }
 
     def _image(self, req: gateway_pb2.SubmitTaskRequest, task_type: str, bad: list[tuple[str, str]]) -> str | None:
@@ -139,6 +148,11 @@ class FakeChecks(FakeTaskgateState):
             return message.content
         text = self._texts.get(message.content_sha256)
         if text is None:
-            bad.append((f"chat.messages[{i}].content_sha256", "names no text attachment of this tenant (never uploaded, or expired)"))
+            bad.append(
+                (
+                    f"chat.messages[{i}].content_sha256",
+                    "names no text attachment of this tenant (never uploaded, or expired)",
+                )
+            )
             return message.content
         return f"{message.content}\n\n{text}" if message.content else text

@@ -31,7 +31,8 @@ CHAT = "chat"
 
 @dataclass(frozen=True, slots=True)
 class Succeed:
-    """The task runs, reports each `progress` percentage, and succeeds with `data` (None: bytes made from the prompt)."""
+    """The task runs, reports each `progress` percentage, and succeeds with `data` (None: bytes made from the
+    prompt)."""
 
     data: bytes | None = None
     content_type: str = "video/mp4"
@@ -166,7 +167,13 @@ class FakeTaskgateState:
         return Task.from_proto(self._copy(entry.task))
 
     def fail_next(
-        self, rpc: str, code: grpc.StatusCode, message: str = "injected", *, reason: str = "", retry_delay: float | None = None
+        self,
+        rpc: str,
+        code: grpc.StatusCode,
+        message: str = "injected",
+        *,
+        reason: str = "",
+        retry_delay: float | None = None,
     ) -> None:
         """The next call of `rpc` (e.g. "SubmitTask") fails with `code`; call it again to queue more failures."""
         details: list[Message] = [_info(reason or code.name)]
@@ -296,7 +303,9 @@ class FakeTaskgateState:
         if isinstance(outcome, Succeed):
             task = entry.task
             chat = task.task_type == CHAT
-            entry.data = outcome.data if outcome.data is not None else (self._answer(task) if chat else self._video(task))
+            entry.data = (
+                outcome.data if outcome.data is not None else (self._answer(task) if chat else self._video(task))
+            )
             if chat:
                 text = entry.data.decode(errors="replace")
                 self._stream_text(entry, text)
@@ -312,7 +321,13 @@ class FakeTaskgateState:
         elif isinstance(outcome, Fail):
             self._move(entry, Status.FAILED, reason="failed", actor="worker", error=(outcome.code, outcome.message))
         else:
-            self._move(entry, Status.TIMEOUT, reason="processing timeout", actor="scheduler", error=("PROCESSING_TIMEOUT", outcome.message))
+            self._move(
+                entry,
+                Status.TIMEOUT,
+                reason="processing timeout",
+                actor="scheduler",
+                error=("PROCESSING_TIMEOUT", outcome.message),
+            )
 
     def _stream_text(self, entry: _Entry, text: str) -> None:
         """Plays the worker's streamed output: the answer in word-sized chunks, as a real stream carries them."""
@@ -336,7 +351,9 @@ class FakeTaskgateState:
     @staticmethod
     def _video(task: task_pb2.Task) -> bytes:
         """Deterministic stand-in bytes: the same request gives the same output."""
-        digest = hashlib.sha256(f"{task.model_id}\n{task.prompt}\n{task.params.seed}\n{task.image.sha256}".encode()).digest()
+        digest = hashlib.sha256(
+            f"{task.model_id}\n{task.prompt}\n{task.params.seed}\n{task.image.sha256}".encode()
+        ).digest()
         return b"FAKE-MP4\n" + digest * 8
 
     def _autorun(self, entry: _Entry) -> None:

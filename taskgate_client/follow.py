@@ -21,13 +21,17 @@ from taskgate_client.streaming import Output, Preview, TextAssembler, TextDelta
 from taskgate_client.types import Status, TaskEvent
 
 # When the event stream itself cannot be used, wait() polls instead.
-POLL_INSTEAD = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED})
+POLL_INSTEAD = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
 
 
 class FollowCalls(ClientCore):
     """Following tasks: watch, output, stream_text, previews, logs, text, watch_all, wait."""
 
-    async def watch(self, task_id: str, *, after_version: int = 0, resume_attempts: int | None = None) -> AsyncIterator[TaskEvent]:
+    async def watch(
+        self, task_id: str, *, after_version: int = 0, resume_attempts: int | None = None
+    ) -> AsyncIterator[TaskEvent]:
         """The task's snapshot, then each later event, until it is terminal.
 
         A dropped stream (UNAVAILABLE, ABORTED, ...) is resumed with the last version seen, so no event is
@@ -141,8 +145,11 @@ class FollowCalls(ClientCore):
                 return bytes(data)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def logs(self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None) -> AsyncIterator[Output]:
-        """The worker's log lines about the task (model load, warm-up, each phase's seconds) as they come, until it ends."""
+    async def logs(
+        self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None
+    ) -> AsyncIterator[Output]:
+        """The worker's log lines about the task (model load, warm-up, each phase's seconds) as they come, until it
+        ends."""
         async for chunk in self.output(task_id, after_sequence=after_sequence, resume_attempts=resume_attempts):
             if chunk.kind == "log":
                 yield chunk
@@ -160,7 +167,9 @@ class FollowCalls(ClientCore):
         async for attempt in self._retrying():
             with attempt:
                 data.clear()
-                call = self._gateway.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=self.metadata)
+                call = self._gateway.GetTaskResult(
+                    gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=self.metadata
+                )
                 try:
                     async for chunk in call:
                         data += chunk.data
@@ -179,12 +188,16 @@ class FollowCalls(ClientCore):
         """
         statuses = wire_statuses(status)
 
-        def open_stream(after: str) -> grpc.aio.UnaryStreamCall[events_pb2.WatchTasksRequest, events_pb2.WatchTasksResponse]:
+        def open_stream(
+            after: str,
+        ) -> grpc.aio.UnaryStreamCall[events_pb2.WatchTasksRequest, events_pb2.WatchTasksResponse]:
             request = events_pb2.WatchTasksRequest(statuses=statuses, cursor=after)
             return self._events.WatchTasks(request, metadata=self.metadata)
 
         limit = self.config.watch_resume_attempts if resume_attempts is None else resume_attempts
-        return AsyncEventStream(open_stream, cursor=cursor or "", resume_attempts=limit, max_delay=self.config.retry_max_delay)
+        return AsyncEventStream(
+            open_stream, cursor=cursor or "", resume_attempts=limit, max_delay=self.config.retry_max_delay
+        )
 
     async def wait(
         self,

@@ -39,7 +39,9 @@ class AsyncTaskHandle(Task):
         """The task's current state."""
         return await self.client.get(self.task_id)
 
-    async def wait(self, timeout: float | None = None, *, on_event: Callable[[TaskEvent], Any] | None = None) -> AsyncTaskHandle:
+    async def wait(
+        self, timeout: float | None = None, *, on_event: Callable[[TaskEvent], Any] | None = None
+    ) -> AsyncTaskHandle:
         """The task once terminal (any terminal state; WaitTimeout after `timeout` seconds)."""
         return await self.client.wait(self.task_id, timeout, on_event=on_event)
 

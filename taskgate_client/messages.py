@@ -115,12 +115,19 @@ def chat_request(
         turns.insert(0, {"role": "system", "content": system})
     params = task_pb2.ChatParams(
         messages=[
-            task_pb2.ChatMessage(role=t.get("role", ""), content=t.get("content", ""), content_sha256=t.get("content_sha256", ""))
+            task_pb2.ChatMessage(
+                role=t.get("role", ""), content=t.get("content", ""), content_sha256=t.get("content_sha256", "")
+            )
             for t in turns
         ],
         stop=list(stop),
     )
-    for name, value in (("max_output_tokens", max_output_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed)):
+    for name, value in (
+        ("max_output_tokens", max_output_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("seed", seed),
+    ):
         if value is not None:
             setattr(params, name, value)
     request = submit_request(

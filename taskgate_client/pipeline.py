@@ -99,7 +99,9 @@ class _Stream:
                 return await future
         except TimeoutError:
             raise from_status(
-                status_pb2.Status(code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message="no answer within the call's timeout")
+                status_pb2.Status(
+                    code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message="no answer within the call's timeout"
+                )
             ) from None
         finally:
             self._pending.pop(rid, None)
@@ -130,7 +132,9 @@ class _Stream:
             if refused:
                 error = StreamUnavailable()
             elif exc.code() in _BROKEN:  # the server went away, or ended while requests were written: retry them
-                error = from_status(status_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0], message=exc.details() or ""))
+                error = from_status(
+                    status_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0], message=exc.details() or "")
+                )
             else:
                 error = from_rpc_error(exc)
         except asyncio.CancelledError:
@@ -185,7 +189,9 @@ class SubmitPipe:
                 self._unary_until = time.monotonic() + RETRY_STREAM_SECONDS
                 raise
         raise from_status(
-            status_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0], message="the server kept ending its submit streams; retry")
+            status_pb2.Status(
+                code=grpc.StatusCode.UNAVAILABLE.value[0], message="the server kept ending its submit streams; retry"
+            )
         )
 
     async def close(self) -> None:

@@ -50,7 +50,8 @@ class ProgressBar:
             return
         same = event.status == self.status
         position = event.queue_position if event.snapshot else (self.queue_position if same else 0)
-        if event.snapshot or event.estimated_finish is not None or not same:  # an event without an ETA keeps the last one
+        # an event without an ETA keeps the last one
+        if event.snapshot or event.estimated_finish is not None or not same:
             self.estimated_start, self.estimated_finish = event.estimated_start, event.estimated_finish
         self.update(event.status, event.progress, position, event.version)
 

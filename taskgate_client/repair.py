@@ -1,4 +1,5 @@
-"""The repair tool: find stuck tasks over TaskAdmin, print the plan, requeue them in batches, stop on the first error."""
+"""The repair tool: find stuck tasks over TaskAdmin, print the plan, requeue them in batches, stop on the first
+error."""
 
 from __future__ import annotations
 
@@ -74,7 +75,10 @@ async def repair(
         return result
     for item in stuck:
         t = item.task
-        write(f"  {t.id}  {t.model_id}  {_status(t.status)}  {item.reason}  attempt={t.attempt} worker={t.worker_id or '-'}\n")
+        write(
+            f"  {t.id}  {t.model_id}  {_status(t.status)}  {item.reason}  attempt={t.attempt} "
+            f"worker={t.worker_id or '-'}\n"
+        )
     mode = "dry run: nothing will change" if dry_run else "acting now"
     write(f"plan: requeue {len(stuck)} task(s) in batches of {batch_size} ({mode})\n")
     request = admin_pb2.RequeueTasksRequest(

@@ -83,7 +83,9 @@ class AsyncEventStream:
 
     def __init__(
         self,
-        open_stream: Callable[[str], grpc.aio.UnaryStreamCall[events_pb2.WatchTasksRequest, events_pb2.WatchTasksResponse]],
+        open_stream: Callable[
+            [str], grpc.aio.UnaryStreamCall[events_pb2.WatchTasksRequest, events_pb2.WatchTasksResponse]
+        ],
         *,
         cursor: str,
         resume_attempts: int,

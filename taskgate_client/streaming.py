@@ -53,7 +53,9 @@ class Preview:
 
     @classmethod
     def of(cls, chunk: Output, data: bytes | None = None) -> Preview:
-        return cls(chunk.task_id, chunk.sequence, chunk.attempt, chunk.step, chunk.uri, chunk.content_type, data, chunk.at)
+        return cls(
+            chunk.task_id, chunk.sequence, chunk.attempt, chunk.step, chunk.uri, chunk.content_type, data, chunk.at
+        )
 
 
 class TextDelta(str):

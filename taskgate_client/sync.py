@@ -152,7 +152,8 @@ class TaskgateClient:
         chunk_size: int = MAX_SUBMIT_BATCH,
         on_progress: Callable[[int, int], Any] | None = None,
     ) -> builtins.list[TaskHandle | TaskgateError]:
-        """Submits many tasks, one result per item (its handle or its own error); see AsyncTaskgateClient.submit_many."""
+        """Submits many tasks, one result per item (its handle or its own error); see
+        AsyncTaskgateClient.submit_many."""
         results = self._runner.run(self._client.submit_many(items, chunk_size=chunk_size, on_progress=on_progress))
         return [r if isinstance(r, TaskgateError) else self._handle(r) for r in results]
 
@@ -205,16 +206,27 @@ class TaskgateClient:
         )
 
     def regenerate(self, task_id: str, *, seed: int | None = None, idempotency_key: str | None = None) -> TaskHandle:
-        """A new task from a finished one's request: a new seed (random unless given), at HIGH when the tenant may use it."""
-        return self._handle(self._runner.run(self._client.regenerate(task_id, seed=seed, idempotency_key=idempotency_key)))
+        """A new task from a finished one's request: a new seed (random unless given), at HIGH when the tenant may use
+        it."""
+        return self._handle(
+            self._runner.run(self._client.regenerate(task_id, seed=seed, idempotency_key=idempotency_key))
+        )
 
-    def watch(self, task_id: str, *, after_version: int = 0, resume_attempts: int | None = None) -> Generator[TaskEvent, None, None]:
+    def watch(
+        self, task_id: str, *, after_version: int = 0, resume_attempts: int | None = None
+    ) -> Generator[TaskEvent, None, None]:
         """The snapshot, then each event until the task is terminal; resumes dropped streams."""
-        return self._runner.iterate(self._client.watch(task_id, after_version=after_version, resume_attempts=resume_attempts))
+        return self._runner.iterate(
+            self._client.watch(task_id, after_version=after_version, resume_attempts=resume_attempts)
+        )
 
-    def output(self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None) -> Generator[Output, None, None]:
+    def output(
+        self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None
+    ) -> Generator[Output, None, None]:
         """See AsyncTaskgateClient.output."""
-        return self._runner.iterate(self._client.output(task_id, after_sequence=after_sequence, resume_attempts=resume_attempts))
+        return self._runner.iterate(
+            self._client.output(task_id, after_sequence=after_sequence, resume_attempts=resume_attempts)
+        )
 
     def stream_text(self, task_id: str, *, resume_attempts: int | None = None) -> Generator[TextDelta, None, None]:
         """See AsyncTaskgateClient.stream_text."""
@@ -232,19 +244,27 @@ class TaskgateClient:
         """See AsyncTaskgateClient.preview_bytes."""
         return self._runner.run(self._client.preview_bytes(task_id, uri))
 
-    def logs(self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None) -> Generator[Output, None, None]:
+    def logs(
+        self, task_id: str, *, after_sequence: int = 0, resume_attempts: int | None = None
+    ) -> Generator[Output, None, None]:
         """See AsyncTaskgateClient.logs."""
-        return self._runner.iterate(self._client.logs(task_id, after_sequence=after_sequence, resume_attempts=resume_attempts))
+        return self._runner.iterate(
+            self._client.logs(task_id, after_sequence=after_sequence, resume_attempts=resume_attempts)
+        )
 
     def text(self, task_id: str, timeout: float | None = None) -> str:
         """See AsyncTaskgateClient.text."""
         return self._runner.run(self._client.text(task_id, timeout))
 
-    def watch_all(self, status: StatusFilter = None, *, cursor: str | None = None, resume_attempts: int | None = None) -> EventStream:
+    def watch_all(
+        self, status: StatusFilter = None, *, cursor: str | None = None, resume_attempts: int | None = None
+    ) -> EventStream:
         """Every event of the caller's tasks from `cursor` on (None: from now); resumes dropped streams. Never ends."""
         return EventStream(self._runner, self._client.watch_all(status, cursor=cursor, resume_attempts=resume_attempts))
 
-    def wait(self, task_id: str, timeout: float | None = None, *, on_event: Callable[[TaskEvent], Any] | None = None) -> TaskHandle:
+    def wait(
+        self, task_id: str, timeout: float | None = None, *, on_event: Callable[[TaskEvent], Any] | None = None
+    ) -> TaskHandle:
         """Blocks until the task is terminal (WaitTimeout after `timeout` seconds)."""
         return self._handle(self._runner.run(self._client.wait(task_id, timeout, on_event=on_event)))
 
@@ -289,7 +309,9 @@ class TaskgateClient:
         """Admin: sends a task's callbacks again."""
         return self._runner.run(self._client.redeliver(task_id))
 
-    def deliveries(self, status: str | None = None, *, page_size: int = 100) -> Generator[admin_pb2.DeliveryRecord, None, None]:
+    def deliveries(
+        self, status: str | None = None, *, page_size: int = 100
+    ) -> Generator[admin_pb2.DeliveryRecord, None, None]:
         """Admin: webhook deliveries in a state, newest first, with attempts and last error."""
         return self._runner.iterate(self._client.deliveries(status, page_size=page_size))
 
@@ -297,11 +319,16 @@ class TaskgateClient:
         """Admin: what admins did, newest first."""
         return self._runner.iterate(self._client.audit(admin, page_size=page_size))
 
-    def rotate_own_webhook_secret(self, *, overlap: float = 24 * 3600.0) -> gateway_pb2.TaskGatewayRotateWebhookSecretResponse:
-        """A new webhook secret for your own tenant (shown once); the current ones keep signing for `overlap` seconds."""
+    def rotate_own_webhook_secret(
+        self, *, overlap: float = 24 * 3600.0
+    ) -> gateway_pb2.TaskGatewayRotateWebhookSecretResponse:
+        """A new webhook secret for your own tenant (shown once); the current ones keep signing for `overlap`
+        seconds."""
         return self._runner.run(self._client.rotate_own_webhook_secret(overlap=overlap))
 
-    def rotate_webhook_secret(self, tenant: str, *, overlap: float = 24 * 3600.0) -> admin_pb2.RotateWebhookSecretResponse:
+    def rotate_webhook_secret(
+        self, tenant: str, *, overlap: float = 24 * 3600.0
+    ) -> admin_pb2.RotateWebhookSecretResponse:
         """Admin: a new webhook secret for a tenant; its current ones keep signing for `overlap` seconds."""
         return self._runner.run(self._client.rotate_webhook_secret(tenant, overlap=overlap))
 

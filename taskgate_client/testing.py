@@ -90,7 +90,9 @@ class FakeTaskgate(FakeChecks):
 
     # -- TaskGateway ---------------------------------------------------------------------------------------------
 
-    async def _upload(self, parts: AsyncIterator[gateway_pb2.UploadInputRequest], **_: Any) -> gateway_pb2.UploadInputResponse:
+    async def _upload(
+        self, parts: AsyncIterator[gateway_pb2.UploadInputRequest], **_: Any
+    ) -> gateway_pb2.UploadInputResponse:
         self._injected("UploadInput")
         received = [part async for part in parts]
         data = b"".join(part.data for part in received)
@@ -118,9 +120,18 @@ class FakeTaskgate(FakeChecks):
         self._injected("SubmitTask")
         model, params = self._check(request)
         fingerprint = json.dumps(
-            [request.task_type or "text-to-video", model, request.prompt, params, request.priority or task_pb2.PRIORITY_NORMAL,
-             request.callback_url, sorted(request.callback_events), dict(sorted(request.metadata.items())),
-             request.max_retries if request.HasField("max_retries") else 3, request.end_user],
+            [
+                request.task_type or "text-to-video",
+                model,
+                request.prompt,
+                params,
+                request.priority or task_pb2.PRIORITY_NORMAL,
+                request.callback_url,
+                sorted(request.callback_events),
+                dict(sorted(request.metadata.items())),
+                request.max_retries if request.HasField("max_retries") else 3,
+                request.end_user,
+            ],
             sort_keys=True,
         )
         key = request.idempotency_key or hashlib.sha256(fingerprint.encode()).hexdigest()
@@ -151,8 +162,8 @@ class FakeTaskgate(FakeChecks):
                 delay = self._to_midnight()
                 raise rpc_error(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"this task is estimated at {self.gpu_seconds_per_task:.1f} GPU-seconds and the tenant's budget has "
-                    f"{left:.1f} left this day (UTC)",
+                    f"this task is estimated at {self.gpu_seconds_per_task:.1f} GPU-seconds and the tenant's budget "
+                    f"has {left:.1f} left this day (UTC)",
                     _info(reasons.QUOTA_EXCEEDED, budget="gpu_seconds", window="day", gpu_seconds_left=f"{left:.3f}",
                           gpu_seconds_estimate=f"{self.gpu_seconds_per_task:.3f}"),
                     error_details_pb2.RetryInfo(retry_delay=delay),
@@ -213,7 +224,8 @@ class FakeTaskgate(FakeChecks):
         self._keys[(request.end_user, key)] = task_id
         self._move(entry, Status.CREATED, reason="submitted", actor="submit")
         answer = gateway_pb2.SubmitTaskResponse(task=self._copy(task, position=True), created=True)
-        self._move(entry, Status.QUEUED, reason="dispatched", actor="submit")  # as the real dispatcher, after the answer
+        # as the real dispatcher, after the answer
+        self._move(entry, Status.QUEUED, reason="dispatched", actor="submit")
         return answer
 
     def _to_midnight(self) -> duration_pb2.Duration:
@@ -383,7 +395,8 @@ class FakeAsyncTaskgateClient(AsyncTaskgateClient):
 
 
 class FakeTaskgateClient(TaskgateClient):
-    """A TaskgateClient (blocking) whose calls a FakeTaskgate answers in memory: same methods, same types, same errors."""
+    """A TaskgateClient (blocking) whose calls a FakeTaskgate answers in memory: same methods, same types, same
+    errors."""
 
     def __init__(self, server: FakeTaskgate | None = None, *, outcome: Script = SUCCEED) -> None:
         self.server = server or FakeTaskgate(outcome=outcome)

@@ -25,5 +25,7 @@ def mint_client_token(
     except ImportError as exc:  # pragma: no cover - the extra is installed wherever this is tested
         raise RuntimeError("minting client tokens needs PyJWT: pip install 'taskgate-client[tokens]'") from exc
     parsed = Secret.parse(secret)
-    body = claims(parsed.tenant_id, end_user, scopes=scopes, task_ids=task_ids, ttl_seconds=ttl_seconds, now=time.time())
+    body = claims(
+        parsed.tenant_id, end_user, scopes=scopes, task_ids=task_ids, ttl_seconds=ttl_seconds, now=time.time()
+    )
     return jwt.encode(body, parsed.key, algorithm="HS256", headers={"kid": parsed.kid})

@@ -68,7 +68,8 @@ class ChatOptions(TypedDict, total=False):
 
 
 class SubmitItem(SubmitOptions, total=False):
-    """One task of submit_many: submit()'s prompt and model beside its options (a JSON line of `taskgate submit --file`)."""
+    """One task of submit_many: submit()'s prompt and model beside its options (a JSON line of `taskgate submit
+    --file`)."""
 
     prompt: str
     model: str | None
@@ -159,7 +160,12 @@ class TextAnswer:
         return cls(msg.text, msg.truncated, msg.finish_reason, msg.chars)
 
     def to_dict(self) -> dict[str, object]:
-        return {"text": self.text, "truncated": self.truncated, "finish_reason": self.finish_reason, "chars": self.chars}
+        return {
+            "text": self.text,
+            "truncated": self.truncated,
+            "finish_reason": self.finish_reason,
+            "chars": self.chars,
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Local-stack tooling: `make run`, embedded PostgreSQL + NATS, the tiny model, the settings table (never imported by production code)."""
+"""Local-stack tooling: `make run`, embedded PostgreSQL + NATS, the tiny model, the settings table (never imported by
+production code)."""
 
 import os
 

@@ -41,7 +41,9 @@ def released_protos(into: Path, ref: str = PREVIOUS_RELEASE) -> Path | None:
     if not found:
         return None
     ref = found[0]
-    archive = subprocess.run(["git", "archive", "--format=tar", ref, "protos"], cwd=ROOT, capture_output=True, check=True)
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", ref, "protos"], cwd=ROOT, capture_output=True, check=True
+    )
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(into, filter="data")
     return into / "protos"
@@ -90,7 +92,10 @@ def check(buf: Path, ref: str = PREVIOUS_RELEASE) -> list[str]:
 def main() -> int:
     buf = binary()
     if buf is None:
-        print("no buf binary: `make venv` installs it with npm (npm install @bufbuild/buf into .venv/buf)", file=sys.stderr)
+        print(
+            "no buf binary: `make venv` installs it with npm (npm install @bufbuild/buf into .venv/buf)",
+            file=sys.stderr,
+        )
         return 2
     problems = check(buf)
     for problem in problems:

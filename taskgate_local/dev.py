@@ -125,7 +125,13 @@ def busy_ports(settings: Settings, ports: dict[str, int]) -> list[str]:
             wanted[f"TASKGATE_{name.upper()}_METRICS_PORT"] = metrics
     busy = []
     for variable, port in wanted.items():
-        host = settings.metrics_host if "METRICS" in variable else settings.http_host if "HTTP" in variable else settings.grpc_host
+        host = (
+            settings.metrics_host
+            if "METRICS" in variable
+            else settings.http_host
+            if "HTTP" in variable
+            else settings.grpc_host
+        )
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             # a connection of the previous run left in TIME_WAIT is no listener (the servers bind over it too)
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -291,7 +297,9 @@ class DevStack:
             }
         )
         if "TASKGATE_CALLBACK_ALLOW_HOSTS" not in os.environ:
-            env["TASKGATE_CALLBACK_ALLOW_HOSTS"] = json.dumps(sorted({"127.0.0.1", "localhost", *self.settings.callback_allow_hosts}))
+            env["TASKGATE_CALLBACK_ALLOW_HOSTS"] = json.dumps(
+                sorted({"127.0.0.1", "localhost", *self.settings.callback_allow_hosts})
+            )
         if self.settings.models and "TASKGATE_MODELS" not in os.environ:
             # Relative model folders must mean the same thing to the services as to us.
             models = {
@@ -305,7 +313,9 @@ class DevStack:
         """Starts each service as `python -m services.<name>` in its own session (so only we get Ctrl-C)."""
         busy = busy_ports(self.settings, {name: self.ports[name] for name in self.services})
         if busy:
-            raise StartError(f"ports in use: {', '.join(busy)}; stop what uses them, or set those variables (0 = any free port)")
+            raise StartError(
+                f"ports in use: {', '.join(busy)}; stop what uses them, or set those variables (0 = any free port)"
+            )
         for name in self.services:
             self.children.append(await self._spawn(name))
 
@@ -328,7 +338,9 @@ class DevStack:
 
     def keep_running(self) -> None:
         """From now on a service that exits is restarted with backoff instead of stopping the stack; stop() ends it."""
-        self._keepers = [asyncio.create_task(self._keep(index), name=f"keep-{c.name}") for index, c in enumerate(self.children)]
+        self._keepers = [
+            asyncio.create_task(self._keep(index), name=f"keep-{c.name}") for index, c in enumerate(self.children)
+        ]
 
     async def _keep(self, index: int) -> None:
         restarts = 0
@@ -356,17 +368,22 @@ class DevStack:
         while pending:
             for name, child in list(pending.items()):
                 if child.proc.returncode is not None:
-                    raise StartError(f"{name} exited with code {child.proc.returncode} while starting (its log is above)")
+                    raise StartError(
+                        f"{name} exited with code {child.proc.returncode} while starting (its log is above)"
+                    )
                 if await _serving(self.address(name), http=name == "http"):
                     self.console.say(f"{name} is serving on {self.address(name)}")
                     del pending[name]
             if pending and time.monotonic() > deadline:
-                raise StartError(f"not healthy after {self.settings.dev_start_timeout_seconds:g}s: {', '.join(pending)}")
+                raise StartError(
+                    f"not healthy after {self.settings.dev_start_timeout_seconds:g}s: {', '.join(pending)}"
+                )
             if pending:
                 await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
-        """Ends the restarts, SIGTERMs every service, waits for them, SIGKILLs what is left, stops the embedded servers."""
+        """Ends the restarts, SIGTERMs every service, waits for them, SIGKILLs what is left, stops the embedded
+        servers."""
         for keeper in self._keepers:
             keeper.cancel()
         await asyncio.gather(*self._keepers, return_exceptions=True)
@@ -413,7 +430,9 @@ async def run_demo(console: Console, details: LocalStack, settings: Settings, pr
         console.say(f"submitted demo task {task.task_id}: {prompt!r}")
         final = await follow(client, task.task_id, console.out, settings.dev_demo_timeout_seconds)
         if final.result is None:
-            raise StartError(f"the demo task ended {final.status.value}: {final.error_code} {final.error_message}".rstrip())
+            raise StartError(
+                f"the demo task ended {final.status.value}: {final.error_code} {final.error_message}".rstrip()
+            )
         info = await client.download(task.task_id, target)
         console.say(f"demo video: {target} ({info.size_bytes} bytes, sha256 verified)")
         if tinylm.MODEL_NAME in settings.models:
@@ -428,7 +447,9 @@ async def chat_demo(client: AsyncTaskgateClient, console: Console, settings: Set
     console.say(f"submitted demo chat task {task.task_id}: {question!r}")
     final = await follow(client, task.task_id, console.out, settings.dev_demo_timeout_seconds)
     if final.answer is None:
-        raise StartError(f"the demo chat task ended {final.status.value}: {final.error_code} {final.error_message}".rstrip())
+        raise StartError(
+            f"the demo chat task ended {final.status.value}: {final.error_code} {final.error_message}".rstrip()
+        )
     console.say(f"demo chat answer ({final.output_tokens} tokens, {final.answer.finish_reason}): {final.answer.text!r}")
 
 
@@ -463,8 +484,8 @@ def next_steps(console: Console, details: LocalStack, state_dir: Path) -> None:
     console.say()
     console.out.write(
         f"  gateway {details.address}   events {details.events_address}   admin {details.admin_address}\n"
-        f"  HTTP API {details.http_address}/v1   dashboard {details.http_address}/dashboard   OpenAPI {details.http_address}/openapi.json\n"
-        f"  demo API key and admin key: {state_dir / 'client.json'}\n"
+        f"  HTTP API {details.http_address}/v1   dashboard {details.http_address}/dashboard   OpenAPI "
+        f"{details.http_address}/openapi.json\n  demo API key and admin key: {state_dir / 'client.json'}\n"
     )
     console.say("Ctrl-C stops everything.")
 
@@ -478,7 +499,9 @@ async def main_async(settings: Settings, *, demo_only: bool, demo: bool, prompt:
     dev = DevStack(settings, console)
     saved = LocalStack.load(dev.state_dir)
     if saved is not None and await _serving(saved.address):
-        console.say(f"a taskgate stack is already serving on {saved.address} (from {dev.state_dir}); use it, or stop it first")
+        console.say(
+            f"a taskgate stack is already serving on {saved.address} (from {dev.state_dir}); use it, or stop it first"
+        )
         return 1
     code = 0
     try:
@@ -529,14 +552,22 @@ async def _start_and_demo(dev: DevStack, settings: Settings, *, demo: bool, prom
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line of `python -m taskgate_local.dev`."""
     parser = argparse.ArgumentParser(prog="python -m taskgate_local.dev", description=__doc__)
-    parser.add_argument("--demo-only", action="store_true", help="exit after the demo video is saved (env TASKGATE_DEV_DEMO_ONLY)")
+    parser.add_argument(
+        "--demo-only", action="store_true", help="exit after the demo video is saved (env TASKGATE_DEV_DEMO_ONLY)"
+    )
     parser.add_argument("--no-demo", action="store_true", help="start the stack without submitting the demo task")
     parser.add_argument("--prompt", default=DEMO_PROMPT, help="the demo task's prompt")
     args = parser.parse_args(argv)
     settings = load_settings()
     console = Console()
     return asyncio.run(
-        main_async(settings, demo_only=args.demo_only or settings.dev_demo_only, demo=not args.no_demo, prompt=args.prompt, console=console)
+        main_async(
+            settings,
+            demo_only=args.demo_only or settings.dev_demo_only,
+            demo=not args.no_demo,
+            prompt=args.prompt,
+            console=console,
+        )
     )
 
 

@@ -1,10 +1,11 @@
-"""`make pin-digests`: every third-party image the Dockerfile, compose.yaml and deploy/ name, pinned as `name:tag@sha256:...`.
+"""`make pin-digests`: every third-party image the Dockerfile, compose.yaml and deploy/ name, pinned as
+`name:tag@sha256:...`.
 
-The tag says what the image is; the digest is what is pulled, so a re-pushed tag cannot change an image under a manifest.
-This asks a registry for each tag's current digest (skopeo, crane or `docker buildx imagetools`, whichever is here) and
-rewrites the references whose digest moved; `--check` only lists what is not pinned (tests/system/test_images.py runs that
-check offline). taskgate's own images (taskgate-api, taskgate, taskgate-cuda) are not here: the release pins them with
-kustomize's `images:` (`digest:`), as deploy/README.md says.
+The tag says what the image is; the digest is what is pulled, so a re-pushed tag cannot change an image under a
+manifest. This asks a registry for each tag's current digest (skopeo, crane or `docker buildx imagetools`, whichever is
+here) and rewrites the references whose digest moved; `--check` only lists what is not pinned
+(tests/system/test_images.py runs that check offline). taskgate's own images (taskgate-api, taskgate, taskgate-cuda) are
+not here: the release pins them with kustomize's `images:` (`digest:`), as deploy/README.md says.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def references() -> list[Reference]:
 def resolver() -> list[str] | None:
     """A command that prints a reference's digest (the reference appended), or None when no tool is here."""
     if shutil.which("skopeo"):
-        return ["skopeo", "inspect", "--raw"]  # the top-level manifest (the multi-platform index): its sha256 is the digest
+        # the top-level manifest (the multi-platform index): its sha256 is the digest
+        return ["skopeo", "inspect", "--raw"]
     if shutil.which("crane"):
         return ["crane", "digest"]
     if shutil.which("docker") and subprocess.run(["docker", "buildx", "version"], capture_output=True).returncode == 0:
@@ -84,7 +86,11 @@ def resolve(command: list[str], tagged: str) -> str:
     if done.returncode != 0:
         error = done.stderr.decode(errors="replace").strip()
         raise RuntimeError(error.splitlines()[-1] if error else f"exit {done.returncode}")
-    digest = f"sha256:{hashlib.sha256(done.stdout).hexdigest()}" if command[0] == "skopeo" else done.stdout.decode().strip().strip('"')
+    digest = (
+        f"sha256:{hashlib.sha256(done.stdout).hexdigest()}"
+        if command[0] == "skopeo"
+        else done.stdout.decode().strip().strip('"')
+    )
     if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
         raise RuntimeError(f"not a digest: {digest!r}")
     return digest

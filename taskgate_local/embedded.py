@@ -171,7 +171,8 @@ class EmbeddedPostgres:
 
 @dataclass
 class EmbeddedStack:
-    """Both servers under one state folder; its servers file (taskgate.stackfile) tells other processes where they are."""
+    """Both servers under one state folder; its servers file (taskgate.stackfile) tells other processes where they
+    are."""
 
     state_dir: Path
     postgres: EmbeddedPostgres | None = None

@@ -1,10 +1,10 @@
 """`make images`: builds taskgate's images from the Dockerfile with podman, buildah or docker (whichever works here).
 
-scripts/container_host.sh prepares the machine first (an engine; without a registry, a local base image and stand-ins for
-postgres and nats). The Dockerfile's defaults suit a machine with internet; here they become build arguments:
+scripts/container_host.sh prepares the machine first (an engine; without a registry, a local base image and stand-ins
+for postgres and nats). The Dockerfile's defaults suit a machine with internet; here they become build arguments:
 PYTHON_IMAGE (default: the official base when it can be pulled, else the local one), TORCH_INDEX_URL and LOCAL_WHEELS
-(default: a folder of pip's own --find-links configuration that holds the pinned CPU torch wheel, used with PyPI).
-The CUDA image is built only when asked (--cuda, or `make images CUDA=1`): its torch pulls ~2.7 GB of nvidia wheels.
+(default: a folder of pip's own --find-links configuration that holds the pinned CPU torch wheel, used with PyPI). The
+CUDA image is built only when asked (--cuda, or `make images CUDA=1`): its torch pulls ~2.7 GB of nvidia wheels.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_BASE = "localhost/taskgate-base:bookworm"
 DOCKERFILE = ROOT / "Dockerfile"
-# the Dockerfile's default base, pinned by digest there: the one place that names it (an installed wheel has no Dockerfile)
+# the Dockerfile's default base, pinned by digest there: the one place that names it (an installed wheel has no
+# Dockerfile)
 _BASE = re.search(r"^ARG PYTHON_IMAGE=(\S+)", DOCKERFILE.read_text() if DOCKERFILE.exists() else "", re.M)
 OFFICIAL_BASE = _BASE.group(1) if _BASE else "python:3.11-slim-bookworm"
 CPU_TARGETS = ("taskgate-api", "taskgate")
@@ -42,7 +43,9 @@ def engine() -> str | None:
 
 def image_exists(tool: str, image: str) -> bool:
     """Whether `image` is in the engine's local storage."""
-    args = {"podman": ["image", "exists", image], "buildah": ["inspect", "--type", "image", image]}.get(tool, ["image", "inspect", image])
+    args = {"podman": ["image", "exists", image], "buildah": ["inspect", "--type", "image", image]}.get(
+        tool, ["image", "inspect", image]
+    )
     return subprocess.run([tool, *args], capture_output=True).returncode == 0
 
 
@@ -58,7 +61,9 @@ def local_wheels() -> Path | None:
     """A folder of pip's --find-links (environment or configuration) holding the pinned CPU torch wheel, if any."""
     folders = os.environ.get("PIP_FIND_LINKS", "").split()
     listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
-    folders += [value for key, value in re.findall(r"^(\S*find-links)='([^']*)'", listed, re.M) for value in value.split()]
+    folders += [
+        value for key, value in re.findall(r"^(\S*find-links)='([^']*)'", listed, re.M) for value in value.split()
+    ]
     for folder in map(Path, folders):
         if folder.is_dir() and any(folder.glob(f"torch-{torch_pin()}+cpu-*.whl")):
             return folder
@@ -75,7 +80,9 @@ def build_args(tool: str) -> tuple[dict[str, str], list[str]]:
     wheels = Path(os.environ["LOCAL_WHEELS"]) if os.environ.get("LOCAL_WHEELS") else local_wheels()
     if wheels is not None:
         if tool == "docker":
-            raise SystemExit(f"LOCAL_WHEELS={wheels}: docker build cannot mount a folder; use podman or buildah, or unset it")
+            raise SystemExit(
+                f"LOCAL_WHEELS={wheels}: docker build cannot mount a folder; use podman or buildah, or unset it"
+            )
         args["LOCAL_WHEELS"] = str(wheels)
         # the local wheel beside PyPI (for torch's own dependencies); PyTorch's index may not be reachable here
         args["TORCH_INDEX_URL"] = "https://pypi.org/simple"
@@ -90,7 +97,17 @@ def build(tool: str, target: str, tag: str, args: dict[str, str], options: list[
     """Builds one Dockerfile target as `target:tag`; returns the seconds it took."""
     command = [tool, "build"] if tool != "buildah" else [tool, "bud"]
     # host networking: bridge networks need private address ranges some machines refuse; a build needs only egress
-    command += ["--network", "host", "-f", str(ROOT / "Dockerfile"), "--target", target, "-t", f"{target}:{tag}", *options]
+    command += [
+        "--network",
+        "host",
+        "-f",
+        str(ROOT / "Dockerfile"),
+        "--target",
+        target,
+        "-t",
+        f"{target}:{tag}",
+        *options,
+    ]
     for name, value in args.items():
         command += ["--build-arg", f"{name}={value}"]
     print("+", " ".join(command), flush=True)
@@ -102,9 +119,15 @@ def build(tool: str, target: str, tag: str, args: dict[str, str], options: list[
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `make images`."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tag", default=os.environ.get("IMAGE_TAG") or "dev", help="tag of the built images (default dev)")
-    parser.add_argument("--cuda", action="store_true", default=bool(os.environ.get("CUDA")), help="also build taskgate-cuda")
-    parser.add_argument("--target", action="append", choices=[*CPU_TARGETS, CUDA_TARGET], help="build only these targets")
+    parser.add_argument(
+        "--tag", default=os.environ.get("IMAGE_TAG") or "dev", help="tag of the built images (default dev)"
+    )
+    parser.add_argument(
+        "--cuda", action="store_true", default=bool(os.environ.get("CUDA")), help="also build taskgate-cuda"
+    )
+    parser.add_argument(
+        "--target", action="append", choices=[*CPU_TARGETS, CUDA_TARGET], help="build only these targets"
+    )
     options = parser.parse_args(argv)
     prepared = subprocess.run([str(ROOT / "scripts" / "container_host.sh")], stdout=subprocess.PIPE, text=True)
     if prepared.returncode != 0:

@@ -1,17 +1,21 @@
 """`make lock`: the hash-locked requirement files the images install (requirements/*.txt), from constraints.txt and the
-pyprojects, with pip-compile (pip-tools) from a tool environment of its own (`make lock` makes .venv-lock), not the runtime's.
+pyprojects, with pip-compile (pip-tools) from a tool environment of its own (`make lock` makes .venv-lock), not the
+runtime's.
 
-- requirements/build.txt    the build backend (setuptools) the Dockerfile's wheels stage builds the project's wheels with
+- requirements/build.txt    the build backend (setuptools) the Dockerfile's wheels stage builds the project's wheels
+with
 - requirements/api.txt      the runtime dependencies of the project's distributions (the taskgate-api image)
-- requirements/worker.txt   the same with the worker extra, torch itself left out (the taskgate and taskgate-cuda images)
-- requirements/torch-cpu.txt   torch==<constraints pin>+cpu alone, with the hashes of PyTorch's CPU index (taskgate image)
+- requirements/worker.txt   the same with the worker extra, torch itself left out (the taskgate and taskgate-cuda
+images)
+- requirements/torch-cpu.txt   torch==<constraints pin>+cpu alone, with the hashes of PyTorch's CPU index (taskgate
+image)
 - requirements/torch-cuda.txt  torch==<constraints pin> from PyPI with the CUDA libraries it pulls (taskgate-cuda image)
 
-torch has files of its own: PyPI's Linux torch is the CUDA build (~3 GB of nvidia-* wheels a CPU pod never uses), and the
-CPU build is a different file (`+cpu`, another hash) on another index. The worker lock is resolved against the CPU build's
-metadata, so it holds torch's plain-Python dependencies and no CUDA library; the CUDA file adds only what the CPU one lacks.
-The images install each file with `pip install --require-hashes --no-deps`, then the project's own wheels (built from this
-checkout, never locked) with --no-deps: nothing enters an image that a hash here does not name.
+torch has files of its own: PyPI's Linux torch is the CUDA build (~3 GB of nvidia-* wheels a CPU pod never uses), and
+the CPU build is a different file (`+cpu`, another hash) on another index. The worker lock is resolved against the CPU
+build's metadata, so it holds torch's plain-Python dependencies and no CUDA library; the CUDA file adds only what the
+CPU one lacks. The images install each file with `pip install --require-hashes --no-deps`, then the project's own wheels
+(built from this checkout, never locked) with --no-deps: nothing enters an image that a hash here does not name.
 
 Where PyTorch's CPU index cannot be reached, a folder holding the CPU wheel serves (LOCAL_WHEELS, or pip's find-links
 configuration, as `make images` uses): the hash recorded is then that file's, which must be the index's (it is the same
@@ -42,11 +46,14 @@ HEADER = """\
 # The images install it with `pip install --require-hashes --no-deps -r {name}`.
 """
 WHAT = {
-    "build.txt": "The build backend the Dockerfile's wheels stage builds the project's wheels with (no build isolation).",
+    "build.txt": "The build backend the Dockerfile's wheels stage builds the project's wheels with (no build "
+    "isolation).",
     "api.txt": "The runtime dependencies of the project's distributions: the taskgate-api image.",
     "worker.txt": "api.txt with the worker extra, without torch (torch-cpu.txt or torch-cuda.txt): the worker images.",
-    "torch-cpu.txt": "torch's CPU build from PyTorch's CPU index (its dependencies are in worker.txt): the taskgate image.",
-    "torch-cuda.txt": "torch from PyPI with the CUDA libraries it pulls (the rest is in worker.txt): the taskgate-cuda image.",
+    "torch-cpu.txt": "torch's CPU build from PyTorch's CPU index (its dependencies are in worker.txt): the taskgate "
+    "image.",
+    "torch-cuda.txt": "torch from PyPI with the CUDA libraries it pulls (the rest is in worker.txt): the taskgate-cuda "
+    "image.",
 }
 
 
@@ -64,7 +71,8 @@ def projects() -> dict[str, Path]:
 
 
 def entries(text: str) -> dict[str, tuple[str, str]]:
-    """A pip-compile output's entries: canonical name -> (the `name==version ...` line, the whole entry with its hashes)."""
+    """A pip-compile output's entries: canonical name -> (the `name==version ...` line, the whole entry with its
+    hashes)."""
     found: dict[str, tuple[str, str]] = {}
     current: list[str] = []
     for line in [*text.splitlines(), ""]:
@@ -88,7 +96,9 @@ def write(name: str, body: dict[str, tuple[str, str]]) -> None:
     print(f"lock: requirements/{name}: {len(body)} distributions", flush=True)
 
 
-def compile_(pip_compile: str, sources: list[str], options: list[str], env: dict[str, str]) -> dict[str, tuple[str, str]]:
+def compile_(
+    pip_compile: str, sources: list[str], options: list[str], env: dict[str, str]
+) -> dict[str, tuple[str, str]]:
     """pip-compile's hashed pins for `sources` (files) under constraints.txt."""
     with tempfile.TemporaryDirectory() as out:
         target = Path(out) / "out.txt"
@@ -105,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pip-compile", default=str(ROOT / ".venv-lock" / "bin" / "pip-compile"),
                         help="the pip-compile of the tool environment (default .venv-lock/bin/pip-compile)")
     parser.add_argument("--only", nargs="+", choices=sorted(WHAT), default=sorted(WHAT), metavar="FILE",
-                        help="rewrite only these files (default: all); torch-cuda.txt hashes every platform's CUDA wheels, "
-                        "which takes long where the index's JSON API gives no usable file hashes")
+                        help="rewrite only these files (default: all); torch-cuda.txt hashes every platform's CUDA "
+                        "wheels, which takes long where the index's JSON API gives no usable file hashes")
     options = parser.parse_args(argv)
     want = set(options.only)
     REQUIREMENTS.mkdir(exist_ok=True)
@@ -114,11 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     # pip's configuration files and environment stay out: the files name PyPI and the indexes given here, nothing local
     env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_") or key == "PIP_CERT"}
     env["PIP_CONFIG_FILE"] = os.devnull
-    unsafe = [option for name in own for option in ("--unsafe-package", name)]  # and setuptools/pip become ordinary pins
+    # and setuptools/pip become ordinary pins
+    unsafe = [option for name in own for option in ("--unsafe-package", name)]
     pin = torch_pin()
     wheels = Path(os.environ["LOCAL_WHEELS"]) if os.environ.get("LOCAL_WHEELS") else local_wheels()
     cpu_index = os.environ.get("TORCH_INDEX_URL") or TORCH_INDEX_URL
-    cpu_source = ["--index-url", PYPI, "--find-links", str(wheels)] if wheels else ["--index-url", PYPI, "--extra-index-url", cpu_index]
+    cpu_source = (
+        ["--index-url", PYPI, "--find-links", str(wheels)]
+        if wheels
+        else ["--index-url", PYPI, "--extra-index-url", cpu_index]
+    )
     with tempfile.TemporaryDirectory() as tmp:
         # the project's own wheels, so that pip-compile can resolve one's requirement on another (never written out)
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp,
@@ -131,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         build_in.write_text("".join(f"{req}\n" for req in sorted(requires)))
         found: dict[str, dict[str, tuple[str, str]]] = {}
         if "build.txt" in want:
-            found["build.txt"] = compile_(options.pip_compile, [str(build_in)], ["--index-url", PYPI, "--allow-unsafe"], env)
+            found["build.txt"] = compile_(
+                options.pip_compile, [str(build_in)], ["--index-url", PYPI, "--allow-unsafe"], env
+            )
         if "api.txt" in want:
             found["api.txt"] = compile_(options.pip_compile, sources, ["--index-url", PYPI, *links, *unsafe], env)
         if want & {"worker.txt", "torch-cuda.txt"}:  # the CUDA file holds what the worker's lacks
@@ -146,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             torch_in.write_text(f"torch=={pin}\n")
             cuda_index = os.environ.get("TORCH_CUDA_INDEX_URL") or PYPI
             cuda = compile_(options.pip_compile, [str(torch_in)], ["--index-url", cuda_index], env)
-            found["torch-cuda.txt"] = {name: entry for name, entry in cuda.items() if name == "torch" or name not in worker}
+            found["torch-cuda.txt"] = {
+                name: entry for name, entry in cuda.items() if name == "torch" or name not in worker
+            }
     for name in sorted(WHAT):
         if name in want:
             write(name, found[name])

@@ -42,7 +42,8 @@ def table() -> str:
     """One section per settings group (its owner, who reads it), one row per setting: env var, default, meaning."""
     sections = []
     for group, readers in GROUPS:
-        doc = (group.__doc__ or "").strip().split("\n")[0]
+        # the docstring's first paragraph, as one line
+        doc = " ".join((group.__doc__ or "").strip().split("\n\n")[0].split())
         rows = [f"### {group.__name__}: {readers}", "", doc, "", "| variable | default | meaning |", "|---|---|---|"]
         for name in _own_fields(group):
             meaning = (Settings.model_fields[name].description or "").replace("|", "\\|")

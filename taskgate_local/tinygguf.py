@@ -4,7 +4,8 @@
 the SentencePiece tokenizer.model and the chat template) and writes the same weights, vocabulary and template as a
 float32 GGUF with the `gguf` package, as llama.cpp's own `convert_hf_to_gguf.py` does for a LlamaForCausalLM (that
 script ships only in llama.cpp's sources, in no wheel): for the tiny chat model (taskgate_local/tinylm.py) the two
-files hold the same tensors, tokens, scores and token types. The upstream backend's tests serve it with llama.cpp's server.
+files hold the same tensors, tokens, scores and token types. The upstream backend's tests serve it with llama.cpp's
+server.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from safetensors.numpy import load_file
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     """transformers' q/k rows in llama.cpp's rotary order (convert_hf_to_gguf.py LlamaModel.permute)."""
-    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def _vocab(folder: Path, size: int) -> tuple[list[bytes], list[float], list[int]]:
@@ -58,7 +63,10 @@ def convert(folder: Path, out: Path) -> Path:
     config: dict[str, Any] = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if config.get("architectures", ["LlamaForCausalLM"])[0] != "LlamaForCausalLM":
         raise ValueError(f"{folder}: a LlamaForCausalLM is expected, not {config['architectures']}")
-    heads, kv_heads = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    heads, kv_heads = (
+        int(config["num_attention_heads"]),
+        int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+    )
     blocks, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     writer.add_name(folder.name)
@@ -68,7 +76,9 @@ def convert(folder: Path, out: Path) -> Path:
     writer.add_feed_forward_length(int(config["intermediate_size"]))
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_rope_freq_base(
+        float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
+    )
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(int(config["vocab_size"]))
     head_dim = int(config.get("head_dim") or hidden // heads)

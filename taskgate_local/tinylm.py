@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     from taskgate.config import load_settings
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--folder", type=Path, default=None, help="where to build (default: <state_dir>/models/llama-tiny)")
+    parser.add_argument(
+        "--folder", type=Path, default=None, help="where to build (default: <state_dir>/models/llama-tiny)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     folder = args.folder or load_settings().state_dir / "models" / MODEL_NAME

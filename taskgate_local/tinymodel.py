@@ -1,5 +1,5 @@
-"""Builds tiny random-weight video pipelines offline, for tests and local runs: text-to-video (Wan, CogVideoX, LTX-Video,
-HunyuanVideo) and image-to-video (LTX-Video)."""
+"""Builds tiny random-weight video pipelines offline, for tests and local runs: text-to-video (Wan, CogVideoX,
+LTX-Video, HunyuanVideo) and image-to-video (LTX-Video)."""
 
 from __future__ import annotations
 
@@ -73,8 +73,16 @@ def _t5(seed: int, umt5: bool) -> tuple[Any, Any]:
 
     tokenizer = T5Tokenizer(vocab=tiny_vocab(), extra_ids=0)
     config: dict[str, Any] = {
-        "vocab_size": len(tokenizer), "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4,
-        "relative_attention_num_buckets": 8, "relative_attention_max_distance": 32, "pad_token_id": 0, "eos_token_id": 1,
+        "vocab_size": len(tokenizer),
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 32,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
         "decoder_start_token_id": 0,
     }
     torch.manual_seed(seed)
@@ -89,12 +97,24 @@ def _wan(seed: int) -> Any:
     tokenizer, text_encoder = _t5(seed, umt5=True)
     torch.manual_seed(seed)
     # Spatial /8 and temporal /4 like the real Wan VAE, so the real frame/size rules apply.
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
     torch.manual_seed(seed)
     # rope_max_seq_len bounds latent positions per axis: 32 covers up to 125 frames and 512 px.
     transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16, text_dim=32,
-        freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
     )
     return WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
@@ -110,8 +130,15 @@ def _cogvideox(seed: int) -> Any:
     torch.manual_seed(seed)
     # Four blocks: spatial /8 and temporal /4 like the real CogVideoX VAE; with patch 2, sizes are multiples of 16.
     vae = AutoencoderKLCogVideoX(
-        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
-        block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
     )
     torch.manual_seed(seed)
     # max_text_seq_length matches the pipeline's default max_sequence_length (226), as in the real model.
@@ -121,7 +148,11 @@ def _cogvideox(seed: int) -> Any:
         max_text_seq_length=226,
     )
     return CogVideoXPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=CogVideoXDDIMScheduler()
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=CogVideoXDDIMScheduler(),
     )
 
 
@@ -134,10 +165,22 @@ def _ltx_components(seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
     # Patch 4 and three space-time downsamplings: spatial /32 and temporal /8 like the real LTX-Video VAE.
     vae = AutoencoderKLLTXVideo(
-        in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
-        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1), spatio_temporal_scaling=(True, True, True, False),
-        decoder_spatio_temporal_scaling=(True, True, True, False), decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4,
-        upsample_factor=(1, 1, 1, 1), timestep_conditioning=False, patch_size=4, patch_size_t=1, encoder_causal=True,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=8,
+        block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, True, False),
+        decoder_spatio_temporal_scaling=(True, True, True, False),
+        decoder_inject_noise=(False,) * 5,
+        upsample_residual=(False,) * 4,
+        upsample_factor=(1, 1, 1, 1),
+        timestep_conditioning=False,
+        patch_size=4,
+        patch_size_t=1,
+        encoder_causal=True,
         decoder_causal=False,
     )
     torch.manual_seed(seed)
@@ -166,7 +209,12 @@ def _ltx_i2v(seed: int) -> Any:
 
 def _hunyuan(seed: int) -> Any:
     import torch
-    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, HunyuanVideoTransformer3DModel
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
     from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, LlamaConfig, LlamaModel, LlamaTokenizer
 
@@ -199,15 +247,34 @@ def _hunyuan(seed: int) -> Any:
     torch.manual_seed(seed)
     # Spatial /8 and temporal /4 like the real HunyuanVideo VAE; with patch 2, sizes are multiples of 16.
     vae = AutoencoderKLHunyuanVideo(
-        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1, act_fn="silu",
-        norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8, temporal_compression_ratio=4,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        act_fn="silu",
+        norm_num_groups=4,
+        scaling_factor=0.476986,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
         mid_block_add_attention=True,
     )
     torch.manual_seed(seed)
     transformer = HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1, num_single_layers=1,
-        num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=10,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
         rope_axes_dim=(2, 4, 4),
     )
     return HunyuanVideoPipeline(
@@ -272,7 +339,9 @@ def default_folder(name: str = MODEL_NAME) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Command line: build a tiny model unless it is already there."""
     parser = argparse.ArgumentParser(prog="python -m taskgate_local.tinymodel", description=__doc__)
-    parser.add_argument("--model", choices=sorted(TINY_MODELS), default=MODEL_NAME, help="which tiny model (default wan-tiny)")
+    parser.add_argument(
+        "--model", choices=sorted(TINY_MODELS), default=MODEL_NAME, help="which tiny model (default wan-tiny)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="target folder (default: <state dir>/models/<model>)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder holds a pipeline")

@@ -52,7 +52,8 @@ def _client_requirements() -> list[str]:
 
 
 def build() -> Path:
-    """Fills the wheelhouse (needs the package index or pip's cache); the three distributions themselves are left out."""
+    """Fills the wheelhouse (needs the package index or pip's cache); the three distributions themselves are left
+    out."""
     where = location()
     shutil.rmtree(where, ignore_errors=True)
     pip = [sys.executable, "-m", "pip"]
@@ -60,10 +61,30 @@ def build() -> Path:
                     *map(str, DISTRIBUTIONS)], check=True, cwd=ROOT)
     client_python = python_for_client()
     if client_python != sys.executable:
-        version = subprocess.run([client_python, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-        subprocess.run([*pip, "download", "-q", "--only-binary", ":all:", "--python-version", version, "-c", str(CONSTRAINTS),
-                        "-d", str(where), *_client_requirements()], check=True, cwd=ROOT)
+        version = subprocess.run(
+            [client_python, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        subprocess.run(
+            [
+                *pip,
+                "download",
+                "-q",
+                "--only-binary",
+                ":all:",
+                "--python-version",
+                version,
+                "-c",
+                str(CONSTRAINTS),
+                "-d",
+                str(where),
+                *_client_requirements(),
+            ],
+            check=True,
+            cwd=ROOT,
+        )
     for own in where.glob("taskgate*.whl"):
         own.unlink()  # the tests build these from the checkout they test
     complete_marker().touch()

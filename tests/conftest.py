@@ -275,8 +275,8 @@ def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_server(tmp_path_factory: pytest.TempPathFactory, tiny_lm: Path) -> Iterator[LlamaServer]:
-    """A real OpenAI-compatible server (llama.cpp's, from llama-cpp-python) serving the tiny chat model as a GGUF, with an
-    API key, for the session; the test skips, saying why, where llama-cpp-python could not be built."""
+    """A real OpenAI-compatible server (llama.cpp's, from llama-cpp-python) serving the tiny chat model as a GGUF, with
+    an API key, for the session; the test skips, saying why, where llama-cpp-python could not be built."""
     why = llamaserver.missing()
     if why is not None:
         pytest.skip(why)
@@ -304,13 +304,19 @@ async def cli(settings: Settings, backends: Backends, tmp_path: Path) -> AsyncIt
     }
     # progress at most once per interval, the claim counting as the first write: a short interval shows 0.2 s steps
     settings = settings.model_copy(
-        update={"models": models, "worker_models": ["sleepy", "failing", "sleepy-i2v"], "progress_interval_seconds": 0.05}
+        update={
+            "models": models,
+            "worker_models": ["sleepy", "failing", "sleepy-i2v"],
+            "progress_interval_seconds": 0.05,
+        }
     )
     submit = await submit_service.start(settings, backends)
     scheduler = await scheduler_service.start(settings, backends, scan_loop=False)
     notifier = await notifier_service.start(settings)
     worker = await worker_service.start(settings)
-    api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "tenant-a", max_pending=50, submits_per_minute=1000)
+    api_key, _ = await auth.create_key(
+        backends.pool, settings.api_key_pepper, "tenant-a", max_pending=50, submits_per_minute=1000
+    )
     admin_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "ops", admin=True)
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("TASKGATE_")

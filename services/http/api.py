@@ -2,10 +2,10 @@
 
 Each route is the gRPC call the SDK would make: the same keys (`Authorization: Bearer`), the same rules and limits
 (the gRPC services apply them), the answers in the proto3 JSON mapping with the .proto's field names. Streams are
-`text/event-stream`, one event per version (`id:` the version, or the WatchTasks cursor) and, on a task's stream, one per
-output chunk (`id:` the version and the output sequence, `7.1042`), resumable with
-`Last-Event-ID`, kept alive with comments; a dropped upstream stream (a notifier restart) is resumed from the last id
-sent, so the client sees no gap and no repeat.
+`text/event-stream`, one event per version (`id:` the version, or the WatchTasks cursor) and, on a task's stream, one
+per output chunk (`id:` the version and the output sequence, `7.1042`), resumable with `Last-Event-ID`, kept alive with
+comments; a dropped upstream stream (a notifier restart) is resumed from the last id sent, so the client sees no gap and
+no repeat.
 """
 
 from __future__ import annotations
@@ -155,15 +155,21 @@ class Api(EventRoutes):
         req = await self._json(request, gateway_pb2.SubmitTaskRequest())
         assert isinstance(req, gateway_pb2.SubmitTaskRequest)
         req.idempotency_key = self._idempotency(request, req.idempotency_key)
-        resp = await self._call(lambda: self.upstream.gateway.SubmitTask(req, metadata=credentials(request), timeout=self._timeout))
+        resp = await self._call(
+            lambda: self.upstream.gateway.SubmitTask(req, metadata=credentials(request), timeout=self._timeout)
+        )
         headers = {"location": f"/v1/tasks/{resp.task.id}"}
-        return JSONResponse(to_json(resp) | {"created": resp.created}, status_code=201 if resp.created else 200, headers=headers)
+        return JSONResponse(
+            to_json(resp) | {"created": resp.created}, status_code=201 if resp.created else 200, headers=headers
+        )
 
     @_answering
     async def submit_batch(self, request: Request) -> Response:
         req = await self._json(request, gateway_pb2.SubmitTasksRequest())
         assert isinstance(req, gateway_pb2.SubmitTasksRequest)
-        resp = await self._call(lambda: self.upstream.gateway.SubmitTasks(req, metadata=credentials(request), timeout=self._timeout))
+        resp = await self._call(
+            lambda: self.upstream.gateway.SubmitTasks(req, metadata=credentials(request), timeout=self._timeout)
+        )
         results: list[dict[str, Any]] = []
         for item in resp.results:
             if item.HasField("error"):
@@ -177,7 +183,9 @@ class Api(EventRoutes):
     @_answering
     async def get_task(self, request: Request) -> Response:
         req = gateway_pb2.GetTaskRequest(task_id=request.path_params["task_id"])
-        resp = await self._call(lambda: self.upstream.gateway.GetTask(req, metadata=credentials(request), timeout=self._timeout))
+        resp = await self._call(
+            lambda: self.upstream.gateway.GetTask(req, metadata=credentials(request), timeout=self._timeout)
+        )
         seconds = resp.suggested_poll_interval.ToTimedelta().total_seconds()
         headers = {POLL_HEADER: f"{seconds:g}", "cache-control": "no-store"}
         return JSONResponse(to_json(resp), headers=headers)
@@ -211,7 +219,9 @@ class Api(EventRoutes):
                         bad.append((name, "out of range"))
         if bad:
             return invalid(bad)
-        resp = await self._call(lambda: self.upstream.gateway.ListTasks(req, metadata=credentials(request), timeout=self._timeout))
+        resp = await self._call(
+            lambda: self.upstream.gateway.ListTasks(req, metadata=credentials(request), timeout=self._timeout)
+        )
         return JSONResponse({"tasks": [to_json(t) for t in resp.tasks], "next_page_token": resp.next_page_token})
 
     @_answering
@@ -219,7 +229,9 @@ class Api(EventRoutes):
         req = await self._json(request, gateway_pb2.CancelTaskRequest(), optional=True)
         assert isinstance(req, gateway_pb2.CancelTaskRequest)
         req.task_id = request.path_params["task_id"]
-        resp = await self._call(lambda: self.upstream.gateway.CancelTask(req, metadata=credentials(request), timeout=self._timeout))
+        resp = await self._call(
+            lambda: self.upstream.gateway.CancelTask(req, metadata=credentials(request), timeout=self._timeout)
+        )
         return JSONResponse(to_json(resp))
 
     @_answering
@@ -262,7 +274,9 @@ class Api(EventRoutes):
         req = await self._json(request, gateway_pb2.GetClientTokenSecretRequest(), optional=True)
         assert isinstance(req, gateway_pb2.GetClientTokenSecretRequest)
         resp = await self._call(
-            lambda: self.upstream.gateway.GetClientTokenSecret(req, metadata=credentials(request), timeout=self._timeout)
+            lambda: self.upstream.gateway.GetClientTokenSecret(
+                req, metadata=credentials(request), timeout=self._timeout
+            )
         )
         return JSONResponse(to_json(resp), headers={"cache-control": "no-store"})
 
@@ -276,13 +290,16 @@ class Api(EventRoutes):
         data = bytearray()
         info = None
         try:
-            async for chunk in self.upstream.gateway.GetTaskResult(req, metadata=credentials(request), timeout=self._timeout):
+            async for chunk in self.upstream.gateway.GetTaskResult(
+                req, metadata=credentials(request), timeout=self._timeout
+            ):
                 if chunk.HasField("info"):
                     info = chunk.info
                 data += chunk.data
         except grpc.aio.AioRpcError as exc:
             return rpc_error_response(exc)
-        headers = {"cache-control": "private, max-age=3600"}  # a preview never changes: its name says task, attempt, step
+        # a preview never changes: its name says task, attempt, step
+        headers = {"cache-control": "private, max-age=3600"}
         if info is not None and info.sha256:
             headers["etag"] = f'"{info.sha256}"'
         media = info.content_type if info is not None and info.content_type else "application/octet-stream"
@@ -294,11 +311,15 @@ class Api(EventRoutes):
         task_id = request.path_params["task_id"]
         md = credentials(request)
         got = await self._call(
-            lambda: self.upstream.gateway.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=md, timeout=self._timeout)
+            lambda: self.upstream.gateway.GetTask(
+                gateway_pb2.GetTaskRequest(task_id=task_id), metadata=md, timeout=self._timeout
+            )
         )
         if got.task.result.url:
             return RedirectResponse(got.task.result.url, status_code=307)
-        call = self.upstream.gateway.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=md, timeout=self._timeout)
+        call = self.upstream.gateway.GetTaskResult(
+            gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=md, timeout=self._timeout
+        )
         stream = aiter(call)
         try:
             first: gateway_pb2.ResultChunk = await anext(stream)

@@ -116,18 +116,27 @@ class EventRoutes:
         md = credentials(request)
 
         def open_stream(since: str) -> Any:
-            return self.upstream.events.WatchTasks(events_pb2.WatchTasksRequest(statuses=statuses, cursor=since), metadata=md)  # type: ignore[arg-type]
+            return self.upstream.events.WatchTasks(
+                events_pb2.WatchTasksRequest(statuses=statuses, cursor=since),  # type: ignore[arg-type]
+                metadata=md,
+            )
 
         def event_of(message: events_pb2.WatchTasksResponse) -> tuple[ServerSentEvent | None, str | None]:
             if message.WhichOneof("kind") == "event":
-                return ServerSentEvent(json.dumps(to_json(message.event)), event="transition", id=message.cursor), message.cursor
+                return ServerSentEvent(
+                    json.dumps(to_json(message.event)), event="transition", id=message.cursor
+                ), message.cursor
             # a keep-alive moves the cursor too (past events of other states): resume from there
             return ServerSentEvent(comment="keep-alive"), message.cursor or None
 
         return await self._sse(open_stream, event_of, cursor, request)
 
     async def _sse(
-        self, open_stream: Callable[[Any], Any], event_of: Callable[[Any], tuple[Any, Any]], resume: Any, request: Request
+        self,
+        open_stream: Callable[[Any], Any],
+        event_of: Callable[[Any], tuple[Any, Any]],
+        resume: Any,
+        request: Request,
     ) -> Response:
         """An SSE response over a gRPC stream that is opened first (so a refusal is an HTTP error, not an empty stream)
         and resumed from the last id after a drop."""
@@ -172,5 +181,7 @@ class EventRoutes:
                 call.cancel()
 
         return EventSourceResponse(
-            events(), ping=self.settings.stream_keepalive_seconds, headers={"cache-control": "no-store", "x-accel-buffering": "no"}
+            events(),
+            ping=self.settings.stream_keepalive_seconds,
+            headers={"cache-control": "no-store", "x-accel-buffering": "no"},
         )

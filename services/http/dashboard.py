@@ -102,7 +102,9 @@ class Sessions:
             self._by_id.pop(sid, None)
 
     def _prune(self, now: float) -> None:
-        for sid in [s for s, v in self._by_id.items() if now - v.started > SESSION_SECONDS or now - v.seen > IDLE_SECONDS]:
+        for sid in [
+            s for s, v in self._by_id.items() if now - v.started > SESSION_SECONDS or now - v.seen > IDLE_SECONDS
+        ]:
             del self._by_id[sid]
 
 
@@ -155,7 +157,9 @@ class Dashboard:
         self.env = dashboard_page.environment()
         # the models whose runs make preview images (the registry is the services' common configuration)
         self.env.globals["previews"] = frozenset(
-            m for m, spec in settings.models.items() if spec.preview_every_fraction > 0 or spec.preview_every_seconds > 0
+            m
+            for m, spec in settings.models.items()
+            if spec.preview_every_fraction > 0 or spec.preview_every_seconds > 0
         )
 
     def routes(self) -> list[BaseRoute]:
@@ -196,7 +200,9 @@ class Dashboard:
         return self._html("login.html", status, reason=reason, hours=SESSION_SECONDS // 3600)
 
     def _json(self, body: dict[str, Any], status: int = 200) -> JSONResponse:
-        return JSONResponse(body, status_code=status, headers={"cache-control": "no-store", "x-content-type-options": "nosniff"})
+        return JSONResponse(
+            body, status_code=status, headers={"cache-control": "no-store", "x-content-type-options": "nosniff"}
+        )
 
     @staticmethod
     def _same_origin(request: Request) -> bool:
@@ -235,11 +241,14 @@ class Dashboard:
             if exc.code() in _SIGNED_OUT:
                 self.sessions.close(sid)
                 return self._login_form(_SIGNED_OUT[exc.code()], status=401)
-            return self._login_form(f"The scheduler did not answer ({exc.code().name}): {exc.details() or ''}", status=503)
+            return self._login_form(
+                f"The scheduler did not answer ({exc.code().name}): {exc.details() or ''}", status=503
+            )
         return self._html("page.html", view=view, csrf=session.csrf, problem="", operator=session.operator)
 
     async def login(self, request: Request) -> Response:
-        """Checks the key with a GetStats call (TaskAdmin's own check: an admin key, not revoked) and opens a session."""
+        """Checks the key with a GetStats call (TaskAdmin's own check: an admin key, not revoked) and opens a
+        session."""
         if not self._same_origin(request):
             return self._login_form("Sign in from the dashboard's own page.", status=403)
         try:
@@ -249,7 +258,9 @@ class Dashboard:
         if not _is_key(key):
             return self._login_form("That is not an API key.", status=400)
         try:
-            await self.upstream.admin.GetStats(admin_pb2.GetStatsRequest(), metadata=self._metadata(key), timeout=self.upstream.timeout)
+            await self.upstream.admin.GetStats(
+                admin_pb2.GetStatsRequest(), metadata=self._metadata(key), timeout=self.upstream.timeout
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
                 return self._login_form("That key is not valid (unknown or revoked).", status=401)
@@ -263,7 +274,13 @@ class Dashboard:
         log.info("dashboard sign-in", extra={"key_prefix": key[:10], "scope": auth.OPERATOR if operator else auth.READ})
         response = RedirectResponse("/dashboard", status_code=303)
         response.set_cookie(
-            COOKIE, sid, max_age=SESSION_SECONDS, path="/dashboard", httponly=True, samesite="strict", secure=self._secure(request)
+            COOKIE,
+            sid,
+            max_age=SESSION_SECONDS,
+            path="/dashboard",
+            httponly=True,
+            samesite="strict",
+            secure=self._secure(request),
         )
         return response
 
@@ -281,7 +298,9 @@ class Dashboard:
                 admin_pb2.ListApiKeysRequest(tenant=who.admin), metadata=metadata, timeout=self.upstream.timeout
             )
         except grpc.aio.AioRpcError as exc:
-            log.warning("dashboard: the key's scope could not be read; signed in read-only", extra={"code": exc.code().name})
+            log.warning(
+                "dashboard: the key's scope could not be read; signed in read-only", extra={"code": exc.code().name}
+            )
             return False
         return any(
             k.admin and k.prefix == key[: len(k.prefix)] and not k.HasField("revoked_at") and k.scope == auth.OPERATOR
@@ -299,7 +318,9 @@ class Dashboard:
                 return self._login_form("Sign out from the dashboard's own page.", status=403)
             self.sessions.close(sid)
         response = RedirectResponse("/dashboard", status_code=303)
-        response.delete_cookie(COOKIE, path="/dashboard", httponly=True, samesite="strict", secure=self._secure(request))
+        response.delete_cookie(
+            COOKIE, path="/dashboard", httponly=True, samesite="strict", secure=self._secure(request)
+        )
         return response
 
     async def state(self, request: Request) -> Response:
@@ -313,11 +334,16 @@ class Dashboard:
             if exc.code() in _SIGNED_OUT:
                 self.sessions.close(sid)
                 return self._json({"error": _SIGNED_OUT[exc.code()]}, 401)
-            return self._json({"error": f"The scheduler did not answer ({exc.code().name}): {exc.details() or ''}"}, 503)
+            return self._json(
+                {"error": f"The scheduler did not answer ({exc.code().name}): {exc.details() or ''}"}, 503
+            )
         sections = {
-            name: self.env.get_template(f"{name}.html").render(view=view, operator=session.operator) for name in dashboard_page.SECTIONS
+            name: self.env.get_template(f"{name}.html").render(view=view, operator=session.operator)
+            for name in dashboard_page.SECTIONS
         }
-        return self._json({"sections": sections, "updated": dashboard_page.clock(view.at), "updated_at": dashboard_page.iso(view.at)})
+        return self._json(
+            {"sections": sections, "updated": dashboard_page.clock(view.at), "updated_at": dashboard_page.iso(view.at)}
+        )
 
     async def preview(self, request: Request) -> Response:
         """The newest preview image of a task (TaskAdmin.GetTaskPreview), for the running tasks' table; 404 without."""
@@ -329,10 +355,14 @@ class Dashboard:
             return self._json({"error": "not a task id"}, 404)
         try:
             got = await self.upstream.admin.GetTaskPreview(
-                admin_pb2.GetTaskPreviewRequest(task_id=task_id), metadata=self._metadata(session.key), timeout=self.upstream.timeout
+                admin_pb2.GetTaskPreviewRequest(task_id=task_id),
+                metadata=self._metadata(session.key),
+                timeout=self.upstream.timeout,
             )
         except grpc.aio.AioRpcError as exc:
-            return self._json({"error": exc.details() or exc.code().name}, 404 if exc.code() is grpc.StatusCode.NOT_FOUND else 502)
+            return self._json(
+                {"error": exc.details() or exc.code().name}, 404 if exc.code() is grpc.StatusCode.NOT_FOUND else 502
+            )
         return Response(got.data, media_type=got.content_type or "application/octet-stream",
                         headers={"cache-control": "private, max-age=60", "x-content-type-options": "nosniff"})
 
@@ -350,9 +380,13 @@ class Dashboard:
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             return self._json({"ok": False, "message": "send JSON"}, 415)
         if not session.operator:
-            return self._json({"ok": False, "message": "this admin key is read-only: acting needs an operator key"}, 403)
+            return self._json(
+                {"ok": False, "message": "this admin key is read-only: acting needs an operator key"}, 403
+            )
         actions: dict[str, tuple[Callable[[Session, str], Awaitable[tuple[bool, str]]], str]] = {
-            "replay": (self._replay, "task_id"), "redeliver": (self._redeliver, "task_id"), "drain": (self._drain, "worker_id"),
+            "replay": (self._replay, "task_id"),
+            "redeliver": (self._redeliver, "task_id"),
+            "drain": (self._drain, "worker_id"),
         }
         if request.path_params["action"] not in actions:
             return self._json({"ok": False, "message": "no such action"}, 404)
@@ -366,7 +400,9 @@ class Dashboard:
         target = body.get(field_name) if isinstance(body, dict) else None
         if field_name == "task_id" and not _is_task_id(target):
             return self._json({"ok": False, "message": "task_id: a task id (decimal digits) is required"}, 400)
-        if field_name == "worker_id" and (not isinstance(target, str) or not 0 < len(target) <= 256 or not target.isprintable()):
+        if field_name == "worker_id" and (
+            not isinstance(target, str) or not 0 < len(target) <= 256 or not target.isprintable()
+        ):
             return self._json({"ok": False, "message": "worker_id: a worker id is required"}, 400)
         assert isinstance(target, str)
         try:
@@ -381,20 +417,31 @@ class Dashboard:
 
     async def _replay(self, session: Session, task_id: str) -> tuple[bool, str]:
         """RequeueTasks of one id with replay_finished: REPLAYED names the new task; SKIPPED says why not."""
-        request = admin_pb2.RequeueTasksRequest(task_ids=[task_id], replay_finished=True, reason="replayed from the dashboard")
+        request = admin_pb2.RequeueTasksRequest(
+            task_ids=[task_id], replay_finished=True, reason="replayed from the dashboard"
+        )
         items: list[admin_pb2.RequeueItem] = []
-        async for batch in self.upstream.admin.RequeueTasks(request, metadata=self._metadata(session.key), timeout=self.upstream.timeout):
+        async for batch in self.upstream.admin.RequeueTasks(
+            request, metadata=self._metadata(session.key), timeout=self.upstream.timeout
+        ):
             items.extend(batch.items)
         if not items:
             return False, f"Task {task_id} was not found."
         item = items[0]
         if item.action == "REPLAYED":
             return True, f"Task {task_id} replayed {item.detail}."
-        return False, f"Task {task_id}: {item.action.lower()}, {item.detail}." if item.detail else f"Task {task_id}: {item.action.lower()}."
+        return (
+            False,
+            f"Task {task_id}: {item.action.lower()}, {item.detail}."
+            if item.detail
+            else f"Task {task_id}: {item.action.lower()}.",
+        )
 
     async def _redeliver(self, session: Session, task_id: str) -> tuple[bool, str]:
         answer = await self.upstream.admin.RedeliverCallback(
-            admin_pb2.RedeliverCallbackRequest(task_id=task_id), metadata=self._metadata(session.key), timeout=self.upstream.timeout
+            admin_pb2.RedeliverCallbackRequest(task_id=task_id),
+            metadata=self._metadata(session.key),
+            timeout=self.upstream.timeout,
         )
         if not answer.deliveries:
             return False, f"Task {task_id} has no webhook to redeliver."
@@ -414,7 +461,9 @@ class Dashboard:
             return False, f"Worker {worker_id} has registered no control address (an older worker?)."
         async with channels.channel(self.settings, worker.address, server_name=channels.WORKER_TLS_NAME) as channel:
             control = worker_pb2_grpc.WorkerControlStub(channel)
-            answer = await control.Drain(worker_pb2.DrainRequest(), metadata=self._metadata(session.key), timeout=self.upstream.timeout)
+            answer = await control.Drain(
+                worker_pb2.DrainRequest(), metadata=self._metadata(session.key), timeout=self.upstream.timeout
+            )
         return True, f"Worker {worker_id} is draining ({answer.running} running)."
 
 

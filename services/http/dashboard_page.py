@@ -298,7 +298,7 @@ _SECTION_TEMPLATES = {
 {% else %}<tr><td colspan="6" class="empty">No worker has registered.</td></tr>{% endfor %}
 </tbody></table></div>
 <p class="note">The device-busy fraction of each GPU is the worker's
-<code>taskgate_worker_device_busy_seconds_total</code> metric; the registry holds slots, not device time.</p>""",
+<code>taskgate_worker_device_busy_seconds_total</code> metric; the registry holds slots, not device time.</p>""",  # noqa: E501
     "running.html": """<div class="scroll"><table>
 <caption>Tasks PROCESSING, by worker{% if view.running_more %} (the first {{ view.running_tasks|length }}){% endif %}</caption>
 <thead><tr><th scope="col">Task</th><th scope="col">Worker</th><th scope="col">Tenant</th><th scope="col">Model</th>
@@ -313,7 +313,7 @@ _SECTION_TEMPLATES = {
 <td>{% if t.model in previews and t.progress > 0 %}<img class="preview" src="/dashboard/tasks/{{ t.id }}/preview?at={{ t.progress }}"
  alt="Newest preview of task {{ t.id }}" loading="lazy">{% else %}—{% endif %}</td></tr>
 {% else %}<tr><td colspan="9" class="empty">No task is running.</td></tr>{% endfor %}
-</tbody></table></div>""",
+</tbody></table></div>""",  # noqa: E501
     "waiting.html": """<div class="scroll"><table>
 <caption>CREATED and QUEUED tasks, least recently updated first
 {%- if view.waiting_more %} (the first {{ view.waiting|length }}){% endif %}</caption>
@@ -324,7 +324,7 @@ _SECTION_TEMPLATES = {
 <th scope="row"><code>{{ t.id }}</code>{{ replay_of(t) }}</th><td>{{ status(t.status) }}</td><td>{{ t.model }}</td>
 <td>{{ t.priority }}</td><td>{{ t.tenant }}</td><td>{{ when(t.updated) }}</td><td class="wrap">{{ t.prompt|clip(60) }}</td></tr>
 {% else %}<tr><td colspan="7" class="empty">No task is waiting.</td></tr>{% endfor %}
-</tbody></table></div>""",
+</tbody></table></div>""",  # noqa: E501
     "recent.html": """<div class="scroll"><table>
 <caption>The latest finished tasks, newest first</caption>
 <thead><tr><th scope="col">Task</th><th scope="col">Status</th><th scope="col">Model</th><th scope="col">Tenant</th>
@@ -356,7 +356,7 @@ _SECTION_TEMPLATES = {
 <td class="wrap"><code>{{ d.task.error_code }}</code> {{ d.task.error_message|clip(160) }}</td><td>{{ when(d.dead_at) }}</td>
 <td>{{ replay_cell(d.task.id, d.task.tenant, d.task.model, d.replayed_as, d.replayed_at, "dead") }}</td></tr>
 {% else %}<tr><td colspan="7" class="empty">No dead letters.</td></tr>{% endfor %}
-</tbody></table></div>""",
+</tbody></table></div>""",  # noqa: E501
     "webhooks.html": """<div class="scroll"><table>
 <caption>Deliveries that gave up (FAILED) or whose last attempt failed (PENDING a retry), newest first</caption>
 <thead><tr><th scope="col">Task</th><th scope="col">State</th><th scope="col">Tenant</th><th scope="col">Event</th>
@@ -375,7 +375,7 @@ _SECTION_TEMPLATES = {
  with the same webhook ids and a fresh retry schedule?"
   aria-label="Redeliver the webhooks of task {{ d.task_id }}">Redeliver</button>{% else %}—{% endif %}</td></tr>
 {% else %}<tr><td colspan="9" class="empty">No failing delivery.</td></tr>{% endfor %}
-</tbody></table></div>""",
+</tbody></table></div>""",  # noqa: E501
 }
 
 _MACROS = """{% macro status(s) %}""" + _STATUS + """{% endmacro %}
@@ -395,7 +395,7 @@ _MACROS = """{% macro status(s) %}""" + _STATUS + """{% endmacro %}
 —
 {%- endif -%}
 {% endmacro %}
-"""
+"""  # noqa: E501
 
 
 def iso(moment: datetime) -> str:
@@ -420,12 +420,15 @@ def environment() -> Environment:
     macros_first = {name: "{% from 'macros.html' import status, when, replay_of, replay_cell with context %}" + source
                     for name, source in _SECTION_TEMPLATES.items()}
     env = Environment(
-        loader=DictLoader({"layout.html": _LAYOUT, "login.html": _LOGIN, "page.html": _PAGE, "macros.html": _MACROS, **macros_first}),
+        loader=DictLoader(
+            {"layout.html": _LAYOUT, "login.html": _LOGIN, "page.html": _PAGE, "macros.html": _MACROS, **macros_first}
+        ),
         autoescape=select_autoescape(default=True, default_for_string=True),
         undefined=StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
     )
     env.filters.update(iso=iso, clock=clock, clip=_clip)
-    env.globals.update(style=STYLE, script=SCRIPT, previews=frozenset())  # constants of this module, marked safe where the page uses them
+    # constants of this module, marked safe where the page uses them
+    env.globals.update(style=STYLE, script=SCRIPT, previews=frozenset())
     return env

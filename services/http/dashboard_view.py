@@ -22,7 +22,12 @@ FAILURE_ROWS = 10
 DEAD_ROWS = 20
 WEBHOOK_ROWS = 20
 
-_TERMINAL = [task_pb2.TASK_STATUS_SUCCEEDED, task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_TIMEOUT, task_pb2.TASK_STATUS_CANCELED]
+_TERMINAL = [
+    task_pb2.TASK_STATUS_SUCCEEDED,
+    task_pb2.TASK_STATUS_FAILED,
+    task_pb2.TASK_STATUS_TIMEOUT,
+    task_pb2.TASK_STATUS_CANCELED,
+]
 
 
 def _when(ts: Timestamp, present: bool) -> datetime | None:
@@ -62,10 +67,21 @@ class TaskLine:
     @classmethod
     def of(cls, t: task_pb2.Task) -> TaskLine:
         return cls(
-            id=t.id, tenant=t.user_id, model=t.model_id, status=_status(t.status), priority=_priority(t.priority), prompt=t.prompt,
-            progress=t.progress, attempt=t.attempt, worker=t.worker_id, error_code=t.error_code, error_message=t.error_message,
-            replay_of=t.replay_of, updated=_when(t.updated_at, t.HasField("updated_at")),
-            started=_when(t.started_at, t.HasField("started_at")), finished=_when(t.finished_at, t.HasField("finished_at")),
+            id=t.id,
+            tenant=t.user_id,
+            model=t.model_id,
+            status=_status(t.status),
+            priority=_priority(t.priority),
+            prompt=t.prompt,
+            progress=t.progress,
+            attempt=t.attempt,
+            worker=t.worker_id,
+            error_code=t.error_code,
+            error_message=t.error_message,
+            replay_of=t.replay_of,
+            updated=_when(t.updated_at, t.HasField("updated_at")),
+            started=_when(t.started_at, t.HasField("started_at")),
+            finished=_when(t.finished_at, t.HasField("finished_at")),
         )
 
 
@@ -123,9 +139,14 @@ def _queue(live: list[admin_pb2.StateCount]) -> list[QueueLine]:
     rows: dict[tuple[str, int], dict[str, int]] = {}
     for c in live:
         row = rows.setdefault((c.model_id, c.priority or task_pb2.PRIORITY_NORMAL), {})
-        column = {task_pb2.TASK_STATUS_CREATED: "created", task_pb2.TASK_STATUS_QUEUED: "queued"}.get(c.status, "running")
+        column = {task_pb2.TASK_STATUS_CREATED: "created", task_pb2.TASK_STATUS_QUEUED: "queued"}.get(
+            c.status, "running"
+        )
         row[column] = row.get(column, 0) + c.count
-    return [QueueLine(model, _priority(p), **row) for (model, p), row in sorted(rows.items(), key=lambda kv: (kv[0][0], -kv[0][1]))]
+    return [
+        QueueLine(model, _priority(p), **row)
+        for (model, p), row in sorted(rows.items(), key=lambda kv: (kv[0][0], -kv[0][1]))
+    ]
 
 
 def _age(seconds: float) -> str:
@@ -190,7 +211,9 @@ async def read_view(admin: Any, metadata: list[tuple[str, str]], call_seconds: f
         tasks([task_pb2.TASK_STATUS_CREATED, task_pb2.TASK_STATUS_QUEUED], WAITING_ROWS),
         tasks(_TERMINAL, RECENT_ROWS, newest=True),
         tasks([task_pb2.TASK_STATUS_FAILED, task_pb2.TASK_STATUS_TIMEOUT], FAILURE_ROWS, newest=True),
-        admin.ListDeadLetters(admin_pb2.ListDeadLettersRequest(page_size=DEAD_ROWS), metadata=metadata, timeout=call_seconds),
+        admin.ListDeadLetters(
+            admin_pb2.ListDeadLettersRequest(page_size=DEAD_ROWS), metadata=metadata, timeout=call_seconds
+        ),
         deliveries(task_pb2.CALLBACK_STATUS_FAILED),
         deliveries(task_pb2.CALLBACK_STATUS_PENDING),
     )
@@ -206,30 +229,44 @@ def _view(
     dead: admin_pb2.ListDeadLettersResponse,
     deliveries: list[admin_pb2.DeliveryRecord],
 ) -> View:
-    running_tasks = sorted((TaskLine.of(t) for t in running.tasks), key=lambda t: (t.worker, t.started or datetime.min.replace(tzinfo=UTC)))
+    running_tasks = sorted(
+        (TaskLine.of(t) for t in running.tasks), key=lambda t: (t.worker, t.started or datetime.min.replace(tzinfo=UTC))
+    )
     letters = [
         DeadLine(TaskLine.of(d.task), d.reason, _when(d.dead_at, d.HasField("dead_at")), d.replayed_as,
                  _when(d.replayed_at, d.HasField("replayed_at")))
         for d in dead.dead_letters
     ]
     shown = [*running_tasks, *map(TaskLine.of, waiting.tasks), *map(TaskLine.of, recent.tasks)]
-    replays = {t.replay_of: t.id for t in shown if t.replay_of} | {d.task.id: d.replayed_as for d in letters if d.replayed_as}
+    replays = {t.replay_of: t.id for t in shown if t.replay_of} | {
+        d.task.id: d.replayed_as for d in letters if d.replayed_as
+    }
     failing = [d for d in deliveries if d.status == task_pb2.CALLBACK_STATUS_FAILED or d.attempts > 0]
-    failing.sort(key=lambda d: d.last_attempt_at.ToDatetime() if d.HasField("last_attempt_at") else datetime.min, reverse=True)
+    failing.sort(
+        key=lambda d: d.last_attempt_at.ToDatetime() if d.HasField("last_attempt_at") else datetime.min, reverse=True
+    )
     return View(
         at=datetime.now(UTC),
         running=stats.running,
         capacity=stats.capacity,
-        oldest_queued=_age(stats.oldest_queued_age.ToTimedelta().total_seconds()) if stats.HasField("oldest_queued_age") else "—",
+        oldest_queued=_age(stats.oldest_queued_age.ToTimedelta().total_seconds())
+        if stats.HasField("oldest_queued_age")
+        else "—",
         callbacks=[
             (task_pb2.CallbackStatus.Name(c.status).removeprefix("CALLBACK_STATUS_"), c.count)
-            for c in stats.callbacks if c.status in (task_pb2.CALLBACK_STATUS_PENDING, task_pb2.CALLBACK_STATUS_FAILED)
+            for c in stats.callbacks
+            if c.status in (task_pb2.CALLBACK_STATUS_PENDING, task_pb2.CALLBACK_STATUS_FAILED)
         ],
         queue=_queue(list(stats.live)),
         workers=[
             WorkerLine(
-                w.worker_id, ("alive" if w.alive else "lost",) + (("draining",) if w.draining else ()), w.device, w.running,
-                w.slots, _when(w.last_heartbeat, w.HasField("last_heartbeat")), w.address,
+                w.worker_id,
+                ("alive" if w.alive else "lost",) + (("draining",) if w.draining else ()),
+                w.device,
+                w.running,
+                w.slots,
+                _when(w.last_heartbeat, w.HasField("last_heartbeat")),
+                w.address,
             )
             for w in stats.workers
         ],
@@ -242,8 +279,16 @@ def _view(
         dead=letters,
         webhooks=[
             DeliveryLine(
-                d.delivery_id, d.task_id, task_pb2.CallbackStatus.Name(d.status).removeprefix("CALLBACK_STATUS_"), d.tenant, d.event,
-                d.url, d.attempts, d.last_status_code, d.last_error, _when(d.last_attempt_at, d.HasField("last_attempt_at")),
+                d.delivery_id,
+                d.task_id,
+                task_pb2.CallbackStatus.Name(d.status).removeprefix("CALLBACK_STATUS_"),
+                d.tenant,
+                d.event,
+                d.url,
+                d.attempts,
+                d.last_status_code,
+                d.last_error,
+                _when(d.last_attempt_at, d.HasField("last_attempt_at")),
             )
             for d in failing[:WEBHOOK_ROWS]
         ],

@@ -1,5 +1,6 @@
 """What the HTTP face reads from a request, in one place: JSON bodies within a depth bound, integers from headers and
-query strings, task states by name. Every route goes through these, so a bad input is a 400 naming its field, never a 500."""
+query strings, task states by name. Every route goes through these, so a bad input is a 400 naming its field, never a
+500."""
 
 from __future__ import annotations
 

@@ -103,7 +103,8 @@ ERROR = {
                 "status": {"type": "string", "description": "the gRPC status name, e.g. INVALID_ARGUMENT"},
                 "message": {"type": "string"},
                 "details": {"type": "array", "items": _WELL_KNOWN["google.protobuf.Any"],
-                            "description": "google.rpc details: BadRequest field_violations, ErrorInfo reason, RetryInfo"},
+                            "description": "google.rpc details: BadRequest field_violations, ErrorInfo reason, "
+                            "RetryInfo"},
             },
         }
     },
@@ -123,17 +124,28 @@ def _with_created(name: str) -> dict[str, Any]:
 @functools.cache
 def document() -> dict[str, Any]:
     """The whole OpenAPI 3.1 document."""
-    components = schemas([
-        gateway_pb2.SubmitTaskRequest.DESCRIPTOR, gateway_pb2.SubmitTaskResponse.DESCRIPTOR,
-        gateway_pb2.SubmitTasksRequest.DESCRIPTOR, gateway_pb2.GetTaskResponse.DESCRIPTOR,
-        gateway_pb2.CancelTaskRequest.DESCRIPTOR, gateway_pb2.CancelTaskResponse.DESCRIPTOR,
-        gateway_pb2.RegenerateTaskRequest.DESCRIPTOR, gateway_pb2.RegenerateTaskResponse.DESCRIPTOR,
-        gateway_pb2.UploadInputResponse.DESCRIPTOR, task_pb2.TaskEvent.DESCRIPTOR, task_pb2.OutputChunk.DESCRIPTOR,
-        task_pb2.TaskProgress.DESCRIPTOR,
-        gateway_pb2.TaskGatewayRotateWebhookSecretRequest.DESCRIPTOR, gateway_pb2.TaskGatewayRotateWebhookSecretResponse.DESCRIPTOR,
-        gateway_pb2.CreateClientTokenRequest.DESCRIPTOR, gateway_pb2.CreateClientTokenResponse.DESCRIPTOR,
-        gateway_pb2.GetClientTokenSecretRequest.DESCRIPTOR, gateway_pb2.GetClientTokenSecretResponse.DESCRIPTOR,
-    ])
+    components = schemas(
+        [
+            gateway_pb2.SubmitTaskRequest.DESCRIPTOR,
+            gateway_pb2.SubmitTaskResponse.DESCRIPTOR,
+            gateway_pb2.SubmitTasksRequest.DESCRIPTOR,
+            gateway_pb2.GetTaskResponse.DESCRIPTOR,
+            gateway_pb2.CancelTaskRequest.DESCRIPTOR,
+            gateway_pb2.CancelTaskResponse.DESCRIPTOR,
+            gateway_pb2.RegenerateTaskRequest.DESCRIPTOR,
+            gateway_pb2.RegenerateTaskResponse.DESCRIPTOR,
+            gateway_pb2.UploadInputResponse.DESCRIPTOR,
+            task_pb2.TaskEvent.DESCRIPTOR,
+            task_pb2.OutputChunk.DESCRIPTOR,
+            task_pb2.TaskProgress.DESCRIPTOR,
+            gateway_pb2.TaskGatewayRotateWebhookSecretRequest.DESCRIPTOR,
+            gateway_pb2.TaskGatewayRotateWebhookSecretResponse.DESCRIPTOR,
+            gateway_pb2.CreateClientTokenRequest.DESCRIPTOR,
+            gateway_pb2.CreateClientTokenResponse.DESCRIPTOR,
+            gateway_pb2.GetClientTokenSecretRequest.DESCRIPTOR,
+            gateway_pb2.GetClientTokenSecretResponse.DESCRIPTOR,
+        ]
+    )
     # answers with `created` beside the message's own fields
     for name in ("SubmitTaskResponse", "RegenerateTaskResponse"):
         components[name]["properties"]["created"] = {"type": "boolean"}
@@ -162,14 +174,24 @@ def document() -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v1/tasks": {
             "post": {
-                "operationId": "SubmitTask", "summary": "submit a task", "security": _AUTH, "parameters": [idempotency],
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("SubmitTaskRequest")}}},
-                "responses": {"201": _json(_ref("SubmitTaskResponse"), "created"),
-                              "200": _json(_ref("SubmitTaskResponse"), "an existing task for the idempotency key"),
-                              **_ERRORS},
+                "operationId": "SubmitTask",
+                "summary": "submit a task",
+                "security": _AUTH,
+                "parameters": [idempotency],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref("SubmitTaskRequest")}},
+                },
+                "responses": {
+                    "201": _json(_ref("SubmitTaskResponse"), "created"),
+                    "200": _json(_ref("SubmitTaskResponse"), "an existing task for the idempotency key"),
+                    **_ERRORS,
+                },
             },
             "get": {
-                "operationId": "ListTasks", "summary": "the caller's tasks, newest first", "security": _AUTH,
+                "operationId": "ListTasks",
+                "summary": "the caller's tasks, newest first",
+                "security": _AUTH,
                 "parameters": [
                     statuses,
                     {"name": "page_size", "in": "query", "schema": {"type": "integer"}},
@@ -182,43 +204,74 @@ def document() -> dict[str, Any]:
         },
         "/v1/tasks:batch": {
             "post": {
-                "operationId": "SubmitTasks", "summary": "up to 1,000 submissions, each with its own answer", "security": _AUTH,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("SubmitTasksRequest")}}},
+                "operationId": "SubmitTasks",
+                "summary": "up to 1,000 submissions, each with its own answer",
+                "security": _AUTH,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref("SubmitTasksRequest")}},
+                },
                 "responses": {"200": _json(_ref("SubmitTasksResponse"), "one result per request, in order"), **_ERRORS},
             }
         },
         "/v1/tasks/{task_id}": {
             "get": {
-                "operationId": "GetTask", "summary": "a task, its queue position and ETA", "security": _AUTH,
+                "operationId": "GetTask",
+                "summary": "a task, its queue position and ETA",
+                "security": _AUTH,
                 "parameters": [_TASK_ID],
-                "responses": {"200": {**_json(_ref("GetTaskResponse"), "the task"), "headers": {
-                    "X-Suggested-Poll-Interval": {"schema": {"type": "string"}, "description": "seconds"}}}, **_ERRORS},
+                "responses": {
+                    "200": {
+                        **_json(_ref("GetTaskResponse"), "the task"),
+                        "headers": {
+                            "X-Suggested-Poll-Interval": {"schema": {"type": "string"}, "description": "seconds"}
+                        },
+                    },
+                    **_ERRORS,
+                },
             }
         },
         "/v1/tasks/{task_id}:cancel": {
             "post": {
-                "operationId": "CancelTask", "summary": "soft cancel, or {\"hard\": true}", "security": _AUTH,
+                "operationId": "CancelTask",
+                "summary": 'soft cancel, or {"hard": true}',
+                "security": _AUTH,
                 "parameters": [_TASK_ID],
-                "requestBody": {"required": False, "content": {"application/json": {"schema": _ref("CancelTaskRequest")}}},
+                "requestBody": {
+                    "required": False,
+                    "content": {"application/json": {"schema": _ref("CancelTaskRequest")}},
+                },
                 "responses": {"200": _json(_ref("CancelTaskResponse"), "the task"), **_ERRORS},
             }
         },
         "/v1/tasks/{task_id}:regenerate": {
             "post": {
-                "operationId": "RegenerateTask", "summary": "a new task from a finished one's request", "security": _AUTH,
+                "operationId": "RegenerateTask",
+                "summary": "a new task from a finished one's request",
+                "security": _AUTH,
                 "parameters": [_TASK_ID, idempotency],
-                "requestBody": {"required": False, "content": {"application/json": {"schema": _ref("RegenerateTaskRequest")}}},
-                "responses": {"201": _json(_ref("RegenerateTaskResponse"), "the new task"),
-                              "200": _json(_ref("RegenerateTaskResponse"), "the task the key already named"), **_ERRORS},
+                "requestBody": {
+                    "required": False,
+                    "content": {"application/json": {"schema": _ref("RegenerateTaskRequest")}},
+                },
+                "responses": {
+                    "201": _json(_ref("RegenerateTaskResponse"), "the new task"),
+                    "200": _json(_ref("RegenerateTaskResponse"), "the task the key already named"),
+                    **_ERRORS,
+                },
             }
         },
         "/v1/tasks/{task_id}/result": {
             "get": {
-                "operationId": "GetTaskResult", "summary": "the output (Range requests honoured)", "security": _AUTH,
+                "operationId": "GetTaskResult",
+                "summary": "the output (Range requests honoured)",
+                "security": _AUTH,
                 "parameters": [_TASK_ID, {"name": "Range", "in": "header", "schema": {"type": "string"}}],
                 "responses": {
-                    "200": {"description": "the bytes, with Content-Type, Content-Length, Digest and ETag (sha256)",
-                            "content": {"*/*": {"schema": {"type": "string", "contentEncoding": "binary"}}}},
+                    "200": {
+                        "description": "the bytes, with Content-Type, Content-Length, Digest and ETag (sha256)",
+                        "content": {"*/*": {"schema": {"type": "string", "contentEncoding": "binary"}}},
+                    },
                     "206": {"description": "the requested range", "content": {"*/*": {"schema": {"type": "string"}}}},
                     "307": {"description": "a redirect to the output's presigned download URL (S3 result store)"},
                     "416": {"description": "a range outside the output"},
@@ -228,12 +281,24 @@ def document() -> dict[str, Any]:
         },
         "/v1/tasks/{task_id}/previews": {
             "get": {
-                "operationId": "GetTaskPreview", "summary": "one preview image of a running (or ended) video", "security": _AUTH,
-                "parameters": [_TASK_ID, {"name": "uri", "in": "query", "required": True, "schema": {"type": "string"},
-                                          "description": "the uri of one of the task's OUTPUT_KIND_PREVIEW output chunks"}],
+                "operationId": "GetTaskPreview",
+                "summary": "one preview image of a running (or ended) video",
+                "security": _AUTH,
+                "parameters": [
+                    _TASK_ID,
+                    {
+                        "name": "uri",
+                        "in": "query",
+                        "required": True,
+                        "schema": {"type": "string"},
+                        "description": "the uri of one of the task's OUTPUT_KIND_PREVIEW output chunks",
+                    },
+                ],
                 "responses": {
-                    "200": {"description": "the image (image/webp or image/png)",
-                            "content": {"image/*": {"schema": {"type": "string", "contentEncoding": "binary"}}}},
+                    "200": {
+                        "description": "the image (image/webp or image/png)",
+                        "content": {"image/*": {"schema": {"type": "string", "contentEncoding": "binary"}}},
+                    },
                     **_ERRORS,
                 },
             }
@@ -242,15 +307,18 @@ def document() -> dict[str, Any]:
             "get": {
                 "operationId": "WatchTask",
                 "summary": "SSE: event `snapshot` (data: Snapshot), then `transition` (data: TaskEvent) and the task's "
-                           "partial output `output` (data: OutputChunk) in order; id = version, or version.sequence once "
-                           "output was sent; ends after the terminal one; resume both with Last-Event-ID. With progress=true, "
-                           "`progress` (data: TaskProgress) at each step while it runs, live and without an id (not resumed)",
+                "partial output `output` (data: OutputChunk) in order; id = version, or version.sequence once "
+                "output was sent; ends after the terminal one; resume both with Last-Event-ID. With progress=true, "
+                "`progress` (data: TaskProgress) at each step while it runs, live and without an id (not resumed)",
                 "security": _AUTH,
-                "parameters": [_TASK_ID, {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
-                               {"name": "after_version", "in": "query", "schema": {"type": "integer"}},
-                               {"name": "after_output_sequence", "in": "query", "schema": {"type": "integer"}},
-                               {"name": "output", "in": "query", "schema": {"type": "boolean", "default": True}},
-                               {"name": "progress", "in": "query", "schema": {"type": "boolean", "default": False}}],
+                "parameters": [
+                    _TASK_ID,
+                    {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
+                    {"name": "after_version", "in": "query", "schema": {"type": "integer"}},
+                    {"name": "after_output_sequence", "in": "query", "schema": {"type": "integer"}},
+                    {"name": "output", "in": "query", "schema": {"type": "boolean", "default": True}},
+                    {"name": "progress", "in": "query", "schema": {"type": "boolean", "default": False}},
+                ],
                 "responses": {"200": _SSE, **_ERRORS},
             }
         },
@@ -258,45 +326,64 @@ def document() -> dict[str, Any]:
             "get": {
                 "operationId": "WatchTasks",
                 "summary": "SSE: every event of the caller's tasks (`transition`, data: TaskEvent), id = cursor; "
-                           "resume with Last-Event-ID",
+                "resume with Last-Event-ID",
                 "security": _AUTH,
-                "parameters": [statuses, {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
-                               {"name": "cursor", "in": "query", "schema": {"type": "string"}}],
+                "parameters": [
+                    statuses,
+                    {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
+                    {"name": "cursor", "in": "query", "schema": {"type": "string"}},
+                ],
                 "responses": {"200": _SSE, **_ERRORS},
             }
         },
         "/v1/inputs": {
             "put": {
                 "operationId": "UploadInput",
-                "summary": "store an input image (the body: PNG, JPEG or WebP) or, with Content-Type text/plain, a chat "
-                           "text attachment (UTF-8) that a chat message names by content_sha256",
+                "summary": "store an input image (the body: PNG, JPEG or WebP) or, with Content-Type text/plain, a "
+                "chat text attachment (UTF-8) that a chat message names by content_sha256",
                 "security": _AUTH,
-                "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string"}},
-                                                              "image/*": {"schema": {"type": "string"}},
-                                                              "text/plain": {"schema": {"type": "string"}}}},
-                "responses": {"201": _json(_ref("UploadInputResponse"), "the stored input: name it by sha256"), **_ERRORS},
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/octet-stream": {"schema": {"type": "string"}},
+                        "image/*": {"schema": {"type": "string"}},
+                        "text/plain": {"schema": {"type": "string"}},
+                    },
+                },
+                "responses": {
+                    "201": _json(_ref("UploadInputResponse"), "the stored input: name it by sha256"),
+                    **_ERRORS,
+                },
             }
         },
         "/v1/webhook-secret:rotate": {
             "post": {
                 "operationId": "RotateWebhookSecret",
-                "summary": "a new webhook secret for the caller's tenant, shown once; the current ones keep signing until "
-                           "the overlap (default 24 h; \"0s\" retires them now) ends",
+                "summary": "a new webhook secret for the caller's tenant, shown once; the current ones keep signing "
+                "until "
+                'the overlap (default 24 h; "0s" retires them now) ends',
                 "security": _AUTH,
-                "requestBody": {"required": False, "content": {"application/json": {
-                    "schema": _ref("TaskGatewayRotateWebhookSecretRequest")}}},
-                "responses": {"200": _json(_ref("TaskGatewayRotateWebhookSecretResponse"), "the new secret"), **_ERRORS},
+                "requestBody": {
+                    "required": False,
+                    "content": {"application/json": {"schema": _ref("TaskGatewayRotateWebhookSecretRequest")}},
+                },
+                "responses": {
+                    "200": _json(_ref("TaskGatewayRotateWebhookSecretResponse"), "the new secret"),
+                    **_ERRORS,
+                },
             }
         },
         "/v1/client-tokens": {
             "post": {
                 "operationId": "CreateClientToken",
-                "summary": "a short-lived token (at most 1 h) for one end user's tasks, which a browser or an app sends "
-                           "instead of the API key: GET a task and its result, its events (?access_token= on GET), "
-                           "cancel with the cancel scope",
+                "summary": "a short-lived token (at most 1 h) for one end user's tasks, which a browser or an app "
+                "sends instead of the API key: GET a task and its result, its events (?access_token= on GET), "
+                "cancel with the cancel scope",
                 "security": _AUTH,
-                "requestBody": {"required": False, "content": {"application/json": {
-                    "schema": _ref("CreateClientTokenRequest")}}},
+                "requestBody": {
+                    "required": False,
+                    "content": {"application/json": {"schema": _ref("CreateClientTokenRequest")}},
+                },
                 "responses": {"200": _json(_ref("CreateClientTokenResponse"), "the token"), **_ERRORS},
             }
         },
@@ -304,10 +391,12 @@ def document() -> dict[str, Any]:
             "post": {
                 "operationId": "GetClientTokenSecret",
                 "summary": "the tenant's client-token secret for minting tokens offline (the SDK's mint_client_token); "
-                           "{\"rotate\": true} makes a new one, the old one's tokens valid for the overlap",
+                '{"rotate": true} makes a new one, the old one\'s tokens valid for the overlap',
                 "security": _AUTH,
-                "requestBody": {"required": False, "content": {"application/json": {
-                    "schema": _ref("GetClientTokenSecretRequest")}}},
+                "requestBody": {
+                    "required": False,
+                    "content": {"application/json": {"schema": _ref("GetClientTokenSecretRequest")}},
+                },
                 "responses": {"200": _json(_ref("GetClientTokenSecretResponse"), "the secret"), **_ERRORS},
             }
         },
@@ -315,13 +404,18 @@ def document() -> dict[str, Any]:
     paths.update(openai_face.PATHS)
     return {
         "openapi": "3.1.0",
-        "info": {"title": "taskgate", "version": "v1",
-                 "description": "The TaskGateway and TaskEvents API as JSON over HTTP (proto3 JSON, .proto field names), "
-                                "and under /openai/v1 the OpenAI-compatible face (background responses, files, "
-                                "batches: docs/openai.md)."},
+        "info": {
+            "title": "taskgate",
+            "version": "v1",
+            "description": "The TaskGateway and TaskEvents API as JSON over HTTP (proto3 JSON, .proto field names), "
+            "and under /openai/v1 the OpenAI-compatible face (background responses, files, "
+            "batches: docs/openai.md).",
+        },
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
-        "components": {"schemas": components,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "an API key"}}},
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "an API key"}},
+        },
         "security": _AUTH,
         "paths": paths,
     }

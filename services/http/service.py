@@ -63,7 +63,9 @@ class Metrics:
 async def _ready(channel: grpc.aio.Channel, within: float) -> str:
     """An upstream's readiness as one word: SERVING, NOT_SERVING, or the gRPC code that kept it from answering."""
     try:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=READINESS), timeout=within)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=READINESS), timeout=within
+        )
     except grpc.aio.AioRpcError as exc:
         return str(exc.code().name)
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
@@ -79,14 +81,19 @@ def build_app(settings: HttpSettings, upstream: Upstream, closing: asyncio.Event
 
     async def readyz(_request: Request) -> Response:
         """Readiness: not draining, and the upstreams every API call needs (the gateway, the events) answer their own
-        readiness (taskgate.ready); 503 names what is not, so a load balancer stops sending to a face that cannot serve."""
+        readiness (taskgate.ready); 503 names what is not, so a load balancer stops sending to a face that cannot
+        serve."""
         if closing.is_set():
             return JSONResponse({"status": "NOT_SERVING", "reason": "draining"}, status_code=503)
         names = ("gateway", "events")
-        answers = await asyncio.gather(*(_ready(channel, settings.health_check_timeout_seconds) for channel in upstream.channels[:2]))
+        answers = await asyncio.gather(
+            *(_ready(channel, settings.health_check_timeout_seconds) for channel in upstream.channels[:2])
+        )
         upstreams = dict(zip(names, answers, strict=True))
         ready = all(answer == "SERVING" for answer in answers)
-        return JSONResponse({"status": "SERVING" if ready else "NOT_SERVING", "upstreams": upstreams}, status_code=200 if ready else 503)
+        return JSONResponse(
+            {"status": "SERVING" if ready else "NOT_SERVING", "upstreams": upstreams}, status_code=200 if ready else 503
+        )
 
     async def spec(_request: Request) -> Response:
         return JSONResponse(openapi.document())

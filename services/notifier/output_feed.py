@@ -52,7 +52,9 @@ class OutputHub:
         self._follows: dict[tuple[str, int], _Follow] = {}
         self._ending = Background()  # UNSUBs on their way
 
-    async def read_after(self, user_id: str, task_id: int, after: int, *, final: bool = False) -> task_pb2.OutputChunk | None:
+    async def read_after(
+        self, user_id: str, task_id: int, after: int, *, final: bool = False
+    ) -> task_pb2.OutputChunk | None:
         """The task's next stored chunk after sequence `after`, None when there is none. From the stream's leader when
         `final` (before a terminal event: it has every acknowledged chunk) or when the stream has replicas (a replica
         answering a direct get may lag a moment); else a direct get."""

@@ -40,7 +40,8 @@ _TERMINAL = frozenset(s.to_proto() for s in Status if s.terminal)
 
 
 def chunk_json(chunk: task_pb2.OutputChunk) -> dict[str, Any]:
-    """One chunk as a task.output webhook writes it (a text chunk's `offset` is where it starts in its attempt's text)."""
+    """One chunk as a task.output webhook writes it (a text chunk's `offset` is where it starts in its attempt's
+    text)."""
     return {
         "sequence": chunk.sequence,
         "attempt": chunk.attempt,
@@ -66,7 +67,8 @@ class OutputHooks:
         self._sender = sender
         self._hub = hub
         self._outputs = outputs
-        self._slots = asyncio.Semaphore(settings.webhook_progress_concurrency)  # POSTs in flight: the progress lane's size
+        # POSTs in flight: the progress lane's size
+        self._slots = asyncio.Semaphore(settings.webhook_progress_concurrency)
         self._followers: dict[int, _Follower] = {}
         self._running: set[asyncio.Task[None]] = set()
 
@@ -79,9 +81,19 @@ class OutputHooks:
             if follower is not None:
                 follower.ended |= event.task_id in ended
                 continue
-            if event.to_status is not Status.PROCESSING or not row.callback_url or not outbox.wants_output(row.callback_events):
+            if (
+                event.to_status is not Status.PROCESSING
+                or not row.callback_url
+                or not outbox.wants_output(row.callback_events)
+            ):
                 continue
-            follower = _Follower(self, event.task_id, event.user_id, row.callback_url, self._hub.watch_task(event.task_id, EVENT_CAPACITY))
+            follower = _Follower(
+                self,
+                event.task_id,
+                event.user_id,
+                row.callback_url,
+                self._hub.watch_task(event.task_id, EVENT_CAPACITY),
+            )
             follower.ended = event.task_id in ended  # ended in this very pass: flush what it wrote, then stop
             self._followers[event.task_id] = follower
             task = asyncio.create_task(follower.run(), name="notifier-output-hooks")
@@ -115,7 +127,8 @@ class _Follower:
         self.gap = True  # what was stored before the subscription is read back first
 
     def offer_output(self, item: output.Live) -> bool:
-        """A live chunk: kept when it follows the last one, else the gap is read back by sequence before the next post."""
+        """A live chunk: kept when it follows the last one, else the gap is read back by sequence before the next
+        post."""
         if item.chunk.sequence > self.last:
             if item.previous == self.last:
                 self.pending.append(item.chunk)
@@ -138,7 +151,9 @@ class _Follower:
                 if self.ended:
                     tries -= 1
                     if tries <= 0:
-                        log.info("output webhooks dropped", extra={"task_id": str(self.task_id), "chunks": len(self.pending)})
+                        log.info(
+                            "output webhooks dropped", extra={"task_id": str(self.task_id), "chunks": len(self.pending)}
+                        )
                         return
                     await asyncio.sleep(window)  # an ended task's wait is not cut short: the next try one window on
         except Closing:
@@ -169,7 +184,9 @@ class _Follower:
         if not (self.gap or self.ended):
             return
         self.gap = False
-        while (chunk := await self.hooks._outputs.read_after(self.user_id, self.task_id, self.last, final=self.ended)) is not None:
+        while (
+            chunk := await self.hooks._outputs.read_after(self.user_id, self.task_id, self.last, final=self.ended)
+        ) is not None:
             if chunk.sequence > self.last:
                 self.pending.append(chunk)
                 self.last = chunk.sequence

@@ -29,7 +29,8 @@ class TestSignals:
     """What a notifier lets a test hold or await (taskgate.signals): nothing in production."""
 
     __test__ = False  # not a pytest class
-    # awaited after a relay pass published its messages and before it commits, with the relayed ids (crash tests block here)
+    # awaited after a relay pass published its messages and before it commits, with the relayed ids (crash tests block
+    # here)
     before_commit: Callable[[Sequence[int]], Awaitable[None]] | None = None
 
 
@@ -62,7 +63,11 @@ class EventRelay:
     async def run(self) -> None:
         """Relays on every wake-up and on a catch-up period, until cancelled."""
         await loops.repeat(
-            self._pass, every=self._settings.relay_scan_interval_seconds, wake=self.wake, log=log, failed="relay pass failed",
+            self._pass,
+            every=self._settings.relay_scan_interval_seconds,
+            wake=self.wake,
+            log=log,
+            failed="relay pass failed",
             survives=(OSError, asyncpg.PostgresError, asyncpg.InterfaceError, nats.errors.Error),
         )
 
@@ -95,7 +100,9 @@ class EventRelay:
                 # publish first: the streams see the events while the deliveries are written (a pass that fails after
                 # publishing is published again, deduplicated by Nats-Msg-Id)
                 done = await self._publish([r.event for r in rows], traces)
-                created = await outbox.write(conn, rows, first_delay=self._settings.webhook_schedule_seconds[0], traces=traces)
+                created = await outbox.write(
+                    conn, rows, first_delay=self._settings.webhook_schedule_seconds[0], traces=traces
+                )
                 if self._signals.before_commit is not None:
                     await self._signals.before_commit(done)
                 if done:
@@ -113,7 +120,9 @@ class EventRelay:
         # A short pass after a failure must not loop at once: report "not a full batch".
         return len(done) if len(done) == len(rows) else 0
 
-    async def _publish(self, events: Sequence[event_store.Event], traces: Sequence[tracing.Carrier | None] = ()) -> list[int]:
+    async def _publish(
+        self, events: Sequence[event_store.Event], traces: Sequence[tracing.Carrier | None] = ()
+    ) -> list[int]:
         """Publishes in id order, pipelined; returns the ids of the longest prefix that JetStream acknowledged.
 
         Stopping at the first failure keeps each task's versions in order: a later version is never recorded before
@@ -128,7 +137,9 @@ class EventRelay:
                     trace = traces[i] if traces else None
                     fut = await event_wire.publish_async(self._bus, event, trace_context=trace)
                     if fut is None:
-                        log.error("event has no valid subject; recorded without publishing", extra={"event_id": event.id})
+                        log.error(
+                            "event has no valid subject; recorded without publishing", extra={"event_id": event.id}
+                        )
                         fut = _resolved()
                     futures.append(fut)
         except TimeoutError:

@@ -142,16 +142,30 @@ async def start(
     authenticator = Authenticator(
         b.pool, settings.api_key_pepper, settings.api_key_cache_seconds, throttle=throttle, service=SERVICE
     )
-    listener = Listener(b.database_url, {
-        EVENT_CHANNEL: lambda _: relay.notify(), WEBHOOK_CHANNEL: lambda _: sender.notify(), REVOKED_CHANNEL: authenticator.revoked,
-    })
+    listener = Listener(
+        b.database_url,
+        {
+            EVENT_CHANNEL: lambda _: relay.notify(),
+            WEBHOOK_CHANNEL: lambda _: sender.notify(),
+            REVOKED_CHANNEL: authenticator.revoked,
+        },
+    )
     progress_hub = ProgressHub(b.bus)  # running tasks' progress at each step, straight from their workers
     service = TaskEventsService(
-        settings, b.pool, hub, authenticator, throttle, outputs=outputs, output_hub=output_hub, progress_hub=progress_hub
+        settings,
+        b.pool,
+        hub,
+        authenticator,
+        throttle,
+        outputs=outputs,
+        output_hub=output_hub,
+        progress_hub=progress_hub,
     )
     tasks: list[asyncio.Task[None]] = []  # the loops, once started: liveness watches them
     probes = server.Probes(pool=b.pool, bus=b.bus, loops=lambda: tasks)
-    grpc_server, port, health_servicer = await server.start_server(settings, settings.notifier_port, register(service), probes)
+    grpc_server, port, health_servicer = await server.start_server(
+        settings, settings.notifier_port, register(service), probes
+    )
     tasks += [
         asyncio.create_task(listener.run(), name="notifier-listen"),
         asyncio.create_task(relay.run(), name="notifier-relay"),

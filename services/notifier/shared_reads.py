@@ -95,7 +95,9 @@ class Estimates:
         out: list[eta.Estimate | None] = []
         for task_id, status in seen:
             row = rows.get(task_id)
-            out.append(await self._queue.estimate(row, within=within) if row is not None and row.status is status else None)
+            out.append(
+                await self._queue.estimate(row, within=within) if row is not None and row.status is status else None
+            )
         return out
 
 
@@ -103,7 +105,8 @@ class Newest(Generic[K]):
     """The newest thing each quiet stream could have missed (a task's version, a tenant's last event id), asked by
     every stream one keep-alive tick wakes and read for all of them in one statement: the asks made while a read is
     pending go together in the next. 10,000 quiet streams cost one statement per tick, not 10,000 (the streams
-    benchmark, 10,000 idle WatchTask streams: with a read each, a burst's terminal events took 940 ms at p50, not 24)."""
+    benchmark, 10,000 idle WatchTask streams: with a read each, a burst's terminal events took 940 ms at p50, not
+    24)."""
 
     def __init__(self, read: Callable[[list[K]], Awaitable[dict[K, int]]]) -> None:
         self._read_many: Callable[[list[K]], Awaitable[dict[K, int]]] = read

@@ -403,7 +403,9 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
 
             if request.cursor:
                 relayed_at = await event_store.relayed_at(self._pool, event_id=cursor, user_id=tenant)
-                history = await event_store.user_events_lookback(self._pool, tenant, cursor=cursor, relayed_at=relayed_at)
+                history = await event_store.user_events_lookback(
+                    self._pool, tenant, cursor=cursor, relayed_at=relayed_at
+                )
                 after = max(cursor, history[-1].id) if history else cursor
                 for row in history:
                     if (out := send(event_wire.message(row))) is not None:

@@ -112,7 +112,11 @@ class Subscriber:
         raises Overflow or Closing. Progress does not end a quiet period: a stream that gets only progress still
         checks the table and gets its keep-alive each period."""
         while (
-            not self._items and self._progress is None and not self.overflowed and not self.closing and not self._keepalive
+            not self._items
+            and self._progress is None
+            and not self.overflowed
+            and not self.closing
+            and not self._keepalive
         ):
             self._ready.clear()
             await self._ready.wait()

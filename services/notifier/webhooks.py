@@ -87,7 +87,11 @@ class WebhookSender:
     async def run(self) -> None:
         """Claims and sends due deliveries on every wake-up, at retry times, and on a safety-net period."""
         await loops.repeat(
-            self._pass, every=self._settings.webhook_scan_interval_seconds, wake=self.wake, log=log, failed="webhook scan failed",
+            self._pass,
+            every=self._settings.webhook_scan_interval_seconds,
+            wake=self.wake,
+            log=log,
+            failed="webhook scan failed",
             survives=(OSError, asyncpg.PostgresError, asyncpg.InterfaceError),
         )
 
@@ -136,7 +140,9 @@ class WebhookSender:
                 f"webhook {delivery.event_type}",
                 parent=delivery.trace_context,
                 attributes={
-                    tracing.TASK_ID: str(delivery.task_id), "taskgate.webhook_id": delivery.webhook_id, "taskgate.attempt": attempt_no
+                    tracing.TASK_ID: str(delivery.task_id),
+                    "taskgate.webhook_id": delivery.webhook_id,
+                    "taskgate.attempt": attempt_no,
                 },
             ):
                 attempt = await self.post(delivery.url, delivery.webhook_id, body, secrets)
@@ -149,7 +155,8 @@ class WebhookSender:
         elif attempt.status_code == 410:
             status, delay, outcome = CallbackStatus.FAILED, 0.0, "gone"
         elif delivery.event_type == webhook_store.PROGRESS_TYPE:
-            status, delay, outcome = CallbackStatus.FAILED, 0.0, "dropped"  # progress is not retried: a newer one follows
+            # progress is not retried: a newer one follows
+            status, delay, outcome = CallbackStatus.FAILED, 0.0, "dropped"
         elif round_no < len(schedule):
             jitter = self._settings.webhook_jitter
             delay = schedule[round_no] * random.uniform(1 - jitter, 1 + jitter)

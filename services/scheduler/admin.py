@@ -42,18 +42,30 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     """The TaskAdmin servicer; every call needs an admin key."""
 
     def __init__(
-        self, settings: SchedulerSettings, pool: asyncpg.Pool, bus: busmod.Bus, task_scans: Sequence[TaskScan], retention: RetentionScan
+        self,
+        settings: SchedulerSettings,
+        pool: asyncpg.Pool,
+        bus: busmod.Bus,
+        task_scans: Sequence[TaskScan],
+        retention: RetentionScan,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.auth = Authenticator(
-            pool, settings.api_key_pepper, settings.api_key_cache_seconds, throttle=Throttle.of(settings), service="admin"
+            pool,
+            settings.api_key_pepper,
+            settings.api_key_cache_seconds,
+            throttle=Throttle.of(settings),
+            service="admin",
         )
         self.sealer = Sealer.of(settings)
         self.pages = paging.Pager(settings.api_key_pepper)
         self.task_scans = list(task_scans)
         self.requeuer = Requeuer(
-            pool, bus, ack_timeout=settings.submit_publish_timeout_seconds, db_timeout=settings.submit_db_timeout_seconds
+            pool,
+            bus,
+            ack_timeout=settings.submit_publish_timeout_seconds,
+            db_timeout=settings.submit_db_timeout_seconds,
         )
         self.retention = retention  # the scheduler's own: one result store (one S3 client) per process
 
@@ -81,7 +93,9 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             raise errors.invalid_argument(bad)
         return adminwire.statuses(f.statuses, "filter.statuses"), f.model_id or None, older
 
-    async def GetStats(self, request: admin_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.GetStatsResponse:
+    async def GetStats(
+        self, request: admin_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetStatsResponse:
         """Counts per state and model (and the unfinished ones per priority too), the oldest QUEUED age, tasks per
         worker, webhook outcomes, the cluster's load."""
         await self.auth.admin(context, scope=auth.READ)
@@ -103,8 +117,15 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             response.oldest_queued_age.CopyFrom(adminwire.duration(oldest))
         for w in workers:
             stats = response.workers.add(
-                worker_id=w.worker_id, running=w.running, slots=w.slots, alive=w.alive, device=w.device, draining=w.draining,
-                address=w.control_address, devices=w.devices, capacity=w.capacity,
+                worker_id=w.worker_id,
+                running=w.running,
+                slots=w.slots,
+                alive=w.alive,
+                device=w.device,
+                draining=w.draining,
+                address=w.control_address,
+                devices=w.devices,
+                capacity=w.capacity,
             )
             if w.last_heartbeat is not None:
                 stats.last_heartbeat.CopyFrom(timestamp(w.last_heartbeat))
@@ -126,7 +147,11 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             newest_first=request.newest_first,
         )
         tasks = rows[:limit]
-        token = self.pages.encode(paging.Cursor(tasks[-1].updated_at, tasks[-1].id), fingerprint) if len(rows) > limit else ""
+        token = (
+            self.pages.encode(paging.Cursor(tasks[-1].updated_at, tasks[-1].id), fingerprint)
+            if len(rows) > limit
+            else ""
+        )
         return admin_pb2.AdminListTasksResponse(tasks=[t.to_proto() for t in tasks], next_page_token=token)
 
     async def ListStuckTasks(
@@ -182,7 +207,9 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
                     )
                 summary = await admin_store.live_counts(self.pool)
                 yield admin_pb2.RequeueBatch(
-                    batch=number, items=[adminwire.requeue_item(i) for i in items], summary=adminwire.state_counts(summary),
+                    batch=number,
+                    items=[adminwire.requeue_item(i) for i in items],
+                    summary=adminwire.state_counts(summary),
                     dry_run=request.dry_run,
                 )
         finally:
@@ -206,16 +233,28 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             return
         statuses, model_id, older = self._filter(request.filter)
         if any(s.terminal and s not in REPLAYABLE for s in statuses):
-            raise errors.invalid_argument([("filter.statuses", "SUCCEEDED and CANCELED tasks are never requeued or replayed")])
+            raise errors.invalid_argument(
+                [("filter.statuses", "SUCCEEDED and CANCELED tasks are never requeued or replayed")]
+            )
         if any(s in REPLAYABLE for s in statuses) and not request.replay_finished:
             raise errors.invalid_argument(
-                [("filter.statuses", "FAILED and TIMEOUT are terminal: pass replay_finished to replay them as new tasks")]
+                [
+                    (
+                        "filter.statuses",
+                        "FAILED and TIMEOUT are terminal: pass replay_finished to replay them as new tasks",
+                    )
+                ]
             )
         wanted = statuses or sorted(UNFINISHED | (REPLAYABLE if request.replay_finished else frozenset()))
         after = 0
         while True:
             page = await admin_store.requeue_page(
-                self.pool, statuses=wanted, model_id=model_id, older_than_seconds=older, after_id=after, limit=batch_size
+                self.pool,
+                statuses=wanted,
+                model_id=model_id,
+                older_than_seconds=older,
+                after_id=after,
+                limit=batch_size,
             )
             if not page:
                 return
@@ -244,7 +283,8 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     async def RedeliverCallback(
         self, request: admin_pb2.RedeliverCallbackRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.RedeliverCallbackResponse:
-        """Sends a task's terminal webhooks again (same webhook ids, a fresh retry round); the notifier wakes at once."""
+        """Sends a task's terminal webhooks again (same webhook ids, a fresh retry round); the notifier wakes at
+        once."""
         who = await self.auth.admin(context, scope=auth.OPERATOR)
         task_id = ids.require(request.task_id)
         await self._audit(who, "RedeliverCallback", request, target=str(task_id))
@@ -268,7 +308,11 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         await self.auth.admin(context, scope=auth.READ)
         status = None
         if request.status:
-            name = task_pb2.CallbackStatus.Name(request.status) if request.status in task_pb2.CallbackStatus.values() else ""
+            name = (
+                task_pb2.CallbackStatus.Name(request.status)
+                if request.status in task_pb2.CallbackStatus.values()
+                else ""
+            )
             if name.removeprefix("CALLBACK_STATUS_") not in CallbackStatus.__members__:
                 raise errors.invalid_argument([("status", "unknown callback status")])
             status = CallbackStatus(name.removeprefix("CALLBACK_STATUS_"))
@@ -306,13 +350,18 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
     ) -> admin_pb2.RotateWebhookSecretResponse:
         """Adds a webhook secret; the tenant's current ones keep signing until the overlap (default 24 h) ends."""
         who = await self.auth.admin(context, scope=auth.OPERATOR)
-        overlap = request.overlap.ToTimedelta().total_seconds() if request.HasField("overlap") else DEFAULT_SECRET_OVERLAP
+        overlap = (
+            request.overlap.ToTimedelta().total_seconds() if request.HasField("overlap") else DEFAULT_SECRET_OVERLAP
+        )
         if overlap < 0:
             raise errors.invalid_argument([("overlap", "must not be negative")])
         tenant = await self._existing_tenant(request.tenant)
         await self._audit(who, "RotateWebhookSecret", request, target=tenant)
         rotated = await auth.rotate_webhook_secret(self.pool, tenant, overlap, self.sealer)
-        log.info("webhook secret rotated", extra={"tenant": tenant, "overlap_seconds": overlap, "valid_secrets": rotated.valid_secrets})
+        log.info(
+            "webhook secret rotated",
+            extra={"tenant": tenant, "overlap_seconds": overlap, "valid_secrets": rotated.valid_secrets},
+        )
         return admin_pb2.RotateWebhookSecretResponse(
             webhook_secret=rotated.secret, previous_valid_until=timestamp(rotated.previous_valid_until),
             valid_secrets=rotated.valid_secrets,
@@ -328,7 +377,11 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
         response = admin_pb2.ListApiKeysResponse()
         for k in await tenants.list_api_keys(self.pool, request.tenant or None):
             info = response.keys.add(
-                prefix=k.prefix, tenant=k.tenant_id, admin=k.is_admin, created_at=timestamp(k.created_at), scope=k.scope or ""
+                prefix=k.prefix,
+                tenant=k.tenant_id,
+                admin=k.is_admin,
+                created_at=timestamp(k.created_at),
+                scope=k.scope or "",
             )
             if k.revoked_at is not None:
                 info.revoked_at.CopyFrom(timestamp(k.revoked_at))
@@ -351,7 +404,9 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             return admin_pb2.GetTaskPreviewResponse(uri=uri, content_type=output.preview_type(uri), data=data)
         raise errors.not_found("preview")
 
-    async def GetUsage(self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext) -> admin_pb2.GetUsageResponse:
+    async def GetUsage(
+        self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetUsageResponse:
         """Metered seconds per tenant and model (per hour when asked) over a range of hours, from usage_hour."""
         await self.auth.admin(context, scope=auth.READ)
         bad: list[tuple[str, str]] = []
@@ -372,16 +427,28 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             raise errors.invalid_argument(bad)
         limit = self.settings.usage_max_rows
         rows = await usage.usage(
-            self.pool, since=since, until=until, tenant_id=request.tenant or None, by_hour=request.by_hour, limit=limit + 1,
-            by_end_user=request.by_end_user or end_user is not None, end_user=end_user,
+            self.pool,
+            since=since,
+            until=until,
+            tenant_id=request.tenant or None,
+            by_hour=request.by_hour,
+            limit=limit + 1,
+            by_end_user=request.by_end_user or end_user is not None,
+            end_user=end_user,
         )
         response = admin_pb2.GetUsageResponse(
             since=timestamp(since), until=timestamp(until), truncated=len(rows) > limit
         )
         for u in rows[:limit]:
             row = response.rows.add(
-                tenant=u.tenant_id, model_id=u.model_id, gpu_seconds=u.device_seconds, slot_seconds=u.slot_seconds,
-                attempts=u.attempts, end_user=u.end_user or "", input_tokens=u.input_tokens, output_tokens=u.output_tokens,
+                tenant=u.tenant_id,
+                model_id=u.model_id,
+                gpu_seconds=u.device_seconds,
+                slot_seconds=u.slot_seconds,
+                attempts=u.attempts,
+                end_user=u.end_user or "",
+                input_tokens=u.input_tokens,
+                output_tokens=u.output_tokens,
             )
             if u.hour is not None:
                 row.hour.CopyFrom(timestamp(u.hour))
@@ -433,7 +500,9 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
                 break
         left = await maintenance.retention_counts(self.pool, older_than_seconds=older)
         return admin_pb2.PurgeTasksResponse(
-            tasks=done[Action.PURGE_TASK], results=done[Action.PURGE_RESULT], reusable_results=done[Action.PURGE_REUSABLE],
+            tasks=done[Action.PURGE_TASK],
+            results=done[Action.PURGE_RESULT],
+            reusable_results=done[Action.PURGE_REUSABLE],
             kept=adminwire.kept(left),
         )
 
@@ -473,7 +542,9 @@ class TaskAdminService(admin_pb2_grpc.TaskAdminServicer):
             response.next_page_token = self.pages.encode(paging.Cursor(last.at, last.id), fingerprint)
         return response
 
-    async def Authorize(self, request: admin_pb2.AuthorizeRequest, context: grpc.aio.ServicerContext) -> admin_pb2.AuthorizeResponse:
+    async def Authorize(
+        self, request: admin_pb2.AuthorizeRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.AuthorizeResponse:
         """Checks the caller's admin credential for an action a worker performs (its WorkerControl calls)."""
         if request.action not in WORKER_ACTIONS:
             raise errors.invalid_argument([("action", f"must be one of {', '.join(sorted(WORKER_ACTIONS))}")])

@@ -96,7 +96,10 @@ def decide(task_id: int, seen: admin_store.LeasedTask | None, *, replay_finished
             )
         if not replay_finished:
             return Decision(
-                task_id, task, None, f"{status} is terminal; pass replay_finished (--replay-finished) to replay it as a new task"
+                task_id,
+                task,
+                None,
+                f"{status} is terminal; pass replay_finished (--replay-finished) to replay it as a new task",
             )
         return Decision(task_id, task, None, "as a new task", replay=True)
     if task.status is Status.PROCESSING and seen.lease_live:
@@ -172,7 +175,11 @@ class Requeuer:
             if replay is None:
                 items[d.task_id] = _item(d, Outcome.SKIPPED, "its replay's idempotency key was taken; try again")
                 continue
-            late = "" if replay.id in queued else " (its dispatch did not queue it: the scheduler's scan does if still CREATED)"
+            late = (
+                ""
+                if replay.id in queued
+                else " (its dispatch did not queue it: the scheduler's scan does if still CREATED)"
+            )
             items[d.task_id] = _item(d, Outcome.REPLAYED, f"as task {replay.id}{late}")
             log.info("task replayed", extra={"task_id": d.task_id, "replay": replay.id, "actor": actor})
         out = [items[d.task_id] for d in decisions]
@@ -182,7 +189,9 @@ class Requeuer:
                 telemetry.SCHEDULER_ACTIONS.labels(action.value).inc(done)
         return out
 
-    async def _decide_locked(self, conn: asyncpg.Connection, ids: list[int], *, replay_finished: bool) -> list[Decision]:
+    async def _decide_locked(
+        self, conn: asyncpg.Connection, ids: list[int], *, replay_finished: bool
+    ) -> list[Decision]:
         """One decision per id, in order, on the rows locked for this transaction; a row someone else holds is busy."""
         locked = await admin_store.lock_tasks(conn, ids)
         missing = [i for i in ids if i not in locked]
@@ -233,7 +242,9 @@ class Requeuer:
     ) -> dict[int, TaskRow]:
         """The replays of the locked sources, inserted with their links; by source id."""
         replays = [(replay_of(d.task, new_id()), d.task_id) for d in wanted if d.task is not None]
-        return {row.replay_of: row for row in await admin_store.replay_tasks(conn, replays) if row.replay_of is not None}
+        return {
+            row.replay_of: row for row in await admin_store.replay_tasks(conn, replays) if row.replay_of is not None
+        }
 
     async def _dispatch(self, conn: Conn, tasks: list[TaskRow], *, actor: str, reason: str) -> set[int]:
         """The submit dispatcher's pass over the committed replays; the ids it moved to QUEUED."""

@@ -39,7 +39,8 @@ class Retention:
 
 class RetentionScan:
     """Deletes what outlived its retention: finished tasks (with their history), events and webhook logs of finished
-    tasks, stored outputs, reusable outputs, input images, each a bounded, skip-locked batch per pass in its own transaction.
+    tasks, stored outputs, reusable outputs, input images, each a bounded, skip-locked batch per pass in its own
+    transaction.
 
     An output goes from the result store inside the transaction that forgets it, so a failed delete leaves the row
     for the next pass; an output shared by identical requests goes with the last row referring to it.

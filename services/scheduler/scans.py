@@ -101,7 +101,8 @@ def _timeouts(settings: SchedulerSettings, timeout_for: Callable[[str], float]) 
 
 
 async def _announce_dead(bus: busmod.Bus, dead: list[tuple[TaskRow, store.TaskError]], *, reason: str) -> None:
-    """The dead-letter stream's notices for tasks just ended for good; after the commit, so never for a rolled-back row."""
+    """The dead-letter stream's notices for tasks just ended for good; after the commit, so never for a rolled-back
+    row."""
     for task, error in dead:
         await dead_letter.publish(bus, task, reason=reason, error_code=error.code, error_message=error.message)
 
@@ -180,7 +181,11 @@ class QueuedScan:
         """QUEUED tasks past their model's queue timeout at a model whose queue does not move, locked."""
         s = self.ctx.settings
         return await maintenance.queued_due(
-            conn, now=now, timeouts=_timeouts(s, s.queue_timeout_for), default_seconds=s.queue_timeout_seconds, limit=limit
+            conn,
+            now=now,
+            timeouts=_timeouts(s, s.queue_timeout_for),
+            default_seconds=s.queue_timeout_seconds,
+            limit=limit,
         )
 
     async def run(self, now: datetime | None = None) -> ScanResult:
@@ -233,7 +238,9 @@ class QueuedScan:
             try:
                 held = await busmod.level_messages(self.ctx.bus, model_id, priority)
             except (NatsError, OSError, TimeoutError) as exc:
-                log.warning("consumer not answering; its level waits", extra={"model": model_id, "error": type(exc).__name__})
+                log.warning(
+                    "consumer not answering; its level waits", extra={"model": model_id, "error": type(exc).__name__}
+                )
                 continue
             missing[(model_id, priority)] = max(0, holders.get((model_id, priority), 0) - held)
         return missing
@@ -282,7 +289,9 @@ class LeaseScan:
                 )
                 result.actions[Action.RELEASE] += out.applied
             for task in lost:
-                error = store.TaskError(WORKER_LOST, f"its worker was lost {task.worker_losses + 1} times while it held no other task")
+                error = store.TaskError(
+                    WORKER_LOST, f"its worker was lost {task.worker_losses + 1} times while it held no other task"
+                )
                 out = await store.fail(
                     conn, task.id, error=error, actor=ACTOR, reason="worker lost", expected_version=task.version,
                     dead_letter=True, worker_lost=True,
@@ -310,8 +319,12 @@ class ProcessingTimeoutScan:
         """Live PROCESSING tasks past their timeout (plus the grace once granted), locked."""
         s = self.ctx.settings
         return await maintenance.processing_overdue(
-            conn, now=now, timeouts=_timeouts(s, s.processing_timeout_for), default_seconds=s.processing_timeout_seconds,
-            grace_seconds=s.processing_grace_seconds, limit=limit,
+            conn,
+            now=now,
+            timeouts=_timeouts(s, s.processing_timeout_for),
+            default_seconds=s.processing_timeout_seconds,
+            grace_seconds=s.processing_grace_seconds,
+            limit=limit,
         )
 
     async def run(self, now: datetime | None = None) -> ScanResult:
@@ -338,7 +351,9 @@ class ProcessingTimeoutScan:
         await _announce_dead(self.ctx.bus, dead, reason="processing timeout")
         # only a hint: the worker's next lease renewal fails too (cancel.send logs a refused signal)
         for task in timed_out:
-            await cancel.send(self.ctx.bus, task.id, hard=True, reason=PROCESSING_TIMEOUT, trace_context=task.trace_context)
+            await cancel.send(
+                self.ctx.bus, task.id, hard=True, reason=PROCESSING_TIMEOUT, trace_context=task.trace_context
+            )
         if timed_out:
             try:
                 await self.ctx.bus.nc.flush()
@@ -392,7 +407,8 @@ class PreemptScan:
         self.after = {
             model: spec.preempt_after_seconds
             for model, spec in ctx.settings.models.items()
-            if spec.preempt_after_seconds is not None and (spec.checkpoint_every_seconds > 0 or spec.checkpoint_every_steps > 0)
+            if spec.preempt_after_seconds is not None
+            and (spec.checkpoint_every_seconds > 0 or spec.checkpoint_every_steps > 0)
         }
 
     async def run(self, now: datetime | None = None) -> ScanResult:
@@ -402,7 +418,10 @@ class PreemptScan:
             self.ctx.pool, now=now, after=self.after, window_seconds=self.ctx.settings.preempt_window_seconds
         )
         for victim in marked:
-            log.info("preempting", extra={"task_id": str(victim.task_id), "attempt": victim.attempt, "model": victim.model_id})
+            log.info(
+                "preempting",
+                extra={"task_id": str(victim.task_id), "attempt": victim.attempt, "model": victim.model_id},
+            )
             await preempt.send(self.ctx.bus, victim.task_id, trace_context=victim.trace_context)
         return ScanResult(Counter({Action.PREEMPT: len(marked)}), len(marked))
 

@@ -80,8 +80,12 @@ class Scheduler:
             except Exception as exc:  # one failing scan (a backend down, a bad row) must not stop the others
                 telemetry.SCHEDULER_SCAN_ERRORS.labels(scan.name).inc()
                 expected = isinstance(exc, (asyncpg.PostgresError, *server.BACKEND_ERRORS))
-                log.log(logging.WARNING if expected else logging.ERROR, "scan failed", exc_info=None if expected else exc,
-                        extra={"scan": scan.name, "error": type(exc).__name__})
+                log.log(
+                    logging.WARNING if expected else logging.ERROR,
+                    "scan failed",
+                    exc_info=None if expected else exc,
+                    extra={"scan": scan.name, "error": type(exc).__name__},
+                )
                 report.failed[scan.name] = f"{type(exc).__name__}: {exc}"
                 continue
             finally:
@@ -102,13 +106,21 @@ class Scheduler:
             telemetry.QUEUE_DEPTH.labels(model_id).set(load.queued if load else 0)
             telemetry.QUEUE_OLDEST_AGE.labels(model_id).set((load.oldest_queued_age or 0.0) if load else 0.0)
             telemetry.PROCESSING.labels(model_id).set(load.processing if load else 0)
-        telemetry.WORKERS_ALIVE.set(await maintenance.workers_alive(self.pool, lease_seconds=self.settings.lease_seconds))
+        telemetry.WORKERS_ALIVE.set(
+            await maintenance.workers_alive(self.pool, lease_seconds=self.settings.lease_seconds)
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scans every scan_interval_seconds (at once again while batches come back full) until `stop` is set."""
         # each scan's failure is its own (run_once logs it) and the gauges' too: anything else ends the loop
-        await loops.repeat(self._pass, every=self.settings.scan_interval_seconds, stop=stop, log=log, failed="scan pass failed",
-                           survives=())
+        await loops.repeat(
+            self._pass,
+            every=self.settings.scan_interval_seconds,
+            stop=stop,
+            log=log,
+            failed="scan pass failed",
+            survives=(),
+        )
 
     async def _pass(self) -> float | None:
         """One pass of every scan, then the gauges; 0 (the next pass at once) when a batch came back full."""
@@ -152,7 +164,9 @@ class SchedulerHandle:
                 await self.backends.close()
 
 
-async def start(settings: SchedulerSettings, backends: runtime.Backends | None = None, *, scan_loop: bool = True) -> SchedulerHandle:
+async def start(
+    settings: SchedulerSettings, backends: runtime.Backends | None = None, *, scan_loop: bool = True
+) -> SchedulerHandle:
     """Starts TaskAdmin on settings.scheduler_port and (unless scan_loop=False, for tests) the scan loop."""
     owns = backends is None
     b = backends if backends is not None else await runtime.connect(settings, "scheduler")

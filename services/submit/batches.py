@@ -47,7 +47,12 @@ FILE_PREFIX = "file-"
 BATCH_PREFIX = "batch_"
 PURPOSES = ("batch",)  # what a caller may upload; batch_output and batch_error are written here
 # refusals a batch waits out (its chunk is sent again), by gRPC status and reason
-_PASSING = {reasons.RATE_LIMITED, reasons.TOO_MANY_PENDING_TASKS, reasons.TENANT_RATE_LIMITED, reasons.BACKEND_UNAVAILABLE}
+_PASSING = {
+    reasons.RATE_LIMITED,
+    reasons.TOO_MANY_PENDING_TASKS,
+    reasons.TENANT_RATE_LIMITED,
+    reasons.BACKEND_UNAVAILABLE,
+}
 
 Submit = Callable[[Principal, list[gateway_pb2.SubmitTaskRequest]], Awaitable[list[Any]]]
 CancelTask = Callable[[int], Awaitable[None]]
@@ -89,9 +94,16 @@ def file_proto(row: FileRow) -> batches_pb2.StoredFile:
 
 def batch_proto(row: BatchRow) -> batches_pb2.Batch:
     out = batches_pb2.Batch(
-        id=f"{BATCH_PREFIX}{row.id}", input_file_id=f"{FILE_PREFIX}{row.input_file_id}", endpoint=row.endpoint,
-        completion_window=row.completion_window, status=row.status, metadata=row.metadata, end_user=row.end_user,
-        error_message=row.error_message or "", created_at=timestamp(row.created_at), expires_at=timestamp(row.expires_at),
+        id=f"{BATCH_PREFIX}{row.id}",
+        input_file_id=f"{FILE_PREFIX}{row.input_file_id}",
+        endpoint=row.endpoint,
+        completion_window=row.completion_window,
+        status=row.status,
+        metadata=row.metadata,
+        end_user=row.end_user,
+        error_message=row.error_message or "",
+        created_at=timestamp(row.created_at),
+        expires_at=timestamp(row.expires_at),
         counts=batches_pb2.BatchCounts(total=row.total_lines or 0, completed=row.done, failed=row.failed),
     )
     if row.source_file_id is not None:
@@ -121,16 +133,21 @@ class Line:
 
 
 def parse_line(raw: bytes, number: int) -> Line:
-    """A line of a batch input: `{"custom_id": ..., "request": SubmitTaskRequest}` or `{"custom_id": ..., "error": ...}`."""
+    """A line of a batch input: `{"custom_id": ..., "request": SubmitTaskRequest}` or `{"custom_id": ..., "error":
+    ...}`."""
     try:
         data = json.loads(raw)
     except ValueError as exc:
         return Line(f"line-{number}", error={"code": "invalid_json", "message": f"line {number + 1}: not JSON: {exc}"})
     if not isinstance(data, dict):
-        return Line(f"line-{number}", error={"code": "invalid_json", "message": f"line {number + 1}: not a JSON object"})
+        return Line(
+            f"line-{number}", error={"code": "invalid_json", "message": f"line {number + 1}: not a JSON object"}
+        )
     custom_id = data.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        return Line(f"line-{number}", error={"code": "missing_custom_id", "message": f"line {number + 1}: no custom_id"})
+        return Line(
+            f"line-{number}", error={"code": "missing_custom_id", "message": f"line {number + 1}: no custom_id"}
+        )
     if isinstance(data.get("error"), dict):
         return Line(custom_id, error=data["error"])
     body = data.get("request")
@@ -265,8 +282,16 @@ class Batches:
         if request.source_file_id:
             original = (await self.file(who.tenant_id, request.source_file_id)).id
         row = await store.insert_batch(
-            self.pool, self.next_id(), who.tenant_id, request.end_user, source.id, request.endpoint,
-            request.completion_window, dict(request.metadata), request.window_seconds, self.settings.batch_lease_seconds,
+            self.pool,
+            self.next_id(),
+            who.tenant_id,
+            request.end_user,
+            source.id,
+            request.endpoint,
+            request.completion_window,
+            dict(request.metadata),
+            request.window_seconds,
+            self.settings.batch_lease_seconds,
             original,
         )
         self._start(self._ingest(who, row))
@@ -296,7 +321,9 @@ class Batches:
                 raise errors.not_found("batch")
             if row.status in ("cancelling", "cancelled"):
                 return batch_proto(row)
-            raise errors.failed_precondition(reasons.TASK_FINISHED, f"the batch already ended as {row.status}", status=row.status)
+            raise errors.failed_precondition(
+                reasons.TASK_FINISHED, f"the batch already ended as {row.status}", status=row.status
+            )
         await self._cancel_tasks(moved.id)
         row = await store.get_batch(self.pool, who.tenant_id, number)
         assert row is not None
@@ -466,9 +493,18 @@ class Batches:
             new_id = self.next_id()
             stored = await self.results.put(f"file-{new_id}", data, "application/jsonl")
             await store.insert_file(
-                self.pool, new_id, row.user_id, purpose, f"{BATCH_PREFIX}{row.id}_{purpose.removeprefix('batch_')}.jsonl",
-                stored.uri, len(data), hashlib.sha256(data).hexdigest(), batch_id=row.id,
+                self.pool,
+                new_id,
+                row.user_id,
+                purpose,
+                f"{BATCH_PREFIX}{row.id}_{purpose.removeprefix('batch_')}.jsonl",
+                stored.uri,
+                len(data),
+                hashlib.sha256(data).hexdigest(),
+                batch_id=row.id,
             )
             ids_written.append(new_id)
         await store.complete(self.pool, row.id, ids_written[0], ids_written[1], expired=expired)
-        log.info("batch files written", extra={"batch_id": row.id, "output_lines": len(output), "error_lines": len(failed)})
+        log.info(
+            "batch files written", extra={"batch_id": row.id, "output_lines": len(output), "error_lines": len(failed)}
+        )

@@ -123,5 +123,7 @@ async def check_input_tokens(
         return
     params[chat.INPUT_TOKENS] = counted
     if counted > spec.max_input_tokens:
-        bad.append((field, f"{counted} tokens; model {req.model_id or 'default'} takes at most {spec.max_input_tokens}"))
+        bad.append(
+            (field, f"{counted} tokens; model {req.model_id or 'default'} takes at most {spec.max_input_tokens}")
+        )
 

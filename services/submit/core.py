@@ -57,7 +57,9 @@ class GatewayCore(gateway_pb2_grpc.TaskGatewayServicer):
         self._queue = QueueView(backends.pool, settings)
         self._results = result_store(settings, backends.bus)
         self.inputs = InputImages(backends.pool, self._results, settings)
-        self.ids = ids.LeasedIds(backends.pool, lease_seconds=settings.id_node_lease_seconds, fixed_node=settings.id_node)
+        self.ids = ids.LeasedIds(
+            backends.pool, lease_seconds=settings.id_node_lease_seconds, fixed_node=settings.id_node
+        )
         self.dispatcher = Dispatcher(
             backends.pool, backends.bus, actor=ACTOR, ack_timeout=settings.submit_publish_timeout_seconds,
             db_timeout=settings.submit_db_timeout_seconds, max_batch=MAX_BATCH,

@@ -123,7 +123,11 @@ class InputImages:
                 verify=verify,
                 timeout=httpx.Timeout(self._settings.input_fetch_timeout_seconds),
                 trust_env=False,  # never through an environment proxy: the checked address is pinned
-                headers={"user-agent": USER_AGENT, "accept": "image/png, image/jpeg, image/webp", "accept-encoding": "identity"},
+                headers={
+                    "user-agent": USER_AGENT,
+                    "accept": "image/png, image/jpeg, image/webp",
+                    "accept-encoding": "identity",
+                },
             )
         return self._client
 
@@ -153,7 +157,8 @@ class InputImages:
             if stored.width > limits.max_width or stored.height > limits.max_height:
                 bad.append((
                     "image.upload_sha256",
-                    f"the image is {stored.width}x{stored.height}; this model takes at most {limits.max_width}x{limits.max_height}",
+                    f"the image is {stored.width}x{stored.height}; this model takes at most "
+                    f"{limits.max_width}x{limits.max_height}",
                 ))
                 return None
             return Checked(stored=stored)
@@ -232,7 +237,9 @@ class InputImages:
         await self._store.put(name, data, f"{TEXT}; charset=utf-8")
         return task_pb2.InputText(sha256=kept.sha256, size_bytes=kept.size_bytes, chars=kept.chars, content_type=TEXT)
 
-    async def text_of(self, tenant: str, sha256: str, field: str, bad: list[tuple[str, str]], *, within: float) -> str | None:
+    async def text_of(
+        self, tenant: str, sha256: str, field: str, bad: list[tuple[str, str]], *, within: float
+    ) -> str | None:
         """The text of the tenant's attachment `sha256`, marked used now; None with the reason in `bad` (naming
         `field`) when it has none (never uploaded, or expired)."""
         if len(sha256) != 64 or not set(sha256) <= _SHA256_CHARS:
@@ -281,7 +288,9 @@ class InputImages:
                 pinned = await netguard.pin(
                     target, schemes=("https",), within=timeout, allow_hosts=self._settings.input_fetch_allow_hosts
                 )
-                async with self._http().stream("GET", pinned.url, headers=pinned.headers, extensions=pinned.extensions) as answer:
+                async with self._http().stream(
+                    "GET", pinned.url, headers=pinned.headers, extensions=pinned.extensions
+                ) as answer:
                     if answer.is_redirect:
                         raise FetchRefused(f"answered HTTP {answer.status_code}: redirects are not followed")
                     if answer.status_code != 200:

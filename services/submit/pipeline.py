@@ -1,11 +1,11 @@
 """SubmitStream: submissions pipelined over one long-lived stream, each answered by its request id.
 
-A unary SubmitTask costs a call: an HTTP/2 stream opened and closed, headers both ways, a handler task, the interceptor's
-work, the key's lookup. Over SubmitStream a request is one message each way; every request read is admitted by the same
-path as SubmitTask (`Gateway._submit` of one), concurrently with the stream's other requests, so requests that arrive
-together join the same batch of the Batcher (one statement). Each request is authenticated and throttled as a call is
-(the key's cached principal, one token of the tenant's bucket), has its own deadline (its `timeout`, else the stream's),
-and is answered with its task or its own error; the stream goes on.
+A unary SubmitTask costs a call: an HTTP/2 stream opened and closed, headers both ways, a handler task, the
+interceptor's work, the key's lookup. Over SubmitStream a request is one message each way; every request read is
+admitted by the same path as SubmitTask (`Gateway._submit` of one), concurrently with the stream's other requests, so
+requests that arrive together join the same batch of the Batcher (one statement). Each request is authenticated and
+throttled as a call is (the key's cached principal, one token of the tenant's bucket), has its own deadline (its
+`timeout`, else the stream's), and is answered with its task or its own error; the stream goes on.
 
 The stream ends (OK) at its maximum age or when the server drains: it reads no more requests, answers those it read,
 and closes, so the client opens another (on this or another server) for what it had not had read.
@@ -118,7 +118,9 @@ async def serve(
     async def finish(reader: asyncio.Task[None]) -> None:
         stop = asyncio.ensure_future(draining.wait())
         try:
-            await asyncio.wait((reader, stop), timeout=max_age * random.uniform(0.9, 1.0), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                (reader, stop), timeout=max_age * random.uniform(0.9, 1.0), return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             stop.cancel()
             if not reader.done():  # its age, or the server drains: no more requests are read

@@ -29,7 +29,9 @@ class SecretCalls(GatewayCore):
     ) -> gateway_pb2.TaskGatewayRotateWebhookSecretResponse:
         """A new webhook secret for the caller's tenant; the current ones keep signing until the overlap ends."""
         who = await self._principal(context)
-        overlap = request.overlap.ToTimedelta().total_seconds() if request.HasField("overlap") else DEFAULT_SECRET_OVERLAP
+        overlap = (
+            request.overlap.ToTimedelta().total_seconds() if request.HasField("overlap") else DEFAULT_SECRET_OVERLAP
+        )
         most = self._settings.webhook_secret_max_overlap_seconds
         if not 0 <= overlap <= most:
             raise errors.invalid_argument([("overlap", f"must be between 0 and {most:g} seconds")])
@@ -76,7 +78,14 @@ class SecretCalls(GatewayCore):
         key = clienttokens.signing_key(self._settings.api_key_pepper, who.tenant_id, kid)
         now = time.time()
         token = clienttokens.mint(
-            key, kid, who.tenant_id, request.end_user, scopes=scopes, task_ids=task_ids or None, ttl_seconds=ttl, now=now
+            key,
+            kid,
+            who.tenant_id,
+            request.end_user,
+            scopes=scopes,
+            task_ids=task_ids or None,
+            ttl_seconds=ttl,
+            now=now,
         )
         return gateway_pb2.CreateClientTokenResponse(
             token=token, expires_at=timestamp(datetime.fromtimestamp(int(now) + int(ttl), UTC))

@@ -44,7 +44,9 @@ class _Unhurried:
 class Gateway(SubmitCalls, ReadCalls, SecretCalls):
     """The TaskGateway servicer over one pool and one bus."""
 
-    def __init__(self, settings: GatewaySettings, backends: Backends, batch_signals: BatchSignals | None = None) -> None:
+    def __init__(
+        self, settings: GatewaySettings, backends: Backends, batch_signals: BatchSignals | None = None
+    ) -> None:
         super().__init__(settings, backends)
         self.batches = Batches(
             backends.pool, self._results, settings, self.ids.next,
@@ -54,7 +56,9 @@ class Gateway(SubmitCalls, ReadCalls, SecretCalls):
 
     # Cancel and results
 
-    async def CancelTask(self, request: gateway_pb2.CancelTaskRequest, context: Context) -> gateway_pb2.CancelTaskResponse:
+    async def CancelTask(
+        self, request: gateway_pb2.CancelTaskRequest, context: Context
+    ) -> gateway_pb2.CancelTaskResponse:
         who = await self._caller(context, clienttokens.CANCEL)
         task = await self._load(who, ids.require(request.task_id), context)
         if task.status is Status.CANCELED:
@@ -75,7 +79,11 @@ class Gateway(SubmitCalls, ReadCalls, SecretCalls):
             raise _already_finished(current)
         if out.from_status is Status.PROCESSING:
             await cancel.send(
-                self._bus, current.id, hard=request.hard, reason="canceled by client", trace_context=current.trace_context
+                self._bus,
+                current.id,
+                hard=request.hard,
+                reason="canceled by client",
+                trace_context=current.trace_context,
             )
         await ended.send(self._bus, current)  # the task's watchers hear it now, not after the relay's pass
         self._cache.put(current)
@@ -87,7 +95,9 @@ class Gateway(SubmitCalls, ReadCalls, SecretCalls):
         if out.task is None:
             return
         if out.applied and out.from_status is Status.PROCESSING:
-            await cancel.send(self._bus, out.task.id, hard=True, reason="batch cancelled", trace_context=out.task.trace_context)
+            await cancel.send(
+                self._bus, out.task.id, hard=True, reason="batch cancelled", trace_context=out.task.trace_context
+            )
         self._cache.put(out.task)
 
     async def _text_of(self, task: TaskRow) -> str | None:
@@ -135,7 +145,9 @@ class Gateway(SubmitCalls, ReadCalls, SecretCalls):
     async def GetBatch(self, request: batches_pb2.GetBatchRequest, context: Context) -> batches_pb2.Batch:
         return await self.batches.get(await self._principal(context), request.batch_id)
 
-    async def ListBatches(self, request: batches_pb2.ListBatchesRequest, context: Context) -> batches_pb2.ListBatchesResponse:
+    async def ListBatches(
+        self, request: batches_pb2.ListBatchesRequest, context: Context
+    ) -> batches_pb2.ListBatchesResponse:
         return await self.batches.listing(await self._principal(context), request)
 
     async def CancelBatch(self, request: batches_pb2.CancelBatchRequest, context: Context) -> batches_pb2.Batch:

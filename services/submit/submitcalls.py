@@ -42,13 +42,17 @@ class SubmitCalls(GatewayCore):
 
     # SubmitTask and SubmitTasks: one path, SubmitTask is SubmitTasks of one
 
-    async def SubmitTask(self, request: gateway_pb2.SubmitTaskRequest, context: Context) -> gateway_pb2.SubmitTaskResponse:
+    async def SubmitTask(
+        self, request: gateway_pb2.SubmitTaskRequest, context: Context
+    ) -> gateway_pb2.SubmitTaskResponse:
         [answer] = await self._submit(await self._principal(context), [request], context)
         if isinstance(answer, errors.ApiError):
             raise answer
         return answer
 
-    async def SubmitTasks(self, request: gateway_pb2.SubmitTasksRequest, context: Context) -> gateway_pb2.SubmitTasksResponse:
+    async def SubmitTasks(
+        self, request: gateway_pb2.SubmitTasksRequest, context: Context
+    ) -> gateway_pb2.SubmitTasksResponse:
         who = await self._principal(context)
         items = list(request.requests)
         if not 1 <= len(items) <= MAX_BATCH:
@@ -83,7 +87,8 @@ class SubmitCalls(GatewayCore):
         call = cast(Context, context)  # what the submit path reads of a call: its metadata and its time remaining
         left = context.time_remaining()
         if left is not None and left < self._settings.submit_min_time_left_seconds:
-            raise deadline_exceeded()  # as a unary call's own deadline would end it: nothing looked up, nothing admitted
+            # as a unary call's own deadline would end it: nothing looked up, nothing admitted
+            raise deadline_exceeded()
         with tracing.span("taskgate.v1.TaskGateway/SubmitStream.item", parent=dict(msg.trace_context) or None):
             try:
                 [answer] = await self._submit(await self._principal(call), [msg.request], call)
@@ -137,7 +142,11 @@ class SubmitCalls(GatewayCore):
         # rate-limited caller hears that first. A replay of an accepted key takes none: its answer is its task.
         costly = [i for i, r in enumerate(items) if r.callback_url or r.HasField("image")]
         slotted = set(await take_slots(costly)) if costly else set()
-        to_check = [i for i, r in enumerate(items) if i in slotted or i in replays or not (r.callback_url or r.HasField("image"))]
+        to_check = [
+            i
+            for i, r in enumerate(items)
+            if i in slotted or i in replays or not (r.callback_url or r.HasField("image"))
+        ]
         checked = await asyncio.gather(
             *(validate(who.tenant_id, items[i], self._settings, self.inputs, within=self._budget(context),
                        replay=i in replays) for i in to_check),
@@ -193,7 +202,9 @@ class SubmitCalls(GatewayCore):
             if new:
                 answers[i] = gateway_pb2.SubmitTaskResponse(task=task.to_proto(), created=True)
             else:  # a replay (or a later copy of a key in this call) answers with that task as it now is
-                answers[i] = gateway_pb2.SubmitTaskResponse(task=task.to_proto(await self._queue_position(task, context)))
+                answers[i] = gateway_pb2.SubmitTaskResponse(
+                    task=task.to_proto(await self._queue_position(task, context))
+                )
         assert all(a is not None for a in answers)
         return [a for a in answers if a is not None]
 
@@ -259,14 +270,18 @@ class SubmitCalls(GatewayCore):
             end_user=sub.end_user,
         )
 
-    def _resolve(self, candidate: Candidate, sub: Submission, admission: Admission | BaseException) -> tuple[TaskRow, bool]:
+    def _resolve(
+        self, candidate: Candidate, sub: Submission, admission: Admission | BaseException
+    ) -> tuple[TaskRow, bool]:
         """The tenant's task for this submission and whether it is new, or the error its admission calls for."""
         if isinstance(admission, BaseException):
             raise admission
         verdict = admission.verdict
         if verdict is AdmitVerdict.RATE_LIMITED:
             assert candidate.per_minute is not None and admission.retry_after is not None
-            raise rate_limited(admission.rate_limit or candidate.per_minute, admission.retry_after, admission.scope or TENANT)
+            raise rate_limited(
+                admission.rate_limit or candidate.per_minute, admission.retry_after, admission.scope or TENANT
+            )
         if verdict is AdmitVerdict.NO_TENANT:
             raise errors.unauthenticated("the key's tenant no longer exists")
         if verdict is AdmitVerdict.TOO_MANY_PENDING:
@@ -294,7 +309,9 @@ class SubmitCalls(GatewayCore):
         telemetry.SUBMIT_REJECTIONS.labels("IDEMPOTENCY_KEY_REUSED").inc()
         hint = "; pass your own idempotency_key to submit it as a new task" if sub.key_derived else ""
         raise errors.already_exists(
-            reasons.IDEMPOTENCY_KEY_REUSED, f"this idempotency key belongs to a different request{hint}", task_id=str(existing.id)
+            reasons.IDEMPOTENCY_KEY_REUSED,
+            f"this idempotency key belongs to a different request{hint}",
+            task_id=str(existing.id),
         )
 
     async def RegenerateTask(
@@ -305,7 +322,8 @@ class SubmitCalls(GatewayCore):
         source = await self._load(who.tenant_id, ids.require(request.task_id), context)
         if not source.status.terminal:
             raise errors.failed_precondition(
-                reasons.TASK_NOT_FINISHED, f"the task is {source.status.value}; only a finished task can be regenerated",
+                reasons.TASK_NOT_FINISHED,
+                f"the task is {source.status.value}; only a finished task can be regenerated",
                 status=source.status.value,
             )
         again = regenerate_request(
@@ -315,4 +333,6 @@ class SubmitCalls(GatewayCore):
             idempotency_key=request.idempotency_key,
         )
         submitted = await self.SubmitTask(again, context)
-        return gateway_pb2.RegenerateTaskResponse(task=submitted.task, created=submitted.created, source_task_id=str(source.id))
+        return gateway_pb2.RegenerateTaskResponse(
+            task=submitted.task, created=submitted.created, source_task_id=str(source.id)
+        )

@@ -87,7 +87,8 @@ def check_priority(priority: int, allowed: int) -> None:
 def regenerate_request(
     source: TaskRow, *, seed: int | None, priority: int, idempotency_key: str
 ) -> gateway_pb2.SubmitTaskRequest:
-    """A finished task's request again, with a new seed (random unless given), a fresh key unless given, at `priority`."""
+    """A finished task's request again, with a new seed (random unless given), a fresh key unless given, at
+    `priority`."""
     p = source.request_payload
     key = idempotency_key or f"regenerate-{source.id}-{secrets.token_hex(8)}"
     if source.task_type == chat.TASK_TYPE:
@@ -185,7 +186,9 @@ def _check_params(
     if p.HasField("seed") and not 0 <= p.seed <= MAX_SEED:
         bad.append(("params.seed", "must not be negative"))
     if p.negative_prompt and not spec.negative_prompt:
-        bad.append(("params.negative_prompt", f"model {req.model_id or settings.default_model} does not use a negative prompt"))
+        bad.append(
+            ("params.negative_prompt", f"model {req.model_id or settings.default_model} does not use a negative prompt")
+        )
     elif len(p.negative_prompt) > settings.max_prompt_chars:
         bad.append(("params.negative_prompt", f"longer than {settings.max_prompt_chars} characters"))
     elif _CONTROL.search(p.negative_prompt):
@@ -301,7 +304,9 @@ async def validate(
         bad.append(("max_retries", f"must be 0..{settings.max_task_retries}"))
 
     start_after = moment(req, "start_after", bad)
-    if start_after is not None and start_after > datetime.now(UTC) + timedelta(seconds=settings.max_start_delay_seconds):
+    if start_after is not None and start_after > datetime.now(UTC) + timedelta(
+        seconds=settings.max_start_delay_seconds
+    ):
         bad.append(("start_after", f"is more than {settings.max_start_delay_seconds:g} s ahead"))
     max_queue_seconds = req.max_queue_seconds if req.HasField("max_queue_seconds") else None
     if max_queue_seconds is not None and not 0 < max_queue_seconds <= settings.max_queue_ttl_seconds:

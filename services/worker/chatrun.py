@@ -56,8 +56,8 @@ class ChatRunner:
 
     @classmethod
     def load(cls, model_id: str, spec: ModelSpec, device: str) -> ChatRunner:
-        """Loads the model and tokenizer from the entry's folder (safetensors unless allow_pickle_weights) onto `device`,
-        starts its decoding loop and warms it with one short sequence (blocking; call in a thread)."""
+        """Loads the model and tokenizer from the entry's folder (safetensors unless allow_pickle_weights) onto
+        `device`, starts its decoding loop and warms it with one short sequence (blocking; call in a thread)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -78,12 +78,17 @@ class ChatRunner:
         began = time.perf_counter()
         ids = runner.prompt_ids([{"role": "user", "content": "warm up"}])
         runner.batcher.submit(Sequence(ids, Sampling(2), lambda _: True, lambda: False)).result(timeout=300)
-        log.info("model loaded", extra={"model": model_id, "device": device, "warmup_seconds": round(time.perf_counter() - began, 3)})
+        log.info(
+            "model loaded",
+            extra={"model": model_id, "device": device, "warmup_seconds": round(time.perf_counter() - began, 3)},
+        )
         return runner
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation through the model's chat template, as token ids (blocking: a long input takes a while)."""
-        encoded: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        encoded: Any = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
         return list(encoded["input_ids"])
 
     def close(self) -> None:
@@ -98,7 +103,9 @@ class Detokenizer:
     Incremental decoding as vLLM does it: the text of a window of recent tokens, compared with the same window
     without the newest ones, so decoding a token costs the window, never the whole text."""
 
-    def __init__(self, tokenizer: Any, stop: list[str], emit: Callable[[str], None], byte_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: list[str], emit: Callable[[str], None], byte_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.tokenizer = tokenizer
         self.byte_ids = byte_ids
         self.stop = stop
@@ -112,7 +119,8 @@ class Detokenizer:
         self.stopped = False
 
     def _window(self, final: bool) -> str:
-        """The new text the window's tokens add ('' while it ends in a partial character or a byte piece, unless final)."""
+        """The new text the window's tokens add ('' while it ends in a partial character or a byte piece, unless
+        final)."""
         if not final and self.tokens and self.tokens[-1] in self.byte_ids:
             return ""
         before = self.tokenizer.decode(self.tokens[self._prefix:self._read], skip_special_tokens=True)
@@ -130,8 +138,9 @@ class Detokenizer:
         return self._release(final=False)
 
     def replay(self, tokens: list[int], sent: str) -> bool:
-        """Takes the tokens an interrupted attempt made, handing out nothing, as if their text `sent` had been handed out
-        by this detokenizer; False when they do not make exactly that text (then this detokenizer is of no further use)."""
+        """Takes the tokens an interrupted attempt made, handing out nothing, as if their text `sent` had been handed
+        out by this detokenizer; False when they do not make exactly that text (then this detokenizer is of no further
+        use)."""
         emit, self.emit = self.emit, lambda _delta: None
         try:
             for token in tokens:
@@ -193,7 +202,8 @@ class TextOut:
         self._closed = False
 
     def add(self, delta: str, upto: int = 0, seconds: float = 0.0) -> None:
-        """Queues a delta; `upto`: the attempt's tokens that made the text so far, `seconds`: its device seconds then."""
+        """Queues a delta; `upto`: the attempt's tokens that made the text so far, `seconds`: its device seconds
+        then."""
         with self._lock:
             self._pending.append(delta)
             self._upto, self._seconds = max(self._upto, upto), seconds

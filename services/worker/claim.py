@@ -85,13 +85,19 @@ class Claimer:
             case Verdict.CAPPED:
                 return Declined(task_id, Step(MessageAction.NAK, Fate.CAPPED, delay=retry_in))
             case Verdict.EARLY:  # the message comes back when the level's first task is due
-                return Declined(task_id, Step(MessageAction.NAK, Fate.WAITING, delay=max(got.wait_seconds or 0.0, 0.001)))
+                return Declined(
+                    task_id, Step(MessageAction.NAK, Fate.WAITING, delay=max(got.wait_seconds or 0.0, 0.001))
+                )
             case Verdict.BUSY:
                 return Declined(task_id, Step(MessageAction.NAK, Fate.WAITING, delay=retry_in))
             case Verdict.ALONE:
                 log.info(
                     "draining to run a task alone",
-                    extra={"task_id": str(current.id) if current else None, "worker": self.worker_id, "consumer": level.consumer},
+                    extra={
+                        "task_id": str(current.id) if current else None,
+                        "worker": self.worker_id,
+                        "consumer": level.consumer,
+                    },
                 )
                 return Declined(task_id, Step(MessageAction.NAK, Fate.WAITING, delay=retry_in), alone=True)
             case Verdict.NOT_FOUND:

@@ -54,11 +54,15 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
         self.worker = worker
         self.operators = operators
 
-    async def GetStatus(self, request: worker_pb2.GetStatusRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetStatusResponse:
+    async def GetStatus(
+        self, request: worker_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.GetStatusResponse:
         await self.operators.check(context, "worker.status", self.worker.worker_id)
         return self.worker.status()
 
-    async def Drain(self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> worker_pb2.DrainResponse:
+    async def Drain(
+        self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DrainResponse:
         await self.operators.check(context, "worker.drain", self.worker.worker_id)
         grace = request.grace.ToTimedelta().total_seconds() if request.HasField("grace") else None
         self.worker.begin_drain(grace)

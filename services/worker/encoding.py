@@ -26,8 +26,12 @@ def _yuv420p(frame: np.ndarray) -> av.VideoFrame:
     """One HxWx3 uint8 RGB frame as a BT.709 limited-range yuv420p frame."""
     rgb = av.VideoFrame.from_ndarray(frame, format="rgb24")
     return rgb.reformat(
-        format="yuv420p", dst_colorspace=Colorspace.ITU709, src_color_range=ColorRange.JPEG, dst_color_range=ColorRange.MPEG,
-        interpolation=_TO_YUV, threads=1,
+        format="yuv420p",
+        dst_colorspace=Colorspace.ITU709,
+        src_color_range=ColorRange.JPEG,
+        dst_color_range=ColorRange.MPEG,
+        interpolation=_TO_YUV,
+        threads=1,
     )
 
 

@@ -119,8 +119,16 @@ class Worker:
             pool=self.pool, bus=self.bus, outputs=store, settings=settings, report=self._report_run,
         )
         self.heartbeat = Heartbeat(
-            pool=self.pool, bus=self.bus, settings=settings, worker_id=worker_id, levels=self.fetcher.levels, runs=self.runs,
-            registration=self._registration, check=self.attempts.check, gauges=self._gauges, use_cuda=plan.use_cuda,
+            pool=self.pool,
+            bus=self.bus,
+            settings=settings,
+            worker_id=worker_id,
+            levels=self.fetcher.levels,
+            runs=self.runs,
+            registration=self._registration,
+            check=self.attempts.check,
+            gauges=self._gauges,
+            use_cuda=plan.use_cuda,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -153,7 +161,12 @@ class Worker:
         self._gauges()
         log.info(
             "worker started",
-            extra={"worker": self.worker_id, "models": self.models, "slots": len(self.fetcher.slots), "device": self.device},
+            extra={
+                "worker": self.worker_id,
+                "models": self.models,
+                "slots": len(self.fetcher.slots),
+                "device": self.device,
+            },
         )
 
     def begin_drain(self, grace: float | None = None) -> asyncio.Task[None]:
@@ -184,7 +197,10 @@ class Worker:
         while self._tasks and (left := stop_by - time.monotonic()) > 0:
             await asyncio.wait(set(self._tasks), timeout=left)
         if self._tasks:
-            log.error("runs still stopping after the drain; abandoned", extra={"worker": self.worker_id, "tasks": len(self._tasks)})
+            log.error(
+                "runs still stopping after the drain; abandoned",
+                extra={"worker": self.worker_id, "tasks": len(self._tasks)},
+            )
             await runtime.stop_tasks(list(self._tasks))
 
     async def close(self) -> None:
@@ -242,7 +258,11 @@ class Worker:
                 "worker dispatch",
                 parent=msg.headers,
                 kind=SpanKind.CONSUMER,
-                attributes={"messaging.system": "nats", "messaging.destination.name": msg.subject, "taskgate.worker": self.worker_id},
+                attributes={
+                    "messaging.system": "nats",
+                    "messaging.destination.name": msg.subject,
+                    "taskgate.worker": self.worker_id,
+                },
             ):
                 with tracing.span("claim"):
                     got = await self.claimer.claim(level, msg)
@@ -336,7 +356,14 @@ class Worker:
         assert step.fate is not None, "a settled run has a fate"
         self._report(
             RunReport(
-                run.task.id, step.fate, run.attempt, run.steps_done, run.total_steps, run.steps_at_abort, step.error_code, step.delay
+                run.task.id,
+                step.fate,
+                run.attempt,
+                run.steps_done,
+                run.total_steps,
+                run.steps_at_abort,
+                step.error_code,
+                step.delay,
             )
         )
 
@@ -367,7 +394,9 @@ class Worker:
         """What GetStatus answers."""
         running = []
         for run in self.runs.values():
-            item = worker_pb2.RunningTask(task_id=str(run.task.id), model_id=run.task.model_id, attempt=run.attempt, progress=run.percent)
+            item = worker_pb2.RunningTask(
+                task_id=str(run.task.id), model_id=run.task.model_id, attempt=run.attempt, progress=run.percent
+            )
             if run.task.started_at is not None:
                 item.started_at.CopyFrom(timestamp(run.task.started_at))
             running.append(item)

@@ -168,8 +168,14 @@ class Fetcher:
         """Takes messages until draining (a failed pass logged, the next a linger later), then hands back the ones it
         holds."""
         await loops.repeat(
-            self._pass, every=self.settings.worker_fetch_linger_seconds, stop=self._draining, log=log, failed="dispatch failed",
-            extra=lambda: {"worker": self.worker_id}, level=logging.ERROR, traceback=True,
+            self._pass,
+            every=self.settings.worker_fetch_linger_seconds,
+            stop=self._draining,
+            log=log,
+            failed="dispatch failed",
+            extra=lambda: {"worker": self.worker_id},
+            level=logging.ERROR,
+            traceback=True,
         )
         for _, msg in self._ready:
             await _bounce(msg)
@@ -231,7 +237,11 @@ class Fetcher:
         has = {lv for lv, _ in pending}
         Weighted.forget([lv for lv in self.levels if lv not in has])
         while pending and not self.draining:
-            startable = [lv for lv in dict.fromkeys(lv for lv, _ in pending) if self.free_slots(lv.model_id) and not self._shut(lv)]
+            startable = [
+                lv
+                for lv in dict.fromkeys(lv for lv, _ in pending)
+                if self.free_slots(lv.model_id) and not self._shut(lv)
+            ]
             if not startable:
                 break
             level = Weighted.pick(startable)

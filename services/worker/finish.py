@@ -70,7 +70,9 @@ class Finisher:
         task = run.task
         name = output_name(task.id, task.attempt, output.extension)
         with tracing.span("store", attributes={"taskgate.result_bytes": len(output.data)}):
-            stored = await self._persist("result", run, lambda: self.outputs.put(name, output.data, output.content_type))
+            stored = await self._persist(
+                "result", run, lambda: self.outputs.put(name, output.data, output.content_type)
+            )
         await self._succeed(run, ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256), output.text)
 
     async def reused(self, run: Run, result: ResultRef) -> None:
@@ -100,8 +102,14 @@ class Finisher:
                 "retry",
                 run,
                 lambda: store.retry(
-                    self.pool, task.id, attempt=task.attempt, error=failure.error, delay_seconds=failure.delay, actor=ACTOR,
-                    reason=f"retry {failure.retry} of {task.max_retries}", metered=metered,
+                    self.pool,
+                    task.id,
+                    attempt=task.attempt,
+                    error=failure.error,
+                    delay_seconds=failure.delay,
+                    actor=ACTOR,
+                    reason=f"retry {failure.retry} of {task.max_retries}",
+                    metered=metered,
                 ),
             )
         else:
@@ -118,7 +126,9 @@ class Finisher:
         await resume.forget(self.pool, self.outputs, out.task)
         step = decide(out.task, attempt=run.attempt, run=failure)
         if step.fate is Fate.DEAD and isinstance(failure, PermanentError):
-            await dead_letter.publish(self.bus, task, reason=failure.reason, error_code=failure.code, error_message=failure.message)
+            await dead_letter.publish(
+                self.bus, task, reason=failure.reason, error_code=failure.code, error_message=failure.message
+            )
         await self._settle(run, step)
 
     async def stopped(self, run: Run) -> None:
@@ -155,7 +165,13 @@ class Finisher:
             "succeed",
             run,
             lambda: store.succeed(
-                self.pool, task.id, attempt=task.attempt, result=result, actor=ACTOR, reason=reason, metered=run.metered(),
+                self.pool,
+                task.id,
+                attempt=task.attempt,
+                result=result,
+                actor=ACTOR,
+                reason=reason,
+                metered=run.metered(),
                 text=text,
             ),
         )
@@ -179,7 +195,11 @@ class Finisher:
         if step.fate is Fate.FENCED:
             log.warning(
                 "stale attempt's output discarded",
-                extra={"task_id": str(task.id), "attempt": run.attempt, "current_attempt": out.task.attempt if out.task else None},
+                extra={
+                    "task_id": str(task.id),
+                    "attempt": run.attempt,
+                    "current_attempt": out.task.attempt if out.task else None,
+                },
             )
         await self._settle(run, step)
 

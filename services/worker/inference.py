@@ -118,7 +118,12 @@ class VideoPipeline:
     """A loaded text- or image-to-video pipeline that turns GenerationRequests into MP4 videos, one run at a time."""
 
     def __init__(
-        self, model_id: str, pipe: Any, device: str | torch.device, dtype: torch.dtype, call_options: dict[str, Any] | None = None
+        self,
+        model_id: str,
+        pipe: Any,
+        device: str | torch.device,
+        dtype: torch.dtype,
+        call_options: dict[str, Any] | None = None,
     ) -> None:
         self.model_id = model_id
         self.pipe = pipe
@@ -132,7 +137,9 @@ class VideoPipeline:
         self._accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in self._call_params.values())
         self._marks: dict[str, int] = {}  # when the current run's denoising loop began and ended (time.time_ns())
         self.preview_layout = partial.layout_of(type(pipe).__name__)
-        spatial = _first_int(getattr(pipe, "vae_scale_factor_spatial", None), getattr(pipe, "vae_spatial_compression_ratio", None))
+        spatial = _first_int(
+            getattr(pipe, "vae_scale_factor_spatial", None), getattr(pipe, "vae_spatial_compression_ratio", None)
+        )
         self._spatial = spatial or 8  # the latents' downscale, which a preview of packed latents needs
         bar = getattr(pipe, "progress_bar", None)
         if callable(bar):
@@ -140,7 +147,12 @@ class VideoPipeline:
 
     @classmethod
     def load(
-        cls, model_id: str, folder: Path, device: str | torch.device, dtype: torch.dtype, options: LoadOptions | None = None
+        cls,
+        model_id: str,
+        folder: Path,
+        device: str | torch.device,
+        dtype: torch.dtype,
+        options: LoadOptions | None = None,
     ) -> VideoPipeline:
         """Load a saved diffusers pipeline from a local folder onto a device with its runtime options, quietly."""
         _quiet_libraries()
@@ -162,7 +174,9 @@ class VideoPipeline:
         multiple = self.needs.size_multiple or 16
         size = multiple * -(-32 // multiple)  # the smallest multiple of at least 32 px
         frames = 1 + max(self.needs.frame_step, 4)
-        req = request or GenerationRequest(prompt="warmup", num_frames=frames, width=size, height=size, num_inference_steps=1, seed=0)
+        req = request or GenerationRequest(
+            prompt="warmup", num_frames=frames, width=size, height=size, num_inference_steps=1, seed=0
+        )
         if self.takes_image and req.image is None:
             req = dataclasses.replace(req, image=Image.new("RGB", (req.width, req.height)))
         started = time.perf_counter()
@@ -217,7 +231,13 @@ class VideoPipeline:
         values["image"] = None if req.image is None else _image_digest(req.image)
         values["seed"] = req.resolved_seed()
         scheduler = getattr(self.pipe, "scheduler", None)
-        values["model"] = [self.model_id, type(self.pipe).__name__, type(scheduler).__name__, str(self.dtype), self.device.type]
+        values["model"] = [
+            self.model_id,
+            type(self.pipe).__name__,
+            type(scheduler).__name__,
+            str(self.dtype),
+            self.device.type,
+        ]
         values["scheduler_config"] = dict(getattr(scheduler, "config", {}) or {})
         values["versions"] = [diffusers.__version__, torch.__version__]
         values["call_options"] = sorted(self.call_options)
@@ -278,7 +298,11 @@ class VideoPipeline:
                     checkpoint.GENERATOR: generator.get_state(),
                 }))
 
-        grid = ((req.num_frames - 1) // (self.needs.frame_step or 1) + 1, req.height // self._spatial, req.width // self._spatial)
+        grid = (
+            (req.num_frames - 1) // (self.needs.frame_step or 1) + 1,
+            req.height // self._spatial,
+            req.width // self._spatial,
+        )
 
         def after_step(pipe: Any, step: int, _timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
             done, total = start + step + 1, total_steps_from(pipe)
@@ -342,7 +366,9 @@ class VideoPipeline:
         if not self.takes_image:
             raise ValueError(f"{name} makes a video from text alone: it takes no image")
         if req.image.size != (req.width, req.height):
-            raise ValueError(f"the image is {req.image.width}x{req.image.height}; it must be fitted to {req.width}x{req.height}")
+            raise ValueError(
+                f"the image is {req.image.width}x{req.image.height}; it must be fitted to {req.width}x{req.height}"
+            )
 
     def encode(self, video: RenderedVideo) -> GeneratedVideo:
         """The CPU phase: rendered frames as an MP4 (needs no device: it overlaps the next request's render)."""

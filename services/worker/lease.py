@@ -72,14 +72,23 @@ class Heartbeat:
         """Beats until cancelled, writing due progress in between; a failed statement is logged and the next tried."""
         self._next_beat = time.monotonic() + self.settings.heartbeat_seconds
         await loops.repeat(
-            self._due, every=0.0, wake=self._wake, log=log, failed="heartbeat failed", extra=lambda: {"worker": self.worker_id},
+            self._due,
+            every=0.0,
+            wake=self._wake,
+            log=log,
+            failed="heartbeat failed",
+            extra=lambda: {"worker": self.worker_id},
             traceback=True,
         )
 
     async def _due(self) -> float:
         """The beat or the progress write that is due, if one is; the seconds until the next one is due."""
         beat_every = self.settings.heartbeat_seconds
-        due = [at for run in self.runs.values() if (at := run.progress_at(self.settings.progress_interval_seconds)) is not None]
+        due = [
+            at
+            for run in self.runs.values()
+            if (at := run.progress_at(self.settings.progress_interval_seconds)) is not None
+        ]
         self._armed = bool(due)
         write_at = max(min(due), self._next_write) if due else None
         beat_at = self._next_beat
@@ -156,7 +165,9 @@ class Heartbeat:
         waits = [run.msg.in_progress() for run, _, _ in named if run.owns_message]
         for failure in await asyncio.gather(*waits, return_exceptions=True):
             if isinstance(failure, Exception):
-                log.warning("ack wait renewal failed", extra={"worker": self.worker_id, "error": type(failure).__name__})
+                log.warning(
+                    "ack wait renewal failed", extra={"worker": self.worker_id, "error": type(failure).__name__}
+                )
         if full:
             self._beaten()
 

@@ -39,7 +39,12 @@ class LiveProgress:
             due, self._due = self._due, {}
             by_tenant: defaultdict[str, list[task_pb2.TaskProgress]] = defaultdict(list)
             for task_id, run in due.items():
-                if run.finishing or run.stopped_by is not None or not run.total_steps or run.published_step == run.steps_done:
+                if (
+                    run.finishing
+                    or run.stopped_by is not None
+                    or not run.total_steps
+                    or run.published_step == run.steps_done
+                ):
                     continue
                 run.published_step = run.steps_done
                 by_tenant[run.task.user_id].append(

@@ -76,7 +76,9 @@ def project(latents: Any, projection: Projection, grid: tuple[int, int, int]) ->
     if x.ndim != 4:
         return None
     channels, count = x.shape[0], x.shape[1]
-    picks = sorted({round(i * (count - 1) / max(1, projection.frames - 1)) for i in range(min(projection.frames, count))})
+    picks = sorted(
+        {round(i * (count - 1) / max(1, projection.frames - 1)) for i in range(min(projection.frames, count))}
+    )
     x = x[:, picks].float()
     if projection.factors is not None and len(projection.factors) == channels:
         matrix = torch.tensor(projection.factors, dtype=torch.float32, device=x.device)
@@ -118,7 +120,9 @@ class Every:
     """When a run's next preview is due: every `fraction` of its steps, or every `seconds` of its denoising (counted
     from its first step's end: a wait for a device or the prompt's encoding is no denoising)."""
 
-    def __init__(self, fraction: float, seconds: float, start_step: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, fraction: float, seconds: float, start_step: int = 0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.fraction = fraction
         self.seconds = seconds
         self._clock = clock
@@ -251,19 +255,28 @@ class Partial:
             try:
                 await output.publish(self.bus, self.user_id, chunk)
             except Exception as exc:  # NATS errors of every kind: a log line is not worth more
-                log.warning("log line not published", extra={"task_id": str(self.task_id), "error": f"{type(exc).__name__}: {exc}"})
+                log.warning(
+                    "log line not published",
+                    extra={"task_id": str(self.task_id), "error": f"{type(exc).__name__}: {exc}"},
+                )
 
     async def _write_preview(self, step: int, frames: Any, aspect: tuple[int, int]) -> None:
         spec = self.spec
         try:
-            data, width, height = await asyncio.to_thread(encode_image, frames, spec.preview_size, spec.preview_format, aspect)
+            data, width, height = await asyncio.to_thread(
+                encode_image, frames, spec.preview_size, spec.preview_format, aspect
+            )
             name = output.preview_name(self.task_id, self.attempt, step, spec.preview_format)
             # named on the row before it is stored: retention deletes it with the task's output, and a worker killed
             # in between leaves nothing that no row names
-            if not await workers.name_preview(self.pool, self.task_id, attempt=self.attempt, uri=self.store.uri_of(name)):
+            if not await workers.name_preview(
+                self.pool, self.task_id, attempt=self.attempt, uri=self.store.uri_of(name)
+            ):
                 return  # fenced out: this attempt no longer runs the task
             stored = await self.store.put(name, data, output.PREVIEW_TYPES[spec.preview_format])
-            chunk = output.Chunk(self.task_id, self.attempt, output.PREVIEW, uri=stored.uri, content_type=stored.content_type, step=step)
+            chunk = output.Chunk(
+                self.task_id, self.attempt, output.PREVIEW, uri=stored.uri, content_type=stored.content_type, step=step
+            )
             await output.publish(self.bus, self.user_id, chunk)
         except asyncio.CancelledError:
             raise

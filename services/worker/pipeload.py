@@ -208,8 +208,12 @@ def pipeline_needs(pipe: Any) -> PipelineNeeds:
     config = getattr(getattr(pipe, "transformer", None), "config", None)
     patch = getattr(config, "patch_size", None)
     spatial_patch = patch[-1] if isinstance(patch, list | tuple) else patch
-    spatial = _first_int(getattr(pipe, "vae_scale_factor_spatial", None), getattr(pipe, "vae_spatial_compression_ratio", None))
-    temporal = _first_int(getattr(pipe, "vae_scale_factor_temporal", None), getattr(pipe, "vae_temporal_compression_ratio", None))
+    spatial = _first_int(
+        getattr(pipe, "vae_scale_factor_spatial", None), getattr(pipe, "vae_spatial_compression_ratio", None)
+    )
+    temporal = _first_int(
+        getattr(pipe, "vae_scale_factor_temporal", None), getattr(pipe, "vae_temporal_compression_ratio", None)
+    )
     patch_size = _first_int(getattr(pipe, "transformer_spatial_patch_size", None), spatial_patch) or 1
     return PipelineNeeds(size_multiple=spatial * patch_size, frame_step=temporal)
 

@@ -70,7 +70,9 @@ async def load(store: results.ResultStore, task: TaskRow, within: float = 0.0) -
             extra={"task_id": str(task.id), "uri": uri, "error": f"{type(exc).__name__}: {exc}"},
         )
         return None
-    log.info("resuming from a checkpoint", extra={"task_id": str(task.id), "attempt": task.attempt, "step": snapshot.step})
+    log.info(
+        "resuming from a checkpoint", extra={"task_id": str(task.id), "attempt": task.attempt, "step": snapshot.step}
+    )
     return snapshot
 
 
@@ -145,7 +147,9 @@ class Keeper:
             except asyncio.CancelledError:
                 raise
             except Exception:  # a checkpoint is an optimisation: the run goes on without it
-                log.warning("checkpoint not stored", extra={"task_id": str(self.task.id), "step": snapshot.step}, exc_info=True)
+                log.warning(
+                    "checkpoint not stored", extra={"task_id": str(self.task.id), "step": snapshot.step}, exc_info=True
+                )
 
     async def _write(self, snapshot: checkpoint.Snapshot, seconds: float) -> None:
         task = self.task

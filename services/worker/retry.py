@@ -83,6 +83,9 @@ async def persist(within: float, what: str, task_id: int, action: Callable[[], A
         except BACKEND_ERRORS as exc:
             if time.monotonic() + delay > deadline:
                 raise
-            log.warning("final write failed; retrying", extra={"task_id": str(task_id), "what": what, "error": type(exc).__name__})
+            log.warning(
+                "final write failed; retrying",
+                extra={"task_id": str(task_id), "what": what, "error": type(exc).__name__},
+            )
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)

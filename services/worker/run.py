@@ -180,7 +180,11 @@ class Attempts:
         task = run.task
         model_runner = next((r for (m, _), r in self.runners.items() if m == task.model_id), None)
         spec = self.settings.models.get(task.model_id)
-        if model_runner is None or spec is None or getattr(model_runner, "not_resumable", "no steps to resume") is not None:
+        if (
+            model_runner is None
+            or spec is None
+            or getattr(model_runner, "not_resumable", "no steps to resume") is not None
+        ):
             return None
         policy = checkpoint.Policy(spec.checkpoint_every_seconds, spec.checkpoint_every_steps)
         return policy if policy.enabled else None
@@ -204,17 +208,25 @@ class Attempts:
                 output = await self._forward(run, forwarded)
                 telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
                 return output
-            chat_runners = [r for (m, _), r in self.runners.items() if m == task.model_id and isinstance(r, chatrun.ChatRunner)]
+            chat_runners = [
+                r for (m, _), r in self.runners.items() if m == task.model_id and isinstance(r, chatrun.ChatRunner)
+            ]
             if chat_runners:
                 output = await self._generate(run, min(chat_runners, key=lambda r: r.batcher.active))
                 telemetry.RUN_TIME.labels(task.model_id).observe(time.monotonic() - run.started)
                 return output
             # read before a device is taken: a slow store holds this slot only, never a device
             image = await self._input_image(run)
-            snapshot = await run.unless_stopped(resume.load(self.inputs, task, self.settings.lease_seconds)) if policy is not None else None
+            snapshot = (
+                await run.unless_stopped(resume.load(self.inputs, task, self.settings.lease_seconds))
+                if policy is not None
+                else None
+            )
             if policy is not None:
                 start_step = snapshot.step if snapshot is not None else 0
-                log.info("run starts", extra={"task_id": str(task.id), "attempt": task.attempt, "from_step": start_step})
+                log.info(
+                    "run starts", extra={"task_id": str(task.id), "attempt": task.attempt, "from_step": start_step}
+                )
                 run.keeper = resume.Keeper(
                     pool=self.pool, store=self.inputs, task=task, policy=policy, device_seconds=run.device_seconds_now,
                     kept=self._kept, loop=loop, start_step=start_step,
@@ -225,7 +237,13 @@ class Attempts:
                 said.say(f"attempt {task.attempt} starts at step {snapshot.step if snapshot is not None else 0}"
                          + (" (from its checkpoint)" if snapshot is not None else ""))
             inp = runmod.RunInput(
-                task.id, task.attempt, task.prompt, dict(task.request_payload), image, resume=snapshot, capture=run.keeper,
+                task.id,
+                task.attempt,
+                task.prompt,
+                dict(task.request_payload),
+                image,
+                resume=snapshot,
+                capture=run.keeper,
                 previews=said,
             )
             devices = {d for m, d in self.runners if m == task.model_id}
@@ -243,7 +261,12 @@ class Attempts:
                 held = run.held_since = time.monotonic()
                 try:
                     rendered = await loop.run_in_executor(
-                        lane.executor, contextvars.copy_context().run, model_runner.render, inp, on_step, run.abort.is_set
+                        lane.executor,
+                        contextvars.copy_context().run,
+                        model_runner.render,
+                        inp,
+                        on_step,
+                        run.abort.is_set,
                     )
                 finally:  # a failed or aborted device phase held the device too
                     run.device_seconds += time.monotonic() - held
@@ -254,9 +277,13 @@ class Attempts:
             if said is not None:
                 said.say(_phases_line(rendered, time.monotonic() - held, said))
             encoding = time.monotonic()
-            output = await loop.run_in_executor(self.encoders, contextvars.copy_context().run, model_runner.encode, rendered)
+            output = await loop.run_in_executor(
+                self.encoders, contextvars.copy_context().run, model_runner.encode, rendered
+            )
             if said is not None:
-                said.say(f"encoded {len(output.data)} bytes ({output.content_type}) in {time.monotonic() - encoding:.2f} s")
+                said.say(
+                    f"encoded {len(output.data)} bytes ({output.content_type}) in {time.monotonic() - encoding:.2f} s"
+                )
         except runmod.RunAborted as exc:
             if said is not None:
                 said.say(f"stopped: {exc}")
@@ -298,8 +325,15 @@ class Attempts:
         if self.bus is None or spec is None or pipeline is None:
             return None
         return partial.Partial(
-            bus=self.bus, pool=self.pool, store=self.inputs, user_id=task.user_id, task_id=task.id, attempt=task.attempt, spec=spec,
-            layout=getattr(pipeline, "preview_layout", "BCFHW"), start_step=start_step,
+            bus=self.bus,
+            pool=self.pool,
+            store=self.inputs,
+            user_id=task.user_id,
+            task_id=task.id,
+            attempt=task.attempt,
+            spec=spec,
+            layout=getattr(pipeline, "preview_layout", "BCFHW"),
+            start_step=start_step,
         )
 
     async def _generate(self, run: Run, runner: chatrun.ChatRunner) -> runmod.RunOutput:
@@ -312,7 +346,9 @@ class Attempts:
         payload = task.request_payload
         prompt = await asyncio.to_thread(runner.prompt_ids, chat.messages_of(payload))
         if len(prompt) > runner.spec.max_input_tokens:  # the gateway counted with the same tokenizer: a changed model
-            raise ValueError(f"the input is {len(prompt)} tokens; model {task.model_id} takes {runner.spec.max_input_tokens}")
+            raise ValueError(
+                f"the input is {len(prompt)} tokens; model {task.model_id} takes {runner.spec.max_input_tokens}"
+            )
         sampling = chatrun.sampling_of(payload, runner.spec)
         assert self.bus is not None, "a worker serving chat models publishes their output"
 
@@ -327,14 +363,23 @@ class Attempts:
             out.add(delta, len(detok.tokens), seq.device_seconds)
 
         def detokenizer() -> chatrun.Detokenizer:
-            return chatrun.Detokenizer(runner.tokenizer, [str(s) for s in payload.get("stop", [])], emit, runner.byte_ids)
+            return chatrun.Detokenizer(
+                runner.tokenizer, [str(s) for s in payload.get("stop", [])], emit, runner.byte_ids
+            )
 
         resuming = self.checkpoints(run) is not None
         earlier, detok = await self._earlier_text(run, detokenizer) if resuming else (None, detokenizer())
         resumed = earlier.tokens if earlier is not None else []
         out = chatrun.TextOut(
-            self.bus, task.user_id, task.id, task.attempt, self.settings.output_coalesce_seconds, published, tokens=detok.tokens,
-            offset=len(earlier.text) if earlier is not None else 0, token_offset=len(resumed),
+            self.bus,
+            task.user_id,
+            task.id,
+            task.attempt,
+            self.settings.output_coalesce_seconds,
+            published,
+            tokens=detok.tokens,
+            offset=len(earlier.text) if earlier is not None else 0,
+            token_offset=len(resumed),
         )
         publisher = asyncio.create_task(out.run(), name=f"output-{task.id}")
         seq = textgen.Sequence(prompt, sampling, detok.add, run.abort.is_set, resumed=resumed)
@@ -343,7 +388,10 @@ class Attempts:
                 finished = textgen.Finished("stop", resumed)
             else:
                 done = runner.batcher.submit(seq)
-                with tracing.span("generate", attributes={"taskgate.input_tokens": len(prompt), "taskgate.resumed_tokens": len(resumed)}):
+                with tracing.span(
+                    "generate",
+                    attributes={"taskgate.input_tokens": len(prompt), "taskgate.resumed_tokens": len(resumed)},
+                ):
                     finished = await run.unless_stopped(asyncio.wrap_future(done))
             text = detok.finish()
         finally:
@@ -352,7 +400,9 @@ class Attempts:
             run.device_seconds += seq.device_seconds
         data = text.encode()
         inline = text[: self.settings.result_inline_chars]
-        answer = store.TextOutcome(inline, len(text), "stop" if detok.stopped else finished.reason, len(prompt), len(finished.tokens))
+        answer = store.TextOutcome(
+            inline, len(text), "stop" if detok.stopped else finished.reason, len(prompt), len(finished.tokens)
+        )
         return runmod.RunOutput(data, "text/plain; charset=utf-8", "txt", hashlib.sha256(data).hexdigest(), answer)
 
     async def _earlier_text(
@@ -379,11 +429,20 @@ class Attempts:
             return None, detokenizer()
         detok = detokenizer()
         if not await asyncio.to_thread(detok.replay, earlier.tokens, earlier.text):
-            log.warning("published text is not what its tokens make; the answer starts over", extra={"task_id": str(task.id)})
+            log.warning(
+                "published text is not what its tokens make; the answer starts over", extra={"task_id": str(task.id)}
+            )
             return None, detokenizer()
-        log.info("resuming an answer", extra={
-            "task_id": str(task.id), "attempt": task.attempt, "from_attempt": earlier.attempt, "tokens": len(earlier.tokens),
-            "chars": len(earlier.text)})
+        log.info(
+            "resuming an answer",
+            extra={
+                "task_id": str(task.id),
+                "attempt": task.attempt,
+                "from_attempt": earlier.attempt,
+                "tokens": len(earlier.tokens),
+                "chars": len(earlier.text),
+            },
+        )
         return earlier, detok
 
     async def _forward(self, run: Run, server: upstream.Upstream) -> runmod.RunOutput:
@@ -401,7 +460,9 @@ class Attempts:
             if run.progress_pending():
                 self._progressed()
 
-        out = chatrun.TextOut(self.bus, task.user_id, task.id, task.attempt, self.settings.output_coalesce_seconds, published)
+        out = chatrun.TextOut(
+            self.bus, task.user_id, task.id, task.attempt, self.settings.output_coalesce_seconds, published
+        )
 
         def relay(text: str) -> None:
             nonlocal deltas
@@ -454,7 +515,8 @@ class Attempts:
         return data
 
     async def check(self, run: Run, why: str, row: TaskRow | None = None) -> None:
-        """Reads the row (unless given) after a refused write or a cancel signal; stops the run if it is not ours to finish."""
+        """Reads the row (unless given) after a refused write or a cancel signal; stops the run if it is not ours to
+        finish."""
         if run.finishing or run.stopped_by is not None:
             return
         if row is None:

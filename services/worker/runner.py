@@ -118,11 +118,15 @@ class DiffusersRunner:
             raise ValueError(f"model {model_id!r} has no path")
         dtype = inference.resolve_dtype(spec.dtype, device)
         began = time.perf_counter()
-        pipeline = inference.VideoPipeline.load(model_id, Path(spec.path), device, dtype, inference.LoadOptions.of(spec))
+        pipeline = inference.VideoPipeline.load(
+            model_id, Path(spec.path), device, dtype, inference.LoadOptions.of(spec)
+        )
         load_seconds = time.perf_counter() - began
         wrong = pipeline.needs.violations(spec)
         if wrong:
-            raise ValueError(f"model {model_id!r}: its registry rules let through sizes the pipeline cannot make: {'; '.join(wrong)}")
+            raise ValueError(
+                f"model {model_id!r}: its registry rules let through sizes the pipeline cannot make: {'; '.join(wrong)}"
+            )
         # At the default request's shape, so a compiled transformer is compiled for the usual request before readiness.
         usual = videoparams.defaults(spec)
         seconds = pipeline.warmup(
@@ -133,7 +137,12 @@ class DiffusersRunner:
         )
         log.info(
             "model loaded",
-            extra={"model": model_id, "device": device, "dtype": str(dtype).removeprefix("torch."), "warmup_seconds": round(seconds, 3)},
+            extra={
+                "model": model_id,
+                "device": device,
+                "dtype": str(dtype).removeprefix("torch."),
+                "warmup_seconds": round(seconds, 3),
+            },
         )
         if pipeline.not_resumable is not None:
             log.info("interrupted runs restart from step 0", extra={"model": model_id, "why": pipeline.not_resumable})
@@ -145,8 +154,8 @@ class DiffusersRunner:
         return self.pipeline.not_resumable
 
     def render(self, inp: RunInput, on_step: OnStep, should_abort: ShouldAbort) -> Rendered:
-        """Runs the pipeline with the task's parameters (and its input image, fitted to the frame size) to decoded frames,
-        from the checkpoint `inp.resume` when it is one of this very request."""
+        """Runs the pipeline with the task's parameters (and its input image, fitted to the frame size) to decoded
+        frames, from the checkpoint `inp.resume` when it is one of this very request."""
         from services.worker import inference
 
         v = videoparams.stored(inp.params, self.spec)
@@ -240,10 +249,14 @@ def with_sequences(plan: DevicePlan, runners: dict[tuple[str, str], Any]) -> Dev
 def model_devices(model_id: str, spec: ModelSpec, devices: list[str]) -> list[str]:
     """The worker's devices this model may run on: its `gpus` among the CUDA ones (a CPU runs everything)."""
     allowed = [
-        d for d in sorted(set(devices)) if spec.gpus is None or not d.startswith("cuda") or int(d.partition(":")[2] or 0) in spec.gpus
+        d
+        for d in sorted(set(devices))
+        if spec.gpus is None or not d.startswith("cuda") or int(d.partition(":")[2] or 0) in spec.gpus
     ]
     if not allowed:
-        raise ValueError(f"model {model_id!r} may use GPUs {spec.gpus}, and this worker has {', '.join(sorted(set(devices)))}")
+        raise ValueError(
+            f"model {model_id!r} may use GPUs {spec.gpus}, and this worker has {', '.join(sorted(set(devices)))}"
+        )
     return allowed
 
 

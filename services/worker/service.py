@@ -99,7 +99,9 @@ def advertised_host(settings: WorkerSettings) -> str:
     return socket.gethostname()
 
 
-async def start(settings: WorkerSettings, backends: Backends | None = None, *, signals: TestSignals | None = None) -> WorkerHandle:
+async def start(
+    settings: WorkerSettings, backends: Backends | None = None, *, signals: TestSignals | None = None
+) -> WorkerHandle:
     """Loads the models, then starts consuming and serves WorkerControl on settings.worker_port (0 = ephemeral);
     `signals`: a test's armed TestSignals."""
     models = served_models(settings)

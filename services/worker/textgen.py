@@ -223,7 +223,9 @@ class Batcher:
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
         positions = torch.tensor([[s.length] for s in seqs], device=self.device)
         mask = torch.cat([self._mask, torch.ones((len(seqs), 1), dtype=torch.long, device=self.device)], dim=1)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self._cache, use_cache=True)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self._cache, use_cache=True
+        )
         self._mask = mask
         self.steps += 1
         share = (time.perf_counter() - began) / len(seqs)

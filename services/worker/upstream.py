@@ -27,7 +27,8 @@ _RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
 
 
 class UpstreamFailure(Exception):
-    """An upstream request that failed: `code` is what the task records, `retryable` whether another attempt may help."""
+    """An upstream request that failed: `code` is what the task records, `retryable` whether another attempt may
+    help."""
 
     def __init__(self, code: str, message: str, *, retryable: bool) -> None:
         super().__init__(message)
@@ -48,9 +49,18 @@ class Generated:
 
 
 def request_body(model: str, messages: Sequence[Mapping[str, str]], params: Mapping[str, Any]) -> dict[str, Any]:
-    """The chat completion's arguments from a task's parameters (a sampling parameter left out is the server's default)."""
-    body: dict[str, Any] = {"model": model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
-    for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed")):
+    """The chat completion's arguments from a task's parameters (a sampling parameter left out is the server's
+    default)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+    }
+    for ours, theirs in (
+        ("max_output_tokens", "max_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("seed", "seed"),
+    ):
         if params.get(ours) is not None:
             body[theirs] = params[ours]
     if params.get("stop"):
@@ -69,7 +79,9 @@ def failure_of(exc: openai.OpenAIError) -> UpstreamFailure:
         return UpstreamFailure("UPSTREAM_TIMEOUT", "the upstream did not answer in time", retryable=True)
     if isinstance(exc, openai.APIConnectionError):
         cause = exc.__cause__ or exc
-        return UpstreamFailure("UPSTREAM_UNAVAILABLE", f"cannot reach the upstream: {type(cause).__name__}: {cause}", retryable=True)
+        return UpstreamFailure(
+            "UPSTREAM_UNAVAILABLE", f"cannot reach the upstream: {type(cause).__name__}: {cause}", retryable=True
+        )
     if isinstance(exc, openai.APIError):  # an error event inside the stream: the server failed mid-generation
         return UpstreamFailure("UPSTREAM_ERROR", f"the upstream failed while streaming: {exc.message}", retryable=True)
     return UpstreamFailure("UPSTREAM_PROTOCOL", f"{type(exc).__name__}: {exc}", retryable=False)
@@ -98,7 +110,9 @@ class Upstream:
         )
         self._open: asyncio.Semaphore | None = None  # made on the worker's loop, at first use
 
-    async def chat(self, messages: Sequence[Mapping[str, str]], params: Mapping[str, Any], on_delta: OnDelta) -> Generated:
+    async def chat(
+        self, messages: Sequence[Mapping[str, str]], params: Mapping[str, Any], on_delta: OnDelta
+    ) -> Generated:
         """Streams one completion, calling `on_delta` with each piece of text as it arrives; raises UpstreamFailure.
         Cancelled, it closes the stream (the upstream stops generating) and lets CancelledError through."""
         if self._open is None:
@@ -134,7 +148,9 @@ class Upstream:
                     if choice.finish_reason is not None:
                         finish = choice.finish_reason
         if finish is None:  # ended without saying why: the connection was cut or the server gave up
-            raise UpstreamFailure("UPSTREAM_STREAM_CUT", "the upstream's stream ended before its finish reason", retryable=True)
+            raise UpstreamFailure(
+                "UPSTREAM_STREAM_CUT", "the upstream's stream ended before its finish reason", retryable=True
+            )
         if usage is not None:
             return Generated("".join(parts), finish, int(usage.prompt_tokens), int(usage.completion_tokens), True)
         return Generated("".join(parts), finish, 0, chunks, False)

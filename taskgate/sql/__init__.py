@@ -22,7 +22,9 @@ HERE = Path(__file__).parent
 _BLOCK = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _LEADING_COMMENTS = re.compile(r"\A(?:[ \t]*--[^\n]*\n)+")  # a block's description lines
 # a string literal, a quoted name, a comment or a dollar-quoted body (kept as they are), or a named parameter
-_LEXEME = re.compile(r"""'(?:[^']|'')*'|"[^"]*"|--[^\n]*|/\*.*?\*/|\$([A-Za-z_]\w*|)\$.*?\$\1\$|(?<![\w@<])@(?P<param>[a-z_]\w*)""", re.S)
+_LEXEME = re.compile(
+    r"""'(?:[^']|'')*'|"[^"]*"|--[^\n]*|/\*.*?\*/|\$([A-Za-z_]\w*|)\$.*?\$\1\$|(?<![\w@<])@(?P<param>[a-z_]\w*)""", re.S
+)
 _POSITIONAL = re.compile(r"\$\d")
 
 
@@ -101,7 +103,8 @@ def _blocks() -> tuple[dict[str, str], dict[str, Named]]:
             if name in found:
                 raise ValueError(f"query {name!r} is defined twice")
             named = parse_named(name, body)
-            # sent as `/* name */ SELECT ...`: trace spans (named by the verb) and pg_stat_statements show which block ran
+            # sent as `/* name */ SELECT ...`: trace spans (named by the verb) and pg_stat_statements show which block
+            # ran
             found[name] = f"/* {name} */ {named.text}"
             if named.params:
                 named_found[name] = Named(found[name], named.params)

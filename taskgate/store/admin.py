@@ -113,7 +113,9 @@ async def worker_stats(db: Conn, *, lease_seconds: float) -> list[WorkerStat]:
 
 async def callback_counts(db: Conn) -> list[CallbackCount]:
     """Webhook deliveries per state."""
-    return [CallbackCount(CallbackStatus(r["status"]), r["n"]) for r in await db.fetch(sql.query("admin_callback_counts"))]
+    return [
+        CallbackCount(CallbackStatus(r["status"]), r["n"]) for r in await db.fetch(sql.query("admin_callback_counts"))
+    ]
 
 
 async def list_tasks(
@@ -151,7 +153,13 @@ async def list_tasks(
 
 
 async def requeue_page(
-    db: Conn, *, statuses: Sequence[Status], model_id: str | None, older_than_seconds: float | None, after_id: int, limit: int
+    db: Conn,
+    *,
+    statuses: Sequence[Status],
+    model_id: str | None,
+    older_than_seconds: float | None,
+    after_id: int,
+    limit: int,
 ) -> list[int]:
     """Ids of tasks in `statuses` matching a requeue filter, by id after `after_id` (stable while they are requeued)."""
     rows = await db.fetch(
@@ -218,7 +226,9 @@ class WebhookRecord:
     last_attempt_at: datetime | None
 
 
-async def deliveries(db: Conn, *, status: CallbackStatus | None, before: Cursor | None, limit: int) -> list[WebhookRecord]:
+async def deliveries(
+    db: Conn, *, status: CallbackStatus | None, before: Cursor | None, limit: int
+) -> list[WebhookRecord]:
     """Webhook deliveries in `status` (None: all), newest first; keyset-paged on (created_at, id) by `before`."""
     rows = await db.fetch(
         sql.query("admin_deliveries"), status.value if status else None, before.at if before else None,
@@ -226,8 +236,19 @@ async def deliveries(db: Conn, *, status: CallbackStatus | None, before: Cursor 
     )
     return [
         WebhookRecord(
-            r["id"], r["task_id"], r["user_id"], r["webhook_id"], r["event_type"], r["url"], CallbackStatus(r["status"]),
-            r["attempts"], r["last_status_code"], r["last_error"], r["created_at"], r["next_attempt_at"], r["last_attempt_at"],
+            r["id"],
+            r["task_id"],
+            r["user_id"],
+            r["webhook_id"],
+            r["event_type"],
+            r["url"],
+            CallbackStatus(r["status"]),
+            r["attempts"],
+            r["last_status_code"],
+            r["last_error"],
+            r["created_at"],
+            r["next_attempt_at"],
+            r["last_attempt_at"],
         )
         for r in rows
     ]
@@ -242,5 +263,6 @@ async def dead_letters(db: Conn, *, before: Cursor | None, limit: int) -> list[D
         sql.query("admin_dead_letters"), before.at if before else None, before.task_id if before else None, limit
     )
     return [
-        DeadLetter(TaskRow.from_record(r), r["dead_reason"], r["dead_at"], r["replayed_as"], r["replayed_at"]) for r in rows
+        DeadLetter(TaskRow.from_record(r), r["dead_reason"], r["dead_at"], r["replayed_as"], r["replayed_at"])
+        for r in rows
     ]

@@ -64,7 +64,13 @@ async def lookup(db: Conn, key_hash: str) -> Admin | None:
 
 
 async def record(
-    db: Conn, admin: Admin, action: str, *, target: str = "", dry_run: bool = False, detail: dict[str, Any] | None = None
+    db: Conn,
+    admin: Admin,
+    action: str,
+    *,
+    target: str = "",
+    dry_run: bool = False,
+    detail: dict[str, Any] | None = None,
 ) -> None:
     """Appends one action to the audit log."""
     await db.execute(

@@ -216,7 +216,9 @@ async def unfinished_tasks(db: Conn, batch_id: int) -> list[int]:
     return [r["id"] for r in await db.fetch(sql.query("batch_unfinished_tasks"), batch_id)]
 
 
-async def complete(db: Conn, batch_id: int, output_file_id: int | None, error_file_id: int | None, expired: bool) -> BatchRow | None:
+async def complete(
+    db: Conn, batch_id: int, output_file_id: int | None, error_file_id: int | None, expired: bool
+) -> BatchRow | None:
     """The batch's files recorded and its end state set; None when it was not finalizing or cancelling."""
     rec = await db.fetchrow(sql.query("batch_complete"), batch_id, output_file_id, error_file_id, expired)
     return None if rec is None else _batch(rec)

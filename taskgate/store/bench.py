@@ -1,4 +1,5 @@
-"""`make bench` only: the raw-ceiling handler's statements, closing a phase, and bulk history. No service calls these."""
+"""`make bench` only: the raw-ceiling handler's statements, closing a phase, and bulk history. No service calls
+these."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from taskgate import sql
 from taskgate.store.pool import Conn
 
 
-async def ceiling_insert(db: Conn, *, task_id: int, tenant: str, key: str, prompt: str, model: str, queue_name: str) -> None:
+async def ceiling_insert(
+    db: Conn, *, task_id: int, tenant: str, key: str, prompt: str, model: str, queue_name: str
+) -> None:
     """The least a durable submit writes: one CREATED row."""
     await db.execute(
         *sql.bind(

@@ -1,6 +1,7 @@
 """What a task's ETA is computed from: its place under the real dispatch order (fair share inside its level, the
 due tasks of its model's levels), its model's recent run time for its size class, and the live workers' slots shared
-among their models (the `eta_inputs` block of sql/queries/eta.sql; taskgate.eta turns them into a position and times)."""
+among their models (the `eta_inputs` block of sql/queries/eta.sql; taskgate.eta turns them into a position and
+times)."""
 
 from __future__ import annotations
 

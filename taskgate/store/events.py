@@ -133,7 +133,8 @@ def _relay_event(r: asyncpg.Record) -> RelayEvent:
 
 
 async def mark_published(conn: asyncpg.Connection, event_ids: Sequence[int], *, at: datetime) -> None:
-    """Records that events are on JetStream, relayed by the pass of relay time `at` (out of the outbox, one pass row)."""
+    """Records that events are on JetStream, relayed by the pass of relay time `at` (out of the outbox, one pass
+    row)."""
     await conn.execute(sql.query("relay_mark_published"), list(event_ids), at)
 
 

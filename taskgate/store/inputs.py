@@ -22,7 +22,13 @@ class StoredInput:
 
     def payload(self) -> dict[str, Any]:
         """What a task's request payload holds of it (the worker reads `uri`; `sha256` enters the request hash)."""
-        return {"sha256": self.sha256, "width": self.width, "height": self.height, "size_bytes": self.size_bytes, "uri": self.uri}
+        return {
+            "sha256": self.sha256,
+            "width": self.width,
+            "height": self.height,
+            "size_bytes": self.size_bytes,
+            "uri": self.uri,
+        }
 
 
 def _stored(rec: Any) -> StoredInput:

@@ -216,14 +216,18 @@ async def purge_tasks(db: Conn, *, now: datetime | None = None, older_than_secon
     if not recs:
         return Purged(0, [])
     await db.execute(sql.query("retention_delete_tasks"), [r["id"] for r in recs])
-    kept = [(r["user_id"], r["request_hash"], r["result_uri"]) for r in recs if r["result_uri"] and r["result_expired_at"] is None]
+    kept = [
+        (r["user_id"], r["request_hash"], r["result_uri"])
+        for r in recs
+        if r["result_uri"] and r["result_expired_at"] is None
+    ]
     previews = [uri for r in recs for uri in r["preview_uris"] or []]  # each a task's own: no other row refers to it
     return Purged(len(recs), [*await unreferenced(db, kept), *previews])
 
 
 async def purge_checkpoints(db: Conn, *, limit: int) -> list[str]:
-    """Forgets the step checkpoints of ended tasks, oldest first, locked; returns their objects for the caller to delete.
-    Run inside the caller's transaction."""
+    """Forgets the step checkpoints of ended tasks, oldest first, locked; returns their objects for the caller to
+    delete. Run inside the caller's transaction."""
     recs = await db.fetch(sql.query("retention_ended_checkpoints"), limit)
     return [uri for r in recs for uri in [*(r["garbage"] or []), *([r["uri"]] if r["uri"] else [])]]
 
@@ -244,7 +248,8 @@ async def purge_previews(db: Conn, *, now: datetime | None = None, older_than_se
 
 
 async def purge_reusable(db: Conn, *, now: datetime | None = None, older_than_seconds: float, limit: int) -> Purged:
-    """Deletes reusable outputs kept since before the cut-off, oldest first, locked; run inside the caller's transaction."""
+    """Deletes reusable outputs kept since before the cut-off, oldest first, locked; run inside the caller's
+    transaction."""
     recs = await db.fetch(sql.query("retention_delete_reusable"), now, older_than_seconds, limit)
     outputs = [(r["user_id"], r["request_hash"], r["result_uri"]) for r in recs]
     return Purged(len(recs), await unreferenced(db, outputs))
@@ -257,7 +262,9 @@ async def purge_inputs(db: Conn, *, now: datetime | None = None, older_than_seco
     recs = await db.fetch(sql.query("retention_delete_inputs"), now, older_than_seconds, limit)
     if not recs:
         return Purged(0, [])
-    orphans = await db.fetch(sql.query("retention_unreferenced_inputs"), [r["sha256"] for r in recs], [r["uri"] for r in recs])
+    orphans = await db.fetch(
+        sql.query("retention_unreferenced_inputs"), [r["sha256"] for r in recs], [r["uri"] for r in recs]
+    )
     return Purged(len(recs), [r["uri"] for r in orphans])
 
 
@@ -270,4 +277,6 @@ async def purge_events(db: Conn, *, now: datetime | None = None, older_than_seco
 async def retention_counts(db: Conn, *, now: datetime | None = None, older_than_seconds: float) -> RetentionCounts:
     """What purging at this cut-off would delete (a dry run), and what it keeps."""
     rec = await db.fetchrow(sql.query("retention_counts"), now, older_than_seconds)
-    return RetentionCounts(rec["tasks"], rec["results"], rec["reusable_results"], rec["kept_webhook"], rec["kept_running"])
+    return RetentionCounts(
+        rec["tasks"], rec["results"], rec["reusable_results"], rec["kept_webhook"], rec["kept_running"]
+    )

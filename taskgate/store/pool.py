@@ -22,7 +22,9 @@ def _jsonb_decode(data: bytes) -> Any:
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
     # jsonb in binary format (arrays of jsonb, as the submit columns are, travel in binary)
-    await conn.set_type_codec("jsonb", encoder=_jsonb_encode, decoder=_jsonb_decode, schema="pg_catalog", format="binary")
+    await conn.set_type_codec(
+        "jsonb", encoder=_jsonb_encode, decoder=_jsonb_decode, schema="pg_catalog", format="binary"
+    )
     await conn.set_type_codec("json", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 

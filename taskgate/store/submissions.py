@@ -276,7 +276,9 @@ async def take_rate_slots(
         timeout=within,
     )
     return [
-        Slot(float(r["retry_after"]) if r["retry_after"] is not None else None, r["replay"], r["scope"], r["rate_limit"])
+        Slot(
+            float(r["retry_after"]) if r["retry_after"] is not None else None, r["replay"], r["scope"], r["rate_limit"]
+        )
         for r in rows
     ]
 

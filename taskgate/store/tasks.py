@@ -358,27 +358,42 @@ def _count_finished(task: TaskRow) -> None:
     """Every terminal move passes here, whichever service makes it, so the counters miss none."""
     telemetry.TASKS_FINISHED.labels(task.model_id, task.task_type, task.status.value).inc()
     if task.finished_at is not None:
-        telemetry.END_TO_END.labels(task.model_id).observe(max(0.0, (task.finished_at - task.created_at).total_seconds()))
+        telemetry.END_TO_END.labels(task.model_id).observe(
+            max(0.0, (task.finished_at - task.created_at).total_seconds())
+        )
 
 
 # ---- what services call ----
 
 
-async def queue(db: Conn, task_id: int, *, actor: str, reason: str | None = None, expected_version: int | None = None) -> Outcome:
+async def queue(
+    db: Conn, task_id: int, *, actor: str, reason: str | None = None, expected_version: int | None = None
+) -> Outcome:
     """CREATED -> QUEUED once the task's dispatch message is on JetStream."""
     return await apply(db, task_id, Queue(), actor=actor, reason=reason, expected_version=expected_version)
 
 
-async def republish(db: Conn, task_id: int, *, actor: str, reason: str | None = None, expected_version: int | None = None) -> Outcome:
+async def republish(
+    db: Conn, task_id: int, *, actor: str, reason: str | None = None, expected_version: int | None = None
+) -> Outcome:
     """QUEUED -> QUEUED after the dispatch message was sent again."""
     return await apply(db, task_id, Republish(), actor=actor, reason=reason, expected_version=expected_version)
 
 
 async def progress(
-    db: Conn, task_id: int, *, attempt: int, percent: int, lease_seconds: float, actor: str, reason: str | None = "progress"
+    db: Conn,
+    task_id: int,
+    *,
+    attempt: int,
+    percent: int,
+    lease_seconds: float,
+    actor: str,
+    reason: str | None = "progress",
 ) -> Outcome:
     """New progress of a running attempt (fenced by its attempt number); renews the lease."""
-    return await apply(db, task_id, Progress(percent, lease_seconds), actor=actor, reason=reason, expected_attempt=attempt)
+    return await apply(
+        db, task_id, Progress(percent, lease_seconds), actor=actor, reason=reason, expected_attempt=attempt
+    )
 
 
 async def succeed(
@@ -386,11 +401,20 @@ async def succeed(
     metered: Metered = UNMETERED, text: TextOutcome | None = None,
 ) -> Outcome:
     """PROCESSING -> SUCCEEDED with its result (and a chat task's answer), only for the attempt that still holds it."""
-    return await apply(db, task_id, Succeed(result, metered, text), actor=actor, reason=reason, expected_attempt=attempt)
+    return await apply(
+        db, task_id, Succeed(result, metered, text), actor=actor, reason=reason, expected_attempt=attempt
+    )
 
 
 async def retry(
-    db: Conn, task_id: int, *, attempt: int, error: TaskError, delay_seconds: float, actor: str, reason: str | None = None,
+    db: Conn,
+    task_id: int,
+    *,
+    attempt: int,
+    error: TaskError,
+    delay_seconds: float,
+    actor: str,
+    reason: str | None = None,
     metered: Metered = UNMETERED,
 ) -> Outcome:
     """PROCESSING -> QUEUED after a retryable failure; claimable again after `delay_seconds`."""
@@ -423,7 +447,13 @@ async def release(
 
 
 async def cancel(
-    db: Conn, task_id: int, *, mode: CancelMode, actor: str, reason: str | None = None, expected_version: int | None = None
+    db: Conn,
+    task_id: int,
+    *,
+    mode: CancelMode,
+    actor: str,
+    reason: str | None = None,
+    expected_version: int | None = None,
 ) -> Outcome:
     """CREATED/QUEUED/PROCESSING -> CANCELED."""
     return await apply(db, task_id, Cancel(mode), actor=actor, reason=reason, expected_version=expected_version)
@@ -445,7 +475,13 @@ async def fail(
     """PROCESSING -> FAILED; with `dead_letter`, a dead_letter row in the same transaction; `worker_lost` counts a lost
     worker's attempt."""
     return await _end(
-        db, task_id, Fail(error, worker_lost, metered), actor=actor, reason=reason, attempt=attempt, version=expected_version,
+        db,
+        task_id,
+        Fail(error, worker_lost, metered),
+        actor=actor,
+        reason=reason,
+        attempt=attempt,
+        version=expected_version,
         dead_letter=dead_letter,
     )
 
@@ -469,16 +505,29 @@ async def time_out(
 
 
 async def _end(
-    db: Conn, task_id: int, change: Fail | TimeOut, *, actor: str, reason: str, attempt: int | None, version: int | None,
+    db: Conn,
+    task_id: int,
+    change: Fail | TimeOut,
+    *,
+    actor: str,
+    reason: str,
+    attempt: int | None,
+    version: int | None,
     dead_letter: bool,
 ) -> Outcome:
     if not dead_letter:
-        return await apply(db, task_id, change, actor=actor, reason=reason, expected_attempt=attempt, expected_version=version)
+        return await apply(
+            db, task_id, change, actor=actor, reason=reason, expected_attempt=attempt, expected_version=version
+        )
     if isinstance(db, asyncpg.Pool):
         async with db.acquire() as conn:
-            return await _end(conn, task_id, change, actor=actor, reason=reason, attempt=attempt, version=version, dead_letter=True)
+            return await _end(
+                conn, task_id, change, actor=actor, reason=reason, attempt=attempt, version=version, dead_letter=True
+            )
     async with db.transaction():
-        out = await apply(db, task_id, change, actor=actor, reason=reason, expected_attempt=attempt, expected_version=version)
+        out = await apply(
+            db, task_id, change, actor=actor, reason=reason, expected_attempt=attempt, expected_version=version
+        )
         if out.applied:
             await db.execute(sql.query("insert_dead_letter"), task_id, reason, change.error.code, change.error.message)
         return out

@@ -107,7 +107,16 @@ async def list_api_keys(db: Conn, tenant_id: str | None = None) -> list[ApiKey]:
     """Every key (of `tenant_id` when given), newest first."""
     rows = await db.fetch(sql.query("list_api_keys"), tenant_id)
     return [
-        ApiKey(r["id"], r["tenant_id"], r["prefix"], r["is_admin"], r["created_at"], r["revoked_at"], r["scope"], r["expires_at"])
+        ApiKey(
+            r["id"],
+            r["tenant_id"],
+            r["prefix"],
+            r["is_admin"],
+            r["created_at"],
+            r["revoked_at"],
+            r["scope"],
+            r["expires_at"],
+        )
         for r in rows
     ]
 
@@ -134,10 +143,19 @@ async def webhook_secrets(db: Conn, tenant_id: str) -> list[str]:
 
 
 async def update_tenant(
-    db: Conn, tenant_id: str, *, max_pending: int | None, submits_per_minute: int | None, max_priority: int | None,
-    share_weight: float | None = None, gpu_seconds_per_day: float | None = None, gpu_seconds_per_month: float | None = None,
-    max_pending_per_end_user: int | None = None, submits_per_minute_per_end_user: int | None = None,
-    tokens_per_day: int | None = None, tokens_per_month: int | None = None,
+    db: Conn,
+    tenant_id: str,
+    *,
+    max_pending: int | None,
+    submits_per_minute: int | None,
+    max_priority: int | None,
+    share_weight: float | None = None,
+    gpu_seconds_per_day: float | None = None,
+    gpu_seconds_per_month: float | None = None,
+    max_pending_per_end_user: int | None = None,
+    submits_per_minute_per_end_user: int | None = None,
+    tokens_per_day: int | None = None,
+    tokens_per_month: int | None = None,
 ) -> Tenant | None:
     """Changes the limits given (None leaves one as it is; a budget of 0 removes it); the tenant after, or None when
     there is no such tenant."""

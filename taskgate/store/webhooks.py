@@ -28,12 +28,16 @@ def sources(target: CallbackStatus) -> list[CallbackStatus]:
     return [src for src, dests in CALLBACK_LEGAL.items() if target in dests]
 
 
-async def move_status(db: Conn, task_ids: Sequence[int], *, to: CallbackStatus, retries: int | None = None) -> list[int]:
+async def move_status(
+    db: Conn, task_ids: Sequence[int], *, to: CallbackStatus, retries: int | None = None
+) -> list[int]:
     """Moves tasks (with a callback URL) to `to` where the table allows it from their status; the ids that moved.
 
     `retries` also records callback_retry (the failed attempts of the current round).
     """
-    rows = await db.fetch(sql.query("callback_move_status"), list(task_ids), to.value, [s.value for s in sources(to)], retries)
+    rows = await db.fetch(
+        sql.query("callback_move_status"), list(task_ids), to.value, [s.value for s in sources(to)], retries
+    )
     moved = [r["id"] for r in rows]
     if len(moved) < len(task_ids):
         refused = sorted(set(task_ids) - set(moved))

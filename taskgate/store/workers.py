@@ -79,17 +79,23 @@ class BeatAttempt:
 
 @dataclass(frozen=True, slots=True)
 class Renewal:
-    """An attempt that still holds its task after a beat: the row as the beat left it, and whether its progress moved."""
+    """An attempt that still holds its task after a beat: the row as the beat left it, and whether its progress
+    moved."""
 
     task: TaskRow
     progressed: bool
 
 
 async def beat(
-    db: Conn, attempts: Sequence[BeatAttempt], *, lease_seconds: float, worker: Registration | None = None, actor: str = "worker"
+    db: Conn,
+    attempts: Sequence[BeatAttempt],
+    *,
+    lease_seconds: float,
+    worker: Registration | None = None,
+    actor: str = "worker",
 ) -> dict[int, Renewal]:
-    """One statement: renews every lease in `attempts` (fenced by its attempt), writes their new progress (each a guarded
-    PROCESSING -> PROCESSING move, logged once), and records `worker`'s registry heartbeat when given.
+    """One statement: renews every lease in `attempts` (fenced by its attempt), writes their new progress (each a
+    guarded PROCESSING -> PROCESSING move, logged once), and records `worker`'s registry heartbeat when given.
 
     Returns the renewals by task id; a task absent from it is no longer its attempt's.
     """

@@ -50,7 +50,9 @@ async def send(
 ) -> bool:
     """Publishes the signal, in the task's trace (`trace_context`: the row's); False (logged) when NATS refused it."""
     try:
-        with tracing.span("cancel signal", parent=trace_context, kind=SpanKind.PRODUCER, attributes={tracing.TASK_ID: str(task_id)}):
+        with tracing.span(
+            "cancel signal", parent=trace_context, kind=SpanKind.PRODUCER, attributes={tracing.TASK_ID: str(task_id)}
+        ):
             await bus.nc.publish(SUBJECT, encode(task_id, hard=hard, reason=reason), headers=tracing.carrier())
     except (NatsError, OSError) as exc:
         log.warning("cancel signal not sent", extra={"task_id": str(task_id), "error": type(exc).__name__})

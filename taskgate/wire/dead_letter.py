@@ -37,7 +37,9 @@ def encode(task: TaskRow, *, reason: str, error_code: str, error_message: str) -
 async def publish(bus: busmod.Bus, task: TaskRow, *, reason: str, error_code: str, error_message: str) -> bool:
     """Publishes the notice (one per task: its message id is the task's); False (logged) when it failed."""
     try:
-        with tracing.span("dead letter", parent=task.trace_context, kind=SpanKind.PRODUCER, attributes={tracing.TASK_ID: str(task.id)}):
+        with tracing.span(
+            "dead letter", parent=task.trace_context, kind=SpanKind.PRODUCER, attributes={tracing.TASK_ID: str(task.id)}
+        ):
             await bus.js.publish(
                 busmod.dead_subject(task.model_id),
                 encode(task, reason=reason, error_code=error_code, error_message=error_message),

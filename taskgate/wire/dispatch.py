@@ -91,7 +91,10 @@ async def publish_many(
     try:
         async with asyncio.timeout(ack_timeout):
             for i, (task, reason) in enumerate(items):
-                headers = {"Nats-Msg-Id": msg_id(task, reason), **((tracing.carrier_of(spans[i]) or {}) if spans else {})}
+                headers = {
+                    "Nats-Msg-Id": msg_id(task, reason),
+                    **((tracing.carrier_of(spans[i]) or {}) if spans else {}),
+                }
                 futures.append(await bus.js.publish_async(
                     busmod.task_subject(task.model_id, task.priority), encode(task), wait_stall=None, headers=headers
                 ))
@@ -142,5 +145,9 @@ def _span_of(task: TaskRow, reason: Reason) -> dict[str, Any]:
         "name": f"dispatch {reason.value}",
         "parent": task.trace_context,
         "kind": SpanKind.PRODUCER,
-        "attributes": {tracing.TASK_ID: str(task.id), "messaging.system": "nats", "messaging.destination.name": subject},
+        "attributes": {
+            tracing.TASK_ID: str(task.id),
+            "messaging.system": "nats",
+            "messaging.destination.name": subject,
+        },
     }

@@ -1,8 +1,8 @@
 """PreemptSignal: a core-NATS hint from the scheduler to the worker running a task: checkpoint it at its next step and
 release it, for a waiting task of higher priority.
 
-The payload is a CancelSignal message (task id, reason) on its own subject: the same few fields, no new wire type. A lost
-signal costs only time: the scheduler's scan asks again once the task's preemption window has passed.
+The payload is a CancelSignal message (task id, reason) on its own subject: the same few fields, no new wire type. A
+lost signal costs only time: the scheduler's scan asks again once the task's preemption window has passed.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def decode(data: bytes) -> int | None:
 async def send(bus: busmod.Bus, task_id: int, *, trace_context: Mapping[str, str] | None = None) -> bool:
     """Publishes the signal in the task's trace; False (logged) when NATS refused it."""
     try:
-        with tracing.span("preempt signal", parent=trace_context, kind=SpanKind.PRODUCER, attributes={tracing.TASK_ID: str(task_id)}):
+        with tracing.span(
+            "preempt signal", parent=trace_context, kind=SpanKind.PRODUCER, attributes={tracing.TASK_ID: str(task_id)}
+        ):
             await bus.nc.publish(SUBJECT, encode(task_id), headers=tracing.carrier())
     except (NatsError, OSError) as exc:
         log.warning("preempt signal not sent", extra={"task_id": str(task_id), "error": type(exc).__name__})

@@ -13,7 +13,14 @@ from taskgate_api._compat import UTC
 from taskgate_api.cli import EXIT_BY_CODE, EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, Output, proto_dict
 from taskgate_api.v1 import admin_pb2
 from taskgate_client import AsyncTaskgateClient
-from taskgate_client.cli.output import callback_name, duration_seconds, print_rotated, short, status_name, timestamp_text
+from taskgate_client.cli.output import (
+    callback_name,
+    duration_seconds,
+    print_rotated,
+    short,
+    status_name,
+    timestamp_text,
+)
 from taskgate_client.repair import repair
 
 EXIT_SKIPPED = 13  # admin requeue: some task was neither requeued nor replayed (each item's detail says why)
@@ -24,7 +31,10 @@ async def cmd_admin_stats(client: AsyncTaskgateClient, args: argparse.Namespace,
     if out.json:
         out.document(proto_dict(stats))
         return EXIT_OK
-    out.table(["MODEL", "STATUS", "COUNT"], [[c.model_id, status_name(c.status), c.count] for c in stats.counts] or [["-", "-", 0]])
+    out.table(
+        ["MODEL", "STATUS", "COUNT"],
+        [[c.model_id, status_name(c.status), c.count] for c in stats.counts] or [["-", "-", 0]],
+    )
     if stats.HasField("oldest_queued_age"):
         out.line(f"\noldest queued task: {duration_seconds(stats.oldest_queued_age):.1f}s")
     out.line(f"running: {stats.running} of {stats.capacity} slots (the live workers'; beyond them tasks wait QUEUED)")
@@ -104,7 +114,12 @@ async def cmd_admin_repair(client: AsyncTaskgateClient, args: argparse.Namespace
         call_timeout=client.config.call_timeout,
     )
     if out.json:
-        summary = {"stuck": result.stuck, "batches": result.batches, "outcomes": dict(result.outcomes), "error": result.error}
+        summary = {
+            "stuck": result.stuck,
+            "batches": result.batches,
+            "outcomes": dict(result.outcomes),
+            "error": result.error,
+        }
         out.document({**summary, "dry_run": args.dry_run})
     if result.error is None:
         return EXIT_OK
@@ -125,7 +140,12 @@ async def cmd_admin_dead_letters(client: AsyncTaskgateClient, args: argparse.Nam
         "no dead letters",
         ["TASK ID", "STATUS", "MODEL", "DEAD AT", "REASON", "REPLAYED AS"],
         lambda d: [
-            d.task.id, status_name(d.task.status), d.task.model_id, timestamp_text(d.dead_at), short(d.reason, 60), d.replayed_as,
+            d.task.id,
+            status_name(d.task.status),
+            d.task.model_id,
+            timestamp_text(d.dead_at),
+            short(d.reason, 60),
+            d.replayed_as,
         ],
     )
 
@@ -235,7 +255,10 @@ async def cmd_admin_purge(client: AsyncTaskgateClient, args: argparse.Namespace,
     verb = "would delete" if done.dry_run else "deleted"
     out.line(f"{verb}: {done.tasks} finished task(s) with their history, {done.results} stored output(s), "
              f"{done.reusable_results} reusable output(s)")
-    why = {"webhook_undelivered": "webhook not delivered yet", "attempt_running": "soft-cancelled, attempt still running"}
+    why = {
+        "webhook_undelivered": "webhook not delivered yet",
+        "attempt_running": "soft-cancelled, attempt still running",
+    }
     for reason, n in kept.items():
         out.line(f"{'would keep' if done.dry_run else 'kept'}: {n} finished task(s) ({why.get(reason, reason)})")
     return EXIT_OK

@@ -29,8 +29,12 @@ def client_config(args: argparse.Namespace) -> ClientConfig:
     return make_config(
         address,
         args.api_key or _env("TASKGATE_API_KEY") or (saved.api_key if saved else None),
-        events_address=args.events_address or _env("TASKGATE_EVENTS_ADDRESS") or (saved.events_address if use_saved and saved else None),
-        admin_address=args.admin_address or _env("TASKGATE_ADMIN_ADDRESS") or (saved.admin_address if use_saved and saved else None),
+        events_address=args.events_address
+        or _env("TASKGATE_EVENTS_ADDRESS")
+        or (saved.events_address if use_saved and saved else None),
+        admin_address=args.admin_address
+        or _env("TASKGATE_ADMIN_ADDRESS")
+        or (saved.admin_address if use_saved and saved else None),
         admin_key=args.admin_key or _env("TASKGATE_ADMIN_KEY") or (saved.admin_key if saved else None),
         tls=args.tls,
         root_certificates=args.tls_ca,

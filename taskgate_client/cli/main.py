@@ -34,7 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TaskgateError as exc:
         return report_error(out, exc, admin=args.command == "admin")
     except WaitTimeout as exc:
-        out.err.write(f"error: DEADLINE_EXCEEDED: {exc} — hint: the task goes on; follow it with `taskgate watch {exc.task_id}`\n")
+        out.err.write(
+            f"error: DEADLINE_EXCEEDED: {exc} — hint: the task goes on; follow it with `taskgate watch {exc.task_id}`\n"
+        )
         if out.json:
             out.document({"error": {"code": "DEADLINE_EXCEEDED", "message": str(exc), "task_id": exc.task_id}})
         return EXIT_TIMEOUT

@@ -13,10 +13,13 @@ from taskgate_api.v1 import admin_pb2, gateway_pb2, task_pb2
 from taskgate_client import Status, Task, TaskEvent, TaskgateError
 
 HINTS: dict[grpc.StatusCode, str] = {
-    grpc.StatusCode.NOT_FOUND: "check the id with `taskgate list` (tasks are visible only to the tenant that submitted them)",
+    grpc.StatusCode.NOT_FOUND: "check the id with `taskgate list` (tasks are visible only to the tenant that submitted "
+    "them)",
     grpc.StatusCode.INVALID_ARGUMENT: "fix the fields named above and submit again",
-    grpc.StatusCode.UNAUTHENTICATED: "pass --api-key or set TASKGATE_API_KEY (`make run` saves a demo key in .taskgate/client.json)",
-    grpc.StatusCode.PERMISSION_DENIED: "use an admin key: --admin-key or TASKGATE_ADMIN_KEY (`taskgate-keys create --tenant ops --admin`)",
+    grpc.StatusCode.UNAUTHENTICATED: "pass --api-key or set TASKGATE_API_KEY (`make run` saves a demo key in "
+    ".taskgate/client.json)",
+    grpc.StatusCode.PERMISSION_DENIED: "use an admin key: --admin-key or TASKGATE_ADMIN_KEY (`taskgate-keys create "
+    "--tenant ops --admin`)",
     grpc.StatusCode.FAILED_PRECONDITION: "check the task's status with `taskgate get ID`",
     grpc.StatusCode.ALREADY_EXISTS: "this idempotency key was used for a different request; use a new key",
     grpc.StatusCode.UNAVAILABLE: "is the stack running? start it with `make run`, or pass --address; then retry",
@@ -53,7 +56,10 @@ def print_task(out: Output, task: Task) -> None:
             ("estimated finish", task.estimated_finish or ""),
             ("model", task.model_id),
             ("task type", task.task_type if task.image is not None else ""),
-            ("image", f"{task.image.width}x{task.image.height}, sha256 {task.image.sha256[:16]}…" if task.image else ""),
+            (
+                "image",
+                f"{task.image.width}x{task.image.height}, sha256 {task.image.sha256[:16]}…" if task.image else "",
+            ),
             ("prompt", short(task.prompt, 80)),
             ("end user", task.end_user),
             ("priority", task.priority),
@@ -65,7 +71,12 @@ def print_task(out: Output, task: Task) -> None:
             ("reused", "yes (identical earlier run)" if task.result_reused else ""),
             ("replay of", task.replay_of or ""),
             ("callback", f"{task.callback_url} ({task.callback_status})" if task.callback_url else ""),
-            ("new", "" if task.created is None else ("yes" if task.created else "no, existing task for this idempotency key")),
+            (
+                "new",
+                ""
+                if task.created is None
+                else ("yes" if task.created else "no, existing task for this idempotency key"),
+            ),
         ]
     )
 
@@ -75,7 +86,9 @@ def print_event(out: Output, event: TaskEvent) -> None:
     if out.json:
         out.document(event.to_dict())
         return
-    move = f"{event.from_status.value} → {event.status.value}" if event.from_status else f"{event.status.value} (snapshot)"
+    move = (
+        f"{event.from_status.value} → {event.status.value}" if event.from_status else f"{event.status.value} (snapshot)"
+    )
     at = event.at.astimezone().strftime("%H:%M:%S.%f")[:-3] if event.at else ""
     extra = []
     if event.status is Status.PROCESSING or event.progress:
@@ -94,13 +107,17 @@ def report_error(out: Output, exc: TaskgateError, *, admin: bool = False) -> int
     reason = f" [{exc.reason}]" if exc.reason and exc.reason != exc.code_name else ""
     missing = [f"{v.field}: {v.description}" for v in exc.field_violations]
     fields = "".join(f"; {text}" for text in dict.fromkeys(missing) if text not in exc.message)
-    retry = f"; retry in {exc.retry_delay:g}s" if exc.retry_delay and exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED else ""
+    retry = (
+        f"; retry in {exc.retry_delay:g}s" if exc.retry_delay and exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED else ""
+    )
     hint = HINTS.get(exc.code, "")
     if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         hint = "wait for some of your tasks to finish, or retry later"
     elif admin and exc.code is grpc.StatusCode.UNAUTHENTICATED:
         hint = "pass --admin-key or set TASKGATE_ADMIN_KEY (`make run` saves one in .taskgate/client.json)"
-    out.err.write(f"error: {exc.code_name}: {exc.message}{reason}{fields}{retry}" + (f" — hint: {hint}" if hint else "") + "\n")
+    out.err.write(
+        f"error: {exc.code_name}: {exc.message}{reason}{fields}{retry}" + (f" — hint: {hint}" if hint else "") + "\n"
+    )
     if out.json:
         out.document({"error": {**exc.to_dict(), "hint": hint}})
     return EXIT_BY_CODE.get(exc.code, EXIT_ERROR)
@@ -128,5 +145,7 @@ def print_rotated(
     out.fields([*who, ("webhook secret", done.webhook_secret),
                 ("previous valid until", timestamp_text(done.previous_valid_until)),
                 ("secrets signing now", done.valid_secrets)])
-    out.line("\nStore the new secret now: it is not shown again. Receivers accept either secret until the overlap ends.")
+    out.line(
+        "\nStore the new secret now: it is not shown again. Receivers accept either secret until the overlap ends."
+    )
     return EXIT_OK

@@ -44,8 +44,12 @@ def _common() -> argparse.ArgumentParser:
     """Options accepted before or after the command (defaults suppressed so the later position does not reset them)."""
     p = argparse.ArgumentParser(add_help=False)
     S = argparse.SUPPRESS
-    p.add_argument("--json", action="store_true", default=S, help="machine-readable output (JSON; JSON lines for streams)")
-    p.add_argument("--address", default=S, help="gateway host:port (env TASKGATE_ADDRESS; default: the `make run` stack)")
+    p.add_argument(
+        "--json", action="store_true", default=S, help="machine-readable output (JSON; JSON lines for streams)"
+    )
+    p.add_argument(
+        "--address", default=S, help="gateway host:port (env TASKGATE_ADDRESS; default: the `make run` stack)"
+    )
     p.add_argument("--api-key", default=S, help="API key (env TASKGATE_API_KEY; default: the `make run` demo key)")
     p.add_argument("--admin-key", default=S, help="admin key for `admin` commands (env TASKGATE_ADMIN_KEY)")
     p.add_argument("--events-address", default=S, help="notifier host:port (default: gateway host, port 50052)")
@@ -93,9 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
         return p
 
-    p = add("submit", cmd_submit, "submit a text-to-video (or, with --image, image-to-video) task, or many from a JSON-lines file")
+    p = add(
+        "submit",
+        cmd_submit,
+        "submit a text-to-video (or, with --image, image-to-video) task, or many from a JSON-lines file",
+    )
     p.add_argument("prompt", nargs="?")
-    p.add_argument("--image", metavar="FILE|URL", help="input image (PNG, JPEG, WebP): a file, or an https URL the gateway fetches")
+    p.add_argument(
+        "--image", metavar="FILE|URL", help="input image (PNG, JPEG, WebP): a file, or an https URL the gateway fetches"
+    )
     p.add_argument("--task-type", help="default: image-to-video with --image, text-to-video without")
     p.add_argument("--file", metavar="TASKS.JSONL",
                    help="submit one task per line (JSON objects with prompt, model, frames, ..., as submit_many takes "
@@ -114,10 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--end-user", metavar="ID",
                    help="your own user the task is for (opaque, at most 128 bytes): its own limits, keys and usage")
     p.add_argument("--callback-url", help="webhook URL for terminal events")
-    p.add_argument("--callback-event", action="append", default=[], choices=["CANCELED", "OUTPUT", "PROGRESS"], help="extra webhook events")
+    p.add_argument(
+        "--callback-event",
+        action="append",
+        default=[],
+        choices=["CANCELED", "OUTPUT", "PROGRESS"],
+        help="extra webhook events",
+    )
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--max-retries", type=int)
-    p.add_argument("--start-after", type=start_time, metavar="WHEN", help="not before: a delay (10m, 2h) or an ISO 8601 time")
+    p.add_argument(
+        "--start-after", type=start_time, metavar="WHEN", help="not before: a delay (10m, 2h) or an ISO 8601 time"
+    )
     p.add_argument("--max-queue-seconds", type=float, metavar="SECONDS",
                    help="queue TTL: TIMEOUT (QUEUE_TTL_EXPIRED) if no worker took the task within it")
     p.add_argument("--wait", action="store_true", help="show live progress until the task is finished")
@@ -172,7 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("stats", cmd_admin_stats, "counts per model and state, workers, callbacks", admin_sub)
     p = add("stuck", cmd_admin_stuck, "tasks the scheduler considers stuck, with why", admin_sub)
     p.add_argument("--limit", type=int, default=100)
-    p = add("requeue", cmd_admin_requeue, "requeue tasks by id or filter, in batches; replay failed ones as new tasks", admin_sub)
+    p = add(
+        "requeue",
+        cmd_admin_requeue,
+        "requeue tasks by id or filter, in batches; replay failed ones as new tasks",
+        admin_sub,
+    )
     p.add_argument("task_ids", nargs="*")
     p.add_argument("--status", action="append", default=[], help="filter: states (repeatable)")
     p.add_argument("--model", help="filter: model id")
@@ -194,24 +217,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("deliveries", cmd_admin_deliveries, "webhook deliveries with their attempt count and last error", admin_sub)
     p.add_argument("--status", type=str.upper, choices=["PENDING", "DELIVERED", "FAILED"], help="only this state")
     p.add_argument("--limit", type=int, default=100)
-    p = add("audit", cmd_admin_audit, "what admins did: who, what, on what, when, dry run or not (newest first)", admin_sub)
+    p = add(
+        "audit", cmd_admin_audit, "what admins did: who, what, on what, when, dry run or not (newest first)", admin_sub
+    )
     p.add_argument("--by", metavar="ADMIN", help="only this admin's actions (a credential's name)")
     p.add_argument("--limit", type=int, default=100)
-    p = add("rotate-secret", cmd_admin_rotate_secret, "a new webhook secret for a tenant (both sign during the overlap)", admin_sub)
+    p = add(
+        "rotate-secret",
+        cmd_admin_rotate_secret,
+        "a new webhook secret for a tenant (both sign during the overlap)",
+        admin_sub,
+    )
     p.add_argument("--tenant", required=True)
     p.add_argument("--overlap", type=age, default=24 * 3600.0, metavar="AGE",
                    help="how long the current secrets keep signing: 3600, 90m, 24h (default), 0 retires them now")
     p = add("keys", cmd_admin_keys, "API keys by prefix (never the keys themselves)", admin_sub)
     p.add_argument("--tenant", help="only this tenant's")
-    p = add("revoke-key", cmd_admin_revoke_key, "revoke the live API keys with a prefix (as `admin keys` shows)", admin_sub)
+    p = add(
+        "revoke-key", cmd_admin_revoke_key, "revoke the live API keys with a prefix (as `admin keys` shows)", admin_sub
+    )
     p.add_argument("prefix")
     p = add("usage", cmd_admin_usage, "metered GPU-seconds and slot seconds per tenant and model", admin_sub)
     p.add_argument("--tenant", help="only this tenant's")
-    p.add_argument("--since", type=age, default=86400.0, metavar="AGE", help="from this long ago: 90m, 12h, 7d (default 24h)")
+    p.add_argument(
+        "--since", type=age, default=86400.0, metavar="AGE", help="from this long ago: 90m, 12h, 7d (default 24h)"
+    )
     p.add_argument("--by-hour", action="store_true", help="one row per UTC hour")
     p.add_argument("--by-end-user", action="store_true", help="one row per end user of each tenant")
     p.add_argument("--end-user", metavar="ID", help="only this end user's (with --tenant; '' the tenant's own tasks)")
     p = add("purge", cmd_admin_purge, "delete finished tasks, their history and outputs older than an age", admin_sub)
-    p.add_argument("--older-than", type=age, required=True, metavar="AGE", help="finished this long ago: 3600, 90m, 12h, 30d")
+    p.add_argument(
+        "--older-than", type=age, required=True, metavar="AGE", help="finished this long ago: 3600, 90m, 12h, 30d"
+    )
     p.add_argument("--dry-run", action="store_true", help="count only, delete nothing")
     return parser

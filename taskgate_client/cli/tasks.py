@@ -109,7 +109,9 @@ async def cmd_upload(client: AsyncTaskgateClient, args: argparse.Namespace, out:
     if out.json:
         out.document({**image.to_dict(), "source_format": image.source_format})
     else:
-        out.line(f"{image.sha256}\t{image.width}x{image.height}\t{image.size_bytes} bytes (sent as {image.source_format})")
+        out.line(
+            f"{image.sha256}\t{image.width}x{image.height}\t{image.size_bytes} bytes (sent as {image.source_format})"
+        )
     return EXIT_OK
 
 
@@ -197,7 +199,8 @@ async def cmd_watch(client: AsyncTaskgateClient, args: argparse.Namespace, out: 
 
 
 async def cmd_logs(client: AsyncTaskgateClient, args: argparse.Namespace, out: Output) -> int:
-    """The worker's log lines about a task: those stored so far, or with --follow each as it comes until the task ends."""
+    """The worker's log lines about a task: those stored so far, or with --follow each as it comes until the task
+    ends."""
     lines = client.logs(args.task_id)
     follow_on = args.follow or (await client.get(args.task_id)).terminal  # an ended task's stream ends by itself
     try:

@@ -1,5 +1,5 @@
-"""The fault suites' machinery (make test-faults, make test-cluster): settings for a killable cluster, the chaos that kills
-and restarts its processes, and the checks every task's history must pass afterwards."""
+"""The fault suites' machinery (make test-faults, make test-cluster): settings for a killable cluster, the chaos that
+kills and restarts its processes, and the checks every task's history must pass afterwards."""
 
 from __future__ import annotations
 
@@ -92,7 +92,9 @@ def fault_settings(model_dir: Path) -> Settings:
     """Short leases, scans and webhook schedule, so recoveries take seconds; a queue timeout nothing reaches."""
     return Settings(
         models={
-            "wan-tiny": ModelSpec(path=model_dir, default_width=16, default_height=16, default_steps=2, checkpoint_every_steps=1),
+            "wan-tiny": ModelSpec(
+                path=model_dir, default_width=16, default_height=16, default_steps=2, checkpoint_every_steps=1
+            ),
             "sleepy": ModelSpec(kind="sleep", sleep_seconds=0.05),
         },
         default_model="sleepy",
@@ -176,7 +178,9 @@ class Chaos:
         start = time.monotonic()
         while time.monotonic() - start < within:
             key = f"probe-{len(self.probes)}"
-            request = gateway_pb2.SubmitTaskRequest(prompt=f"probe {key}", model_id="sleepy", idempotency_key=key, params=SLEEP_PARAMS)
+            request = gateway_pb2.SubmitTaskRequest(
+                prompt=f"probe {key}", model_id="sleepy", idempotency_key=key, params=SLEEP_PARAMS
+            )
             try:
                 resp = await self.stub.SubmitTask(request, metadata=self.md, timeout=2)
             except grpc.aio.AioRpcError:
@@ -208,7 +212,11 @@ class Chaos:
         return await self._probe(dispatched), "first submit published to JetStream"
 
     async def _server(
-        self, fault: Fault, kill: Callable[[], None], start: Callable[[], None], probe: Callable[[], Awaitable[tuple[float, str]]]
+        self,
+        fault: Fault,
+        kill: Callable[[], None],
+        start: Callable[[], None],
+        probe: Callable[[], Awaitable[tuple[float, str]]],
     ) -> None:
         before = await self._db_now()
         t0 = time.monotonic()
@@ -292,7 +300,9 @@ async def quiescent(db: asyncpg.Pool, expected: int) -> bool:
 
 
 def hook_reply(rng: random.Random) -> Callable[[Received], Reply]:
-    return lambda _r: Reply(status=500, body=b"injected failure") if rng.random() < HOOK_FAILURE_RATE else Reply(status=200)
+    return lambda _r: (
+        Reply(status=500, body=b"injected failure") if rng.random() < HOOK_FAILURE_RATE else Reply(status=200)
+    )
 
 
 async def dump_open(db: asyncpg.Pool, cluster: Cluster) -> None:
@@ -352,8 +362,8 @@ async def check_histories(
 
     # History: versions 1..N with no gap, one SUCCEEDED event, the result written by the succeeding attempt.
     events = await db.fetch(
-        "SELECT task_id, version, from_status::text AS src, to_status::text AS dst, attempt, worker_id, at, result_uri FROM task_event"
-        " WHERE user_id = $1 ORDER BY task_id, version",
+        "SELECT task_id, version, from_status::text AS src, to_status::text AS dst, attempt, worker_id, at, result_uri "
+        "FROM task_event WHERE user_id = $1 ORDER BY task_id, version",
         TENANT,
     )
     by_task: dict[int, list[Any]] = defaultdict(list)
@@ -386,11 +396,12 @@ async def check_histories(
 
     # Callbacks: a delivered (or exhausted, every attempt logged) terminal webhook, one webhook-id per event.
     deliveries = await db.fetch(
-        "SELECT d.*, t.idempotency_key FROM callback_delivery d JOIN task t ON t.id = d.task_id WHERE d.user_id = $1", TENANT
+        "SELECT d.*, t.idempotency_key FROM callback_delivery d JOIN task t ON t.id = d.task_id WHERE "
+        "d.user_id = $1", TENANT
     )
     attempts = await db.fetch(
-        "SELECT a.delivery_id, a.attempt, a.webhook_id FROM callback_attempt a JOIN callback_delivery d ON d.id = a.delivery_id"
-        " WHERE d.user_id = $1 ORDER BY a.delivery_id, a.attempt",
+        "SELECT a.delivery_id, a.attempt, a.webhook_id FROM callback_attempt a JOIN callback_delivery d ON d.id = "
+        "a.delivery_id WHERE d.user_id = $1 ORDER BY a.delivery_id, a.attempt",
         TENANT,
     )
     logged: dict[int, list[Any]] = defaultdict(list)
@@ -402,7 +413,8 @@ async def check_histories(
     for request in receiver.requests:
         received[request.headers.get("webhook-id", "")].append(request)
         try:
-            verify_webhook(request.headers, request.body, secret, now=request.wall)  # as the receiver would have, on arrival
+            # as the receiver would have, on arrival
+            verify_webhook(request.headers, request.body, secret, now=request.wall)
         except WebhookVerificationError:
             bad_signatures += 1
     if bad_signatures:
@@ -425,8 +437,12 @@ async def check_histories(
             problems.append(f"{key}: no terminal webhook delivery")
             continue
         rows = logged.get(d["id"], [])
-        if [a["attempt"] for a in rows] != list(range(1, d["attempts"] + 1)) or {a["webhook_id"] for a in rows} - {d["webhook_id"]}:
-            problems.append(f"{key}: attempts logged {[(a['attempt'], a['webhook_id']) for a in rows]} for {d['attempts']}")
+        if [a["attempt"] for a in rows] != list(range(1, d["attempts"] + 1)) or {a["webhook_id"] for a in rows} - {
+            d["webhook_id"]
+        }:
+            problems.append(
+                f"{key}: attempts logged {[(a['attempt'], a['webhook_id']) for a in rows]} for {d['attempts']}"
+            )
         got = received.get(d["webhook_id"], [])
         ok = [r for r in got if r.status is not None and 200 <= r.status < 300]
         if d["status"] == "DELIVERED":
@@ -486,7 +502,9 @@ def check_resumes(cluster: Cluster, problems: list[str]) -> int:
         for attempt, from_step in begun:
             earlier = [step for a, step in stored.get(task_id, []) if a < attempt]
             if earlier and from_step < max(earlier):
-                problems.append(f"task {task_id}: attempt {attempt} began at step {from_step}, before checkpoint {max(earlier)}")
+                problems.append(
+                    f"task {task_id}: attempt {attempt} began at step {from_step}, before checkpoint {max(earlier)}"
+                )
             resumed += from_step > 0
     return resumed
 
@@ -516,7 +534,14 @@ def peak_claims(by_task: dict[int, list[Any]], outages: list[tuple[datetime, dat
 
 
 def print_summary(
-    seed: int, subs: Submissions, chaos: Chaos, report: dict[str, Any], setup_s: float, chaos_s: float, drain_s: float, total_s: float
+    seed: int,
+    subs: Submissions,
+    chaos: Chaos,
+    report: dict[str, Any],
+    setup_s: float,
+    chaos_s: float,
+    drain_s: float,
+    total_s: float,
 ) -> None:
     def s(value: float | None) -> str:
         return "-" if value is None else f"{value:6.2f}"

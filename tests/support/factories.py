@@ -30,7 +30,8 @@ RESULT = store.ResultRef(uri="nats-os://taskgate-results/x.mp4", content_type="v
 
 # What PostgreSQL cannot store: U+0000 and lone surrogates (a client in another language can send the latter as bytes).
 UNSTORABLE_CHAR: st.SearchStrategy[str] = st.one_of(
-    st.sampled_from(["\x00", "\ud800", "\udbff", "\udc00", "\udfff"]), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+    st.sampled_from(["\x00", "\ud800", "\udbff", "\udc00", "\udfff"]),
+    st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
 )
 # Any character, surrogates included (hypothesis leaves them out by default).
 ANY_CHAR: st.SearchStrategy[str] = st.characters(exclude_categories=[])
@@ -111,7 +112,8 @@ async def claim(
 
 
 async def claimed(db: Conn, task_id: int, **kwargs: Any) -> TaskRow:
-    """`task_id` claimed through the real claim (as `claim` takes `kwargs`); the test fails when another task or none was."""
+    """`task_id` claimed through the real claim (as `claim` takes `kwargs`); the test fails when another task or none
+    was."""
     got = await claim(db, task_id, **kwargs)
     assert got.verdict is workers.Verdict.CLAIMED and got.task is not None and got.task.id == task_id, got
     return got.task
@@ -154,12 +156,30 @@ _INT_RANGES = {
     FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
 }
 # strings that reach deeper than random text: ids at and past the int64 edge, cursors, times, statuses
-_PROBES = ["", "0", "1", "-1", "9223372036854775807", "9223372036854775808", "99999999999999999999", "1e3", " 1", "wan-tiny",
-           "sleepy", "text-to-video", "image-to-video", "SUCCEEDED", "https://example.com/x.png", "eyJjIjowfQ"]
+_PROBES = [
+    "",
+    "0",
+    "1",
+    "-1",
+    "9223372036854775807",
+    "9223372036854775808",
+    "99999999999999999999",
+    "1e3",
+    " 1",
+    "wan-tiny",
+    "sleepy",
+    "text-to-video",
+    "image-to-video",
+    "SUCCEEDED",
+    "https://example.com/x.png",
+    "eyJjIjowfQ",
+]
 
 
 def _int_edges(low: int, high: int) -> st.SearchStrategy[int]:
-    return st.one_of(st.integers(low, high), st.sampled_from(sorted({low, high, 0, 1, -1 if low < 0 else 0, low + 1, high - 1})))
+    return st.one_of(
+        st.integers(low, high), st.sampled_from(sorted({low, high, 0, 1, -1 if low < 0 else 0, low + 1, high - 1}))
+    )
 
 
 def _value(field: Any, depth: int) -> st.SearchStrategy[Any]:
@@ -188,7 +208,9 @@ def proto_messages(cls: type[Message], depth: int = 0) -> st.SearchStrategy[Mess
             lambda s, n: cls(seconds=s, nanos=n), _int_edges(-(2**40), 2**40), _int_edges(-(2**31), 2**31 - 1)
         )
     if descriptor.full_name == "google.protobuf.Duration":
-        return st.builds(lambda s, n: cls(seconds=s, nanos=n), _int_edges(-(2**40), 2**40), st.integers(-999_999_999, 999_999_999))
+        return st.builds(
+            lambda s, n: cls(seconds=s, nanos=n), _int_edges(-(2**40), 2**40), st.integers(-999_999_999, 999_999_999)
+        )
     fields: dict[str, st.SearchStrategy[Any]] = {}
     for field in descriptor.fields:
         if depth >= 3 and field.message_type is not None:
@@ -341,7 +363,9 @@ async def finished_runs(pool: Any, seconds: Sequence[float], **fields: Any) -> N
         task_id = await queued(pool, **{"priority": Priority.LOW, **fields})
         await claimed(pool, task_id, worker_id="w-history", lease_seconds=30.0)
         assert (await store.apply(pool, task_id, store.Succeed(RESULT), actor="test")).applied
-        await pool.execute("UPDATE task SET started_at = finished_at - make_interval(secs => $2) WHERE id = $1", task_id, run)
+        await pool.execute(
+            "UPDATE task SET started_at = finished_at - make_interval(secs => $2) WHERE id = $1", task_id, run
+        )
 
 
 
@@ -368,7 +392,8 @@ def settings_for(state_dir: Path, *, database_url: str | None = None, nats_url: 
         scheduler_metrics_port=0,
         worker_metrics_port=0,
         callback_allow_hosts=["127.0.0.1"],
-        eta_snapshot_seconds=0.0,  # each call reads the queue as it finds it (tests of the shared snapshot set a period)
+        # each call reads the queue as it finds it (tests of the shared snapshot set a period)
+        eta_snapshot_seconds=0.0,
         # the suite's own calls come in bursts (the call-limit tests set theirs)
         tenant_calls_per_second=200.0,
         tenant_calls_burst=400,

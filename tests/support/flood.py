@@ -3,7 +3,8 @@ process — CALLS GetTask calls in flight, a refused one sent again after its Re
 
 Driven by lines on stdin: `go N` starts the flood (answered `flooding` once N calls were answered: past the burst,
 in full flow), `pause` stops sending and waits for the calls in
-flight (answered `paused SERVED REFUSED`, the counts so far), end of input ends it: it prints `served refused` and exits."""
+flight (answered `paused SERVED REFUSED`, the counts so far), end of input ends it: it prints `served refused` and
+exits."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ async def main(address: str, key: str, task_id: str, calls: int) -> None:
                     raise
                 counts["refused"] += 1
                 delays = [
-                    d.retry_delay.ToTimedelta().total_seconds() for d in trailing_details(exc) if isinstance(d, error_details_pb2.RetryInfo)
+                    d.retry_delay.ToTimedelta().total_seconds()
+                    for d in trailing_details(exc)
+                    if isinstance(d, error_details_pb2.RetryInfo)
                 ]
                 return delays[0] if delays else 0.01
             counts["served"] += 1

@@ -22,12 +22,17 @@ _started: list[tuple[Any, str]] = []  # (server, where it was created), servers 
 
 def _creation_site() -> str:
     """The innermost frames of the project's own code that created a server."""
-    frames = [f for f in traceback.extract_stack()[:-2] if "/site-packages/" not in f.filename and "/_pytest/" not in f.filename]
+    frames = [
+        f
+        for f in traceback.extract_stack()[:-2]
+        if "/site-packages/" not in f.filename and "/_pytest/" not in f.filename
+    ]
     return " <- ".join(f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
 
 
 def install() -> None:
-    """Wraps grpc.aio.server so that every server made from now on is followed (the project calls it as grpc.aio.server)."""
+    """Wraps grpc.aio.server so that every server made from now on is followed (the project calls it as
+    grpc.aio.server)."""
     real: Callable[..., Any] = grpc.aio.server
     if getattr(real, "_taskgate_tracked", False):
         return

@@ -1,4 +1,5 @@
-"""A process cluster for tests and benchmarks: embedded servers, service subprocesses to kill and restart, a webhook receiver."""
+"""A process cluster for tests and benchmarks: embedded servers, service subprocesses to kill and restart, a webhook
+receiver."""
 
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ async def api_stack(settings: Settings, backends: Any) -> AsyncIterator[ApiStack
         await submit.stop(0)
 
 
-WorkerFactory = Callable[..., Awaitable[Any]]  # the `workers` fixture (conftest.py): starts a worker, stopped at the end
+# the `workers` fixture (conftest.py): starts a worker, stopped at the end
+WorkerFactory = Callable[..., Awaitable[Any]]
 
 
 async def stored_objects(bus: Any, prefix: str = "") -> list[str]:
@@ -237,7 +239,9 @@ class ServiceProcess:
 
         async def ready() -> bool:
             if not self.alive:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode if self.proc else '?'}:\n{self.tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode if self.proc else '?'}:\n{self.tail()}"
+                )
             return await serving(self.address, 0.5)
 
         await wait_for(ready, within, every=0.05)
@@ -258,7 +262,16 @@ def nats_cluster(base: Path, nodes: int) -> list[EmbeddedNats]:
     servers = []
     for i, route in enumerate(routes):
         others = ",".join(f"nats://127.0.0.1:{port}" for j, port in enumerate(routes) if j != i)
-        args = ("-n", f"node-{i + 1}", "--cluster_name", "taskgate", "--cluster", f"nats://127.0.0.1:{route}", "--routes", others)
+        args = (
+            "-n",
+            f"node-{i + 1}",
+            "--cluster_name",
+            "taskgate",
+            "--cluster",
+            f"nats://127.0.0.1:{route}",
+            "--routes",
+            others,
+        )
         servers.append(EmbeddedNats(base / f"nats-{i + 1}", args=args))
     for server in servers:
         server.start()
@@ -476,12 +489,19 @@ async def http_stack(settings: Settings, backends: Any, *, worker_models: list[s
         worker = await worker_service.start(settings.model_copy(
             update={"worker_models": worker_models, "worker_admin_target": f"127.0.0.1:{scheduler.port}"}
         ))
-    http_settings = settings.model_copy(update={
-        "http_port": 0, "http_gateway_target": f"127.0.0.1:{submit.port}", "http_events_target": f"127.0.0.1:{notifier.port}",
-        "http_admin_target": f"127.0.0.1:{scheduler.port}", "worker_admin_target": f"127.0.0.1:{scheduler.port}",
-    })
+    http_settings = settings.model_copy(
+        update={
+            "http_port": 0,
+            "http_gateway_target": f"127.0.0.1:{submit.port}",
+            "http_events_target": f"127.0.0.1:{notifier.port}",
+            "http_admin_target": f"127.0.0.1:{scheduler.port}",
+            "worker_admin_target": f"127.0.0.1:{scheduler.port}",
+        }
+    )
     http = await http_service.start(http_settings)
-    api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "tenant-a", max_pending=100, submits_per_minute=10_000)
+    api_key, _ = await auth.create_key(
+        backends.pool, settings.api_key_pepper, "tenant-a", max_pending=100, submits_per_minute=10_000
+    )
     admin_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "ops", admin=True)
     stack = HttpStack(http_settings, submit, notifier, scheduler, worker, http, api_key, admin_key)
     try:

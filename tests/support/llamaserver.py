@@ -24,8 +24,10 @@ STOP_GRACE_SECONDS = 5.0
 def missing() -> str | None:
     """Why no server can be started here, or None when one can."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return ("llama-cpp-python is not installed: the `upstream-server` extra (`make upstream-server` builds it from source with "
-                "cmake and a C++ compiler)")
+        return (
+            "llama-cpp-python is not installed: the `upstream-server` extra (`make upstream-server` builds it from "
+            "source with cmake and a C++ compiler)"
+        )
     for module in ("fastapi", "sse_starlette", "starlette_context", "gguf"):
         if importlib.util.find_spec(module) is None:
             return f"{module} is missing: install the `upstream-server` extra (llama-cpp-python[server] and gguf)"

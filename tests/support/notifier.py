@@ -76,7 +76,9 @@ async def events_stub(handle: NotifierHandle, options: Sequence[tuple[str, Any]]
 
 async def progress(pool: Any, task_id: int, *steps: int) -> None:
     for step in steps:
-        assert (await store.apply(pool, task_id, store.Progress(percent=step, lease_seconds=30.0), actor="test")).applied
+        assert (
+            await store.apply(pool, task_id, store.Progress(percent=step, lease_seconds=30.0), actor="test")
+        ).applied
 
 
 async def succeed(pool: Any, task_id: int) -> None:

@@ -1,4 +1,5 @@
-"""A task's partial output as tests read it: every chunk of its TASK_OUTPUT subject, and one attempt's text from them."""
+"""A task's partial output as tests read it: every chunk of its TASK_OUTPUT subject, and one attempt's text from
+them."""
 
 from __future__ import annotations
 

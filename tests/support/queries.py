@@ -20,7 +20,9 @@ from taskgate_api.v1 import task_pb2
 from tests.support.harness import wait_for
 
 
-async def wait_task(backends: Backends, task_id: int, check: Callable[[TaskRow], bool], within: float = 10.0) -> TaskRow:
+async def wait_task(
+    backends: Backends, task_id: int, check: Callable[[TaskRow], bool], within: float = 10.0
+) -> TaskRow:
     """The task's row once `check` holds (polled by wait_for); the timeout names the last state seen."""
     seen: list[TaskRow] = []
 
@@ -31,7 +33,9 @@ async def wait_task(backends: Backends, task_id: int, check: Callable[[TaskRow],
     try:
         await wait_for(holds, within, every=0.02)
     except TimeoutError:
-        raise AssertionError(f"task {task_id} never matched; last state {seen[0].status} attempt {seen[0].attempt}") from None
+        raise AssertionError(
+            f"task {task_id} never matched; last state {seen[0].status} attempt {seen[0].attempt}"
+        ) from None
     return seen[0]
 
 
@@ -83,5 +87,11 @@ async def dispatches(bus: busmod.Bus) -> list[tuple[str, str, task_pb2.TaskDispa
         if info.state.messages == 0:
             break
         msg: RawStreamMsg = await bus.js.get_msg(busmod.TASKS_STREAM, seq)
-        out.append((msg.subject or "", (msg.headers or {}).get("Nats-Msg-Id", ""), task_pb2.TaskDispatch.FromString(msg.data or b"")))
+        out.append(
+            (
+                msg.subject or "",
+                (msg.headers or {}).get("Nats-Msg-Id", ""),
+                task_pb2.TaskDispatch.FromString(msg.data or b""),
+            )
+        )
     return out

@@ -80,13 +80,29 @@ class SeaweedS3:
         s3, master, volume, filer, metrics = self._ports
         self.port = s3
         args = [
-            _weed(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-            "-volume.max=4", "-master.volumeSizeLimitMB=64", f"-metricsPort={metrics}",
-            f"-master.port={master}", f"-master.port.grpc={master + GRPC_OFFSET}",
-            f"-volume.port={volume}", f"-volume.port.grpc={volume + GRPC_OFFSET}",
-            f"-filer.port={filer}", f"-filer.port.grpc={filer + GRPC_OFFSET}", f"-filer.localSocket={self.base / 'f.sock'}",
-            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3 + GRPC_OFFSET}", f"-s3.config={config}",
-            f"-s3.localSocket={self.base / 's.sock'}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            _weed(),
+            "server",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-volume.max=4",
+            "-master.volumeSizeLimitMB=64",
+            f"-metricsPort={metrics}",
+            f"-master.port={master}",
+            f"-master.port.grpc={master + GRPC_OFFSET}",
+            f"-volume.port={volume}",
+            f"-volume.port.grpc={volume + GRPC_OFFSET}",
+            f"-filer.port={filer}",
+            f"-filer.port.grpc={filer + GRPC_OFFSET}",
+            f"-filer.localSocket={self.base / 'f.sock'}",
+            "-s3",
+            f"-s3.port={s3}",
+            f"-s3.port.grpc={s3 + GRPC_OFFSET}",
+            f"-s3.config={config}",
+            f"-s3.localSocket={self.base / 's.sock'}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
         ]
         log = (self.base / "weed.log").open("wb")
         self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

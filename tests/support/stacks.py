@@ -1,4 +1,5 @@
-"""The services of one test started together, with what a test needs to drive them: the SDK's stack, the CLI's, TaskAdmin's."""
+"""The services of one test started together, with what a test needs to drive them: the SDK's stack, the CLI's,
+TaskAdmin's."""
 
 from __future__ import annotations
 
@@ -67,7 +68,9 @@ class Stack:
         return key
 
 
-async def run_task(backends: Backends, task_id: str, result: bytes | None = b"video-bytes", *, progress: tuple[int, ...] = (50,)) -> None:
+async def run_task(
+    backends: Backends, task_id: str, result: bytes | None = b"video-bytes", *, progress: tuple[int, ...] = (50,)
+) -> None:
     """Plays the worker: claim, report progress, then succeed with `result` (or fail when it is None)."""
     tid = int(task_id)
     attempt = (await claimed(backends.pool, tid, worker_id="test-worker")).attempt
@@ -78,7 +81,9 @@ async def run_task(backends: Backends, task_id: str, result: bytes | None = b"vi
         error = store.TaskError("BOOM", "it broke")
         out = await store.fail(backends.pool, tid, error=error, actor="worker", reason="failed", attempt=attempt)
     else:
-        stored = await result_store(backends.settings, backends.bus).put(f"{task_id}-a{attempt}.mp4", result, "video/mp4")
+        stored = await result_store(backends.settings, backends.bus).put(
+            f"{task_id}-a{attempt}.mp4", result, "video/mp4"
+        )
         result_ref = store.ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256)
         out = await store.succeed(backends.pool, tid, attempt=attempt, result=result_ref, actor="worker")
     assert out.task is not None
@@ -122,7 +127,9 @@ class Cli:
         """Runs the server-side `taskgate-keys` (`python -m taskgate.keys`) in the same environment."""
         return await self.run("taskgate.keys", args)
 
-    async def run(self, module: str, args: tuple[str, ...], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> Result:
+    async def run(
+        self, module: str, args: tuple[str, ...], *, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> Result:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", module, *args,
             env={**self.env, **(env or {})},

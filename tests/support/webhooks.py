@@ -14,8 +14,8 @@ from typing import Any
 
 @dataclass
 class Received:
-    """One request a WebhookReceiver got (monotonic and wall-clock arrival, `index` in arrival order from 0), and the status
-    it answered (None: hung)."""
+    """One request a WebhookReceiver got (monotonic and wall-clock arrival, `index` in arrival order from 0), and the
+    status it answered (None: hung)."""
 
     at: float
     wall: float
@@ -51,7 +51,10 @@ class WebhookReceiver:
     each answer. Records every request."""
 
     def __init__(
-        self, reply: Callable[[Received], Reply] = lambda _r: Reply(), tls: ssl.SSLContext | None = None, host: str = "127.0.0.1"
+        self,
+        reply: Callable[[Received], Reply] = lambda _r: Reply(),
+        tls: ssl.SSLContext | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.reply = reply
         self.host = host
@@ -112,7 +115,9 @@ class WebhookReceiver:
             return
         size = reply.body_bytes or len(reply.body)
         extra = "".join(f"{k}: {v}\r\n" for k, v in reply.headers.items())
-        writer.write(f"HTTP/1.1 {reply.status} X\r\ncontent-length: {size}\r\nconnection: close\r\n{extra}\r\n".encode())
+        writer.write(
+            f"HTTP/1.1 {reply.status} X\r\ncontent-length: {size}\r\nconnection: close\r\n{extra}\r\n".encode()
+        )
         if reply.trickle:
             for i in range(size):
                 writer.write(reply.body[i : i + 1] or b"x")

@@ -79,7 +79,8 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
 
 @dataclass
 class Load:
-    """Paced submits through the SDK over both submit replicas; every failed call is recorded with the phase it fell in."""
+    """Paced submits through the SDK over both submit replicas; every failed call is recorded with the phase it fell
+    in."""
 
     client: AsyncTaskgateClient
     receiver: WebhookReceiver
@@ -153,7 +154,9 @@ async def test_a_replicated_cluster_survives_a_nats_node_loss_a_rolling_restart_
 ) -> None:
     seed = int(os.environ.get("TASKGATE_CLUSTER_SEED") or random.SystemRandom().randrange(2**32))
     with capsys.disabled():
-        print(f"\ncluster test: seed {seed} (replay: TASKGATE_CLUSTER_SEED={seed} make test-cluster), up to {TASKS} tasks")
+        print(
+            f"\ncluster test: seed {seed} (replay: TASKGATE_CLUSTER_SEED={seed} make test-cluster), up to {TASKS} tasks"
+        )
     chaos_rng, task_rng, hook_rng = (random.Random(f"{seed}-{part}") for part in ("chaos", "tasks", "hooks"))
     t_start = time.monotonic()
     bus = await declared(cluster.settings)
@@ -172,7 +175,9 @@ async def _run(
 ) -> None:
     await cluster.start()
     assert await replicas_current(bus), "streams not at three current replicas after start-up"
-    key, secret = await auth.create_key(db, cluster.settings.api_key_pepper, TENANT, max_pending=100_000, submits_per_minute=1_000_000)
+    key, secret = await auth.create_key(
+        db, cluster.settings.api_key_pepper, TENANT, max_pending=100_000, submits_per_minute=1_000_000
+    )
     assert secret is not None
     setup_s = time.monotonic() - t_start
     submit = "ipv4:" + ",".join(cluster[f"submit-{i}"].address for i in (1, 2))
@@ -220,7 +225,10 @@ async def _run(
         report["problems"].append(f"services that did not exit cleanly on SIGTERM: {unclean}")
     with capsys.disabled():
         print_summary(seed, load.subs, chaos, report, setup_s, chaos_s, drain_s, time.monotonic() - t_start)
-        print(f"  failed client calls by phase: {dict(load.failed)}; SDK retries inside calls: {client.retries}; tasks: {load.sent}")
+        print(
+            f"  failed client calls by phase: {dict(load.failed)}; SDK retries inside calls: {client.retries}; tasks: "
+            f"{load.sent}"
+        )
     assert not report["problems"], "\n".join(report["problems"])
 
 

@@ -163,7 +163,10 @@ def test_alert_file_is_a_prometheus_rule_with_runbooks() -> None:
     assert doc["metadata"]["name"]
     groups = [g["name"] for g in doc["spec"]["groups"]]
     assert len(groups) == len(set(groups))
-    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-") for h in re.findall(r"^#+ (.+)$", RUNBOOK.read_text(), re.M)}
+    anchors = {
+        re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", RUNBOOK.read_text(), re.M)
+    }
     names = [r["alert"] for r in rules()]
     assert len(names) == len(set(names))
     for rule in rules():
@@ -193,7 +196,9 @@ def test_required_alerts_use_the_metrics_and_thresholds_asked_for() -> None:
     backlog: Any = promql_parser.parse(alert("TaskgateQueueBacklog")["expr"])
     assert str(backlog.op) == ">" and backlog.rhs.val == 1000
     assert promql_parser.parse_duration(alert("TaskgateQueueBacklog")["for"]).total_seconds() == 300
-    assert "[10m]" in alert("TaskgateHighFailureRatio")["expr"] and "> 0.10" in alert("TaskgateHighFailureRatio")["expr"]
+    assert (
+        "[10m]" in alert("TaskgateHighFailureRatio")["expr"] and "> 0.10" in alert("TaskgateHighFailureRatio")["expr"]
+    )
     assert "< 0.90" in alert("TaskgateCallbackSuccessLow")["expr"]
     assert "> 120" in alert("TaskgateWorkerHeartbeatStale")["expr"]
     assert promql_parser.parse_duration(alert("TaskgateNoWorkerHeartbeat")["for"]).total_seconds() == 120
@@ -359,7 +364,9 @@ def container_env(objs: tuple[Obj, ...], container: Obj) -> dict[str, str]:
             continue
         ref = var["valueFrom"]
         if "configMapKeyRef" in ref:
-            env[var["name"]] = named(objs, "ConfigMap", ref["configMapKeyRef"]["name"])["data"][ref["configMapKeyRef"]["key"]]
+            env[var["name"]] = named(objs, "ConfigMap", ref["configMapKeyRef"]["name"])["data"][
+                ref["configMapKeyRef"]["key"]
+            ]
         elif "secretKeyRef" in ref:
             values = secret_values(objs, ref["secretKeyRef"]["name"])
             default = PLACEHOLDERS.get(var["name"], "placeholder-secret-value")
@@ -392,7 +399,9 @@ def check_custom_resource(obj: Obj, objs: tuple[Obj, ...]) -> None:
         assert spec["minReplicaCount"] == 0 and spec["maxReplicaCount"] >= 1
         for trigger in spec["triggers"]:
             assert trigger["type"] == "nats-jetstream"
-            assert {"natsServerMonitoringEndpoint", "account", "stream", "consumer", "lagThreshold"} <= set(trigger["metadata"])
+            assert {"natsServerMonitoringEndpoint", "account", "stream", "consumer", "lagThreshold"} <= set(
+                trigger["metadata"]
+            )
             assert trigger["metadata"]["stream"] == bus.TASKS_STREAM
     elif kind == "Cluster":
         assert obj["apiVersion"] == "postgresql.cnpg.io/v1"
@@ -411,10 +420,15 @@ def check_custom_resource(obj: Obj, objs: tuple[Obj, ...]) -> None:
             headless = named(objs, "StatefulSet", "taskgate-nats")["spec"]["serviceName"]
             assert {"taskgate-nats", f"*.{headless}"} <= set(spec["dnsNames"]), spec["dnsNames"]
         else:
-            grpc_services = {s["metadata"]["name"] for s in of_kind(objs, "Service")} & {f"taskgate-{n}" for n in SERVED}
+            grpc_services = {s["metadata"]["name"] for s in of_kind(objs, "Service")} & {
+                f"taskgate-{n}" for n in SERVED
+            }
             assert grpc_services and grpc_services <= set(spec["dnsNames"]) and "taskgate-worker" in spec["dnsNames"]
     elif kind == "ExternalSecret":
-        assert spec["secretStoreRef"]["name"] and spec["secretStoreRef"]["kind"] in {"SecretStore", "ClusterSecretStore"}
+        assert spec["secretStoreRef"]["name"] and spec["secretStoreRef"]["kind"] in {
+            "SecretStore",
+            "ClusterSecretStore",
+        }
         assert spec["target"]["name"] and spec["data"]
         for item in spec["data"]:
             assert item["secretKey"] and item["remoteRef"]["key"]
@@ -429,11 +443,22 @@ def secrets_provided(objs: tuple[Obj, ...]) -> dict[str, set[str]]:
         out[secret["metadata"]["name"]] = set(secret.get("data", {})) | set(secret.get("stringData", {}))
     for ext in of_kind(objs, "ExternalSecret"):
         template = ext["spec"]["target"].get("template", {}).get("data")
-        out[ext["spec"]["target"]["name"]] = set(template) if template else {d["secretKey"] for d in ext["spec"]["data"]}
+        out[ext["spec"]["target"]["name"]] = (
+            set(template) if template else {d["secretKey"] for d in ext["spec"]["data"]}
+        )
     for certificate in of_kind(objs, "Certificate"):
         out[certificate["spec"]["secretName"]] = {"tls.crt", "tls.key", "ca.crt"}
     for cluster in of_kind(objs, "Cluster"):
-        out[f"{cluster['metadata']['name']}-app"] = {"username", "password", "host", "port", "dbname", "uri", "jdbc-uri", "pgpass"}
+        out[f"{cluster['metadata']['name']}-app"] = {
+            "username",
+            "password",
+            "host",
+            "port",
+            "dbname",
+            "uri",
+            "jdbc-uri",
+            "pgpass",
+        }
         out[f"{cluster['metadata']['name']}-ca"] = {"ca.crt", "ca.key"}  # CloudNativePG's CA (its server certificates)
     return out
 
@@ -453,7 +478,9 @@ def test_overlay_objects_validate(overlay: str) -> None:
             errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {getattr(exc, 'message', exc)}")
     assert not errors, "\n".join(errors)
     namespaces = {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"}
-    assert namespaces == {ns["metadata"]["name"] for ns in of_kind(objs, "Namespace")}, "one namespace, created by the overlay"
+    assert namespaces == {ns["metadata"]["name"] for ns in of_kind(objs, "Namespace")}, (
+        "one namespace, created by the overlay"
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -467,7 +494,9 @@ def test_services_target_ports_that_containers_serve(overlay: str) -> None:
         for port in service["spec"]["ports"]:
             target = port.get("targetPort", port["port"])
             served = [p for p in ports if target in (p.get("name"), p["containerPort"])]
-            assert served, f"Service {service['metadata']['name']} port {port['name']} -> {target}: no container serves it"
+            assert served, (
+                f"Service {service['metadata']['name']} port {port['name']} -> {target}: no container serves it"
+            )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -480,7 +509,9 @@ def test_containers_match_the_settings_they_read(overlay: str) -> None:
         for var in container.get("env", []):
             ref = var.get("valueFrom", {}).get("secretKeyRef")
             if ref is not None:
-                assert ref["key"] in provided.get(ref["name"], set()), f"{where}: no Secret {ref['name']} with key {ref['key']}"
+                assert ref["key"] in provided.get(ref["name"], set()), (
+                    f"{where}: no Secret {ref['name']} with key {ref['key']}"
+                )
         env = container_env(objs, container)
         unknown = {k for k in env if k.startswith("TASKGATE_") and k.removeprefix("TASKGATE_") not in fields}
         assert not unknown, f"{where}: {sorted(unknown)} are not taskgate.config.Settings fields"
@@ -495,13 +526,23 @@ def test_containers_match_the_settings_they_read(overlay: str) -> None:
         if name == "http":  # the HTTP face: plain HTTP probes, no database or NATS of its own
             assert settings.http_host == "0.0.0.0", where
             assert ports == {"http": settings.http_port, "metrics": settings.http_metrics_port}, where
-            for probe, path in (("startupProbe", "/healthz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+            for probe, path in (
+                ("startupProbe", "/healthz"),
+                ("readinessProbe", "/readyz"),
+                ("livenessProbe", "/healthz"),
+            ):
                 assert container[probe]["httpGet"] == {"path": path, "port": "http"}, f"{where}: {probe}"
-            assert not {v["name"] for v in container.get("env", [])} & {"TASKGATE_DATABASE_URL", "TASKGATE_API_KEY_PEPPER"}, where
+            assert not {v["name"] for v in container.get("env", [])} & {
+                "TASKGATE_DATABASE_URL",
+                "TASKGATE_API_KEY_PEPPER",
+            }, where
             continue
         assert settings.grpc_host == "0.0.0.0", f"{where}: probes need 0.0.0.0"
-        assert ports == {"grpc": getattr(settings, f"{name}_port"), "metrics": getattr(settings, f"{name}_metrics_port"),
-                         "health": settings.grpc_health_port}, where
+        assert ports == {
+            "grpc": getattr(settings, f"{name}_port"),
+            "metrics": getattr(settings, f"{name}_metrics_port"),
+            "health": settings.grpc_health_port,
+        }, where
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # kubelet's gRPC probe speaks no TLS
             assert container[probe]["grpc"]["port"] == ports["health"], f"{where}: {probe} misses the health port"
         # never plaintext by accident: TLS with files from a mounted Secret, or a plaintext network declared (dev only)
@@ -509,7 +550,9 @@ def test_containers_match_the_settings_they_read(overlay: str) -> None:
             assert not settings.grpc_allow_plaintext and settings.tls_cert_file and settings.tls_key_file, where
             mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
             for tls_path in (settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file):
-                assert tls_path is not None and str(tls_path.parent) in mounted, f"{where}: {tls_path} is not on a mounted volume"
+                assert tls_path is not None and str(tls_path.parent) in mounted, (
+                    f"{where}: {tls_path} is not on a mounted volume"
+                )
                 volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mounted[str(tls_path.parent)])
                 assert tls_path.name in provided.get(volume["secret"]["secretName"], set()), f"{where}: {tls_path.name}"
         assert container["readinessProbe"]["grpc"]["service"] == server.READINESS, where  # backends up, not draining
@@ -517,11 +560,15 @@ def test_containers_match_the_settings_they_read(overlay: str) -> None:
             assert container[probe]["grpc"].get("service", "") == server.LIVENESS, f"{where}: {probe}"
         if name == "worker":
             grace = pod_spec(workload)["terminationGracePeriodSeconds"]
-            assert grace >= settings.drain_grace_seconds + 10, f"{where}: grace {grace}s vs drain {settings.drain_grace_seconds}s"
+            assert grace >= settings.drain_grace_seconds + 10, (
+                f"{where}: grace {grace}s vs drain {settings.drain_grace_seconds}s"
+            )
             mounts = [m["mountPath"] for m in container["volumeMounts"]]
             for model_id, spec in settings.models.items():
                 if spec.kind == "diffusers":
-                    assert spec.path is not None and any(str(spec.path).startswith(m + "/") for m in mounts), f"{where}: {model_id}"
+                    assert spec.path is not None and any(str(spec.path).startswith(m + "/") for m in mounts), (
+                        f"{where}: {model_id}"
+                    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -558,7 +605,9 @@ def test_images_are_dockerfile_targets(overlay: str) -> None:
                 expected = "worker" if component(container) == "worker" or container["name"] == "tiny-model" else "api"
                 assert (base == "taskgate-api") == (expected == "api"), f"{workload['metadata']['name']}: {base}"
             else:
-                assert re.search(r":[\w.-]+@sha256:[0-9a-f]{64}$", container["image"]), f"{container['image']}: pinned by digest"
+                assert re.search(r":[\w.-]+@sha256:[0-9a-f]{64}$", container["image"]), (
+                    f"{container['image']}: pinned by digest"
+                )
     assert "taskgate-api" in used
 
 
@@ -566,20 +615,36 @@ def test_dockerfile_installs_only_what_requirements_hashes() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "download.pytorch.org/whl/cpu" in text
     assert {"taskgate-api", "taskgate", "taskgate-cuda"} <= dockerfile_targets()
-    stages = {st.split()[2]: st for st in re.split(r"^FROM ", text, flags=re.M)[1:] if len(st.split()) > 2 and st.split()[1] == "AS"}
-    code = {name: "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#")) for name, body in stages.items()}
+    stages = {
+        st.split()[2]: st
+        for st in re.split(r"^FROM ", text, flags=re.M)[1:]
+        if len(st.split()) > 2 and st.split()[1] == "AS"
+    }
+    code = {
+        name: "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#"))
+        for name, body in stages.items()
+    }
     assert "torch" not in code["deps-api"] and "worker" not in code["deps-api"], "the API image has no torch"
-    expected = {"deps-api": ["api.txt"], "deps-cpu": ["torch-cpu.txt", "worker.txt"], "deps-cuda": ["torch-cuda.txt", "worker.txt"]}
+    expected = {
+        "deps-api": ["api.txt"],
+        "deps-cpu": ["torch-cpu.txt", "worker.txt"],
+        "deps-cuda": ["torch-cuda.txt", "worker.txt"],
+    }
     for stage, files in expected.items():
         installs = re.findall(r"pip install ((?:[^\n\\]|\\\n)*)", code[stage])  # with continued lines
         locked = [i for i in installs if "-r /tmp/requirements/" in i]
         assert [re.search(r"-r /tmp/requirements/(\S+)", i).group(1) for i in locked] == files, stage  # type: ignore[union-attr]
-        assert all("--require-hashes" in i and "--no-deps" in i for i in locked), f"{stage}: every dependency by its hash"
+        assert all("--require-hashes" in i and "--no-deps" in i for i in locked), (
+            f"{stage}: every dependency by its hash"
+        )
         # the project's own wheels come last, without their dependencies, and pip check proves the set complete
         assert [i for i in installs if i not in locked] == ["--no-deps /wheels/*.whl && pip check"], stage
         # the dependency layers come before the project's code: a code change does not reinstall them
         assert code[stage].index("-r /tmp/requirements/") < code[stage].index("COPY --from=wheels")
-    assert "--no-build-isolation" in code["wheels"] and "--require-hashes --no-deps -r /tmp/requirements/build.txt" in code["wheels"]
+    assert (
+        "--no-build-isolation" in code["wheels"]
+        and "--require-hashes --no-deps -r /tmp/requirements/build.txt" in code["wheels"]
+    )
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and all(u.split(":")[0] not in {"0", "root"} for u in users)
     dockerignore = (ROOT / ".dockerignore").read_text().split()
@@ -622,26 +687,42 @@ def test_prod_scales_spreads_and_replicates() -> None:
     assert len(set(names)) == len(names) and sorted(modifiers["formula"].split(" + ")) == sorted(names), modifiers
     gpus = int(pod_spec(worker)["containers"][0]["resources"]["requests"]["nvidia.com/gpu"])
     slots = settings.worker_slots or math.ceil(gpus * settings.worker_slots_per_device)
-    assert (modifiers["metricType"], int(modifiers["target"]), modifiers["activationTarget"]) == ("AverageValue", slots, "0")
+    assert (modifiers["metricType"], int(modifiers["target"]), modifiers["activationTarget"]) == (
+        "AverageValue",
+        slots,
+        "0",
+    )
     for trigger in scaled["spec"]["triggers"]:
         host, port = trigger["metadata"]["natsServerMonitoringEndpoint"].rsplit(":", 1)
         service_name, ns = host.split(".")[:2]
         assert ns == namespace
-        assert int(port) in {p["port"] for p in named(objs, "Service", service_name)["spec"]["ports"] if p["name"] == "monitor"}
+        assert int(port) in {
+            p["port"] for p in named(objs, "Service", service_name)["spec"]["ports"] if p["name"] == "monitor"
+        }
 
     container = pod_spec(worker)["containers"][0]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"] == "1"
-    # placed by the GPU request alone (no GPU feature discovery label), onto tainted GPU nodes; rolled without a surge pod
+    assert (
+        container["resources"]["limits"]["nvidia.com/gpu"]
+        == container["resources"]["requests"]["nvidia.com/gpu"]
+        == "1"
+    )
+    # placed by the GPU request alone (no GPU feature discovery label), onto tainted GPU nodes; rolled without a surge
+    # pod
     assert not pod_spec(worker).get("nodeSelector") and not pod_spec(worker).get("affinity")
     assert any(t["key"] == "nvidia.com/gpu" for t in pod_spec(worker)["tolerations"])
-    assert worker["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert worker["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
     assert container["image"].rsplit(":", 1)[0].endswith("/taskgate-cuda")
 
     budgets = of_kind(objs, "PodDisruptionBudget")
     for workload in workloads(objs):
         if workload["kind"] != "Job":
             labels = workload["spec"]["template"]["metadata"]["labels"]
-            assert any(selects(b["spec"]["selector"], labels) for b in budgets), f"no PDB for {workload['metadata']['name']}"
+            assert any(selects(b["spec"]["selector"], labels) for b in budgets), (
+                f"no PDB for {workload['metadata']['name']}"
+            )
 
     nats = named(objs, "StatefulSet", "taskgate-nats")
     assert nats["spec"]["replicas"] == settings.stream_replicas == 3
@@ -678,7 +759,10 @@ def admits(rule_port: Obj, number: int, name: str | None) -> bool:
 def test_prod_network_policies_admit_every_served_port() -> None:
     objs = rendered("prod")
     policies = of_kind(objs, "NetworkPolicy")
-    assert any(p["spec"]["podSelector"] == {} and "Ingress" in p["spec"]["policyTypes"] and not p["spec"].get("ingress") for p in policies)
+    assert any(
+        p["spec"]["podSelector"] == {} and "Ingress" in p["spec"]["policyTypes"] and not p["spec"].get("ingress")
+        for p in policies
+    )
     for workload in workloads(objs):
         labels = workload["spec"]["template"]["metadata"]["labels"]
         for container in pod_spec(workload)["containers"]:
@@ -705,14 +789,21 @@ def test_grpc_services_are_headless_and_the_sdk_defaults_reach_them(overlay: str
         assert service["spec"].get("clusterIP") == "None", f"{overlay} {service['metadata']['name']} is not headless"
         settings = settings_for(container_env(objs, container))
         sdk = dict(ClientConfig().channel_options())
-        assert settings.grpc_min_ping_interval_seconds * 1000 < int(str(sdk["grpc.keepalive_time_ms"])), workload["metadata"]["name"]
+        assert settings.grpc_min_ping_interval_seconds * 1000 < int(str(sdk["grpc.keepalive_time_ms"])), workload[
+            "metadata"
+        ]["name"]
         assert sdk["grpc.lb_policy_name"] == "round_robin"
-        assert settings.grpc_max_connection_age_seconds <= 600, f"{workload['metadata']['name']}: new pods wait that long for traffic"
+        assert settings.grpc_max_connection_age_seconds <= 600, (
+            f"{workload['metadata']['name']}: new pods wait that long for traffic"
+        )
     namespace = services["taskgate-submit"]["metadata"]["namespace"]
     grpc_port = {n: p["port"] for n, s in services.items() for p in s["spec"]["ports"] if p["name"] == "grpc"}
     for host in ("taskgate-submit", f"taskgate-submit.{namespace}.svc.cluster.local"):
         config = ClientConfig(address=f"{host}:{grpc_port['taskgate-submit']}").resolved()
-        for address, sibling in ((config.events_address, "taskgate-notifier"), (config.admin_address, "taskgate-scheduler")):
+        for address, sibling in (
+            (config.events_address, "taskgate-notifier"),
+            (config.admin_address, "taskgate-scheduler"),
+        ):
             assert address == f"{host.replace('taskgate-submit', sibling)}:{grpc_port[sibling]}"
 
 
@@ -725,14 +816,25 @@ def test_prod_traces_every_service_to_a_collector_its_network_policy_reaches() -
         env = {e["name"]: e["value"] for e in container.get("env", []) if e["name"].startswith("OTEL_")}
         assert tracing.exporters_wanted(env) == ["otlp"], f"{name}: tracing is off"
         endpoint = urlsplit(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
-        assert endpoint.hostname and endpoint.hostname.startswith("otel-collector.monitoring.svc") and endpoint.port == 4317
+        assert (
+            endpoint.hostname
+            and endpoint.hostname.startswith("otel-collector.monitoring.svc")
+            and endpoint.port == 4317
+        )
         labels = workload["spec"]["template"]["metadata"]["labels"]
-        limiting = [p for p in policies if "Egress" in p["spec"]["policyTypes"] and selects(p["spec"]["podSelector"], labels)]
+        limiting = [
+            p for p in policies if "Egress" in p["spec"]["policyTypes"] and selects(p["spec"]["podSelector"], labels)
+        ]
         assert not limiting or any(
-            admits(rule_port, endpoint.port, None) and any(
-                peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name") == "monitoring"
-                for peer in rule.get("to", []))
-            for policy in limiting for rule in policy["spec"]["egress"] for rule_port in rule.get("ports", [])
+            admits(rule_port, endpoint.port, None)
+            and any(
+                peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+                == "monitoring"
+                for peer in rule.get("to", [])
+            )
+            for policy in limiting
+            for rule in policy["spec"]["egress"]
+            for rule_port in rule.get("ports", [])
         ), f"{name}: egress to the collector is blocked"
 
 
@@ -746,7 +848,9 @@ def test_config_changes_roll_the_pods(tmp_path: Path) -> None:
     shutil.copytree(DEPLOY, copy)
     config = copy / "k8s" / "overlays" / "prod" / "config.env"
     config.write_text(config.read_text().replace("TASKGATE_LOG_LEVEL=INFO", "TASKGATE_LOG_LEVEL=DEBUG"))
-    out = subprocess.run([*command, str(copy / "k8s" / "overlays" / "prod")], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [*command, str(copy / "k8s" / "overlays" / "prod")], capture_output=True, text=True, timeout=60, check=True
+    )
     changed = tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc)
 
     def config_names(objs: tuple[Obj, ...]) -> set[str]:
@@ -815,8 +919,12 @@ def mounted_secret_file(workload: Obj, container: Obj, path: Path) -> tuple[str,
 
 def test_prod_nats_servers_carry_the_generated_authorization_and_tls(tmp_path: Path) -> None:
     objs = rendered("prod")
-    [authorization] = [c for c in of_kind(objs, "ConfigMap") if c["metadata"]["name"].startswith("taskgate-nats-authorization")]
-    assert authorization["data"]["authorization.conf"] == natsauth.authorization(), "generated by taskgate.natsauth, not copied"
+    [authorization] = [
+        c for c in of_kind(objs, "ConfigMap") if c["metadata"]["name"].startswith("taskgate-nats-authorization")
+    ]
+    assert authorization["data"]["authorization.conf"] == natsauth.authorization(), (
+        "generated by taskgate.natsauth, not copied"
+    )
     nats = named(objs, "StatefulSet", "taskgate-nats")
     [container] = pod_spec(nats)["containers"]
     assert container["args"] == ["--config", "/etc/nats/nats.conf"]
@@ -868,7 +976,9 @@ def test_backends_are_reached_over_verified_tls_unless_the_overlay_declares_plai
         sslmode = parse_qs(database.query).get("sslmode", [None])[0]
         if settings.grpc_allow_plaintext:  # a throwaway cluster that says so: every hop plaintext, each one explicit
             assert overlay == "dev", where
-            assert sslmode == "disable", f"{where}: sslmode must be stated (asyncpg's default 'prefer' verifies nothing)"
+            assert sslmode == "disable", (
+                f"{where}: sslmode must be stated (asyncpg's default 'prefer' verifies nothing)"
+            )
             assert nats_url.scheme == "nats" and settings.nats_tls_ca_file is None, where
             continue
         # PostgreSQL: verify-full against CloudNativePG's CA, mounted alone (its key stays out of the pod)
@@ -876,7 +986,9 @@ def test_backends_are_reached_over_verified_tls_unless_the_overlay_declares_plai
         assert sslmode == "verify-full", f"{where}: {settings.database_url}"
         assert database.hostname == f"{cluster['metadata']['name']}-rw", where  # a name its server certificate carries
         rootcert = Path(parse_qs(database.query)["sslrootcert"][0])
-        assert mounted_secret_file(workload, container, rootcert) == (f"{cluster['metadata']['name']}-ca", "ca.crt"), where
+        assert mounted_secret_file(workload, container, rootcert) == (f"{cluster['metadata']['name']}-ca", "ca.crt"), (
+            where
+        )
         # NATS: tls:// to a name the NATS certificate carries, verified against its CA (the ca.crt alone)
         [certificate] = nats_certificates
         assert nats_url.scheme == "tls" and nats_url.hostname in certificate["spec"]["dnsNames"], f"{where}: {nats_url}"
@@ -902,7 +1014,11 @@ def test_prod_gives_each_pod_its_own_nats_user_and_database_role() -> None:
     db_roles: dict[str, str] = {}
     for workload, container, name in taskgate_containers(objs):
         if name not in BACKEND_CLIENTS:
-            assert not {v["name"] for v in container.get("env", [])} & {"TASKGATE_NATS_URL", "TASKGATE_DATABASE_URL", "PGPASSWORD"}
+            assert not {v["name"] for v in container.get("env", [])} & {
+                "TASKGATE_NATS_URL",
+                "TASKGATE_DATABASE_URL",
+                "PGPASSWORD",
+            }
             continue
         where = workload["metadata"]["name"]
         settings = settings_for(container_env(objs, container))
@@ -933,19 +1049,35 @@ def test_prod_gives_each_pod_its_own_nats_user_and_database_role() -> None:
         assert roles[role["inRoles"][0]]["login"] is False, "a group role logs in as nobody"
         assert role["passwordSecret"]["name"] == password["name"] and password["key"] == "password", where
         template = external_secret(objs, password["name"])["spec"]["target"]["template"]
-        assert template["type"] == "kubernetes.io/basic-auth" and template["data"]["username"] == database.username, where
+        assert template["type"] == "kubernetes.io/basic-auth" and template["data"]["username"] == database.username, (
+            where
+        )
     assert sorted(nats_users.values()) == sorted(nats_user_for(n) for n in BACKEND_CLIENTS), nats_users
     assert len(set(db_roles.values())) == len(db_roles), f"one database role per workload: {db_roles}"
-    assert [w for w, r in db_roles.items() if r == owner] == ["taskgate-migrate"], "the owner is the migrate Job's alone"
+    assert [w for w, r in db_roles.items() if r == owner] == ["taskgate-migrate"], (
+        "the owner is the migrate Job's alone"
+    )
 
 
 def test_a_services_nats_password_is_escaped_into_its_url_and_reaches_nats_intact_over_tls(tmp_path: Path) -> None:
-    template = named(rendered("prod"), "ExternalSecret", "taskgate-submit-credentials")["spec"]["target"]["template"]["data"]
+    template = named(rendered("prod"), "ExternalSecret", "taskgate-submit-credentials")["spec"]["target"]["template"][
+        "data"
+    ]
     found = NATS_URL_TEMPLATE.match(template["TASKGATE_NATS_URL"])
     assert found is not None and found["scheme"] == "tls", template["TASKGATE_NATS_URL"]
     password = "p4ss/en@with:odd%chars+?#"
     ca = make_local_ca(tmp_path / "pki")
-    args = ("--user", found["user"], "--pass", password, "--tls", "--tlscert", str(ca.cert_file), "--tlskey", str(ca.key_file))
+    args = (
+        "--user",
+        found["user"],
+        "--pass",
+        password,
+        "--tls",
+        "--tlscert",
+        str(ca.cert_file),
+        "--tlskey",
+        str(ca.key_file),
+    )
     server = EmbeddedNats(tmp_path / "nats", args=args).start()
     try:
         # the ExternalSecret's urlquery is Go's url.QueryEscape: quote_plus with nothing safe
@@ -961,7 +1093,9 @@ def test_a_services_nats_password_is_escaped_into_its_url_and_reaches_nats_intac
 
         assert asyncio.run(connects(url, ca.ca_file))
         assert not asyncio.run(connects(url.replace(quote_plus(password, safe=""), "wrong"), ca.ca_file))
-        assert not asyncio.run(connects(url, make_local_ca(tmp_path / "foreign").ca_file)), "a foreign CA must not verify"
+        assert not asyncio.run(connects(url, make_local_ca(tmp_path / "foreign").ca_file)), (
+            "a foreign CA must not verify"
+        )
     finally:
         server.stop()
 

@@ -63,7 +63,9 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     model_dir = tmp_path / "models" / "wan-tiny"
     c = Cluster(tmp_path / "cluster", fault_settings(model_dir))
     try:
-        await asyncio.gather(asyncio.to_thread(c.start_servers), asyncio.to_thread(tinymodel.build_tiny_pipeline, model_dir))
+        await asyncio.gather(
+            asyncio.to_thread(c.start_servers), asyncio.to_thread(tinymodel.build_tiny_pipeline, model_dir)
+        )
         c.add("submit", "services.submit")
         c.add("scheduler", "services.scheduler")
         c.add("notifier", "services.notifier")
@@ -148,12 +150,20 @@ async def test_every_task_survives_kills_of_every_process(cluster: Cluster, caps
 
 
 async def _run(
-    cluster: Cluster, db: asyncpg.Pool, seed: int, chaos_rng: random.Random, task_rng: random.Random, hook_rng: random.Random,
-    t_start: float, capsys: pytest.CaptureFixture[str],
+    cluster: Cluster,
+    db: asyncpg.Pool,
+    seed: int,
+    chaos_rng: random.Random,
+    task_rng: random.Random,
+    hook_rng: random.Random,
+    t_start: float,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     # The services migrate the database as they start; the key needs the schema.
     await cluster.start()
-    key, secret = await auth.create_key(db, cluster.settings.api_key_pepper, TENANT, max_pending=100_000, submits_per_minute=1_000_000)
+    key, secret = await auth.create_key(
+        db, cluster.settings.api_key_pepper, TENANT, max_pending=100_000, submits_per_minute=1_000_000
+    )
     assert secret is not None
     md = (("authorization", f"Bearer {key}"),)
     setup_s = time.monotonic() - t_start

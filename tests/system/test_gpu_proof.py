@@ -34,7 +34,9 @@ def _proof() -> Any:
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """The script in a fresh process that sees no GPU, whatever this machine has."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_without_cuda_it_says_why_writes_the_skip_and_exits_0(tmp_path: Path) -> None:
@@ -86,7 +88,20 @@ DRY = ("--device", "cpu", "--layers", "1", "--tiny")
 @pytest.mark.slow
 def test_the_cpu_dry_mode_runs_every_phase_of_every_family_and_the_device_split(tmp_path: Path) -> None:
     out = tmp_path / "dry.json"
-    done = _run(*DRY, "--steps", "1", "--tiny-checks", "off", "--busy-tasks", "1", "--busy-steps", "1", "--out", str(out), timeout=240)
+    done = _run(
+        *DRY,
+        "--steps",
+        "1",
+        "--tiny-checks",
+        "off",
+        "--busy-tasks",
+        "1",
+        "--busy-steps",
+        "1",
+        "--out",
+        str(out),
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["device"] == "cpu" and doc["dtype"] == "float32" and doc.get("failures", []) == []
@@ -104,10 +119,17 @@ def test_the_cpu_dry_mode_runs_every_phase_of_every_family_and_the_device_split(
             assert "does not honour" in attention[0]["skipped"]
         else:
             assert any(v.get("seconds_per_step", 0) > 0 for v in attention), (key, attention)
-    assert doc["families"]["hunyuan"]["published_layers"] == {"num_layers": 20, "num_single_layers": 40, "num_refiner_layers": 2}
+    assert doc["families"]["hunyuan"]["published_layers"] == {
+        "num_layers": 20,
+        "num_single_layers": 40,
+        "num_refiner_layers": 2,
+    }
     assert any("HunyuanVideo" in note and "blocks" in note for note in doc["notes"])
     busy = doc["busy"]
-    assert busy["mode"] == "lanes" and [(s["worker_slots_per_device"], s["slots"]) for s in busy["settings"]] == [(1.0, 1), (1.5, 2)]
+    assert busy["mode"] == "lanes" and [(s["worker_slots_per_device"], s["slots"]) for s in busy["settings"]] == [
+        (1.0, 1),
+        (1.5, 2),
+    ]
     assert all(0 < s["busy_fraction"] <= 1 and s["tasks_per_minute"] > 0 for s in busy["settings"]), busy
     table = _run("--report", str(out), timeout=60)
     assert table.returncode == 0
@@ -118,7 +140,20 @@ def test_the_cpu_dry_mode_runs_every_phase_of_every_family_and_the_device_split(
 @pytest.mark.slow
 def test_the_cpu_dry_mode_checks_the_tiny_pipelines_and_serves_a_queue_through_the_whole_worker(tmp_path: Path) -> None:
     out = tmp_path / "worker.json"
-    done = _run(*DRY, "--families", "", "--busy", "worker", "--busy-tasks", "2", "--busy-steps", "1", "--out", str(out), timeout=240)
+    done = _run(
+        *DRY,
+        "--families",
+        "",
+        "--busy",
+        "worker",
+        "--busy-tasks",
+        "2",
+        "--busy-steps",
+        "1",
+        "--out",
+        str(out),
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     doc = json.loads(out.read_text())
     tiny = doc["tiny"]
@@ -126,7 +161,8 @@ def test_the_cpu_dry_mode_checks_the_tiny_pipelines_and_serves_a_queue_through_t
         "CogVideoXPipeline", "HunyuanVideoPipeline", "LTXImageToVideoPipeline", "LTXPipeline", "WanPipeline"
     ]  # the image-to-video one runs from a stored input image
     assert all(
-        r["deterministic"] and r["same_after_abort"] and r["progress_monotonic"] and r["abort_within_one_step"] for r in tiny.values()
+        r["deterministic"] and r["same_after_abort"] and r["progress_monotonic"] and r["abort_within_one_step"]
+        for r in tiny.values()
     ), tiny
     busy = doc["busy"]
     assert busy["mode"] == "worker" and [s["worker_slots_per_device"] for s in busy["settings"]] == [1.0, 1.5]

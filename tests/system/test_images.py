@@ -94,10 +94,14 @@ def test_compose_images_default_to_official_and_are_replaceable() -> None:
 def test_every_third_party_image_is_pinned_by_digest() -> None:
     refs = digests.references()
     named = {ref.tagged.rsplit("/", 1)[-1].split(":")[0] for ref in refs}
-    assert {"python", "postgres", "nats", "postgresql"} <= named, "the base, compose's and the manifests' images are all seen"
+    assert {"python", "postgres", "nats", "postgresql"} <= named, (
+        "the base, compose's and the manifests' images are all seen"
+    )
     assert {ref.path.name for ref in refs} >= {"Dockerfile", "compose.yaml", "nats.yaml", "postgres.yaml"}
     assert digests.main(["--check"]) == 0, "every third-party image as name:tag@sha256:<digest> (make pin-digests)"
-    assert OFFICIAL_BASE in {ref.ref for ref in refs}, "make images and container_host.sh use the Dockerfile's pinned base"
+    assert OFFICIAL_BASE in {ref.ref for ref in refs}, (
+        "make images and container_host.sh use the Dockerfile's pinned base"
+    )
     # taskgate's own images are the release's to pin (kustomize images: digest:), as deploy/README.md says
     assert not [ref for ref in refs if ref.tagged.rsplit("/", 1)[-1].startswith("taskgate")]
     assert "digest:" in (ROOT / "deploy" / "README.md").read_text()
@@ -197,7 +201,10 @@ def images_missing(tool: str) -> list[str]:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tool = engine()
     if tool is None:
-        pytest.skip("no container engine (podman, or docker with a running daemon); as root with apt, `make images` installs podman")
+        pytest.skip(
+            "no container engine (podman, or docker with a running daemon); as root with apt, `make images` installs "
+            "podman"
+        )
     for service, standin in STANDINS.items():
         variable = f"TASKGATE_{service.upper()}_IMAGE"
         if variable not in os.environ and image_exists(tool, standin):
@@ -260,7 +267,9 @@ async def test_the_images_run_a_task_end_to_end_and_stop_cleanly(stack: Stack) -
 
     created = stack.engine("exec", stack.name("submit"), "taskgate-keys", "create", "--tenant", "images", "--json")
     stack.api_key = json.loads(created.stdout)["api_key"]
-    lines = stack.cli("submit", "a red fox in the snow", "--frames", "9", "--width", "32", "--height", "32", "--steps", "2", "--wait")
+    lines = stack.cli(
+        "submit", "a red fox in the snow", "--frames", "9", "--width", "32", "--height", "32", "--steps", "2", "--wait"
+    )
     final = json.loads(lines)
     assert final["status"] == "SUCCEEDED", lines
     stack.cli("result", final["task_id"], "-o", "fox.mp4")

@@ -27,7 +27,9 @@ from tests.support.stacks import Cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SKIP = shutil.ignore_patterns(".venv", ".git", ".taskgate", "__pycache__", "build", "*.egg-info", "tests", "bench", "deploy")
+SKIP = shutil.ignore_patterns(
+    ".venv", ".git", ".taskgate", "__pycache__", "build", "*.egg-info", "tests", "bench", "deploy"
+)
 SDK_SCRIPT = """
 import json, sys
 from taskgate_client import connect
@@ -59,17 +61,38 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _importable(python: str, module: str, cwd: Path, env: dict[str, str] | None = None) -> bool:
-    return subprocess.run([python, "-c", f"import {module}"], cwd=cwd, env=env, capture_output=True, check=False).returncode == 0
+    return (
+        subprocess.run(
+            [python, "-c", f"import {module}"], cwd=cwd, env=env, capture_output=True, check=False
+        ).returncode
+        == 0
+    )
 
 
 def _venv(python: str, where: Path, *wheel_files: Path) -> Path:
     """A clean virtual environment holding `wheel_files` and their dependencies at the versions of constraints.txt, all
     from the wheelhouse `make venv` filled: no package index is asked."""
     if not wheelhouse.complete_marker().exists():
-        pytest.skip(f"no wheelhouse at {wheelhouse.location()}: `make venv` fills it (once, with the package index reachable)")
+        pytest.skip(
+            f"no wheelhouse at {wheelhouse.location()}: `make venv` fills it (once, with the package index reachable)"
+        )
     _run([python, "-m", "venv", str(where)], cwd=where.parent)
-    _run([str(where / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheelhouse.location()),
-          "-c", str(ROOT / "constraints.txt"), *map(str, wheel_files)], cwd=where.parent)
+    _run(
+        [
+            str(where / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--find-links",
+            str(wheelhouse.location()),
+            "-c",
+            str(ROOT / "constraints.txt"),
+            *map(str, wheel_files),
+        ],
+        cwd=where.parent,
+    )
     return where / "bin"
 
 
@@ -78,23 +101,42 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
-async def test_client_wheel_alone_drives_a_stack_without_torch(wheels: dict[str, Path], cli: Cli, tmp_path: Path) -> None:
-    bin_dir = await asyncio.to_thread(_venv, wheelhouse.python_for_client(), tmp_path / "client-venv", wheels["taskgate_api"],
-                                      wheels["taskgate_client"])
+async def test_client_wheel_alone_drives_a_stack_without_torch(
+    wheels: dict[str, Path], cli: Cli, tmp_path: Path
+) -> None:
+    bin_dir = await asyncio.to_thread(
+        _venv,
+        wheelhouse.python_for_client(),
+        tmp_path / "client-venv",
+        wheels["taskgate_api"],
+        wheels["taskgate_client"],
+    )
     python = str(bin_dir / "python")
-    env = _clean_env(**{k: v for k, v in cli.env.items() if k.startswith("TASKGATE_") and "DATABASE" not in k and "NATS" not in k})
+    env = _clean_env(
+        **{k: v for k, v in cli.env.items() if k.startswith("TASKGATE_") and "DATABASE" not in k and "NATS" not in k}
+    )
     for absent in ("torch", "diffusers", "asyncpg", "taskgate", "services"):
-        assert not await asyncio.to_thread(_importable, python, absent, tmp_path, env), f"{absent} is in the client's environment"
+        assert not await asyncio.to_thread(_importable, python, absent, tmp_path, env), (
+            f"{absent} is in the client's environment"
+        )
 
     sdk = await asyncio.to_thread(_run, [python, "-c", SDK_SCRIPT, str(tmp_path / "sdk.bin")], env=env, cwd=tmp_path)
     seen = json.loads(sdk)
     assert seen["events"][-1] == "SUCCEEDED" and seen["size"] == (tmp_path / "sdk.bin").stat().st_size
 
     taskgate = str(bin_dir / "taskgate")
-    submitted = json.loads(await asyncio.to_thread(
-        _run, [taskgate, "submit", "a cat", "--model", "sleepy", "--steps", "2", "--wait", "--json"], env=env, cwd=tmp_path))
+    submitted = json.loads(
+        await asyncio.to_thread(
+            _run,
+            [taskgate, "submit", "a cat", "--model", "sleepy", "--steps", "2", "--wait", "--json"],
+            env=env,
+            cwd=tmp_path,
+        )
+    )
     assert submitted["status"] == "SUCCEEDED", submitted
-    await asyncio.to_thread(_run, [taskgate, "result", submitted["task_id"], "-o", str(tmp_path / "cli.bin")], env=env, cwd=tmp_path)
+    await asyncio.to_thread(
+        _run, [taskgate, "result", submitted["task_id"], "-o", str(tmp_path / "cli.bin")], env=env, cwd=tmp_path
+    )
     assert (tmp_path / "cli.bin").stat().st_size > 0
     stats = await asyncio.to_thread(_run, [taskgate, "--json", "admin", "stats"], env=env, cwd=tmp_path)
     assert json.loads(stats)
@@ -102,10 +144,14 @@ async def test_client_wheel_alone_drives_a_stack_without_torch(wheels: dict[str,
 
 async def test_server_wheel_migrates_and_serves(wheels: dict[str, Path], servers: tuple[str, str], settings: Settings,
                                                 tmp_path: Path) -> None:
-    bin_dir = await asyncio.to_thread(_venv, sys.executable, tmp_path / "server-venv", wheels["taskgate_api"], wheels["taskgate"])
+    bin_dir = await asyncio.to_thread(
+        _venv, sys.executable, tmp_path / "server-venv", wheels["taskgate_api"], wheels["taskgate"]
+    )
     python = str(bin_dir / "python")
     assert not await asyncio.to_thread(_importable, python, "torch", tmp_path), "torch belongs to the worker extra"
-    assert not await asyncio.to_thread(_importable, python, "taskgate_client", tmp_path), "the server runs without the client"
+    assert not await asyncio.to_thread(_importable, python, "taskgate_client", tmp_path), (
+        "the server runs without the client"
+    )
 
     admin = await asyncpg.connect(servers[0])
     name = f"wheel_{os.getpid()}"
@@ -114,7 +160,9 @@ async def test_server_wheel_migrates_and_serves(wheels: dict[str, Path], servers
         await admin.execute(f"CREATE DATABASE {name}")
         database_url = with_database(servers[0], name)
         port = free_port()
-        env = _clean_env(**settings_env(settings.model_copy(update={"database_url": database_url, "submit_port": port})))
+        env = _clean_env(
+            **settings_env(settings.model_copy(update={"database_url": database_url, "submit_port": port}))
+        )
         await asyncio.to_thread(_run, [python, "-m", "taskgate.migrate"], env=env, cwd=tmp_path)
         conn = await asyncpg.connect(database_url)
         try:
@@ -131,7 +179,9 @@ async def test_server_wheel_migrates_and_serves(wheels: dict[str, Path], servers
                 assert proc.returncode is None, "the submit service exited"
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                     try:
-                        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                        reply = await health_pb2_grpc.HealthStub(channel).Check(
+                            health_pb2.HealthCheckRequest(), timeout=1
+                        )
                     except grpc.aio.AioRpcError:
                         return False
                     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
@@ -142,7 +192,9 @@ async def test_server_wheel_migrates_and_serves(wheels: dict[str, Path], servers
                 proc.terminate()
             _, err = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 0, err.decode()[-2000:]
-        origin = await asyncio.to_thread(_run, [python, "-c", "import taskgate.sql; print(taskgate.sql.HERE)"], env=env, cwd=tmp_path)
+        origin = await asyncio.to_thread(
+            _run, [python, "-c", "import taskgate.sql; print(taskgate.sql.HERE)"], env=env, cwd=tmp_path
+        )
         assert "site-packages" in origin  # the installed copy, not the checkout
     finally:
         await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -1,5 +1,5 @@
-"""What an organisation depending on a taskgate release relies on: a licence, one version everywhere it is shown, and the
-taskgate.v1 API's compatibility promise, checked by buf against the previous release's protos."""
+"""What an organisation depending on a taskgate release relies on: a licence, one version everywhere it is shown, and
+the taskgate.v1 API's compatibility promise, checked by buf against the previous release's protos."""
 
 from __future__ import annotations
 
@@ -30,13 +30,22 @@ def test_the_three_distributions_are_apache_2_licensed_with_the_text() -> None:
 
 
 def test_one_version_for_the_three_distributions_and_the_cli() -> None:
-    assert metadata.version("taskgate") == metadata.version("taskgate-client") == metadata.version("taskgate-api") == __version__
+    assert (
+        metadata.version("taskgate")
+        == metadata.version("taskgate-client")
+        == metadata.version("taskgate-api")
+        == __version__
+    )
     server, client = metadata.requires("taskgate") or [], metadata.requires("taskgate-client") or []
     pin = f"taskgate-api=={__version__}"
     assert pin in server and pin in client, "the server and the client both pin the API at their own version"
     assert f'taskgate-client=={__version__}; extra == "local"' in server, "only `make run`'s tooling needs the client"
-    assert not any(r.startswith("taskgate-client") and "extra" not in r for r in server), "the server itself needs no client"
-    assert not any(r.startswith("taskgate") for r in metadata.requires("taskgate-api") or []), "the API depends on neither side"
+    assert not any(r.startswith("taskgate-client") and "extra" not in r for r in server), (
+        "the server itself needs no client"
+    )
+    assert not any(r.startswith("taskgate") for r in metadata.requires("taskgate-api") or []), (
+        "the API depends on neither side"
+    )
     shown = subprocess.run([str(Path(sys.executable).parent / "taskgate"), "--version"], capture_output=True, text=True,
                            check=True, timeout=60)
     assert shown.stdout.strip() == f"taskgate {__version__}"
@@ -167,27 +176,39 @@ def test_every_lock_entry_is_an_exact_pin_with_sha256_hashes() -> None:
         assert entries, f"requirements/{name} is empty"
         for dist, (requirement, hashes) in entries.items():
             pinned(requirement)
-            assert hashes and all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), f"{name}: {dist} has no hash"
+            assert hashes and all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), (
+                f"{name}: {dist} has no hash"
+            )
 
 
 def test_locked_versions_are_the_constraints_pins() -> None:
     pins = constraints()
     for name in ("api.txt", "worker.txt", "torch-cpu.txt"):
         for dist, (requirement, _) in lock_entries(name).items():
-            assert dist in pins, f"requirements/{name}: {dist} is not in constraints.txt (run make constraints, make lock)"
-            assert Version(pinned(requirement).public) == pins[dist], f"requirements/{name}: {requirement} != {pins[dist]}"
+            assert dist in pins, (
+                f"requirements/{name}: {dist} is not in constraints.txt (run make constraints, make lock)"
+            )
+            assert Version(pinned(requirement).public) == pins[dist], (
+                f"requirements/{name}: {requirement} != {pins[dist]}"
+            )
     cuda = lock_entries("torch-cuda.txt")
     worker = lock_entries("worker.txt")
-    assert pinned(cuda["torch"][0]) == pins["torch"] and pinned(lock_entries("torch-cpu.txt")["torch"][0]).local == "cpu"
+    assert (
+        pinned(cuda["torch"][0]) == pins["torch"] and pinned(lock_entries("torch-cpu.txt")["torch"][0]).local == "cpu"
+    )
     assert not set(cuda) - {"torch"} & set(worker), "torch-cuda.txt adds only what worker.txt lacks"
-    assert "torch" not in worker and not [d for d in worker if d.startswith("nvidia-")], "the CPU worker has no CUDA wheel"
+    assert "torch" not in worker and not [d for d in worker if d.startswith("nvidia-")], (
+        "the CPU worker has no CUDA wheel"
+    )
 
 
 def test_every_runtime_dependency_is_locked_and_nothing_of_the_project() -> None:
     own = {canonical(p["project"]["name"]) for p in pyprojects()}
     api, worker = lock_entries("api.txt"), lock_entries("worker.txt")
     runtime = [Requirement(r) for p in pyprojects() for r in p["project"]["dependencies"]]
-    extra = [Requirement(r) for p in pyprojects() for r in p["project"].get("optional-dependencies", {}).get("worker", [])]
+    extra = [
+        Requirement(r) for p in pyprojects() for r in p["project"].get("optional-dependencies", {}).get("worker", [])
+    ]
     for lock, wanted in ((api, runtime), (worker, runtime + extra)):
         for requirement in wanted:
             dist = canonical(requirement.name)

@@ -156,7 +156,9 @@ def test_make_run_demo_then_a_second_run_reuses_the_state_and_stops_on_ctrl_c(tm
         auth = {"authorization": f"Bearer {again.api_key}"}
         made = httpx.post(f"{again.http_address}/v1/tasks", headers=auth, json={"prompt": "over http"}, timeout=30)
         assert made.status_code == 201, made.text
-        with httpx.stream("GET", f"{again.http_address}/v1/tasks/{made.json()['task']['id']}/events", headers=auth, timeout=120) as sse:
+        with httpx.stream(
+            "GET", f"{again.http_address}/v1/tasks/{made.json()['task']['id']}/events", headers=auth, timeout=120
+        ) as sse:
             data = [json.loads(line[5:]) for line in sse.iter_lines() if line.startswith("data:")]
         last = data[-1].get("to_status") or data[-1]["task"]["status"]  # a snapshot alone if it finished first
         assert last == "TASK_STATUS_SUCCEEDED", data
@@ -192,7 +194,11 @@ async def test_make_run_keeps_the_stack_up_when_the_demo_tenant_still_holds_unfi
 def run_with_a_refused_demo(tmp_path: Path, env: dict[str, str], limit: int) -> None:
     tmp_path.chmod(0o755)
     run = subprocess.Popen(
-        [sys.executable, "-m", "taskgate_local.dev"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "taskgate_local.dev"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines: list[str] = []
     ready = threading.Event()

@@ -13,7 +13,9 @@ from taskgate_local.dev import Console, DevStack, _serving
 from tests.support.harness import wait_for
 
 
-async def test_a_killed_service_is_restarted_with_a_logged_line(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_killed_service_is_restarted_with_a_logged_line(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TASKGATE_SUBMIT_METRICS_PORT", "0")  # the children read the environment
     out = io.StringIO()
     dev = DevStack(settings, Console(out), services=("submit",))

@@ -13,7 +13,10 @@ from tests.support.factories import settings_for
 @pytest.fixture(scope="session")
 def servers() -> None:
     """Replaces the session's servers: a unit test that reaches for PostgreSQL or NATS belongs in tests/integration/."""
-    pytest.fail("a unit test asked for PostgreSQL/NATS (through database_url, nats_url, backends, ...): move it to tests/integration/")
+    pytest.fail(
+        "a unit test asked for PostgreSQL/NATS (through database_url, nats_url, backends, ...): move it to "
+        "tests/integration/"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ never import each other; a test module imports no other test
 module (shared helpers live in tests/support, fixtures in a conftest.py); no service's modules import each other
 in a cycle; a service's modules import its own settings group (or the common one), never another service's nor the
 whole `Settings`, and no core module takes the whole `Settings` (each takes the narrowest group it reads); no module of
-services/ or taskgate_client/ is past 500 lines but the listed ones; production code imports neither the tests nor the
+services/ or taskgate_client/ is past 560 lines but the listed ones; production code imports neither the tests nor the
 bench, and no production setting is a test hook.
 """
 
@@ -113,14 +113,27 @@ def broken_rule(imp: Import) -> str | None:
     if any(_within(module, p) for p in PRODUCTION) and _within(target, "taskgate_local"):
         return "production code imports the local tooling"
     if any(_within(module, p) for p in PRODUCTION) and (_within(target, "tests") or _within(target, "bench")):
-        return "production code imports the tests or the bench (a test's model is a 'python' ModelSpec naming its factory)"
+        return (
+            "production code imports the tests or the bench (a test's model is a 'python' ModelSpec naming its factory)"
+        )
     setting = target.removeprefix("taskgate.config.") if _within(target, "taskgate.config") else ""
-    if here is not None and setting.endswith("Settings") and setting not in {"CommonSettings", SETTINGS_GROUPS.get(here)}:
+    if (
+        here is not None
+        and setting.endswith("Settings")
+        and setting not in {"CommonSettings", SETTINGS_GROUPS.get(here)}
+    ):
         return f"a service takes settings beyond its own group ({SETTINGS_GROUPS.get(here)} and CommonSettings)"
     if _within(module, "taskgate") and module != "taskgate.config" and setting == "Settings":
         return "the core takes every setting (each core module takes the narrowest group it reads)"
-    if _within(module, "tests") and _within(target, "tests") and target != "tests" and not _within(target, "tests.support"):
-        return "a test module imports another test module (shared helpers go in tests/support, fixtures in a conftest.py)"
+    if (
+        _within(module, "tests")
+        and _within(target, "tests")
+        and target != "tests"
+        and not _within(target, "tests.support")
+    ):
+        return (
+            "a test module imports another test module (shared helpers go in tests/support, fixtures in a conftest.py)"
+        )
     return None
 
 
@@ -196,7 +209,9 @@ def test_importing_the_client_loads_no_server_or_model_code() -> None:
         "import taskgate_client, taskgate_client.cli\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
     loaded: list[str] = json.loads(done.stdout)
     heavy = [name for name in loaded if any(_within(name, h) for h in HEAVY)]
     server = [name for name in loaded if _within(name, "taskgate") or _within(name, "services")]
@@ -206,11 +221,13 @@ def test_importing_the_client_loads_no_server_or_model_code() -> None:
 def test_importing_the_api_loads_neither_side() -> None:
     probe = (
         "import json, sys\n"
-        "import taskgate_api, taskgate_api.cli, taskgate_api.reasons, taskgate_api.status, taskgate_api.webhook_signing\n"
-        "from taskgate_api.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc, task_pb2_grpc, worker_pb2_grpc\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
+        "import taskgate_api, taskgate_api.cli, taskgate_api.reasons, taskgate_api.status, "
+        "taskgate_api.webhook_signing\nfrom taskgate_api.v1 import admin_pb2_grpc, events_pb2_grpc, gateway_pb2_grpc, "
+        "task_pb2_grpc, worker_pb2_grpc\nprint(json.dumps(sorted(sys.modules)))\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
     loaded: list[str] = json.loads(done.stdout)
     assert "taskgate_api.v1.worker_pb2" in loaded
     sides = [n for n in loaded if any(_within(n, p) for p in ("taskgate", "taskgate_client", "services", *HEAVY))]
@@ -218,14 +235,17 @@ def test_importing_the_api_loads_neither_side() -> None:
 
 
 def test_the_clients_own_status_is_the_wire_enum() -> None:
-    wire = [v.name.removeprefix("TASK_STATUS_") for v in task_pb2.TaskStatus.DESCRIPTOR.values if v.number]  # 0: UNSPECIFIED
+    # 0: UNSPECIFIED
+    wire = [v.name.removeprefix("TASK_STATUS_") for v in task_pb2.TaskStatus.DESCRIPTOR.values if v.number]
     assert [s.value for s in Status] == wire == [s.value for s in ServerStatus]
     assert all(Status.from_proto(s.to_proto()) is s and s.terminal == ServerStatus(s.value).terminal for s in Status)
 
 
 # The store is the only author of SQL; migrate applies the schema files (its own ledger statements included).
 SQL_AUTHORS = ("taskgate.store", "taskgate.sql", "taskgate.migrate")
-DRIVER_CALLS = frozenset({"execute", "executemany", "fetch", "fetchrow", "fetchval", "copy_records_to_table", "copy_to_table", "cursor"})
+DRIVER_CALLS = frozenset(
+    {"execute", "executemany", "fetch", "fetchrow", "fetchval", "copy_records_to_table", "copy_to_table", "cursor"}
+)
 
 
 def _sql_uses(path: Path, root: Path = ROOT) -> Iterator[str]:
@@ -255,7 +275,9 @@ def test_only_the_store_runs_sql() -> None:
 def test_the_sql_rule_catches_a_service_query(tmp_path: Path) -> None:
     sample = tmp_path / "services" / "submit" / "_probe_sql_rule.py"  # a service module, outside the checkout
     sample.parent.mkdir(parents=True)
-    sample.write_text("from taskgate import sql\n\nasync def f(pool):\n    return await pool.fetchval(sql.query('x'))\n")
+    sample.write_text(
+        "from taskgate import sql\n\nasync def f(pool):\n    return await pool.fetchval(sql.query('x'))\n"
+    )
     found = list(_sql_uses(sample, root=tmp_path))
     assert [line.split("  ", 1)[1] for line in found] == [
         "services.submit._probe_sql_rule imports taskgate.sql",
@@ -279,7 +301,9 @@ def import_cycles(root: Path = ROOT) -> list[list[str]]:
             module: {
                 found
                 for imp in _imports(path, root)
-                if (found := owner(imp.target)) != module and _service(found) == service and found != f"services.{service}"
+                if (found := owner(imp.target)) != module
+                and _service(found) == service
+                and found != f"services.{service}"
             }
             for module, path in modules.items()
             if _service(module) == service
@@ -306,8 +330,9 @@ def test_the_cycle_rule_catches_two_modules_importing_each_other(tmp_path: Path)
     assert len(cycles) == 1 and set(cycles[0]) == {"services.probe.a", "services.probe.b"}, cycles
 
 
-# A module past this many lines is split by what it does (one concern per file, as ARCHITECTURE.md lists them).
-MAX_MODULE_LINES = 500
+# A module past this many lines is split by what it does (one concern per file, as ARCHITECTURE.md lists them). 560:
+# the bound was 500 at 140 columns; wrapping at 120 (#40) made modules 6% longer, the longest three by 7-14%.
+MAX_MODULE_LINES = 560
 SIZED = ("services", "taskgate_client")
 # Still over, to be split in a later pass: each names its length when it was listed. Take a file off when it is split;
 # never add one. (Empty since issue #40 split the last four.)
@@ -325,7 +350,7 @@ def long_modules(root: Path = ROOT) -> dict[str, int]:
     return found
 
 
-def test_no_module_is_past_500_lines_but_the_listed_ones() -> None:
+def test_no_module_is_past_560_lines_but_the_listed_ones() -> None:
     over = long_modules()
     assert over.keys() - OVER_MAX_LINES.keys() == set(), f"split these by what they do: {over}"
     # a listed file split since (or shortened below the bound) comes off the list
@@ -347,7 +372,9 @@ def test_no_production_setting_is_a_test_hook() -> None:
     """A test's or the bench's needs are met from their side (TestSignals, a 'python' model of tests/support): no field
     of a settings group or of ModelSpec exists for them (what says so in its description is one)."""
     classes: list[type[BaseModel]] = [*(group for group, _ in GROUPS), ModelSpec]
-    fields = {f"{cls.__name__}.{name}": field.description or "" for cls in classes for name, field in cls.model_fields.items()}
+    fields = {
+        f"{cls.__name__}.{name}": field.description or "" for cls in classes for name, field in cls.model_fields.items()
+    }
     assert len(fields) > 200, len(fields)  # the walk saw every group and the model registry's fields
     hooks = {name: text for name, text in fields.items() if TEST_HOOK.search(text)}
     assert hooks == {}, "settings that exist for tests or the bench (meet the need from the test side):\n" + "\n".join(

@@ -1,5 +1,5 @@
-"""The submit batcher without a database: what runs behind a batch in flight, callers that gave up, each caller's deadline; the
-submit columns in the order the queries number them."""
+"""The submit batcher without a database: what runs behind a batch in flight, callers that gave up, each caller's
+deadline; the submit columns in the order the queries number them."""
 
 from __future__ import annotations
 
@@ -104,12 +104,26 @@ def test_an_admission_row_has_exactly_the_fields_submit_tasks_reads() -> None:
     migration = (Path(sql.__file__).parent / "migrations" / "0039_admission_rows.sql").read_text()
     declared = re.search(r"CREATE TYPE admission_item AS \((.*?)\);", migration, re.S)
     assert declared is not None
-    fields = [line.split()[0] for line in declared.group(1).splitlines() if line.strip() and not line.strip().startswith("--")]
+    fields = [
+        line.split()[0] for line in declared.group(1).splitlines() if line.strip() and not line.strip().startswith("--")
+    ]
     for later in sorted((Path(sql.__file__).parent / "migrations").glob("*.sql")):  # attributes added since
         fields += re.findall(r"ALTER TYPE admission_item ADD ATTRIBUTE (\w+)", later.read_text())
     new = submissions.NewTask(
-        id=1, user_id="t", idempotency_key="k", key_derived=False, request_hash="h", task_type="text-to-video",
-        model_id="m", prompt="p", payload={}, metadata={}, priority=5, max_retries=0, callback_url=None, callback_events=[],
+        id=1,
+        user_id="t",
+        idempotency_key="k",
+        key_derived=False,
+        request_hash="h",
+        task_type="text-to-video",
+        model_id="m",
+        prompt="p",
+        payload={},
+        metadata={},
+        priority=5,
+        max_retries=0,
+        callback_url=None,
+        callback_events=[],
     )
     [row] = submissions.admission_rows([submissions.Candidate(new, 10, 1.5)])
     assert sorted(row) == sorted(fields)
@@ -124,10 +138,29 @@ def test_the_queued_move_copies_the_callers_row_field_by_field() -> None:
     from taskgate.states import Status
 
     now = datetime.now(UTC)
-    row = TaskRow(id=7, user_id="t", idempotency_key="k", request_hash="h", task_type="text-to-video", model_id="m",
-                  prompt="p", request_payload={"seed": 1}, priority=1, queue_name="q", status=Status.CREATED, progress=0,
-                  version=1, attempt=0, retry_count=0, max_retries=3, created_at=now, updated_at=now,
-                  metadata={"a": "b"}, end_user="e", last_reason="r")
+    row = TaskRow(
+        id=7,
+        user_id="t",
+        idempotency_key="k",
+        request_hash="h",
+        task_type="text-to-video",
+        model_id="m",
+        prompt="p",
+        request_payload={"seed": 1},
+        priority=1,
+        queue_name="q",
+        status=Status.CREATED,
+        progress=0,
+        version=1,
+        attempt=0,
+        retry_count=0,
+        max_retries=3,
+        created_at=now,
+        updated_at=now,
+        metadata={"a": "b"},
+        end_user="e",
+        last_reason="r",
+    )
     copy = TaskRow(*submissions._ALL_FIELDS(row))
     assert copy == row and copy is not row
     copy.status, copy.version = Status.QUEUED, 2

@@ -61,7 +61,10 @@ def test_llm_throughput_is_the_rounds_tokens_over_their_summed_windows() -> None
 
 
 def test_llm_cpu_per_token_keeps_the_model_decoding_apart() -> None:
-    rounds = [Round(200, 1.0, {"worker": 0.1, "notifier": 0.3}, decoding=0.4), Round(200, 1.0, {"worker": 0.1}, decoding=0.4)]
+    rounds = [
+        Round(200, 1.0, {"worker": 0.1, "notifier": 0.3}, decoding=0.4),
+        Round(200, 1.0, {"worker": 0.1}, decoding=0.4),
+    ]
     parts, decoding = cpu_per_token(rounds)
     assert parts == {"worker": pytest.approx(0.5), "notifier": pytest.approx(0.75)}
     assert list(parts) == ["notifier", "worker"]  # busiest first
@@ -85,12 +88,20 @@ def test_device_busy_figures_compare_each_variant_with_the_first() -> None:
 
     off, on = (v.label for v in VARIANTS)
     report = Report()
-    device_busy.add_figures(report, "busy", [
-        Figure("sleepy", 1, 20, 10.0, 7.0), Figure("wan-tiny", 1, 10, 10.0, 9.0, off), Figure("wan-tiny", 1, 10, 10.0, 8.1, on),
-    ])
+    device_busy.add_figures(
+        report,
+        "busy",
+        [
+            Figure("sleepy", 1, 20, 10.0, 7.0),
+            Figure("wan-tiny", 1, 10, 10.0, 9.0, off),
+            Figure("wan-tiny", 1, 10, 10.0, 8.1, on),
+        ],
+    )
     values = {f.name: f.value for f in report.figures}
     assert values["device busy: sleepy, 1 slot(s)"] == pytest.approx(70.0)
     assert values[f"busy with {on} / {off}, 1 slot(s)"] == pytest.approx(90.0)
-    device_busy.add_previews_figures(report, "busy", [Figure("wan-tiny", 1, 8, 10.0, 8.0), Figure("wan-prev", 1, 8, 10.0, 7.6)])
+    device_busy.add_previews_figures(
+        report, "busy", [Figure("wan-tiny", 1, 8, 10.0, 8.0), Figure("wan-prev", 1, 8, 10.0, 7.6)]
+    )
     [previews] = [f for f in report.figures if "previews" in f.name]
     assert previews.value == pytest.approx(95.0) and previews.met is False

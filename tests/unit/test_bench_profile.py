@@ -14,7 +14,11 @@ def test_summary_counts_self_and_taskgate_totals(tmp_path: Path) -> None:
         {"name": "SubmitTasks", "file": f"{profile.ROOT}/services/submit/service.py", "line": 120},
         {"name": "SubmitTasks", "file": f"{profile.ROOT}/services/submit/service.py", "line": 150},
         {"name": "iterencode", "file": "/usr/lib/python3.11/json/encoder.py", "line": 9},
-        {"name": "execute", "file": f"{profile.ROOT}/.venv/lib/python3.11/site-packages/asyncpg/connection.py", "line": 3},
+        {
+            "name": "execute",
+            "file": f"{profile.ROOT}/.venv/lib/python3.11/site-packages/asyncpg/connection.py",
+            "line": 3,
+        },
     ]
     threads = [
         {"type": "sampled", "samples": [[0, 1, 3], [0, 2, 3], [0, 2, 4], [0]], "weights": [0.01] * 4},

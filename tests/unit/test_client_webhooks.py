@@ -47,7 +47,9 @@ def test_fixed_vector() -> None:
     expected = by_hand(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body)
     assert expected == "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
     signed = headers(expected, 1614265330, "msg_p5jXN8AQM9LWM0D4loKWxJek")
-    assert verify_webhook(signed, body, "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", now=1614265330) == {"test": 2432232314}
+    assert verify_webhook(signed, body, "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", now=1614265330) == {
+        "test": 2432232314
+    }
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""A worker's devices without a stack: one caller at a time per device in arrival order, and the plan of 1.5 tasks per device."""
+"""A worker's devices without a stack: one caller at a time per device in arrival order, and the plan of 1.5 tasks per
+device."""
 
 from __future__ import annotations
 
@@ -94,7 +95,9 @@ def test_a_chat_models_slots_are_its_sequences_apart_from_the_shared_ones() -> N
         start=start, spawn=lambda coro: coro.close(), changed=lambda: None, pools={"chat": 3},
     )
     assert [s.pool for s in fetcher.slots] == ["", "", "chat", "chat", "chat"]
-    assert len(fetcher.free_slots("wan")) == 2 and len(fetcher.free_slots("chat")) == 3 and len(fetcher.free_slots()) == 5
+    assert (
+        len(fetcher.free_slots("wan")) == 2 and len(fetcher.free_slots("chat")) == 3 and len(fetcher.free_slots()) == 5
+    )
     for slot in fetcher.free_slots("wan"):
         slot.busy = True  # the video tasks fill the shared slots: a chat task still has its own
     assert fetcher.free_slots("wan") == [] and len(fetcher.free_slots("chat")) == 3

@@ -1,4 +1,5 @@
-"""The model families: each pipeline class's rules and defaults fill the registry, and submit refuses what they forbid."""
+"""The model families: each pipeline class's rules and defaults fill the registry, and submit refuses what they
+forbid."""
 
 from __future__ import annotations
 
@@ -46,7 +47,11 @@ def test_a_family_fills_what_the_entry_leaves_out(pipeline: str) -> None:
     for name, value in family.spec_defaults().items():
         assert getattr(spec, name) == value, name
     own = ModelSpec(pipeline=pipeline, max_frames=family.max_frames + family.frame_step, default_steps=7)
-    assert (own.max_frames, own.default_steps, own.frame_step) == (family.max_frames + family.frame_step, 7, family.frame_step)
+    assert (own.max_frames, own.default_steps, own.frame_step) == (
+        family.max_frames + family.frame_step,
+        7,
+        family.frame_step,
+    )
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
@@ -63,7 +68,13 @@ async def test_submit_accepts_the_family_defaults_and_edges(pipeline: str) -> No
     family = FAMILIES[pipeline]
     settings = settings_with(ModelSpec(pipeline=pipeline))
     sub = await validate("tenant", gateway_pb2.SubmitTaskRequest(prompt="a cat runs"), settings)
-    expected = (family.default_frames, family.default_width, family.default_height, family.default_steps, family.default_fps)
+    expected = (
+        family.default_frames,
+        family.default_width,
+        family.default_height,
+        family.default_steps,
+        family.default_fps,
+    )
     assert (sub.payload["num_frames"], sub.payload["width"], sub.payload["height"], sub.payload["num_inference_steps"],
             sub.payload["fps"]) == expected
     assert sub.payload["guidance_scale"] == family.default_guidance
@@ -98,7 +109,9 @@ async def test_a_negative_prompt_only_where_the_family_uses_one(pipeline: str) -
     refused = await refused_fields(settings, negative_prompt="blurry")
     assert refused == (set() if family.negative_prompt else {"params.negative_prompt"})
     # An operator who turns on real CFG (HunyuanVideo: true_cfg_scale) lets it through.
-    enabled = settings_with(ModelSpec(pipeline=pipeline, negative_prompt=True, pipeline_options={"guidance_rescale": 0.0}))
+    enabled = settings_with(
+        ModelSpec(pipeline=pipeline, negative_prompt=True, pipeline_options={"guidance_rescale": 0.0})
+    )
     assert await refused_fields(enabled, negative_prompt="blurry") == set()
 
 
@@ -133,13 +146,19 @@ def test_an_entry_the_worker_could_not_honour_is_refused_at_start(fields: dict[s
         ModelSpec.model_validate(fields)
 
 
-def test_the_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("TASKGATE_MODELS", '{"ltx": {"path": "/models/ltx", "pipeline": "LTXPipeline", "default_width": 48}}')
+def test_the_environment_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(
+        "TASKGATE_MODELS", '{"ltx": {"path": "/models/ltx", "pipeline": "LTXPipeline", "default_width": 48}}'
+    )
     monkeypatch.setenv("TASKGATE_DEFAULT_MODEL", "ltx")
     with pytest.raises(SystemExit):
         load_settings()
     assert "TASKGATE_MODELS" in capsys.readouterr().err
-    monkeypatch.setenv("TASKGATE_MODELS", '{"ltx": {"path": "/models/ltx", "pipeline": "LTXPipeline", "offload": "model"}}')
+    monkeypatch.setenv(
+        "TASKGATE_MODELS", '{"ltx": {"path": "/models/ltx", "pipeline": "LTXPipeline", "offload": "model"}}'
+    )
     spec = load_settings().models["ltx"]
     assert (spec.size_multiple, spec.frame_step, spec.offload, spec.default_fps) == (32, 8, "model", 25)
 

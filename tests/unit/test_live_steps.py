@@ -11,7 +11,9 @@ from taskgate.wire import progress as progress_wire
 
 
 def test_a_batch_decodes_to_its_items_and_anything_else_to_none() -> None:
-    items = [progress_wire.message(task_id, 1, step * 5, step, 20) for task_id, step in ((7, 1), (2**62, 19), (300, 20))]
+    items = [
+        progress_wire.message(task_id, 1, step * 5, step, 20) for task_id, step in ((7, 1), (2**62, 19), (300, 20))
+    ]
     decoded = progress_wire.decode(progress_wire.encode(items))
     assert decoded == items
     assert progress_wire.decode(b"") == []

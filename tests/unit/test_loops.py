@@ -62,8 +62,15 @@ async def test_a_failed_pass_is_logged_and_the_next_one_tried(caplog: pytest.Log
 
     caplog.set_level(logging.WARNING, logger=log.name)
     task = asyncio.create_task(
-        loops.repeat(step, every=0.01, log=log, failed="scan failed", survives=(OSError,), extra=lambda: {"worker": "w1"},
-                     on_pass=passes)
+        loops.repeat(
+            step,
+            every=0.01,
+            log=log,
+            failed="scan failed",
+            survives=(OSError,),
+            extra=lambda: {"worker": "w1"},
+            on_pass=passes,
+        )
     )
     await passes.reach(3)
     task.cancel()

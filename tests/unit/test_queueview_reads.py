@@ -67,7 +67,9 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Reads:
     return fake
 
 
-async def test_polls_share_the_reads_and_an_old_answer_stands_while_the_next_is_read(settings: Settings, reads: Reads) -> None:
+async def test_polls_share_the_reads_and_an_old_answer_stands_while_the_next_is_read(
+    settings: Settings, reads: Reads
+) -> None:
     view = queueview.QueueView(None, settings.model_copy(update={"eta_snapshot_seconds": PERIOD}))
     first = await view.estimate(_task())
     assert first is not None and first.queue_position == 1 and _run(first) == 10.0

@@ -1,4 +1,5 @@
-"""Sealing without a database: sealed values open with any configured key and reseal with the newest; keys must be Fernet keys."""
+"""Sealing without a database: sealed values open with any configured key and reseal with the newest; keys must be
+Fernet keys."""
 
 from __future__ import annotations
 

@@ -31,7 +31,9 @@ def test_names_are_numbered_by_first_use_and_casts_literals_and_comments_are_lef
         "SELECT @b::int, '@x', \"@y\", $$ @z $$, a @> b, a <@ b, @ -1 -- @c\n/* @d */ FROM t WHERE a = @a AND b = @b",
     )
     assert named.params == ("b", "a")
-    assert named.text == ("SELECT $1::int, '@x', \"@y\", $$ @z $$, a @> b, a <@ b, @ -1 -- @c\n/* @d */ FROM t WHERE a = $2 AND b = $1")
+    assert named.text == (
+        "SELECT $1::int, '@x', \"@y\", $$ @z $$, a @> b, a <@ b, @ -1 -- @c\n/* @d */ FROM t WHERE a = $2 AND b = $1"
+    )
 
 
 def test_a_block_cannot_mix_named_and_positional_parameters() -> None:
@@ -114,7 +116,9 @@ def test_no_block_takes_more_than_a_few_positional_parameters() -> None:
 
 
 def test_each_move_binds_its_own_block() -> None:
-    guard = tasks.Guard(task_id=1, sources=["PROCESSING"], expected_version=None, expected_attempt=2, actor="a", reason="r")
+    guard = tasks.Guard(
+        task_id=1, sources=["PROCESSING"], expected_version=None, expected_attempt=2, actor="a", reason="r"
+    )
     error = tasks.TaskError("E", "m")
     result = tasks.ResultRef("u", "video/mp4", 1, "s")
     changes: list[tasks.Change] = [

@@ -20,7 +20,13 @@ def _status(code: int) -> openai.APIStatusError:
 def test_parameters_map_to_the_chat_completion_and_absent_ones_stay_the_servers() -> None:
     params = {"max_output_tokens": 7, "temperature": 0.5, "stop": ("\n",), "seed": None}
     body = request_body("up", [{"role": "user", "content": "hi", "name": "x"}], params)
-    assert body == {"model": "up", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "temperature": 0.5, "stop": ["\n"]}
+    assert body == {
+        "model": "up",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "stop": ["\n"],
+    }
 
 
 @pytest.mark.parametrize(

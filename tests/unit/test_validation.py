@@ -40,11 +40,16 @@ async def test_valid_edges_are_accepted(settings: Settings) -> None:
     spec = settings.models["wan-tiny"]
     params = task_pb2.VideoParams(num_frames=spec.max_frames, width=spec.max_width, height=16,
                                   num_inference_steps=spec.max_steps, guidance_scale=spec.max_guidance)
-    sub = await validate("tenant-a", gateway_pb2.SubmitTaskRequest(prompt="line one\n\tline two", params=params), settings)
+    sub = await validate(
+        "tenant-a", gateway_pb2.SubmitTaskRequest(prompt="line one\n\tline two", params=params), settings
+    )
     assert sub.payload["num_frames"] == spec.max_frames and sub.priority == 5 and sub.key_derived
-    same = await validate("tenant-a", gateway_pb2.SubmitTaskRequest(prompt="line one\n\tline two", params=params), settings)
-    other_tenant = await validate("tenant-b", gateway_pb2.SubmitTaskRequest(prompt="line one\n\tline two", params=params),
-                                  settings)
+    same = await validate(
+        "tenant-a", gateway_pb2.SubmitTaskRequest(prompt="line one\n\tline two", params=params), settings
+    )
+    other_tenant = await validate(
+        "tenant-b", gateway_pb2.SubmitTaskRequest(prompt="line one\n\tline two", params=params), settings
+    )
     assert sub.idempotency_key == same.idempotency_key == sub.request_hash != other_tenant.idempotency_key
 
 

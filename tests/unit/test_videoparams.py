@@ -7,7 +7,9 @@ from taskgate import videoparams
 from taskgate.config import ModelSpec
 from taskgate_api.v1 import task_pb2
 
-SPEC = ModelSpec(default_frames=9, default_width=32, default_height=32, default_steps=4, default_guidance=5.0, default_fps=8)
+SPEC = ModelSpec(
+    default_frames=9, default_width=32, default_height=32, default_steps=4, default_guidance=5.0, default_fps=8
+)
 
 
 def test_a_request_that_sets_nothing_gets_the_models_defaults_and_stores_them() -> None:
@@ -29,7 +31,9 @@ def test_the_guidance_is_stored_as_the_float32_meant_it() -> None:
 
 
 def test_each_out_of_range_value_is_named_in_order() -> None:
-    params = videoparams.requested(task_pb2.VideoParams(num_frames=10, width=33, num_inference_steps=1000, fps=61), SPEC)
+    params = videoparams.requested(
+        task_pb2.VideoParams(num_frames=10, width=33, num_inference_steps=1000, fps=61), SPEC
+    )
     assert [field for field, _ in videoparams.violations(params, SPEC, max_fps=60)] == [
         "params.num_frames", "params.width", "params.num_inference_steps", "params.fps",
     ]

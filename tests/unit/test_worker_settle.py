@@ -22,9 +22,23 @@ NOW = datetime(2025, 1, 1, tzinfo=UTC)
 def row(status: Status, *, attempt: int = ATTEMPT, **fields: Any) -> TaskRow:
     """A task row as the database would return it after this attempt (2) was claimed."""
     base: dict[str, Any] = {
-        "id": 7, "user_id": "tenant-a", "idempotency_key": "k", "request_hash": "h", "task_type": "text-to-video",
-        "model_id": "sleepy", "prompt": "p", "request_payload": {}, "priority": 5, "queue_name": "sleepy", "status": status,
-        "progress": 0, "version": 5, "attempt": attempt, "retry_count": 1, "max_retries": 3, "created_at": NOW,
+        "id": 7,
+        "user_id": "tenant-a",
+        "idempotency_key": "k",
+        "request_hash": "h",
+        "task_type": "text-to-video",
+        "model_id": "sleepy",
+        "prompt": "p",
+        "request_payload": {},
+        "priority": 5,
+        "queue_name": "sleepy",
+        "status": status,
+        "progress": 0,
+        "version": 5,
+        "attempt": attempt,
+        "retry_count": 1,
+        "max_retries": 3,
+        "created_at": NOW,
         "updated_at": NOW,
     }
     return TaskRow(**(base | fields))
@@ -36,7 +50,16 @@ FAIL = PermanentError("INVALID_PARAMETERS", "bad", dead_letter=False)
 FRESH = Produced(URI)
 REUSED = Produced(URI, reused=True)
 ENDED_ELSEWHERE = (Status.TIMEOUT, Status.FAILED, Status.SUCCEEDED)
-ALL_OUTCOMES: list[RunOutcome] = [Running(), FRESH, REUSED, Produced(URI, keepable=False), RETRY, DEAD, FAIL, Released()]
+ALL_OUTCOMES: list[RunOutcome] = [
+    Running(),
+    FRESH,
+    REUSED,
+    Produced(URI, keepable=False),
+    RETRY,
+    DEAD,
+    FAIL,
+    Released(),
+]
 
 
 # ---- while the run goes on ----
@@ -81,14 +104,18 @@ def test_the_succeed_written_acks() -> None:
 
 def test_the_retry_written_naks_with_its_delay() -> None:
     queued = row(Status.QUEUED, retry_count=2)
-    assert decide(queued, attempt=ATTEMPT, run=RETRY) == Step(MessageAction.NAK, Fate.RETRIED, delay=0.75, error_code="TRANSIENT_IO")
+    assert decide(queued, attempt=ATTEMPT, run=RETRY) == Step(
+        MessageAction.NAK, Fate.RETRIED, delay=0.75, error_code="TRANSIENT_IO"
+    )
 
 
 def test_the_fail_written_acks_as_dead_or_failed() -> None:
     failed = row(Status.FAILED, error_code="TRANSIENT_IO")
     assert decide(failed, attempt=ATTEMPT, run=DEAD) == Step(MessageAction.ACK, Fate.DEAD, error_code="TRANSIENT_IO")
     failed = row(Status.FAILED, error_code="INVALID_PARAMETERS")
-    assert decide(failed, attempt=ATTEMPT, run=FAIL) == Step(MessageAction.ACK, Fate.FAILED, error_code="INVALID_PARAMETERS")
+    assert decide(failed, attempt=ATTEMPT, run=FAIL) == Step(
+        MessageAction.ACK, Fate.FAILED, error_code="INVALID_PARAMETERS"
+    )
 
 
 def test_the_release_written_naks_at_once() -> None:
@@ -157,7 +184,9 @@ def policy_settings() -> Settings:
 
 
 def test_a_retryable_failure_with_retries_left_is_retried_after_the_backoff() -> None:
-    failure = failure_of(InjectedFailure("TRANSIENT_IO", True, 2), task=row(Status.PROCESSING), settings=policy_settings())
+    failure = failure_of(
+        InjectedFailure("TRANSIENT_IO", True, 2), task=row(Status.PROCESSING), settings=policy_settings()
+    )
     assert isinstance(failure, RetryableError) and (failure.code, failure.retry) == ("TRANSIENT_IO", 2)
     assert 1.6 <= failure.delay <= 2.4  # the second retry: twice the base, jittered
     assert failure.message.startswith("InjectedFailure: ")

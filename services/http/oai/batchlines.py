@@ -36,10 +36,14 @@ def translate_input(data: bytes, endpoint: str, window_seconds: float, settings:
             else:
                 raise shapes.Refused("custom_id", f"line {number + 1} has no custom_id", "missing_required_parameter")
             if custom_id in seen:
-                raise shapes.Refused("custom_id", f"custom_id {custom_id!r} is not unique in the file", "duplicate_custom_id")
+                raise shapes.Refused(
+                    "custom_id", f"custom_id {custom_id!r} is not unique in the file", "duplicate_custom_id"
+                )
             seen.add(custom_id)
             if line.get("method", "POST") != "POST" or line.get("url") != endpoint:
-                raise shapes.Refused("url", f"line {number + 1} must be a POST to the batch's endpoint {endpoint}", "invalid_url")
+                raise shapes.Refused(
+                    "url", f"line {number + 1} must be a POST to the batch's endpoint {endpoint}", "invalid_url"
+                )
             body = line.get("body")
             if not isinstance(body, dict):
                 raise shapes.Refused("body", f"line {number + 1} has no body object", "missing_required_parameter")
@@ -48,7 +52,12 @@ def translate_input(data: bytes, endpoint: str, window_seconds: float, settings:
             req.max_queue_seconds = window_seconds
             out.append(json.dumps({"custom_id": custom_id, "request": json_format.MessageToDict(req)}).encode())
         except shapes.Refused as refused:
-            error = {"code": refused.code, "message": refused.message, "param": refused.param or None, "line": number + 1}
+            error = {
+                "code": refused.code,
+                "message": refused.message,
+                "param": refused.param or None,
+                "line": number + 1,
+            }
             out.append(json.dumps({"custom_id": custom_id, "error": error}).encode())
     return b"\n".join(out) + b"\n"
 
@@ -76,7 +85,11 @@ def result_line(line: dict[str, Any], endpoint: str) -> dict[str, Any]:
     if isinstance(error.get("code"), int):  # the gateway refused the line: its status as the HTTP answer it would be
         status = json_format.ParseDict(error, status_pb2.Status(), ignore_unknown_fields=True)
         refusal = errors.of_proto(status)
-        return {"id": f"batch_req_{custom_id}", "custom_id": custom_id,
-                "response": {"status_code": refusal.pop("status_code"), "request_id": "", "body": refusal}, "error": None}
+        return {
+            "id": f"batch_req_{custom_id}",
+            "custom_id": custom_id,
+            "response": {"status_code": refusal.pop("status_code"), "request_id": "", "body": refusal},
+            "error": None,
+        }
     return {"id": f"batch_req_{custom_id}", "custom_id": custom_id, "response": None,
             "error": {"code": error.get("code"), "message": error.get("message")}}

@@ -138,7 +138,9 @@ class Face:
     async def _authenticated(self, request: Request) -> None:
         """Checks the caller's key with the gateway (the cheapest call that reads it)."""
         req = batches_pb2.ListFilesRequest(page_size=1)
-        await self._call(lambda: self.upstream.gateway.ListFiles(req, metadata=credentials(request), timeout=self._timeout))
+        await self._call(
+            lambda: self.upstream.gateway.ListFiles(req, metadata=credentials(request), timeout=self._timeout)
+        )
 
     def _model_object(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "taskgate"}
@@ -187,7 +189,9 @@ class Face:
         if task_id is None:
             raise _Answer(errors.not_found("response", text_id))
         req = gateway_pb2.GetTaskRequest(task_id=task_id)
-        got = await self._call(lambda: self.upstream.gateway.GetTask(req, metadata=credentials(request), timeout=self._timeout))
+        got = await self._call(
+            lambda: self.upstream.gateway.GetTask(req, metadata=credentials(request), timeout=self._timeout)
+        )
         if got.task.task_type != "chat":
             raise _Answer(errors.not_found("response", text_id))
         task: task_pb2.Task = got.task
@@ -228,7 +232,9 @@ class Face:
     async def cancel_response(self, request: Request) -> Response:
         task = await self._task(request, request.path_params["response_id"])
         req = gateway_pb2.CancelTaskRequest(task_id=task.id, hard=True)
-        got = await self._call(lambda: self.upstream.gateway.CancelTask(req, metadata=credentials(request), timeout=self._timeout))
+        got = await self._call(
+            lambda: self.upstream.gateway.CancelTask(req, metadata=credentials(request), timeout=self._timeout)
+        )
         return JSONResponse(shapes.response(got.task))
 
     async def _stream(self, request: Request, task_id: str, after: int) -> Response:
@@ -302,7 +308,9 @@ class Face:
                 call.cancel()
 
         return EventSourceResponse(
-            sse(), ping=self.settings.stream_keepalive_seconds, headers={"cache-control": "no-store", "x-accel-buffering": "no"}
+            sse(),
+            ping=self.settings.stream_keepalive_seconds,
+            headers={"cache-control": "no-store", "x-accel-buffering": "no"},
         )
 
     # -- files ---------------------------------------------------------------------------------------------------
@@ -312,7 +320,9 @@ class Face:
         try:
             form = await request.form(max_files=1, max_fields=4)
         except Exception as exc:  # starlette raises MultiPartException and others on a bad body
-            raise _Answer(errors.invalid("file", f"a multipart/form-data body with `file` and `purpose`: {exc}")) from None
+            raise _Answer(
+                errors.invalid("file", f"a multipart/form-data body with `file` and `purpose`: {exc}")
+            ) from None
         try:
             upload = form.get("file")
             purpose = form.get("purpose")
@@ -336,7 +346,9 @@ class Face:
     @_answering
     async def get_file(self, request: Request) -> Response:
         req = batches_pb2.GetFileRequest(file_id=request.path_params["file_id"])
-        got = await self._call(lambda: self.upstream.gateway.GetFile(req, metadata=credentials(request), timeout=self._timeout))
+        got = await self._call(
+            lambda: self.upstream.gateway.GetFile(req, metadata=credentials(request), timeout=self._timeout)
+        )
         return JSONResponse(shapes.file_object(got))
 
     @_answering
@@ -345,7 +357,9 @@ class Face:
         req = batches_pb2.ListFilesRequest(
             purpose=query.get("purpose", ""), page_size=self._limit(request), after=query.get("after", ""),
         )
-        got = await self._call(lambda: self.upstream.gateway.ListFiles(req, metadata=credentials(request), timeout=self._timeout))
+        got = await self._call(
+            lambda: self.upstream.gateway.ListFiles(req, metadata=credentials(request), timeout=self._timeout)
+        )
         return _listing([shapes.file_object(f) for f in got.files], got.has_more)
 
     async def _content(self, request: Request, file_id: str) -> tuple[batches_pb2.StoredFile, bytes]:
@@ -368,11 +382,19 @@ class Face:
         info, data = await self._content(request, request.path_params["file_id"])
         if info.purpose in ("batch_output", "batch_error") and info.batch_id:
             req = batches_pb2.GetBatchRequest(batch_id=info.batch_id)
-            batch = await self._call(lambda: self.upstream.gateway.GetBatch(req, metadata=credentials(request), timeout=self._timeout))
+            batch = await self._call(
+                lambda: self.upstream.gateway.GetBatch(req, metadata=credentials(request), timeout=self._timeout)
+            )
             if batch.source_file_id:  # a batch of this face: its lines in OpenAI's shape
-                lines = [json.dumps(batchlines.result_line(json.loads(raw), batch.endpoint)) for raw in data.splitlines() if raw.strip()]
+                lines = [
+                    json.dumps(batchlines.result_line(json.loads(raw), batch.endpoint))
+                    for raw in data.splitlines()
+                    if raw.strip()
+                ]
                 data = ("\n".join(lines) + "\n").encode() if lines else b""
-        return StreamingResponse(iter([data]), media_type="application/jsonl", headers={"content-length": str(len(data))})
+        return StreamingResponse(
+            iter([data]), media_type="application/jsonl", headers={"content-length": str(len(data))}
+        )
 
     # -- batches -------------------------------------------------------------------------------------------------
 
@@ -380,7 +402,14 @@ class Face:
     async def create_batch(self, request: Request) -> Response:
         body = await self._body(request)
         for name in body:
-            if name not in ("input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after", "user"):
+            if name not in (
+                "input_file_id",
+                "endpoint",
+                "completion_window",
+                "metadata",
+                "output_expires_after",
+                "user",
+            ):
                 raise shapes.Refused(name, "is not supported by this gateway", "unsupported_parameter")
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
@@ -410,7 +439,9 @@ class Face:
             for start in range(0, len(translated), UPLOAD_PART):
                 yield batches_pb2.UploadFileRequest(data=translated[start:start + UPLOAD_PART])
 
-        tasks_file = await self._call(lambda: self.upstream.gateway.UploadFile(parts(), metadata=md, timeout=self._timeout))
+        tasks_file = await self._call(
+            lambda: self.upstream.gateway.UploadFile(parts(), metadata=md, timeout=self._timeout)
+        )
         req = batches_pb2.CreateBatchRequest(
             input_file_id=tasks_file.id, source_file_id=info.id, endpoint=endpoint, completion_window=window,
             window_seconds=seconds, metadata=metadata, end_user=end_user,
@@ -421,17 +452,25 @@ class Face:
     @_answering
     async def get_batch(self, request: Request) -> Response:
         req = batches_pb2.GetBatchRequest(batch_id=request.path_params["batch_id"])
-        got = await self._call(lambda: self.upstream.gateway.GetBatch(req, metadata=credentials(request), timeout=self._timeout))
+        got = await self._call(
+            lambda: self.upstream.gateway.GetBatch(req, metadata=credentials(request), timeout=self._timeout)
+        )
         return JSONResponse(shapes.batch_object(got))
 
     @_answering
     async def list_batches(self, request: Request) -> Response:
-        req = batches_pb2.ListBatchesRequest(page_size=self._limit(request), after=request.query_params.get("after", ""))
-        got = await self._call(lambda: self.upstream.gateway.ListBatches(req, metadata=credentials(request), timeout=self._timeout))
+        req = batches_pb2.ListBatchesRequest(
+            page_size=self._limit(request), after=request.query_params.get("after", "")
+        )
+        got = await self._call(
+            lambda: self.upstream.gateway.ListBatches(req, metadata=credentials(request), timeout=self._timeout)
+        )
         return _listing([shapes.batch_object(b) for b in got.batches], got.has_more)
 
     @_answering
     async def cancel_batch(self, request: Request) -> Response:
         req = batches_pb2.CancelBatchRequest(batch_id=request.path_params["batch_id"])
-        got = await self._call(lambda: self.upstream.gateway.CancelBatch(req, metadata=credentials(request), timeout=self._timeout))
+        got = await self._call(
+            lambda: self.upstream.gateway.CancelBatch(req, metadata=credentials(request), timeout=self._timeout)
+        )
         return JSONResponse(shapes.batch_object(got))

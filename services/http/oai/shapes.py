@@ -72,7 +72,11 @@ def model_of(body: dict[str, Any], settings: HttpSettings) -> str:
     """The model entry a request names (404 when there is none of that name)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise Refused("model", "required: the name of a model this gateway serves (GET /models lists them)", "missing_required_parameter")
+        raise Refused(
+            "model",
+            "required: the name of a model this gateway serves (GET /models lists them)",
+            "missing_required_parameter",
+        )
     if model not in settings.models:
         raise Refused("model", f"The model '{model}' does not exist.", "model_not_found", status=404)
     return model
@@ -86,7 +90,9 @@ def _text_of(content: Any, param: str) -> str:
         texts: list[str] = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                raise Refused(f"{param}[{i}]", "only text parts are supported (input_text, output_text)", "unsupported_value")
+                raise Refused(
+                    f"{param}[{i}]", "only text parts are supported (input_text, output_text)", "unsupported_value"
+                )
             text = part.get("text")
             if not isinstance(text, str):
                 raise Refused(f"{param}[{i}].text", "must be a string")
@@ -104,7 +110,9 @@ def messages_of(items: Any, param: str) -> list[task_pb2.ChatMessage]:
     out: list[task_pb2.ChatMessage] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise Refused(f"{param}[{i}]", "only messages are supported (no tool calls or other items)", "unsupported_value")
+            raise Refused(
+                f"{param}[{i}]", "only messages are supported (no tool calls or other items)", "unsupported_value"
+            )
         role = ROLES.get(str(item.get("role")))
         if role is None:
             raise Refused(f"{param}[{i}].role", "must be user, assistant, system or developer")
@@ -155,7 +163,9 @@ def response_request(body: dict[str, Any], settings: HttpSettings) -> gateway_pb
     if body.get("tools"):
         raise Refused("tools", "tools are not supported by this gateway", "unsupported_parameter")
     text = body.get("text")
-    if text is not None and (not isinstance(text, dict) or (text.get("format") or {"type": "text"}).get("type") != "text"):
+    if text is not None and (
+        not isinstance(text, dict) or (text.get("format") or {"type": "text"}).get("type") != "text"
+    ):
         raise Refused("text.format", "only plain text output is supported", "unsupported_value")
     if body.get("input") is None:
         raise Refused("input", "required", "missing_required_parameter")
@@ -220,8 +230,13 @@ def answer_of(task: task_pb2.Task, full_text: str | None = None) -> Answer:
 def message_item(task: task_pb2.Task, text: str, status: str = "completed") -> dict[str, Any]:
     """The one output item of a response: the assistant's message."""
     return {
-        "id": f"{MESSAGE_PREFIX}{task.id}", "type": "message", "status": status, "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else [],
+        "id": f"{MESSAGE_PREFIX}{task.id}",
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        if status == "completed"
+        else [],
     }
 
 
@@ -289,17 +304,30 @@ def batch_object(batch: batches_pb2.Batch) -> dict[str, Any]:
     """A batch as an OpenAI Batch object (the caller's own input file, not the translation the gateway ran)."""
     errors = None
     if batch.error_message:
-        errors = {"object": "list", "data": [{"code": "invalid_input", "message": batch.error_message, "param": None, "line": None}]}
+        errors = {
+            "object": "list",
+            "data": [{"code": "invalid_input", "message": batch.error_message, "param": None, "line": None}],
+        }
     counts = batch.counts
     return {
-        "id": batch.id, "object": "batch", "endpoint": batch.endpoint, "errors": errors,
-        "input_file_id": batch.source_file_id or batch.input_file_id, "completion_window": batch.completion_window,
-        "status": batch.status, "output_file_id": batch.output_file_id or None, "error_file_id": batch.error_file_id or None,
-        "created_at": seconds(batch.created_at) or 0, "in_progress_at": seconds(batch.in_progress_at),
-        "expires_at": seconds(batch.expires_at), "finalizing_at": seconds(batch.finalizing_at),
-        "completed_at": seconds(batch.completed_at), "failed_at": seconds(batch.failed_at),
+        "id": batch.id,
+        "object": "batch",
+        "endpoint": batch.endpoint,
+        "errors": errors,
+        "input_file_id": batch.source_file_id or batch.input_file_id,
+        "completion_window": batch.completion_window,
+        "status": batch.status,
+        "output_file_id": batch.output_file_id or None,
+        "error_file_id": batch.error_file_id or None,
+        "created_at": seconds(batch.created_at) or 0,
+        "in_progress_at": seconds(batch.in_progress_at),
+        "expires_at": seconds(batch.expires_at),
+        "finalizing_at": seconds(batch.finalizing_at),
+        "completed_at": seconds(batch.completed_at),
+        "failed_at": seconds(batch.failed_at),
         "expired_at": seconds(batch.completed_at) if batch.status == "expired" else None,
-        "cancelling_at": seconds(batch.cancelling_at), "cancelled_at": seconds(batch.cancelled_at),
+        "cancelling_at": seconds(batch.cancelling_at),
+        "cancelled_at": seconds(batch.cancelled_at),
         "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},
         "metadata": dict(batch.metadata) or None,
     }

@@ -59,7 +59,9 @@ class Events:
             return
         self.started = True
         self._emit("response.in_progress", {"response": self._response(status="in_progress")})
-        self._emit("response.output_item.added", {"output_index": 0, "item": shapes.message_item(self.task, "", "in_progress")})
+        self._emit(
+            "response.output_item.added", {"output_index": 0, "item": shapes.message_item(self.task, "", "in_progress")}
+        )
         self._emit("response.content_part.added", {
             **self._item(), "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
         })
@@ -67,7 +69,9 @@ class Events:
     def state(self, task: task_pb2.Task) -> None:
         """A snapshot or transition: the task as it is now."""
         self.task = task
-        if task.status == task_pb2.TASK_STATUS_PROCESSING or (task.status in shapes.TERMINAL and task.HasField("started_at")):
+        if task.status == task_pb2.TASK_STATUS_PROCESSING or (
+            task.status in shapes.TERMINAL and task.HasField("started_at")
+        ):
             self._start()
 
     def chunk(self, chunk: task_pb2.OutputChunk) -> None:

@@ -25,7 +25,9 @@ async def stack(settings: Settings, backends: Backends) -> AsyncIterator[Stack]:
     submit = await submit_service.start(settings, backends)
     scheduler = await scheduler_service.start(settings, backends, scan_loop=False)
     notifier = await notifier_service.start(settings)
-    api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "tenant-a", max_pending=50, submits_per_minute=1000)
+    api_key, _ = await auth.create_key(
+        backends.pool, settings.api_key_pepper, "tenant-a", max_pending=50, submits_per_minute=1000
+    )
     admin_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "ops", admin=True)
     s = Stack(settings, backends, submit, scheduler, notifier, api_key, admin_key)
     try:

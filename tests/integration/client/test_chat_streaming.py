@@ -113,7 +113,8 @@ async def test_a_chat_answer_streams_over_watch_task_sse_and_the_cli_equal_to_it
                     rest.append(msg.output)
                 elif msg.WhichOneof("kind") == "event":
                     last_event = msg.event
-        assert last_event is not None and last_event.to_status == task_pb2.TASK_STATUS_SUCCEEDED  # the stream ended with it
+        # the stream ended with it
+        assert last_event is not None and last_event.to_status == task_pb2.TASK_STATUS_SUCCEEDED
         final = (await gateway.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=md)).task
         assert final.status == task_pb2.TASK_STATUS_SUCCEEDED, final
         answer = final.text.text

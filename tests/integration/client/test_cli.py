@@ -30,7 +30,9 @@ def one_error_line(result: Result, code: str) -> str:
 
 
 async def test_submit_get_list_json(cli: Cli) -> None:
-    submitted = await cli("submit", "a fox", "--model", "sleepy", "--steps", "2", "--seed", "3", "--metadata", "k=v", "--json")
+    submitted = await cli(
+        "submit", "a fox", "--model", "sleepy", "--steps", "2", "--seed", "3", "--metadata", "k=v", "--json"
+    )
     assert submitted.code == 0, submitted.err
     task = submitted.json()
     assert task["status"] in ("CREATED", "QUEUED", "PROCESSING", "SUCCEEDED") and task["created"] is True
@@ -175,17 +177,24 @@ async def test_keys_tenant_priority_and_unstorable_names(cli: Cli) -> None:
     }
     per_person = await cli.keys("tenant", "--tenant", "vip", "--max-pending-per-end-user", "5",
                                 "--submits-per-minute-per-end-user", "12", "--json")
-    assert (per_person.json()["max_pending_per_end_user"], per_person.json()["submits_per_minute_per_end_user"]) == (5, 12)
+    assert (per_person.json()["max_pending_per_end_user"], per_person.json()["submits_per_minute_per_end_user"]) == (
+        5,
+        12,
+    )
     weighted = await cli.keys("tenant", "--tenant", "vip", "--share-weight", "2.5", "--json")
     assert weighted.code == 0 and weighted.json()["share_weight"] == 2.5 and weighted.json()["max_pending"] == 7
     assert (await cli.keys("tenant", "--tenant", "vip", "--share-weight", "0")).code != 0
-    budgeted = await cli.keys("tenant", "--tenant", "vip", "--gpu-seconds-per-day", "3600", "--gpu-seconds-per-month", "1e5", "--json")
+    budgeted = await cli.keys(
+        "tenant", "--tenant", "vip", "--gpu-seconds-per-day", "3600", "--gpu-seconds-per-month", "1e5", "--json"
+    )
     assert (budgeted.json()["gpu_seconds_per_day"], budgeted.json()["gpu_seconds_per_month"]) == (3600.0, 100000.0)
     unbudgeted = await cli.keys("tenant", "--tenant", "vip", "--gpu-seconds-per-day", "0", "--json")
     assert (unbudgeted.json()["gpu_seconds_per_day"], unbudgeted.json()["gpu_seconds_per_month"]) == (None, 100000.0)
     assert unbudgeted.json()["share_weight"] == 2.5
     assert (await cli.keys("tenant", "--tenant", "vip", "--gpu-seconds-per-day", "-1")).code == 2
-    tokens = await cli.keys("tenant", "--tenant", "vip", "--tokens-per-day", "50000", "--tokens-per-month", "1000000", "--json")
+    tokens = await cli.keys(
+        "tenant", "--tenant", "vip", "--tokens-per-day", "50000", "--tokens-per-month", "1000000", "--json"
+    )
     assert (tokens.json()["tokens_per_day"], tokens.json()["tokens_per_month"]) == (50000, 1000000)
     untokened = await cli.keys("tenant", "--tenant", "vip", "--tokens-per-month", "0", "--json")
     assert (untokened.json()["tokens_per_day"], untokened.json()["tokens_per_month"]) == (50000, None)
@@ -251,7 +260,13 @@ async def test_defaults_come_from_the_saved_local_stack(cli: Cli, tmp_path: Path
         admin_key=env["TASKGATE_ADMIN_KEY"],
         tenant="tenant-a",
     ).save(tmp_path / ".taskgate")
-    names = ("TASKGATE_ADDRESS", "TASKGATE_EVENTS_ADDRESS", "TASKGATE_ADMIN_ADDRESS", "TASKGATE_API_KEY", "TASKGATE_ADMIN_KEY")
+    names = (
+        "TASKGATE_ADDRESS",
+        "TASKGATE_EVENTS_ADDRESS",
+        "TASKGATE_ADMIN_ADDRESS",
+        "TASKGATE_API_KEY",
+        "TASKGATE_ADMIN_KEY",
+    )
     bare = dict.fromkeys(names, "")
     bare["TASKGATE_STATE_DIR"] = ".taskgate"
     sub = tmp_path / "some" / "folder"
@@ -271,7 +286,11 @@ async def test_upload_and_submit_an_image_to_video_task(cli: Cli, tmp_path: Path
     done = await cli("submit", "the cat turns", "--model", "sleepy-i2v", "--image", str(picture), "--wait", "--json")
     assert done.code == 0, done.err
     task = done.lines()[-1]
-    assert task["status"] == "SUCCEEDED" and task["task_type"] == "image-to-video" and task["image"]["sha256"] == image["sha256"]
+    assert (
+        task["status"] == "SUCCEEDED"
+        and task["task_type"] == "image-to-video"
+        and task["image"]["sha256"] == image["sha256"]
+    )
     # the worker ran from the stored image (the sleep model's output names what it read)
     fetched = await cli("result", task["task_id"], "-o", str(tmp_path / "out.json"))
     assert fetched.code == 0, fetched.err

@@ -48,14 +48,20 @@ async def _queued(client: AsyncTaskgateClient, task_id: str) -> bool:
 
 
 async def test_submit_get_and_list(client: AsyncTaskgateClient) -> None:
-    task = await client.submit("a red fox in the snow", frames=9, width=32, height=32, steps=2, seed=7, metadata={"job": "1"})
+    task = await client.submit(
+        "a red fox in the snow", frames=9, width=32, height=32, steps=2, seed=7, metadata={"job": "1"}
+    )
     assert task.status in (Status.QUEUED, Status.CREATED)
     assert task.created is True
     assert str(uuid.UUID(task.idempotency_key)) == task.idempotency_key  # generated once per call
     assert task.params["num_frames"] == 9 and task.params["seed"] == 7
     await wait_for(lambda: _queued(client, task.task_id))  # the dispatcher queues it after the answer
     fetched = await client.get(task.task_id)
-    assert fetched.task_id == task.task_id and fetched.metadata == {"job": "1"} and fetched.prompt == "a red fox in the snow"
+    assert (
+        fetched.task_id == task.task_id
+        and fetched.metadata == {"job": "1"}
+        and fetched.prompt == "a red fox in the snow"
+    )
     assert fetched.status is Status.QUEUED and fetched.queue_position == 1
     assert [t.task_id async for t in client.list()] == [task.task_id]
 
@@ -126,7 +132,9 @@ async def test_errors_are_typed_with_their_details(stack: Stack, client: AsyncTa
     assert slow_down.value.reason and slow_down.value.retry_delay is not None and slow_down.value.retry_delay > 0
 
 
-async def test_unavailable_is_retried_until_the_gateway_is_up(stack: Stack, settings: Settings, backends: Backends) -> None:
+async def test_unavailable_is_retried_until_the_gateway_is_up(
+    stack: Stack, settings: Settings, backends: Backends
+) -> None:
     port = free_port()
     async with stack.client(address=f"127.0.0.1:{port}", retry_attempts=50) as c:
         call = asyncio.create_task(c.submit("retried", idempotency_key="retry-1", **SMALL))  # type: ignore[arg-type]
@@ -162,7 +170,9 @@ async def watching(client: AsyncTaskgateClient, task_id: str) -> tuple[list[Task
     return seen, watcher
 
 
-async def test_watch_yields_snapshot_then_every_version_until_terminal(stack: Stack, client: AsyncTaskgateClient) -> None:
+async def test_watch_yields_snapshot_then_every_version_until_terminal(
+    stack: Stack, client: AsyncTaskgateClient
+) -> None:
     task = await client.submit("watch me", **SMALL)  # type: ignore[arg-type]
     await wait_for(lambda: _queued(client, task.task_id))  # the snapshot below is QUEUED, not the answer's CREATED
     seen, watcher = await watching(client, task.task_id)
@@ -276,7 +286,9 @@ async def test_admin_calls(stack: Stack, client: AsyncTaskgateClient) -> None:
 
 
 def _sync_session(stack: Stack) -> tuple[str, list[int], str, list[str]]:
-    with connect(stack.address, stack.api_key, events_address=stack.events_address, admin_address=stack.admin_address) as c:
+    with connect(
+        stack.address, stack.api_key, events_address=stack.events_address, admin_address=stack.admin_address
+    ) as c:
         task = c.submit("from blocking code", **SMALL)  # type: ignore[arg-type]
         events = c.watch(task.task_id)
         # the dispatcher queues the task after the answer: the watch may open on the CREATED snapshot (v1), and then
@@ -323,7 +335,10 @@ def make_pki(folder: Path) -> Path:
     folder.mkdir()
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
              "-subj", "/CN=taskgate test CA", cwd=folder)
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", "extendedKeyUsage=clientAuth")):
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
                  "-subj", f"/CN={name}", cwd=folder)
         (folder / f"{name}.ext").write_text(ext + "\n")
@@ -336,18 +351,28 @@ async def test_tls_and_mutual_tls(settings: Settings, backends: Backends, tmp_pa
     pki = make_pki(tmp_path / "pki")
     api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "tenant-tls")
     mtls = settings.model_copy(
-        update={"tls_cert_file": pki / "server.pem", "tls_key_file": pki / "server.key", "tls_client_ca_file": pki / "ca.pem"}
+        update={
+            "tls_cert_file": pki / "server.pem",
+            "tls_key_file": pki / "server.key",
+            "tls_client_ca_file": pki / "ca.pem",
+        }
     )
     gateway = await submit_service.start(mtls, backends)
     address = f"127.0.0.1:{gateway.port}"
     try:
         async with connect_async(
-            address, api_key, root_certificates=pki / "ca.pem", client_cert=pki / "client.pem", client_key=pki / "client.key"
+            address,
+            api_key,
+            root_certificates=pki / "ca.pem",
+            client_cert=pki / "client.pem",
+            client_key=pki / "client.key",
         ) as c:
             assert c.config.tls
             task = await c.submit("over mutual TLS", **SMALL)  # type: ignore[arg-type]
             assert (await c.get(task.task_id)).prompt == "over mutual TLS"
-        async with connect_async(address, api_key, root_certificates=(pki / "ca.pem").read_bytes(), retry_attempts=1) as c:
+        async with connect_async(
+            address, api_key, root_certificates=(pki / "ca.pem").read_bytes(), retry_attempts=1
+        ) as c:
             with pytest.raises(Unavailable):  # no client certificate: the handshake fails
                 await c.get(task.task_id)
         async with connect_async(address, api_key, retry_attempts=1) as c:

@@ -139,7 +139,9 @@ async def worker_stack(settings: Settings, backends: Backends) -> AsyncIterator[
     submit = await submit_service.start(settings, backends)
     notifier = await notifier_service.start(settings)
     worker = await worker_service.start(settings)
-    api_key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "readme", max_pending=50, submits_per_minute=1000)
+    api_key, _ = await auth.create_key(
+        backends.pool, settings.api_key_pepper, "readme", max_pending=50, submits_per_minute=1000
+    )
     try:
         yield {
             "gateway:50051": f"127.0.0.1:{submit.port}",
@@ -152,7 +154,9 @@ async def worker_stack(settings: Settings, backends: Backends) -> AsyncIterator[
         await submit.stop(0)
 
 
-async def test_readme_sdk_examples_run(worker_stack: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_readme_sdk_examples_run(
+    worker_stack: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     examples = readme_sdk_examples()
     assert len(examples) >= 3
     monkeypatch.chdir(tmp_path)  # the examples write fox.mp4

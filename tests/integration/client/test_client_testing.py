@@ -74,7 +74,9 @@ async def play_real(backends: Backends, task_id: str, outcome: Succeed | Fail) -
         out = await store.fail(backends.pool, tid, error=error, actor="worker", reason="failed", attempt=attempt)
     else:
         assert outcome.data is not None
-        stored = await result_store(backends.settings, backends.bus).put(f"{task_id}-a{attempt}.mp4", outcome.data, "video/mp4")
+        stored = await result_store(backends.settings, backends.bus).put(
+            f"{task_id}-a{attempt}.mp4", outcome.data, "video/mp4"
+        )
         ref = store.ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256)
         out = await store.succeed(backends.pool, tid, attempt=attempt, result=ref, actor="worker")
     assert out.task is not None
@@ -322,12 +324,15 @@ async def test_outcomes_by_function_and_timeout(tmp_path: Path) -> None:
 async def test_injected_errors_and_limits() -> None:
     async with FakeAsyncTaskgateClient(FakeTaskgate(max_pending=1)) as client:
         client.server.fail_next("GetTask", grpc.StatusCode.UNAVAILABLE)
-        client.server.fail_next("SubmitTask", grpc.StatusCode.RESOURCE_EXHAUSTED, reason="RATE_LIMITED", retry_delay=2.0)
+        client.server.fail_next(
+            "SubmitTask", grpc.StatusCode.RESOURCE_EXHAUSTED, reason="RATE_LIMITED", retry_delay=2.0
+        )
         with pytest.raises(ResourceExhausted) as limited:
             await client.submit("one")
         assert (limited.value.reason, limited.value.retry_delay) == ("RATE_LIMITED", 2.0)
         task = await client.submit("one")
-        assert (await client.get(task.task_id)).task_id == task.task_id and client.retries == 1  # UNAVAILABLE was retried
+        # UNAVAILABLE was retried
+        assert (await client.get(task.task_id)).task_id == task.task_id and client.retries == 1
         with pytest.raises(ResourceExhausted) as pending:
             await client.submit("two")
         assert pending.value.reason == "TOO_MANY_PENDING_TASKS"  # as the real server says it
@@ -369,7 +374,11 @@ def _blocking_fake(tmp_path: Path) -> tuple[list[str], str, str]:
 
 async def test_blocking_fake(tmp_path: Path) -> None:
     statuses, status, data = await asyncio.to_thread(_blocking_fake, tmp_path)
-    assert statuses == ["CREATED", "QUEUED", "PROCESSING", "PROCESSING", "SUCCEEDED"] and status == "SUCCEEDED" and data == "bytes"
+    assert (
+        statuses == ["CREATED", "QUEUED", "PROCESSING", "PROCESSING", "SUCCEEDED"]
+        and status == "SUCCEEDED"
+        and data == "bytes"
+    )
 
 
 async def test_the_fakes_budget_refuses_quota_exceeded_and_answers_a_retry() -> None:
@@ -377,7 +386,9 @@ async def test_the_fakes_budget_refuses_quota_exceeded_and_answers_a_retry() -> 
         kept = await client.submit("one", idempotency_key="k")
         with pytest.raises(ResourceExhausted) as over:
             await client.submit("two")
-        assert over.value.reason == "QUOTA_EXCEEDED" and over.value.retry_delay is not None and over.value.retry_delay > 0
+        assert (
+            over.value.reason == "QUOTA_EXCEEDED" and over.value.retry_delay is not None and over.value.retry_delay > 0
+        )
         assert (await client.submit("one", idempotency_key="k")).task_id == kept.task_id  # the retry gets its task
         await client.cancel(kept.task_id)  # cancelled before it ran: its reservation is released
         assert (await client.submit("two")).prompt == "two"
@@ -390,7 +401,12 @@ async def test_the_fakes_token_budget_refuses_and_is_trued_up_to_the_tokens_used
         with pytest.raises(ResourceExhausted) as over:
             await client.chat("two words", "llama-tiny", max_output_tokens=40)
         assert over.value.reason == "QUOTA_EXCEEDED" and over.value.retry_delay is not None
-        assert over.value.metadata == {"budget": "tokens", "window": "day", "tokens_left": "18", "tokens_estimate": "42"}
+        assert over.value.metadata == {
+            "budget": "tokens",
+            "window": "day",
+            "tokens_left": "18",
+            "tokens_estimate": "42",
+        }
         done = await first.wait()  # its answer used far fewer than 40 tokens: the rest is free again
         assert done.status is Status.SUCCEEDED and done.input_tokens + done.output_tokens < 18
         assert (await client.chat("two words", "llama-tiny", max_output_tokens=40)).created
@@ -400,7 +416,9 @@ async def test_the_fake_takes_a_text_attachment_as_the_gateway_does() -> None:
     async with FakeAsyncTaskgateClient() as client:
         text = await client.upload_text("the whole document")
         assert (text.size_bytes, text.chars) == (18, 18)
-        task = await client.chat([{"role": "user", "content": "Summarise:", "content_sha256": text.sha256}], "llama-tiny", seed=3)
+        task = await client.chat(
+            [{"role": "user", "content": "Summarise:", "content_sha256": text.sha256}], "llama-tiny", seed=3
+        )
         inline = await client.chat("Summarise:\n\nthe whole document", "llama-tiny", seed=3)
         assert task.input_tokens == inline.input_tokens == 4 and task.prompt == inline.prompt  # counted as inline text
         with pytest.raises(InvalidArgument) as unknown:
@@ -435,7 +453,9 @@ async def test_the_fake_streams_a_chat_answer_as_deltas() -> None:
         text = await task.text()
         assert len(deltas) > 1 and "".join(deltas) == text and all(d.attempt == 1 and not d.restarted for d in deltas)
         assert [d.offset for d in deltas] == [len("".join(deltas[:i])) for i in range(len(deltas))]
-        assert [c.sequence for c in [c async for c in task.output()]] == sorted({c.sequence for c in [c async for c in task.output()]})
+        assert [c.sequence for c in [c async for c in task.output()]] == sorted(
+            {c.sequence for c in [c async for c in task.output()]}
+        )
     with FakeTaskgateClient() as blocking:
         handle = blocking.chat("stream it", "llama-tiny")
         assert "".join(handle.stream_text()) == handle.text() == text

@@ -55,7 +55,9 @@ async def _idle_channel_survives(settings: Settings, backends: Backends) -> bool
 async def test_keepalive_pings_on_an_idle_connection_are_accepted(settings: Settings, backends: Backends) -> None:
     assert await _idle_channel_survives(settings.model_copy(update={"grpc_min_ping_interval_seconds": 0.1}), backends)
     # the control: gRPC's policy without that setting (5 min) closes the connection
-    assert not await _idle_channel_survives(settings.model_copy(update={"grpc_min_ping_interval_seconds": 300}), backends)
+    assert not await _idle_channel_survives(
+        settings.model_copy(update={"grpc_min_ping_interval_seconds": 300}), backends
+    )
 
 
 @pytest.mark.slow
@@ -63,7 +65,9 @@ async def test_three_replicas_share_load_lose_none_to_a_kill_and_reach_a_replica
     settings: Settings, backends: Backends, tmp_path: Path
 ) -> None:
     metadata = await factories.key_for(backends, max_pending=1_000_000, submits_per_minute=1_000_000)
-    aged = settings.model_copy(update={"grpc_max_connection_age_seconds": 1.0, "grpc_max_connection_age_grace_seconds": 1.0})
+    aged = settings.model_copy(
+        update={"grpc_max_connection_age_seconds": 1.0, "grpc_max_connection_age_grace_seconds": 1.0}
+    )
     cluster = Cluster(tmp_path, aged)
     replicas = [cluster.add(f"submit-{i}", "services.submit") for i in range(3)]
     target = "ipv4:" + ",".join(r.address for r in replicas)
@@ -74,7 +78,9 @@ async def test_three_replicas_share_load_lose_none_to_a_kill_and_reach_a_replica
 
         async def node_of(pid: int) -> int | None:
             """The node number a replica process leased: which replica made a task id."""
-            return await backends.pool.fetchval("SELECT node FROM id_node_lease WHERE split_part(holder, ':', 2) = $1", str(pid))
+            return await backends.pool.fetchval(
+                "SELECT node FROM id_node_lease WHERE split_part(holder, ':', 2) = $1", str(pid)
+            )
 
         node = [await node_of(r.proc.pid) for r in replicas if r.proc is not None]
         assert None not in node and len(set(node)) == 3
@@ -82,7 +88,9 @@ async def test_three_replicas_share_load_lose_none_to_a_kill_and_reach_a_replica
         def served(n: int | None) -> int:
             return sum(1 for t in made if (int(t) >> 12) & 1023 == n)
 
-        config = ClientConfig(address=target, api_key=metadata[0][1].removeprefix("Bearer "), retry_attempts=10, retry_max_delay=0.5)
+        config = ClientConfig(
+            address=target, api_key=metadata[0][1].removeprefix("Bearer "), retry_attempts=10, retry_max_delay=0.5
+        )
         async with AsyncTaskgateClient(config) as client:
             stop = asyncio.Event()
 

@@ -1,4 +1,5 @@
-"""Operations over TaskAdmin through the SDK: webhook-secret rotation (both secrets sign), API keys, failed deliveries."""
+"""Operations over TaskAdmin through the SDK: webhook-secret rotation (both secrets sign), API keys, failed
+deliveries."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ async def ops(backends: Backends) -> AsyncIterator[AsyncTaskgateClient]:
         await handle.stop()
 
 
-async def test_rotation_signs_with_both_secrets_until_the_overlap_ends(backends: Backends, ops: AsyncTaskgateClient) -> None:
+async def test_rotation_signs_with_both_secrets_until_the_overlap_ends(
+    backends: Backends, ops: AsyncTaskgateClient
+) -> None:
     _, old = await auth.create_key(backends.pool, backends.settings.api_key_pepper, TENANT)
     assert old is not None
     rotated = await ops.rotate_webhook_secret(TENANT, overlap=3600)
@@ -66,7 +69,11 @@ async def test_rotation_signs_with_both_secrets_until_the_overlap_ends(backends:
         backends.pool, TENANT, Sealer.of(backends.settings)
     ) == [again.webhook_secret]
 
-    for tenant, code in (("no-such-tenant", "NOT_FOUND"), ("bad name", "INVALID_ARGUMENT"), ("nul\x00", "INVALID_ARGUMENT")):
+    for tenant, code in (
+        ("no-such-tenant", "NOT_FOUND"),
+        ("bad name", "INVALID_ARGUMENT"),
+        ("nul\x00", "INVALID_ARGUMENT"),
+    ):
         with pytest.raises(TaskgateError) as info:
             await ops.rotate_webhook_secret(tenant)
         assert info.value.code_name == code, tenant
@@ -82,7 +89,10 @@ async def test_a_tenant_rotates_its_own_webhook_secret_over_task_gateway(backend
         async with connect_async(address, key) as client:
             rotated = await client.rotate_own_webhook_secret(overlap=600)
             assert rotated.webhook_secret.startswith("whsec_") and rotated.valid_secrets == 2
-            assert set(await auth.webhook_secrets(backends.pool, TENANT, Sealer.of(backends.settings))) == {old, rotated.webhook_secret}
+            assert set(await auth.webhook_secrets(backends.pool, TENANT, Sealer.of(backends.settings))) == {
+                old,
+                rotated.webhook_secret,
+            }
             assert abs(rotated.previous_valid_until.ToSeconds() - (time.time() + 600)) < 60
             theirs_now = await auth.webhook_secrets(backends.pool, "another-tenant", Sealer.of(backends.settings))
             assert theirs_now == [theirs]  # only the caller's own

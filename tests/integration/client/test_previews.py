@@ -55,7 +55,9 @@ def _one_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("models")
-    return {name: tinymodel.build_tiny_pipeline(base / name, pipeline=cls) for name, cls in tinymodel.TINY_MODELS.items()}
+    return {
+        name: tinymodel.build_tiny_pipeline(base / name, pipeline=cls) for name, cls in tinymodel.TINY_MODELS.items()
+    }
 
 
 # ---- the projection, every family ----
@@ -78,12 +80,19 @@ class Sink:
 
 
 @pytest.mark.parametrize("name", sorted(tinymodel.tiny_models(TEXT_TO_VIDEO)))
-def test_every_family_projects_its_latents_to_preview_frames_without_changing_the_video(models: dict[str, Path], name: str) -> None:
+def test_every_family_projects_its_latents_to_preview_frames_without_changing_the_video(
+    models: dict[str, Path], name: str
+) -> None:
     cls = tinymodel.TINY_MODELS[name]
     pipeline = VideoPipeline.load(name, models[name], "cpu", torch.float32, LoadOptions(pipeline=cls))
     width, height = 4 * pipeline.needs.size_multiple, 2 * pipeline.needs.size_multiple
     req = GenerationRequest(
-        prompt="a fox in the snow", num_frames=1 + 4 * pipeline.needs.frame_step, width=width, height=height, num_inference_steps=8, seed=2
+        prompt="a fox in the snow",
+        num_frames=1 + 4 * pipeline.needs.frame_step,
+        width=width,
+        height=height,
+        num_inference_steps=8,
+        seed=2,
     )
     sink = Sink(partial.Projection(pipeline.preview_layout, FRAMES))
     with_previews = pipeline.encode(pipeline.render(req, lambda _s, _t: None, lambda: False, preview=sink))  # type: ignore[arg-type]
@@ -105,7 +114,9 @@ def test_every_family_projects_its_latents_to_preview_frames_without_changing_th
 
 @pytest.fixture
 def settings(settings: Settings, models: dict[str, Path]) -> Settings:
-    spec = tinymodel.tiny_spec("WanPipeline", models[MODEL], preview_every_fraction=0.25, preview_size=SIZE, preview_frames=FRAMES)
+    spec = tinymodel.tiny_spec(
+        "WanPipeline", models[MODEL], preview_every_fraction=0.25, preview_size=SIZE, preview_frames=FRAMES
+    )
     return settings.model_copy(update={"models": {**settings.models, MODEL: spec}, "stream_keepalive_seconds": 1.0})
 
 
@@ -121,7 +132,9 @@ def image_of(data: bytes) -> tuple[str | None, tuple[int, int]]:
         return image.format, image.size
 
 
-async def sse_outputs(client: httpx.AsyncClient, task_id: str, last_event_id: str | None = None) -> list[dict[str, Any]]:
+async def sse_outputs(
+    client: httpx.AsyncClient, task_id: str, last_event_id: str | None = None
+) -> list[dict[str, Any]]:
     """Every `output` event of the task's SSE stream until it ends (from Last-Event-ID when given)."""
     found = []
     headers = {"last-event-id": last_event_id} if last_event_id else {}
@@ -149,7 +162,9 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
         grpc.aio.insecure_channel(f"127.0.0.1:{stack.submit.port}") as gw_channel,
         grpc.aio.insecure_channel(f"127.0.0.1:{stack.notifier.port}") as ev_channel,
         httpx.AsyncClient(base_url=stack.url, headers=stack.headers(), timeout=60) as http,
-        connect_async(f"127.0.0.1:{stack.submit.port}", stack.api_key, events_address=f"127.0.0.1:{stack.notifier.port}") as sdk,
+        connect_async(
+            f"127.0.0.1:{stack.submit.port}", stack.api_key, events_address=f"127.0.0.1:{stack.notifier.port}"
+        ) as sdk,
     ):
         gateway = gateway_pb2_grpc.TaskGatewayStub(gw_channel)
         events = events_pb2_grpc.TaskEventsStub(ev_channel)
@@ -174,7 +189,9 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
                     version = msg.snapshot.version
                 elif kind == "event":
                     version = msg.event.version
-                    assert msg.event.to_status != task_pb2.TASK_STATUS_SUCCEEDED, "the task ended before its first preview"
+                    assert msg.event.to_status != task_pb2.TASK_STATUS_SUCCEEDED, (
+                        "the task ended before its first preview"
+                    )
         call.cancel()
         rest: list[task_pb2.OutputChunk] = []
         last_event = None
@@ -209,7 +226,9 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
             data = b"".join(
                 [
                     c.data
-                    async for c in gateway.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id, preview_uri=p.uri), metadata=md)
+                    async for c in gateway.GetTaskResult(
+                        gateway_pb2.GetTaskResultRequest(task_id=task_id, preview_uri=p.uri), metadata=md
+                    )
                 ]
             )
             assert image_of(data) == ("WEBP", (FRAMES * SIZE, SIZE // 2))  # 3 frames of 48 x 24 (the video is 64 x 32)
@@ -228,7 +247,10 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
         # another task's preview, or a name outside the previews, is not served
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             async for _ in gateway.GetTaskResult(
-                gateway_pb2.GetTaskResultRequest(task_id=task_id, preview_uri=previews[0].uri.replace(f"/{task_id}-", "/1-")), metadata=md
+                gateway_pb2.GetTaskResultRequest(
+                    task_id=task_id, preview_uri=previews[0].uri.replace(f"/{task_id}-", "/1-")
+                ),
+                metadata=md,
             ):
                 pass
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND
@@ -262,7 +284,10 @@ async def test_a_running_videos_previews_and_log_lines_reach_watch_task_sse_the_
         assert (await web.get("/dashboard/tasks/1/preview")).status_code == 404
         page = Dashboard(cast(Any, None), stack.settings)  # its templates, as the service renders them
         rendered = page.env.get_template("running.html").render(view=_running_view(task_id), operator=True)
-        assert f'src="/dashboard/tasks/{task_id}/preview?at=40"' in rendered and f"Newest preview of task {task_id}" in rendered
+        assert (
+            f'src="/dashboard/tasks/{task_id}/preview?at=40"' in rendered
+            and f"Newest preview of task {task_id}" in rendered
+        )
 
     # retention: the previews go with the task's output (each named on the row before it was stored)
     named = await backends.pool.fetchval("SELECT preview_uris FROM task WHERE id = $1", int(task_id))
@@ -303,8 +328,23 @@ def _running_view(task_id: str) -> Any:
 
     from services.http.dashboard_view import TaskLine
 
-    line = TaskLine(id=task_id, tenant="tenant-a", model=MODEL, status="PROCESSING", priority="NORMAL", prompt="a fox", progress=40,
-                    attempt=1, worker="w", error_code="", error_message="", replay_of="", updated=None, started=None, finished=None)
+    line = TaskLine(
+        id=task_id,
+        tenant="tenant-a",
+        model=MODEL,
+        status="PROCESSING",
+        priority="NORMAL",
+        prompt="a fox",
+        progress=40,
+        attempt=1,
+        worker="w",
+        error_code="",
+        error_message="",
+        replay_of="",
+        updated=None,
+        started=None,
+        finished=None,
+    )
     return SimpleNamespace(running_tasks=[line], running_more=False, replays={})
 
 

@@ -81,7 +81,9 @@ async def test_the_stream_is_opened_again_after_the_gateway_restarts(stack: Stac
         first = await client.submit("before the restart", idempotency_key="before", **SMALL)  # type: ignore[arg-type]
         port = stack.submit.port
         await stack.submit.stop(0)
-        stack.submit = await submit_service.start(stack.settings.model_copy(update={"submit_port": port}), stack.backends)
+        stack.submit = await submit_service.start(
+            stack.settings.model_copy(update={"submit_port": port}), stack.backends
+        )
         try:
             unary = _unary_submits()
             again = await asyncio.gather(
@@ -133,7 +135,9 @@ async def old_gateway(stack: Stack) -> AsyncIterator[tuple[int, _OldGateway]]:
         await server.stop(0)
 
 
-async def test_a_server_without_the_stream_is_used_by_unary_submit(stack: Stack, old_gateway: tuple[int, _OldGateway]) -> None:
+async def test_a_server_without_the_stream_is_used_by_unary_submit(
+    stack: Stack, old_gateway: tuple[int, _OldGateway]
+) -> None:
     port, old = old_gateway
     async with stack.client(address=f"127.0.0.1:{port}") as client:
         handles = await asyncio.gather(*(client.submit(f"old {i}", **SMALL) for i in range(5)))  # type: ignore[arg-type]
@@ -158,7 +162,9 @@ async def test_streamed_requests_keep_the_tenant_call_throttle(stack: Stack) -> 
     await stack.submit.stop(0)
     stack.submit = await submit_service.start(settings, stack.backends)
     try:
-        key, _ = await auth.create_key(stack.backends.pool, settings.api_key_pepper, "throttled", submits_per_minute=1000)
+        key, _ = await auth.create_key(
+            stack.backends.pool, settings.api_key_pepper, "throttled", submits_per_minute=1000
+        )
         async with stack.client(api_key=key) as client:
             answers = await asyncio.gather(
                 *(client.submit(f"t {i}", **SMALL) for i in range(8)),  # type: ignore[arg-type]

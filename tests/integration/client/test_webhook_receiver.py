@@ -13,7 +13,9 @@ from taskgate_client import AsyncTaskgateClient, Status, connect_async
 from tests.support.harness import load_example, wait_for
 
 
-async def test_example_receiver_gets_a_verified_webhook_from_the_notifier(settings: Settings, backends: Backends) -> None:
+async def test_example_receiver_gets_a_verified_webhook_from_the_notifier(
+    settings: Settings, backends: Backends
+) -> None:
     from services.notifier import service as notifier_service
     from services.submit import service as submit_service
     from services.worker import service as worker_service
@@ -41,7 +43,9 @@ async def test_example_receiver_gets_a_verified_webhook_from_the_notifier(settin
     notifier = await notifier_service.start(settings)
     worker = await worker_service.start(settings)
     try:
-        async with connect_async(f"127.0.0.1:{submit.port}", api_key, events_address=f"127.0.0.1:{notifier.port}") as client:
+        async with connect_async(
+            f"127.0.0.1:{submit.port}", api_key, events_address=f"127.0.0.1:{notifier.port}"
+        ) as client:
             url = f"http://127.0.0.1:{receiver.server_port}/hook"
             task = await client.submit("call me back", "sleepy", callback_url=url, metadata={"order": "7"})
             assert (await client.wait(task.task_id, 30)).status is Status.SUCCEEDED

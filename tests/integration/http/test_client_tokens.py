@@ -112,7 +112,9 @@ async def test_cors_access_token_and_minting_over_http(stack: HttpStack, page_se
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == page_server
         other = await browser.options(f"/v1/tasks/{mine}", headers={**asked, "origin": "http://evil.example"})
         assert "access-control-allow-origin" not in other.headers
-        got = await browser.get(f"/v1/tasks/{mine}", headers={"authorization": f"Bearer {token}", "origin": page_server})
+        got = await browser.get(
+            f"/v1/tasks/{mine}", headers={"authorization": f"Bearer {token}", "origin": page_server}
+        )
         assert got.status_code == 200 and got.json()["task"]["end_user"] == "ann"
         assert "x-suggested-poll-interval" in got.headers["access-control-expose-headers"].lower()
         assert (await browser.get(f"/v1/tasks/{mine}", params={"access_token": token})).status_code == 200
@@ -127,8 +129,13 @@ async def test_cors_access_token_and_minting_over_http(stack: HttpStack, page_se
 
 async def test_no_cors_headers_unless_configured(settings: Settings, backends: Backends, page_server: str) -> None:
     unset = settings.model_copy(update={"http_cors_origins": []})
-    async with harness.http_stack(unset, backends) as plain, httpx.AsyncClient(base_url=plain.url, timeout=20) as browser:
-        answer = await browser.options("/v1/tasks/1", headers={"origin": page_server, "access-control-request-method": "GET"})
+    async with (
+        harness.http_stack(unset, backends) as plain,
+        httpx.AsyncClient(base_url=plain.url, timeout=20) as browser,
+    ):
+        answer = await browser.options(
+            "/v1/tasks/1", headers={"origin": page_server, "access-control-request-method": "GET"}
+        )
         assert "access-control-allow-origin" not in answer.headers
 
 

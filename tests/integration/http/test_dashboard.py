@@ -93,9 +93,19 @@ class Browser:
     def __init__(self, base: str, profile: Path) -> None:
         options = webdriver.ChromeOptions()
         options.binary_location = str(CHROMIUM)  # with the driver's path below, Selenium Manager never runs
-        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1366,768",
-                    f"--user-data-dir={profile}", "--no-first-run", "--disable-extensions", "--disable-background-networking",
-                    "--force-color-profile=srgb", "--hide-scrollbars"):
+        for arg in (
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-dev-shm-usage",
+            "--disable-gpu",
+            "--window-size=1366,768",
+            f"--user-data-dir={profile}",
+            "--no-first-run",
+            "--disable-extensions",
+            "--disable-background-networking",
+            "--force-color-profile=srgb",
+            "--hide-scrollbars",
+        ):
             options.add_argument(arg)
         options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
         self.driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
@@ -110,9 +120,13 @@ class Browser:
     def until(self, script: str, *args: Any, within: float = 20.0) -> Any:
         """Waits for `script` to return something truthy, and returns it; on timeout, fails with the page's text."""
         try:
-            return WebDriverWait(self.driver, within, poll_frequency=0.1).until(lambda d: d.execute_script(script, *args))
+            return WebDriverWait(self.driver, within, poll_frequency=0.1).until(
+                lambda d: d.execute_script(script, *args)
+            )
         except Exception:
-            raise AssertionError(f"never true: {script}\n--- page:\n{self.js('return document.body.innerText')}") from None
+            raise AssertionError(
+                f"never true: {script}\n--- page:\n{self.js('return document.body.innerText')}"
+            ) from None
 
     def sign_in(self, key: str) -> None:
         self.driver.get(f"{self.base}/dashboard")
@@ -142,7 +156,9 @@ class Browser:
     def keyboard_open(self, selector: str) -> str:
         """Focuses the button (as Tab reaches it), presses Enter and waits for the dialog; returns the button's id."""
         # found and focused in one script: a refresh swapping the section in between cannot leave a stale element
-        opener = str(self.js("const button = document.querySelector(arguments[0]); button.focus(); return button.id", selector))
+        opener = str(
+            self.js("const button = document.querySelector(arguments[0]); button.focus(); return button.id", selector)
+        )
         self.press(Keys.ENTER)
         self.until("return document.getElementById('confirm').open")
         return opener
@@ -188,26 +204,45 @@ async def test_the_dashboard_in_a_browser(stack: HttpStack, settings: Settings, 
             # a task whose only attempt fails (no retries left) becomes a dead letter, its webhook failing
             async with worker(settings, "w-broken", ["flaky"]):
                 flaky = await submit(
-                    api, model_id="flaky", prompt="a storm <b>over</b> the sea", max_retries=0, callback_url=receiver.url()
+                    api,
+                    model_id="flaky",
+                    prompt="a storm <b>over</b> the sea",
+                    max_retries=0,
+                    callback_url=receiver.url(),
                 )
                 await in_thread(browser.until, "return document.getElementById(`replay-dead-${arguments[0]}`)", flaky)
             # (its failure row may come a refresh later: the sections' TaskAdmin reads run side by side)
-            await in_thread(browser.until, "return document.querySelector(`[data-failed-id='${arguments[0]}']`) !== null", flaky)
-            await in_thread(browser.until, "return document.querySelector(`#section-webhooks button[data-task='${arguments[0]}']`)", flaky)
-            last_answer = await in_thread(browser.js, "return document.querySelector('#section-webhooks tbody tr').innerText")
+            await in_thread(
+                browser.until, "return document.querySelector(`[data-failed-id='${arguments[0]}']`) !== null", flaky
+            )
+            await in_thread(
+                browser.until,
+                "return document.querySelector(`#section-webhooks button[data-task='${arguments[0]}']`)",
+                flaky,
+            )
+            last_answer = await in_thread(
+                browser.js, "return document.querySelector('#section-webhooks tbody tr').innerText"
+            )
             assert "HTTP 500" in last_answer and "receiver down" in last_answer
 
             # the cause fixed: a worker takes the queued task to SUCCEEDED, on the page, without a reload
             async with worker(settings, "w-fixed", ["later", "flaky"], fixed=True):
-                await in_thread(browser.until, "return document.querySelector(`#section-workers tr[data-worker=w-fixed]`)")
+                await in_thread(
+                    browser.until, "return document.querySelector(`#section-workers tr[data-worker=w-fixed]`)"
+                )
                 await in_thread(browser.status_of, later, "SUCCEEDED", within=30)
 
                 # replay the dead letter: its button, the confirmation dialog, and the replay linked and run
                 await in_thread(browser.click, f"#replay-dead-{flaky}")
                 await in_thread(browser.until, "return document.getElementById('confirm').open")
-                assert flaky in await in_thread(browser.js, "return document.getElementById('confirm-text').textContent")
+                assert flaky in await in_thread(
+                    browser.js, "return document.getElementById('confirm-text').textContent"
+                )
                 await in_thread(browser.click, "#confirm-ok")
-                linked = "return document.querySelector(`[data-dead-id='${arguments[0]}'] [data-replayed-as]`)?.dataset.replayedAs"
+                linked = (
+                    "return document.querySelector(`[data-dead-id='${arguments[0]}'] "
+                    "[data-replayed-as]`)?.dataset.replayedAs"
+                )
                 replay = await in_thread(browser.until, linked, flaky)
                 assert replay != flaky
                 notice = await in_thread(browser.until, "return document.getElementById('notice').textContent")
@@ -216,14 +251,18 @@ async def test_the_dashboard_in_a_browser(stack: HttpStack, settings: Settings, 
                 assert f"replay of {flaky}" in await in_thread(
                     browser.js, "return document.querySelector(`[data-task-id='${arguments[0]}']`).innerText", replay
                 )
-                link = await in_thread(browser.js, "return document.querySelector(`[data-dead-id='${arguments[0]}'] a`).hash", flaky)
+                link = await in_thread(
+                    browser.js, "return document.querySelector(`[data-dead-id='${arguments[0]}'] a`).hash", flaky
+                )
                 assert link == f"#task-{replay}"
 
                 # the other action: redeliver the failing webhook, confirmed the same way
                 await in_thread(browser.click, f"#section-webhooks button[data-task='{flaky}']")
                 await in_thread(browser.until, "return document.getElementById('confirm').open")
                 await in_thread(browser.click, "#confirm-ok")
-                await in_thread(browser.until, "return document.getElementById('notice').textContent.includes('redelivering')")
+                await in_thread(
+                    browser.until, "return document.getElementById('notice').textContent.includes('redelivering')"
+                )
 
                 # by keyboard: Enter opens the confirmation on Cancel, Escape backs out, doing nothing, focus back
                 before = await in_thread(browser.js, "return document.getElementById('notice').textContent")
@@ -238,7 +277,8 @@ async def test_the_dashboard_in_a_browser(stack: HttpStack, settings: Settings, 
                     await busy_for_the_picture(api, browser)
                     await in_thread(browser.screenshot, SCREENSHOT)
 
-            assert await in_thread(browser.js, "return window.notReloaded === true")  # every change came without a reload
+            # every change came without a reload
+            assert await in_thread(browser.js, "return window.notReloaded === true")
             assert await in_thread(browser.errors) == []  # no script error, no CSP violation, nothing failed to load
         finally:
             await in_thread(browser.quit)
@@ -252,7 +292,10 @@ async def test_a_read_only_key_gets_the_dashboard_without_controls_in_a_browser(
     browser: Browser = await in_thread(Browser, stack.url, tmp_path / "chromium")
     try:
         await in_thread(browser.sign_in, viewer)
-        assert await in_thread(browser.js, "return document.getElementById('read-only').textContent") == "Read-only key: no actions"
+        assert (
+            await in_thread(browser.js, "return document.getElementById('read-only').textContent")
+            == "Read-only key: no actions"
+        )
         failed = str(await failed_task(backends))  # arrives with the next refresh: its rows, and still no control
         await in_thread(browser.until, "return document.querySelector(`[data-dead-id='${arguments[0]}']`)", failed)
         await in_thread(browser.until, "return document.querySelector(`[data-failed-id='${arguments[0]}']`)", failed)
@@ -270,7 +313,9 @@ async def busy_for_the_picture(api: httpx.AsyncClient, browser: Browser) -> None
         ("a cat watching rain", "PRIORITY_LOW"), ("fireworks over a harbour", "PRIORITY_LOW"),
     )]
     await in_thread(browser.until, "return document.querySelectorAll('#section-running progress').length >= 2")
-    await in_thread(browser.until, "return [...document.querySelectorAll('#section-running progress')].every(p => p.value >= 20)")
+    await in_thread(
+        browser.until, "return [...document.querySelectorAll('#section-running progress')].every(p => p.value >= 20)"
+    )
     assert ids
 
 
@@ -305,9 +350,16 @@ async def test_sign_in_needs_an_admin_key_and_actions_need_the_csrf_token(stack:
         signed = await web.post("/dashboard/login", data={"key": stack.admin_key})
         assert signed.status_code == 303 and signed.headers["location"] == "/dashboard"
         cookie = cookie_header(signed).lower()
-        assert "httponly" in cookie and "samesite=strict" in cookie and "path=/dashboard" in cookie and "secure" not in cookie
+        assert (
+            "httponly" in cookie
+            and "samesite=strict" in cookie
+            and "path=/dashboard" in cookie
+            and "secure" not in cookie
+        )
         async with httpx.AsyncClient(base_url=stack.url, timeout=20) as behind_tls:
-            over_tls = await behind_tls.post("/dashboard/login", data={"key": stack.admin_key}, headers={"x-forwarded-proto": "https"})
+            over_tls = await behind_tls.post(
+                "/dashboard/login", data={"key": stack.admin_key}, headers={"x-forwarded-proto": "https"}
+            )
         assert "; secure" in cookie_header(over_tls).lower()
 
         page = await web.get("/dashboard")
@@ -340,7 +392,9 @@ async def test_sign_in_needs_an_admin_key_and_actions_need_the_csrf_token(stack:
         as_form = await web.post("/dashboard/actions/replay", data=body, headers={"x-csrf-token": csrf})
         assert as_form.status_code == 415
         assert await backends.pool.fetchval("SELECT count(*) FROM task WHERE replay_of = $1", failed) == 0
-        bad_id = await web.post("/dashboard/actions/replay", json={"task_id": "1; DROP"}, headers={"x-csrf-token": csrf})
+        bad_id = await web.post(
+            "/dashboard/actions/replay", json={"task_id": "1; DROP"}, headers={"x-csrf-token": csrf}
+        )
         assert bad_id.status_code == 400
         assert (await web.post("/dashboard/actions/nope", json=body, headers={"x-csrf-token": csrf})).status_code == 404
 
@@ -350,14 +404,18 @@ async def test_sign_in_needs_an_admin_key_and_actions_need_the_csrf_token(stack:
         assert done.json()["message"] == f"Task {failed} replayed as task {replay}."
         again = await web.post("/dashboard/actions/replay", json=body, headers={"x-csrf-token": csrf})
         assert again.json()["ok"] is False and "skipped" in again.json()["message"]
-        unfinished = await web.post("/dashboard/actions/redeliver", json={"task_id": str(replay)}, headers={"x-csrf-token": csrf})
+        unfinished = await web.post(
+            "/dashboard/actions/redeliver", json={"task_id": str(replay)}, headers={"x-csrf-token": csrf}
+        )
         assert unfinished.json() == {"ok": False, "message": f"Task {replay} has no webhook to redeliver."}
 
         # sign-out needs the token too, then the cookie is worth nothing
         assert (await web.post("/dashboard/logout", data={"csrf": "nope"})).status_code == 403
         out = await web.post("/dashboard/logout", data={"csrf": csrf})
         assert out.status_code == 303 and 'max-age=0' in cookie_header(out).lower()
-        web.cookies.set(dashboard.COOKIE, re.split("[=;]", cookie_header(signed))[1], domain="127.0.0.1", path="/dashboard")
+        web.cookies.set(
+            dashboard.COOKIE, re.split("[=;]", cookie_header(signed))[1], domain="127.0.0.1", path="/dashboard"
+        )
         assert (await web.get("/dashboard/state.json")).status_code == 401
 
 
@@ -438,8 +496,9 @@ async def test_a_read_only_key_sees_everything_and_no_control(stack: HttpStack, 
     failed = await failed_task(backends)  # a failure and a dead letter: replay buttons, for an operator
     event_id = await backends.pool.fetchval("SELECT max(id) FROM task_event WHERE task_id = $1", failed)
     await backends.pool.execute(  # a delivery that gave up: a redeliver button, for an operator
-        "INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, status, attempts, "
-        "last_status_code) VALUES ($1, $2, 'tenant', 'msg_ro', 'task.failed', 'http://127.0.0.1:9/hook', '{}', 'FAILED', 7, 500)",
+        "INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, status, "
+        "attempts, last_status_code) VALUES ($1, $2, 'tenant', 'msg_ro', 'task.failed', 'http://127.0.0.1:9/hook', "
+        "'{}', 'FAILED', 7, 500)",
         failed, event_id,
     )
     async with (
@@ -456,7 +515,10 @@ async def test_a_read_only_key_sees_everything_and_no_control(stack: HttpStack, 
         await harness.wait_for(drain_offered)
         controls = re.compile(r'data-action="(\w+)"')
         as_operator = (await operator.get("/dashboard")).text
-        assert set(controls.findall(as_operator)) == {"drain", "replay", "redeliver"} and 'id="read-only"' not in as_operator
+        assert (
+            set(controls.findall(as_operator)) == {"drain", "replay", "redeliver"}
+            and 'id="read-only"' not in as_operator
+        )
 
         # the read-only key: the same rows, not one control, in the page and in every refresh of its sections
         page = await reader.get("/dashboard")
@@ -472,9 +534,13 @@ async def test_a_read_only_key_sees_everything_and_no_control(stack: HttpStack, 
         assert match is not None
         for action, body in (("replay", {"task_id": str(failed)}), ("redeliver", {"task_id": str(failed)}),
                              ("drain", {"worker_id": "w-look"})):
-            refused = await reader.post(f"/dashboard/actions/{action}", json=body, headers={"x-csrf-token": match.group(1)})
+            refused = await reader.post(
+                f"/dashboard/actions/{action}", json=body, headers={"x-csrf-token": match.group(1)}
+            )
             assert refused.status_code == 403 and "read-only" in refused.json()["message"], refused.text
         assert await backends.pool.fetchval("SELECT count(*) FROM task WHERE replay_of = $1", failed) == 0
-        assert await backends.pool.fetchval("SELECT status FROM callback_delivery WHERE webhook_id = 'msg_ro'") == "FAILED"
+        assert (
+            await backends.pool.fetchval("SELECT status FROM callback_delivery WHERE webhook_id = 'msg_ro'") == "FAILED"
+        )
         workers = (await reader.get("/dashboard/state.json")).json()["sections"]["workers"]
         assert "draining" not in workers

@@ -84,7 +84,12 @@ def violations(error: dict[str, Any]) -> set[str]:
 async def finished(client: httpx.AsyncClient, task_id: str) -> dict[str, Any]:
     async def done() -> bool:
         task = (await client.get(f"/v1/tasks/{task_id}")).json()["task"]
-        return task["status"] in ("TASK_STATUS_SUCCEEDED", "TASK_STATUS_FAILED", "TASK_STATUS_CANCELED", "TASK_STATUS_TIMEOUT")
+        return task["status"] in (
+            "TASK_STATUS_SUCCEEDED",
+            "TASK_STATUS_FAILED",
+            "TASK_STATUS_CANCELED",
+            "TASK_STATUS_TIMEOUT",
+        )
 
     await wait_for(done, within=20)
     body: dict[str, Any] = (await client.get(f"/v1/tasks/{task_id}")).json()
@@ -95,15 +100,25 @@ async def finished(client: httpx.AsyncClient, task_id: str) -> dict[str, Any]:
 
 
 async def test_submit_get_list_with_the_idempotency_key_header(client: httpx.AsyncClient) -> None:
-    created = await client.post("/v1/tasks", json={"prompt": "a fox", "params": SMALL}, headers={"Idempotency-Key": "order-1"})
+    created = await client.post(
+        "/v1/tasks", json={"prompt": "a fox", "params": SMALL}, headers={"Idempotency-Key": "order-1"}
+    )
     assert created.status_code == 201, created.text
     body = created.json()
     conforms(body, "SubmitTaskResponse")
     task = body["task"]
-    assert body["created"] is True and task["idempotency_key"] == "order-1" and created.headers["location"] == f"/v1/tasks/{task['id']}"
-    again = await client.post("/v1/tasks", json={"prompt": "a fox", "params": SMALL}, headers={"Idempotency-Key": "order-1"})
+    assert (
+        body["created"] is True
+        and task["idempotency_key"] == "order-1"
+        and created.headers["location"] == f"/v1/tasks/{task['id']}"
+    )
+    again = await client.post(
+        "/v1/tasks", json={"prompt": "a fox", "params": SMALL}, headers={"Idempotency-Key": "order-1"}
+    )
     assert again.status_code == 200 and again.json()["task"]["id"] == task["id"] and again.json()["created"] is False
-    clash = await client.post("/v1/tasks", json={"prompt": "another", "params": SMALL}, headers={"Idempotency-Key": "order-1"})
+    clash = await client.post(
+        "/v1/tasks", json={"prompt": "another", "params": SMALL}, headers={"Idempotency-Key": "order-1"}
+    )
     assert "IDEMPOTENCY_KEY_REUSED" in json.dumps(error_of(clash, 409, "ALREADY_EXISTS")["details"])
     got = await client.get(f"/v1/tasks/{task['id']}")
     assert got.status_code == 200 and float(got.headers["x-suggested-poll-interval"]) == 2
@@ -129,26 +144,38 @@ async def test_batch_answers_each_item(client: httpx.AsyncClient) -> None:
     assert violations(third["error"]) == {"model_id"}
 
 
-async def test_errors_are_http_statuses_with_the_google_rpc_details(client: httpx.AsyncClient, stack: HttpStack) -> None:
+async def test_errors_are_http_statuses_with_the_google_rpc_details(
+    client: httpx.AsyncClient, stack: HttpStack
+) -> None:
     bad = await client.post("/v1/tasks", json={"prompt": "", "params": {"num_frames": 8}})
     assert violations(error_of(bad, 400, "INVALID_ARGUMENT")) == {"prompt", "params.num_frames"}
-    assert violations(error_of(await client.post("/v1/tasks", content=b"{not json"), 400, "INVALID_ARGUMENT")) == {"body"}
-    assert violations(error_of(await client.post("/v1/tasks", json={"promt": "typo"}), 400, "INVALID_ARGUMENT")) == {"body"}
+    assert violations(error_of(await client.post("/v1/tasks", content=b"{not json"), 400, "INVALID_ARGUMENT")) == {
+        "body"
+    }
+    assert violations(error_of(await client.post("/v1/tasks", json={"promt": "typo"}), 400, "INVALID_ARGUMENT")) == {
+        "body"
+    }
     assert violations(error_of(await client.post("/v1/tasks", json=[1, 2]), 400, "INVALID_ARGUMENT")) == {"body"}
     error_of(await client.get("/v1/tasks/123456789"), 404, "NOT_FOUND")
     assert violations(error_of(await client.get("/v1/tasks/fox"), 400, "INVALID_ARGUMENT")) == {"task_id"}
-    assert violations(error_of(await client.get("/v1/tasks", params={"status": "DONE"}), 400, "INVALID_ARGUMENT")) == {"status"}
-    assert violations(error_of(await client.get("/v1/tasks", params={"created_after": "yesterday"}), 400, "INVALID_ARGUMENT")) == {
-        "created_after"
+    assert violations(error_of(await client.get("/v1/tasks", params={"status": "DONE"}), 400, "INVALID_ARGUMENT")) == {
+        "status"
     }
+    assert violations(
+        error_of(await client.get("/v1/tasks", params={"created_after": "yesterday"}), 400, "INVALID_ARGUMENT")
+    ) == {"created_after"}
     anonymous = await client.get("/v1/tasks", headers={"authorization": ""})
     error_of(anonymous, 401, "UNAUTHENTICATED")
     error_of(await client.get("/v1/tasks", headers={"authorization": "Bearer tg_nope"}), 401, "UNAUTHENTICATED")
     # a pending-limit refusal: 429 with Retry-After... the rate limit says when
     slow = await harness_key(stack, "tenant-slow", submits_per_minute=1)
-    first = await client.post("/v1/tasks", json={"prompt": "x", "params": SMALL}, headers={"authorization": f"Bearer {slow}"})
+    first = await client.post(
+        "/v1/tasks", json={"prompt": "x", "params": SMALL}, headers={"authorization": f"Bearer {slow}"}
+    )
     assert first.status_code == 201
-    limited = await client.post("/v1/tasks", json={"prompt": "y", "params": SMALL}, headers={"authorization": f"Bearer {slow}"})
+    limited = await client.post(
+        "/v1/tasks", json={"prompt": "y", "params": SMALL}, headers={"authorization": f"Bearer {slow}"}
+    )
     error = error_of(limited, 429, "RESOURCE_EXHAUSTED")
     assert int(limited.headers["retry-after"]) >= 1 and "RATE_LIMITED" in json.dumps(error["details"])
 
@@ -165,18 +192,26 @@ async def test_cancel_and_regenerate(client: httpx.AsyncClient) -> None:
     canceled = await client.post(f"/v1/tasks/{held['id']}:cancel", json={"hard": True})
     assert canceled.status_code == 200 and canceled.json()["task"]["status"] == "TASK_STATUS_CANCELED"
     conforms(canceled.json(), "CancelTaskResponse")
-    again = await client.post(f"/v1/tasks/{held['id']}:regenerate", json={"seed": 5}, headers={"Idempotency-Key": "regen-1"})
+    again = await client.post(
+        f"/v1/tasks/{held['id']}:regenerate", json={"seed": 5}, headers={"Idempotency-Key": "regen-1"}
+    )
     assert again.status_code == 201, again.text
     conforms(again.json(), "RegenerateTaskResponse")
     assert again.json()["source_task_id"] == held["id"] and again.json()["task"]["params"]["seed"] == "5"
-    repeat = await client.post(f"/v1/tasks/{held['id']}:regenerate", json={"seed": 5}, headers={"Idempotency-Key": "regen-1"})
+    repeat = await client.post(
+        f"/v1/tasks/{held['id']}:regenerate", json={"seed": 5}, headers={"Idempotency-Key": "regen-1"}
+    )
     assert repeat.status_code == 200 and repeat.json()["task"]["id"] == again.json()["task"]["id"]
-    running = (await client.post("/v1/tasks", json={"prompt": "not yet", "model_id": "held", "params": SMALL})).json()["task"]
+    running = (await client.post("/v1/tasks", json={"prompt": "not yet", "model_id": "held", "params": SMALL})).json()[
+        "task"
+    ]
     early = await client.post(f"/v1/tasks/{running['id']}:regenerate")
     assert "TASK_NOT_FINISHED" in json.dumps(error_of(early, 400, "FAILED_PRECONDITION")["details"])
 
 
-async def test_a_tenant_rotates_its_own_webhook_secret(client: httpx.AsyncClient, stack: HttpStack, backends: Backends) -> None:
+async def test_a_tenant_rotates_its_own_webhook_secret(
+    client: httpx.AsyncClient, stack: HttpStack, backends: Backends
+) -> None:
     key, old = await auth.create_key(backends.pool, stack.settings.api_key_pepper, "tenant-rotating")
     mine = {"authorization": f"Bearer {key}"}
     sealer = Sealer.of(stack.settings)
@@ -222,7 +257,9 @@ async def test_the_result_with_its_digest_and_ranges(client: httpx.AsyncClient) 
     assert tail.status_code == 206 and tail.content == data[-7:]
     outside = await client.get(f"/v1/tasks/{task['id']}/result", headers={"range": f"bytes={len(data) + 5}-"})
     assert outside.status_code == 416 and outside.headers["content-range"] == f"bytes */{len(data)}"
-    held = (await client.post("/v1/tasks", json={"prompt": "not done", "model_id": "held", "params": SMALL})).json()["task"]
+    held = (await client.post("/v1/tasks", json={"prompt": "not done", "model_id": "held", "params": SMALL})).json()[
+        "task"
+    ]
     error_of(await client.get(f"/v1/tasks/{held['id']}/result"), 400, "FAILED_PRECONDITION")
 
 
@@ -234,9 +271,15 @@ async def test_an_image_is_uploaded_with_put_and_named_in_a_submission(client: h
     conforms(uploaded.json(), "UploadInputResponse")
     image = uploaded.json()["image"]
     assert (image["width"], image["height"], image["source_format"]) == (40, 30, "PNG")
-    task = await client.post("/v1/tasks", json={
-        "prompt": "it moves", "task_type": "image-to-video", "model_id": "sleepy-i2v", "image": {"upload_sha256": image["sha256"]},
-    })
+    task = await client.post(
+        "/v1/tasks",
+        json={
+            "prompt": "it moves",
+            "task_type": "image-to-video",
+            "model_id": "sleepy-i2v",
+            "image": {"upload_sha256": image["sha256"]},
+        },
+    )
     assert task.status_code == 201 and task.json()["task"]["image"]["sha256"] == image["sha256"]
     inline = await client.post("/v1/tasks", json={
         "prompt": "it moves", "task_type": "image-to-video", "model_id": "sleepy-i2v",
@@ -300,7 +343,10 @@ async def test_all_events_resume_from_the_cursor_and_keep_alive(client: httpx.As
     first = (await client.post("/v1/tasks", json={"prompt": "one", "params": SMALL})).json()["task"]
     await finished(client, first["id"])
     everything = await sse(client, "/v1/events?cursor=0&status=SUCCEEDED", until=lambda e: len(e) >= 1)
-    assert everything[0]["data"]["task_id"] == first["id"] and everything[0]["data"]["to_status"] == "TASK_STATUS_SUCCEEDED"
+    assert (
+        everything[0]["data"]["task_id"] == first["id"]
+        and everything[0]["data"]["to_status"] == "TASK_STATUS_SUCCEEDED"
+    )
     cursor = everything[0]["id"]
     second = (await client.post("/v1/tasks", json={"prompt": "two", "params": SMALL})).json()["task"]
     await finished(client, second["id"])
@@ -320,7 +366,9 @@ async def test_a_task_stream_rides_out_a_notifier_restart(settings: Settings, ba
         harness.http_stack(settings, backends, worker_models=None) as stack,
         httpx.AsyncClient(base_url=stack.url, headers=stack.headers(), timeout=30) as client,
     ):
-        task = (await client.post("/v1/tasks", json={"prompt": "long", "model_id": "held", "params": SMALL})).json()["task"]
+        task = (await client.post("/v1/tasks", json={"prompt": "long", "model_id": "held", "params": SMALL})).json()[
+            "task"
+        ]
         tid = int(task["id"])
         await wait_for(lambda: _status_is(backends, tid, Status.QUEUED))
         ready = asyncio.Event()
@@ -348,7 +396,9 @@ async def _status_is(backends: Backends, task_id: int, status: Status) -> bool:
 # ---------------------------------------------------------------- the document
 
 
-async def test_the_openapi_document_is_served_and_names_every_route(client: httpx.AsyncClient, stack: HttpStack) -> None:
+async def test_the_openapi_document_is_served_and_names_every_route(
+    client: httpx.AsyncClient, stack: HttpStack
+) -> None:
     served = await client.get("/openapi.json")
     assert served.status_code == 200 and served.json() == json.loads(json.dumps(DOC))
     assert served.json()["openapi"].startswith("3.1")
@@ -362,12 +412,19 @@ async def test_the_openapi_document_is_served_and_names_every_route(client: http
 # ---------------------------------------------------------------- the mapping
 
 
-@pytest.mark.parametrize(("code", "status"), sorted((c.name, s) for c, s in http_upstream.HTTP_STATUS.items() if c.name != "OK"))
+@pytest.mark.parametrize(
+    ("code", "status"), sorted((c.name, s) for c, s in http_upstream.HTTP_STATUS.items() if c.name != "OK")
+)
 def test_every_grpc_status_has_its_http_status_and_a_conforming_body(code: str, status: int) -> None:
     response = http_upstream.error_response(grpc.StatusCode[code], "why")
     body = json.loads(bytes(response.body))
     conforms(body, "Error")
-    assert response.status_code == status and body["error"] == {"code": status, "status": code, "message": "why", "details": []}
+    assert response.status_code == status and body["error"] == {
+        "code": status,
+        "status": code,
+        "message": "why",
+        "details": [],
+    }
     assert ("retry-after" in response.headers) == (status == 503)  # 429 carries it when the server's RetryInfo says
 
 
@@ -435,8 +492,12 @@ async def test_task_events_carry_the_output_and_one_last_event_id_resumes_both(
         await output.publish(backends.bus, "tenant-a", output.Chunk(tid, 1, output.TEXT, text=word, offset=offset))
         offset += len(word)
     await store.progress(backends.pool, tid, attempt=1, percent=50, lease_seconds=30, actor="worker")
-    rest = await sse(client, f"/v1/tasks/{tid}/events", headers={"last-event-id": first[-1]["id"]},
-                     until=lambda e: sum(x["event"] == "output" for x in e) == 7 and any(x["event"] == "transition" for x in e))
+    rest = await sse(
+        client,
+        f"/v1/tasks/{tid}/events",
+        headers={"last-event-id": first[-1]["id"]},
+        until=lambda e: sum(x["event"] == "output" for x in e) == 7 and any(x["event"] == "transition" for x in e),
+    )
     assert "snapshot" not in {e["event"] for e in rest}
     text = "".join(e["data"]["text"] for e in first + rest if e["event"] == "output")
     assert text == "".join(words)  # nothing missed, nothing repeated

@@ -28,17 +28,49 @@ EXAMPLES = hsettings(
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 ROUTES = [
-    ("POST", "/v1/tasks:batch"), ("POST", "/v1/tasks"), ("GET", "/v1/tasks"), ("POST", "/v1/tasks/{id}:cancel"),
-    ("POST", "/v1/tasks/{id}:regenerate"), ("GET", "/v1/tasks/{id}/result"), ("GET", "/v1/tasks/{id}/events"),
+    ("POST", "/v1/tasks:batch"),
+    ("POST", "/v1/tasks"),
+    ("GET", "/v1/tasks"),
+    ("POST", "/v1/tasks/{id}:cancel"),
+    ("POST", "/v1/tasks/{id}:regenerate"),
+    ("GET", "/v1/tasks/{id}/result"),
+    ("GET", "/v1/tasks/{id}/events"),
     ("GET", "/v1/tasks/{id}/previews"),
-    ("GET", "/v1/tasks/{id}"), ("GET", "/v1/events"), ("PUT", "/v1/inputs"), ("POST", "/v1/webhook-secret:rotate"),
-    ("POST", "/dashboard/actions/replay"), ("POST", "/dashboard/actions/drain"), ("GET", "/dashboard/state.json"),
-    ("POST", "/openai/v1/responses"), ("GET", "/openai/v1/responses/resp_{id}"), ("POST", "/openai/v1/responses/resp_{id}/cancel"),
-    ("POST", "/openai/v1/files"), ("GET", "/openai/v1/files"), ("GET", "/openai/v1/files/{id}/content"),
-    ("POST", "/openai/v1/batches"), ("GET", "/openai/v1/batches/{id}"), ("POST", "/openai/v1/batches/{id}/cancel"),
+    ("GET", "/v1/tasks/{id}"),
+    ("GET", "/v1/events"),
+    ("PUT", "/v1/inputs"),
+    ("POST", "/v1/webhook-secret:rotate"),
+    ("POST", "/dashboard/actions/replay"),
+    ("POST", "/dashboard/actions/drain"),
+    ("GET", "/dashboard/state.json"),
+    ("POST", "/openai/v1/responses"),
+    ("GET", "/openai/v1/responses/resp_{id}"),
+    ("POST", "/openai/v1/responses/resp_{id}/cancel"),
+    ("POST", "/openai/v1/files"),
+    ("GET", "/openai/v1/files"),
+    ("GET", "/openai/v1/files/{id}/content"),
+    ("POST", "/openai/v1/batches"),
+    ("GET", "/openai/v1/batches/{id}"),
+    ("POST", "/openai/v1/batches/{id}/cancel"),
 ]
-DIGITS = ["0", "1", "²", "³", "٣", "\uff11", "߂", " 1", "1_0", "-1", "+1", "1e3", "9223372036854775807", "9223372036854775808",
-          "99999999999999999999999", ""]
+DIGITS = [
+    "0",
+    "1",
+    "²",
+    "³",
+    "٣",
+    "\uff11",
+    "߂",
+    " 1",
+    "1_0",
+    "-1",
+    "+1",
+    "1e3",
+    "9223372036854775807",
+    "9223372036854775808",
+    "99999999999999999999999",
+    "",
+]
 
 
 @pytest.fixture
@@ -72,16 +104,25 @@ async def test_deep_json_bodies_are_400_on_body_on_every_json_route(
     stack: HttpStack, signed_in: tuple[httpx.AsyncClient, str]
 ) -> None:
     async with httpx.AsyncClient(base_url=stack.url, headers=stack.headers(), timeout=30) as api:
-        for path in ("/v1/tasks", "/v1/tasks:batch", "/v1/tasks/1:cancel", "/v1/tasks/1:regenerate", "/v1/webhook-secret:rotate"):
+        for path in (
+            "/v1/tasks",
+            "/v1/tasks:batch",
+            "/v1/tasks/1:cancel",
+            "/v1/tasks/1:regenerate",
+            "/v1/webhook-secret:rotate",
+        ):
             for raw in (b"[" * 100_000, b'{"metadata": ' + b"[" * 40 + b"]" * 40 + b"}"):
                 got = await api.post(path, content=raw, headers={"content-type": "application/json"})
                 assert got.status_code == 400, (path, got.status_code, got.text[:300])
                 assert violations(got) == {"body"} and "nested deeper than 32 levels" in got.text, got.text[:300]
-        fine = await api.post("/v1/tasks", json={"prompt": "a fox", "metadata": {"k": "[" * 1_000}})  # brackets in a string
+        # brackets in a string
+        fine = await api.post("/v1/tasks", json={"prompt": "a fox", "metadata": {"k": "[" * 1_000}})
         assert fine.status_code == 201, fine.text
     web, csrf = signed_in
     for raw in (b"[" * 8_000, b'{"task_id": ' + b"[" * 40 + b"]" * 40 + b"}"):
-        got = await web.post("/dashboard/actions/replay", content=raw, headers={"x-csrf-token": csrf, "content-type": "application/json"})
+        got = await web.post(
+            "/dashboard/actions/replay", content=raw, headers={"x-csrf-token": csrf, "content-type": "application/json"}
+        )
         assert got.status_code == 400 and got.json()["message"].startswith("body: nested deeper"), got.text
     for task_id in ("٣", "²", "1" * 25):
         got = await web.post("/dashboard/actions/replay", json={"task_id": task_id}, headers={"x-csrf-token": csrf})
@@ -128,13 +169,30 @@ BODIES = st.one_of(
 @given(
     task_id=st.one_of(st.just("real"), ANY_TEXT),
     query=st.dictionaries(
-        st.sampled_from(["after_version", "page_size", "status", "cursor", "created_after", "created_before", "page_token",
-                         "stream", "starting_after", "limit", "after", "purpose", "uri"]),
-        ANY_TEXT, max_size=3,
+        st.sampled_from(
+            [
+                "after_version",
+                "page_size",
+                "status",
+                "cursor",
+                "created_after",
+                "created_before",
+                "page_token",
+                "stream",
+                "starting_after",
+                "limit",
+                "after",
+                "purpose",
+                "uri",
+            ]
+        ),
+        ANY_TEXT,
+        max_size=3,
     ),
     headers=st.dictionaries(
         st.sampled_from(["last-event-id", "range", "idempotency-key", "content-type"]),
-        st.one_of(ANY_TEXT, st.sampled_from(DIGITS).map(lambda d: f"bytes={d}-{d}")).map(_header_value), max_size=3,
+        st.one_of(ANY_TEXT, st.sampled_from(DIGITS).map(lambda d: f"bytes={d}-{d}")).map(_header_value),
+        max_size=3,
     ),
     body=BODIES,
 )

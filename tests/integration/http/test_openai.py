@@ -41,7 +41,9 @@ async def stack(settings: Settings, backends: Backends) -> AsyncIterator[HttpSta
 
 @pytest.fixture
 async def client(stack: HttpStack) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{stack.url}/openai/v1", api_key=stack.api_key, max_retries=0, timeout=30) as c:
+    async with openai.AsyncOpenAI(
+        base_url=f"{stack.url}/openai/v1", api_key=stack.api_key, max_retries=0, timeout=30
+    ) as c:
         yield c
 
 
@@ -109,7 +111,9 @@ async def test_cancel_a_queued_response(client: openai.AsyncOpenAI) -> None:
     assert [e.type for e in events] == ["response.created", "response.cancelled"]
 
 
-async def test_a_stream_resumed_after_a_dropped_connection_misses_and_repeats_nothing(client: openai.AsyncOpenAI) -> None:
+async def test_a_stream_resumed_after_a_dropped_connection_misses_and_repeats_nothing(
+    client: openai.AsyncOpenAI,
+) -> None:
     made = await client.responses.create(
         model="llama-tiny", input="Count slowly.", background=True, max_output_tokens=200, temperature=0,
     )
@@ -117,7 +121,10 @@ async def test_a_stream_resumed_after_a_dropped_connection_misses_and_repeats_no
     first = await client.responses.retrieve(made.id, stream=True)
     async for event in first:
         seen.append(event)
-        if event.type == "response.output_text.delta" and sum(e.type == "response.output_text.delta" for e in seen) == 3:
+        if (
+            event.type == "response.output_text.delta"
+            and sum(e.type == "response.output_text.delta" for e in seen) == 3
+        ):
             break  # the connection drops mid-stream
     await first.close()
     assert seen and seen[-1].type == "response.output_text.delta"
@@ -126,7 +133,12 @@ async def test_a_stream_resumed_after_a_dropped_connection_misses_and_repeats_no
     numbers = [e.sequence_number for e in seen]
     assert numbers == list(range(len(seen)))  # no gap, no repeat
     types = [e.type for e in seen]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert types[-1] in ("response.completed", "response.incomplete")
     text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
     done = await client.responses.retrieve(made.id)
@@ -174,7 +186,10 @@ async def test_a_100_line_batch_completes_with_output_and_error_files(client: op
     for line in output:
         response = line["response"]
         assert response["status_code"] == 200 and response["body"]["object"] == "response"
-        assert response["body"]["status"] in ("completed", "incomplete") and response["body"]["output"][0]["content"][0]["text"]
+        assert (
+            response["body"]["status"] in ("completed", "incomplete")
+            and response["body"]["output"][0]["content"][0]["text"]
+        )
     [error] = [json.loads(line) for line in (await client.files.content(done.error_file_id)).text.splitlines()]
     assert error["custom_id"] == "req-17" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["param"] == "top_p"
@@ -188,7 +203,11 @@ async def test_a_chat_completions_batch_and_its_cancel(client: openai.AsyncOpenA
     lines.append({"custom_id": "c5", "method": "POST", "url": "/v1/responses", "body": {}})  # not the batch's endpoint
     data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
     uploaded = await client.files.create(file=("chat.jsonl", data), purpose="batch")
-    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h")  # type: ignore[arg-type]
+    batch = await client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="1h",  # type: ignore[arg-type]
+    )
 
     async def ingested() -> bool:
         got = await client.batches.retrieve(batch.id)

@@ -1,4 +1,5 @@
-"""Hostile webhook receivers: trickling, huge, malformed, hung-up and redirect-looping answers never wedge the sender."""
+"""Hostile webhook receivers: trickling, huge, malformed, hung-up and redirect-looping answers never wedge the
+sender."""
 
 from __future__ import annotations
 
@@ -34,8 +35,16 @@ HOSTILE: dict[str, Reply] = {
     "huge header": Reply(status=200, headers={"x-big": "h" * 200_000}),
     "1xx forever": Reply(raw=b"HTTP/1.1 100 Continue\r\n\r\n" * 2000),
 }
-FAILING = {"hangs", "trickles the body", "trickles an error", "huge 500 body", "garbage instead of HTTP", "hangs up at once",
-           "1xx forever", "huge header"}
+FAILING = {
+    "hangs",
+    "trickles the body",
+    "trickles an error",
+    "huge 500 body",
+    "garbage instead of HTTP",
+    "hangs up at once",
+    "1xx forever",
+    "huge header",
+}
 
 
 @pytest.fixture
@@ -68,7 +77,9 @@ def always(reply: Reply) -> Callable[[Received], Reply]:
 
 async def succeed_with_callback(backends: Backends, url: str) -> int:
     task = await insert_task(backends.pool, user_id=TENANT, model_id="sleepy", callback_url=url)
-    result = store.ResultRef(uri="nats-os://taskgate-results/x.json", content_type="application/json", size=10, sha256=SHA)
+    result = store.ResultRef(
+        uri="nats-os://taskgate-results/x.json", content_type="application/json", size=10, sha256=SHA
+    )
     changes: list[Step] = [store.Queue(), Claim(worker_id="w1", lease_seconds=30.0), store.Succeed(result)]
     for change in changes:
         assert (await moved(backends.pool, task.id, change)).applied
@@ -79,7 +90,9 @@ async def deliveries_ended(backends: Backends, task_ids: list[int]) -> bool:
     pending = await backends.pool.fetchval(
         "SELECT count(*) FROM callback_delivery WHERE task_id = ANY($1::bigint[]) AND status = 'PENDING'", task_ids
     )
-    made = await backends.pool.fetchval("SELECT count(*) FROM callback_delivery WHERE task_id = ANY($1::bigint[])", task_ids)
+    made = await backends.pool.fetchval(
+        "SELECT count(*) FROM callback_delivery WHERE task_id = ANY($1::bigint[])", task_ids
+    )
     return bool(made == len(task_ids) and pending == 0)
 
 
@@ -129,7 +142,10 @@ async def test_redirects_are_not_followed_even_in_a_loop(backends: Backends, not
     async with WebhookReceiver() as target, WebhookReceiver() as looping:
         looping.reply = lambda r: Reply(status=307, headers={"location": looping.url(r.path)})
         async with WebhookReceiver(always(Reply(status=302, headers={"location": target.url()}))) as redirecting:
-            ids = [await succeed_with_callback(backends, looping.url()), await succeed_with_callback(backends, redirecting.url())]
+            ids = [
+                await succeed_with_callback(backends, looping.url()),
+                await succeed_with_callback(backends, redirecting.url()),
+            ]
             await wait_for(lambda: deliveries_ended(backends, ids), 30)
             logged = await backends.pool.fetch(
                 "SELECT d.task_id, a.attempt, a.status_code, a.error FROM callback_attempt a "
@@ -137,7 +153,9 @@ async def test_redirects_are_not_followed_even_in_a_loop(backends: Backends, not
                 ids,
             )
             assert target.requests == []
-            assert len(looping.requests) == len(SCHEDULE) and len(redirecting.requests) == len(SCHEDULE), [dict(r) for r in logged]
+            assert len(looping.requests) == len(SCHEDULE) and len(redirecting.requests) == len(SCHEDULE), [
+                dict(r) for r in logged
+            ]
             statuses = await backends.pool.fetch(
                 "SELECT status, last_status_code FROM callback_delivery WHERE task_id = ANY($1::bigint[])", ids
             )

@@ -22,7 +22,9 @@ async def _relay_pass(pool: asyncpg.Pool) -> list[int]:
     return ids
 
 
-async def test_a_pass_deletes_from_the_outbox_and_appends_one_row_leaving_the_events_as_written(backends: Backends) -> None:
+async def test_a_pass_deletes_from_the_outbox_and_appends_one_row_leaving_the_events_as_written(
+    backends: Backends,
+) -> None:
     pool = backends.pool
     tasks = [await insert_task(pool) for _ in range(3)]
     before = [tuple(r) for r in await pool.fetch("SELECT * FROM task_event ORDER BY id")]
@@ -58,7 +60,9 @@ async def test_a_cursor_after_an_out_of_order_commit_still_finds_the_earlier_id(
 
     relayed_at = await event_store.relayed_at(pool, event_id=cursor, user_id="tenant-a")
     assert relayed_at is not None
-    back = [e.id for e in await event_store.user_events_lookback(pool, "tenant-a", cursor=cursor, relayed_at=relayed_at)]
+    back = [
+        e.id for e in await event_store.user_events_lookback(pool, "tenant-a", cursor=cursor, relayed_at=relayed_at)
+    ]
     assert early_event in back and cursor in back and old_event not in back
     # an event still in the outbox is not yet relayed: no relay time, and the lookback offers what is still to come
     waiting = await insert_task(pool)

@@ -1,4 +1,5 @@
-"""Notifier: the event relay, the webhook outbox and its HTTP behaviour, the TaskEvents streams (real PG, NATS, HTTP, gRPC)."""
+"""Notifier: the event relay, the webhook outbox and its HTTP behaviour, the TaskEvents streams (real PG, NATS, HTTP,
+gRPC)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ from tests.support.webhooks import Reply, WebhookReceiver
 
 
 async def delivery(pool: Any, task_id: int) -> Any:
-    return await pool.fetchrow("SELECT * FROM callback_delivery WHERE task_id = $1 AND event_type <> 'task.progress'", task_id)
+    return await pool.fetchrow(
+        "SELECT * FROM callback_delivery WHERE task_id = $1 AND event_type <> 'task.progress'", task_id
+    )
 
 
 
@@ -251,11 +254,15 @@ async def test_callback_status_moves_only_as_the_table_allows(backends: Backends
     for src in CallbackStatus:
         for dst in CallbackStatus:
             # any state as the starting point; the store has no way back to every one of them
-            await backends.pool.execute("UPDATE task SET callback_status = $2, callback_retry = 0 WHERE id = $1", task.id, src)
+            await backends.pool.execute(
+                "UPDATE task SET callback_status = $2, callback_retry = 0 WHERE id = $1", task.id, src
+            )
             moved = await outbox_store.move_status(backends.pool, [task.id], to=dst, retries=2)
             allowed = dst in CALLBACK_LEGAL[src]
             assert moved == ([task.id] if allowed else []), (src, dst)
-            row = await backends.pool.fetchrow("SELECT callback_status, callback_retry FROM task WHERE id = $1", task.id)
+            row = await backends.pool.fetchrow(
+                "SELECT callback_status, callback_retry FROM task WHERE id = $1", task.id
+            )
             assert (row["callback_status"], row["callback_retry"]) == ((dst, 2) if allowed else (src, 0)), (src, dst)
     silent = await insert_task(backends.pool)  # no callback URL: NONE for good
     assert await outbox_store.move_status(backends.pool, [silent.id], to=CallbackStatus.PENDING) == []
@@ -556,7 +563,9 @@ async def test_watch_tasks_follows_the_tenant_and_resumes_from_a_cursor(
         start_cursor = (await call.read()).cursor
         await run_to(pool, stranger.id, Status.SUCCEEDED)
         await run_to(pool, one.id, Status.PROCESSING)
-        got = await read_until(call, lambda ms: any(m.event.version == 3 for m in ms if m.WhichOneof("kind") == "event"))
+        got = await read_until(
+            call, lambda ms: any(m.event.version == 3 for m in ms if m.WhichOneof("kind") == "event")
+        )
         cursor = got[-1].cursor
         call.cancel()
     # Disconnected: both tasks move on.

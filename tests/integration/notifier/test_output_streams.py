@@ -174,7 +174,9 @@ async def test_a_finished_task_sends_its_snapshot_then_its_output_then_ends(
         ))
         assert kinds(replay) == ["event", "event"] + ["output"] * len(WORDS) + ["event"]
         # a stream that did not ask for output gets none
-        plain = await read_all(stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id)), metadata=bearer(api_key)))
+        plain = await read_all(
+            stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id)), metadata=bearer(api_key))
+        )
         assert kinds(plain) == ["snapshot"]
         tail = await read_all(stub.WatchTask(
             events_pb2.WatchTaskRequest(

@@ -1,6 +1,6 @@
-"""Output webhooks (callback event OUTPUT) on the real tiny language model and the real notifier: an opted-in chat task's
-receiver gets signed task.output webhooks whose chunks are the task's output stream, their text its final answer; a
-task not opted in gets none; a failed one is covered by the next."""
+"""Output webhooks (callback event OUTPUT) on the real tiny language model and the real notifier: an opted-in chat
+task's receiver gets signed task.output webhooks whose chunks are the task's output stream, their text its final answer;
+a task not opted in gets none; a failed one is covered by the next."""
 
 from __future__ import annotations
 
@@ -30,7 +30,11 @@ MODEL = "llama-tiny"
 def settings(settings: Settings, tiny_lm: Path) -> Settings:
     spec = ModelSpec(kind="transformers", path=tiny_lm, max_sequences=4, max_input_tokens=4096, max_output_tokens=6000)
     return settings.model_copy(
-        update={"models": {**settings.models, MODEL: spec}, "worker_models": [MODEL], "webhook_output_window_seconds": 0.2}
+        update={
+            "models": {**settings.models, MODEL: spec},
+            "worker_models": [MODEL],
+            "webhook_output_window_seconds": 0.2,
+        }
     )
 
 
@@ -56,7 +60,9 @@ async def submit(stub: Any, md: Any, url: str, events: list[str], seed: int) -> 
         temperature=0.0,
         seed=seed,
     )
-    request = gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params, callback_url=url, callback_events=events)
+    request = gateway_pb2.SubmitTaskRequest(
+        task_type="chat", model_id=MODEL, chat=params, callback_url=url, callback_events=events
+    )
     task: task_pb2.Task = (await stub.SubmitTask(request, metadata=md, timeout=10)).task
     return task
 
@@ -127,7 +133,9 @@ async def test_a_failed_output_webhook_is_covered_by_the_next_one(
         done = await wait_task(backends, int(task.id), is_status(Status.SUCCEEDED), within=60)
         stored = await chunks(backends, task.user_id, task.id)
         last = stored[-1].sequence
-        await wait_for(lambda: any(r.status == 200 and r.json()["data"].get("last_sequence") == last for r in rx.requests))
+        await wait_for(
+            lambda: any(r.status == 200 and r.json()["data"].get("last_sequence") == last for r in rx.requests)
+        )
         await wait_for(lambda: notifier.output_hooks is not None and notifier.output_hooks.followed == 0)
         # the terminal webhook is its own lane's: it may come after the last output one (a slow machine saw that)
         await wait_for(lambda: any(r.json()["type"] == "task.succeeded" and r.status == 200 for r in rx.requests))

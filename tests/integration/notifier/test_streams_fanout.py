@@ -24,7 +24,8 @@ STREAMS = 20
 
 
 class EtaReads:
-    """Counts the live events' ETA reads of the notifier (Estimates._read_many is their one path) and what each covered."""
+    """Counts the live events' ETA reads of the notifier (Estimates._read_many is their one path) and what each
+    covered."""
 
     def __init__(self) -> None:
         self.calls: list[list[tuple[int, Status]]] = []
@@ -64,7 +65,10 @@ async def test_each_live_event_costs_one_eta_read_however_many_streams_watch_it(
     task = await insert_task(pool)
     await run_to(pool, task.id, Status.PROCESSING)
     async with events_stub(handle) as stub:
-        calls = [stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id)), metadata=bearer(api_key)) for _ in range(STREAMS)]
+        calls = [
+            stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id)), metadata=bearer(api_key))
+            for _ in range(STREAMS)
+        ]
         snapshots = [await call.read() for call in calls]
         assert all(s.snapshot.version == 3 and s.snapshot.HasField("estimated_finish") for s in snapshots)
         assert len(eta_reads.calls) <= STREAMS  # opening: at most one each (concurrent ones share)
@@ -161,7 +165,9 @@ async def test_two_thousand_streams_opened_at_once_all_open(
         stub = events_pb2_grpc.TaskEventsStub(channel)
 
         async def open_one(i: int) -> None:
-            call = stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(tasks[i % len(tasks)].id)), metadata=bearer(api_key))
+            call = stub.WatchTask(
+                events_pb2.WatchTaskRequest(task_id=str(tasks[i % len(tasks)].id)), metadata=bearer(api_key)
+            )
             try:
                 ends[(await call.read()).WhichOneof("kind") or "?"] += 1
             except grpc.aio.AioRpcError as exc:
@@ -199,6 +205,8 @@ async def test_a_stream_outliving_its_connections_age_ends_with_a_status_and_whe
             assert info.reason == "STREAM_MAX_AGE", caught.value
             assert info.metadata[field] == ("4" if call is one else cursor)
             assert retry_delay(caught.value) is not None
-        resumed = stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id), after_version=4), metadata=bearer(api_key))
+        resumed = stub.WatchTask(
+            events_pb2.WatchTaskRequest(task_id=str(task.id), after_version=4), metadata=bearer(api_key)
+        )
         assert (await resumed.read()).WhichOneof("kind") in ("snapshot", "keepalive")
         resumed.cancel()

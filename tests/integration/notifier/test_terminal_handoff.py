@@ -61,8 +61,9 @@ async def test_the_end_reaches_a_watchtask_stream_while_the_relay_is_stuck(
         await backends.bus.nc.publish(busmod.ended_subject(task.id, 9))
         await workers(sleepy_settings(tuned, sleep=0.3))
         seen = await asyncio.wait_for(following, 20)
-    rows = await backends.pool.fetch("SELECT version, to_status::text AS s FROM task_event WHERE task_id = $1 ORDER BY version",
-                                     task.id)
+    rows = await backends.pool.fetch(
+        "SELECT version, to_status::text AS s FROM task_event WHERE task_id = $1 ORDER BY version", task.id
+    )
     assert rows[-1]["s"] == "SUCCEEDED"
     versions = [v for v, _ in seen]
     # the snapshot, then every later version once and in order (the ones before the end read from the table at the gap)
@@ -103,7 +104,10 @@ async def test_a_burst_of_terminal_events_reaches_every_stream_while_the_streams
     await all_relayed(pool)
     received: dict[int, int] = {}
     async with events_stub(notifier) as stub:
-        calls = {t.id: stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(t.id)), metadata=bearer(api_key)) for t in tasks}
+        calls = {
+            t.id: stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(t.id)), metadata=bearer(api_key))
+            for t in tasks
+        }
         for call in calls.values():
             assert (await asyncio.wait_for(call.read(), 20)).WhichOneof("kind") == "snapshot"
 
@@ -150,7 +154,9 @@ async def test_a_burst_reaches_every_stream_while_its_previous_events_eta_read_i
 
     monkeypatch.setattr(shared_reads.Estimates, "_read_many", held)
     # a keep-alive period beyond the test: the quiet check cannot be what delivers; the stream limits lifted
-    tuned = fast(settings, stream_keepalive_seconds=120.0, max_streams_per_tenant=HELD_BURST, tenant_calls_per_second=0.0)
+    tuned = fast(
+        settings, stream_keepalive_seconds=120.0, max_streams_per_tenant=HELD_BURST, tenant_calls_per_second=0.0
+    )
     notifier = await notifier_factory(tuned)
     gate = asyncio.Semaphore(16)
 

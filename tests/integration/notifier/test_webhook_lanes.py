@@ -23,7 +23,12 @@ from tests.support.webhooks import Received, Reply, WebhookReceiver
 def quick(settings: Settings, **update: Any) -> Settings:
     """Short scan periods; whatever the test sets."""
     return settings.model_copy(
-        update={"relay_scan_interval_seconds": 0.1, "webhook_scan_interval_seconds": 0.1, "webhook_jitter": 0.0, **update}
+        update={
+            "relay_scan_interval_seconds": 0.1,
+            "webhook_scan_interval_seconds": 0.1,
+            "webhook_jitter": 0.0,
+            **update,
+        }
     )
 
 
@@ -91,8 +96,13 @@ async def test_a_failing_destination_trips_its_breaker_then_lets_one_attempt_thr
 ) -> None:
     pool = backends.pool
     await auth.create_key(pool, settings.api_key_pepper, "tenant-a")
-    own = quick(settings, webhook_breaker_failures=3, webhook_breaker_seconds=1.5, webhook_concurrency_per_destination=4,
-                webhook_schedule_seconds=[0.0, 0.05, 0.05, 0.05, 0.05, 0.05])
+    own = quick(
+        settings,
+        webhook_breaker_failures=3,
+        webhook_breaker_seconds=1.5,
+        webhook_concurrency_per_destination=4,
+        webhook_schedule_seconds=[0.0, 0.05, 0.05, 0.05, 0.05, 0.05],
+    )
     trial = Reply(trickle=0.2)  # a slow 200: its second body byte 0.2 s after the first
     async with WebhookReceiver(replies(Reply(500), Reply(500), Reply(500), trial)) as rx:
         handle = await start_notifier(own, backends)
@@ -120,7 +130,9 @@ async def test_a_failing_destination_trips_its_breaker_then_lets_one_attempt_thr
     assert {r["status"] for r in statuses} == {"DELIVERED"} and len(statuses) == 4
 
 
-async def test_progress_webhooks_send_only_the_newest_and_are_not_retried(backends: Backends, settings: Settings) -> None:
+async def test_progress_webhooks_send_only_the_newest_and_are_not_retried(
+    backends: Backends, settings: Settings
+) -> None:
     pool = backends.pool
     await auth.create_key(pool, settings.api_key_pepper, "tenant-a")
     own = quick(settings, webhook_concurrency_per_destination=1, webhook_timeout_seconds=1.0,

@@ -30,7 +30,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 async def health(address: str, service: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
     return int(reply.status)
 
 
@@ -95,13 +97,23 @@ async def test_liveness_fails_when_a_loop_the_process_needs_has_ended(settings: 
 async def test_a_drained_worker_stays_up_alive_and_answering_but_not_ready(
     settings: Settings, backends: Backends, tmp_path: Path
 ) -> None:
-    admin = await scheduler_service.start(all_settings(backends), backends, scan_loop=False)  # vouches for WorkerControl callers
+    # vouches for WorkerControl callers
+    admin = await scheduler_service.start(all_settings(backends), backends, scan_loop=False)
     key, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "ops", admin=True)
     operator = (("authorization", f"Bearer {key}"),)
-    s = quick(settings).model_copy(update={"worker_admin_target": f"127.0.0.1:{admin.port}",
-        "models": {"sleepy": ModelSpec(kind="sleep", sleep_seconds=0.1)}, "default_model": "sleepy", "worker_models": ["sleepy"],
-        "worker_id": "cordoned", "worker_port": 0, "drain_grace_seconds": 0.2, "heartbeat_seconds": 0.2, "state_dir": tmp_path,
-    })
+    s = quick(settings).model_copy(
+        update={
+            "worker_admin_target": f"127.0.0.1:{admin.port}",
+            "models": {"sleepy": ModelSpec(kind="sleep", sleep_seconds=0.1)},
+            "default_model": "sleepy",
+            "worker_models": ["sleepy"],
+            "worker_id": "cordoned",
+            "worker_port": 0,
+            "drain_grace_seconds": 0.2,
+            "heartbeat_seconds": 0.2,
+            "state_dir": tmp_path,
+        }
+    )
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.worker", env=settings_env(s) | {"PYTHONUNBUFFERED": "1"}, cwd=ROOT,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)

@@ -23,7 +23,19 @@ from taskgate.store.workers import Verdict
 from tests.support.factories import claim, insert_task
 
 # Labels that would make a series per task, tenant, request or worker process: never allowed.
-UNBOUNDED_LABELS = {"task_id", "user_id", "tenant", "tenant_id", "request_id", "worker_id", "worker", "id", "prompt", "uri", "url"}
+UNBOUNDED_LABELS = {
+    "task_id",
+    "user_id",
+    "tenant",
+    "tenant_id",
+    "request_id",
+    "worker_id",
+    "worker",
+    "id",
+    "prompt",
+    "uri",
+    "url",
+}
 # Histograms that count things rather than time.
 COUNT_HISTOGRAMS = {"taskgate_callback_attempts_per_delivery"}
 
@@ -57,7 +69,9 @@ def lines() -> Iterator[Lines]:
 
 
 def record(msg: str, **extra: Any) -> logging.LogRecord:
-    return logging.getLogger("taskgate.test").makeRecord("taskgate.test", logging.INFO, __file__, 1, msg, (), None, extra=extra)
+    return logging.getLogger("taskgate.test").makeRecord(
+        "taskgate.test", logging.INFO, __file__, 1, msg, (), None, extra=extra
+    )
 
 
 def test_json_formatter_writes_request_id_and_extra_fields() -> None:
@@ -68,7 +82,12 @@ def test_json_formatter_writes_request_id_and_extra_fields() -> None:
     finally:
         telemetry.request_id.reset(token)
     assert out["request_id"] == "req-123"
-    assert (out["service"], out["level"], out["logger"], out["msg"]) == ("submit", "info", "taskgate.test", "task accepted")
+    assert (out["service"], out["level"], out["logger"], out["msg"]) == (
+        "submit",
+        "info",
+        "taskgate.test",
+        "task accepted",
+    )
     assert (out["task_id"], out["model"], out["attempt"]) == ("42", "wan-tiny", 2)
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", out["ts"])
 
@@ -116,7 +135,12 @@ async def test_each_transition_logs_one_json_line_without_the_prompt(database_ur
     moves = lines.messages("transition")
     assert len(moves) == 2, "one line per applied transition, none for a refused one"
     first, second = moves
-    assert (first["task_id"], first["from"], first["to"], first["reason"]) == (str(task.id), "CREATED", "QUEUED", "published")
+    assert (first["task_id"], first["from"], first["to"], first["reason"]) == (
+        str(task.id),
+        "CREATED",
+        "QUEUED",
+        "published",
+    )
     assert (second["from"], second["to"], second["worker"], second["attempt"], second["actor"]) == (
         Status.QUEUED.value, Status.PROCESSING.value, "w-1", 1, "worker",
     )
@@ -139,7 +163,10 @@ def _register(srv: grpc.aio.Server) -> list[str]:
         (
             grpc.method_handlers_generic_handler(
                 "test.v1.Probe",
-                {"Echo": grpc.unary_unary_rpc_method_handler(_echo), "Missing": grpc.unary_unary_rpc_method_handler(_missing)},
+                {
+                    "Echo": grpc.unary_unary_rpc_method_handler(_echo),
+                    "Missing": grpc.unary_unary_rpc_method_handler(_missing),
+                },
             ),
         )
     )
@@ -153,11 +180,19 @@ async def test_rpc_log_lines_carry_the_request_id_and_calls_are_counted(lines: L
         default_model="m1",
         models={"m1": ModelSpec(kind="sleep", queue_timeout_seconds=42), "m2": ModelSpec(kind="sleep")},
     )
-    before = REGISTRY.get_sample_value("taskgate_grpc_requests_total", {"service": "Probe", "method": "Missing", "code": "NOT_FOUND"}) or 0
+    before = (
+        REGISTRY.get_sample_value(
+            "taskgate_grpc_requests_total", {"service": "Probe", "method": "Missing", "code": "NOT_FOUND"}
+        )
+        or 0
+    )
     srv, port, _ = await server.start_server(settings, 0, _register)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            assert await channel.unary_unary("/test.v1.Probe/Echo")(b"hi", metadata=(("x-request-id", "req-abc"),)) == b"hi"
+            assert (
+                await channel.unary_unary("/test.v1.Probe/Echo")(b"hi", metadata=(("x-request-id", "req-abc"),))
+                == b"hi"
+            )
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await channel.unary_unary("/test.v1.Probe/Missing")(b"x")
     finally:
@@ -169,9 +204,13 @@ async def test_rpc_log_lines_carry_the_request_id_and_calls_are_counted(lines: L
     assert len(generated) == 1 and re.fullmatch(r"[0-9a-f]{16}", str(next(iter(generated))))
     assert lines.messages("rpc failed")[0]["code"] == "NOT_FOUND"
 
-    after = REGISTRY.get_sample_value("taskgate_grpc_requests_total", {"service": "Probe", "method": "Missing", "code": "NOT_FOUND"})
+    after = REGISTRY.get_sample_value(
+        "taskgate_grpc_requests_total", {"service": "Probe", "method": "Missing", "code": "NOT_FOUND"}
+    )
     assert after == before + 1
-    assert REGISTRY.get_sample_value("taskgate_grpc_request_duration_seconds_count", {"service": "Probe", "method": "Echo"})
+    assert REGISTRY.get_sample_value(
+        "taskgate_grpc_request_duration_seconds_count", {"service": "Probe", "method": "Echo"}
+    )
     # The queue-timeout alert compares each model's oldest QUEUED age with this gauge.
     assert REGISTRY.get_sample_value("taskgate_queue_timeout_seconds", {"model": "m1"}) == 42
     assert REGISTRY.get_sample_value("taskgate_queue_timeout_seconds", {"model": "m2"}) == 99

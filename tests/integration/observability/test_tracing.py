@@ -168,7 +168,9 @@ async def test_one_task_is_one_trace_across_the_four_service_processes(
                 return bool(await backends.pool.fetchval("SELECT publish_count FROM task WHERE id = $1", task_id))
 
             async def succeeded() -> bool:
-                return bool(await backends.pool.fetchval("SELECT status = 'SUCCEEDED' FROM task WHERE id = $1", task_id))
+                return bool(
+                    await backends.pool.fetchval("SELECT status = 'SUCCEEDED' FROM task WHERE id = $1", task_id)
+                )
 
             await wait_for(republished, 30)
             await cluster.start("worker")
@@ -211,9 +213,12 @@ async def test_one_task_is_one_trace_across_the_four_service_processes(
     assert sent.parent_id == rpc.span_id and sent.kind == "PRODUCER"
     republished_spans = _named(spans, "dispatch republished", "taskgate-scheduler")
     assert republished_spans and all(s.parent_id == rpc.span_id for s in republished_spans), "from the row's context"
-    assert any(s.service == "taskgate-submit" and s.kind == "CLIENT" and s.parent_id == rpc.span_id for s in spans), "asyncpg"
+    assert any(s.service == "taskgate-submit" and s.kind == "CLIENT" and s.parent_id == rpc.span_id for s in spans), (
+        "asyncpg"
+    )
 
-    # each delivery the worker took is a child of the dispatch that sent it; the retried attempt failed, the next one ran
+    # each delivery the worker took is a child of the dispatch that sent it; the retried attempt failed, the next one
+    # ran
     deliveries = _named(spans, "worker dispatch", "taskgate-worker")
     assert all(by_id[d.parent_id].name.startswith("dispatch ") for d in deliveries)
     attempts = sorted(_named(spans, "attempt", "taskgate-worker"), key=lambda s: s.attributes["taskgate.attempt"])
@@ -242,7 +247,9 @@ def test_off_unless_the_otel_variables_ask_for_it() -> None:
     assert tracing.exporters_wanted({"OTEL_SERVICE_NAME": "x"}) == []
     assert tracing.exporters_wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}) == ["otlp"]
     assert tracing.exporters_wanted({"OTEL_TRACES_EXPORTER": "otlp,console"}) == ["otlp", "console"]
-    assert tracing.exporters_wanted({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}) == []
+    assert (
+        tracing.exporters_wanted({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}) == []
+    )
     assert tracing.exporters_wanted({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}) == []
     # off in this process: no span, no header, no carrier
     assert not tracing.enabled()

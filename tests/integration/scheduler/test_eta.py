@@ -105,7 +105,9 @@ async def test_a_queued_tasks_eta_comes_from_history_and_grows_with_its_place_in
     assert (one.queue_position, two.queue_position) == (1, 2)
     assert at(one.estimated_finish) - at(one.estimated_start) == timedelta(seconds=10)  # one run
     # position x run time / slots: 1 x 10 / 2 and 2 x 10 / 2 seconds from the moment each was answered
-    assert before + timedelta(seconds=5) - timedelta(seconds=1) <= at(one.estimated_start) <= after + timedelta(seconds=6)
+    assert (
+        before + timedelta(seconds=5) - timedelta(seconds=1) <= at(one.estimated_start) <= after + timedelta(seconds=6)
+    )
     assert at(two.estimated_start) - at(one.estimated_start) >= timedelta(seconds=5) - timedelta(milliseconds=1)
     assert at(two.estimated_finish) > at(one.estimated_finish)
 
@@ -191,10 +193,14 @@ async def test_a_progress_webhook_carries_the_eta_and_a_final_one_does_not(stack
 
 def test_the_estimate_respects_the_models_cap_and_needs_a_live_slot() -> None:
     now = datetime(2030, 1, 1, tzinfo=UTC)
-    inputs = estimates.EtaInputs(1, Status.QUEUED, 2, 0, "m", level_position=3, run_seconds=12.0, runs=5, slots=4, now=now)
+    inputs = estimates.EtaInputs(
+        1, Status.QUEUED, 2, 0, "m", level_position=3, run_seconds=12.0, runs=5, slots=4, now=now
+    )
     assert eta.estimate(inputs).start == now + timedelta(seconds=9)
     assert eta.estimate(inputs, cap=2).start == now + timedelta(seconds=18)  # only two run at once, whatever the slots
-    idle = estimates.EtaInputs(1, Status.QUEUED, 2, 0, "m", level_position=3, run_seconds=12.0, runs=5, slots=0, now=now)
+    idle = estimates.EtaInputs(
+        1, Status.QUEUED, 2, 0, "m", level_position=3, run_seconds=12.0, runs=5, slots=0, now=now
+    )
     assert eta.estimate(idle) == eta.Estimate(Status.QUEUED, 3)
 
 
@@ -233,8 +239,21 @@ def test_a_chat_tasks_run_time_is_its_expected_tokens_times_the_seconds_per_toke
     assert run(chat_task(10, 40.0, 0.05)) == timedelta(seconds=0.5)  # never more than it may generate
     assert chat_task(100, None, None).start is None  # no run measured tokens: no guess
     def running(progress: int, mean: float | None) -> datetime | None:
-        inputs = estimates.EtaInputs(1, Status.PROCESSING, 2, progress, "m", level_position=0, run_seconds=60.0, runs=5,
-                                     slots=0, now=now, max_output_tokens=100, token_seconds=0.05, mean_output_tokens=mean)
+        inputs = estimates.EtaInputs(
+            1,
+            Status.PROCESSING,
+            2,
+            progress,
+            "m",
+            level_position=0,
+            run_seconds=60.0,
+            runs=5,
+            slots=0,
+            now=now,
+            max_output_tokens=100,
+            token_seconds=0.05,
+            mean_output_tokens=mean,
+        )
         return eta.estimate(inputs).finish
 
     assert running(50, None) == now + timedelta(seconds=2.5)  # 50 of its 100 tokens generated: 50 x 0.05 s left
@@ -252,7 +271,9 @@ async def chat_runs(pool: Any, runs: list[tuple[float, int]]) -> None:
         await claimed(pool, task_id, worker_id="w-history", lease_seconds=30.0)
         answer = store.TextOutcome("x", 1, "length", 10, tokens)
         assert (await store.apply(pool, task_id, store.Succeed(RESULT, text=answer), actor="test")).applied
-        await pool.execute("UPDATE task SET started_at = finished_at - make_interval(secs => $2) WHERE id = $1", task_id, seconds)
+        await pool.execute(
+            "UPDATE task SET started_at = finished_at - make_interval(secs => $2) WHERE id = $1", task_id, seconds
+        )
 
 
 def chat_payload(max_output_tokens: int) -> dict[str, Any]:

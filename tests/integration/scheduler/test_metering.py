@@ -26,8 +26,13 @@ SLEEP = 0.3  # each attempt's device phase
 async def test_a_retried_task_is_metered_per_attempt_and_summed_per_tenant_and_hour(
     backends: Backends, workers: Factory, admin: Admin
 ) -> None:
-    s = with_(sleepy_settings(all_settings(backends), sleep=SLEEP, fail_times=1, fail_code="TRANSIENT_IO", encode_seconds=0.1),
-              retry_backoff_seconds=0.05, retry_jitter=0.0)
+    s = with_(
+        sleepy_settings(
+            all_settings(backends), sleep=SLEEP, fail_times=1, fail_code="TRANSIENT_IO", encode_seconds=0.1
+        ),
+        retry_backoff_seconds=0.05,
+        retry_jitter=0.0,
+    )
     await workers(s)
     task = await submit(backends, params=params(steps=2), max_retries=1, callback_url="https://example.invalid/hook")
     row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED))
@@ -51,7 +56,9 @@ async def test_a_retried_task_is_metered_per_attempt_and_summed_per_tenant_and_h
 
     # TaskAdmin.GetUsage: the tenant's totals, and per hour
     got = await admin.stub.GetUsage(admin_pb2.GetUsageRequest(tenant=row.user_id), metadata=admin.admin)
-    assert [(u.tenant, u.model_id, u.attempts, u.HasField("hour")) for u in got.rows] == [(row.user_id, SLEEPY, 2, False)]
+    assert [(u.tenant, u.model_id, u.attempts, u.HasField("hour")) for u in got.rows] == [
+        (row.user_id, SLEEPY, 2, False)
+    ]
     assert got.rows[0].gpu_seconds == pytest.approx(row.device_seconds) and not got.truncated
     hourly = await admin.stub.GetUsage(admin_pb2.GetUsageRequest(by_hour=True), metadata=admin.admin)
     assert [(u.tenant, u.hour.ToDatetime(tzinfo=UTC)) for u in hourly.rows] == [(row.user_id, hours[0]["hour"])]
@@ -64,8 +71,12 @@ async def test_a_retried_task_is_metered_per_attempt_and_summed_per_tenant_and_h
     async with backends.pool.acquire() as conn, conn.transaction():
         relayed = [r for r in await events.take_unpublished(conn, limit=100) if r.event.task_id == task.id]
     body = outbox.payload(relayed[-1], "task.succeeded")
-    assert body["data"]["usage"] == {"gpu_seconds": row.device_seconds, "slot_seconds": row.slot_seconds, "input_tokens": 0,
-                                     "output_tokens": 0}
+    assert body["data"]["usage"] == {
+        "gpu_seconds": row.device_seconds,
+        "slot_seconds": row.slot_seconds,
+        "input_tokens": 0,
+        "output_tokens": 0,
+    }
     assert outbox.payload(relayed[0], "task.progress")["data"]["usage"] is None
 
 
@@ -90,7 +101,9 @@ async def test_a_move_by_anyone_but_the_worker_adds_no_seconds(backends: Backend
     assert await backends.pool.fetchval("SELECT count(*) FROM usage_hour") == 0
 
 
-async def test_a_budgeted_task_run_by_a_worker_is_charged_what_it_measured(backends: Backends, workers: Factory) -> None:
+async def test_a_budgeted_task_run_by_a_worker_is_charged_what_it_measured(
+    backends: Backends, workers: Factory
+) -> None:
     pool = backends.pool
     await auth.create_key(pool, backends.settings.api_key_pepper, "tenant-a")
     await tenants.update_tenant(pool, "tenant-a", max_pending=None, submits_per_minute=None, max_priority=None,
@@ -108,7 +121,9 @@ async def test_a_budgeted_task_run_by_a_worker_is_charged_what_it_measured(backe
     row = await wait_task(backends, admitted.task.id, is_status(Status.SUCCEEDED))
     # the reservation became what the worker measured
     assert row.device_seconds >= SLEEP * 0.95
-    assert await pool.fetchval("SELECT seconds FROM budget_charge WHERE tenant_id = 'tenant-a'") == pytest.approx(row.device_seconds)
+    assert await pool.fetchval("SELECT seconds FROM budget_charge WHERE tenant_id = 'tenant-a'") == pytest.approx(
+        row.device_seconds
+    )
 
 
 async def test_usage_per_end_user_sums_to_the_tenants(backends: Backends, workers: Factory, admin: Admin) -> None:

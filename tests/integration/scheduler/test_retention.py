@@ -75,7 +75,8 @@ async def counts(backends: Backends, task_id: int) -> tuple[int, int, int]:
         await pool.fetchval("SELECT count(*) FROM task WHERE id = $1", task_id),
         await pool.fetchval("SELECT count(*) FROM task_event WHERE task_id = $1", task_id),
         await pool.fetchval(
-            "SELECT count(*) FROM callback_attempt a JOIN callback_delivery d ON d.id = a.delivery_id WHERE d.task_id = $1",
+            "SELECT count(*) FROM callback_attempt a JOIN callback_delivery d ON d.id = a.delivery_id WHERE d.task_id "
+            "= $1",
             task_id,
         ),
     )
@@ -84,7 +85,9 @@ async def counts(backends: Backends, task_id: int) -> tuple[int, int, int]:
 async def with_webhook_log(backends: Backends, task: TaskRow) -> None:
     """A delivered webhook of the task's terminal event with one attempt logged (as the notifier writes them)."""
     async with backends.pool.acquire() as conn:
-        await conn.execute("DELETE FROM event_outbox o USING task_event e WHERE e.id = o.event_id AND e.task_id = $1", task.id)
+        await conn.execute(
+            "DELETE FROM event_outbox o USING task_event e WHERE e.id = o.event_id AND e.task_id = $1", task.id
+        )
         delivery = await conn.fetchval(
             "INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, status, "
             "attempts, delivered_at) SELECT task_id, max(id), 'tenant-a', 'msg_' || task_id, 'task.succeeded', "
@@ -198,7 +201,8 @@ async def test_admin_purge_dry_run_counts_then_deletes_through_the_sdk_and_the_c
     old = [await succeeded_with(backends, outputs, f"old{i}.mp4") for i in range(3)]
     fresh = await put_in(backends.pool, Status.FAILED)
     await backends.pool.execute(
-        "UPDATE task SET finished_at = finished_at - interval '2 days' WHERE id = ANY($1::bigint[])", [t.id for t in old]
+        "UPDATE task SET finished_at = finished_at - interval '2 days' WHERE id = ANY($1::bigint[])",
+        [t.id for t in old],
     )
     async with connect_async(f"127.0.0.1:{port}", key, admin_address=f"127.0.0.1:{port}", admin_key=key) as client:
         would = await client.purge(DAY, dry_run=True)
@@ -224,7 +228,11 @@ async def test_purge_keeps_finished_tasks_whose_webhook_is_owed_or_whose_attempt
     pool = backends.pool
     hook = "http://127.0.0.1:9/hook"
     owed = await insert_task(pool, prompt="owed", callback_url=hook)  # its terminal webhook not delivered yet
-    for change in (store.Queue(), Claim("w1", 10.0), store.Succeed(store.ResultRef("mem://o", "video/mp4", 1, "ab" * 32))):
+    for change in (
+        store.Queue(),
+        Claim("w1", 10.0),
+        store.Succeed(store.ResultRef("mem://o", "video/mp4", 1, "ab" * 32)),
+    ):
         assert (await moved(pool, owed.id, change)).applied
     retrying = await insert_task(pool, prompt="retrying", callback_url=hook)  # a delivery still being retried
     assert (await store.cancel(pool, retrying.id, mode=store.CancelMode.HARD, actor="test")).applied
@@ -238,7 +246,9 @@ async def test_purge_keeps_finished_tasks_whose_webhook_is_owed_or_whose_attempt
     assert (await store.cancel(pool, running.id, mode=store.CancelMode.SOFT, actor="test")).applied
     plain = await put_in(pool, Status.FAILED)
     everyone = [owed.id, retrying.id, running.id, plain.id]
-    await pool.execute("UPDATE task SET finished_at = finished_at - interval '2 days' WHERE id = ANY($1::bigint[])", everyone)
+    await pool.execute(
+        "UPDATE task SET finished_at = finished_at - interval '2 days' WHERE id = ANY($1::bigint[])", everyone
+    )
 
     async with connect_async(f"127.0.0.1:{port}", key, admin_address=f"127.0.0.1:{port}", admin_key=key) as client:
         would = await client.purge(DAY, dry_run=True)
@@ -256,13 +266,17 @@ async def test_purge_keeps_finished_tasks_whose_webhook_is_owed_or_whose_attempt
         assert sorted(r["id"] for r in await pool.fetch("SELECT id FROM task")) == sorted(everyone[:3])
 
         # the scheduler's own retention follows the same rule, the pending delivery's event included
-        scan = RetentionScan(ScanContext(settings.model_copy(update={"retain_events_seconds": 1.0}), pool, backends.bus))
+        scan = RetentionScan(
+            ScanContext(settings.model_copy(update={"retain_events_seconds": 1.0}), pool, backends.bus)
+        )
         later = await scan.run(await db_now(pool) + timedelta(days=60))
         assert later.actions[Action.PURGE_TASK] == 0
         assert await pool.fetchval("SELECT count(*) FROM callback_delivery WHERE task_id = $1", retrying.id) == 1
 
         # once delivered and let go, they go
-        await pool.execute("UPDATE callback_delivery SET status = 'DELIVERED', delivered_at = now() WHERE task_id = $1", retrying.id)
+        await pool.execute(
+            "UPDATE callback_delivery SET status = 'DELIVERED', delivered_at = now() WHERE task_id = $1", retrying.id
+        )
         await pool.execute("UPDATE task SET callback_status = 'DELIVERED' WHERE id = $1", owed.id)
         assert await store.let_go(pool, running.id, attempt=1)
         done = await client.purge(0.0)

@@ -48,7 +48,7 @@ FROM (
            now() - make_interval(secs => (i % 7200)) AS t
     FROM generate_series(1, 100000) AS i
 ) g
-"""
+"""  # noqa: E501
 
 
 @pytest.fixture
@@ -57,7 +57,9 @@ async def big(backends: Backends) -> Backends:
         await conn.execute("ALTER TABLE task DISABLE TRIGGER task_event_on_insert")  # no history for fixture rows
         await conn.execute(BULK)
         await conn.execute("ALTER TABLE task ENABLE TRIGGER task_event_on_insert")
-        await conn.execute("INSERT INTO dead_letter (task_id, reason) SELECT id, 'x' FROM task WHERE status = 'FAILED' AND id % 2 = 0")
+        await conn.execute(
+            "INSERT INTO dead_letter (task_id, reason) SELECT id, 'x' FROM task WHERE status = 'FAILED' AND id % 2 = 0"
+        )
         await conn.execute("ANALYZE task")
         await conn.execute("ANALYZE dead_letter")
     return backends
@@ -78,25 +80,41 @@ async def test_every_scan_query_uses_an_index_on_task(big: Backends) -> None:
         "lease_expired": lambda c: maintenance.lease_expired(c, limit=limit),
         "lapsed_holds": lambda c: maintenance.lapsed_holds(c, limit=limit),
         "processing_overdue": lambda c: maintenance.processing_overdue(
-            c, timeouts=processing_timeouts, default_seconds=s.processing_timeout_seconds,
-            grace_seconds=s.processing_grace_seconds, limit=limit,
+            c,
+            timeouts=processing_timeouts,
+            default_seconds=s.processing_timeout_seconds,
+            grace_seconds=s.processing_grace_seconds,
+            limit=limit,
         ),
         "add_missing_dead_letters": lambda c: maintenance.add_missing_dead_letters(
             c, window_seconds=s.dead_letter_window_seconds, reason="retries exhausted", limit=limit
         ),
         "purge_tasks": lambda c: maintenance.purge_tasks(c, older_than_seconds=s.retain_tasks_seconds, limit=limit),
         "purge_checkpoints": lambda c: maintenance.purge_checkpoints(c, limit=limit),
-        "preempt": lambda c: maintenance.preempt(c, after={m: 60.0 for m in s.models}, window_seconds=s.preempt_window_seconds),
-        "purge_results": lambda c: maintenance.purge_results(c, older_than_seconds=s.retain_results_seconds, limit=limit),
-        "purge_previews": lambda c: maintenance.purge_previews(c, older_than_seconds=s.retain_results_seconds, limit=limit),
+        "preempt": lambda c: maintenance.preempt(
+            c, after={m: 60.0 for m in s.models}, window_seconds=s.preempt_window_seconds
+        ),
+        "purge_results": lambda c: maintenance.purge_results(
+            c, older_than_seconds=s.retain_results_seconds, limit=limit
+        ),
+        "purge_previews": lambda c: maintenance.purge_previews(
+            c, older_than_seconds=s.retain_results_seconds, limit=limit
+        ),
         "purge_events": lambda c: maintenance.purge_events(c, older_than_seconds=s.retain_events_seconds, limit=limit),
-        "unreferenced": lambda c: maintenance.unreferenced(c, [("tenant-2", "c81e728d9d4c2f636f067f89cc14862c", "mem://2")]),
+        "unreferenced": lambda c: maintenance.unreferenced(
+            c, [("tenant-2", "c81e728d9d4c2f636f067f89cc14862c", "mem://2")]
+        ),
         "retention_counts": lambda c: maintenance.retention_counts(c, older_than_seconds=s.retain_tasks_seconds),
         "queue_gauges": maintenance.queue_gauges,
         "live_counts": admin_store.live_counts,
         "live_priority_counts": admin_store.live_priority_counts,
         "latest_failures": lambda c: admin_store.list_tasks(  # the dashboard's, once a second
-            c, statuses=[Status.FAILED, Status.TIMEOUT], model_id=None, older_than_seconds=None, after=None, limit=10,
+            c,
+            statuses=[Status.FAILED, Status.TIMEOUT],
+            model_id=None,
+            older_than_seconds=None,
+            after=None,
+            limit=10,
             newest_first=True,
         ),
         "oldest_queued_age": admin_store.oldest_queued_age,
@@ -140,7 +158,7 @@ async def test_a_claim_reads_the_live_leases_only_however_stale_the_statistics(b
            CASE WHEN $1 = 'CANCELED' THEN 'soft' END, now(),
            CASE WHEN $1 = 'CANCELED' THEN now() END, now(), now()
     FROM generate_series($2::bigint, $3::bigint) AS i
-    """
+    """  # noqa: E501
     async with backends.pool.acquire() as conn:
         await conn.execute("ALTER TABLE task SET (autovacuum_enabled = false)")  # the statistics stay stale
         await conn.execute("ALTER TABLE task DISABLE TRIGGER task_event_on_insert")
@@ -160,8 +178,9 @@ async def test_a_claim_reads_the_live_leases_only_however_stale_the_statistics(b
         claimed = await conn.fetchrow("SELECT status::text, worker_id FROM task WHERE id = 1")
     # the fair pick (a skip scan over the level's tenants, the stride rows) reads about 60 more than the caps alone, and
     # the end users' pick inside the winning tenant (#35: its skip scan, its stride row) about 35 more (169 -> 203);
-    # the look for tasks to run alone (#41, migration 0047: one probe of their empty index, and the checks it gates) about
-    # 40 more on this second call of a session (242 -> 283), most of it planning: each statement runs in 1-4 blocks
+    # the look for tasks to run alone (#41, migration 0047: one probe of their empty index, and the checks it gates)
+    # about 40 more on this second call of a session (242 -> 283), most of it planning: each statement runs in 1-4
+    # blocks
     assert explained["Plan"]["Shared Hit Blocks"] + explained["Plan"].get("Shared Read Blocks", 0) < 300, explained
     assert (claimed["status"], claimed["worker_id"]) == ("PROCESSING", "w")  # under both caps: claimed
 
@@ -174,7 +193,7 @@ async def test_a_fair_claim_reads_one_task_per_tenant_however_long_the_queue(bac
     SELECT i, $1, 'k-' || i, md5(i::text), 'text-to-video', 'sleepy', 'p', '{}', 5, 'sleepy.5', 'QUEUED',
            now() + make_interval(secs => i), now(), now()
     FROM generate_series($2::bigint, $3::bigint) AS i
-    """
+    """  # noqa: E501
     async with backends.pool.acquire() as conn:
         await conn.execute("ALTER TABLE task DISABLE TRIGGER task_event_on_insert")
         await conn.execute(rows, "bulk", 1, 20_000)

@@ -71,14 +71,17 @@ async def test_failed_publish_leaves_the_task_for_the_next_pass(backends: Backen
 
 
 async def dead_notice(backends: Backends, task: TaskRow) -> tuple[str, str]:
-    """The reason and error code of the latest notice on the dead-letter stream for the task's model (it must be this task's)."""
+    """The reason and error code of the latest notice on the dead-letter stream for the task's model (it must be this
+    task's)."""
     msg = await backends.bus.js.get_last_msg(busmod.DEAD_STREAM, busmod.dead_subject(task.model_id))
     notice = json.loads(msg.data or b"{}")
     assert notice["task_id"] == str(task.id) and msg.headers and msg.headers.get("Nats-Msg-Id") == f"{task.id}.dead"
     return notice["reason"], notice["error_code"]
 
 
-async def test_queue_timeout_republishes_only_a_missing_message_then_times_out(backends: Backends, scheduler: Scheduler) -> None:
+async def test_queue_timeout_republishes_only_a_missing_message_then_times_out(
+    backends: Backends, scheduler: Scheduler
+) -> None:
     task = await put_in(backends.pool, Status.QUEUED)  # queued, but its message never reached the stream
     now = await db_now(backends.pool)
     assert (await scheduler.run_once(now + timedelta(seconds=179))).actions.total() == 0
@@ -175,7 +178,9 @@ async def test_expired_lease_requeues_and_fences_out_the_old_attempt(backends: B
     assert done.applied
 
 
-async def test_slow_but_alive_worker_gets_one_grace_then_timeout_and_cancel(backends: Backends, scheduler: Scheduler) -> None:
+async def test_slow_but_alive_worker_gets_one_grace_then_timeout_and_cancel(
+    backends: Backends, scheduler: Scheduler
+) -> None:
     s = all_settings(backends)
     task = await put_in(backends.pool, Status.PROCESSING)
     assert task.started_at is not None
@@ -204,7 +209,8 @@ async def test_slow_but_alive_worker_gets_one_grace_then_timeout_and_cancel(back
     assert await dead_notice(backends, task) == ("processing timeout", "PROCESSING_TIMEOUT")
     signal = task_pb2.CancelSignal.FromString((await sub.next_msg(timeout=5)).data)
     assert (signal.task_id, signal.hard) == (str(task.id), True)
-    assert not await store.renew_lease(backends.pool, task.id, attempt=task.attempt, lease_seconds=10)  # the worker learns it too
+    # the worker learns it too
+    assert not await store.renew_lease(backends.pool, task.id, attempt=task.attempt, lease_seconds=10)
     await sub.unsubscribe()
 
 
@@ -226,7 +232,8 @@ async def test_two_replicas_never_double_requeue(settings: Settings) -> None:
         assert moved["a"] + moved["b"] == 200
         assert moved["a"] > 0 and moved["b"] > 0, moved  # both replicas really worked at the same time
         rows = await a.pool.fetch(
-            "SELECT task_id, count(*) AS n FROM task_event WHERE task_id = ANY($1::bigint[]) AND version > $2 GROUP BY task_id",
+            "SELECT task_id, count(*) AS n FROM task_event WHERE task_id = ANY($1::bigint[]) AND version > $2 GROUP BY "
+            "task_id",
             [t.id for t in tasks], tasks[0].version,
         )
         assert len(rows) == 200 and all(r["n"] == 1 for r in rows)
@@ -323,7 +330,9 @@ async def test_runs_as_its_own_process_and_stops_on_sigterm(settings: Settings) 
 
             async def serving() -> bool:
                 try:
-                    reply = await health.Check(health_pb2.HealthCheckRequest(service="taskgate.v1.TaskAdmin"), timeout=1)
+                    reply = await health.Check(
+                        health_pb2.HealthCheckRequest(service="taskgate.v1.TaskAdmin"), timeout=1
+                    )
                 except grpc.aio.AioRpcError:
                     return False
                 return reply.status == health_pb2.HealthCheckResponse.SERVING

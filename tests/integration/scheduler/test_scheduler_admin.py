@@ -50,7 +50,9 @@ async def test_admin_key_required(admin: Admin) -> None:
     assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
     task = await put_in(admin.backends.pool, Status.QUEUED)
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in admin.stub.RequeueTasks(admin_pb2.RequeueTasksRequest(task_ids=[str(task.id)]), metadata=admin.user):
+        async for _ in admin.stub.RequeueTasks(
+            admin_pb2.RequeueTasksRequest(task_ids=[str(task.id)]), metadata=admin.user
+        ):
             pass
     assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
     assert (await row(admin.backends.pool, task.id)).version == task.version
@@ -67,14 +69,14 @@ async def test_get_stats(admin: Admin) -> None:
     await pool.execute("UPDATE task SET queued_at = now() - interval '90 seconds' WHERE status = 'QUEUED'")
     await pool.execute(
         "INSERT INTO worker (id, models, slots, device, last_heartbeat) VALUES "
-        "('w-live', '{sleepy,wan-tiny}', 4, 'cpu', now()), ('w-dead', '{wan-tiny}', 1, 'cpu', now() - interval '60 seconds'), "
-        "('w-idle', '{wan-tiny}', 2, 'cpu', now())"
+        "('w-live', '{sleepy,wan-tiny}', 4, 'cpu', now()), ('w-dead', '{wan-tiny}', 1, 'cpu', now() - interval '60 "
+        "seconds'), ('w-idle', '{wan-tiny}', 2, 'cpu', now())"
     )
     event_id = await pool.fetchval("SELECT max(id) FROM task_event WHERE task_id = $1", done.id)
     await pool.execute(
-        "INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, status, delivered_at) "
-        "VALUES ($1, $2, 'tenant-a', 'wh-1', 'task.succeeded', 'http://127.0.0.1/a', '{}', 'DELIVERED', now()), "
-        "($1, $2, 'tenant-a', 'wh-2', 'task.succeeded', 'http://127.0.0.1/b', '{}', 'FAILED', NULL)",
+        "INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, status, "
+        "delivered_at) VALUES ($1, $2, 'tenant-a', 'wh-1', 'task.succeeded', 'http://127.0.0.1/a', '{}', 'DELIVERED', "
+        "now()), ($1, $2, 'tenant-a', 'wh-2', 'task.succeeded', 'http://127.0.0.1/b', '{}', 'FAILED', NULL)",
         done.id, event_id,
     )
 
@@ -99,7 +101,9 @@ async def test_list_tasks_filters_and_pages(admin: Admin) -> None:
     await put_in(pool, Status.QUEUED, model_id="sleepy")
     await put_in(pool, Status.CREATED)
     old = {queued[1].id, queued[3].id}
-    await pool.execute("UPDATE task SET updated_at = now() - interval '2 hours' WHERE id = ANY($1::bigint[])", list(old))
+    await pool.execute(
+        "UPDATE task SET updated_at = now() - interval '2 hours' WHERE id = ANY($1::bigint[])", list(old)
+    )
 
     seen: list[str] = []
     token, pages = "", 0
@@ -120,7 +124,8 @@ async def test_list_tasks_filters_and_pages(admin: Admin) -> None:
     assert set(seen[:2]) == {str(i) for i in old}  # least recently updated first
 
     aged = await admin.stub.ListTasks(
-        admin_pb2.AdminListTasksRequest(filter=admin_pb2.TaskFilter(older_than=Duration(seconds=3600))), metadata=admin.admin
+        admin_pb2.AdminListTasksRequest(filter=admin_pb2.TaskFilter(older_than=Duration(seconds=3600))),
+        metadata=admin.admin,
     )
     assert {int(t.id) for t in aged.tasks} == old
 
@@ -140,7 +145,8 @@ async def test_newest_first_pages_and_the_live_counts_by_priority(admin: Admin) 
     await insert_task(pool, model_id="sleepy", priority=1)
     await put_in(pool, Status.QUEUED, model_id="sleepy")
     await pool.execute(
-        "INSERT INTO worker (id, models, slots, device, draining, last_heartbeat) VALUES ('w-gpu', '{sleepy}', 3, 'cuda:0', true, now())"
+        "INSERT INTO worker (id, models, slots, device, draining, last_heartbeat) VALUES ('w-gpu', '{sleepy}', 3, "
+        "'cuda:0', true, now())"
     )
 
     seen: list[str] = []
@@ -162,7 +168,8 @@ async def test_newest_first_pages_and_the_live_counts_by_priority(admin: Admin) 
     first = await admin.stub.ListTasks(admin_pb2.AdminListTasksRequest(page_size=1), metadata=admin.admin)
     with pytest.raises(grpc.aio.AioRpcError) as err:  # a token of one order is no position in the other
         await admin.stub.ListTasks(
-            admin_pb2.AdminListTasksRequest(page_size=1, page_token=first.next_page_token, newest_first=True), metadata=admin.admin
+            admin_pb2.AdminListTasksRequest(page_size=1, page_token=first.next_page_token, newest_first=True),
+            metadata=admin.admin,
         )
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
@@ -188,7 +195,10 @@ async def test_list_stuck_tasks_says_why_and_changes_nothing(admin: Admin) -> No
 
     stuck = await admin.stub.ListStuckTasks(admin_pb2.ListStuckTasksRequest(), metadata=admin.admin)
 
-    assert {(int(s.task.id), s.reason) for s in stuck.tasks} == {(created.id, "CREATED_TOO_LONG"), (lost.id, "LEASE_EXPIRED")}
+    assert {(int(s.task.id), s.reason) for s in stuck.tasks} == {
+        (created.id, "CREATED_TOO_LONG"),
+        (lost.id, "LEASE_EXPIRED"),
+    }
     assert await versions(admin) == before
     limited = await admin.stub.ListStuckTasks(admin_pb2.ListStuckTasksRequest(limit=1), metadata=admin.admin)
     assert len(limited.tasks) == 1
@@ -274,7 +284,12 @@ async def test_list_dead_letters_newest_first_in_pages(admin: Admin) -> None:
     for n in range(3):
         task = await put_in(pool, Status.PROCESSING)
         out = await store.fail(
-            pool, task.id, error=store.TaskError(f"E{n}", "bad"), reason="retries exhausted", actor="w1", dead_letter=True
+            pool,
+            task.id,
+            error=store.TaskError(f"E{n}", "bad"),
+            reason="retries exhausted",
+            actor="w1",
+            dead_letter=True,
         )
         assert out.applied
         ids.append(task.id)
@@ -295,14 +310,17 @@ async def test_redeliver_callback_resets_the_deliveries(admin: Admin) -> None:
     task = await insert_task(pool, callback_url="http://127.0.0.1:9/hook")
     event_id = await pool.fetchval("SELECT id FROM task_event WHERE task_id = $1", task.id)
     await pool.execute(
-        "INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, status, attempts, "
-        " next_attempt_at, delivered_at) VALUES "
-        "($1, $2, 'tenant-a', 'msg_a', 'task.created', 'http://127.0.0.1:9/a', '{}', 'DELIVERED', 1, now() - interval '1 day', now()), "
-        "($1, $2, 'tenant-a', 'msg_b', 'task.created', 'http://127.0.0.1:9/b', '{}', 'FAILED', 7, now() + interval '1 day', NULL)",
+        "INSERT INTO callback_delivery (task_id, event_id, user_id, webhook_id, event_type, url, payload, status, "
+        "attempts,  next_attempt_at, delivered_at) VALUES "
+        "($1, $2, 'tenant-a', 'msg_a', 'task.created', 'http://127.0.0.1:9/a', '{}', 'DELIVERED', 1, now() - interval "
+        "'1 day', now()), ($1, $2, 'tenant-a', 'msg_b', 'task.created', 'http://127.0.0.1:9/b', '{}', 'FAILED', 7, "
+        "now() + interval '1 day', NULL)",
         task.id, event_id,
     )
 
-    resp = await admin.stub.RedeliverCallback(admin_pb2.RedeliverCallbackRequest(task_id=str(task.id)), metadata=admin.admin)
+    resp = await admin.stub.RedeliverCallback(
+        admin_pb2.RedeliverCallbackRequest(task_id=str(task.id)), metadata=admin.admin
+    )
 
     assert [(d.webhook_id, d.status, d.attempts) for d in resp.deliveries] == [
         ("msg_a", task_pb2.CALLBACK_STATUS_PENDING, 1), ("msg_b", task_pb2.CALLBACK_STATUS_PENDING, 7),
@@ -373,8 +391,17 @@ async def test_requeue_of_a_row_a_scan_holds_is_skipped(admin: Admin) -> None:
 # Replays: FAILED and TIMEOUT stay terminal; an operator's replay is a new task linked to its source.
 
 REPLAYED_COLUMNS = (
-    "user_id", "task_type", "model_id", "prompt", "request_payload", "request_hash", "priority", "metadata", "callback_url",
-    "callback_events", "max_retries",
+    "user_id",
+    "task_type",
+    "model_id",
+    "prompt",
+    "request_payload",
+    "request_hash",
+    "priority",
+    "metadata",
+    "callback_url",
+    "callback_events",
+    "max_retries",
 )
 
 
@@ -396,7 +423,9 @@ async def test_a_dead_letter_and_a_timeout_are_replayed_as_linked_new_tasks_that
         "num_frames": 9, "width": 32, "height": 32, "num_inference_steps": 2, "guidance_scale": 5.0, "fps": 8,
         "seed": 77, "negative_prompt": "blur", "image": image,
     })
-    await pool.execute("UPDATE task SET metadata = '{\"team\": \"vfx\"}', callback_events = '{PROGRESS}' WHERE id = $1", failed.id)
+    await pool.execute(
+        "UPDATE task SET metadata = '{\"team\": \"vfx\"}', callback_events = '{PROGRESS}' WHERE id = $1", failed.id
+    )
     failed = await row(pool, failed.id)
     # the tenant is at its pending limit: a replay is an operator's act and is admitted all the same
     await pool.execute("UPDATE tenant SET max_pending = 1, submits_per_minute = 1 WHERE id = 'tenant-a'")
@@ -420,7 +449,9 @@ async def test_a_dead_letter_and_a_timeout_are_replayed_as_linked_new_tasks_that
         assert (after.status, after.version) == (source.status, source.version)
         letter = await pool.fetchrow("SELECT replayed_as, replayed_at FROM dead_letter WHERE task_id = $1", source.id)
         assert letter["replayed_as"] == again.id and letter["replayed_at"] is not None
-    assert replays[timed_out.id].request_payload["seed"] == 77 and replays[timed_out.id].request_payload["image"] == image
+    assert (
+        replays[timed_out.id].request_payload["seed"] == 77 and replays[timed_out.id].request_payload["image"] == image
+    )
     assert replays[failed.id].priority == 10 and replays[failed.id].callback_events == ["PROGRESS"]
     # dispatched at once, under the dispatcher's own message ids
     assert {t.status for t in [await row(pool, r.id) for r in replays.values()]} == {Status.QUEUED}
@@ -452,7 +483,12 @@ async def test_without_the_flag_finished_tasks_are_skipped_with_why_and_a_dry_ru
 
     for task in (failed, timed_out):
         action, detail = plain[task.id]
-        assert action == "SKIPPED" and "terminal" in detail and "replay_finished" in detail and "--replay-finished" in detail
+        assert (
+            action == "SKIPPED"
+            and "terminal" in detail
+            and "replay_finished" in detail
+            and "--replay-finished" in detail
+        )
     for task in (succeeded, canceled):
         action, detail = plain[task.id]
         assert action == "SKIPPED" and "never replayed" in detail, detail
@@ -471,7 +507,9 @@ async def test_without_the_flag_finished_tasks_are_skipped_with_why_and_a_dry_ru
     }
     assert await pool.fetchval("SELECT count(*) FROM dead_letter WHERE replayed_as IS NOT NULL") == 0
     with pytest.raises(grpc.aio.AioRpcError) as err:  # a filter naming a state that is never replayed
-        await requeue(admin, filter=admin_pb2.TaskFilter(statuses=[task_pb2.TASK_STATUS_SUCCEEDED]), replay_finished=True)
+        await requeue(
+            admin, filter=admin_pb2.TaskFilter(statuses=[task_pb2.TASK_STATUS_SUCCEEDED]), replay_finished=True
+        )
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "never" in (err.value.details() or "")
 
 
@@ -484,7 +522,9 @@ async def test_a_task_is_replayed_once_and_a_replay_that_failed_is_replayed_itse
 
     again = actions(await requeue(admin, task_ids=[str(first.id)], replay_finished=True))
 
-    assert again == {first.id: ("SKIPPED", f"FAILED and already replayed as task {replay}; replay that task if it failed too")}
+    assert again == {
+        first.id: ("SKIPPED", f"FAILED and already replayed as task {replay}; replay that task if it failed too")
+    }
     # a filter leaves out what was replayed: sent twice, it replays each task once
     by_filter = admin_pb2.TaskFilter(statuses=[task_pb2.TASK_STATUS_FAILED])
     [(other_id, (other_action, _))] = actions(await requeue(admin, filter=by_filter, replay_finished=True)).items()
@@ -492,7 +532,9 @@ async def test_a_task_is_replayed_once_and_a_replay_that_failed_is_replayed_itse
     assert await requeue(admin, filter=by_filter, replay_finished=True) == []
     # the replay failed too: it is replayed in turn, and the chain is linked
     await claimed(pool, replay, lease_seconds=10.0)
-    assert (await store.fail(pool, replay, error=store.TaskError("E", "again"), actor="w1", reason="x", dead_letter=True)).applied
+    assert (
+        await store.fail(pool, replay, error=store.TaskError("E", "again"), actor="w1", reason="x", dead_letter=True)
+    ).applied
     [(action, detail)] = actions(await requeue(admin, task_ids=[str(replay)], replay_finished=True)).values()
     third = await row(pool, int(detail.removeprefix("as task ")))
     assert action == "REPLAYED" and third.replay_of == replay and (await row(pool, replay)).replay_of == first.id

@@ -33,15 +33,21 @@ async def refusal(call: object) -> grpc.aio.AioRpcError:
     return caught.value
 
 
-async def test_an_admin_key_is_refused_outside_task_admin_and_a_tenant_key_inside_it(stack: ApiStack, backends: Backends) -> None:
+async def test_an_admin_key_is_refused_outside_task_admin_and_a_tenant_key_inside_it(
+    stack: ApiStack, backends: Backends
+) -> None:
     pepper = backends.settings.api_key_pepper
     ops, _ = await auth.create_admin_key(backends.pool, pepper, "alice", scope=auth.OPERATOR)
     tenant, _ = await auth.create_key(backends.pool, pepper, "tenant-a")
     assert ops.startswith("tga_")
 
     for _ in range(3):  # refused alike on every call (cached for the key cache's period, like an unknown key)
-        submit = await refusal(stack.gateway.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="a fox"), metadata=bearer(ops)))
-        assert submit.code() is grpc.StatusCode.PERMISSION_DENIED and "admin key is not accepted" in (submit.details() or "")
+        submit = await refusal(
+            stack.gateway.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="a fox"), metadata=bearer(ops))
+        )
+        assert submit.code() is grpc.StatusCode.PERMISSION_DENIED and "admin key is not accepted" in (
+            submit.details() or ""
+        )
     watch = stack.events.WatchTasks(events_pb2.WatchTasksRequest(), metadata=bearer(ops))
     streamed = await refusal(watch.read())
     assert streamed.code() is grpc.StatusCode.PERMISSION_DENIED, streamed
@@ -51,7 +57,9 @@ async def test_an_admin_key_is_refused_outside_task_admin_and_a_tenant_key_insid
 
     for _ in range(3):
         stats = await refusal(stack.admin.GetStats(admin_pb2.GetStatsRequest(), metadata=bearer(tenant)))
-        assert stats.code() is grpc.StatusCode.PERMISSION_DENIED and "tenant API key is not one" in (stats.details() or "")
+        assert stats.code() is grpc.StatusCode.PERMISSION_DENIED and "tenant API key is not one" in (
+            stats.details() or ""
+        )
     assert (await stack.admin.GetStats(admin_pb2.GetStatsRequest(), metadata=bearer(ops))).capacity >= 0
 
 
@@ -62,9 +70,13 @@ async def test_a_read_only_admin_looks_but_does_not_act_and_an_expired_key_stops
     reader, _ = await auth.create_admin_key(backends.pool, pepper, "auditor", scope=auth.READ)
     await stack.admin.GetStats(admin_pb2.GetStatsRequest(), metadata=bearer(reader))
     await stack.admin.ListAuditEvents(admin_pb2.ListAuditEventsRequest(), metadata=bearer(reader))
-    await stack.admin.Authorize(admin_pb2.AuthorizeRequest(action="worker.status", target="w1"), metadata=bearer(reader))
+    await stack.admin.Authorize(
+        admin_pb2.AuthorizeRequest(action="worker.status", target="w1"), metadata=bearer(reader)
+    )
     for acting in (
-        stack.admin.PurgeTasks(admin_pb2.PurgeTasksRequest(older_than=Duration(seconds=0), dry_run=True), metadata=bearer(reader)),
+        stack.admin.PurgeTasks(
+            admin_pb2.PurgeTasksRequest(older_than=Duration(seconds=0), dry_run=True), metadata=bearer(reader)
+        ),
         stack.admin.RevokeApiKeys(admin_pb2.RevokeApiKeysRequest(prefix="tg_xxxxxxx"), metadata=bearer(reader)),
         stack.admin.Authorize(admin_pb2.AuthorizeRequest(action="worker.drain", target="w1"), metadata=bearer(reader)),
     ):
@@ -72,7 +84,9 @@ async def test_a_read_only_admin_looks_but_does_not_act_and_an_expired_key_stops
         assert denied.code() is grpc.StatusCode.PERMISSION_DENIED and "read-only" in (denied.details() or ""), denied
     assert await backends.pool.fetchval("SELECT count(*) FROM admin_audit") == 0  # refused: nothing was done
 
-    brief, expires = await auth.create_admin_key(backends.pool, pepper, "contractor", scope=auth.OPERATOR, expires_in_seconds=1.5)
+    brief, expires = await auth.create_admin_key(
+        backends.pool, pepper, "contractor", scope=auth.OPERATOR, expires_in_seconds=1.5
+    )
     assert expires is not None
     await stack.admin.GetStats(admin_pb2.GetStatsRequest(), metadata=bearer(brief))  # good, and cached
 
@@ -96,7 +110,9 @@ async def test_every_acting_call_is_in_the_audit_log_readable_over_task_admin_an
     reader, _ = await auth.create_admin_key(backends.pool, pepper, "auditor", scope=auth.READ)
     victim, _ = await auth.create_key(backends.pool, pepper, "tenant-a")
     md = bearer(alice)
-    await stack.admin.PurgeTasks(admin_pb2.PurgeTasksRequest(older_than=Duration(seconds=3600), dry_run=True), metadata=md)
+    await stack.admin.PurgeTasks(
+        admin_pb2.PurgeTasksRequest(older_than=Duration(seconds=3600), dry_run=True), metadata=md
+    )
     await stack.admin.PurgeTasks(admin_pb2.PurgeTasksRequest(older_than=Duration(seconds=3600)), metadata=md)
     await stack.admin.RotateWebhookSecret(admin_pb2.RotateWebhookSecretRequest(tenant="tenant-a"), metadata=md)
     await stack.admin.RevokeApiKeys(admin_pb2.RevokeApiKeysRequest(prefix=victim[:10]), metadata=md)

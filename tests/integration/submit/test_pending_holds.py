@@ -1,4 +1,5 @@
-"""A soft-cancelled task its worker still runs keeps the tenant's pending slot (and its model's cap) until it lets go."""
+"""A soft-cancelled task its worker still runs keeps the tenant's pending slot (and its model's cap) until it lets
+go."""
 
 from __future__ import annotations
 
@@ -52,7 +53,11 @@ async def worker(settings: Settings) -> AsyncIterator[worker_service.WorkerHandl
 
 
 async def pending_of(backends: Backends, tenant: str) -> int:
-    return int(await backends.pool.fetchval("SELECT coalesce(sum(pending), 0) FROM tenant_pending WHERE tenant_id = $1", tenant))
+    return int(
+        await backends.pool.fetchval(
+            "SELECT coalesce(sum(pending), 0) FROM tenant_pending WHERE tenant_id = $1", tenant
+        )
+    )
 
 
 async def submit_code(stub: Any, md: Any, prompt: str) -> grpc.StatusCode:
@@ -113,7 +118,8 @@ async def test_a_dead_workers_hold_lapses_and_the_scheduler_frees_the_slot(backe
     assert (await scheduler.run_once(lease_end - timedelta(seconds=1)))[Action.LET_GO] == 0
     assert (await scheduler.run_once(lease_end + timedelta(seconds=1)))[Action.LET_GO] == 1  # the worker died
     after = await row(backends.pool, held.id)
-    assert (after.status, after.lease_expires_at, after.version) == (Status.CANCELED, None, held.version + 2)  # letting go is no move
+    # letting go is no move
+    assert (after.status, after.lease_expires_at, after.version) == (Status.CANCELED, None, held.version + 2)
     assert await pending_of(backends, "tenant-a") == 1
     assert not await store.let_go(pool, held.id, attempt=1)  # a late worker finds nothing left to let go
     taken = await registry.claim_for(

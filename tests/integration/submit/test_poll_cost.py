@@ -59,7 +59,9 @@ class Recorder:
 async def _rows_touched(conn: Any, query: str, args: Any) -> int:
     """The most rows any node of the statement's plan produced or scanned (EXPLAIN ANALYZE)."""
     [explained] = await conn.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {query}", *args)
-    return max(int(n.get("Actual Rows", 0)) + int(n.get("Rows Removed by Filter", 0)) for n in plan_nodes(explained["Plan"]))
+    return max(
+        int(n.get("Actual Rows", 0)) + int(n.get("Rows Removed by Filter", 0)) for n in plan_nodes(explained["Plan"])
+    )
 
 
 @pytest.fixture
@@ -85,7 +87,9 @@ async def test_a_poll_behind_100000_queued_tasks_is_one_primary_key_read(deep: t
             stub = gateway_pb2_grpc.TaskGatewayStub(channel)
 
             async def get(task_id: int) -> Any:
-                return (await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=str(task_id)), metadata=md, timeout=30)).task
+                return (
+                    await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=str(task_id)), metadata=md, timeout=30)
+                ).task
 
             first = await get(behind[0])  # the first poll reads the snapshot (and the key, the class's history)
             assert first.queue_position == BACKLOG + 1 and first.HasField("estimated_start")
@@ -146,7 +150,9 @@ async def test_the_snapshot_gives_the_answers_of_the_per_task_statement(settings
         assert row is not None
         new = await view.estimate(row)
         assert new is not None and new.queue_position == old[task_id].queue_position, task_id
-        mine = snapshot.inputs(row, estimates.RunHistory(rows[task_id].run_seconds, rows[task_id].runs), rows[task_id].now)
+        mine = snapshot.inputs(
+            row, estimates.RunHistory(rows[task_id].run_seconds, rows[task_id].runs), rows[task_id].now
+        )
         assert (mine.level_position, dict(mine.queued), round(mine.slots, 9)) == (
             rows[task_id].level_position, dict(rows[task_id].queued), round(rows[task_id].slots, 9)), task_id
         new_start, old_start = new.start, old[task_id].start
@@ -196,7 +202,9 @@ async def test_the_size_class_is_the_databases(backends: Backends, payload: dict
     assert queueview.size_class(payload) == expected
 
 
-async def test_a_failed_snapshot_read_is_answered_as_an_error_and_read_again(settings: Settings, backends: Backends) -> None:
+async def test_a_failed_snapshot_read_is_answered_as_an_error_and_read_again(
+    settings: Settings, backends: Backends
+) -> None:
     pool = backends.pool
     task_id = await queued(pool)
     row = await store.get_task(pool, task_id)

@@ -55,7 +55,9 @@ def req(prompt: str = "a red fox in the snow", **fields: Any) -> gateway_pb2.Sub
     return gateway_pb2.SubmitTaskRequest(prompt=prompt, **fields)
 
 
-async def submit(stub: Any, md: Metadata, request: gateway_pb2.SubmitTaskRequest | None = None) -> gateway_pb2.SubmitTaskResponse:
+async def submit(
+    stub: Any, md: Metadata, request: gateway_pb2.SubmitTaskRequest | None = None
+) -> gateway_pb2.SubmitTaskResponse:
     resp: gateway_pb2.SubmitTaskResponse = await stub.SubmitTask(request or req(), metadata=md, timeout=10)
     return resp
 
@@ -176,7 +178,9 @@ async def test_concurrent_identical_submits_make_one_task_and_one_message(stub: 
 async def test_same_key_for_a_different_request_is_already_exists(stub: Any, backends: Backends) -> None:
     md = await key_for(backends, max_priority=Priority.HIGH)  # HIGH is an entitlement
     first = await submit(stub, md, req("one thing", idempotency_key="k1"))
-    code, _, details = await failure(stub.SubmitTask(req("another thing", idempotency_key="k1"), metadata=md, timeout=5))
+    code, _, details = await failure(
+        stub.SubmitTask(req("another thing", idempotency_key="k1"), metadata=md, timeout=5)
+    )
     assert code == grpc.StatusCode.ALREADY_EXISTS
     info = next(d for d in details if isinstance(d, error_details_pb2.ErrorInfo))
     assert info.reason == "IDEMPOTENCY_KEY_REUSED" and info.metadata["task_id"] == first.task.id
@@ -203,7 +207,9 @@ async def test_cancelled_derived_request_can_be_submitted_again(stub: Any, backe
 # Dispatch failures and races
 
 
-async def test_nats_down_leaves_task_created_and_returned(settings: Settings, backends: Backends, tmp_path: Path) -> None:
+async def test_nats_down_leaves_task_created_and_returned(
+    settings: Settings, backends: Backends, tmp_path: Path
+) -> None:
     private = EmbeddedNats(tmp_path / "n").start()
     bus = await busmod.connect(private.url, "submit-test")
     try:
@@ -255,7 +261,9 @@ async def test_message_outrunning_the_commit_returns_true_status(settings: Setti
         row = await dispatched(backends, resp.task.id, Status.PROCESSING)
     finally:
         await handle.stop(5)  # the pass's QUEUED move runs before the dispatcher closes
-    history = await backends.pool.fetch("SELECT to_status::text FROM task_event WHERE task_id = $1 ORDER BY version", row.id)
+    history = await backends.pool.fetch(
+        "SELECT to_status::text FROM task_event WHERE task_id = $1 ORDER BY version", row.id
+    )
     assert row.worker_id == "w1" and [h[0] for h in history] == ["CREATED", "PROCESSING"]
 
 
@@ -411,7 +419,9 @@ async def test_list_tasks_filters_by_status_and_time(stub: Any, backends: Backen
     md = await key_for(backends)
     early = await insert_task(backends.pool, prompt="early")
     queued = await drive(backends, (await insert_task(backends.pool, prompt="q")).id, store.Queue())
-    canceled = await drive(backends, (await insert_task(backends.pool, prompt="c")).id, store.Cancel(store.CancelMode.HARD))
+    canceled = await drive(
+        backends, (await insert_task(backends.pool, prompt="c")).id, store.Cancel(store.CancelMode.HARD)
+    )
     by_status = await _list_all(stub, md, statuses=[task_pb2.TASK_STATUS_QUEUED, task_pb2.TASK_STATUS_CANCELED])
     assert by_status == [str(canceled.id), str(queued.id)]
 
@@ -427,9 +437,15 @@ async def test_list_tasks_rejects_bad_tokens_and_sizes(stub: Any, backends: Back
         await insert_task(backends.pool, prompt=f"t{i}")
     page = await stub.ListTasks(gateway_pb2.ListTasksRequest(page_size=1), metadata=md, timeout=5)
     assert len(page.tasks) == 1
-    other_filter = gateway_pb2.ListTasksRequest(page_token=page.next_page_token, statuses=[task_pb2.TASK_STATUS_CREATED])
-    for bad in (gateway_pb2.ListTasksRequest(page_token="garbage!"), other_filter, gateway_pb2.ListTasksRequest(page_size=-1),
-                gateway_pb2.ListTasksRequest(statuses=[task_pb2.TASK_STATUS_UNSPECIFIED])):
+    other_filter = gateway_pb2.ListTasksRequest(
+        page_token=page.next_page_token, statuses=[task_pb2.TASK_STATUS_CREATED]
+    )
+    for bad in (
+        gateway_pb2.ListTasksRequest(page_token="garbage!"),
+        other_filter,
+        gateway_pb2.ListTasksRequest(page_size=-1),
+        gateway_pb2.ListTasksRequest(statuses=[task_pb2.TASK_STATUS_UNSPECIFIED]),
+    ):
         code, _, _ = await failure(stub.ListTasks(bad, metadata=md, timeout=5))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
     big = await stub.ListTasks(gateway_pb2.ListTasksRequest(page_size=100_000), metadata=md, timeout=5)
@@ -464,7 +480,9 @@ async def test_cancel_processing_task_signals_the_worker(stub: Any, backends: Ba
     sub = await backends.bus.nc.subscribe(busmod.CANCEL_SUBJECT, cb=on_signal)
     await backends.bus.nc.flush()
     try:
-        resp = await stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=str(task.id), hard=hard), metadata=md, timeout=5)
+        resp = await stub.CancelTask(
+            gateway_pb2.CancelTaskRequest(task_id=str(task.id), hard=hard), metadata=md, timeout=5
+        )
         signal = await asyncio.wait_for(received.get(), 5)
     finally:
         await sub.unsubscribe()
@@ -498,7 +516,9 @@ async def test_cancel_racing_a_finish_tells_the_truth(stub: Any, backends: Backe
         call = stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=str(task.id)), metadata=md, timeout=5)
         pending = asyncio.ensure_future(failure(call))
         await _wait_for_lock_waiter(backends, task.id)
-        await store.apply(conn, task.id, store.Succeed(store.ResultRef("mem://x", "video/mp4", 1, "ab" * 32)), actor="test")
+        await store.apply(
+            conn, task.id, store.Succeed(store.ResultRef("mem://x", "video/mp4", 1, "ab" * 32)), actor="test"
+        )
     code, _, details = await pending
     assert code == grpc.StatusCode.FAILED_PRECONDITION and reason_of(details) == "TASK_FINISHED"
 
@@ -559,9 +579,14 @@ async def test_other_tenants_tasks_look_like_missing_ones(stub: Any, backends: B
     async def outcomes(task_id: str) -> list[tuple[grpc.StatusCode, str, list[Any]]]:
         return [
             await failure(stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), metadata=stranger, timeout=5)),
-            await failure(stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=task_id), metadata=stranger, timeout=5)),
-            await failure(_drain(stub.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id),
-                                                     metadata=stranger, timeout=5))),
+            await failure(
+                stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=task_id), metadata=stranger, timeout=5)
+            ),
+            await failure(
+                _drain(
+                    stub.GetTaskResult(gateway_pb2.GetTaskResultRequest(task_id=task_id), metadata=stranger, timeout=5)
+                )
+            ),
         ]
 
     theirs, nobodys = await outcomes(str(task.id)), await outcomes(missing)
@@ -580,8 +605,14 @@ async def test_other_tenants_tasks_look_like_missing_ones(stub: Any, backends: B
 async def test_service_process_serves_logs_safely_and_stops_on_sigterm(settings: Settings, backends: Backends,
                                                                        tmp_path: Path) -> None:
     port = free_port()
-    env = {**os.environ, "TASKGATE_DATABASE_URL": settings.database_url or "", "TASKGATE_NATS_URL": settings.nats_url or "",
-           "TASKGATE_SUBMIT_PORT": str(port), "TASKGATE_SUBMIT_METRICS_PORT": "0", "TASKGATE_STATE_DIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        "TASKGATE_DATABASE_URL": settings.database_url or "",
+        "TASKGATE_NATS_URL": settings.nats_url or "",
+        "TASKGATE_SUBMIT_PORT": str(port),
+        "TASKGATE_SUBMIT_METRICS_PORT": "0",
+        "TASKGATE_STATE_DIR": str(tmp_path),
+    }
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.submit", env=env, cwd=ROOT,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
@@ -642,7 +673,10 @@ async def test_regenerate_never_reuses_the_source_output(stub: Any, backends: Ba
     first = await submit(stub, md, req("the same prompt, no seed"))
     await stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=first.task.id), metadata=md, timeout=10)
     again = await stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=first.task.id), metadata=md, timeout=10)
-    source, regenerated = await get_task(backends.pool, int(first.task.id)), await get_task(backends.pool, int(again.task.id))
+    source, regenerated = (
+        await get_task(backends.pool, int(first.task.id)),
+        await get_task(backends.pool, int(again.task.id)),
+    )
     assert source is not None and regenerated is not None
     assert regenerated.request_hash != source.request_hash
     assert regenerated.request_payload["seed"] == again.task.params.seed != first.task.params.seed
@@ -661,7 +695,9 @@ async def test_an_accepted_request_retried_after_its_priority_was_withdrawn_gets
     async with fresh_gateway(settings, backends) as stub:  # a fresh gateway: no cached entitlement
         retried = await submit(stub, md, request)
         assert (retried.created, retried.task.id) == (False, first.task.id)
-        code, _, details = await failure(stub.SubmitTask(req("new and urgent", priority=task_pb2.PRIORITY_HIGH), metadata=md, timeout=10))
+        code, _, details = await failure(
+            stub.SubmitTask(req("new and urgent", priority=task_pb2.PRIORITY_HIGH), metadata=md, timeout=10)
+        )
     assert code == grpc.StatusCode.PERMISSION_DENIED and reason_of(details) == "PRIORITY_NOT_ALLOWED"
 
 

@@ -38,7 +38,8 @@ def summary(admission: Admission) -> tuple[AdmitVerdict, str | None]:
 BATCH = [
     ("a", "k1", "one", 3), ("a", "k1", "one", 3), ("a", "k1", "other", 3),  # copies of a key: no slot of their own
     ("a", "k2", "two", 3), ("a", "k3", "three", 3),                         # k3: over a's pending limit (2)
-    ("a", "k2", "two", 3), ("a", "k4", "four", 3),                          # a replay takes no slot; a's window (3) is full
+    # a replay takes no slot; a's window (3) is full
+    ("a", "k2", "two", 3), ("a", "k4", "four", 3),
     ("a", "k5", "five", None),                                             # its slot was taken beforehand
     ("b", "k1", "one", 9), ("b", "old", "kept", 9),                        # b: another tenant, an existing key
     ("gone", "k1", "one", 9),                                              # no such tenant
@@ -50,7 +51,9 @@ async def test_a_batch_is_admitted_as_one_by_one_would_be(backends: Backends) ->
     for run in ("batch", "single"):
         await auth.create_key(pool, pepper, f"{run}-a", max_pending=2)
         await auth.create_key(pool, pepper, f"{run}-b", max_pending=5)
-        old = await submissions.admit(pool, [Candidate(new_task(f"{run}-b", "old", "kept"), None)], default_max_pending=5)
+        old = await submissions.admit(
+            pool, [Candidate(new_task(f"{run}-b", "old", "kept"), None)], default_max_pending=5
+        )
         assert old[0].verdict is AdmitVerdict.CREATED
 
     def candidates(run: str) -> list[Candidate]:
@@ -60,9 +63,17 @@ async def test_a_batch_is_admitted_as_one_by_one_would_be(backends: Backends) ->
     single = [(await submissions.admit(pool, [c], default_max_pending=5))[0] for c in candidates("single")]
     assert [summary(a) for a in batch] == [summary(a) for a in single]
     assert [a.verdict for a in batch] == [
-        AdmitVerdict.CREATED, AdmitVerdict.EXISTING, AdmitVerdict.EXISTING, AdmitVerdict.CREATED, AdmitVerdict.TOO_MANY_PENDING,
-        AdmitVerdict.EXISTING, AdmitVerdict.RATE_LIMITED, AdmitVerdict.TOO_MANY_PENDING,
-        AdmitVerdict.CREATED, AdmitVerdict.EXISTING, AdmitVerdict.NO_TENANT,
+        AdmitVerdict.CREATED,
+        AdmitVerdict.EXISTING,
+        AdmitVerdict.EXISTING,
+        AdmitVerdict.CREATED,
+        AdmitVerdict.TOO_MANY_PENDING,
+        AdmitVerdict.EXISTING,
+        AdmitVerdict.RATE_LIMITED,
+        AdmitVerdict.TOO_MANY_PENDING,
+        AdmitVerdict.CREATED,
+        AdmitVerdict.EXISTING,
+        AdmitVerdict.NO_TENANT,
     ]
     # copies of a key answer with the first copy's task (the service compares the requests: ALREADY_EXISTS)
     assert batch[0].task is not None and batch[1].task == batch[0].task == batch[2].task
@@ -169,7 +180,9 @@ async def test_pending_counts_follow_every_move(backends: Backends) -> None:
     real = ("SELECT user_id, count(*) FROM task WHERE status IN ('CREATED', 'QUEUED', 'PROCESSING') GROUP BY user_id")
 
     async def counts_match() -> dict[str, int]:
-        kept = {r[0]: r[1] for r in await pool.fetch("SELECT tenant_id, pending FROM tenant_pending WHERE pending <> 0")}
+        kept = {
+            r[0]: r[1] for r in await pool.fetch("SELECT tenant_id, pending FROM tenant_pending WHERE pending <> 0")
+        }
         assert kept == {r[0]: r[1] for r in await pool.fetch(real)}
         return kept
 
@@ -180,7 +193,9 @@ async def test_pending_counts_follow_every_move(backends: Backends) -> None:
     for task in (a[0], b[0], a[1], b[1], a[2]):  # the order the fair claim takes them in (by tenant, then oldest)
         await claimed(pool, task.id, worker_id="w")
     await store.succeed(pool, a[0].id, attempt=1, result=store.ResultRef("u", "video/mp4", 1, "s"), actor="test")
-    await store.fail(pool, a[1].id, attempt=1, error=store.TaskError("E", "m"), actor="test", reason="r", dead_letter=True)
+    await store.fail(
+        pool, a[1].id, attempt=1, error=store.TaskError("E", "m"), actor="test", reason="r", dead_letter=True
+    )
     await store.retry(pool, a[2].id, attempt=1, error=store.TaskError("E", "m"), delay_seconds=0, actor="test")
     await store.release(pool, b[0].id, actor="test", reason="lost")
     await store.cancel(pool, a[3].id, mode=store.CancelMode.SOFT, actor="test")

@@ -48,7 +48,9 @@ async def test_two_replicas_admit_exactly_max_pending(settings: Settings, backen
 async def test_finished_tasks_free_pending_slots_and_tenant_limit_wins(stub: Any, backends: Backends) -> None:
     md = await key_for(backends, max_pending=1)
     first = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="one"), metadata=md, timeout=5)
-    code, details, _ = await outcome(stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="two"), metadata=md, timeout=5))
+    code, details, _ = await outcome(
+        stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="two"), metadata=md, timeout=5)
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and info_of(details).metadata["limit"] == "1"
     # an idempotent replay of the pending task still answers with it
     again = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="one"), metadata=md, timeout=5)
@@ -94,7 +96,9 @@ async def test_a_retry_of_an_accepted_request_gets_its_task_past_every_refusal(s
     assert all(a.created for a in accepted)
     # the minute window is full and so are the pending slots (2 of 2): a new request is refused ...
     await fill_window(backends, 2)
-    code, details, _ = await outcome(stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="new"), metadata=md, timeout=5))
+    code, details, _ = await outcome(
+        stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="new"), metadata=md, timeout=5)
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and info_of(details).reason == "RATE_LIMITED"
     # ... and a retry of each accepted one gets its task, alone or in a batch beside a refused item, taking no slot
     # (the one with a callback URL takes its slot before validation: that path too)
@@ -102,16 +106,22 @@ async def test_a_retry_of_an_accepted_request_gets_its_task_past_every_refusal(s
         again = await stub.SubmitTask(request, metadata=md, timeout=5)
         assert (again.task.id, again.created) == (first.task.id, False)
     both = await stub.SubmitTasks(
-        gateway_pb2.SubmitTasksRequest(requests=[hooked, gateway_pb2.SubmitTaskRequest(prompt="new"), plain]), metadata=md,
+        gateway_pb2.SubmitTasksRequest(requests=[hooked, gateway_pb2.SubmitTaskRequest(prompt="new"), plain]),
+        metadata=md,
         timeout=5,
     )
     assert [r.WhichOneof("result") for r in both.results] == ["response", "error", "response"]
-    assert [both.results[0].response.task.id, both.results[2].response.task.id] == [accepted[1].task.id, accepted[0].task.id]
+    assert [both.results[0].response.task.id, both.results[2].response.task.id] == [
+        accepted[1].task.id,
+        accepted[0].task.id,
+    ]
     assert both.results[1].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert await backends.pool.fetchval("SELECT sum(count) FROM rate_window WHERE tenant_id = 'tenant-a'") == 4
     # with room in the window, the pending limit refuses a new request and still answers a retry with its task
     await fill_window(backends, 0)
-    code, details, _ = await outcome(stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="new"), metadata=md, timeout=5))
+    code, details, _ = await outcome(
+        stub.SubmitTask(gateway_pb2.SubmitTaskRequest(prompt="new"), metadata=md, timeout=5)
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and info_of(details).reason == "TOO_MANY_PENDING_TASKS"
     assert (await stub.SubmitTask(hooked, metadata=md, timeout=5)).task.id == accepted[1].task.id
     # a different request under a used key is told so (its callback URL never resolved), not refused for the rate
@@ -127,8 +137,12 @@ async def test_rate_windows_are_shared_and_counted_in_postgres(settings: Setting
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
     try:
         stubs = [gateway_pb2_grpc.TaskGatewayStub(c) for c in channels]
-        await asyncio.gather(*(outcome(stubs[i % 2].SubmitTask(gateway_pb2.SubmitTaskRequest(prompt=f"j{i}"), metadata=md,
-                                                               timeout=10)) for i in range(10)))
+        await asyncio.gather(
+            *(
+                outcome(stubs[i % 2].SubmitTask(gateway_pb2.SubmitTaskRequest(prompt=f"j{i}"), metadata=md, timeout=10))
+                for i in range(10)
+            )
+        )
     finally:
         for channel in channels:
             await channel.close()

@@ -22,9 +22,12 @@ from tests.support.harness import details_of
 SMALL = {"params": {"num_frames": 9, "width": 32, "height": 32, "num_inference_steps": 2}}
 
 
-def item(rid: int, prompt: str = "a fox", timeout: float | None = None, **fields: Any) -> gateway_pb2.SubmitStreamRequest:
+def item(
+    rid: int, prompt: str = "a fox", timeout: float | None = None, **fields: Any
+) -> gateway_pb2.SubmitStreamRequest:
     msg = gateway_pb2.SubmitStreamRequest(
-        request_id=rid, request=gateway_pb2.SubmitTaskRequest(prompt=prompt, **{"idempotency_key": f"k{rid}", **SMALL, **fields})
+        request_id=rid,
+        request=gateway_pb2.SubmitTaskRequest(prompt=prompt, **{"idempotency_key": f"k{rid}", **SMALL, **fields}),
     )
     if timeout is not None:
         d = Duration()
@@ -91,7 +94,9 @@ async def test_each_request_is_admitted_on_its_own_and_answered_by_its_id(
     assert await sender.call.code() is grpc.StatusCode.OK
 
 
-async def test_an_unknown_key_is_refused_before_any_request(gateway: SubmitHandle, stub: gateway_pb2_grpc.TaskGatewayAsyncStub) -> None:
+async def test_an_unknown_key_is_refused_before_any_request(
+    gateway: SubmitHandle, stub: gateway_pb2_grpc.TaskGatewayAsyncStub
+) -> None:
     sender = Sender(stub, (("authorization", "Bearer tg_not_a_key"),))
     await sender.call.initial_metadata()
     assert await sender.call.code() is grpc.StatusCode.UNAUTHENTICATED

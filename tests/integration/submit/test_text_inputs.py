@@ -45,11 +45,14 @@ async def upload(stub: Any, md: Any, data: bytes, *, content_type: str = "text/p
 
 
 def chat(*turns: task_pb2.ChatMessage, **fields: Any) -> gateway_pb2.SubmitTaskRequest:
-    return gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=task_pb2.ChatParams(messages=turns, seed=1),
-                                         **fields)
+    return gateway_pb2.SubmitTaskRequest(
+        task_type="chat", model_id=MODEL, chat=task_pb2.ChatParams(messages=turns, seed=1), **fields
+    )
 
 
-async def test_a_chat_task_naming_an_upload_is_the_same_request_as_its_text_inline(stub: Any, backends: Backends) -> None:
+async def test_a_chat_task_naming_an_upload_is_the_same_request_as_its_text_inline(
+    stub: Any, backends: Backends
+) -> None:
     md = await key_for(backends, max_pending=10)
     data = DOCUMENT.encode()
     text = (await upload(stub, md, data)).text
@@ -71,20 +74,30 @@ async def test_a_chat_task_naming_an_upload_is_the_same_request_as_its_text_inli
         task_pb2.ChatMessage(role="system", content="Be brief."),
         task_pb2.ChatMessage(role="user", content="Review this:\n\n" + DOCUMENT),
     ), metadata=md, timeout=10)
-    assert (inline.created, inline.task.id, inline.task.usage.input_tokens) == (False, made.task.id, made.task.usage.input_tokens)
+    assert (inline.created, inline.task.id, inline.task.usage.input_tokens) == (
+        False,
+        made.task.id,
+        made.task.usage.input_tokens,
+    )
     # a message that is the attachment alone
-    alone = await stub.SubmitTask(chat(task_pb2.ChatMessage(role="user", content_sha256=text.sha256)), metadata=md, timeout=10)
+    alone = await stub.SubmitTask(
+        chat(task_pb2.ChatMessage(role="user", content_sha256=text.sha256)), metadata=md, timeout=10
+    )
     payload = await backends.pool.fetchval("SELECT request_payload FROM task WHERE id = $1", int(alone.task.id))
     assert alone.created and payload["messages"] == [{"role": "user", "content": DOCUMENT}]
 
 
-async def test_an_attachment_the_tenant_does_not_hold_is_refused_naming_its_field(stub: Any, backends: Backends) -> None:
+async def test_an_attachment_the_tenant_does_not_hold_is_refused_naming_its_field(
+    stub: Any, backends: Backends
+) -> None:
     md, other = await key_for(backends, max_pending=10), await key_for(backends, "tenant-b", max_pending=10)
     theirs = (await upload(stub, other, b"their document")).text.sha256
     field = {"chat.messages[0].content_sha256"}
     for sha256 in (theirs, "0" * 64, "not-a-sha256"):
         code, details, _ = await outcome(
-            stub.SubmitTask(chat(task_pb2.ChatMessage(role="user", content="x", content_sha256=sha256)), metadata=md, timeout=10)
+            stub.SubmitTask(
+                chat(task_pb2.ChatMessage(role="user", content="x", content_sha256=sha256)), metadata=md, timeout=10
+            )
         )
         assert (code.name, violations(details)) == ("INVALID_ARGUMENT", field), sha256
     assert await backends.pool.fetchval("SELECT count(*) FROM task") == 0
@@ -120,7 +133,9 @@ async def http(settings: Settings, backends: Backends) -> AsyncIterator[tuple[Ht
 
 async def test_over_http_a_text_upload_is_named_by_a_chat_message(http: tuple[HttpStack, httpx.AsyncClient]) -> None:
     _, client = http
-    stored = await client.post("/v1/inputs", content=DOCUMENT.encode(), headers={"content-type": "text/plain; charset=utf-8"})
+    stored = await client.post(
+        "/v1/inputs", content=DOCUMENT.encode(), headers={"content-type": "text/plain; charset=utf-8"}
+    )
     assert stored.status_code == 201, stored.text
     text = stored.json()["text"]
     assert text["sha256"] == hashlib.sha256(DOCUMENT.encode()).hexdigest() and int(text["chars"]) == len(DOCUMENT)
@@ -141,9 +156,13 @@ async def test_retention_deletes_a_text_attachment_after_its_last_use(
 ) -> None:
     md = await key_for(backends, max_pending=10)
     old, recent = (await upload(stub, md, b"an old document")).text, (await upload(stub, md, b"a recent one")).text
-    await stub.SubmitTask(chat(task_pb2.ChatMessage(role="user", content_sha256=recent.sha256)), metadata=md, timeout=10)
+    await stub.SubmitTask(
+        chat(task_pb2.ChatMessage(role="user", content_sha256=recent.sha256)), metadata=md, timeout=10
+    )
     week_later = datetime.now(UTC) + timedelta(days=8)
-    await backends.pool.execute("UPDATE task_input SET last_used_at = now() + interval '2 days' WHERE sha256 = $1", recent.sha256)
+    await backends.pool.execute(
+        "UPDATE task_input SET last_used_at = now() + interval '2 days' WHERE sha256 = $1", recent.sha256
+    )
     purged = await RetentionScan(scan_context).purge(Retention(inputs=7 * 86400.0), now=week_later, limit=100)
     assert purged.actions[Action.PURGE_INPUT] == 1
     assert [r["sha256"] for r in await backends.pool.fetch("SELECT sha256 FROM task_input")] == [recent.sha256]

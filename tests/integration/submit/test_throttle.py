@@ -23,7 +23,12 @@ from tests.support.harness import bearer, trailing_details, wait_for
 def settings(settings: Settings) -> Settings:
     """A bucket of three calls refilled once in ten seconds; two streams per tenant, three per process."""
     return settings.model_copy(
-        update={"tenant_calls_per_second": 0.1, "tenant_calls_burst": 3, "max_streams_per_tenant": 2, "max_streams_per_process": 3}
+        update={
+            "tenant_calls_per_second": 0.1,
+            "tenant_calls_burst": 3,
+            "max_streams_per_tenant": 2,
+            "max_streams_per_process": 3,
+        }
     )
 
 
@@ -31,7 +36,9 @@ def refusal(exc: grpc.aio.AioRpcError) -> tuple[str, float | None]:
     """The ErrorInfo reason and the RetryInfo delay (seconds) of a refused call."""
     details = trailing_details(exc)
     reason = next(d.reason for d in details if isinstance(d, error_details_pb2.ErrorInfo))
-    delays = [d.retry_delay.ToTimedelta().total_seconds() for d in details if isinstance(d, error_details_pb2.RetryInfo)]
+    delays = [
+        d.retry_delay.ToTimedelta().total_seconds() for d in details if isinstance(d, error_details_pb2.RetryInfo)
+    ]
     return reason, (delays[0] if delays else None)
 
 

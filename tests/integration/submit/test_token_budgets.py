@@ -34,8 +34,19 @@ def chat_candidate(tenant: str, key: str, *, input_tokens: int = 20, max_output_
     payload = {chat.MESSAGES: [{"role": "user", "content": key}], "max_output_tokens": max_output_tokens,
                "temperature": 0.0, "top_p": 1.0, "stop": [], "seed": 1, chat.INPUT_TOKENS: input_tokens}
     new = NewTask(
-        id=ids.new_id(), user_id=tenant, idempotency_key=key, key_derived=False, request_hash=key, task_type=chat.TASK_TYPE,
-        model_id=MODEL, prompt=key, payload=payload, metadata={}, priority=5, max_retries=0, callback_url=None,
+        id=ids.new_id(),
+        user_id=tenant,
+        idempotency_key=key,
+        key_derived=False,
+        request_hash=key,
+        task_type=chat.TASK_TYPE,
+        model_id=MODEL,
+        prompt=key,
+        payload=payload,
+        metadata={},
+        priority=5,
+        max_retries=0,
+        callback_url=None,
         callback_events=[],
     )
     return Candidate(new, None, 0.0, chat.reservation(payload))
@@ -43,8 +54,19 @@ def chat_candidate(tenant: str, key: str, *, input_tokens: int = 20, max_output_
 
 def video_candidate(tenant: str, key: str) -> Candidate:
     new = NewTask(
-        id=ids.new_id(), user_id=tenant, idempotency_key=key, key_derived=False, request_hash=key, task_type="text-to-video",
-        model_id="wan-tiny", prompt=key, payload=VIDEO, metadata={}, priority=5, max_retries=0, callback_url=None,
+        id=ids.new_id(),
+        user_id=tenant,
+        idempotency_key=key,
+        key_derived=False,
+        request_hash=key,
+        task_type="text-to-video",
+        model_id="wan-tiny",
+        prompt=key,
+        payload=VIDEO,
+        metadata={},
+        priority=5,
+        max_retries=0,
+        callback_url=None,
         callback_events=[],
     )
     return Candidate(new, None, 40.0)
@@ -73,8 +95,13 @@ async def budget(backends: Backends, tenant: str, *, day: int | None = None, mon
 async def test_the_day_token_budget_refuses_a_reservation_that_does_not_fit(backends: Backends) -> None:
     await budget(backends, "talker", day=300)
     got = await admit(
-        backends.pool, chat_candidate("talker", "a"), chat_candidate("talker", "b"), chat_candidate("talker", "c"),
-        chat_candidate("talker", "d", max_output_tokens=30), video_candidate("talker", "v"), chat_candidate("talker", "c"),
+        backends.pool,
+        chat_candidate("talker", "a"),
+        chat_candidate("talker", "b"),
+        chat_candidate("talker", "c"),
+        chat_candidate("talker", "d", max_output_tokens=30),
+        video_candidate("talker", "v"),
+        chat_candidate("talker", "c"),
         now=LATE,
     )
     # one by one: 120 + 120 fit, the third 120 does not (60 left) and reserves nothing, so 50 after it fits; a video
@@ -83,7 +110,12 @@ async def test_the_day_token_budget_refuses_a_reservation_that_does_not_fit(back
                                         AdmitVerdict.CREATED, AdmitVerdict.CREATED, AdmitVerdict.QUOTA_EXCEEDED]
     refused = got[2]
     assert refused.budget is not None
-    assert (refused.budget.unit, refused.budget.window, refused.budget.left, refused.budget.estimate) == ("tokens", "day", 60, 120)
+    assert (refused.budget.unit, refused.budget.window, refused.budget.left, refused.budget.estimate) == (
+        "tokens",
+        "day",
+        60,
+        120,
+    )
     assert refused.retry_after == pytest.approx(3600.0)
     assert got[5].budget == refused.budget
     assert [a.task.tokens_reserved for a in got if a.task] == [120, 120, 50, 0]
@@ -102,7 +134,11 @@ async def test_the_month_token_budget_and_the_gpu_budget_both_apply(backends: Ba
     first = await admit(backends.pool, chat_candidate("both", "a"), video_candidate("both", "v1"), now=LATE)
     assert [a.verdict for a in first] == [AdmitVerdict.CREATED, AdmitVerdict.CREATED]
     [second, video, third] = await admit(
-        backends.pool, chat_candidate("both", "b"), video_candidate("both", "v2"), chat_candidate("both", "c"), now=NEXT_DAY
+        backends.pool,
+        chat_candidate("both", "b"),
+        video_candidate("both", "v2"),
+        chat_candidate("both", "c"),
+        now=NEXT_DAY,
     )
     assert second.verdict is AdmitVerdict.CREATED  # 240 of 250 this month
     assert video.verdict is AdmitVerdict.CREATED  # GPU-seconds: a new day
@@ -114,9 +150,13 @@ async def test_the_month_token_budget_and_the_gpu_budget_both_apply(backends: Ba
     assert gpu.verdict is AdmitVerdict.QUOTA_EXCEEDED and gpu.budget is not None and gpu.budget.unit == "gpu_seconds"
 
 
-async def test_the_charge_is_trued_up_to_the_tokens_used_and_a_cancel_or_failure_releases_it(backends: Backends) -> None:
+async def test_the_charge_is_trued_up_to_the_tokens_used_and_a_cancel_or_failure_releases_it(
+    backends: Backends,
+) -> None:
     await budget(backends, "settles", day=270)
-    ran, failed = await admit(backends.pool, chat_candidate("settles", "ran"), chat_candidate("settles", "failed"), now=LATE)
+    ran, failed = await admit(
+        backends.pool, chat_candidate("settles", "ran"), chat_candidate("settles", "failed"), now=LATE
+    )
     assert ran.task is not None and failed.task is not None
     [over] = await admit(backends.pool, chat_candidate("settles", "over"), now=LATE)
     assert over.verdict is AdmitVerdict.QUOTA_EXCEEDED  # 240 reserved of 270
@@ -131,8 +171,9 @@ async def test_the_charge_is_trued_up_to_the_tokens_used_and_a_cancel_or_failure
     assert fits.verdict is AdmitVerdict.CREATED and fits.task is not None  # 27 + 120 + 120 <= 270
     # a failed task and a cancelled one release their whole reservations
     await claimed(backends.pool, failed.task.id, worker_id="w1", lease_seconds=30.0)
-    lost = await store.fail(backends.pool, failed.task.id, attempt=1, error=store.TaskError("X", "broken"), actor="test",
-                            reason="test")
+    lost = await store.fail(
+        backends.pool, failed.task.id, attempt=1, error=store.TaskError("X", "broken"), actor="test", reason="test"
+    )
     assert lost.applied
     await store.cancel(backends.pool, fits.task.id, mode=store.CancelMode.SOFT, actor="test")
     assert await tokens_charged(backends, "settles") == {"2026-03-10": 27}
@@ -144,7 +185,9 @@ async def test_two_replicas_admitting_at_once_never_overdraw_the_budget(backends
     other = await pool.create_pool(backends.settings.database_url, size=2)  # a second replica's own connections
     try:
         batches = [[chat_candidate("racer", f"{r}-{i}") for i in range(4)] for r in range(4)]
-        got = await asyncio.gather(*(admit(backends.pool if n % 2 else other, *b, now=LATE) for n, b in enumerate(batches)))
+        got = await asyncio.gather(
+            *(admit(backends.pool if n % 2 else other, *b, now=LATE) for n, b in enumerate(batches))
+        )
     finally:
         await other.close()
     verdicts = [a.verdict for batch in got for a in batch]
@@ -188,7 +231,8 @@ async def test_through_the_gateway_a_refused_task_fits_once_a_real_answer_trued_
     await workers(settings)
     await wait_task(backends, int(first.task.id), is_status(Status.SUCCEEDED), within=60)
     row = await backends.pool.fetchrow(
-        "SELECT input_tokens, output_tokens, tokens_reserved, token_budget_day FROM task WHERE id = $1", int(first.task.id)
+        "SELECT input_tokens, output_tokens, tokens_reserved, token_budget_day FROM task WHERE id = $1",
+        int(first.task.id),
     )
     used = row["input_tokens"] + row["output_tokens"]
     assert row["tokens_reserved"] == reserved and 0 < row["output_tokens"] < 60

@@ -97,7 +97,9 @@ POISON: dict[str, bytes] = {
 
 
 @pytest.mark.parametrize("kind", list(POISON))
-async def test_poison_message_is_dropped_and_the_slot_stays_free(backends: Backends, worker: WorkerHandle, kind: str) -> None:
+async def test_poison_message_is_dropped_and_the_slot_stays_free(
+    backends: Backends, worker: WorkerHandle, kind: str
+) -> None:
     await publish(backends, POISON[kind], f"poison-{kind}")
     await wait_for(lambda: consumer_drained(backends), 10)
     row = await run_normal_task(backends, f"after {kind}")
@@ -105,7 +107,9 @@ async def test_poison_message_is_dropped_and_the_slot_stays_free(backends: Backe
     await wait_for(lambda: consumer_drained(backends), 5)
 
 
-async def test_message_naming_a_task_of_another_model_does_not_claim_it(backends: Backends, worker: WorkerHandle) -> None:
+async def test_message_naming_a_task_of_another_model_does_not_claim_it(
+    backends: Backends, worker: WorkerHandle
+) -> None:
     # A wan-tiny task (this worker does not serve that model) announced on the sleepy subject.
     foreign = await insert_task(backends.pool, model_id="wan-tiny")
     await store.queue(backends.pool, foreign.id, actor="submit")
@@ -158,12 +162,16 @@ async def test_a_flood_of_poison_does_not_starve_a_real_task(backends: Backends,
 async def test_a_burst_never_runs_more_tasks_than_the_worker_has_slots(
     backends: Backends, worker_settings: Settings
 ) -> None:
-    slow = worker_settings.model_copy(update={"models": {**worker_settings.models, SLEEPY: ModelSpec(kind="sleep", sleep_seconds=0.2)}})
+    slow = worker_settings.model_copy(
+        update={"models": {**worker_settings.models, SLEEPY: ModelSpec(kind="sleep", sleep_seconds=0.2)}}
+    )
     handle = await worker_service.start(slow)
     try:
         ids = []
         for i in range(20):
-            task = await insert_task(backends.pool, model_id=SLEEPY, prompt=f"burst {i}", params={"num_inference_steps": 2, "seed": i})
+            task = await insert_task(
+                backends.pool, model_id=SLEEPY, prompt=f"burst {i}", params={"num_inference_steps": 2, "seed": i}
+            )
             await publish(backends, dispatch(str(task.id)), f"{task.id}.q0")
             ids.append(task.id)
         peak = 0

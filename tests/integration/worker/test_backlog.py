@@ -14,7 +14,9 @@ async def test_a_backlog_of_thirty_behind_one_slot_all_succeed_under_a_short_que
     settings: Settings, backends: Backends, workers: Factory
 ) -> None:
     # one slot, a 1 s queue timeout and 2 re-publishes: the last of 30 tasks waits far longer than 3 s in QUEUED
-    s = sleepy_settings(settings, sleep=0.15, queue_timeout_seconds=1.0).model_copy(update={"scan_interval_seconds": 0.2})
+    s = sleepy_settings(settings, sleep=0.15, queue_timeout_seconds=1.0).model_copy(
+        update={"scan_interval_seconds": 0.2}
+    )
     scheduler = await scheduler_service.start(s)
     try:
         await workers(s)
@@ -32,7 +34,8 @@ async def test_a_backlog_of_thirty_behind_one_slot_all_succeed_under_a_short_que
     finally:
         await scheduler.stop()
     rows = await backends.pool.fetch(
-        "SELECT status::text, count(*) AS n, sum(publish_count) AS rounds FROM task WHERE id = ANY($1::bigint[]) GROUP BY 1",
+        "SELECT status::text, count(*) AS n, sum(publish_count) AS rounds FROM task WHERE id = ANY($1::bigint[]) GROUP "
+        "BY 1",
         ids,
     )
     assert [(r["status"], r["n"], r["rounds"]) for r in rows] == [("SUCCEEDED", 30, 0)]  # none re-published either

@@ -35,7 +35,9 @@ def settings(settings: Settings, tiny_lm: Path) -> Settings:
 
 async def submit(stub: Any, md: Any, content: str, **chat: Any) -> task_pb2.Task:
     params = task_pb2.ChatParams(messages=[task_pb2.ChatMessage(role="user", content=content)], **chat)
-    made = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params), metadata=md, timeout=10)
+    made = await stub.SubmitTask(
+        gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params), metadata=md, timeout=10
+    )
     task: task_pb2.Task = made.task
     return task
 
@@ -69,7 +71,8 @@ async def test_a_chat_task_succeeds_with_its_answer_inline_whole_and_streamed(
     data, content_type = await whole_result(stub, md, task.id)
     assert data.decode() == answer.text and content_type.startswith("text/plain")
     listed = (await stub.ListTasks(gateway_pb2.ListTasksRequest(), metadata=md, timeout=5)).tasks
-    assert [(t.text.text, t.text.truncated, t.text.chars) for t in listed] == [("", True, answer.chars)]  # GetTask has it
+    # GetTask has it
+    assert [(t.text.text, t.text.truncated, t.text.chars) for t in listed] == [("", True, answer.chars)]
     found = await chunks(backends, got.user_id, task.id)
     assert found and text_of(found, 1) == answer.text  # in order, no gap, nothing twice
     # the same tokens as transformers' own greedy generate, decoded the same way
@@ -84,15 +87,22 @@ async def test_a_chat_task_succeeds_with_its_answer_inline_whole_and_streamed(
     assert runner.tokenizer.decode(tokens, skip_special_tokens=True) == answer.text  # byte pieces (invalid UTF-8) too
 
     # regenerate: the same conversation and parameters, a new seed
-    again = (await stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=task.id, seed=99), metadata=md, timeout=10)).task
+    again = (
+        await stub.RegenerateTask(gateway_pb2.RegenerateTaskRequest(task_id=task.id, seed=99), metadata=md, timeout=10)
+    ).task
     assert again.task_type == "chat" and again.id != task.id and again.chat.seed == 99
     assert (again.chat.max_output_tokens, again.chat.temperature) == (80, 0.0)
     assert again.usage.input_tokens == task.usage.input_tokens and again.prompt == task.prompt
     await wait_task(backends, int(again.id), is_status(Status.SUCCEEDED), within=60)
 
     # metered in tokens: per tenant, model and hour, and on the finished task's webhook
-    [metered] = await usage.usage(backends.pool, since=datetime.now(UTC) - timedelta(hours=1), until=datetime.now(UTC) + timedelta(
-        minutes=1), tenant_id=got.user_id, limit=10)
+    [metered] = await usage.usage(
+        backends.pool,
+        since=datetime.now(UTC) - timedelta(hours=1),
+        until=datetime.now(UTC) + timedelta(minutes=1),
+        tenant_id=got.user_id,
+        limit=10,
+    )
     regenerated = await wait_task(backends, int(again.id), is_status(Status.SUCCEEDED))
     assert (metered.model_id, metered.input_tokens, metered.output_tokens) == (
         MODEL, got.usage.input_tokens + regenerated.input_tokens, got.usage.output_tokens + regenerated.output_tokens)
@@ -109,8 +119,16 @@ async def test_tasks_share_one_model_and_a_hard_cancelled_one_leaves_the_others_
     md = await key_for(backends, max_pending=20)
     handle = await workers(settings)
     runner = chat_runner(handle)
-    sampled = [{"content": f"question {i}: what is the error?", "max_output_tokens": 300, "temperature": 0.9, "top_p": 0.9,
-                "seed": 10 + i} for i in range(3)]
+    sampled = [
+        {
+            "content": f"question {i}: what is the error?",
+            "max_output_tokens": 300,
+            "temperature": 0.9,
+            "top_p": 0.9,
+            "seed": 10 + i,
+        }
+        for i in range(3)
+    ]
 
     async def ask(item: dict[str, Any]) -> task_pb2.Task:
         return await submit(stub, md, **item)
@@ -127,12 +145,17 @@ async def test_tasks_share_one_model_and_a_hard_cancelled_one_leaves_the_others_
     for i, item in enumerate(sampled):
         params = task_pb2.ChatParams(messages=[task_pb2.ChatMessage(role="user", content=str(item["content"]))],
                                      max_output_tokens=300, temperature=0.9, top_p=0.9, seed=10 + i)
-        made = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params,
-                                                                   idempotency_key=f"again-{i}"), metadata=md, timeout=10)
+        made = await stub.SubmitTask(
+            gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params, idempotency_key=f"again-{i}"),
+            metadata=md,
+            timeout=10,
+        )
         fresh.append(made.task)
     await wait_for(lambda: runner.batcher.active == 4, within=30)  # four sequences decoding on one loaded model
     steps_at_cancel = runner.batcher.steps
-    cancelled = await stub.CancelTask(gateway_pb2.CancelTaskRequest(task_id=long.id, hard=True), metadata=md, timeout=10)
+    cancelled = await stub.CancelTask(
+        gateway_pb2.CancelTaskRequest(task_id=long.id, hard=True), metadata=md, timeout=10
+    )
     assert cancelled.task.status == task_pb2.TASK_STATUS_CANCELED
     await wait_for(lambda: runner.batcher.active <= 3, within=10)
     left_after = runner.batcher.steps - steps_at_cancel
@@ -181,7 +204,12 @@ async def test_a_chat_task_over_http_ends_with_its_answer(settings: Settings, ba
     async with harness.http_stack(settings, backends, worker_models=[MODEL]) as stack, httpx.AsyncClient(
         base_url=stack.url, headers=stack.headers(), timeout=20
     ) as client:
-        body = {"task_type": "chat", "model_id": MODEL, "prompt": "hello", "chat": {"max_output_tokens": 30, "temperature": 0}}
+        body = {
+            "task_type": "chat",
+            "model_id": MODEL,
+            "prompt": "hello",
+            "chat": {"max_output_tokens": 30, "temperature": 0},
+        }
         made = await client.post("/v1/tasks", json=body)
         assert made.status_code == 201, made.text
         task_id = made.json()["task"]["id"]

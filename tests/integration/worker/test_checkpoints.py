@@ -50,7 +50,9 @@ def _one_torch_thread() -> Iterator[None]:
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every tiny model, built once for this module."""
     base = tmp_path_factory.mktemp("models")
-    return {name: tinymodel.build_tiny_pipeline(base / name, pipeline=cls) for name, cls in tinymodel.TINY_MODELS.items()}
+    return {
+        name: tinymodel.build_tiny_pipeline(base / name, pipeline=cls) for name, cls in tinymodel.TINY_MODELS.items()
+    }
 
 
 # ---- the pipeline itself: every family, every step ----
@@ -75,7 +77,9 @@ def test_a_run_resumed_from_any_step_makes_the_uninterrupted_runs_bytes(models: 
     pipeline = VideoPipeline.load(name, models[name], "cpu", torch.float32, LoadOptions(pipeline=cls))
     assert pipeline.not_resumable is None
     size, frames = 2 * pipeline.needs.size_multiple, 1 + 2 * pipeline.needs.frame_step
-    req = GenerationRequest(prompt="a cat runs in the snow", num_frames=frames, width=size, height=size, num_inference_steps=5, seed=3)
+    req = GenerationRequest(
+        prompt="a cat runs in the snow", num_frames=frames, width=size, height=size, num_inference_steps=5, seed=3
+    )
     if pipeline.takes_image:
         pixels = (np.arange(size * size * 3) % 251).astype(np.uint8).reshape(size, size, 3)
         req = GenerationRequest(**{**req.__dict__, "image": Image.fromarray(pixels)})
@@ -106,7 +110,9 @@ def test_bytes_that_are_no_checkpoint_are_refused() -> None:
 def test_a_multistep_scheduler_is_not_resumed_and_says_why(models: dict[str, Path]) -> None:
     from diffusers import UniPCMultistepScheduler
 
-    pipeline = VideoPipeline.load("wan-tiny", models["wan-tiny"], "cpu", torch.float32, LoadOptions(pipeline="WanPipeline"))
+    pipeline = VideoPipeline.load(
+        "wan-tiny", models["wan-tiny"], "cpu", torch.float32, LoadOptions(pipeline="WanPipeline")
+    )
     pipeline.pipe.scheduler = UniPCMultistepScheduler.from_config(pipeline.pipe.scheduler.config)
     assert pipeline.not_resumable is not None and "UniPCMultistepScheduler" in pipeline.not_resumable
 
@@ -120,8 +126,13 @@ def checkpointing(settings: Settings, model: str, folder: Path) -> Settings:
     spec = tinymodel.tiny_spec(TEXT_MODELS.get(model, "WanPipeline"), folder, checkpoint_every_steps=1)
     return settings.model_copy(
         update={
-            "models": {**settings.models, model: spec}, "worker_models": [model], "worker_slots": 1,
-            "lease_seconds": 1.0, "heartbeat_seconds": 0.25, "scan_interval_seconds": 0.2, "progress_interval_seconds": 0.0,
+            "models": {**settings.models, model: spec},
+            "worker_models": [model],
+            "worker_slots": 1,
+            "lease_seconds": 1.0,
+            "heartbeat_seconds": 0.25,
+            "scan_interval_seconds": 0.2,
+            "progress_interval_seconds": 0.0,
         }
     )
 
@@ -138,7 +149,9 @@ async def checkpointed_past(backends: Backends, task_id: int, step: int) -> None
     await wait_for(past, within=120, every=0.02)
 
 
-async def uninterrupted(backends: Backends, model: str, request: dict[str, object], handle: worker_service.WorkerHandle) -> bytes:
+async def uninterrupted(
+    backends: Backends, model: str, request: dict[str, object], handle: worker_service.WorkerHandle
+) -> bytes:
     """The video a run of the same request makes without interruption (another task, the same seed)."""
     task = await submit(backends, model=model, params=request)
     done = await wait_task(backends, task.id, is_status(Status.SUCCEEDED), within=180)
@@ -177,7 +190,9 @@ async def test_a_killed_workers_task_resumes_on_another_from_its_checkpoint_with
             video = await read_result(s, backends, done.result_uri)
             assert video == await uninterrupted(backends, model, request, second)
             # the checkpoint goes with the task's end (its worker deletes it right after the final write)
-            await wait_task(backends, task.id, lambda r: r.checkpoint_uri is None and r.checkpoint_garbage == [], within=10)
+            await wait_task(
+                backends, task.id, lambda r: r.checkpoint_uri is None and r.checkpoint_garbage == [], within=10
+            )
             assert await stored_objects(backends.bus, f"checkpoints/{task.id}-") == []
         finally:
             await second.stop(grace=0)
@@ -205,7 +220,10 @@ async def test_sigterm_checkpoints_releases_and_exits_within_seconds_and_the_nex
     assert released.checkpoint_uri is not None and released.checkpoint_step >= 3
     stopped_at = released.checkpoint_step
     # metering: its steps up to the checkpoint counted; at most the moments after the stop's snapshot are wasted
-    assert released.device_seconds > 0 and released.wasted_seconds < 0.5, (released.device_seconds, released.wasted_seconds)
+    assert released.device_seconds > 0 and released.wasted_seconds < 0.5, (
+        released.device_seconds,
+        released.wasted_seconds,
+    )
 
     signals = TestSignals().arm()
     second = await worker_service.start(s, signals=signals)

@@ -37,7 +37,9 @@ async def claim_order(backends: Backends, hint: int, n: int) -> list[str]:
     """The tenants of `n` successive claims for messages naming `hint` (a hint, not an assignment)."""
     order = []
     for _ in range(n):
-        got = await registry.claim_for(backends.pool, hint, model_id=SLEEPY, cap=0, worker_id="w", lease_seconds=60, actor="w")
+        got = await registry.claim_for(
+            backends.pool, hint, model_id=SLEEPY, cap=0, worker_id="w", lease_seconds=60, actor="w"
+        )
         assert got.verdict is registry.Verdict.CLAIMED and got.task is not None
         order.append(got.task.user_id)
     return order
@@ -53,7 +55,9 @@ async def test_claims_go_round_robin_across_tenants_and_follow_their_weights(bac
     await backends.pool.execute("INSERT INTO tenant (id, share_weight) VALUES ('heavy', 3), ('light', 1)")
     await queued(backends, "heavy", 9)
     await queued(backends, "light", 3)
-    await backends.pool.execute("UPDATE task SET status = 'CANCELED', finished_at = now() WHERE user_id = 'bulk' AND status = 'QUEUED'")
+    await backends.pool.execute(
+        "UPDATE task SET status = 'CANCELED', finished_at = now() WHERE user_id = 'bulk' AND status = 'QUEUED'"
+    )
     order = await claim_order(backends, hint, 12)
     assert order.count("heavy") == 9 and order.count("light") == 3
     assert all(order[i:i + 4].count("light") == 1 for i in (0, 4, 8)), order  # three of heavy's for one of light's
@@ -76,7 +80,9 @@ async def test_a_message_says_when_its_level_is_due_and_takes_its_own_created_ta
     await pool.execute("UPDATE task SET not_before = now() + interval '30 seconds' WHERE id = $1", waiting.id)
 
     async def claim(task_id: int) -> registry.WorkerClaim:
-        return await registry.claim_for(pool, task_id, model_id=SLEEPY, cap=0, worker_id="w", lease_seconds=60, actor="w")
+        return await registry.claim_for(
+            pool, task_id, model_id=SLEEPY, cap=0, worker_id="w", lease_seconds=60, actor="w"
+        )
 
     early = await claim(waiting.id)
     assert early.verdict is registry.Verdict.EARLY and early.wait_seconds is not None and 25 < early.wait_seconds <= 30
@@ -105,7 +111,9 @@ async def test_a_single_task_waits_behind_at_most_one_task_of_anothers_bulk(
     done = await store.get_task(backends.pool, single.id)
     assert done is not None and done.started_at is not None and queued_at is not None
     ahead = await backends.pool.fetchval(
-        "SELECT count(*) FROM task WHERE user_id = 'bulk' AND started_at > $1 AND started_at < $2", queued_at, done.started_at
+        "SELECT count(*) FROM task WHERE user_id = 'bulk' AND started_at > $1 AND started_at < $2",
+        queued_at,
+        done.started_at,
     )
     assert ahead <= 1, ahead  # the task running when it came, and at most one claim already under way
     left = await backends.pool.fetchval("SELECT count(*) FROM task WHERE user_id = 'bulk' AND status = 'QUEUED'")
@@ -168,7 +176,9 @@ async def end_user_order(backends: Backends, hint: int, n: int) -> list[str]:
     """`tenant/end user` of `n` successive claims for messages naming `hint`."""
     order = []
     for _ in range(n):
-        got = await registry.claim_for(backends.pool, hint, model_id=SLEEPY, cap=0, worker_id="w", lease_seconds=60, actor="w")
+        got = await registry.claim_for(
+            backends.pool, hint, model_id=SLEEPY, cap=0, worker_id="w", lease_seconds=60, actor="w"
+        )
         assert got.verdict is registry.Verdict.CLAIMED and got.task is not None
         order.append(f"{got.task.user_id}/{got.task.end_user}")
     return order

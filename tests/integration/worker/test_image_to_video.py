@@ -67,7 +67,13 @@ def _never() -> bool:
 def _picture(width: int = 32, height: int = 32, tint: int = 0) -> Image.Image:
     """A smooth RGB gradient (a different one per tint), as a photo's pixels would be."""
     image = Image.new("RGB", (width, height))
-    image.putdata([((x * 255) // width, (y * 255) // height, (tint * 80 + x + y) % 256) for y in range(height) for x in range(width)])
+    image.putdata(
+        [
+            ((x * 255) // width, (y * 255) // height, (tint * 80 + x + y) % 256)
+            for y in range(height)
+            for x in range(width)
+        ]
+    )
     return image
 
 
@@ -129,7 +135,8 @@ def test_an_image_class_keeps_its_text_siblings_rules(pipeline: str) -> None:
     differ = {name for name in mine if mine[name] != theirs[name]} - {"label", "task_type", "loads_from"}
     # CogVideoX-5b-I2V's learned positional embeddings fix its size at 720x480 (the transformer refuses others)
     assert differ == ({"max_width", "max_height"} if pipeline == "CogVideoXImageToVideoPipeline" else set())
-    assert FAMILIES[pipeline].loads_from == (("LTXPipeline",) if pipeline == I2V else ())  # LTX's one folder serves both
+    # LTX's one folder serves both
+    assert FAMILIES[pipeline].loads_from == (("LTXPipeline",) if pipeline == I2V else ())
 
 
 def test_cogvideox_1_0_i2v_is_held_to_its_one_size() -> None:
@@ -224,14 +231,19 @@ def test_a_hard_cancel_stops_within_one_step_and_the_pipeline_still_works(i2v: V
     baseline = i2v.generate(_request(seed=3), _no_steps, _never)
     steps: list[int] = []
     with pytest.raises(runmod.RunAborted):
-        i2v.generate(_request(seed=3, num_inference_steps=4), lambda done, _total: steps.append(done), lambda: len(steps) >= 1)
+        i2v.generate(
+            _request(seed=3, num_inference_steps=4), lambda done, _total: steps.append(done), lambda: len(steps) >= 1
+        )
     assert steps == [1]
     assert i2v.generate(_request(seed=3), _no_steps, _never).sha256 == baseline.sha256
 
 
 def test_an_image_pipeline_without_an_image_or_with_a_wrong_sized_one_is_refused(i2v: VideoPipeline) -> None:
     steps: list[int] = []
-    for request, why in ((_request(image=None), "the request has none"), (_request(image=_picture(64, 32)), "must be fitted")):
+    for request, why in (
+        (_request(image=None), "the request has none"),
+        (_request(image=_picture(64, 32)), "must be fitted"),
+    ):
         with pytest.raises(ValueError, match=why) as caught:
             i2v.generate(request, lambda done, _total: steps.append(done), _never)
         assert runmod.classify(caught.value) == (False, "INVALID_PARAMETERS")
@@ -259,7 +271,10 @@ def test_warmup_gives_an_image_pipeline_a_blank_image(i2v: VideoPipeline, monkey
 
     monkeypatch.setattr(type(i2v.pipe), "__call__", noting)
     assert i2v.warmup() > 0
-    assert i2v.warmup(GenerationRequest(prompt="warmup", num_frames=9, width=64, height=32, num_inference_steps=1, seed=0)) > 0
+    assert (
+        i2v.warmup(GenerationRequest(prompt="warmup", num_frames=9, width=64, height=32, num_inference_steps=1, seed=0))
+        > 0
+    )
     assert [(im.size, im.getextrema()) for im in seen] == [((32, 32), ((0, 0),) * 3), ((64, 32), ((0, 0),) * 3)]
 
 
@@ -276,7 +291,9 @@ def test_the_runner_fits_the_stored_image_the_models_way(i2v: VideoPipeline, mod
         output = runner.encode(runner.render(inp, _no_steps, _never))
         assert decode_mp4_info(output.data) == (9, 32, 32)
         fitted = images.fit(images.open_canonical(stored.png), 32, 32, fit)
-        expected = i2v.generate(_request(prompt="a cat runs", seed=5, negative_prompt="", image=fitted), _no_steps, _never)
+        expected = i2v.generate(
+            _request(prompt="a cat runs", seed=5, negative_prompt="", image=fitted), _no_steps, _never
+        )
         assert output.sha256 == expected.sha256, fit
         digests[fit] = output.sha256
     assert len(set(digests.values())) == 3
@@ -293,7 +310,9 @@ def test_the_runner_refuses_an_undecodable_input_and_a_missing_one(i2v: VideoPip
 def test_the_sleep_runner_shows_the_image_it_was_given() -> None:
     runner = runmod.SleepRunner("sleepy", ModelSpec(kind="sleep"))
     stored = _canonical(_picture())
-    with_image = json.loads(runner.encode(runner.render(runmod.RunInput(1, 1, "p", {}, stored.png), _no_steps, _never)).data)
+    with_image = json.loads(
+        runner.encode(runner.render(runmod.RunInput(1, 1, "p", {}, stored.png), _no_steps, _never)).data
+    )
     without = json.loads(runner.encode(runner.render(runmod.RunInput(1, 1, "p", {}), _no_steps, _never)).data)
     assert with_image["image_sha256"] == stored.sha256 and "image_sha256" not in without
 
@@ -311,9 +330,24 @@ NOW = datetime(2025, 1, 1, tzinfo=UTC)
 def _task(payload: dict[str, Any]) -> TaskRow:
     """A claimed task of the sleep model with this request payload, retries left."""
     return TaskRow(
-        id=7, user_id="tenant-a", idempotency_key="k", request_hash="h", task_type=IMAGE_TO_VIDEO, model_id="sleepy",
-        prompt="a cat runs", request_payload=payload, priority=5, queue_name="sleepy", status=Status.PROCESSING, progress=0,
-        version=3, attempt=1, retry_count=0, max_retries=3, created_at=NOW, updated_at=NOW,
+        id=7,
+        user_id="tenant-a",
+        idempotency_key="k",
+        request_hash="h",
+        task_type=IMAGE_TO_VIDEO,
+        model_id="sleepy",
+        prompt="a cat runs",
+        request_payload=payload,
+        priority=5,
+        queue_name="sleepy",
+        status=Status.PROCESSING,
+        progress=0,
+        version=3,
+        attempt=1,
+        retry_count=0,
+        max_retries=3,
+        created_at=NOW,
+        updated_at=NOW,
     )
 
 
@@ -341,7 +375,8 @@ def folder_store(tmp_path: Path) -> results.FolderResults:
 
 @pytest.fixture
 def attempts_for(folder_store: results.FolderResults) -> Iterator[Any]:
-    """Makes Attempts that run the sleep model on one CPU lane, reading inputs from a store (the folder's by default)."""
+    """Makes Attempts that run the sleep model on one CPU lane, reading inputs from a store (the folder's by
+    default)."""
     spec = ModelSpec(kind="sleep")
     settings = Settings(
         database_url="postgresql://unused", nats_url="nats://unused", models={"sleepy": spec}, default_model="sleepy",
@@ -368,19 +403,31 @@ def _run(task: TaskRow) -> Run:
 async def _stored(store: results.ResultStore, image: images.Canonical) -> dict[str, Any]:
     """The image put into the store as the submit side does, and its reference as the request payload holds it."""
     put = await store.put(image.name, image.png, images.CONTENT_TYPE)
-    return {"sha256": image.sha256, "width": image.width, "height": image.height, "size_bytes": len(image.png), "uri": put.uri}
+    return {
+        "sha256": image.sha256,
+        "width": image.width,
+        "height": image.height,
+        "size_bytes": len(image.png),
+        "uri": put.uri,
+    }
 
 
-async def test_an_attempt_reads_its_input_before_the_run(folder_store: results.FolderResults, attempts_for: Any) -> None:
+async def test_an_attempt_reads_its_input_before_the_run(
+    folder_store: results.FolderResults, attempts_for: Any
+) -> None:
     image = _canonical(_picture())
-    output = await attempts_for().perform(_run(_task({"num_inference_steps": 2, "image": await _stored(folder_store, image)})))
+    output = await attempts_for().perform(
+        _run(_task({"num_inference_steps": 2, "image": await _stored(folder_store, image)}))
+    )
     body = json.loads(output.data)
     assert body["image_sha256"] == image.sha256 and body["params"]["image"]["sha256"] == image.sha256
     text = json.loads((await attempts_for().perform(_run(_task({"num_inference_steps": 2})))).data)
     assert "image_sha256" not in text
 
 
-async def test_a_missing_or_altered_input_fails_the_attempt_for_good(folder_store: results.FolderResults, attempts_for: Any) -> None:
+async def test_a_missing_or_altered_input_fails_the_attempt_for_good(
+    folder_store: results.FolderResults, attempts_for: Any
+) -> None:
     ref = await _stored(folder_store, _canonical(_picture()))
 
     async def fails_for_good(image: dict[str, Any]) -> None:
@@ -393,7 +440,9 @@ async def test_a_missing_or_altered_input_fails_the_attempt_for_good(folder_stor
     await fails_for_good(ref)
 
 
-async def test_a_store_outage_is_ridden_out_for_a_lease_then_retried(folder_store: results.FolderResults, attempts_for: Any) -> None:
+async def test_a_store_outage_is_ridden_out_for_a_lease_then_retried(
+    folder_store: results.FolderResults, attempts_for: Any
+) -> None:
     image = _canonical(_picture())
     payload = {"image": await _stored(folder_store, image)}
     brief = _Flaky(folder_store, failures=2)
@@ -416,7 +465,9 @@ class _Hung:
         yield b""
 
 
-async def test_a_stopped_run_does_not_wait_for_its_input_or_a_device(folder_store: results.FolderResults, attempts_for: Any) -> None:
+async def test_a_stopped_run_does_not_wait_for_its_input_or_a_device(
+    folder_store: results.FolderResults, attempts_for: Any
+) -> None:
     """A drain (or a cancel) stops a run stuck in a store read, or queued for a held device, at once."""
     payload = {"image": await _stored(folder_store, _canonical(_picture()))}
     hung = _Hung()
@@ -514,8 +565,10 @@ async def test_an_image_to_video_task_runs_end_to_end_through_the_services(
             assert decode_mp4_info(data) == (9, 32, 32)  # the tiny model's default frames and size
         assert rows[0].result_sha256 == rows[1].result_sha256 != rows[2].result_sha256
         progress = [
-            r["progress"] for r in await backends.pool.fetch(
-                "SELECT progress FROM task_event WHERE task_id = $1 AND to_status = 'PROCESSING' ORDER BY version", rows[0].id
+            r["progress"]
+            for r in await backends.pool.fetch(
+                "SELECT progress FROM task_event WHERE task_id = $1 AND to_status = 'PROCESSING' ORDER BY version",
+                rows[0].id,
             )
         ]
         assert progress[0] == 0 and progress == sorted(progress) and progress[-1] > 0

@@ -86,7 +86,9 @@ def pipeline_class(model_name: str) -> str:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, model_name: str, pipeline_class: str) -> Path:
     """The tiny model, built once per family."""
-    return tinymodel.build_tiny_pipeline(tmp_path_factory.mktemp("models") / model_name, seed=0, pipeline=pipeline_class)
+    return tinymodel.build_tiny_pipeline(
+        tmp_path_factory.mktemp("models") / model_name, seed=0, pipeline=pipeline_class
+    )
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +223,8 @@ def test_encoding_keeps_each_colour_in_bt709_limited_range() -> None:
     frames = np.stack([np.full((32, 32, 3), colour, np.uint8) for colour in colours])
     with av.open(io.BytesIO(encode_mp4(frames, 8)), mode="r") as container:
         stream = container.streams.video[0]
-        assert (stream.codec_context.colorspace, stream.codec_context.color_range) == (1, 1)  # tagged BT.709, MPEG range
+        # tagged BT.709, MPEG range
+        assert (stream.codec_context.colorspace, stream.codec_context.color_range) == (1, 1)
         decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
     assert len(decoded) == len(colours)
     for frame, colour in zip(decoded, colours, strict=True):
@@ -260,11 +263,15 @@ def test_torch_compile_is_applied_and_warmed(tmp_path_factory: pytest.TempPathFa
     folder = tinymodel.build_tiny_pipeline(tmp_path_factory.mktemp("compiled") / "wan-tiny")
     plain = VideoPipeline.load("wan-tiny", folder, "cpu", torch.float32)
     # 'eager' traces and guards like inductor, without minutes of kernel generation on a CPU.
-    compiled = VideoPipeline.load("wan-tiny", folder, "cpu", torch.float32, LoadOptions(torch_compile=mode, compile_backend="eager"))
+    compiled = VideoPipeline.load(
+        "wan-tiny", folder, "cpu", torch.float32, LoadOptions(torch_compile=mode, compile_backend="eager")
+    )
     modules = [compiled.pipe.transformer] if mode == "transformer" else list(compiled.pipe.transformer.blocks)
     assert all(getattr(m, "_compiled_call_impl", None) is not None for m in modules)
     assert compiled.warmup(_request(num_inference_steps=1)) > 0 and compiled.warmup_seconds is not None
-    assert compiled.generate(_request(), _no_steps, _never).sha256 == plain.generate(_request(), _no_steps, _never).sha256
+    assert (
+        compiled.generate(_request(), _no_steps, _never).sha256 == plain.generate(_request(), _no_steps, _never).sha256
+    )
 
 
 @pytest.mark.parametrize(

@@ -83,9 +83,15 @@ async def test_the_stream_says_what_to_resume_from_as_a_reader_assembles_it(back
     chunk dropped; nothing (start over) without chunks, or once a chunk names no tokens or leaves a gap."""
     bus, user = backends.bus, "tenant-r"
 
-    async def say(task: int, attempt: int, text: str, offset: int, tokens: tuple[int, ...] | None, token_offset: int) -> None:
+    async def say(
+        task: int, attempt: int, text: str, offset: int, tokens: tuple[int, ...] | None, token_offset: int
+    ) -> None:
         await output.publish(
-            bus, user, output.Chunk(task, attempt, output.TEXT, text=text, offset=offset, tokens=tokens, token_offset=token_offset)
+            bus,
+            user,
+            output.Chunk(
+                task, attempt, output.TEXT, text=text, offset=offset, tokens=tokens, token_offset=token_offset
+            ),
         )
 
     assert await output.resume_text(bus, user, 1) is None
@@ -105,7 +111,9 @@ async def test_the_stream_says_what_to_resume_from_as_a_reader_assembles_it(back
 async def submit(stub: Any, md: Any, key: str, **chat: Any) -> task_pb2.Task:
     params = task_pb2.ChatParams(messages=[task_pb2.ChatMessage(role="user", content=QUESTION)], **chat)
     made = await stub.SubmitTask(
-        gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params, idempotency_key=key), metadata=md, timeout=10
+        gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params, idempotency_key=key),
+        metadata=md,
+        timeout=10,
     )
     task: task_pb2.Task = made.task
     return task
@@ -163,7 +171,10 @@ async def interrupted_then_finished(
             # text, at most a few tokens' time after it wasted
             assert code == 0 and released_seconds < 5, (code, released_seconds)
             assert stopped.status is Status.QUEUED and (stopped.retry_count, stopped.worker_losses) == (0, 0)
-            assert stopped.device_seconds > 0 and stopped.wasted_seconds < 0.5, (stopped.device_seconds, stopped.wasted_seconds)
+            assert stopped.device_seconds > 0 and stopped.wasted_seconds < 0.5, (
+                stopped.device_seconds,
+                stopped.wasted_seconds,
+            )
         first_text = text_of(await chunks(backends, task.user_id, task.id), 1)  # all attempt 1 ever published
         first_tokens = await published_tokens(backends, task.user_id, task.id, 1)
         assert first_text and first_tokens > 0
@@ -208,4 +219,6 @@ async def test_a_killed_workers_answer_goes_on_in_the_next_attempt_from_its_publ
 async def test_a_drained_workers_answer_is_released_with_its_progress_and_goes_on_elsewhere(
     settings: Settings, backends: Backends, stub: Any, workers: WorkerFactory
 ) -> None:
-    await interrupted_then_finished(settings, backends, stub, workers, signal.SIGTERM, max_output_tokens=600, temperature=0.0)
+    await interrupted_then_finished(
+        settings, backends, stub, workers, signal.SIGTERM, max_output_tokens=600, temperature=0.0
+    )

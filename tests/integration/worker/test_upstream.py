@@ -13,13 +13,20 @@ from taskgate_local.embedded import free_port
 from tests.support.harness import wait_for
 from tests.support.llamaserver import LlamaServer
 
-MESSAGES = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "hello model, the answer?"}]
+MESSAGES = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "hello model, the answer?"},
+]
 
 
 def _upstream(server: LlamaServer, **changes: object) -> Upstream:
     spec = ModelSpec(
-        kind="openai-compatible", base_url=server.base_url, upstream_model=server.alias, api_key_env="TINY_UPSTREAM_KEY",
-        task_types=["chat"], **changes,  # type: ignore[arg-type]
+        kind="openai-compatible",
+        base_url=server.base_url,
+        upstream_model=server.alias,
+        api_key_env="TINY_UPSTREAM_KEY",
+        task_types=["chat"],
+        **changes,  # type: ignore[arg-type]
     )
     return Upstream("tiny-upstream", spec, environ={"TINY_UPSTREAM_KEY": server.api_key or ""})
 
@@ -42,8 +49,12 @@ async def test_a_chat_streams_its_deltas_and_ends_with_a_reason_and_its_tokens(l
 async def test_the_same_seed_gives_the_same_text(llama_server: LlamaServer) -> None:
     upstream = _upstream(llama_server)
     try:
-        texts = [(await upstream.chat(MESSAGES, {"max_output_tokens": 8, "temperature": 1.0, "seed": 11}, lambda _: None)).text
-                 for _ in range(2)]
+        texts = [
+            (
+                await upstream.chat(MESSAGES, {"max_output_tokens": 8, "temperature": 1.0, "seed": 11}, lambda _: None)
+            ).text
+            for _ in range(2)
+        ]
     finally:
         await upstream.close()
     assert texts[0] == texts[1]
@@ -61,13 +72,17 @@ async def test_cancelling_closes_the_stream_and_the_server_stops_generating(llam
     logged = llama_server.log.read_text(errors="replace").count("Disconnected from client")
     try:
         # long enough to run for seconds: the tiny model's end-of-sequence token is made rare with a stop it never meets
-        chat = asyncio.create_task(upstream.chat(MESSAGES, {"max_output_tokens": 1500, "temperature": 1.0, "seed": 5}, on_delta))
+        chat = asyncio.create_task(
+            upstream.chat(MESSAGES, {"max_output_tokens": 1500, "temperature": 1.0, "seed": 5}, on_delta)
+        )
         await asyncio.wait_for(first.wait(), 30)
         chat.cancel()
         with pytest.raises(asyncio.CancelledError):
             await chat
         # the server saw its client leave (it logs it as it drops the generation) ...
-        await wait_for(lambda: llama_server.log.read_text(errors="replace").count("Disconnected from client") > logged, within=30)
+        await wait_for(
+            lambda: llama_server.log.read_text(errors="replace").count("Disconnected from client") > logged, within=30
+        )
         # ... and is free at once for the next request, which it serves one at a time
         after = await asyncio.wait_for(upstream.chat(MESSAGES, {"max_output_tokens": 2}, lambda _: None), 30)
     finally:
@@ -77,7 +92,9 @@ async def test_cancelling_closes_the_stream_and_the_server_stops_generating(llam
 
 async def test_an_upstream_that_is_down_is_a_retryable_failure(llama_server: LlamaServer) -> None:
     down = LlamaServer(llama_server.base, llama_server.model, alias="x", port=free_port())  # nothing listens there
-    upstream = Upstream("down", ModelSpec(kind="openai-compatible", base_url=down.base_url, upstream_connect_timeout_seconds=2))
+    upstream = Upstream(
+        "down", ModelSpec(kind="openai-compatible", base_url=down.base_url, upstream_connect_timeout_seconds=2)
+    )
     try:
         with pytest.raises(UpstreamFailure) as failed:
             await upstream.chat(MESSAGES, {}, lambda _: None)

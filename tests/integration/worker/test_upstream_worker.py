@@ -28,8 +28,13 @@ KEY_VARIABLE = "TASKGATE_TEST_UPSTREAM_KEY"
 
 def upstream_spec(base_url: str, tokenizer: Path, **changes: Any) -> ModelSpec:
     fields: dict[str, Any] = {
-        "kind": "openai-compatible", "base_url": base_url, "upstream_model": "tiny-chat-upstream", "api_key_env": KEY_VARIABLE,
-        "tokenizer": tokenizer, "max_output_tokens": 2000, "upstream_max_requests": 2,
+        "kind": "openai-compatible",
+        "base_url": base_url,
+        "upstream_model": "tiny-chat-upstream",
+        "api_key_env": KEY_VARIABLE,
+        "tokenizer": tokenizer,
+        "max_output_tokens": 2000,
+        "upstream_max_requests": 2,
     }
     return ModelSpec(**(fields | changes))
 
@@ -44,7 +49,9 @@ def settings(settings: Settings, llama_server: LlamaServer, tiny_lm: Path, monke
 
 async def submit(stub: Any, md: Any, content: str, **chat: Any) -> task_pb2.Task:
     params = task_pb2.ChatParams(messages=[task_pb2.ChatMessage(role="user", content=content)], **chat)
-    made = await stub.SubmitTask(gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params), metadata=md, timeout=10)
+    made = await stub.SubmitTask(
+        gateway_pb2.SubmitTaskRequest(task_type="chat", model_id=MODEL, chat=params), metadata=md, timeout=10
+    )
     task: task_pb2.Task = made.task
     return task
 
@@ -74,7 +81,9 @@ async def test_an_upstream_that_is_down_fails_the_attempt_retryably(
     md = await key_for(backends, max_pending=10)
     down = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     spec = upstream_spec(down, tiny_lm, api_key_env=None, upstream_connect_timeout_seconds=2)
-    handle = await workers(settings.model_copy(update={"models": {**settings.models, MODEL: spec}, "worker_models": [MODEL]}))
+    handle = await workers(
+        settings.model_copy(update={"models": {**settings.models, MODEL: spec}, "worker_models": [MODEL]})
+    )
     task = await submit(stub, md, "anyone there?", max_output_tokens=5)
     report = await handle.worker.signals.reported.wait_for(report_for(int(task.id)), within=60)
     assert (report.outcome, report.error_code) == (Fate.RETRIED, "UPSTREAM_UNAVAILABLE")

@@ -30,7 +30,18 @@ from taskgate.store import CancelMode, Rejection, ResultRef, TaskError
 from taskgate.store import workers as registry
 from taskgate.wire import cancel
 from taskgate_api.v1 import worker_pb2, worker_pb2_grpc
-from tests.support.factories import SLEEPY, all_settings, claimed, insert_task, key_for, params, publish, sleepy_settings, submit, with_
+from tests.support.factories import (
+    SLEEPY,
+    all_settings,
+    claimed,
+    insert_task,
+    key_for,
+    params,
+    publish,
+    sleepy_settings,
+    submit,
+    with_,
+)
 from tests.support.harness import ROOT, stored_objects, wait_for
 from tests.support.harness import WorkerFactory as Factory
 from tests.support.queries import events, is_status, read_result, report_for, wait_consumer_empty, wait_task
@@ -124,7 +135,9 @@ async def test_task_runs_end_to_end_with_progress_and_status(
     assert registered is not None and registered["models"] == [SLEEPY] and registered["slots"] == 1
 
 
-async def test_claim_of_a_created_task_wins_over_a_slow_submit(settings: Settings, backends: Backends, workers: Factory) -> None:
+async def test_claim_of_a_created_task_wins_over_a_slow_submit(
+    settings: Settings, backends: Backends, workers: Factory
+) -> None:
     await workers(sleepy_settings(settings))
     task = await submit(backends, queue=False)  # the message outruns the CREATED -> QUEUED commit
     row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED))
@@ -133,7 +146,9 @@ async def test_claim_of_a_created_task_wins_over_a_slow_submit(settings: Setting
     assert late.rejection is Rejection.ILLEGAL and late.task is not None and late.task.status is Status.SUCCEEDED
 
 
-async def test_message_for_a_canceled_task_is_acked_and_dropped(settings: Settings, backends: Backends, workers: Factory) -> None:
+async def test_message_for_a_canceled_task_is_acked_and_dropped(
+    settings: Settings, backends: Backends, workers: Factory
+) -> None:
     handle = await workers(sleepy_settings(settings))
     task = await insert_task(backends.pool, model_id=SLEEPY)
     canceled = await store.cancel(backends.pool, task.id, mode=CancelMode.SOFT, actor="submit")
@@ -145,7 +160,9 @@ async def test_message_for_a_canceled_task_is_acked_and_dropped(settings: Settin
     assert row is not None and row.status is Status.CANCELED and row.attempt == 0
 
 
-async def test_redelivery_while_the_lease_is_live_is_acked_and_dropped(settings: Settings, backends: Backends, workers: Factory) -> None:
+async def test_redelivery_while_the_lease_is_live_is_acked_and_dropped(
+    settings: Settings, backends: Backends, workers: Factory
+) -> None:
     handle = await workers(sleepy_settings(settings, sleep=0.8), worker_slots=2)
     task = await submit(backends, params=params(steps=2))
     await wait_task(backends, task.id, is_status(Status.PROCESSING))
@@ -162,7 +179,9 @@ async def test_redelivery_while_the_lease_is_live_is_acked_and_dropped(settings:
 async def test_retryable_failure_is_retried_with_growing_delays_then_dead_lettered(
     settings: Settings, backends: Backends, workers: Factory
 ) -> None:
-    s = with_(sleepy_settings(settings, fail_times=99, fail_code="TRANSIENT_IO"), retry_backoff_seconds=0.15, retry_jitter=0.1)
+    s = with_(
+        sleepy_settings(settings, fail_times=99, fail_code="TRANSIENT_IO"), retry_backoff_seconds=0.15, retry_jitter=0.1
+    )
     handle = await workers(s)
     dead = await backends.bus.js.subscribe(busmod.dead_subject(SLEEPY))
     task = await submit(backends, params=params(steps=1), max_retries=2)
@@ -218,13 +237,18 @@ async def test_soft_cancel_keeps_the_output_and_an_identical_task_reuses_it(
     second = await submit(backends, params=params(steps=3))
     assert second.request_hash == first.request_hash
     done = await wait_task(backends, second.id, is_status(Status.SUCCEEDED))
-    assert done.result_reused and (done.result_uri, done.result_sha256) == (reusable["result_uri"], reusable["result_sha256"])
+    assert done.result_reused and (done.result_uri, done.result_sha256) == (
+        reusable["result_uri"],
+        reusable["result_sha256"],
+    )
     reused = await handle.worker.signals.reported.wait_for(report_for(second.id))
     assert reused.outcome == "reused" and reused.steps_done == 0
     await wait_consumer_empty(backends, SLEEPY, Priority.NORMAL)
 
 
-async def test_hard_cancel_of_a_sleep_run_frees_the_slot_at_once(settings: Settings, backends: Backends, workers: Factory) -> None:
+async def test_hard_cancel_of_a_sleep_run_frees_the_slot_at_once(
+    settings: Settings, backends: Backends, workers: Factory
+) -> None:
     handle = await workers(sleepy_settings(settings, sleep=20.0))
     task = await submit(backends, params=params(steps=100))
     await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.progress > 0)
@@ -247,7 +271,11 @@ async def test_a_task_timed_out_elsewhere_is_stopped_at_the_next_lease_renewal(
     await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.progress > 0)
     # What the scheduler does on a processing timeout, here without the cancel signal: the renewal must notice.
     timed_out = await store.time_out(
-        backends.pool, task.id, error=TaskError("PROCESSING_TIMEOUT", "took too long"), actor="scheduler", reason="processing timeout"
+        backends.pool,
+        task.id,
+        error=TaskError("PROCESSING_TIMEOUT", "took too long"),
+        actor="scheduler",
+        reason="processing timeout",
     )
     assert timed_out.applied
     started = time.monotonic()
@@ -259,7 +287,9 @@ async def test_a_task_timed_out_elsewhere_is_stopped_at_the_next_lease_renewal(
     await wait_consumer_empty(backends, SLEEPY, Priority.NORMAL)
 
 
-async def test_crashed_workers_task_is_finished_by_another_exactly_once(settings: Settings, backends: Backends, workers: Factory) -> None:
+async def test_crashed_workers_task_is_finished_by_another_exactly_once(
+    settings: Settings, backends: Backends, workers: Factory
+) -> None:
     s = with_(sleepy_settings(settings, sleep=1.0), lease_seconds=2.0, heartbeat_seconds=0.5)
     first = await workers(s)
     task = await submit(backends, params=params(steps=4))
@@ -281,7 +311,9 @@ async def test_crashed_workers_task_is_finished_by_another_exactly_once(settings
     await wait_consumer_empty(backends, SLEEPY, Priority.NORMAL)
 
 
-async def test_paused_workers_late_result_is_fenced_out(settings: Settings, backends: Backends, workers: Factory) -> None:
+async def test_paused_workers_late_result_is_fenced_out(
+    settings: Settings, backends: Backends, workers: Factory
+) -> None:
     base = with_(sleepy_settings(settings, sleep=0.3), lease_seconds=2.0, heartbeat_seconds=0.5)
     # A worker that stops renewing (a long pause): its lease and ack wait lapse while it still runs.
     paused = await workers(
@@ -297,9 +329,9 @@ async def test_paused_workers_late_result_is_fenced_out(settings: Settings, back
     assert fenced.outcome == "fenced" and fenced.attempt == 1
     store_ = results.result_store(base, backends.bus)
     # the fenced run cleaned up its own output, never the one that replaced it
-    assert [f"nats-os://{busmod.RESULTS_BUCKET}/{name}" for name in await stored_objects(backends.bus, f"{task.id}-")] == [
-        row.result_uri
-    ]
+    assert [
+        f"nats-os://{busmod.RESULTS_BUCKET}/{name}" for name in await stored_objects(backends.bus, f"{task.id}-")
+    ] == [row.result_uri]
     assert len(b"".join([c async for c in store_.read(row.result_uri or "")])) == row.result_size
     final = await store.get_task(backends.pool, task.id)
     assert final is not None and final.result_uri == row.result_uri and final.version == row.version
@@ -332,7 +364,9 @@ async def test_drain_releases_running_work_after_the_grace(
     assert (done.attempt, done.worker_id) == (2, "next")
 
 
-async def test_drain_lets_a_task_finish_within_the_grace(settings: Settings, backends: Backends, workers: Factory) -> None:
+async def test_drain_lets_a_task_finish_within_the_grace(
+    settings: Settings, backends: Backends, workers: Factory
+) -> None:
     handle = await workers(sleepy_settings(settings, sleep=0.4))
     task = await submit(backends, params=params(steps=2))
     await wait_task(backends, task.id, is_status(Status.PROCESSING))
@@ -383,7 +417,9 @@ async def test_sigterm_drains_and_exits_zero(settings: Settings, backends: Backe
     assert any(line.get("msg") == "task handled" and line.get("outcome") == "released" for line in lines)
 
 
-async def test_high_priority_task_behind_twenty_low_ones_starts_next(settings: Settings, backends: Backends, workers: Factory) -> None:
+async def test_high_priority_task_behind_twenty_low_ones_starts_next(
+    settings: Settings, backends: Backends, workers: Factory
+) -> None:
     await workers(sleepy_settings(settings, sleep=0.15))
     first, *_ = [await submit(backends, priority=Priority.LOW, params=params(steps=1, seed=i)) for i in range(20)]
     count_low = "SELECT count(*) FROM task WHERE priority = 1 AND started_at < $1"
@@ -428,7 +464,9 @@ async def test_reusable_result_query_is_guarded_by_attempt(settings: Settings, b
     assert kept is not None and (kept["result_uri"], kept["result_size"]) == (output.uri, output.size)
 
 
-async def test_a_level_just_taken_from_pulls_again_at_once(settings: Settings, backends: Backends, workers: Factory) -> None:
+async def test_a_level_just_taken_from_pulls_again_at_once(
+    settings: Settings, backends: Backends, workers: Factory
+) -> None:
     # pulls linger 30 s and tasks run 12: a message left waiting for another level's pull to expire, or for a slot to
     # free, would miss the 5 s bound below
     await workers(with_(sleepy_settings(settings, sleep=12.0), worker_slots=2, worker_fetch_linger_seconds=30.0))
@@ -452,18 +490,27 @@ async def test_a_workers_claim_says_why_not_and_commits_durably(backends: Backen
     task, other = [await insert_task(pool, model_id=SLEEPY, prompt=f"p{n}") for n in range(2)]
 
     async def claim(task_id: int, *, model: str = SLEEPY, cap: int = 0, worker: str = "w1") -> registry.WorkerClaim:
-        return await registry.claim_for(pool, task_id, model_id=model, cap=cap, worker_id=worker, lease_seconds=10.0, actor=worker)
+        return await registry.claim_for(
+            pool, task_id, model_id=model, cap=cap, worker_id=worker, lease_seconds=10.0, actor=worker
+        )
 
     assert (await claim(-1)).verdict is registry.Verdict.NOT_FOUND
     assert (await claim(task.id, model="another")).verdict is registry.Verdict.OTHER_MODEL
     got = await claim(task.id)
     assert got.verdict is registry.Verdict.CLAIMED and got.task is not None
-    assert (got.task.status, got.task.attempt, got.task.worker_id, got.from_status) == (Status.PROCESSING, 1, "w1", task.status)
+    assert (got.task.status, got.task.attempt, got.task.worker_id, got.from_status) == (
+        Status.PROCESSING,
+        1,
+        "w1",
+        task.status,
+    )
     assert (await claim(other.id, cap=1)).verdict is registry.Verdict.CAPPED
     assert (await store.queue(pool, other.id, actor="submit")).applied
     async with pool.acquire() as conn, conn.transaction():
         # a message is a hint for its level: a redelivery of the running task's message claims the one still queued
-        got = await registry.claim_for(conn, task.id, model_id=SLEEPY, cap=2, worker_id="w2", lease_seconds=10.0, actor="w2")
+        got = await registry.claim_for(
+            conn, task.id, model_id=SLEEPY, cap=2, worker_id="w2", lease_seconds=10.0, actor="w2"
+        )
         assert got.verdict is registry.Verdict.CLAIMED and got.task is not None and got.task.id == other.id
         # durable: a claim lost in a crash would hand its attempt number (the fencing token) to a second worker
         assert await conn.fetchval("SHOW synchronous_commit") == "on"
@@ -502,5 +549,7 @@ async def test_worker_control_answers_admin_keys_only_as_taskadmin_vouches(
     lone = await workers(with_(sleepy_settings(settings), worker_admin_target="127.0.0.1:1"), worker_id="lone")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{lone.port}") as channel:
         with pytest.raises(grpc.aio.AioRpcError) as cut_off:
-            await worker_pb2_grpc.WorkerControlStub(channel).Drain(worker_pb2.DrainRequest(), metadata=operator.metadata)
+            await worker_pb2_grpc.WorkerControlStub(channel).Drain(
+                worker_pb2.DrainRequest(), metadata=operator.metadata
+            )
     assert cut_off.value.code() is grpc.StatusCode.UNAVAILABLE and not lone.worker.draining

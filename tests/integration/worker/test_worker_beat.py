@@ -106,8 +106,10 @@ async def test_one_statement_per_beat_renews_every_running_attempt_and_the_regis
         await wait_task(backends, task.id, is_status(Status.PROCESSING))
     full = await spy.wait(lambda b: b.registered and {a.task_id for a in b.attempts} == ids, count=3)
     for beat in full:
-        assert len(beat.attempts) == 3 and set(beat.renewed) == ids  # every lease in the one statement, every one renewed
-        assert len({xmin for _, xmin in beat.rows}) == 1 and len(beat.rows) == 4  # 3 tasks + the worker: one transaction
+        # every lease in the one statement, every one renewed
+        assert len(beat.attempts) == 3 and set(beat.renewed) == ids
+        # 3 tasks + the worker: one transaction
+        assert len({xmin for _, xmin in beat.rows}) == 1 and len(beat.rows) == 4
     # Nothing else ran between the beats: one statement per beat.
     between = [b for b in spy.beats if full[0].at <= b.at <= full[-1].at]
     assert [id(b) for b in between] == [id(b) for b in full]
@@ -144,7 +146,9 @@ async def test_progress_is_written_at_most_once_per_interval_and_its_latest_valu
     settings: Settings, backends: Backends, workers: Factory
 ) -> None:
     interval = 2.0
-    await workers(with_(sleepy_settings(settings, sleep=6.0), progress_interval_seconds=interval, heartbeat_seconds=0.5))
+    await workers(
+        with_(sleepy_settings(settings, sleep=6.0), progress_interval_seconds=interval, heartbeat_seconds=0.5)
+    )
     task = await submit(backends, params=params(steps=4))  # a step every 1.5 s: 25% at 1.5 s, 50% at 3 s, 75% at 4.5 s
     row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED), within=20)
     assert row.progress == 100
@@ -166,16 +170,21 @@ async def test_the_progress_of_all_running_tasks_goes_in_one_statement_per_inter
 ) -> None:
     interval = 0.5
     await workers(
-        with_(sleepy_settings(settings, sleep=3.0), worker_slots=3, progress_interval_seconds=interval, heartbeat_seconds=1.0,
-              lease_seconds=3.0)
+        with_(
+            sleepy_settings(settings, sleep=3.0),
+            worker_slots=3,
+            progress_interval_seconds=interval,
+            heartbeat_seconds=1.0,
+            lease_seconds=3.0,
+        )
     )
     tasks = [await submit(backends, params=params(steps=30)) for _ in range(3)]
     for task in tasks:
         await wait_task(backends, task.id, is_status(Status.SUCCEEDED), within=20)
     ids = [t.id for t in tasks]
     moves = await backends.pool.fetch(
-        "SELECT task_id, at, progress, xmin::text AS xid FROM task_event WHERE task_id = ANY($1) AND from_status = 'PROCESSING' "
-        "AND to_status = 'PROCESSING' ORDER BY task_id, version",
+        "SELECT task_id, at, progress, xmin::text AS xid FROM task_event WHERE task_id = ANY($1) AND from_status = "
+        "'PROCESSING' AND to_status = 'PROCESSING' ORDER BY task_id, version",
         ids,
     )
     by_task: dict[int, list[Any]] = {}

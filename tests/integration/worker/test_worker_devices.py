@@ -33,7 +33,8 @@ SLEEPY = "sleepy"
 
 
 class RecordingRunner:
-    """A two-phase runner that records its phases; a task's encode waits (bounded) until the next task's render began."""
+    """A two-phase runner that records its phases; a task's encode waits (bounded) until the next task's render
+    began."""
 
     def __init__(self) -> None:
         self.model_id = SLEEPY
@@ -74,10 +75,16 @@ def rendering(runner: RecordingRunner, task_id: int) -> Callable[[], bool]:
 @pytest.fixture
 async def one_device_worker(settings: Settings, backends: Backends) -> AsyncIterator[tuple[Worker, RecordingRunner]]:
     s = settings.model_copy(
-        update={"models": {**settings.models, SLEEPY: ModelSpec(kind="sleep")}, "worker_models": [SLEEPY], "progress_interval_seconds": 0.0}
+        update={
+            "models": {**settings.models, SLEEPY: ModelSpec(kind="sleep")},
+            "worker_models": [SLEEPY],
+            "progress_interval_seconds": 0.0,
+        }
     )
     runner = RecordingRunner()
-    worker = Worker(s, backends, {(SLEEPY, "cpu"): runner}, runmod.DevicePlan(["cpu"], 2, False, 2.0), "w-devices", [SLEEPY])
+    worker = Worker(
+        s, backends, {(SLEEPY, "cpu"): runner}, runmod.DevicePlan(["cpu"], 2, False, 2.0), "w-devices", [SLEEPY]
+    )
     await worker.start()
     try:
         yield worker, runner
@@ -155,22 +162,35 @@ async def test_one_gpu_workers_hold_one_and_a_half_each_and_claims_together_neve
     tasks = [await insert_task(pool, model_id=SLEEPY, prompt=f"p{n}") for n in range(8)]
 
     async def claim(n: int, task_id: int) -> registry.Verdict:
-        return (await registry.claim_for(
-            pool, task_id, model_id=SLEEPY, cap=0, worker_id=f"gpu{n % 4}", lease_seconds=10.0, actor="w", cluster_cap=True
-        )).verdict
+        return (
+            await registry.claim_for(
+                pool,
+                task_id,
+                model_id=SLEEPY,
+                cap=0,
+                worker_id=f"gpu{n % 4}",
+                lease_seconds=10.0,
+                actor="w",
+                cluster_cap=True,
+            )
+        ).verdict
 
     async with pool.acquire() as holder, holder.transaction():
         await holder.execute("SELECT pg_advisory_xact_lock(hashtextextended('taskgate.cluster', 0))")
         claims = [asyncio.create_task(claim(n, t.id)) for n, t in enumerate(tasks)]
 
         async def all_queued() -> bool:  # every claim is past its checks, waiting on the cluster's lock
-            return await holder.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted") == 8
+            return (
+                await holder.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted") == 8
+            )
 
         await wait_for(all_queued)
     verdicts = await asyncio.gather(*claims)
     assert sorted(v.value for v in verdicts) == ["capped"] * 2 + ["claimed"] * 6
     assert await registry.cluster_load(pool, lease_seconds=10.0) == registry.ClusterLoad(capacity=6, running=6)
     # a fifth one-GPU worker adds 1.5: 7.5 rounds down to 7, one more claim
-    await registry.register(pool, registry.Registration("gpu4", (SLEEPY,), 2, 0, "cuda:0", False, devices=1, capacity=1.5))
+    await registry.register(
+        pool, registry.Registration("gpu4", (SLEEPY,), 2, 0, "cuda:0", False, devices=1, capacity=1.5)
+    )
     capped = [t for t, v in zip(tasks, verdicts, strict=True) if v is registry.Verdict.CAPPED]
     assert [await claim(4, t.id) for t in capped] == [registry.Verdict.CLAIMED, registry.Verdict.CAPPED]

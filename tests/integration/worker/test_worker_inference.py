@@ -1,4 +1,5 @@
-"""The worker running every family's tiny real pipeline (Wan, CogVideoX, LTX-Video, HunyuanVideo; built offline) end to end."""
+"""The worker running every family's tiny real pipeline (Wan, CogVideoX, LTX-Video, HunyuanVideo; built offline) end to
+end."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, model: str) -> Path:
 def worker_settings(settings: Settings, model: str, spec: ModelSpec) -> Settings:
     """Settings of a one-slot worker serving only `model`, writing progress at every 10%."""
     models = {**settings.models, model: spec}
-    return settings.model_copy(update={"models": models, "worker_models": [model], "worker_slots": 1, "progress_interval_seconds": 0.0})
+    return settings.model_copy(
+        update={"models": models, "worker_models": [model], "worker_slots": 1, "progress_interval_seconds": 0.0}
+    )
 
 
 @pytest.fixture
@@ -84,7 +87,9 @@ async def test_tiny_pipeline_task_yields_the_requested_video_and_same_seed_same_
     await wait_consumer_empty(backends, model, Priority.NORMAL)
 
 
-async def test_hard_cancel_stops_the_pipeline_within_one_step(backends: Backends, family_worker: WorkerHandle, model: str) -> None:
+async def test_hard_cancel_stops_the_pipeline_within_one_step(
+    backends: Backends, family_worker: WorkerHandle, model: str
+) -> None:
     total = 1000
     task = await submit(backends, model=model, params=params(steps=total, seed=3))
     await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.progress > 0, within=60)
@@ -111,9 +116,13 @@ async def test_a_compiled_model_is_warmed_before_the_worker_serves(settings: Set
     try:
         pipeline = handle.worker.attempts.runners[("wan-compiled", "cpu")].pipeline  # type: ignore[union-attr]
         assert pipeline.warmup_seconds is not None and pipeline.warmup_seconds > 0
-        assert all(getattr(block, "_compiled_call_impl", None) is not None for block in pipeline.pipe.transformer.blocks)
+        assert all(
+            getattr(block, "_compiled_call_impl", None) is not None for block in pipeline.pipe.transformer.blocks
+        )
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=worker_service.SERVICE_NAME))
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=worker_service.SERVICE_NAME)
+            )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await handle.stop(grace=0)
@@ -131,7 +140,9 @@ async def test_a_model_its_pipeline_contradicts_stops_the_start(
     settings: Settings, tmp_path: Path, changes: dict[str, object], why: str
 ) -> None:
     folder = build_tiny_pipeline(tmp_path / "wan-tiny")
-    spec = ModelSpec.model_validate({"path": folder, "pipeline": "WanPipeline", "default_width": 32, "default_height": 32, **changes})
+    spec = ModelSpec.model_validate(
+        {"path": folder, "pipeline": "WanPipeline", "default_width": 32, "default_height": 32, **changes}
+    )
     with pytest.raises(ValueError, match=why):
         await worker_service.start(worker_settings(settings, "wan-wrong", spec))
 

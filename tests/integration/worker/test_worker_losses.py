@@ -75,7 +75,12 @@ async def test_each_lost_attempt_is_counted_and_the_last_allowed_one_fails_the_t
     report = await scheduler.run_once(now + timedelta(seconds=11))
     assert (report[Action.RELEASE], report[Action.WORKER_LOST]) == (0, 1)
     failed = await row(pool, task.id)
-    assert (failed.status, failed.error_code, failed.worker_losses, failed.attempt) == (Status.FAILED, WORKER_LOST, 2, 2)
+    assert (failed.status, failed.error_code, failed.worker_losses, failed.attempt) == (
+        Status.FAILED,
+        WORKER_LOST,
+        2,
+        2,
+    )
     letter = await pool.fetchrow("SELECT * FROM dead_letter WHERE task_id = $1", task.id)
     assert letter is not None and (letter["reason"], letter["error_code"]) == ("worker lost", WORKER_LOST)
     [notice] = await dead_notices(backends.bus)
@@ -101,7 +106,9 @@ async def test_processing_timeout_counts_earlier_attempts(backends: Backends, sc
     await claimed(pool, task.id, "w1")
     assert (await store.release(pool, task.id, actor="test", worker_lost=False)).applied
     # an earlier attempt ran for most of the timeout
-    await pool.execute("UPDATE task SET processed_seconds = $2 WHERE id = $1", task.id, s.processing_timeout_seconds - 50)
+    await pool.execute(
+        "UPDATE task SET processed_seconds = $2 WHERE id = $1", task.id, s.processing_timeout_seconds - 50
+    )
     running = await claimed(pool, task.id, "w2")
     assert running.started_at is not None and running.worker_losses == 0
     assert await store.renew_lease(pool, task.id, attempt=running.attempt, lease_seconds=100_000)
@@ -199,7 +206,11 @@ async def test_a_task_that_kills_its_worker_ends_failed_worker_lost_and_others_k
         out, err = await asyncio.wait_for(cli.communicate(), 60)
         assert cli.returncode == 0, err.decode()
         [letter] = json.loads(out)["dead_letters"]
-        assert (letter["task"]["id"], letter["task"]["error_code"], letter["reason"]) == (str(poison.id), WORKER_LOST, "worker lost")
+        assert (letter["task"]["id"], letter["task"]["error_code"], letter["reason"]) == (
+            str(poison.id),
+            WORKER_LOST,
+            "worker lost",
+        )
     finally:
         await sched.stop(0)
 
@@ -301,7 +312,8 @@ async def test_a_takeover_of_a_task_lost_in_company_runs_it_alone_and_does_not_c
     await claimed(pool, other.id, "w2")
     # a worker holding a task does not take one over (it would not run alone)
     assert (await factories.claim(pool, first.id, worker_id="w2", max_worker_losses=1)).verdict is Verdict.REFUSED
-    taken = await factories.claimed(pool, first.id, worker_id="w3", max_worker_losses=1)  # in company: the cap of 1 does not stop it
+    # in company: the cap of 1 does not stop it
+    taken = await factories.claimed(pool, first.id, worker_id="w3", max_worker_losses=1)
     assert (taken.attempt, taken.worker_losses, taken.company_losses, taken.run_alone) == (2, 0, 1, True)
 
 
@@ -331,7 +343,9 @@ async def test_a_task_sharing_a_worker_with_a_task_that_kills_it_is_never_blamed
             for n in range(rounds):
                 pair = []
                 for prompt in (f"a harmless prompt {n}", f"{POISON} {n}"):
-                    task = await insert_task(backends.pool, model_id=SLEEPY, prompt=prompt, params={"num_inference_steps": 2})
+                    task = await insert_task(
+                        backends.pool, model_id=SLEEPY, prompt=prompt, params={"num_inference_steps": 2}
+                    )
                     assert (await store.queue(backends.pool, task.id, actor="submit")).applied
                     await backends.bus.js.publish(
                         busmod.task_subject(SLEEPY, task.priority), dispatch.encode(task),
@@ -386,7 +400,9 @@ async def test_a_worker_holding_a_task_drains_to_run_a_task_alone_and_takes_noth
     assert spans[0][1] <= spans[1][0] and spans[1][1] <= spans[2][0], spans  # type: ignore[operator]
 
 
-async def test_with_several_workers_only_the_task_that_kills_them_is_blamed(settings: Settings, backends: Backends) -> None:
+async def test_with_several_workers_only_the_task_that_kills_them_is_blamed(
+    settings: Settings, backends: Backends
+) -> None:
     """Two workers of two slots, four tasks at once (one of them poison): every slot is taken, the poison task's
     neighbour dies with it in company, and both run alone after, on the restarted worker or on the other once it
     drains."""
