@@ -22,7 +22,8 @@ from taskgate.wire import cancel, ended
 from taskgate_api import reasons
 from taskgate_api.v1 import batches_pb2, gateway_pb2, gateway_pb2_grpc
 
-from .batches import Batches, BatchSignals, file_proto
+from .batches import Batches, BatchSignals
+from .batchwire import file_proto
 from .core import ACTOR, Context
 from .readcalls import ReadCalls
 from .readcalls import poll_interval as poll_interval  # imported from here by the tests

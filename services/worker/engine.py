@@ -30,7 +30,8 @@ from services.worker.finish import Finisher, act
 from services.worker.lease import Heartbeat
 from services.worker.live import LiveProgress
 from services.worker.retry import PermanentError, RetryableError
-from services.worker.run import Attempts, Halt, Run
+from services.worker.run import Attempts
+from services.worker.runstate import Halt, Run
 from services.worker.settle import Fate, Step
 from services.worker.upstream import Upstream
 from taskgate import results, runtime, telemetry, tracing

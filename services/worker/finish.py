@@ -14,7 +14,8 @@ from nats.aio.msg import Msg
 from services.worker import resume
 from services.worker import runner as runmod
 from services.worker.retry import PermanentError, RetryableError, persist
-from services.worker.run import ACTOR, Halt, Run
+from services.worker.run import ACTOR
+from services.worker.runstate import Halt, Run
 from services.worker.settle import Fate, MessageAction, Produced, Released, Step, decide
 from taskgate import bus as busmod
 from taskgate import chat, results, store, tracing

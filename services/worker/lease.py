@@ -12,7 +12,8 @@ from typing import Protocol
 import asyncpg
 
 from services.worker.consumer import Level
-from services.worker.run import ACTOR, Run
+from services.worker.run import ACTOR
+from services.worker.runstate import Run
 from taskgate import bus as busmod
 from taskgate import loops, telemetry
 from taskgate.config import WorkerSettings

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
-from services.worker.run import Run
+from services.worker.runstate import Run
 from taskgate import bus as busmod
 from taskgate.wire import progress as progress_wire
 from taskgate_api.v1 import task_pb2

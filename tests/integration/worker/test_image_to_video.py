@@ -32,8 +32,9 @@ from services.worker.devices import Devices
 from services.worker.encoding import decode_mp4_info
 from services.worker.inference import GenerationRequest, LoadOptions, VideoPipeline
 from services.worker.retry import PermanentError, RetryableError
-from services.worker.run import Attempts, Halt, Run
+from services.worker.run import Attempts
 from services.worker.runner import RunAborted
+from services.worker.runstate import Halt, Run
 from taskgate import images, results, store
 from taskgate.config import ModelSpec, Settings
 from taskgate.families import FAMILIES, IMAGE_TO_VIDEO, TEXT_TO_VIDEO
