@@ -317,14 +317,11 @@ async def test_a_takeover_of_a_task_lost_in_company_runs_it_alone_and_does_not_c
     assert (taken.attempt, taken.worker_losses, taken.company_losses, taken.run_alone) == (2, 0, 1, True)
 
 
-async def test_a_task_sharing_a_worker_with_a_task_that_kills_it_is_never_blamed(
-    settings: Settings, backends: Backends
-) -> None:
-    """Rounds of a poison task and an innocent one submitted together to one worker with two slots: today's claim ran
-    the pair together again after the first death, and the innocent one ended FAILED WORKER_LOST with the poison."""
-    s = settings.model_copy(
+def two_slot_poison_settings(settings: Settings) -> Settings:
+    """Workers of two slots whose poison task dies half way through its run (its neighbour runs beside it by then),
+    leases short enough that a death is found within a second, and the loss cap at 2."""
+    return settings.model_copy(
         update={
-            # the poison task dies half way through its run: the innocent one runs beside it by then
             "models": {SLEEPY: sleepy.spec(0.6, default_steps=2, kill_on_prompt=POISON)},
             "default_model": SLEEPY,
             "worker_models": [SLEEPY],
@@ -336,6 +333,14 @@ async def test_a_task_sharing_a_worker_with_a_task_that_kills_it_is_never_blamed
             "max_worker_losses": 2,
         }
     )
+
+
+async def test_a_task_sharing_a_worker_with_a_task_that_kills_it_is_never_blamed(
+    settings: Settings, backends: Backends
+) -> None:
+    """Rounds of a poison task and an innocent one submitted together to one worker with two slots: today's claim ran
+    the pair together again after the first death, and the innocent one ended FAILED WORKER_LOST with the poison."""
+    s = two_slot_poison_settings(settings)
     sched = await scheduler_service.start(s, backends)
     rounds = 2
     try:
@@ -406,19 +411,7 @@ async def test_with_several_workers_only_the_task_that_kills_them_is_blamed(
     """Two workers of two slots, four tasks at once (one of them poison): every slot is taken, the poison task's
     neighbour dies with it in company, and both run alone after, on the restarted worker or on the other once it
     drains."""
-    s = settings.model_copy(
-        update={
-            "models": {SLEEPY: sleepy.spec(0.6, default_steps=2, kill_on_prompt=POISON)},
-            "default_model": SLEEPY,
-            "worker_models": [SLEEPY],
-            "worker_slots": 2,
-            "lease_seconds": 1.0,
-            "heartbeat_seconds": 0.25,
-            "scan_interval_seconds": 0.2,
-            "worker_cap_retry_seconds": 0.1,
-            "max_worker_losses": 2,
-        }
-    )
+    s = two_slot_poison_settings(settings)
     sched = await scheduler_service.start(s, backends)
     try:
         async with worker_kept_running(s) as exits, worker_kept_running(s) as other_exits:
