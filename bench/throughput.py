@@ -181,10 +181,10 @@ async def ceiling(
 
 async def get_task(
     stack: BenchStack, executor: ProcessPoolExecutor, opts: Options, report: Report, section: str, raw_key: str,
-    sample: int = 2000,
+    sample: int = 2000, close: bool = True,
 ) -> dict[int, LoadResult]:
     """GetTask of QUEUED tasks (so the submit service's cache of finished tasks does not answer): `sample` fresh
-    tasks."""
+    tasks, cancelled at the end unless not `close`."""
     seed = LoadSpec(stack.submit_address, stack.api_key, "submit", 16, 60.0, 0.0, opts.channels, tag=f"{raw_key}-seed",
                     keep_ids=sample)
     ids = await _submit_exactly(stack, executor, seed, sample)
@@ -200,7 +200,8 @@ async def get_task(
         report.add(
             section, f"GetTask p50 / p99, {level} in flight", p50, "ms", note=f"p99 {p99:.1f} ms, {result.rate:.0f}/s"
         )
-    await stack.close_open_tasks()
+    if close:
+        await stack.close_open_tasks()
     return results
 
 

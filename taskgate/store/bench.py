@@ -64,3 +64,23 @@ async def fill_history(db: Conn, *, rows: int, tenant: str, events_seconds: floa
     # run during the measurement instead.
     await db.execute("VACUUM (ANALYZE) task", timeout=900)
     await db.execute("VACUUM (ANALYZE) task_event", timeout=900)
+
+
+async def insert_backlog(db: Conn, *, rows: int, tenant: str, after_id: int) -> None:
+    """`rows` QUEUED tasks of `tenant` with ids after `after_id`: a backlog ahead of every task submitted later at
+    their level (triggers off: no events, no pending counts), then an analyze."""
+    await db.execute(sql.query("bench_triggers_off"))
+    try:
+        await db.execute(sql.query("bench_insert_backlog"), rows, tenant, after_id, timeout=900)
+    finally:
+        await db.execute(sql.query("bench_triggers_on"))
+    await db.execute("ANALYZE task", timeout=900)
+
+
+async def delete_backlog(db: Conn, *, rows: int, after_id: int) -> None:
+    """Removes what insert_backlog made (those of its tasks still QUEUED), triggers off."""
+    await db.execute(sql.query("bench_triggers_off"))
+    try:
+        await db.execute(sql.query("bench_delete_backlog"), rows, after_id, timeout=900)
+    finally:
+        await db.execute(sql.query("bench_triggers_on"))

@@ -62,3 +62,20 @@ INSERT INTO task_event (task_id, user_id, model_id, version, from_status, to_sta
 SELECT id, user_id, model_id, 5, 'PROCESSING', 'SUCCEEDED', finished_at, 'worker', 'finished', 100, 1, worker_id,
        result_uri, result_size, result_sha256, result_content_type
 FROM task WHERE id <= $1::bigint AND finished_at >= now() - make_interval(secs => $2);
+
+-- name: bench_insert_backlog
+-- $1 QUEUED tasks of the tenant $2 with ids $3+1 .. $3+$1 (below time-ordered ids, so ahead of every task
+-- submitted later at the same level), queued now (no timeout fires while a phase polls behind them). Inserted with
+-- the triggers off: no events, no pending counts; bench_delete_backlog removes them the same way.
+INSERT INTO task (id, user_id, idempotency_key, idempotency_derived, request_hash, task_type, model_id, prompt,
+                  request_payload, priority, queue_name, status, version, last_actor, created_at, updated_at, queued_at)
+SELECT $3::bigint + g, $2, 'backlog-' || g, true, md5(g::text) || md5(g::text), 'text-to-video', 'sleepy',
+       'backlog task ' || g,
+       jsonb_build_object('num_frames', 9, 'width', 32, 'height', 32, 'num_inference_steps', 4,
+                          'guidance_scale', 5.0, 'fps', 8, 'seed', g, 'negative_prompt', ''),
+       5, 'taskgate.tasks.sleepy.normal', 'QUEUED', 2, 'bench', now(), now(), now()
+FROM generate_series(1, $1::bigint) AS g;
+
+-- name: bench_delete_backlog
+-- Removes the tasks bench_insert_backlog made ($1 count, $2 first id - 1), with the triggers off.
+DELETE FROM task WHERE id > $2::bigint AND id <= $2::bigint + $1::bigint AND status = 'QUEUED';
