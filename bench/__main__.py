@@ -271,8 +271,12 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
     if not args.no_peers and not only:
         await peers.run_all(report, state_dir, opts, only=args.peer)
         bulk.compare(report)
+        throughput.compare_status_reads(report)
+        throughput.compare_sdk(report)
+        latency.compare_with_celery(report)
     elif not args.no_peers and "get" in only:  # the GetTask rows' peers: each one's status read of a queued job
         await peers.run_all(report, state_dir, opts, only=args.peer, status_only=True)
+        throughput.compare_status_reads(report)
     report.context["load_average_at_end"] = os.getloadavg()
     if opts.profile_dir is not None:
         report.context["profiles"] = str(opts.profile_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
 from datetime import datetime
 from typing import Any
@@ -133,3 +134,17 @@ async def measure(stack: BenchStack, report: Report, section: str, count: int) -
         "tasks": count, "dispatch_ms": sorted(round(x * 1000, 3) for x in dispatch),
         "e2e_ms": sorted(round(x * 1000, 3) for x in e2e), "stream_events": len(stream), "webhooks": len(hooks),
     }
+
+
+def compare_with_celery(report: Report) -> None:
+    """The terminal state seen by a streaming client against Celery's result seen by its client (issue 38: at most
+    Celery's p50), when both were measured."""
+    ours = report.raw.get("latency", {}).get("e2e_ms")
+    celery = next((p50 for section, p50 in report.raw.get("result_seen_p50_ms", {}).items() if "Celery" in section),
+                  None)
+    name = "terminal seen by a streaming client / Celery's result seen, p50"
+    if not ours or not celery:
+        report.skip("latency", name, "not every system was measured")
+        return
+    p50 = statistics.median(ours)
+    report.add("latency", name, p50 / celery, "x", at_most=1, note=f"{p50:.2f} ms against {celery:.2f} ms")

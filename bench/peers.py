@@ -142,10 +142,12 @@ def _report(report: Report, section: str, enqueue: dict[int, LoadResult], dispat
             "tasks/s",
             note=f"p50 {p50:.2f} / p99 {p99:.1f} ms",
         )
+        report.raw.setdefault("enqueue_rate", {}).setdefault(section, {})[str(level)] = round(result.rate, 1)
     p50, p99 = ms(dispatch)
     report.add(section, "dispatch: enqueue returned -> body starts, p50 / p99", p50, "ms", note=f"p99 {p99:.1f} ms")
     p50, p99 = ms(e2e)
     report.add(section, "result seen by the client, p50 / p99", p50, "ms", note=f"p99 {p99:.1f} ms")
+    report.raw.setdefault("result_seen_p50_ms", {})[section] = round(p50, 3)
     shown = f"> {RECOVERY_WAIT:g} s" if recovery is None else ""
     report.add(section, "dead-worker recovery (fresh worker started)", recovery, "s", note=recovery_note, shown=shown)
 

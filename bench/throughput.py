@@ -39,6 +39,11 @@ async def load(executor: ProcessPoolExecutor, spec: LoadSpec) -> LoadResult:
     return await asyncio.get_running_loop().run_in_executor(executor, run_load, spec)
 
 
+SUBMIT_P50_MS = 2.0  # issue 38: SubmitTask, 1 in flight
+GET_P50_MS = 1.5  # issue 38: a poll of a QUEUED task, 1 in flight
+GET_RATE = 1500  # issue 38: GetTask at 16 in flight, reads a second
+
+
 def summary(result: LoadResult) -> dict[str, Any]:
     p50, p99 = ms(result.latencies)
     return {"rate": round(result.rate, 1), "ok": result.ok, "p50_ms": round(p50, 2), "p99_ms": round(p99, 2),
@@ -77,7 +82,8 @@ async def submit_levels(
             )
         else:
             report.add(section, f"SubmitTask throughput, {level} in flight", result.rate, "tasks/s", note=errors)
-        report.add(section, f"SubmitTask p50 / p99, {level} in flight", p50, "ms", note=f"p99 {p99:.1f} ms")
+        report.add(section, f"SubmitTask p50 / p99, {level} in flight", p50, "ms", note=f"p99 {p99:.1f} ms",
+                   at_most=SUBMIT_P50_MS if level == 1 else None)
         await stack.close_open_tasks()
     return results
 
@@ -198,11 +204,45 @@ async def get_task(
         report.raw.setdefault(raw_key, {})[str(level)] = summary(result)
         p50, p99 = ms(result.latencies)
         report.add(
-            section, f"GetTask p50 / p99, {level} in flight", p50, "ms", note=f"p99 {p99:.1f} ms, {result.rate:.0f}/s"
+            section, f"GetTask p50 / p99, {level} in flight", p50, "ms", note=f"p99 {p99:.1f} ms, {result.rate:.0f}/s",
+            at_most=GET_P50_MS if level == 1 else None,
         )
+        if level > 1:
+            report.add(section, f"GetTask throughput, {level} in flight", result.rate, "reads/s", at_least=GET_RATE)
     if close:
         await stack.close_open_tasks()
     return results
+
+
+def compare_status_reads(report: Report) -> None:
+    """GetTask at 16 in flight against the fastest peer's status read of a queued job at 16 (issue 38: at least as
+    fast), when both were measured."""
+    ours = report.raw.get("get", {}).get("16", {}).get("rate")
+    peers = {section: levels["16"]["rate"] for section, levels in report.raw.get("status_read", {}).items()
+             if "16" in levels}
+    name = "GetTask / the fastest peer's status read, 16 in flight"
+    if not ours or not peers:
+        report.skip("GetTask", name, "not every system was measured")
+        return
+    fastest = max(peers, key=lambda k: peers[k])
+    report.add("GetTask", name, ours / peers[fastest], "x",
+               at_least=1, note=f"{ours:,.0f}/s against {peers[fastest]:,.0f}/s ({fastest})")
+
+
+def compare_sdk(report: Report, level: int = 64) -> None:
+    """The SDK's submit() at `level` concurrent calls (its better path) against the fastest peer's enqueue at as many
+    in flight (issue 38: at least as fast), when both were measured."""
+    sdk = report.raw.get("sdk_submit", {})
+    ours = max((v["rate"] for k, v in sdk.items() if k.endswith(f"-c{level}")), default=None)
+    peers = {section: levels[str(level)] for section, levels in report.raw.get("enqueue_rate", {}).items()
+             if str(level) in levels}
+    name = f"SDK submit() / the fastest peer's enqueue, {level} in flight"
+    if not ours or not peers:
+        report.skip("SDK", name, "not every system was measured")
+        return
+    fastest = max(peers, key=lambda k: peers[k])
+    report.add("SDK", name, ours / peers[fastest], "x", at_least=1,
+               note=f"{ours:,.0f}/s against {peers[fastest]:,.0f}/s ({fastest})")
 
 
 async def _submit_exactly(stack: BenchStack, executor: ProcessPoolExecutor, spec: LoadSpec, count: int) -> list[str]:
