@@ -28,7 +28,6 @@ from taskgate.store.pool import Conn
 # re-exported: services name the caller taskgate.auth.Principal
 from taskgate.store.tenants import Principal as Principal
 from taskgate.throttle import Throttle
-from taskgate.waiting import Interrupted, unless
 from taskgate_api import reasons
 
 T = TypeVar("T")
@@ -139,35 +138,73 @@ REVOKED_CHANNEL = "taskgate_key_revoked"  # NOTIFY payload: the revoked key's ha
 
 
 class Session:
-    """A stream's caller: its principal, and an event set when its key is revoked (the stream then ends)."""
+    """A stream's caller: its principal, and what ends its stream when its key is revoked or its client token expires.
+
+    Nothing of it runs per item or per idle stream: `guard` notes the task that reads the stream, and a revocation (the
+    Authenticator's registry of open streams by key) or the token's one expiry timer cancels that task while it waits
+    for the stream's next item; the stream then ends with UNAUTHENTICATED saying why. (It raced every item against the
+    revocation instead: a task per item and one per open stream, an eighth of an idle notifier's CPU.)
+    """
+
+    __slots__ = ("_cancelled", "_reading", "_task", "caller", "digest", "grant", "principal", "why")
 
     def __init__(self, principal: Principal, digest: str, grant: clienttokens.Grant | None = None) -> None:
         self.principal = principal
         self.digest = digest
-        self.revoked = asyncio.Event()
         self.grant = grant  # a client token's: the stream ends when it expires
         self.caller = Caller(principal, grant)
+        self.why: str | None = None  # why the stream ends (set once): the key was revoked, the token expired
+        self._task: asyncio.Task[object] | None = None  # the task reading the guarded stream
+        self._reading = False  # whether that task waits for the stream's next item (so a cancel lands inside it)
+        self._cancelled = False  # whether `revoke` cancelled that task
+
+    @property
+    def revoked(self) -> bool:
+        return self.why is not None
+
+    def revoke(self, why: str = "the API key was revoked") -> None:
+        """Ends the guarded stream with UNAUTHENTICATED saying `why`: at once when it waits for its next item, else as
+        soon as the item being sent is out."""
+        if self.why is not None:
+            return
+        self.why = why
+        if self._reading and self._task is not None:
+            self._cancelled = True
+            self._task.cancel()
 
     async def guard(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
-        """`stream`'s items until it ends, or until the key is revoked: then UNAUTHENTICATED saying so."""
-        revoked = asyncio.ensure_future(self.revoked.wait())
+        """`stream`'s items until it ends, or until the key is revoked (or the client token expires): then
+        UNAUTHENTICATED saying so."""
+        task = asyncio.current_task()
+        assert task is not None
         expiry = None
-        if self.grant is not None:  # a client token's stream lasts as long as the token
+        if self.grant is not None:  # a client token's stream lasts as long as the token: one timer per stream
             left = self.grant.expires_at.timestamp() - time.time()
-            expiry = asyncio.get_running_loop().call_later(max(left, 0.0), self.revoked.set)
+            expiry = asyncio.get_running_loop().call_later(max(left, 0.0), self.revoke, "the client token expired")
+        self._task = task
         try:
-            while True:
+            while self.why is None:
+                self._reading = True
                 try:
-                    item = await unless(revoked, anext(stream))
-                except Interrupted:
-                    if self.grant is not None:
-                        raise errors.unauthenticated("the client token expired") from None
-                    raise errors.unauthenticated("the API key was revoked") from None
+                    item = await anext(stream)
                 except StopAsyncIteration:
                     return
-                yield item
+                except asyncio.CancelledError:
+                    # ours (the revocation's) unless someone else cancelled the task too (the call ended)
+                    if not self._cancelled or task.uncancel() > 0:
+                        raise
+                    self._cancelled = False
+                    break
+                finally:
+                    self._reading = False
+                if self.why is None:
+                    yield item
+            if self._cancelled:  # the stream swallowed the cancel: the task is not being cancelled by anyone else
+                self._cancelled = False
+                task.uncancel()
+            raise errors.unauthenticated(self.why or "the API key was revoked")
         finally:
-            revoked.cancel()
+            self._task = None
             if expiry is not None:
                 expiry.cancel()
 
@@ -222,7 +259,7 @@ class Authenticator:
             self._admins.pop(digest, None)
             self._refused.pop(digest, None)
             for session in self._sessions.get(digest, ()):
-                session.revoked.set()
+                session.revoke()
             return
         self._cache.clear()
         self._admins.clear()
