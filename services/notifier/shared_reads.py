@@ -1,5 +1,5 @@
-"""The reads every stream of the process shares: Estimates (the ETA a live event carries, one read per task version)
-and Newest (the newest thing each quiet stream could have missed, one statement per keep-alive tick)."""
+"""The reads every stream of the process shares: Estimates (the ETA a live event carries, one read per task version).
+(The newest thing each quiet stream could have missed is read by the keep-alive tick, subscriber.Keepalive.)"""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
 
 import asyncpg
 
@@ -19,7 +17,6 @@ from taskgate.states import Status
 from taskgate_api.v1 import task_pb2
 
 log = logging.getLogger("taskgate.notifier.streams")
-K = TypeVar("K", int, str)
 
 
 class Estimates:
@@ -99,38 +96,3 @@ class Estimates:
                 await self._queue.estimate(row, within=within) if row is not None and row.status is status else None
             )
         return out
-
-
-class Newest(Generic[K]):
-    """The newest thing each quiet stream could have missed (a task's version, a tenant's last event id), asked by
-    every stream one keep-alive tick wakes and read for all of them in one statement: the asks made while a read is
-    pending go together in the next. 10,000 quiet streams cost one statement per tick, not 10,000 (the streams
-    benchmark, 10,000 idle WatchTask streams: with a read each, a burst's terminal events took 940 ms at p50, not
-    24)."""
-
-    def __init__(self, read: Callable[[list[K]], Awaitable[dict[K, int]]]) -> None:
-        self._read_many: Callable[[list[K]], Awaitable[dict[K, int]]] = read
-        self._asked: dict[K, asyncio.Future[int | None]] = {}
-        self._reader: asyncio.Task[None] | None = None
-
-    async def of(self, key: K) -> int | None:
-        """The newest value for `key`; None when there is none or the read failed (the next quiet period asks again)."""
-        answer = self._asked.get(key)
-        if answer is None:
-            answer = self._asked[key] = asyncio.get_running_loop().create_future()
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.create_task(self._read(), name="notifier-newest")
-        return await asyncio.shield(answer)  # a stream that ends while waiting must not cancel the others' answer
-
-    async def _read(self) -> None:
-        while self._asked:
-            asked, self._asked = self._asked, {}
-            found: dict[K, int] = {}
-            try:
-                found = await self._read_many(list(asked))
-            except Exception:  # whatever it was, every asker gets None and the next tick asks again
-                log.warning("quiet streams' check of the event table failed", exc_info=True)
-            finally:  # answered even when cancelled: no stream waits on a read that will never end
-                for key, answer in asked.items():
-                    if not answer.done():
-                        answer.set_result(found.get(key))

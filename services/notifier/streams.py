@@ -33,7 +33,7 @@ from taskgate_api.v1 import events_pb2, events_pb2_grpc, task_pb2
 from .event_feed import EventHub
 from .output_feed import OutputHub
 from .progress_feed import ProgressHub
-from .shared_reads import Estimates, Newest
+from .shared_reads import Estimates
 from .subscriber import Closing, Keepalive, Overflow, Subscriber, ended
 
 log = logging.getLogger("taskgate.notifier.streams")
@@ -84,11 +84,23 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self._outputs = outputs
         self._output_hub = output_hub  # None: no output is sent (include_output ignored)
         self._progress_hub = progress_hub  # None: no live progress is sent (the events' progress only)
-        self.keepalive = Keepalive(settings.stream_keepalive_seconds, settings.stream_max_age_seconds)
+        # the quiet streams' keep-alives, and the newest version of each one's task (or tenant's event id), read for
+        # all of them in one statement per tick
+        self.keepalive = Keepalive(settings.stream_keepalive_seconds, settings.stream_max_age_seconds, self._newest)
         self.queue = QueueView(pool, settings)  # positions and ETAs: one shared snapshot of the queue
         self.estimates = Estimates(pool, settings, self.queue)  # live events' ETAs (one read per task version)
-        self.task_versions: Newest[int] = Newest(lambda ids: event_store.task_versions(pool, ids))
-        self.tenant_events: Newest[str] = Newest(lambda users: event_store.last_event_ids(pool, users))
+
+    async def _newest(self, keys: list[int | str]) -> dict[int | str, int]:
+        """What the table has for quiet streams' keys: a WatchTask's task's newest version, a WatchTasks' tenant's last
+        event id."""
+        tasks = [key for key in keys if isinstance(key, int)]
+        users = [key for key in keys if isinstance(key, str)]
+        found: dict[int | str, int] = {}
+        if tasks:
+            found.update((await event_store.task_versions(self._pool, tasks)).items())
+        if users:
+            found.update(await event_store.last_event_ids(self._pool, users))
+        return found
 
     async def _estimate(self, task: TaskRow) -> eta.Estimate | None:
         """A task's position and ETA from the process's shared queue snapshot (taskgate.queueview, as GetTask): an
@@ -121,7 +133,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         PostgreSQL is the truth and the live feed a hint: an event the feed never brings (the relay stopped, a NATS
         node lost its unsynced writes) would otherwise be sent only when a later event of the task shows the gap, and a
         lost terminal event never, leaving the stream, and an SDK's wait(), open for ever. The cost: per keep-alive
-        tick, one statement for all the quiet streams (Newest), and a read of the events for a stream that is behind.
+        tick, one statement for all the quiet streams (Keepalive), and a read of the events for a stream that is behind.
         """
         try:
             return await read
@@ -302,16 +314,15 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                         continue
                     # quiet for a keep-alive period: first, what the table has that the feed did not bring
                     if live is None:
-                        try:  # a read that waits (a busy pool) never holds back what the feed brings meanwhile
-                            newest = await sub.unless_news(self.task_versions.of(task_id))
-                            missed: list[event_store.Event] = []
-                            if newest is not None and newest > last:
-                                behind = event_store.task_events(
-                                    self._pool, task_id, after_version=last, up_to_version=newest
-                                )
+                        missed: list[event_store.Event] = []
+                        if sub.newest is not None and sub.newest > last:  # the tick's read: the table has more
+                            behind = event_store.task_events(
+                                self._pool, task_id, after_version=last, up_to_version=sub.newest
+                            )
+                            try:  # a read that waits (a busy pool) never holds back what the feed brings meanwhile
                                 missed = await sub.unless_news(self._quiet_check(behind))
-                        except Interrupted:
-                            continue  # it goes first; the table is checked again next quiet period
+                            except Interrupted:
+                                continue  # it goes first; the table is checked again next quiet period
                         for row in missed:
                             event = event_wire.message(row)
                             async for out in before_end(event):
@@ -424,11 +435,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             while True:
                 live = await self._next(sub, lambda: (f"cursor={cursor}", {"cursor": str(cursor)}))
                 if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
-                    try:  # a read that waits (a busy pool) never holds back what the feed brings meanwhile
-                        newest = await sub.unless_news(self.tenant_events.of(tenant))
-                    except Interrupted:
-                        continue  # it goes first; the table is checked again next quiet period
-                    if (newest is not None and newest > cursor) or floor < cursor:
+                    if (sub.newest is not None and sub.newest > cursor) or floor < cursor:  # the tick's read
                         try:
                             async for row in self._tenant_events_after(tenant, floor):
                                 if (out := send(event_wire.message(row))) is not None:
