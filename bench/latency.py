@@ -82,17 +82,24 @@ async def measure(stack: BenchStack, report: Report, section: str, count: int) -
 
     ids = [int(t) for t in returned]
     rows = await stack.db.fetch(
-        "SELECT task_id, to_status::text AS dst, extract(epoch FROM at)::float8 AS at FROM task_event"
-        " WHERE task_id = ANY($1::bigint[]) ORDER BY task_id, version",
+        "SELECT task_id, from_status::text AS src, to_status::text AS dst, extract(epoch FROM at)::float8 AS at"
+        " FROM task_event WHERE task_id = ANY($1::bigint[]) ORDER BY task_id, version",
         ids,
     )
     created: dict[int, float] = {}
+    queued: dict[int, float] = {}
     claimed: dict[int, float] = {}
+    claimed_from: dict[int, str] = {}
+    finished: dict[int, float] = {}
     for r in rows:
         if r["dst"] == "CREATED":
             created[r["task_id"]] = r["at"]
+        elif r["dst"] == "QUEUED" and r["task_id"] not in claimed:
+            queued[r["task_id"]] = r["at"]
         elif r["dst"] == "PROCESSING" and r["task_id"] not in claimed:
-            claimed[r["task_id"]] = r["at"]
+            claimed[r["task_id"]], claimed_from[r["task_id"]] = r["at"], r["src"]
+        elif r["dst"] in ("SUCCEEDED", "FAILED") and r["task_id"] not in finished:
+            finished[r["task_id"]] = r["at"]
     dispatch = [claimed[t] - created[t] for t in ids if t in claimed and t in created]
     after_return = [claimed[int(t)] - at for t, at in returned.items() if int(t) in claimed]
     stream = [when - _wall(event.at) for event, when in streamed if event.task_id in returned]
@@ -110,6 +117,7 @@ async def measure(stack: BenchStack, report: Report, section: str, count: int) -
     p50, p99 = ms(after_return)
     report.add(section, "dispatch: submit returned -> worker claimed, p50 / p99", p50, "ms",
                note=f"p99 {p99:.1f} ms (negative: claimed before the response arrived)")
+    hops(report, section, created, queued, claimed, claimed_from, finished)
     p50, p99 = ms(e2e)
     report.add(section, "terminal state seen by a streaming client after submit returns, p50", p50, "ms", at_most=5,
                note=f"p99 {p99:.1f} ms")
@@ -148,3 +156,27 @@ def compare_with_celery(report: Report) -> None:
         return
     p50 = statistics.median(ours)
     report.add("latency", name, p50 / celery, "x", at_most=1, note=f"{p50:.2f} ms against {celery:.2f} ms")
+
+
+def hops(
+    report: Report, section: str, created: dict[int, float], queued: dict[int, float], claimed: dict[int, float],
+    claimed_from: dict[int, str], finished: dict[int, float],
+) -> None:
+    """The dispatch and run hops from the rows' own times (each the start of the transaction that wrote it):
+    admission -> QUEUED move, QUEUED move -> claim, claim -> terminal commit; and how many claims found their task
+    CREATED (the claim outran the move) or began within 2 ms after the move began (it may have waited on its lock)."""
+    to_queue = [queued[t] - created[t] for t in queued if t in created]
+    after_move = [claimed[t] - queued[t] for t in queued if t in claimed and claimed_from.get(t) == "QUEUED"]
+    ran = [finished[t] - claimed[t] for t in finished if t in claimed]
+    close = sum(1 for x in after_move if x < 0.002)
+    p50, p99 = ms(to_queue)
+    report.add(section, "hop: admission began -> QUEUED move began, p50", p50, "ms",
+               note=f"p99 {p99:.1f} ms, {len(to_queue)} moves")
+    p50, p99 = ms(after_move)
+    report.add(section, "hop: QUEUED move began -> claim began, p50", p50, "ms",
+               note=f"p99 {p99:.1f} ms; {close} of {len(after_move)} claims began < 2 ms after the move")
+    report.add(section, "hop: claims that found their task still CREATED", float(
+        sum(1 for v in claimed_from.values() if v == "CREATED")), "", note=f"of {len(claimed_from)}")
+    p50, p99 = ms(ran)
+    report.add(section, "hop: claim began -> terminal commit began (claim, run, store), p50", p50, "ms",
+               note=f"p99 {p99:.1f} ms")

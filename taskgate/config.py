@@ -831,6 +831,11 @@ class WorkerSettings(CommonSettings):
         description="A running task's text deltas are gathered for this long into one output chunk (one NATS message); "
         "its first delta goes at once.",
     )
+    result_inline_max_bytes: int = Field(
+        default=2048, ge=0,
+        description="An output of at most this many bytes is kept in its task's row (result uri: a base64 data: URI, "
+        "written by the terminal commit itself) instead of the result store; 0: every output goes to the store.",
+    )
     result_inline_chars: int = Field(
         default=65536, ge=0,
         description="Chat tasks: Task.text (GetTask; not ListTasks) holds the answer up to this many characters "

@@ -27,7 +27,33 @@ from taskgate_api.v1 import task_pb2
 
 CHUNK = 256 * 1024
 SHA256_KEY = "sha256"  # the object's user metadata key (x-amz-meta-sha256) holding the output's hex sha256
+INLINE_PREFIX = "data:"  # an output small enough to be kept in its task's row: an RFC 2397 data URI, in no store
 T = TypeVar("T")
+
+
+def inline(data: bytes, content_type: str) -> StoredResult:
+    """An output kept in its task's row instead of a store (worker setting result_inline_max_bytes): a base64 data URI
+    that every store reads back, deletes (nothing to do) and links (no URL) like one of its own."""
+    encoded = base64.b64encode(data).decode()
+    return StoredResult(
+        f"{INLINE_PREFIX}{content_type};base64,{encoded}", content_type, len(data), hashlib.sha256(data).hexdigest()
+    )
+
+
+def is_inline(uri: str) -> bool:
+    """Whether `uri` holds its output itself (see inline)."""
+    return uri.startswith(INLINE_PREFIX)
+
+
+def inline_bytes(uri: str) -> bytes:
+    """The output an inline URI holds; ResultNotFound for a URI that is not one or does not decode."""
+    head, sep, body = uri.partition(",")
+    if not is_inline(uri) or not sep or not head.endswith(";base64"):
+        raise ResultNotFound(uri[:64])
+    try:
+        return base64.b64decode(body, validate=True)
+    except ValueError as exc:
+        raise ResultNotFound(uri[:64]) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +134,9 @@ class ObjectStoreResults:
         chunk that does not come within `stall_seconds` (or the JetStream request timeout) raises
         ResultStoreUnavailable (retryable).
         """
+        if is_inline(uri):
+            yield inline_bytes(uri)
+            return
         store = await self._store()
         try:
             info = await asyncio.wait_for(store.get_info(self._name(uri)), self._stall)
@@ -142,6 +171,8 @@ class ObjectStoreResults:
             yield bytes(data[offset : offset + CHUNK])
 
     async def delete(self, uri: str) -> None:
+        if is_inline(uri):
+            return
         store = await self._store()
         with contextlib.suppress(ObjectNotFoundError, NotFoundError):
             await store.delete(self._name(uri))
@@ -179,6 +210,9 @@ class FolderResults:
         return path
 
     async def read(self, uri: str) -> AsyncIterator[bytes]:
+        if is_inline(uri):
+            yield inline_bytes(uri)
+            return
         path = self._path(uri)
         try:
             handle = await asyncio.to_thread(path.open, "rb")
@@ -189,7 +223,8 @@ class FolderResults:
                 yield chunk
 
     async def delete(self, uri: str) -> None:
-        self._path(uri).unlink(missing_ok=True)
+        if not is_inline(uri):
+            self._path(uri).unlink(missing_ok=True)
 
     def link(self, uri: str) -> ResultLink | None:
         """None: a local folder has no URL."""
@@ -262,6 +297,9 @@ class S3Results:
         return StoredResult(uri, content_type, len(data), sha256)
 
     async def read(self, uri: str) -> AsyncIterator[bytes]:
+        if is_inline(uri):
+            yield inline_bytes(uri)
+            return
         key = self._key(uri)
         response = await self._call(uri, lambda: self._client.get_object(Bucket=self._bucket, Key=key))
         body = response["Body"]
@@ -272,6 +310,8 @@ class S3Results:
             body.close()
 
     async def delete(self, uri: str) -> None:
+        if is_inline(uri):
+            return
         key = self._key(uri)
         await self._call(uri, lambda: self._client.delete_object(Bucket=self._bucket, Key=key))
 

@@ -69,11 +69,14 @@ class Finisher:
             return
         await run.end_progress()
         task = run.task
-        name = output_name(task.id, task.attempt, output.extension)
-        with tracing.span("store", attributes={"taskgate.result_bytes": len(output.data)}):
-            stored = await self._persist(
-                "result", run, lambda: self.outputs.put(name, output.data, output.content_type)
-            )
+        if len(output.data) <= self.settings.result_inline_max_bytes:  # kept in the row: no store's round trips
+            stored = results.inline(output.data, output.content_type)
+        else:
+            name = output_name(task.id, task.attempt, output.extension)
+            with tracing.span("store", attributes={"taskgate.result_bytes": len(output.data)}):
+                stored = await self._persist(
+                    "result", run, lambda: self.outputs.put(name, output.data, output.content_type)
+                )
         await self._succeed(run, ResultRef(stored.uri, stored.content_type, stored.size, stored.sha256), output.text)
 
     async def reused(self, run: Run, result: ResultRef) -> None:

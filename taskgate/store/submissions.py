@@ -229,7 +229,8 @@ async def queue_created(
     the caller's row with the columns this move set (the statement returns only those).
 
     Committed asynchronously: a lost QUEUED mark leaves the task CREATED, which the scheduler dispatches again. A task
-    no longer CREATED (a worker's claim outran this, or a cancel) is left as it is.
+    no longer CREATED (a worker's claim outran this, or a cancel) is left as it is, and so is one whose row another
+    transaction holds (a claim under way): the move never waits for another's commit.
     """
     rows = await db.fetch(sql.query("submit_queue_created"), [t.id for t in tasks], actor, reason, timeout=within)
     given = {t.id: t for t in tasks}

@@ -53,15 +53,19 @@ FROM submit_tasks(
 
 -- name: submit_queue_created
 -- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (history: one trigger run for the pass).
--- A task no longer CREATED (a worker's claim outran this, or a cancel) is left as it is and not returned. Committed
--- asynchronously (set_config(..., true) lasts until this statement's commit): a lost mark leaves the task CREATED,
--- which a worker may claim and the scheduler's scan dispatches again. $1 task ids, $2 actor, $3 reason. Returns the
--- columns the move set, not whole rows (the caller has them: decoding each whole row again was ~3% of a submit
--- process's samples in bulk).
+-- A task no longer CREATED (a worker's claim outran this, or a cancel) is left as it is and not returned. A task whose
+-- row another transaction holds is skipped, not waited for: that is nearly always a worker's claim of it (the message
+-- outran this move; most do), whose durable commit the pass would otherwise wait for, with every task behind it; a
+-- task skipped and still CREATED is claimable as it is and the scheduler's scan queues it. Committed asynchronously
+-- (set_config(..., true) lasts until this statement's commit): a lost mark leaves the task CREATED, which a worker
+-- may claim and the scheduler's scan dispatches again. $1 task ids, $2 actor, $3 reason. Returns the columns the move
+-- set, not whole rows (the caller has them: decoding each whole row again was ~3% of a submit process's samples in
+-- bulk).
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, queued_at = now(), updated_at = now(),
        last_actor = $2, last_reason = $3
-FROM (SELECT set_config('synchronous_commit', 'off', true)) async_commit
-WHERE t.id = ANY($1::bigint[]) AND t.status = 'CREATED'
+FROM (SELECT set_config('synchronous_commit', 'off', true)) async_commit,
+     (SELECT f.id FROM task f WHERE f.id = ANY($1::bigint[]) AND f.status = 'CREATED' FOR UPDATE SKIP LOCKED) free
+WHERE t.id = free.id AND t.status = 'CREATED'
 RETURNING t.id, t.status, t.version, t.queued_at, t.updated_at, t.last_actor, t.last_reason;
 
 -- name: submit_queue_position

@@ -20,6 +20,7 @@ from taskgate import store
 from taskgate.dispatcher import Dispatcher, dispatch_pass
 from taskgate.runtime import Backends
 from taskgate.states import Status
+from taskgate.store import submissions
 from taskgate.store.workers import Verdict
 from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.factories import all_settings, claim, insert_task, key_for
@@ -89,6 +90,20 @@ async def test_the_dispatcher_queues_each_handed_batch_in_one_pass(backends: Bac
     assert await _messages(backends.bus) == 5
     actors = await pool.fetch("SELECT DISTINCT actor FROM task_event WHERE to_status = 'QUEUED'")
     assert [r[0] for r in actors] == ["submit"]
+
+
+async def test_the_queued_move_skips_a_task_whose_claim_is_under_way_instead_of_waiting(backends: Backends) -> None:
+    """The message outran the move and a worker's claim holds the row until its durable commit: the move leaves that
+    task alone at once (the claim takes it from CREATED) and queues the rest of its pass."""
+    pool = backends.pool
+    held, free = await insert_task(pool), await insert_task(pool)
+    async with pool.acquire() as claiming, claiming.transaction():
+        await claiming.execute("SELECT 1 FROM task WHERE id = $1 FOR UPDATE", held.id)  # the claim, not yet committed
+        began = time.monotonic()
+        moved = await submissions.queue_created(pool, [held, free], actor="submit", within=5.0)
+        waited = time.monotonic() - began
+        assert [t.id for t in moved] == [free.id] and waited < 5.0
+    assert (await _status(pool, held.id), await _status(pool, free.id)) == (Status.CREATED, Status.QUEUED)
 
 
 async def _all_queued(pool: asyncpg.Pool, ids: list[int]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import os
@@ -123,9 +124,12 @@ async def test_task_runs_end_to_end_with_progress_and_status(
 
     row = await wait_task(backends, task.id, is_status(Status.SUCCEEDED))
     assert (row.attempt, row.worker_id, row.progress, row.result_reused) == (1, handle.worker_id, 100, False)
-    assert row.result_uri is not None and re.search(rf"/{task.id}-a1-[0-9a-f]{{12}}\.json$", row.result_uri)
+    # a small output is kept in the row by the terminal commit itself (result_inline_max_bytes): no store, no object
+    assert row.result_uri is not None and row.result_uri.startswith("data:application/json;base64,")
+    assert await stored_objects(backends.bus, f"{task.id}-") == []
     data = await read_result(s, backends, row.result_uri)
     assert len(data) == row.result_size and json.loads(data)["steps"] == 6
+    assert hashlib.sha256(data).hexdigest() == row.result_sha256
     history = await events(backends, task.id)
     progress = [e["progress"] for e in history if e["to_status"] == "PROCESSING"]
     assert progress == sorted(progress) and len(set(progress)) >= 3  # claim at 0, then rising steps
@@ -290,7 +294,8 @@ async def test_a_task_timed_out_elsewhere_is_stopped_at_the_next_lease_renewal(
 async def test_crashed_workers_task_is_finished_by_another_exactly_once(
     settings: Settings, backends: Backends, workers: Factory
 ) -> None:
-    s = with_(sleepy_settings(settings, sleep=1.0), lease_seconds=2.0, heartbeat_seconds=0.5)
+    # stored outputs (not inline): the output's name says which attempt wrote it
+    s = with_(sleepy_settings(settings, sleep=1.0), lease_seconds=2.0, heartbeat_seconds=0.5, result_inline_max_bytes=0)
     first = await workers(s)
     task = await submit(backends, params=params(steps=4))
     await wait_task(backends, task.id, lambda r: r.status is Status.PROCESSING and r.progress > 0)
@@ -314,7 +319,10 @@ async def test_crashed_workers_task_is_finished_by_another_exactly_once(
 async def test_paused_workers_late_result_is_fenced_out(
     settings: Settings, backends: Backends, workers: Factory
 ) -> None:
-    base = with_(sleepy_settings(settings, sleep=0.3), lease_seconds=2.0, heartbeat_seconds=0.5)
+    # outputs stored, not inline in the row: the test is about a fenced run's stored output
+    base = with_(
+        sleepy_settings(settings, sleep=0.3), lease_seconds=2.0, heartbeat_seconds=0.5, result_inline_max_bytes=0
+    )
     # A worker that stops renewing (a long pause): its lease and ack wait lapse while it still runs.
     paused = await workers(
         sleepy_settings(base, sleep=5.0).model_copy(update={"heartbeat_seconds": 60.0, "lease_seconds": 1.0}),
