@@ -89,7 +89,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wasted-tasks", type=int, default=6, help="wasted phase: tiny Wan tasks per queue")
     parser.add_argument("--wasted-kills", type=int, default=4, help="wasted phase: worker crashes per queue")
     parser.add_argument("--profile", action="store_true",
-                        help="py-spy profiles of every service process at 64 in flight and in bulk (.taskgate/bench/)")
+                        help="py-spy profiles of every service process at 64 in flight, in bulk and one at a "
+                        "time (latency) (.taskgate/bench/)")
     args = parser.parse_args(argv)
     unknown = {name.strip() for name in args.only.split(",") if name.strip()} - set(PHASES)
     if unknown:
@@ -155,7 +156,10 @@ async def run(args: argparse.Namespace, state_dir: Path) -> Report:
         await stack.close_open_tasks()
         await stack.purge_tasks_stream()
         await stack.start_workers()
-        await latency.measure(stack, report, "latency (2 idle workers, no-op tasks, one at a time)", args.latency_tasks)
+        async with profile.record(stack, opts.profile_dir, "latency"):
+            await latency.measure(
+                stack, report, "latency (2 idle workers, no-op tasks, one at a time)", args.latency_tasks
+            )
 
     async def history_phase() -> None:
         await stack.stop_group(stack.worker_names())
