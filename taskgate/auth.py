@@ -273,34 +273,41 @@ class Authenticator:
             if await tenants.lookup_api_key(self._pool, digest) is None:
                 self.revoked(digest)
 
+    async def open_stream(self, context: grpc.aio.ServicerContext, scope: str | None = None) -> Session:
+        """The caller of a stream, registered so that a revocation ends it (`Session.guard`); `scope`: a client token
+        with it is accepted too (its stream ends when the token expires). Each open_stream is paired with a
+        close_stream once the stream ends."""
+        if scope is not None and clienttokens.looks_like_token(_bearer(context)):
+            found = await self.caller(context, scope)
+            return Session(found.principal, "", found.grant)
+        began = self._generation
+        principal, digest = await self._resolve(context)
+        session = Session(principal, digest)
+        self._sessions.setdefault(digest, set()).add(session)
+        if self._generation != began:  # a revocation arrived while the key was looked up
+            try:
+                await self._recheck([digest])
+            except BaseException:
+                self.close_stream(session)
+                raise
+        return session
+
+    def close_stream(self, session: Session) -> None:
+        """The stream of `session` ended: a revocation no longer looks for it."""
+        left = self._sessions.get(session.digest)
+        if left is not None:
+            left.discard(session)
+            if not left:
+                del self._sessions[session.digest]
+
     @contextlib.asynccontextmanager
     async def stream(self, context: grpc.aio.ServicerContext) -> AsyncIterator[Session]:
         """The caller of a stream, for as long as it is open: `Session.guard` ends it when the key is revoked."""
-        began = self._generation
-        found, digest = await self._resolve(context)
-        session = Session(found, digest)
-        self._sessions.setdefault(digest, set()).add(session)
-        if self._generation != began:  # a revocation arrived while the key was looked up
-            await self._recheck([digest])
+        session = await self.open_stream(context)
         try:
             yield session
         finally:
-            left = self._sessions.get(digest)
-            if left is not None:
-                left.discard(session)
-                if not left:
-                    del self._sessions[digest]
-
-    @contextlib.asynccontextmanager
-    async def stream_caller(self, context: grpc.aio.ServicerContext, scope: str) -> AsyncIterator[Session]:
-        """`stream`, also for a client token with `scope` (its stream ends when the token expires)."""
-        bearer = _bearer(context)
-        if not clienttokens.looks_like_token(bearer):
-            async with self.stream(context) as session:
-                yield session
-            return
-        found = await self.caller(context, scope)
-        yield Session(found.principal, "", found.grant)
+            self.close_stream(session)
 
     async def principal(self, context: grpc.aio.ServicerContext) -> Principal:
         """The tenant calling (UNAUTHENTICATED without a live tenant key; PERMISSION_DENIED for an admin key or a

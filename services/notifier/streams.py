@@ -38,6 +38,7 @@ from .subscriber import Closing, Keepalive, Overflow, Subscriber, ended
 
 log = logging.getLogger("taskgate.notifier.streams")
 R = TypeVar("R")
+Q = TypeVar("Q")
 Live = task_pb2.TaskEvent | output.Live | task_pb2.TaskProgress | None  # what a stream's subscriber brings
 
 SERVICE_NAME = "taskgate.v1.TaskEvents"
@@ -113,6 +114,16 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             log.warning("queue snapshot read failed; a snapshot goes without its ETA", exc_info=True)
             return None
 
+    async def _snapshot(self, task: TaskRow) -> events_pb2.WatchTaskResponse:
+        """A WatchTask stream's first item: the task as it is, with its queue position and ETA."""
+        estimate = await self._estimate(task)
+        snapshot = task.to_proto(estimate.queue_position if estimate is not None else 0)
+        if estimate is not None:
+            estimate.stamp(snapshot)
+        if self._outputs is not None:
+            results.add_link(self._outputs, snapshot.result)
+        return events_pb2.WatchTaskResponse(snapshot=snapshot)
+
     async def _stamped_latest(self, event: task_pb2.TaskEvent, task: TaskRow) -> task_pb2.TaskEvent:
         """The latest replayed event with its ETA: from the queue snapshot when it is the version the row was read at,
         else (a version committed since) from the live events' shared read."""
@@ -153,14 +164,17 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         return results.linked_event(self._outputs, event) if self._outputs is not None else event
 
     async def _serve(
-        self, context: grpc.aio.ServicerContext, handle: Callable[[Caller], AsyncIterator[R]]
+        self, context: grpc.aio.ServicerContext, handle: Callable[[Caller, Q], AsyncIterator[R]], request: Q
     ) -> AsyncIterator[R]:
         """What WatchTask and WatchTasks do around their stream: the caller authenticated (the stream ends when its key
         is revoked or its client token expires) and the stream's place in its tenant's throttle held until it ends."""
-        async with self._auth.stream_caller(context, clienttokens.WATCH) as caller:
+        caller = await self._auth.open_stream(context, clienttokens.WATCH)  # no context manager: held by 10,000s
+        try:
             with self._throttle.stream(caller.principal.tenant_id, SERVICE):  # the stream's place, held until it ends
-                async for response in caller.guard(handle(caller.caller)):
+                async for response in caller.guard(handle(caller.caller, request)):
                     yield response
+        finally:
+            self._auth.close_stream(caller)
 
     @contextlib.contextmanager
     def _live(self, sub: Subscriber) -> Iterator[Subscriber]:
@@ -188,11 +202,10 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         """The task's events after version `after` and before the live event that showed the feed missed them."""
         return await event_store.task_events(self._pool, task_id, after_version=after, up_to_version=live.version - 1)
 
-    async def WatchTask(
+    def WatchTask(
         self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
-        async for response in self._serve(context, lambda who: self._watch_task(who, request)):
-            yield response
+        return self._serve(context, self._watch_task, request)  # the stream itself: no generator around it
 
     async def _watch_task(
         self, who: Caller, request: events_pb2.WatchTaskRequest
@@ -217,7 +230,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 last = request.after_version
                 if last > task.version:
                     raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
-                status = task.status
+                status, owner = task.status, task.user_id
                 attempt, shown = task.attempt, (task.progress, 0)  # the live progress sent last: (percent, step)
                 following = False  # whether this stream follows the task's live progress (while it is PROCESSING)
 
@@ -231,7 +244,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                         return
                     following = not following
                     if following:
-                        progress.follow(task.user_id, task_id, sub)
+                        progress.follow(owner, task_id, sub)
                     else:
                         progress.unfollow(task_id, sub)
 
@@ -256,13 +269,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                     return where, {"last_version": str(last)} | ({"last_output_sequence": str(sent)} if outputs else {})
 
                 if last == 0:
-                    estimate = await self._estimate(task)
-                    snapshot = task.to_proto(estimate.queue_position if estimate is not None else 0)
-                    if estimate is not None:
-                        estimate.stamp(snapshot)
-                    if self._outputs is not None:
-                        results.add_link(self._outputs, snapshot.result)
-                    yield events_pb2.WatchTaskResponse(snapshot=snapshot)
+                    yield await self._snapshot(task)
                     last = task.version
                 if task.status.terminal and last >= task.version:
                     async for out in stored(final=True):  # a terminal snapshot: its output follows, then the end
@@ -291,6 +298,7 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 async for out in stored():  # caught up on the output stored so far: live from here
                     yield out
                 moved(status, attempt, shown[0])  # live from here: its progress too, if it runs
+                del task, history  # not held for the stream's life (the row, its request's payload: ~2 KiB a stream)
                 while True:
                     live = await self._next(sub, resume)
                     if isinstance(live, task_pb2.TaskProgress):  # newer than what was sent, of the attempt that runs
@@ -369,11 +377,10 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 if progress is not None:
                     progress.unfollow(task_id, sub)
 
-    async def WatchTasks(
+    def WatchTasks(
         self, request: events_pb2.WatchTasksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTasksResponse]:
-        async for response in self._serve(context, lambda who: self._watch_tasks(who, request)):
-            yield response
+        return self._serve(context, self._watch_tasks, request)
 
     async def _watch_tasks(
         self, who: Caller, request: events_pb2.WatchTasksRequest
