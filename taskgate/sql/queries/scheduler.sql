@@ -279,15 +279,27 @@ DELETE FROM task WHERE id = ANY($1::bigint[]) RETURNING id;
 
 -- name: retention_expire_results
 -- Marks the outputs of tasks finished before the retention as deleted, oldest first, skipping locked rows; returns
--- what each output was, for the caller to delete from the store. $1 now, $2 seconds, $3 limit.
-UPDATE task t SET result_expired_at = COALESCE($1::timestamptz, now())
-WHERE t.id IN (SELECT id FROM task
-               WHERE finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
-                 AND result_uri IS NOT NULL AND result_expired_at IS NULL
-               ORDER BY finished_at
-               LIMIT $3
-               FOR UPDATE SKIP LOCKED)
-RETURNING t.user_id, t.request_hash, t.result_uri;
+-- what each output was, for the caller to delete from the store. An output kept in the row (an inline data: URI,
+-- taskgate.results.inline) is deleted here, from the row and from its events: the URI keeps its media type and loses
+-- its bytes. $1 now, $2 seconds, $3 limit.
+WITH expired AS (
+    UPDATE task t SET result_expired_at = COALESCE($1::timestamptz, now()),
+                      result_uri = CASE WHEN t.result_uri LIKE 'data:%' THEN split_part(t.result_uri, ',', 1) || ','
+                                        ELSE t.result_uri END
+    WHERE t.id IN (SELECT id FROM task
+                   WHERE finished_at < COALESCE($1::timestamptz, now()) - make_interval(secs => $2)
+                     AND result_uri IS NOT NULL AND result_expired_at IS NULL
+                   ORDER BY finished_at
+                   LIMIT $3
+                   FOR UPDATE SKIP LOCKED)
+    RETURNING t.id, t.user_id, t.request_hash, t.result_uri
+), events AS (
+    UPDATE task_event e SET result_uri = split_part(e.result_uri, ',', 1) || ','
+    FROM expired x
+    WHERE e.task_id = x.id AND e.result_uri LIKE 'data:%'
+    RETURNING 1
+)
+SELECT x.user_id, x.request_hash, x.result_uri FROM expired x;
 
 -- name: retention_expire_previews
 -- Forgets the preview images of tasks finished before the retention, oldest first, skipping locked rows; returns them

@@ -19,7 +19,7 @@ from services.scheduler import service
 from services.scheduler.retention import RetentionScan
 from services.scheduler.scans import Action, ScanContext
 from services.scheduler.service import Scheduler
-from taskgate import auth, store, telemetry
+from taskgate import auth, results, store, telemetry
 from taskgate.config import Settings
 from taskgate.model import TaskRow
 from taskgate.results import FolderResults, ResultNotFound
@@ -149,6 +149,28 @@ async def test_each_kind_goes_when_its_retention_ends_and_shared_outputs_go_with
     assert day31.actions[Action.PURGE_TASK] == 2 and day31.actions[Action.PURGE_RESULT] == 0
     assert await counts(backends, mine.id) == (0, 0, 0) and await counts(backends, reused.id) == (0, 0, 0)
     assert (await counts(backends, waiting.id))[0] == 1
+
+
+async def test_an_output_kept_in_its_row_is_deleted_from_the_row_and_its_events_when_its_retention_ends(
+    backends: Backends, settings: Settings
+) -> None:
+    """A small output is written into the row by the terminal commit (results.inline): its retention deletes its
+    bytes from the task and from the SUCCEEDED event, keeping the media type."""
+    task = await insert_task(backends.pool, prompt="inline")
+    kept = results.inline(b'{"answer": 42}', "application/json")
+    result = store.ResultRef(kept.uri, kept.content_type, kept.size, kept.sha256)
+    for change in (store.Queue(), Claim("w1", 10.0), store.Succeed(result)):
+        assert (await moved(backends.pool, task.id, change)).applied
+    outputs = FolderResults(settings.result_dir or Path())
+    assert b"".join([c async for c in outputs.read(kept.uri)]) == b'{"answer": 42}'  # any store reads it back
+    results_sooner = settings.model_copy(update={"retain_results_seconds": 1 * DAY})  # than the events (7 days)
+    scan = RetentionScan(ScanContext(results_sooner, backends.pool, backends.bus))
+    report = await scan.run(await db_now(backends.pool) + timedelta(days=2))
+    assert report.actions[Action.PURGE_RESULT] == 1 and report.actions[Action.PURGE_EVENT] == 0
+    row = await store.get_task(backends.pool, task.id)
+    assert row is not None and row.result_expired_at is not None and row.result_uri == "data:application/json;base64,"
+    uris = await backends.pool.fetch("SELECT result_uri FROM task_event WHERE task_id = $1", task.id)
+    assert [r[0] for r in uris if r[0]] == ["data:application/json;base64,"]
 
 
 async def test_a_task_deleted_with_its_output_still_kept_takes_it_along(backends: Backends, settings: Settings) -> None:
