@@ -6,21 +6,26 @@ SELECT pg_try_advisory_xact_lock($1) AS locked, clock_timestamp() AS at;
 
 -- name: relay_take_events
 -- The oldest events not yet on JetStream (the relay's outbox), locked for this pass, with what the webhook outbox
--- needs of their task (and its trace context). $1 limit.
+-- needs of their task (and its trace context). Each event and its task read by primary key (LATERAL ... LIMIT 1:
+-- never flattened into a join, so no cached generic plan can hash-join whole tables; see relay_lock_take). $1 limit.
 SELECT e.*, t.callback_url, t.callback_events, t.created_at AS task_created_at, t.queued_at AS task_queued_at,
        t.started_at AS task_started_at, t.finished_at AS task_finished_at, t.metadata AS task_metadata,
        t.result_reused AS task_result_reused, t.trace_context AS task_trace_context,
        t.device_seconds AS task_device_seconds, t.slot_seconds AS task_slot_seconds,
        t.input_tokens AS task_input_tokens, t.output_tokens AS task_output_tokens
 FROM (SELECT o.event_id FROM event_outbox o ORDER BY o.event_id LIMIT $1 FOR UPDATE SKIP LOCKED) o
-JOIN task_event e ON e.id = o.event_id
-JOIN task t ON t.id = e.task_id
+CROSS JOIN LATERAL (SELECT * FROM task_event x WHERE x.id = o.event_id LIMIT 1) e
+CROSS JOIN LATERAL (SELECT * FROM task y WHERE y.id = e.task_id LIMIT 1) t
 ORDER BY e.id;
 
 -- name: relay_lock_take
 -- relay_lock and relay_take_events in one round trip: the lock (none of the outbox is read or locked without it),
 -- the pass's relay time, and its events. One row with NULL event columns when the lock went to another replica or
 -- the outbox is empty. $1 key, $2 limit.
+-- Each event and its task are read by primary key: LATERAL subqueries with LIMIT 1 are never flattened into joins.
+-- As plain joins, the plan cache's generic plan (the statement runs on every pass, so it is used after five) could not
+-- know the limit and hash-joined whole tables: a sequential scan of task_event and of task on every pass (#38: 7.4 ms
+-- a pass at bench size, the relay's statement the busiest in the database after the admission).
 WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($1) AS locked, clock_timestamp() AS at)
 SELECT l.locked AS relay_locked, l.at AS relay_at, r.*
 FROM lock l
@@ -31,8 +36,8 @@ LEFT JOIN LATERAL (
            t.device_seconds AS task_device_seconds, t.slot_seconds AS task_slot_seconds,
            t.input_tokens AS task_input_tokens, t.output_tokens AS task_output_tokens
     FROM (SELECT o.event_id FROM event_outbox o WHERE l.locked ORDER BY o.event_id LIMIT $2 FOR UPDATE SKIP LOCKED) o
-    JOIN task_event e ON e.id = o.event_id
-    JOIN task t ON t.id = e.task_id
+    CROSS JOIN LATERAL (SELECT * FROM task_event x WHERE x.id = o.event_id LIMIT 1) e
+    CROSS JOIN LATERAL (SELECT * FROM task y WHERE y.id = e.task_id LIMIT 1) t
 ) r ON true
 ORDER BY r.id;
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncpg
 
-from taskgate import store
+from taskgate import sql, store
 from taskgate.runtime import Backends
 from taskgate.store import events as event_store
 from tests.support.factories import insert_task
+from tests.support.harness import plan_nodes
 
 
 async def _relay_pass(pool: asyncpg.Pool) -> list[int]:
@@ -89,3 +90,39 @@ async def test_the_lock_and_the_take_are_one_statement_that_takes_nothing_withou
     async with pool.acquire() as conn, conn.transaction():
         at, rows = await event_store.lock_and_take(conn, limit=100)
         assert at is not None and rows == []  # the lock, and an empty outbox
+
+
+async def test_a_pass_reads_events_and_tasks_by_key_whatever_plan_the_cache_keeps(backends: Backends) -> None:
+    """The relay's statement runs on every pass, so the plan cache soon keeps a generic plan, which cannot see the
+    limit (it guesses a tenth of the outbox): as plain joins that plan hash-joined a sequential scan of task_event and
+    of task on every pass once the outbox held a backlog (#38). Under a forced generic plan, with 20,000 events waiting,
+    each is still read by its primary key only."""
+    pool = backends.pool
+    async with pool.acquire() as conn:
+        await conn.execute("ALTER TABLE task DISABLE TRIGGER task_event_on_insert")  # history written below instead
+        await conn.execute(
+            "INSERT INTO task (id, user_id, idempotency_key, request_hash, task_type, model_id, prompt,"
+            " request_payload, priority, queue_name) SELECT i, 'tenant-a', 'k-' || i, 'h', 'text-to-video', 'wan-tiny',"
+            " 'p', '{}', 5, 'q' FROM generate_series(1, 20000) i"
+        )
+        await conn.execute("ALTER TABLE task ENABLE TRIGGER task_event_on_insert")
+        await conn.execute(
+            "INSERT INTO task_event (task_id, user_id, model_id, version, to_status, actor, progress, attempt)"
+            " SELECT i, 'tenant-a', 'wan-tiny', 1, 'CREATED', 'test', 0, 0 FROM generate_series(1, 20000) i"
+        )
+        await conn.execute("INSERT INTO event_outbox (event_id) SELECT id FROM task_event")  # a relay fallen behind
+        await conn.execute("ANALYZE task; ANALYZE task_event; ANALYZE event_outbox")
+        for name, args in (("relay_lock_take", "(1, 100)"), ("relay_take_events", "(100)")):
+            async with conn.transaction():
+                await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+                types = "(bigint, integer)" if name == "relay_lock_take" else "(integer)"
+                await conn.execute(f"PREPARE relay_read {types} AS {sql.query(name)}")
+                [explained] = await conn.fetchval(f"EXPLAIN (FORMAT JSON) EXECUTE relay_read {args}")
+                await conn.execute("DEALLOCATE relay_read")
+            nodes = plan_nodes(explained["Plan"])
+            scans = {(n["Node Type"], n.get("Relation Name")) for n in nodes if n.get("Relation Name")}
+            assert ("Seq Scan", "task") not in scans and ("Seq Scan", "task_event") not in scans, (name, scans)
+            assert {("Index Scan", "task"), ("Index Scan", "task_event")} <= scans, (name, scans)
+        async with conn.transaction():  # and the pass itself: the oldest 100, each with its task
+            at, rows = await event_store.lock_and_take(conn, limit=100)
+            assert at is not None and [r.event.task_id for r in rows] == list(range(1, 101))

@@ -15,6 +15,7 @@ from taskgate import bus as busmod
 from taskgate.config import Settings
 from taskgate.migrate import migrate
 from taskgate.runtime import Backends
+from taskgate.states import Status
 from taskgate.store import submissions
 from taskgate.store.submissions import Admission, AdmitVerdict, Candidate, NewTask
 from taskgate_api.v1 import gateway_pb2, gateway_pb2_grpc
@@ -217,3 +218,52 @@ async def test_pending_counts_follow_every_move(backends: Backends) -> None:
     assert await counts_match() == {"ta": 1}
 
 
+
+
+async def test_the_queue_move_takes_only_created_tasks_and_commits_asynchronously(backends: Backends) -> None:
+    """queue_created runs in queue_created_tasks (its generic plan); the asynchronous commit is set by the statement
+    around it, where the function's own SET clause cannot undo it on return."""
+    pool = backends.pool
+    tasks = [await insert_task(pool) for _ in range(3)]
+    await store.cancel(pool, tasks[2].id, mode=store.CancelMode.HARD, actor="test")
+    async with pool.acquire() as conn, conn.transaction():
+        assert await conn.fetchval("SHOW synchronous_commit") == "on"
+        moved = await submissions.queue_created(conn, tasks, actor="dispatcher", reason="published")
+        assert await conn.fetchval("SHOW synchronous_commit") == "off"  # until this transaction commits
+    assert [(t.id, t.status, t.version, t.last_actor) for t in moved] == [
+        (t.id, Status.QUEUED, 2, "dispatcher") for t in tasks[:2]]
+    assert await pool.fetchval("SHOW synchronous_commit") == "on"
+    rows = await pool.fetch("SELECT id, status, version, queued_at IS NOT NULL AS queued FROM task ORDER BY id")
+    assert [tuple(r) for r in rows] == [(tasks[0].id, "QUEUED", 2, True), (tasks[1].id, "QUEUED", 2, True),
+                                        (tasks[2].id, "CANCELED", 2, False)]
+    events = await pool.fetch("SELECT task_id, version, from_status, to_status, actor, reason FROM task_event "
+                              "WHERE to_status = 'QUEUED' ORDER BY task_id")
+    assert [tuple(r) for r in events] == [(t.id, 2, "CREATED", "QUEUED", "dispatcher", "published") for t in tasks[:2]]
+    assert await submissions.queue_created(pool, tasks, actor="dispatcher") == []  # none is CREATED any more
+
+
+async def test_each_task_a_batch_creates_gets_one_creation_event(backends: Backends) -> None:
+    """The history trigger runs once for the batch's insert (a statement-level trigger): still one version-1 event and
+    one outbox row per created task, none for a replay or a refusal, and each tenant's pending count grown by the
+    tasks created."""
+    pool = backends.pool
+    await auth.create_key(pool, backends.settings.api_key_pepper, "bulk-a", max_pending=60)
+    await auth.create_key(pool, backends.settings.api_key_pepper, "bulk-b", max_pending=60)
+    [first] = await submissions.admit(pool, [Candidate(new_task("bulk-a", "k1"), 1000)], default_max_pending=60)
+    assert first.verdict is AdmitVerdict.CREATED and first.task is not None
+    # 66 items of bulk-a (k1 a replay; 59 places left of 60) and 34 of bulk-b, interleaved
+    batch = [Candidate(new_task("bulk-b" if i % 3 == 0 else "bulk-a", f"k{i}"), 1000) for i in range(100)]
+    answers = await submissions.admit(pool, batch, default_max_pending=60)
+    verdicts = [a.verdict for a in answers]
+    assert verdicts[1] is AdmitVerdict.EXISTING and answers[1].task is not None and answers[1].task.id == first.task.id
+    assert (verdicts.count(AdmitVerdict.CREATED), verdicts.count(AdmitVerdict.TOO_MANY_PENDING)) == (59 + 34, 6)
+    created = [a.task.id for a in answers if a.verdict is AdmitVerdict.CREATED and a.task is not None]
+    events = await pool.fetch(
+        "SELECT e.task_id, e.version, e.from_status, e.to_status::text, e.actor, o.event_id IS NOT NULL AS outboxed "
+        "FROM task_event e LEFT JOIN event_outbox o ON o.event_id = e.id ORDER BY e.task_id"
+    )
+    assert [r["task_id"] for r in events] == sorted([first.task.id, *created])  # one each, for every task created
+    assert {(r["version"], r["from_status"], r["to_status"], r["actor"], r["outboxed"]) for r in events} == {
+        (1, None, "CREATED", "submit", True)}
+    pending = {r[0]: r[1] for r in await pool.fetch("SELECT tenant_id, pending FROM tenant_pending")}
+    assert pending == {"bulk-a": 60, "bulk-b": 34}
