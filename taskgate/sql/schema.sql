@@ -211,25 +211,6 @@ CREATE FUNCTION public.insert_tasks(p_id bigint[], p_user_id text[], p_idempoten
 $$;
 
 --
--- Name: queue_created_tasks(bigint[], text, text); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.queue_created_tasks(p_ids bigint[], p_actor text, p_reason text) RETURNS TABLE(id bigint, status public.task_status, version bigint, queued_at timestamp with time zone, updated_at timestamp with time zone, last_actor text, last_reason text)
-    LANGUAGE plpgsql
-    SET plan_cache_mode TO 'force_generic_plan'
-    AS $$
-#variable_conflict use_column
-BEGIN
-    RETURN QUERY
-    UPDATE task t SET status = 'QUEUED', version = t.version + 1, queued_at = now(), updated_at = now(),
-           last_actor = p_actor, last_reason = p_reason
-    FROM (SELECT f.id FROM task f WHERE f.id = ANY(p_ids) AND f.status = 'CREATED' FOR UPDATE SKIP LOCKED) free
-    WHERE t.id = free.id AND t.status = 'CREATED'
-    RETURNING t.id, t.status, t.version, t.queued_at, t.updated_at, t.last_actor, t.last_reason;
-END;
-$$;
-
---
 -- Name: rate_window_left(); Type: FUNCTION; Schema: public; Owner: -
 --
 

@@ -561,25 +561,3 @@ BEGIN
     ORDER BY i.ord;
 END;
 $$;
-
--- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (queries/submit.sql, submit_queue_created):
--- a task no longer CREATED is left as it is and not returned. A task whose row another transaction holds is skipped,
--- not waited for: that is nearly always a worker's claim of it (the message outran this move; most do), whose durable
--- commit the pass would otherwise wait for, with every task behind it; a task skipped and still CREATED is claimable
--- as it is and the scheduler's scan queues it. In a function for its generic plan: as a top-level statement its array
--- parameter made PostgreSQL plan it afresh on every call (custom plans: ~0.36 ms of planning a call, the 23 indexes
--- of task read each time, against ~0.45 ms to run it for one task). Returns the columns the move set.
-CREATE OR REPLACE FUNCTION queue_created_tasks(p_ids bigint[], p_actor text, p_reason text)
-RETURNS TABLE (id bigint, status task_status, version bigint, queued_at timestamptz, updated_at timestamptz,
-               last_actor text, last_reason text)
-LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_generic_plan AS $$
-#variable_conflict use_column
-BEGIN
-    RETURN QUERY
-    UPDATE task t SET status = 'QUEUED', version = t.version + 1, queued_at = now(), updated_at = now(),
-           last_actor = p_actor, last_reason = p_reason
-    FROM (SELECT f.id FROM task f WHERE f.id = ANY(p_ids) AND f.status = 'CREATED' FOR UPDATE SKIP LOCKED) free
-    WHERE t.id = free.id AND t.status = 'CREATED'
-    RETURNING t.id, t.status, t.version, t.queued_at, t.updated_at, t.last_actor, t.last_reason;
-END;
-$$;

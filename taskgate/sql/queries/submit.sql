@@ -52,21 +52,25 @@ FROM submit_tasks(
     p_default_per_minute_per_end_user => @default_per_minute_per_end_user) f;
 
 -- name: submit_queue_created
--- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (history: one trigger run for the pass), by
--- queue_created_tasks (functions/submit_fast_path.sql: its generic plan). A task no longer CREATED (a worker's claim
--- outran this, or a cancel) is left as it is and not returned; a task whose row another transaction holds is
--- skipped, not waited for (see the function). Committed asynchronously (set_config(..., true), here and not inside
--- the function, whose SET clause would undo it on return, lasts until this statement's commit): a lost mark leaves
--- the task CREATED, which a worker may claim and the scheduler's scan dispatches again. $1 task ids, $2 actor,
--- $3 reason. Returns the columns the move set, not whole rows (the caller has them: decoding each whole row again was
--- ~3% of a submit process's samples in bulk).
-SELECT q.id, q.status, q.version, q.queued_at, q.updated_at, q.last_actor, q.last_reason
-FROM (SELECT set_config('synchronous_commit', 'off', true)) async_commit
-CROSS JOIN LATERAL queue_created_tasks($1::bigint[], $2, $3) q;
+-- CREATED -> QUEUED for a dispatcher pass whose messages are on JetStream (history: one trigger run for the pass).
+-- A task no longer CREATED (a worker's claim outran this, or a cancel) is left as it is and not returned. A task whose
+-- row another transaction holds is skipped, not waited for: that is nearly always a worker's claim of it (the message
+-- outran this move; most do), whose durable commit the pass would otherwise wait for, with every task behind it; a
+-- task skipped and still CREATED is claimable as it is and the scheduler's scan queues it. Committed asynchronously
+-- (set_config(..., true) lasts until this statement's commit): a lost mark leaves the task CREATED, which a worker
+-- may claim and the scheduler's scan dispatches again. $1 task ids, $2 actor, $3 reason. Returns the columns the move
+-- set, not whole rows (the caller has them: decoding each whole row again was ~3% of a submit process's samples in
+-- bulk).
+UPDATE task t SET status = 'QUEUED', version = t.version + 1, queued_at = now(), updated_at = now(),
+       last_actor = $2, last_reason = $3
+FROM (SELECT set_config('synchronous_commit', 'off', true)) async_commit,
+     (SELECT f.id FROM task f WHERE f.id = ANY($1::bigint[]) AND f.status = 'CREATED' FOR UPDATE SKIP LOCKED) free
+WHERE t.id = free.id AND t.status = 'CREATED'
+RETURNING t.id, t.status, t.version, t.queued_at, t.updated_at, t.last_actor, t.last_reason;
 
 -- name: submit_queue_position
 -- 1-based rank of a QUEUED task among its model's QUEUED tasks: higher priority first, then older. Two index-only
--- range scans of task_fair_idx (an OR would scan every QUEUED entry of the model). $1 model, $2 priority,
+-- range scans of task_queued_rank_idx (an OR would scan every QUEUED entry of the model). $1 model, $2 priority,
 -- $3 queued_at, $4 id.
 SELECT (SELECT count(*) FROM task WHERE status = 'QUEUED' AND model_id = $1 AND priority > $2)
      + (SELECT count(*) FROM task WHERE status = 'QUEUED' AND model_id = $1 AND priority = $2

@@ -221,8 +221,8 @@ async def test_pending_counts_follow_every_move(backends: Backends) -> None:
 
 
 async def test_the_queue_move_takes_only_created_tasks_and_commits_asynchronously(backends: Backends) -> None:
-    """queue_created runs in queue_created_tasks (its generic plan); the asynchronous commit is set by the statement
-    around it, where the function's own SET clause cannot undo it on return."""
+    """One statement moves the CREATED ones of a pass's tasks, each with its history row, and leaves the rest; its
+    commit is asynchronous (synchronous_commit off until that transaction ends), and nothing after it is."""
     pool = backends.pool
     tasks = [await insert_task(pool) for _ in range(3)]
     await store.cancel(pool, tasks[2].id, mode=store.CancelMode.HARD, actor="test")
