@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -32,7 +33,9 @@ class Check(Protocol):
 class Heartbeat:
     """One statement per beat for all of this worker: every heartbeat_seconds it renews each running attempt's lease,
     writes the progress that is due and records the registry row; between beats, one statement writes the progress
-    that came due (each task's at most once per progress_interval_seconds, its newest value), renewing those leases."""
+    that came due (each task's at most once per progress_interval_seconds, its newest value), renewing those leases.
+    Such writes are at most once per progress_flush_seconds: each task is due at its own time (an interval after its
+    last write), so a fleet's writes go in small batches spread over the interval, not one burst per interval."""
 
     def __init__(
         self,
@@ -61,7 +64,7 @@ class Heartbeat:
         self._stats: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._armed = False  # the loop already waits to write progress: a new step need not wake it
-        self._next_write = 0.0  # monotonic: a progress write waits progress_interval_seconds after the last one
+        self._next_write = 0.0  # monotonic: a progress write waits progress_flush_seconds after the last one
         self._next_beat = 0.0  # monotonic: when the next full beat is due
 
     def progressed(self) -> None:
@@ -110,11 +113,13 @@ class Heartbeat:
         whose progress is due; each due progress rides along (its write renews its lease too)."""
         now = time.monotonic()
         interval = self.settings.progress_interval_seconds
+        flush = min(self.settings.progress_flush_seconds, interval)
+        runs = list(self.runs.values())
         attempts: list[workers.BeatAttempt] = []
         named: list[tuple[Run, int | None, int]] = []  # each run named, the progress it carries, the one before
-        for run in list(self.runs.values()):
-            at = run.progress_at(interval)
-            percent = run.percent if at is not None and at <= now else None
+        carried = self._carried(runs, now, interval, flush)
+        for run in runs:
+            percent = run.percent if run.task.id in carried else None
             # a soft-cancelled run renews too: its lease holds the tenant's slot until it ends
             if percent is not None or (full and run.stopped_by is None):
                 attempts.append(workers.BeatAttempt(run.task.id, run.attempt, percent))
@@ -126,7 +131,7 @@ class Heartbeat:
             if percent is not None:
                 run.written, run.last_write, run.writing = percent, now, written
         if any(percent is not None for _, percent, _ in named):
-            self._next_write = now + interval
+            self._next_write = now + flush
         try:
             renewed = await workers.beat(
                 self.pool,
@@ -148,7 +153,7 @@ class Heartbeat:
                 if percent is not None:
                     run.last_write = done
             if any(percent is not None for _, percent, _ in named):
-                self._next_write = done + interval
+                self._next_write = done + flush
             written.set()
         checks = []
         for run, percent, _ in named:
@@ -171,6 +176,17 @@ class Heartbeat:
                 )
         if full:
             self._beaten()
+
+    @staticmethod
+    def _carried(runs: list[Run], now: float, interval: float, flush: float) -> set[int]:
+        """The tasks whose progress this statement writes: those due, the longest due first, at most the runs' share
+        of a flush (running x flush / interval): tasks that came due together (started together) spread over the
+        interval's flushes, and stay spread, each written an interval after its last write."""
+        due = sorted(
+            ((at, run.task.id) for run in runs if (at := run.progress_at(interval)) is not None and at <= now),
+        )
+        share = math.ceil(len(runs) * flush / interval) if 0 < flush < interval else len(due)
+        return {task_id for _, task_id in due[: max(1, share)]}
 
     def _beaten(self) -> None:
         telemetry.WORKER_HEARTBEAT.set(time.time())

@@ -204,3 +204,42 @@ async def test_the_progress_of_all_running_tasks_goes_in_one_statement_per_inter
     assert len(carrying) < len(moves) / 2, (len(carrying), len(moves))
     flushes = sorted(b.at for b in carrying if not b.registered)
     assert all(b - a >= interval - TOLERANCE for a, b in itertools.pairwise(flushes))
+
+
+async def test_tasks_due_together_have_their_progress_written_in_shares_spread_over_the_interval(
+    settings: Settings, backends: Backends, workers: Factory, spy: Spy
+) -> None:
+    interval, flush = 1.2, 0.3  # four running tasks: a statement carries at most ceil(4 x 0.3 / 1.2) = 1 of them
+    await workers(
+        with_(
+            sleepy_settings(settings, sleep=6.0),
+            worker_slots=4,
+            progress_interval_seconds=interval,
+            progress_flush_seconds=flush,
+            heartbeat_seconds=1.0,
+            lease_seconds=5.0,
+        )
+    )
+    tasks = [await submit(backends, params=params(steps=60)) for _ in range(4)]  # a step every 0.1 s, all due at once
+    for task in tasks:
+        await wait_task(backends, task.id, is_status(Status.SUCCEEDED), within=30)
+    ids = [t.id for t in tasks]
+    carrying = [b for b in spy.beats if any(a.progress is not None for a in b.attempts)]
+    assert all(sum(a.progress is not None for a in b.attempts) == 1 for b in carrying), [
+        [a.task_id for a in b.attempts if a.progress is not None] for b in carrying
+    ]
+    flushes = sorted(b.at for b in carrying)
+    assert all(b - a >= flush - TOLERANCE for a, b in itertools.pairwise(flushes)), flushes
+    moves = await backends.pool.fetch(
+        "SELECT task_id, at, progress FROM task_event WHERE task_id = ANY($1) AND from_status = 'PROCESSING' AND "
+        "to_status = 'PROCESSING' ORDER BY task_id, version",
+        ids,
+    )
+    by_task: dict[int, list[Any]] = {}
+    for m in moves:
+        by_task.setdefault(m["task_id"], []).append(m)
+    assert set(by_task) == set(ids) and all(len(rows) >= 2 for rows in by_task.values()), by_task
+    for rows in by_task.values():  # each task still at most once per interval, its progress growing
+        gaps = [(b["at"] - a["at"]).total_seconds() for a, b in itertools.pairwise(rows)]
+        assert min(gaps) >= interval - TOLERANCE, gaps
+        assert [r["progress"] for r in rows] == sorted({r["progress"] for r in rows})
