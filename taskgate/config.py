@@ -840,7 +840,7 @@ class WorkerSettings(CommonSettings):
         "its first delta goes at once.",
     )
     result_inline_max_bytes: int = Field(
-        default=2048, ge=0,
+        default=1024, ge=0,
         description="An output of at most this many bytes is kept in its task's row (result uri: a base64 data: URI, "
         "written by the terminal commit itself) instead of the result store; 0: every output goes to the store.",
     )
