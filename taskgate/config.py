@@ -842,7 +842,8 @@ class WorkerSettings(CommonSettings):
     result_inline_max_bytes: int = Field(
         default=1024, ge=0,
         description="An output of at most this many bytes is kept in its task's row (result uri: a base64 data: URI, "
-        "written by the terminal commit itself) instead of the result store; 0: every output goes to the store.",
+        "written by the terminal commit itself) instead of the result store; 0: every output goes to the store. "
+        "Not with the s3 store: its outputs carry a presigned download URL, so they all go to it.",
     )
     result_inline_chars: int = Field(
         default=65536, ge=0,

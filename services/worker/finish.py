@@ -69,7 +69,8 @@ class Finisher:
             return
         await run.end_progress()
         task = run.task
-        if len(output.data) <= self.settings.result_inline_max_bytes:  # kept in the row: no store's round trips
+        # kept in the row (no store's round trips), but for the s3 store, whose outputs carry a presigned URL
+        if len(output.data) <= self.settings.result_inline_max_bytes and self.settings.result_store != "s3":
             stored = results.inline(output.data, output.content_type)
         else:
             name = output_name(task.id, task.attempt, output.extension)

@@ -129,6 +129,7 @@ async def test_one_task_is_one_trace_across_the_four_service_processes(
             "max_republish": 50,
             "scan_interval_seconds": 0.2,
             "retry_backoff_seconds": 0.1,
+            "result_inline_max_bytes": 0,  # the output goes to the store, so its span is in the trace
         }
     )
     cluster = Cluster(tmp_path / "cluster", base)
