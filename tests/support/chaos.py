@@ -333,6 +333,16 @@ def _json_or_none(line: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _result_of_attempt(row: Any, succeeded: Any) -> bool:
+    """The row's result is the one its SUCCEEDED transition wrote, by the attempt that holds the row. A stored output
+    also names that attempt in its key; an inline output (a data: uri, written by the fenced terminal commit itself)
+    has no key, so the transition's own record is the evidence."""
+    uri = str(row["result_uri"])
+    if succeeded["attempt"] != row["attempt"] or succeeded["result_uri"] != row["result_uri"]:
+        return False
+    return uri.startswith("data:") or re.search(rf"-a{row['attempt']}-[0-9a-f]{{12}}\.(mp4|json)$", uri) is not None
+
+
 async def check_histories(
     db: asyncpg.Pool, cluster: Cluster, subs: Submissions, chaos: Chaos, receiver: WebhookReceiver, secret: str
 ) -> dict[str, Any]:
@@ -379,9 +389,7 @@ async def check_histories(
         if row["status"] == "SUCCEEDED":
             if len(succeeded) != 1:
                 problems.append(f"task {row['id']}: {len(succeeded)} SUCCEEDED events")
-            elif succeeded[0]["attempt"] != row["attempt"] or not re.search(
-                rf"-a{row['attempt']}-[0-9a-f]{{12}}\.(mp4|json)$", str(row["result_uri"])
-            ):
+            elif not _result_of_attempt(row, succeeded[0]):
                 problems.append(f"task {row['id']}: result {row['result_uri']} not from attempt {row['attempt']}")
         started = {e["attempt"] for e in history if e["dst"] == "PROCESSING"}
         duplicates += max(0, len(started) - 1)
