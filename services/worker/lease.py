@@ -23,6 +23,8 @@ from taskgate.store import workers
 
 log = logging.getLogger("taskgate.worker")
 
+CONSUMER_STATS_SECONDS = 10.0  # how often a worker reads its consumers' pending counts (gauges) on its beats
+
 
 class Check(Protocol):
     """A refused renewal or progress write: look at the row (read unless given), stop the run if it is not its own."""
@@ -66,6 +68,7 @@ class Heartbeat:
         self._armed = False  # the loop already waits to write progress: a new step need not wake it
         self._next_write = 0.0  # monotonic: a progress write waits progress_flush_seconds after the last one
         self._next_beat = 0.0  # monotonic: when the next full beat is due
+        self._stats_due = 0.0  # monotonic: when the consumer gauges are read next
 
     def progressed(self) -> None:
         """A run has new progress to write: wakes the loop, unless it already waits to write some."""
@@ -163,17 +166,25 @@ class Heartbeat:
             if got is None:
                 checks.append(self._check(run, "lease renewal refused"))
             elif percent is not None and not got.progressed:
-                checks.append(self._check(run, "progress write refused", got.task))
-        for failure in await asyncio.gather(*checks, return_exceptions=True):
-            if isinstance(failure, Exception):
-                log.warning("lease check failed", extra={"worker": self.worker_id, "error": type(failure).__name__})
-        # A renewed lease outlives the message's ack wait unless that is restarted too.
-        waits = [run.msg.in_progress() for run, _, _ in named if run.owns_message]
-        for failure in await asyncio.gather(*waits, return_exceptions=True):
-            if isinstance(failure, Exception):
-                log.warning(
-                    "ack wait renewal failed", extra={"worker": self.worker_id, "error": type(failure).__name__}
-                )
+                checks.append(self._check(run, "progress write refused"))  # the row is read: the beat returns none
+        if checks:
+            for failure in await asyncio.gather(*checks, return_exceptions=True):
+                if isinstance(failure, Exception):
+                    log.warning(
+                        "lease check failed", extra={"worker": self.worker_id, "error": type(failure).__name__}
+                    )
+        # A renewed lease outlives the message's ack wait unless that is restarted too. One after the other, not
+        # gathered: each is a publish into the client's buffer that does not wait on the server, and a task per
+        # message (100 a beat) cost more than the publishes.
+        failed: str | None = None
+        for run, _, _ in named:
+            if run.owns_message:
+                try:
+                    await run.msg.in_progress()
+                except Exception as exc:
+                    failed = type(exc).__name__
+        if failed is not None:
+            log.warning("ack wait renewal failed", extra={"worker": self.worker_id, "error": failed})
         if full:
             self._beaten()
 
@@ -196,7 +207,11 @@ class Heartbeat:
 
             for index in range(torch.cuda.device_count()):
                 telemetry.GPU_MEMORY.labels(f"cuda:{index}").set(torch.cuda.memory_allocated(index))
-        if self._stats is None or self._stats.done():  # off the heartbeat's path: a slow NATS must not delay renewals
+        now = time.monotonic()
+        # off the heartbeat's path (a slow NATS must not delay renewals), and not every beat: three JetStream API
+        # calls and their decoding for two gauges
+        if now >= self._stats_due and (self._stats is None or self._stats.done()):
+            self._stats_due = now + CONSUMER_STATS_SECONDS
             self._stats = asyncio.create_task(self._consumer_stats())
 
     async def register(self) -> None:

@@ -37,6 +37,7 @@ class LiveProgress:
             await self._wake.wait()
             self._wake.clear()
             due, self._due = self._due, {}
+            at = progress_wire.now()  # one stamp for the pass: its items were all due at its start
             by_tenant: defaultdict[str, list[task_pb2.TaskProgress]] = defaultdict(list)
             for task_id, run in due.items():
                 if (
@@ -48,6 +49,6 @@ class LiveProgress:
                     continue
                 run.published_step = run.steps_done
                 by_tenant[run.task.user_id].append(
-                    progress_wire.message(task_id, run.attempt, run.percent, run.steps_done, run.total_steps))
+                    progress_wire.message(task_id, run.attempt, run.percent, run.steps_done, run.total_steps, at))
             for user_id, items in by_tenant.items():
                 await progress_wire.publish(self._bus, user_id, items)

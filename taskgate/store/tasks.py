@@ -336,22 +336,31 @@ async def apply(
 
 def applied(task: TaskRow, old: Status, *, actor: str, reason: str | None) -> None:
     """The one log line (and, for a terminal move, the counters) of a move that applied, whichever statement made it."""
+    logged(task.id, old, task.status, version=task.version, attempt=task.attempt, worker=task.worker_id, actor=actor,
+           reason=reason)
+    if task.status.terminal:
+        _count_finished(task)
+
+
+def logged(
+    task_id: int, old: Status, new: Status, *, version: int, attempt: int, worker: str | None, actor: str,
+    reason: str | None,
+) -> None:
+    """A move's log line from what it names (applied's, and a beat's progress moves, which read no whole row)."""
     log.info(
         "transition",
         extra={
-            "task_id": str(task.id),
+            "task_id": str(task_id),
             "from": old.value,
-            "to": task.status.value,
-            "state": task.status.value,
-            "version": task.version,
-            "attempt": task.attempt,
-            "worker": task.worker_id,
+            "to": new.value,
+            "state": new.value,
+            "version": version,
+            "attempt": attempt,
+            "worker": worker,
             "actor": actor,
             "reason": reason,
         },
     )
-    if task.status.terminal:
-        _count_finished(task)
 
 
 def _count_finished(task: TaskRow) -> None:

@@ -14,7 +14,7 @@ from taskgate import sql
 from taskgate.model import TaskRow
 from taskgate.states import Status
 from taskgate.store.pool import Conn
-from taskgate.store.tasks import ResultRef, applied
+from taskgate.store.tasks import ResultRef, applied, logged
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +79,10 @@ class BeatAttempt:
 
 @dataclass(frozen=True, slots=True)
 class Renewal:
-    """An attempt that still holds its task after a beat: the row as the beat left it, and whether its progress
-    moved."""
+    """An attempt that still holds its task after a beat: the row's version as the beat left it, and whether its
+    progress moved (when it did not, the caller reads the row if it needs it)."""
 
-    task: TaskRow
+    version: int
     progressed: bool
 
 
@@ -121,10 +121,11 @@ async def beat(
     )
     out = {}
     for rec in rows:
-        task = TaskRow.from_record(rec)
-        if rec["progressed"]:
-            applied(task, Status.PROCESSING, actor=actor, reason="progress")
-        out[task.id] = Renewal(task, rec["progressed"])
+        task_id, version, progressed = rec["id"], rec["version"], rec["progressed"]
+        if progressed:
+            logged(task_id, Status.PROCESSING, Status.PROCESSING, version=version, attempt=rec["attempt"],
+                   worker=rec["worker_id"], actor=actor, reason="progress")
+        out[task_id] = Renewal(version, progressed)
     return out
 
 

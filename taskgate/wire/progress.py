@@ -15,8 +15,10 @@ as before.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
+from google.protobuf.timestamp_pb2 import Timestamp
 from nats.errors import Error as NatsError
 
 from taskgate import bus as busmod
@@ -28,11 +30,20 @@ SUBJECTS = busmod.PROGRESS_SUBJECTS
 MAX_ITEM_BYTES = 1 << 16  # far above a TaskProgress's size: a longer length says the body is not ours
 
 
-def message(task_id: int, attempt: int, percent: int, step: int, total: int) -> task_pb2.TaskProgress:
-    """The message for one step, stamped now."""
+def message(
+    task_id: int, attempt: int, percent: int, step: int, total: int, at: Timestamp | None = None
+) -> task_pb2.TaskProgress:
+    """The message for one step, stamped `at` (None: now)."""
     msg = task_pb2.TaskProgress(task_id=str(task_id), attempt=attempt, progress=percent, step=step, total_steps=total)
-    msg.at.GetCurrentTime()
+    msg.at.CopyFrom(at if at is not None else now())
     return msg
+
+
+def now() -> Timestamp:
+    """The time now as a Timestamp (Timestamp.GetCurrentTime goes through a datetime and a time tuple: 10 times
+    slower, once per item of every pass)."""
+    seconds, nanos = divmod(time.time_ns(), 1_000_000_000)
+    return Timestamp(seconds=seconds, nanos=nanos)
 
 
 def encode(items: Iterable[task_pb2.TaskProgress]) -> bytes:

@@ -5,8 +5,9 @@
 -- as it still holds its task: PROCESSING, or CANCELED by a soft cancel that kept the lease), writes the new progress
 -- of those given one (the progress_task move, PROCESSING only: a new version, recorded per row by the history
 -- trigger), and registers the worker or records its heartbeat when @worker_id is set (NULL: no registry write).
--- Returns each renewed row and whether its progress was written; an attempt absent from the answer no longer holds
--- its task. @task_ids, @attempts and @progress one element per attempt (progress NULL = renew only);
+-- Returns, for each renewed attempt, what its move's log line names (not the whole row: a beat renews every running
+-- attempt, and decoding 100 whole rows every beat was most of a fleet worker's beat) and whether its progress was
+-- written; an attempt absent from the answer no longer holds its task. @task_ids, @attempts and @progress one element per attempt (progress NULL = renew only);
 -- @control_address its WorkerControl address (NULL: not known yet, the one recorded stays); @capacity its share of
 -- the cluster cap.
 WITH registered AS (
@@ -34,7 +35,7 @@ UPDATE task t SET lease_expires_at = now() + make_interval(secs => @lease_second
 FROM held h
 WHERE t.id = ANY(@task_ids::bigint[]) AND t.id = h.id AND t.attempt = h.attempt
   AND (t.status = 'PROCESSING' OR (t.status = 'CANCELED' AND t.lease_expires_at IS NOT NULL))
-RETURNING t.*, h.moves AS progressed;
+RETURNING t.id, t.version, t.attempt, t.worker_id, h.moves AS progressed;
 
 -- name: worker_delete
 -- Removes a worker's registry row on a clean exit. $1 id.

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from nats.js.manager import JetStreamManager
 
+from services.worker import lease
 from services.worker.engine import RunReport
 from taskgate import store
 from taskgate.config import Settings
@@ -117,7 +120,7 @@ async def test_one_statement_per_beat_renews_every_running_attempt_and_the_regis
     assert len({r["lease_expires_at"] for r in leases}) == 1  # one now() for all three
     row = await backends.pool.fetchrow("SELECT running FROM worker WHERE id = $1", handle.worker_id)
     assert row is not None and row["running"] == 3
-    versions = [{i: r.task.version for i, r in beat.renewed.items()} for beat in full]
+    versions = [{i: r.version for i, r in beat.renewed.items()} for beat in full]
     assert versions[0] == versions[-1]  # a renewal is no new version: no history row, nothing relayed
 
 
@@ -243,3 +246,48 @@ async def test_tasks_due_together_have_their_progress_written_in_shares_spread_o
         gaps = [(b["at"] - a["at"]).total_seconds() for a, b in itertools.pairwise(rows)]
         assert min(gaps) >= interval - TOLERANCE, gaps
         assert [r["progress"] for r in rows] == sorted({r["progress"] for r in rows})
+
+
+async def test_a_beat_answers_each_renewed_attempts_version_and_logs_each_progress_move(
+    backends: Backends, caplog: pytest.LogCaptureFixture
+) -> None:
+    task = await submit(backends, params=LONG)
+    async with backends.pool.acquire() as conn:
+        running = await claimed(conn, task.id, worker_id="w-beat", lease_seconds=30.0)
+    caplog.set_level(logging.INFO, logger="taskgate.transition")
+    renewed = await registry.beat(
+        backends.pool, [registry.BeatAttempt(task.id, running.attempt, 40)], lease_seconds=30.0
+    )
+    row = await store.get_task(backends.pool, task.id)
+    assert row is not None and (row.progress, row.version) == (40, running.version + 1)
+    assert renewed == {task.id: registry.Renewal(row.version, True)}
+    moves = [r for r in caplog.records if r.getMessage() == "transition"]
+    assert [(m.task_id, m.version, m.attempt, m.worker, m.reason) for m in moves] == [  # type: ignore[attr-defined]
+        (str(task.id), row.version, running.attempt, "w-beat", "progress")
+    ]
+    # A renewal alone is no move: the same version, nothing logged.
+    caplog.clear()
+    again = await registry.beat(backends.pool, [registry.BeatAttempt(task.id, running.attempt)], lease_seconds=30.0)
+    assert again == {task.id: registry.Renewal(row.version, False)}
+    assert not [r for r in caplog.records if r.getMessage() == "transition"]
+    # Another attempt's beat is refused: absent from the answer.
+    assert await registry.beat(backends.pool, [registry.BeatAttempt(task.id, running.attempt + 1)],
+                               lease_seconds=30.0) == {}
+
+
+async def test_the_consumer_gauges_are_read_once_per_period_not_on_every_beat(
+    settings: Settings, backends: Backends, workers: Factory, spy: Spy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[float] = []
+    original = JetStreamManager.consumer_info
+
+    async def counted(self: JetStreamManager, *args: Any, **kwargs: Any) -> Any:
+        reads.append(time.monotonic())
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(JetStreamManager, "consumer_info", counted)
+    handle = await workers(fleet(settings))
+    levels = len(handle.worker.fetcher.levels)
+    beats = await spy.wait(lambda b: b.registered, count=8)  # 0.3 s apart: all within one period
+    assert beats[-1].at - beats[0].at < lease.CONSUMER_STATS_SECONDS
+    assert len(reads) <= 2 * levels, (len(reads), levels)  # the worker's first beats', at most; was one per beat
