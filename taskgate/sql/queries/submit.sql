@@ -61,11 +61,16 @@ FROM submit_tasks(
 -- may claim and the scheduler's scan dispatches again. $1 task ids, $2 actor, $3 reason. Returns the columns the move
 -- set, not whole rows (the caller has them: decoding each whole row again was ~3% of a submit process's samples in
 -- bulk).
+-- Both sides read task by primary key only: the status is compared as text, which no index of task serves. Compared
+-- as the enum, statistics taken while no task was CREATED (the usual state) made each side a walk of every CREATED
+-- task in task_end_user_pending_idx, the lock side rerun for each of them: after a bulk burst, 20,000 x 20,000 index
+-- entries, 69 s for a pass of 100 (#38, test_queue_move_plan).
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, queued_at = now(), updated_at = now(),
        last_actor = $2, last_reason = $3
 FROM (SELECT set_config('synchronous_commit', 'off', true)) async_commit,
-     (SELECT f.id FROM task f WHERE f.id = ANY($1::bigint[]) AND f.status = 'CREATED' FOR UPDATE SKIP LOCKED) free
-WHERE t.id = free.id AND t.status = 'CREATED'
+     (SELECT f.id FROM task f WHERE f.id = ANY($1::bigint[]) AND f.status::text = 'CREATED'
+      FOR UPDATE SKIP LOCKED) free
+WHERE t.id = free.id AND t.status::text = 'CREATED'
 RETURNING t.id, t.status, t.version, t.queued_at, t.updated_at, t.last_actor, t.last_reason;
 
 -- name: submit_queue_position
