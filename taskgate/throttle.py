@@ -227,6 +227,15 @@ class Throttle:
     @contextlib.contextmanager
     def stream(self, tenant: str, service: str) -> Iterator[None]:
         """Holds one of `tenant`'s stream places while the block runs, or refuses the stream."""
+        self.open_stream(tenant, service)
+        try:
+            yield
+        finally:
+            self.close_stream(tenant)
+
+    def open_stream(self, tenant: str, service: str) -> None:
+        """Takes one of `tenant`'s stream places, or refuses the stream; each is given back by one close_stream (what
+        `stream` does around a block: a stream held by 10,000s takes it without a context manager of its own)."""
         if self._streams[tenant] >= self._per_tenant or self._streams.total() >= self._per_process:
             telemetry.THROTTLED.labels(service, "streams").inc()
             whose = "this tenant's" if self._streams[tenant] >= self._per_tenant else "this server's"
@@ -236,9 +245,9 @@ class Throttle:
                 retry_after=1.0,
             )
         self._streams[tenant] += 1
-        try:
-            yield
-        finally:
-            self._streams[tenant] -= 1
-            if not self._streams[tenant]:
-                del self._streams[tenant]
+
+    def close_stream(self, tenant: str) -> None:
+        """Gives back a stream place open_stream took."""
+        self._streams[tenant] -= 1
+        if not self._streams[tenant]:
+            del self._streams[tenant]

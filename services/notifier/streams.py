@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar, cast
 
 import asyncpg
 import grpc
@@ -35,6 +35,7 @@ from .output_feed import OutputHub
 from .progress_feed import ProgressHub
 from .shared_reads import Estimates
 from .subscriber import Closing, Keepalive, Overflow, Subscriber, ended
+from .taskwatch import KEEPALIVE, TaskWatch
 
 log = logging.getLogger("taskgate.notifier.streams")
 R = TypeVar("R")
@@ -167,36 +168,30 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
         self, context: grpc.aio.ServicerContext, handle: Callable[[Caller, Q], AsyncIterator[R]], request: Q
     ) -> AsyncIterator[R]:
         """What WatchTask and WatchTasks do around their stream: the caller authenticated (the stream ends when its key
-        is revoked or its client token expires) and the stream's place in its tenant's throttle held until it ends."""
-        caller = await self._auth.open_stream(context, clienttokens.WATCH)  # no context manager: held by 10,000s
+        is revoked or its client token expires) and the stream's place in its tenant's throttle held until it ends.
+        No context manager, and nothing it sent kept: held by 10,000s."""
+        caller = await self._auth.open_stream(context, clienttokens.WATCH)
         try:
-            with self._throttle.stream(caller.principal.tenant_id, SERVICE):  # the stream's place, held until it ends
-                async for response in caller.guard(handle(caller.caller, request)):
+            tenant = caller.principal.tenant_id
+            self._throttle.open_stream(tenant, SERVICE)  # the stream's place, held until it ends
+            try:
+                stream = caller.guard(handle(caller.caller, request))
+                while True:
+                    try:
+                        response = await anext(stream)
+                    except StopAsyncIteration:
+                        return
                     yield response
+                    del response
+            finally:
+                self._throttle.close_stream(tenant)
         finally:
             self._auth.close_stream(caller)
 
-    @contextlib.contextmanager
-    def _live(self, sub: Subscriber) -> Iterator[Subscriber]:
-        """A stream's subscriber, kept alive (and ended at its age) while the stream lasts, then dropped from the
-        keep-alive tick and the feed."""
-        self.keepalive.add(sub)
-        try:
-            yield sub
-        finally:
-            self.keepalive.discard(sub)
-            self._hub.drop(sub)
-
-    @staticmethod
-    async def _next(sub: Subscriber, resume: Callable[[], tuple[str, dict[str, str]]]) -> Live:
-        """The stream's next live item (None: a keep-alive is due). When the server ends the stream (its subscriber
-        overflowed, a shutdown, its age) it ends with why and `resume()`: the request field to resume with, and the
-        same as the status's metadata."""
-        try:
-            return await sub.next()
-        except (Overflow, Closing) as exc:
-            where, metadata = resume()
-            raise ended(exc, where, **metadata) from None
+    def _dropped(self, sub: Subscriber) -> None:
+        """A stream's subscriber ended: out of the keep-alive tick and the feed."""
+        self.keepalive.discard(sub)
+        self._hub.drop(sub)
 
     async def _missed(self, task_id: int, after: int, live: task_pb2.TaskEvent) -> list[event_store.Event]:
         """The task's events after version `after` and before the live event that showed the feed missed them."""
@@ -205,177 +200,146 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
     def WatchTask(
         self, request: events_pb2.WatchTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
-        return self._serve(context, self._watch_task, request)  # the stream itself: no generator around it
+        # the stream itself: no generator around it; its keep-alives are bytes (KEEPALIVE), which the server sends
+        return cast(AsyncIterator[events_pb2.WatchTaskResponse], self._serve(context, self._watch_task, request))
+
+    async def _replay(
+        self, w: TaskWatch, task: TaskRow, history: list[event_store.Event]
+    ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
+        """A resumed stream's history after its version, the latest with its ETA; ends the stream at a terminal event
+        (w.last is then that event's version, w.status terminal)."""
+        for i, row in enumerate(history):
+            event = event_wire.message(row)
+            if i == len(history) - 1:  # the ETA is as of now: only the latest replayed version gets one
+                event = await self._stamped_latest(event, task)
+            async for out in w.before_end(event):
+                yield out
+            yield events_pb2.WatchTaskResponse(event=self._linked(event))
+            w.last = event.version
+            w.moved(Status.from_proto(event.to_status), event.attempt, event.progress)
+            if event_wire.is_terminal(event):
+                return
 
     async def _watch_task(
         self, who: Caller, request: events_pb2.WatchTaskRequest
-    ) -> AsyncIterator[events_pb2.WatchTaskResponse]:
+    ) -> AsyncIterator[events_pb2.WatchTaskResponse | bytes]:
         task_id = ids.require(request.task_id)
         if request.after_version < 0:
             raise errors.invalid_argument([("after_version", "must not be negative")])
         if request.after_output_sequence < 0:
             raise errors.invalid_argument([("after_output_sequence", "must not be negative")])
-        tenant = who.tenant_id
         outputs = self._output_hub if request.include_output else None
-        progress = self._progress_hub
-        sent = request.after_output_sequence  # the last output chunk sent (its stream sequence)
         # Subscribe before reading, so an event committed after the read is buffered: no gap at the seam.
-        with self._live(self._hub.watch_task(task_id, self._settings.stream_buffer_size)) as sub:
-            try:
-                if outputs is not None:  # the same for the output: followed before it is read
-                    await outputs.follow(tenant, task_id, sub)
-                task = await store.get_task(self._pool, task_id)
-                if task is None or not who.may_see(task.user_id, task.end_user, task.id):
-                    raise errors.not_found()
-                last = request.after_version
-                if last > task.version:
-                    raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
-                status, owner = task.status, task.user_id
-                attempt, shown = task.attempt, (task.progress, 0)  # the live progress sent last: (percent, step)
-                following = False  # whether this stream follows the task's live progress (while it is PROCESSING)
-
-                def moved(now: Status, at_attempt: int, percent: int) -> None:
-                    """The stream sent a state: its live progress is followed while that is PROCESSING."""
-                    nonlocal status, attempt, shown, following
-                    if at_attempt != attempt:
-                        attempt, shown = at_attempt, (0, 0)
-                    status, shown = now, (max(shown[0], percent), shown[1])
-                    if progress is None or (now is Status.PROCESSING) == following:
-                        return
-                    following = not following
-                    if following:
-                        progress.follow(owner, task_id, sub)
-                    else:
-                        progress.unfollow(task_id, sub)
-
-                async def stored(final: bool = False) -> AsyncIterator[events_pb2.WatchTaskResponse]:
-                    """The task's stored output after the last chunk sent (`final`: all of it, read from the leader)."""
-                    nonlocal sent
-                    if outputs is None:
-                        return
-                    while (chunk := await outputs.read_after(tenant, task_id, sent, final=final)) is not None:
-                        sent = chunk.sequence
-                        yield events_pb2.WatchTaskResponse(output=chunk)
-
-                async def before_end(event: task_pb2.TaskEvent) -> AsyncIterator[events_pb2.WatchTaskResponse]:
-                    """A terminal event comes after the output stored before it; any event after a chunk's catch-up."""
-                    if event_wire.is_terminal(event):
-                        async for out in stored(final=True):
-                            yield out
-
-                def resume() -> tuple[str, dict[str, str]]:
-                    """Where the stream resumes (the request fields, and the same as the status's metadata)."""
-                    where = f"after_version={last}" + (f" and after_output_sequence={sent}" if outputs else "")
-                    return where, {"last_version": str(last)} | ({"last_output_sequence": str(sent)} if outputs else {})
-
-                if last == 0:
-                    yield await self._snapshot(task)
-                    last = task.version
-                if task.status.terminal and last >= task.version:
-                    async for out in stored(final=True):  # a terminal snapshot: its output follows, then the end
-                        yield out
-                    return
-                # After a snapshot nothing is read: an event after the row's version committed after the row was read,
-                # after this stream subscribed, so the feed brings it (and the quiet check, should the feed lose it).
-                history: list[event_store.Event] = []
-                if last != task.version:
-                    history = await event_store.task_events(self._pool, task_id, after_version=last)
-                for i, row in enumerate(history):
-                    event = event_wire.message(row)
-                    if i == len(history) - 1:  # the ETA is as of now: only the latest replayed version gets one
-                        event = await self._stamped_latest(event, task)
-                    async for out in before_end(event):
-                        yield out
-                    yield events_pb2.WatchTaskResponse(event=self._linked(event))
-                    last = event.version
-                    moved(Status.from_proto(event.to_status), event.attempt, event.progress)
-                    if event_wire.is_terminal(event):
-                        return
-                if task.status.terminal:
-                    async for out in stored(final=True):
-                        yield out
-                    return  # its history was deleted by retention: nothing more will come
-                async for out in stored():  # caught up on the output stored so far: live from here
+        sub = self._hub.watch_task(task_id, self._settings.stream_buffer_size)
+        self.keepalive.add(sub)  # kept alive (and ended at its age) while the stream lasts
+        w = TaskWatch(sub, task_id, who.tenant_id, outputs, self._progress_hub, request.after_output_sequence)
+        try:
+            if outputs is not None:  # the same for the output: followed before it is read
+                await outputs.follow(w.tenant, task_id, sub)
+            task = await store.get_task(self._pool, task_id)
+            if task is None or not who.may_see(task.user_id, task.end_user, task.id):
+                raise errors.not_found()
+            w.last = request.after_version
+            if w.last > task.version:
+                raise errors.invalid_argument([("after_version", f"is ahead of the task's version {task.version}")])
+            w.status, w.owner, w.attempt, w.shown = task.status, task.user_id, task.attempt, (task.progress, 0)
+            if w.last == 0:
+                yield await self._snapshot(task)
+                w.last = task.version
+            if task.status.terminal and w.last >= task.version:
+                async for out in w.stored(final=True):  # a terminal snapshot: its output follows, then the end
                     yield out
-                moved(status, attempt, shown[0])  # live from here: its progress too, if it runs
-                del task, history  # not held for the stream's life (the row, its request's payload: ~2 KiB a stream)
-                while True:
-                    live = await self._next(sub, resume)
-                    if isinstance(live, task_pb2.TaskProgress):  # newer than what was sent, of the attempt that runs
-                        if (
-                            status is Status.PROCESSING and live.attempt == attempt
-                            and (live.progress, live.step) > shown
-                        ):
-                            shown = (live.progress, live.step)
-                            yield events_pb2.WatchTaskResponse(progress=live)
-                        continue
-                    if isinstance(live, output.Live):
-                        if live.chunk.sequence <= sent:
-                            continue  # already read from the stream
-                        if live.previous > sent:  # a chunk this stream never saw (before it followed, a lost message)
-                            async for out in stored():
-                                yield out
-                            if live.chunk.sequence <= sent:
-                                continue
-                        sent = live.chunk.sequence
-                        yield events_pb2.WatchTaskResponse(output=live.chunk)
-                        continue
-                    # quiet for a keep-alive period: first, what the table has that the feed did not bring
-                    if live is None:
-                        missed: list[event_store.Event] = []
-                        if sub.newest is not None and sub.newest > last:  # the tick's read: the table has more
-                            behind = event_store.task_events(
-                                self._pool, task_id, after_version=last, up_to_version=sub.newest
-                            )
-                            try:  # a read that waits (a busy pool) never holds back what the feed brings meanwhile
-                                missed = await sub.unless_news(self._quiet_check(behind))
-                            except Interrupted:
-                                continue  # it goes first; the table is checked again next quiet period
+                return
+            # After a snapshot nothing is read: an event after the row's version committed after the row was read,
+            # after this stream subscribed, so the feed brings it (and the quiet check, should the feed lose it).
+            if w.last != task.version:
+                history = await event_store.task_events(self._pool, task_id, after_version=w.last)
+                async for out in self._replay(w, task, history):
+                    yield out
+                if history and w.status.terminal:  # it ended at its terminal event (always a task's last version)
+                    return
+            if task.status.terminal:
+                async for out in w.stored(final=True):
+                    yield out
+                return  # its history was deleted by retention: nothing more will come
+            if outputs is not None:  # (an ended generator's StopAsyncIteration would give this frame a frame object)
+                async for out in w.stored():  # caught up on the output stored so far: live from here
+                    yield out
+            w.moved(w.status, w.attempt, w.shown[0])  # live from here: its progress too, if it runs
+            del task  # not held for the stream's life (the row, its request's payload: ~2 KiB a stream)
+            while True:
+                try:
+                    live = await sub.next()
+                except (Overflow, Closing) as exc:
+                    raise w.ended(exc) from None
+                if isinstance(live, task_pb2.TaskProgress):
+                    if w.newer_progress(live):
+                        yield events_pb2.WatchTaskResponse(progress=live)
+                    continue
+                if isinstance(live, output.Live):
+                    if live.chunk.sequence <= w.sent:
+                        continue  # already read from the stream
+                    if live.previous > w.sent:  # a chunk this stream never saw (before it followed, a lost message)
+                        async for out in w.stored():
+                            yield out
+                        if live.chunk.sequence <= w.sent:
+                            continue
+                    w.sent = live.chunk.sequence
+                    yield events_pb2.WatchTaskResponse(output=live.chunk)
+                    continue
+                # quiet for a keep-alive period: first, what the table has that the feed did not bring
+                if live is None:
+                    if sub.newest is not None and sub.newest > w.last:  # the tick's read: the table has more
+                        behind = event_store.task_events(
+                            self._pool, task_id, after_version=w.last, up_to_version=sub.newest
+                        )
+                        try:  # a read that waits (a busy pool) never holds back what the feed brings meanwhile
+                            missed = await sub.unless_news(self._quiet_check(behind))
+                        except Interrupted:
+                            continue  # it goes first; the table is checked again next quiet period
                         for row in missed:
                             event = event_wire.message(row)
-                            async for out in before_end(event):
+                            async for out in w.before_end(event):
                                 yield out
                             yield events_pb2.WatchTaskResponse(event=self._linked(event))
-                            last = event.version
-                            moved(Status.from_proto(event.to_status), event.attempt, event.progress)
+                            w.last = event.version
+                            w.moved(Status.from_proto(event.to_status), event.attempt, event.progress)
                             if event_wire.is_terminal(event):
                                 return
-                        # and what the output stream stored that the live subject did not bring
-                        if status is Status.PROCESSING:
-                            try:
-                                async for out in stored():
-                                    yield out
-                            except OUTPUT_READ_ERRORS:
-                                log.warning("a quiet stream's read of the output stream failed", exc_info=True)
-                        yield events_pb2.WatchTaskResponse(keepalive=events_pb2.KeepAlive())
-                        continue
-                    if live.version <= last:
-                        continue  # already sent from the history (or a relay replay)
-                    if live.version > last + 1:  # the live feed missed some: they are in the table
-                        for row in await self._missed(task_id, last, live):
-                            event = event_wire.message(row)
-                            async for out in before_end(event):
+                    # and what the output stream stored that the live subject did not bring
+                    if w.status is Status.PROCESSING:
+                        try:
+                            async for out in w.stored():
                                 yield out
-                            yield events_pb2.WatchTaskResponse(event=self._linked(event))
-                            if event_wire.is_terminal(event):
-                                return
-                    async for out in before_end(live):
-                        yield out
-                    if Status.from_proto(live.to_status) in eta.ESTIMATED:
-                        # its ETA is one read shared by every stream: a later event (the end) that comes while it runs
-                        # is not held back behind it; this one goes without its ETA and the later one follows at once
-                        with contextlib.suppress(Interrupted):
-                            live = await sub.unless_news(self.estimates.stamped(live))
-                    yield events_pb2.WatchTaskResponse(event=self._linked(live))
-                    last = live.version
-                    moved(Status.from_proto(live.to_status), live.attempt, live.progress)
-                    if event_wire.is_terminal(live):
-                        return
-            finally:
-                if outputs is not None:
-                    outputs.unfollow(tenant, task_id, sub)
-                if progress is not None:
-                    progress.unfollow(task_id, sub)
+                        except OUTPUT_READ_ERRORS:
+                            log.warning("a quiet stream's read of the output stream failed", exc_info=True)
+                    yield KEEPALIVE
+                    continue
+                if live.version <= w.last:
+                    continue  # already sent from the history (or a relay replay)
+                if live.version > w.last + 1:  # the live feed missed some: they are in the table
+                    for row in await self._missed(task_id, w.last, live):
+                        event = event_wire.message(row)
+                        async for out in w.before_end(event):
+                            yield out
+                        yield events_pb2.WatchTaskResponse(event=self._linked(event))
+                        if event_wire.is_terminal(event):
+                            return
+                async for out in w.before_end(live):
+                    yield out
+                if Status.from_proto(live.to_status) in eta.ESTIMATED:
+                    # its ETA is one read shared by every stream: a later event (the end) that comes while it runs
+                    # is not held back behind it; this one goes without its ETA and the later one follows at once
+                    with contextlib.suppress(Interrupted):
+                        live = await sub.unless_news(self.estimates.stamped(live))
+                yield events_pb2.WatchTaskResponse(event=self._linked(live))
+                w.last = live.version
+                w.moved(Status.from_proto(live.to_status), live.attempt, live.progress)
+                if event_wire.is_terminal(live):
+                    return
+        finally:
+            w.unfollow()
+            self._dropped(sub)
 
     def WatchTasks(
         self, request: events_pb2.WatchTasksRequest, context: grpc.aio.ServicerContext
@@ -396,7 +360,9 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                 cursor = -1
             if not 0 <= cursor <= MAX_CURSOR:  # an event id: a PostgreSQL bigint
                 raise errors.invalid_argument([("cursor", "not a cursor from this API")])
-        with self._live(self._hub.watch_user(tenant, self._settings.stream_buffer_size)) as sub:
+        sub = self._hub.watch_user(tenant, self._settings.stream_buffer_size)
+        self.keepalive.add(sub)  # kept alive (and ended at its age) while the stream lasts
+        try:
             versions: OrderedDict[str, int] = OrderedDict()
 
             def fresh(event: task_pb2.TaskEvent) -> bool:
@@ -440,7 +406,10 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
             # cursor moved since: an event that commits within a quiet period of the cursor passing it is found.
             floor = checked = cursor
             while True:
-                live = await self._next(sub, lambda: (f"cursor={cursor}", {"cursor": str(cursor)}))
+                try:
+                    live = await sub.next()
+                except (Overflow, Closing) as exc:
+                    raise ended(exc, f"cursor={cursor}", cursor=str(cursor)) from None
                 if live is None:  # quiet for a keep-alive period: first, what the table has that the feed did not bring
                     if (sub.newest is not None and sub.newest > cursor) or floor < cursor:  # the tick's read
                         try:
@@ -461,6 +430,8 @@ class TaskEventsService(events_pb2_grpc.TaskEventsServicer):
                             yield out
                 if (out := send(live)) is not None:
                     yield out
+        finally:
+            self._dropped(sub)
 
 
 def register(service: TaskEventsService) -> Any:
