@@ -821,12 +821,14 @@ class WorkerSettings(CommonSettings):
         "history, relay, webhooks); every step reaches WatchTask streams live over NATS without one.",
     )
     progress_flush_seconds: float = Field(
-        default=2.0, ge=0,
+        default=1.0, ge=0,
         description="A worker writes the progress that came due at most once per this long (if shorter than "
         "progress_interval_seconds), in one statement of at most its tasks' share (running x this / the interval), "
         "the longest due first: a fleet's writes and their events go in batches spread over the interval, not in one "
-        "burst per interval. As long as heartbeat_seconds (the default), they ride on the beats: no statement of their "
-        "own; shorter: smaller batches, more statements.",
+        "burst per interval. Each batch reaches a WatchTasks stream as a burst of events sent one after the other, so "
+        "its size sets the stream's latency: the default, half of heartbeat_seconds, puts every other write on a beat "
+        "(no statement of its own) and halves the burst of one as long as heartbeat_seconds; shorter: smaller batches, "
+        "more statements.",
     )
     live_progress_tick_seconds: float = Field(
         default=0.1, ge=0,
