@@ -34,7 +34,10 @@ UPDATE task t SET lease_expires_at = now() + make_interval(secs => @lease_second
        last_reason = CASE WHEN h.moves THEN 'progress' ELSE t.last_reason END
 FROM held h
 WHERE t.id = ANY(@task_ids::bigint[]) AND t.id = h.id AND t.attempt = h.attempt
-  AND (t.status = 'PROCESSING' OR (t.status = 'CANCELED' AND t.lease_expires_at IS NOT NULL))
+  -- the status compared as text, which no index of task serves, so task is read by primary key: compared as the
+  -- enum, statistics taken while nothing was queued or running planned the beat as a walk of every queued task in
+  -- task_end_user_pending_idx (50,000 rows a beat, test_beat_plan; the queue move's trap, 92863d7)
+  AND (t.status::text = 'PROCESSING' OR (t.status::text = 'CANCELED' AND t.lease_expires_at IS NOT NULL))
 RETURNING t.id, t.version, t.attempt, t.worker_id, h.moves AS progressed;
 
 -- name: worker_delete
