@@ -199,6 +199,7 @@ class Session:
                     self._reading = False
                 if self.why is None:
                     yield item
+                del item  # not held while the next one is awaited (a stream's last message: ~1.6 KiB of upb)
             if self._cancelled:  # the stream swallowed the cancel: the task is not being cancelled by anyone else
                 self._cancelled = False
                 task.uncancel()

@@ -4,6 +4,7 @@ nothing per item nor per idle stream (it raced every item against the revocation
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Generator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -85,6 +86,31 @@ async def test_items_pass_through_the_guard_without_a_task_each() -> None:
         got = [item async for item in s.guard(numbers(ITEMS))]
     assert got == list(range(ITEMS))
     assert counted.created <= 1, f"{counted.created} tasks created for {ITEMS} items"
+
+
+class Item:
+    """A streamed message (weakly referenced: whether anything still holds it)."""
+
+
+async def test_an_idle_guarded_stream_holds_no_item_it_sent() -> None:
+    """The guard lets go of an item once it is sent: an idle stream held its last message (a snapshot's ~1.6 KiB of
+    upb, each of 10,000 idle streams)."""
+    s, waiting = session(), asyncio.Event()
+
+    async def stream() -> AsyncIterator[Item]:
+        yield Item()
+        waiting.set()
+        await asyncio.Event().wait()
+        yield Item()
+
+    guarded = s.guard(stream())
+    gone = weakref.ref(await anext(guarded))  # sent, and nothing of this test holds it
+    reading: asyncio.Future[Item] = asyncio.ensure_future(anext(guarded))  # the stream waits for its next item
+    await waiting.wait()
+    assert gone() is None, "the guard still holds the item it sent"
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
 
 
 async def test_a_revoked_key_ends_an_idle_stream_with_unauthenticated() -> None:

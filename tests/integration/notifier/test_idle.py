@@ -105,15 +105,15 @@ def _held() -> Counter[str]:
     gc.collect()
     held: Counter[str] = Counter()
     for obj in gc.get_objects():
-        kind = type(obj)
+        kind = type(obj)  # never isinstance: it reads __class__, which some objects make a property that warns
         if kind.__module__ == "contextlib" and kind.__name__.endswith("ContextManager"):
             held["context managers"] += 1
-        elif isinstance(obj, types.FunctionType):
+        elif kind is types.FunctionType:
             code = obj.__code__
             held["closures"] += "<locals>" in code.co_qualname and code.co_filename.startswith(OURS)
-        elif isinstance(obj, types.AsyncGeneratorType):
+        elif kind is types.AsyncGeneratorType:
             held["frames"] += obj.ag_code.co_filename.startswith(OURS)
-        elif isinstance(obj, types.CoroutineType):
+        elif kind is types.CoroutineType:
             held["frames"] += obj.cr_code.co_filename.startswith(OURS)
     return held
 
