@@ -81,7 +81,7 @@ FOR UPDATE OF t SKIP LOCKED;
 -- name: sched_grant_grace
 -- The one grace extension of a slow but live attempt; not a transition, so no new version. $1 id, $2 attempt.
 UPDATE task SET timeout_extended = true
-WHERE id = $1 AND status = 'PROCESSING' AND attempt = $2 AND NOT timeout_extended
+WHERE id = $1 AND status::text = 'PROCESSING' AND attempt = $2 AND NOT timeout_extended  -- text: by primary key (#38)
 RETURNING id;
 
 -- name: sched_dead_letter_missing
@@ -446,7 +446,7 @@ victim AS (
 )
 UPDATE task t SET preempted_at = COALESCE($1::timestamptz, now())
 FROM victim v
-WHERE t.id = v.id AND t.status = 'PROCESSING'
+WHERE t.id = v.id AND t.status::text = 'PROCESSING'  -- text: the victim by primary key, not task_lease_idx (#38)
 RETURNING t.id, t.attempt, t.model_id, t.trace_context;
 
 -- name: admin_task_previews

@@ -4,14 +4,17 @@
 -- and returns the new row plus old_status, or no row when the guard did not match.
 -- `t.id = @task_id` beside `t.id = o.id`: the locking subquery is not flattened, so without it a planner whose
 -- statistics still see a small table may merge-join o with a walk of the whole primary key (a claim read 700 pages
--- that way).
+-- that way). The status is compared as text, which no index of task serves, so t is read by primary key too: compared
+-- as the enum, statistics taken while no task was in a source state (a quiet moment, when autoanalyze runs) made
+-- each move a walk of every task in that state in a partial index (task_end_user_pending_idx, task_lease_idx...):
+-- 20,002 task rows read for one move over 20,000 PROCESSING (#38, test_id_move_plans; the queue move's trap, 92863d7).
 
 -- name: queue_task
 -- CREATED -> QUEUED once the dispatch message is on JetStream.
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, queued_at = now(), updated_at = now(),
        last_actor = @actor, last_reason = @reason
 FROM (SELECT id, status AS old_status FROM task WHERE id = @task_id FOR UPDATE) o
-WHERE t.id = @task_id AND t.id = o.id AND t.status = ANY(@sources::task_status[])
+WHERE t.id = @task_id AND t.id = o.id AND t.status::text = ANY(@sources::task_status[]::text[])
   AND (@expected_version::bigint IS NULL OR t.version = @expected_version)
   AND (@expected_attempt::int IS NULL OR t.attempt = @expected_attempt)
 RETURNING t.*, o.old_status;
@@ -21,7 +24,7 @@ RETURNING t.*, o.old_status;
 UPDATE task t SET status = 'QUEUED', version = t.version + 1, publish_count = t.publish_count + 1,
        updated_at = now(), last_actor = @actor, last_reason = @reason
 FROM (SELECT id, status AS old_status FROM task WHERE id = @task_id FOR UPDATE) o
-WHERE t.id = @task_id AND t.id = o.id AND t.status = ANY(@sources::task_status[])
+WHERE t.id = @task_id AND t.id = o.id AND t.status::text = ANY(@sources::task_status[]::text[])
   AND (@expected_version::bigint IS NULL OR t.version = @expected_version)
   AND (@expected_attempt::int IS NULL OR t.attempt = @expected_attempt)
 RETURNING t.*, o.old_status;
@@ -33,7 +36,7 @@ UPDATE task t SET version = t.version + 1, progress = @percent,
        lease_expires_at = now() + make_interval(secs => @lease_seconds),
        updated_at = now(), last_actor = @actor, last_reason = @reason
 FROM (SELECT id, status AS old_status FROM task WHERE id = @task_id FOR UPDATE) o
-WHERE t.id = @task_id AND t.id = o.id AND t.status = ANY(@sources::task_status[])
+WHERE t.id = @task_id AND t.id = o.id AND t.status::text = ANY(@sources::task_status[]::text[])
   AND (@expected_version::bigint IS NULL OR t.version = @expected_version)
   AND (@expected_attempt::int IS NULL OR t.attempt = @expected_attempt)
 RETURNING t.*, o.old_status;
@@ -52,7 +55,7 @@ UPDATE task t SET status = 'SUCCEEDED', version = t.version + 1, progress = 100,
        error_code = NULL, error_msg = NULL, lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = @actor, last_reason = @reason
 FROM (SELECT id, status AS old_status FROM task WHERE id = @task_id FOR UPDATE) o
-WHERE t.id = @task_id AND t.id = o.id AND t.status = ANY(@sources::task_status[])
+WHERE t.id = @task_id AND t.id = o.id AND t.status::text = ANY(@sources::task_status[]::text[])
   AND (@expected_version::bigint IS NULL OR t.version = @expected_version)
   AND (@expected_attempt::int IS NULL OR t.attempt = @expected_attempt)
 RETURNING t.*, o.old_status;
@@ -66,7 +69,7 @@ UPDATE task t SET status = 'FAILED', version = t.version + 1, error_code = @erro
        lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = @actor, last_reason = @reason
 FROM (SELECT id, status AS old_status FROM task WHERE id = @task_id FOR UPDATE) o
-WHERE t.id = @task_id AND t.id = o.id AND t.status = ANY(@sources::task_status[])
+WHERE t.id = @task_id AND t.id = o.id AND t.status::text = ANY(@sources::task_status[]::text[])
   AND (@expected_version::bigint IS NULL OR t.version = @expected_version)
   AND (@expected_attempt::int IS NULL OR t.attempt = @expected_attempt)
 RETURNING t.*, o.old_status;
@@ -83,7 +86,7 @@ UPDATE task t SET status = 'QUEUED', version = t.version + 1, retry_count = t.re
        queued_at = now(), publish_count = 0, not_before = now() + make_interval(secs => @delay_seconds),
        updated_at = now(), last_actor = @actor, last_reason = @reason
 FROM (SELECT id, status AS old_status FROM task WHERE id = @task_id FOR UPDATE) o
-WHERE t.id = @task_id AND t.id = o.id AND t.status = ANY(@sources::task_status[])
+WHERE t.id = @task_id AND t.id = o.id AND t.status::text = ANY(@sources::task_status[]::text[])
   AND (@expected_version::bigint IS NULL OR t.version = @expected_version)
   AND (@expected_attempt::int IS NULL OR t.attempt = @expected_attempt)
 RETURNING t.*, o.old_status;
@@ -107,7 +110,7 @@ UPDATE task t SET status = 'QUEUED', version = t.version + 1, worker_id = NULL, 
        not_before = NULL, updated_at = now(),
        last_actor = @actor, last_reason = @reason
 FROM (SELECT id, status AS old_status FROM task WHERE id = @task_id FOR UPDATE) o
-WHERE t.id = @task_id AND t.id = o.id AND t.status = ANY(@sources::task_status[])
+WHERE t.id = @task_id AND t.id = o.id AND t.status::text = ANY(@sources::task_status[]::text[])
   AND (@expected_version::bigint IS NULL OR t.version = @expected_version)
   AND (@expected_attempt::int IS NULL OR t.attempt = @expected_attempt)
 RETURNING t.*, o.old_status;
@@ -124,7 +127,7 @@ UPDATE task t SET status = 'CANCELED', version = t.version + 1, cancel_mode = @m
        finished_at = now(), updated_at = now(),
        last_actor = @actor, last_reason = @reason
 FROM (SELECT id, status AS old_status FROM task WHERE id = @task_id FOR UPDATE) o
-WHERE t.id = @task_id AND t.id = o.id AND t.status = ANY(@sources::task_status[])
+WHERE t.id = @task_id AND t.id = o.id AND t.status::text = ANY(@sources::task_status[]::text[])
   AND (@expected_version::bigint IS NULL OR t.version = @expected_version)
   AND (@expected_attempt::int IS NULL OR t.attempt = @expected_attempt)
 RETURNING t.*, o.old_status;
@@ -135,7 +138,7 @@ UPDATE task t SET status = 'TIMEOUT', version = t.version + 1, error_code = @err
        lease_expires_at = NULL, finished_at = now(), updated_at = now(),
        last_actor = @actor, last_reason = @reason
 FROM (SELECT id, status AS old_status FROM task WHERE id = @task_id FOR UPDATE) o
-WHERE t.id = @task_id AND t.id = o.id AND t.status = ANY(@sources::task_status[])
+WHERE t.id = @task_id AND t.id = o.id AND t.status::text = ANY(@sources::task_status[]::text[])
   AND (@expected_version::bigint IS NULL OR t.version = @expected_version)
   AND (@expected_attempt::int IS NULL OR t.attempt = @expected_attempt)
 RETURNING t.*, o.old_status;
@@ -152,7 +155,7 @@ SELECT * FROM task WHERE id = ANY($1::bigint[]);
 -- The worker stopped running a soft-cancelled attempt: its lease (and pending slot) ends. No new version.
 -- $1 id, $2 attempt.
 UPDATE task SET lease_expires_at = NULL
-WHERE id = $1 AND attempt = $2 AND status = 'CANCELED' AND lease_expires_at IS NOT NULL
+WHERE id = $1 AND attempt = $2 AND status::text = 'CANCELED' AND lease_expires_at IS NOT NULL  -- by primary key (above)
 RETURNING id;
 
 -- name: insert_dead_letter

@@ -69,7 +69,7 @@ INSERT INTO reusable_result (user_id, request_hash, source_task_id, result_uri, 
                              result_sha256)
 SELECT t.user_id, t.request_hash, t.id, @uri, @content_type, @size, @sha256
 FROM task t
-WHERE t.id = @task_id AND t.attempt = @attempt AND t.status = 'CANCELED' AND t.cancel_mode = 'soft'
+WHERE t.id = @task_id AND t.attempt = @attempt AND t.status::text = 'CANCELED' AND t.cancel_mode = 'soft'
 ON CONFLICT (user_id, request_hash) DO NOTHING
 RETURNING source_task_id;
 
@@ -78,14 +78,14 @@ RETURNING source_task_id;
 -- object is ever stored that no row names; no row when the attempt no longer runs the task (then store nothing).
 -- $1 task id, $2 attempt, $3 uri.
 UPDATE task SET checkpoint_garbage = array_append(checkpoint_garbage, $3)
-WHERE id = $1 AND attempt = $2 AND status = 'PROCESSING' AND lease_expires_at IS NOT NULL
+WHERE id = $1 AND attempt = $2 AND status::text = 'PROCESSING' AND lease_expires_at IS NOT NULL
 RETURNING id;
 
 -- name: worker_preview_intent
 -- Names a running attempt's next preview image before it is stored (retention deletes it with the task's output); no
 -- row when the attempt no longer runs the task (then store nothing). $1 task id, $2 attempt, $3 uri.
 UPDATE task SET preview_uris = array_append(preview_uris, $3)
-WHERE id = $1 AND attempt = $2 AND status = 'PROCESSING' AND lease_expires_at IS NOT NULL
+WHERE id = $1 AND attempt = $2 AND status::text = 'PROCESSING' AND lease_expires_at IS NOT NULL
 RETURNING id;
 
 -- name: worker_checkpoint
@@ -96,7 +96,8 @@ UPDATE task t SET checkpoint_uri = @uri, checkpoint_step = @step,
        checkpoint_garbage = ARRAY(SELECT g FROM unnest(t.checkpoint_garbage) g WHERE g <> @uri AND g <> ALL(@deleted::text[]))
                             || CASE WHEN o.old_uri IS NULL OR o.old_uri = @uri THEN '{}'::text[] ELSE ARRAY[o.old_uri] END
 FROM (SELECT id, checkpoint_uri AS old_uri FROM task WHERE id = @task_id FOR UPDATE) o
-WHERE t.id = @task_id AND t.id = o.id AND t.attempt = @attempt AND t.status = 'PROCESSING' AND t.lease_expires_at IS NOT NULL
+WHERE t.id = @task_id AND t.id = o.id AND t.attempt = @attempt AND t.status::text = 'PROCESSING'
+  AND t.lease_expires_at IS NOT NULL
 RETURNING t.checkpoint_garbage;
 
 -- name: worker_drop_checkpoint
