@@ -49,7 +49,6 @@ OUTPUT_SUBJECTS = "taskgate.output.>"
 OUTPUT_LIVE_SUBJECTS = "taskgate.live.output.>"
 CANCEL_SUBJECT = "taskgate.control.cancel"  # core NATS: a hint to the worker running a task
 PREEMPT_SUBJECT = "taskgate.control.preempt"  # core NATS: checkpoint and release a task for a higher-priority one
-ENDED_SUBJECTS = "taskgate.control.ended.>"  # core NATS: a terminal version committed, a hint to the notifiers
 # core NATS: running tasks' steps, one message per tenant per tick (no row)
 PROGRESS_SUBJECTS = "taskgate.live.progress.>"
 
@@ -69,11 +68,6 @@ def task_subject(model_id: str, priority: int) -> str:
 
 def event_subject(user_id: str, task_id: int) -> str:
     return f"taskgate.events.{check_token(user_id)}.{task_id}"
-
-
-def ended_subject(task_id: int, version: int) -> str:
-    """The subject of one task's terminal version, committed (taskgate.wire.ended)."""
-    return f"taskgate.control.ended.{task_id}.{version}"
 
 
 def output_subject(user_id: str, task_id: int) -> str:

@@ -1,9 +1,9 @@
 """NATS users, one per service, each allowed only the subjects that service sends and reads (least privilege inside).
 
 A worker's credentials cannot publish task events, purge a stream or read another service's traffic; the notifier
-alone publishes `taskgate.events.>` (workers and submit hint terminal versions on `taskgate.control.ended.>`, subjects
-without a payload that the notifier checks against the table; workers send running tasks' progress on
-`taskgate.live.progress.>`, which the notifier passes to the task's streams only); only the `admin` user (the migrate
+alone publishes `taskgate.events.>` (a small statement's events reach its WatchTask streams sooner by PostgreSQL's
+NOTIFY on commit, not over NATS; workers send running tasks' progress on `taskgate.live.progress.>`, which the notifier
+passes to the task's streams only); only the `admin` user (the migrate
 step, operators) may create, change or purge streams. `python -m taskgate.natsauth` prints nats-server's `authorization`
 block, each password read from the server's environment (`$TASKGATE_NATS_<ROLE>_PASSWORD`).
 
@@ -51,7 +51,6 @@ ROLES: Mapping[str, Permissions] = {
         publish=(
             bus.TASK_SUBJECTS,
             bus.CANCEL_SUBJECT,
-            bus.ENDED_SUBJECTS,
             f"$JS.API.STREAM.INFO.{TASKS}",
             *RESULTS_WRITE,
         )
@@ -87,7 +86,6 @@ ROLES: Mapping[str, Permissions] = {
             f"$JS.API.CONSUMER.CREATE.{OUTPUT}.>",
             f"$JS.API.CONSUMER.DELETE.{OUTPUT}.>",
             f"$JS.FC.{OUTPUT}.>",
-            bus.ENDED_SUBJECTS,
             bus.PROGRESS_SUBJECTS,
         ),
         subscribe=(REPLIES, bus.CANCEL_SUBJECT, bus.PREEMPT_SUBJECT),
@@ -115,7 +113,7 @@ ROLES: Mapping[str, Permissions] = {
         ),
         # the committers' hints of terminal versions, stored output chunks republished live, running tasks' progress
         # (core subjects)
-        subscribe=(REPLIES, bus.ENDED_SUBJECTS, bus.OUTPUT_LIVE_SUBJECTS, bus.PROGRESS_SUBJECTS),
+        subscribe=(REPLIES, bus.OUTPUT_LIVE_SUBJECTS, bus.PROGRESS_SUBJECTS),
     ),
     # the migrate step and operators: streams, consumers and buckets declared, changed or purged
     "admin": Permissions(publish=(">",), subscribe=(">",)),

@@ -58,6 +58,9 @@ class EventHub:
         self._heartbeat = heartbeat_seconds
         self._by_task: dict[int, Members] = {}
         self._by_user: dict[str, Members] = {}
+        # the newest version handed to each watched task's WatchTask streams: a version's second copy (the relay's
+        # after its commit's NOTIFY, or the other way round) is no news, and would cut a stream's ETA read short
+        self._offered: dict[int, int] = {}
         self._sub: Any = None
         self._start = 0  # the stream sequence the feed starts at: nothing before it is this process's live news
         self.closing = False
@@ -108,8 +111,7 @@ class EventHub:
         if msg.subject != expected:
             log.error("event whose payload does not match its subject dropped", extra={"subject": msg.subject})
             return
-        task_id = int(event.task_id)
-        for sub in [*_members(self._by_task.get(task_id)), *_members(self._by_user.get(event.user_id))]:
+        for sub in [*self._for_task(event), *_members(self._by_user.get(event.user_id))]:
             if not sub.offer(event):
                 self.drop(sub)
 
@@ -118,11 +120,20 @@ class EventHub:
         return task_id in self._by_task
 
     def offer_task(self, event: task_pb2.TaskEvent) -> None:
-        """An event read from the table, for the task's WatchTask streams only (a WatchTasks stream's cursor follows
-        the feed's order; each stream drops the feed's later copy by its version)."""
-        for sub in _members(self._by_task.get(int(event.task_id))):
+        """An event from its commit's NOTIFY or read from the table, for the task's WatchTask streams only (a
+        WatchTasks stream's cursor follows the feed's order); the feed's later copy is not handed to them again."""
+        for sub in self._for_task(event):
             if not sub.offer(event):
                 self.drop(sub)
+
+    def _for_task(self, event: task_pb2.TaskEvent) -> tuple[Subscriber, ...]:
+        """The task's WatchTask streams, unless they were handed this version (or a later one) already."""
+        task_id = int(event.task_id)
+        subs = _members(self._by_task.get(task_id))
+        if not subs or event.version <= self._offered.get(task_id, 0):
+            return ()
+        self._offered[task_id] = event.version
+        return subs
 
     def watch_task(self, task_id: int, capacity: int) -> Subscriber:
         """Buffers one task's live events from now on."""
@@ -151,6 +162,8 @@ class EventHub:
         """Stops buffering for a subscriber."""
         if isinstance(sub.key, int):
             _leave(self._by_task, sub.key, sub)
+            if sub.key not in self._by_task:
+                self._offered.pop(sub.key, None)
         else:
             _leave(self._by_user, sub.key, sub)
 

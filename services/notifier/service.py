@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import asyncpg
 import grpc
 
-from services.notifier.ended import EndedHints
+from services.notifier import committed as committed_events
+from services.notifier.committed import CommittedEvents
 from services.notifier.event_feed import EventHub
 from services.notifier.output_feed import OutputHub
 from services.notifier.output_hooks import OutputHooks
@@ -35,10 +36,11 @@ EVENT_CHANNEL = "taskgate_event"
 WEBHOOK_CHANNEL = "taskgate_webhook"
 LISTEN_READY_SECONDS = 5.0
 STOP_GRACE_SECONDS = 1.0
-# The event path's own connections (the relay's pass, the ended hints' reads): never queued behind the streams' reads.
-# A burst of WatchTask streams opening (each reads its row, its ETA, its history) holds every connection of the
-# shared pool with more reads waiting; on that pool the relay and the hints waited in the same queue, and a burst of
-# 1,000 terminal events reached 314 of its 1,000 streams in 30 s (0 of 1,000 with 10,000 streams opening).
+# The event path's own connections (the relay's pass, the reads of notified events too long for a payload): never
+# queued behind the streams' reads. A burst of WatchTask streams opening (each reads its row, its ETA, its history)
+# holds every connection of the shared pool with more reads waiting; on that pool the relay and the (then) ended hints'
+# reads waited in the same queue, and a burst of 1,000 terminal events reached 314 of its 1,000 streams in 30 s (0 of
+# 1,000 with 10,000 streams opening).
 EVENT_PATH_CONNECTIONS = 2
 
 
@@ -57,9 +59,9 @@ class NotifierHandle:
     owns_backends: bool
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     ended: bool = False
-    event_pool: asyncpg.Pool | None = None  # the relay's and the hints' own connections (EVENT_PATH_CONNECTIONS)
+    event_pool: asyncpg.Pool | None = None  # the relay's and the notified reads' connections (EVENT_PATH_CONNECTIONS)
     output_hub: OutputHub | None = None
-    hints: EndedHints | None = None
+    committed: CommittedEvents | None = None
     progress_hub: ProgressHub | None = None
     output_hooks: OutputHooks | None = None
 
@@ -77,8 +79,8 @@ class NotifierHandle:
             if self.output_hooks is not None:
                 await self.output_hooks.stop()
             await self.sender.stop()
-            if self.hints is not None:
-                await self.hints.stop()
+            if self.committed is not None:
+                await self.committed.stop()
             if self.progress_hub is not None:
                 await self.progress_hub.stop()
             await self.hub.stop()
@@ -110,8 +112,8 @@ class NotifierHandle:
             with contextlib.suppress(Exception):
                 await self.backends.bus.nc.close()
         else:
-            if self.hints is not None:
-                await self.hints.stop()
+            if self.committed is not None:
+                await self.committed.stop()
             await self.hub.stop()
 
     async def _cancel_loops(self) -> None:
@@ -136,8 +138,7 @@ async def start(
         settings, event_pool, b.bus, on_deliveries=sender.notify, on_relayed=output_hooks.relayed, signals=signals
     )
     await hub.start()
-    hints = EndedHints(event_pool, hub)  # terminal events to WatchTask streams as their committer hints them
-    await hints.start(b.bus)
+    committed = CommittedEvents(event_pool, hub)  # a small statement's events to WatchTask streams on its commit
     throttle = Throttle.of(settings)
     authenticator = Authenticator(
         b.pool, settings.api_key_pepper, settings.api_key_cache_seconds, throttle=throttle, service=SERVICE
@@ -148,6 +149,7 @@ async def start(
             EVENT_CHANNEL: lambda _: relay.notify(),
             WEBHOOK_CHANNEL: lambda _: sender.notify(),
             REVOKED_CHANNEL: authenticator.revoked,
+            committed_events.CHANNEL: committed.notified,
         },
     )
     progress_hub = ProgressHub(b.bus)  # running tasks' progress at each step, straight from their workers
@@ -176,7 +178,7 @@ async def start(
     log.info("notifier started", extra={"port": port, "owner": owner})
     return NotifierHandle(
         port, b, relay, sender, hub, listener, grpc_server, health_servicer, owns, tasks, output_hub=output_hub,
-        hints=hints, progress_hub=progress_hub, event_pool=event_pool, output_hooks=output_hooks,
+        committed=committed, progress_hub=progress_hub, event_pool=event_pool, output_hooks=output_hooks,
     )
 
 

@@ -18,7 +18,7 @@ from taskgate.results import ResultNotFound
 from taskgate.runtime import Backends, connect, serve_until_signal, stop_tasks
 from taskgate.server import Health, Probes, mark_not_serving, start_server
 from taskgate.states import Status
-from taskgate.wire import cancel, ended
+from taskgate.wire import cancel
 from taskgate_api import reasons
 from taskgate_api.v1 import batches_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -86,7 +86,6 @@ class Gateway(SubmitCalls, ReadCalls, SecretCalls):
                 reason="canceled by client",
                 trace_context=current.trace_context,
             )
-        await ended.send(self._bus, current)  # the task's watchers hear it now, not after the relay's pass
         self._cache.put(current)
         return gateway_pb2.CancelTaskResponse(task=current.to_proto())
 

@@ -21,7 +21,7 @@ from taskgate import bus as busmod
 from taskgate import chat, results, store, tracing
 from taskgate.config import WorkerSettings
 from taskgate.store import ResultRef, workers
-from taskgate.wire import dead_letter, ended, preempt
+from taskgate.wire import dead_letter, preempt
 
 log = logging.getLogger("taskgate.worker")
 
@@ -126,8 +126,6 @@ class Finisher:
                     dead_letter=failure.dead_letter, metered=run.metered(),
                 ),
             )
-        if out.applied:
-            await ended.send(self.bus, out.task)  # FAILED: the watchers hear it now, not after the relay's pass
         await resume.forget(self.pool, self.outputs, out.task)
         step = decide(out.task, attempt=run.attempt, run=failure)
         if step.fate is Fate.DEAD and isinstance(failure, PermanentError):
@@ -180,8 +178,6 @@ class Finisher:
                 text=text,
             ),
         )
-        if out.applied:
-            await ended.send(self.bus, out.task)  # the watchers hear it now, not after the relay's pass
         await resume.forget(self.pool, self.outputs, out.task)
         produced = Produced(result.uri, reused=result.reused)
         step = decide(out.task, attempt=run.attempt, run=produced)

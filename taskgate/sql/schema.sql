@@ -734,6 +734,7 @@ DECLARE
     bad_version bigint;
     bad_move bigint;
     written bigint;
+    sent bigint;  -- the small statement's events NOTIFYed (rows_out: a CTE runs only when read)
 BEGIN
     IF TG_OP = 'UPDATE' THEN
         -- One join of the statement's old and new rows feeds the history, the pending counts and both checks (it
@@ -756,10 +757,20 @@ BEGIN
             FROM pairs p
             WHERE p.version = p.old_version + 1  -- every changed version, once the checks below have passed
             ORDER BY p.id
-            RETURNING id
+            RETURNING *
         ), relay AS (  -- the relay's outbox: it deletes what it published, the event rows stay as written
             INSERT INTO event_outbox (event_id) SELECT id FROM events
             RETURNING 1
+        ), rows_out AS (
+            -- A small statement's events, each its row as written, to the notifiers' WatchTask streams when the
+            -- transaction commits (services/notifier/committed.py): a NOTIFY is delivered only on commit, in commit
+            -- order, and only the database sends it, so no read of the row and no relay pass is on a task's path to
+            -- its watchers. A statement of more events sends none (the relay brings them, as it brings every event);
+            -- a row too long for a NOTIFY's payload goes as its task and version, and the notifier reads it.
+            SELECT pg_notify('taskgate_event_row', CASE WHEN octet_length(r.body) <= 7900 THEN r.body
+                             ELSE json_build_object('task_id', e.task_id, 'version', e.version)::text END)
+            FROM events e, LATERAL (SELECT row_to_json(e)::text AS body) r
+            WHERE (SELECT count(*) FROM events) <= 16
         ), counts AS (
             -- a move out of the unfinished states, or a soft-cancelled run's worker letting go (pending.sql)
             INSERT INTO tenant_pending AS t (tenant_id, pending)
@@ -768,13 +779,13 @@ BEGIN
             ON CONFLICT (tenant_id) DO UPDATE SET pending = t.pending + EXCLUDED.pending
             RETURNING 1
         )
-        SELECT (SELECT count(*) FROM relay),
+        SELECT (SELECT count(*) FROM relay), (SELECT count(*) FROM rows_out),
                (SELECT p.id FROM pairs p WHERE p.version <> p.old_version AND p.version <> p.old_version + 1 LIMIT 1),
                (SELECT p.id FROM pairs p
                 WHERE p.version = p.old_version + 1
                   AND NOT EXISTS (SELECT 1 FROM task_transition tt WHERE tt.from_status = p.old_status AND tt.to_status = p.status)
                 LIMIT 1)
-        INTO written, bad_version, bad_move;
+        INTO written, sent, bad_version, bad_move;
         IF bad_version IS NOT NULL THEN
             SELECT n.id, o.version AS old_version, n.version AS new_version INTO bad
             FROM old_rows o JOIN new_rows n ON n.id = o.id WHERE n.id = bad_version;

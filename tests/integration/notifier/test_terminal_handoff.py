@@ -1,25 +1,28 @@
-"""Terminal events straight to watchers: the worker that commits a task's end hints it (taskgate.wire.ended), and the
-notifier hands that version, read from the table, to the task's WatchTask streams without waiting for the relay; the
-relay stays the way every event reaches every stream, each stream dropping the copy that comes second."""
+"""Events straight to watchers: a statement of few events NOTIFYs each row as written when its transaction commits
+(functions/task_history.sql), and the notifier hands it to the task's WatchTask streams without a read and without
+waiting for the relay; the relay stays the way every event reaches every stream, each stream dropping the copy that
+comes second."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
+import asyncpg
 import grpc
 import pytest
 
-from services.notifier import shared_reads
+from services.notifier import committed, shared_reads
 from services.notifier.relay import TestSignals
-from taskgate import bus as busmod
 from taskgate import store
 from taskgate.config import Settings
 from taskgate.runtime import Backends
 from taskgate.states import Status
 from taskgate_api.v1 import events_pb2, task_pb2
-from tests.support.factories import insert_task, sleepy_settings, submit
+from tests.support.factories import claimed, insert_task, sleepy_settings, submit
 from tests.support.harness import bearer
 from tests.support.notifier import all_relayed, events_stub, fast
 
@@ -41,35 +44,103 @@ async def _follow(stub: Any, task_id: int, api_key: str) -> list[tuple[int, int]
     return seen
 
 
-async def test_the_end_reaches_a_watchtask_stream_while_the_relay_is_stuck(
-    backends: Backends, settings: Settings, notifier_factory: Any, workers: Any, api_key: str
-) -> None:
+def _stuck_relay() -> tuple[asyncio.Event, TestSignals]:
     stuck = asyncio.Event()
 
     async def never_commits(_ids: Sequence[int]) -> None:
         stuck.set()
         await asyncio.Event().wait()  # the relay's pass hangs: nothing reaches the JetStream feed
 
+    return stuck, TestSignals(before_commit=never_commits)
+
+
+async def test_the_end_reaches_a_watchtask_stream_while_the_relay_is_stuck_and_the_notifier_reads_nothing(
+    backends: Backends, settings: Settings, notifier_factory: Any, workers: Any, api_key: str
+) -> None:
+    """Every version after the snapshot, the end included, reaches the stream with the relay's pass hung and every
+    connection of the notifier's pools held (no read of the table can run): each came in its commit's NOTIFY. With
+    the ended hints this replaced (a NATS message naming the version, read from the table) nothing arrived."""
+    stuck, signals = _stuck_relay()
     # a keep-alive period far beyond the test: the streams' quiet check of the table cannot be what delivers
     tuned = fast(settings, stream_keepalive_seconds=120.0)
-    notifier = await notifier_factory(tuned, signals=TestSignals(before_commit=never_commits))
+    notifier = await notifier_factory(tuned.model_copy(update={"db_pool_size": 2}), own=True, signals=signals)
     task = await submit(backends)
+    assert notifier.event_pool is not None
+    held: list[tuple[asyncpg.Pool, Any]] = []
     async with events_stub(notifier) as stub:
-        following = asyncio.create_task(_follow(stub, task.id, api_key))
+        call = stub.WatchTask(events_pb2.WatchTaskRequest(task_id=str(task.id)), metadata=bearer(api_key))
+        first = await asyncio.wait_for(call.read(), 20)
+        assert first.WhichOneof("kind") == "snapshot"
+        seen = [(first.snapshot.version, first.snapshot.status)]
         await asyncio.wait_for(stuck.wait(), 10)
-        # a hint names a version; one that was never committed brings nothing (the event is the table's row)
-        await backends.bus.nc.publish(busmod.ended_subject(task.id, 9))
-        await workers(sleepy_settings(tuned, sleep=0.3))
-        seen = await asyncio.wait_for(following, 20)
+        for pool in (notifier.backends.pool, notifier.event_pool):  # every connection not in use (the relay holds one)
+            free = pool.get_max_size() - pool.get_size() + pool.get_idle_size()
+            held += [(pool, await pool.acquire(timeout=10)) for _ in range(free)]
+            assert pool.get_idle_size() == 0 and pool.get_size() == pool.get_max_size()
+        try:
+            await workers(sleepy_settings(tuned, sleep=0.3))
+
+            async def until_terminal() -> None:
+                while (item := await call.read()) is not grpc.aio.EOF:
+                    if item.HasField("event"):
+                        seen.append((item.event.version, item.event.to_status))
+                        if item.event.to_status in TERMINAL:
+                            return
+
+            await asyncio.wait_for(until_terminal(), 20)
+        finally:
+            for pool, conn in held:
+                await pool.release(conn)
     rows = await backends.pool.fetch(
         "SELECT version, to_status::text AS s FROM task_event WHERE task_id = $1 ORDER BY version", task.id
     )
     assert rows[-1]["s"] == "SUCCEEDED"
     versions = [v for v, _ in seen]
-    # the snapshot, then every later version once and in order (the ones before the end read from the table at the gap)
-    assert versions == list(range(versions[0], rows[-1]["version"] + 1)), seen
+    assert versions == list(range(versions[0], rows[-1]["version"] + 1)), seen  # every version once, in order
     assert seen[-1][1] == task_pb2.TASK_STATUS_SUCCEEDED
     assert await backends.pool.fetchval("SELECT count(*) FROM event_outbox") > 0  # the relay really published nothing
+
+
+async def test_a_notification_is_the_committed_row_and_only_a_committed_one(backends: Backends) -> None:
+    """The payload is the event's row as written (its id and time included: what the relay would send); a statement
+    rolled back sends nothing, a statement of many events sends none, and a row too long for a payload is named by
+    its task and version (a longer payload would fail the move itself)."""
+    pool = backends.pool
+    got: asyncio.Queue[str] = asyncio.Queue()
+    listening = await asyncpg.connect(backends.database_url)
+    await listening.add_listener(committed.CHANNEL, lambda *args: got.put_nowait(args[3]))
+    try:
+        task = await insert_task(pool)
+        async with pool.acquire() as conn:
+            rollback = conn.transaction()
+            await rollback.start()
+            assert (await store.queue(conn, task.id, actor="test")).applied
+            await rollback.rollback()
+        assert (await store.queue(pool, task.id, actor="test")).applied
+        body = json.loads(await asyncio.wait_for(got.get(), 10))
+        row = await pool.fetchrow("SELECT * FROM task_event WHERE task_id = $1 AND version = 2", task.id)
+        assert body["id"] == row["id"] and body["version"] == 2 and body["to_status"] == "QUEUED"
+        assert datetime.fromisoformat(body["at"]) == row["at"]
+
+        many = [await insert_task(pool) for _ in range(17)]
+        await pool.execute(
+            "UPDATE task SET status = 'CANCELED', version = version + 1, finished_at = now(), updated_at = now()"
+            " WHERE id = ANY($1::bigint[])", [t.id for t in many]
+        )
+        assert await pool.fetchval("SELECT count(*) FROM task_event WHERE to_status = 'CANCELED'") == 17
+
+        await claimed(pool, task.id)
+        long = "x" * 10_000
+        failed = await store.fail(
+            pool, task.id, error=store.TaskError("BIG", long), actor="test", reason="too long", attempt=1
+        )
+        assert failed.applied  # the move is not refused for its payload's length
+        bodies = [json.loads(await asyncio.wait_for(got.get(), 10)) for _ in range(2)]
+        assert [b.get("to_status") for b in bodies] == ["PROCESSING", None]  # the 17 cancels sent nothing
+        assert bodies[1] == {"task_id": task.id, "version": failed.task.version if failed.task else 0}
+        assert got.empty()  # the rolled-back move sent nothing either
+    finally:
+        await listening.close()
 
 
 async def test_with_the_relay_running_each_version_arrives_once(
