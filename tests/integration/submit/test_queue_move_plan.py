@@ -9,20 +9,10 @@ from typing import Any
 from taskgate import sql
 from taskgate.runtime import Backends
 from tests.support.harness import plan_nodes
+from tests.support.stale_stats import stale_backlog
 
 BACKLOG = 20_000
 PASS = 100
-
-# tasks $1..$2 of tenant-a in status $3 (CANCELED ones with what a cancel sets), no history rows
-ROWS = """
-INSERT INTO task (id, user_id, idempotency_key, request_hash, task_type, model_id, prompt, request_payload, priority,
-                  queue_name, status, attempt, created_at, updated_at, finished_at, cancel_mode)
-SELECT i, 'tenant-a', 'bulk-' || i, md5(i::text), 'text-to-video', 'wan-tiny', 'p',
-       '{"num_frames": 9, "width": 32, "height": 32}'::jsonb, 5, 'wan-tiny.5', $3::task_status, 0, now(), now(),
-       CASE WHEN $3 = 'CANCELED' THEN now() END, CASE WHEN $3 = 'CANCELED' THEN 'hard' END
-FROM generate_series($1::bigint, $2::bigint) AS i
-"""
-
 
 def _rows_read(plan: dict[str, Any]) -> int:
     """Every row the plan's nodes produced or filtered out, over all their loops (EXPLAIN ANALYZE)."""
@@ -35,13 +25,8 @@ def _rows_read(plan: dict[str, Any]) -> int:
 async def test_the_queue_move_reads_its_pass_not_the_backlog_on_stale_statistics(backends: Backends) -> None:
     pool = backends.pool
     async with pool.acquire() as conn:
-        await conn.execute("ALTER TABLE task SET (autovacuum_enabled = false)")  # the statistics stay the old ones
-        await conn.execute("ALTER TABLE task DISABLE TRIGGER task_event_on_insert")  # no history for fixture rows
-        await conn.execute(ROWS, 1, 5_000, "CANCELED")
-        await conn.execute("ANALYZE task")  # no task CREATED
-        await conn.execute(ROWS, 100_001, 100_000 + BACKLOG, "CREATED")  # a burst, not yet analyzed
-        await conn.execute("ALTER TABLE task ENABLE TRIGGER task_event_on_insert")
-        ids = list(range(110_001, 110_001 + PASS))
+        backlog = await stale_backlog(conn, "CREATED", BACKLOG)  # statistics taken while no task was CREATED
+        ids = backlog[10_000:10_000 + PASS]
         undone = conn.transaction()  # the move's effect is rolled back; its plan and its rows are what is checked
         await undone.start()
         [explained] = await conn.fetchval(

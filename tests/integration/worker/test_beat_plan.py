@@ -7,25 +7,12 @@ from typing import Any
 
 from taskgate import sql
 from taskgate.runtime import Backends
+from tests.support import stale_stats
 from tests.support.harness import plan_nodes
+from tests.support.stale_stats import stale_backlog
 
 BACKLOG = 50_000
 RUNNING = 100
-
-# tasks $1..$2 of tenant-a in status $3 (PROCESSING ones with attempt 1, a worker and a lease), no history rows
-ROWS = """
-INSERT INTO task (id, user_id, idempotency_key, request_hash, task_type, model_id, prompt, request_payload, priority,
-                  queue_name, status, attempt, worker_id, lease_expires_at, started_at, created_at, updated_at,
-                  finished_at, cancel_mode)
-SELECT i, 'tenant-a', 'beat-' || i, md5(i::text), 'text-to-video', 'wan-tiny', 'p',
-       '{"num_frames": 9, "width": 32, "height": 32}'::jsonb, 5, 'wan-tiny.5', $3::task_status,
-       CASE WHEN $3 = 'PROCESSING' THEN 1 ELSE 0 END, CASE WHEN $3 = 'PROCESSING' THEN 'w1' END,
-       CASE WHEN $3 = 'PROCESSING' THEN now() + interval '1 minute' END, CASE WHEN $3 = 'PROCESSING' THEN now() END,
-       now(), now(),
-       CASE WHEN $3 = 'CANCELED' THEN now() END, CASE WHEN $3 = 'CANCELED' THEN 'hard' END
-FROM generate_series($1::bigint, $2::bigint) AS i
-"""
-
 
 def _task_rows_read(plan: dict[str, Any]) -> int:
     """Every row of task the plan's scans produced or filtered out, over all their loops (EXPLAIN ANALYZE); the
@@ -41,12 +28,9 @@ async def test_the_beat_reads_its_attempts_not_the_backlog_on_stale_statistics(b
     pool = backends.pool
     running = list(range(200_001, 200_001 + RUNNING))
     async with pool.acquire() as conn:
-        await conn.execute("ALTER TABLE task SET (autovacuum_enabled = false)")  # the statistics stay the old ones
+        await stale_backlog(conn, "QUEUED", BACKLOG)  # statistics taken while nothing was queued or running
         await conn.execute("ALTER TABLE task DISABLE TRIGGER task_event_on_insert")  # no history for fixture rows
-        await conn.execute(ROWS, 1, 5_000, "CANCELED")
-        await conn.execute("ANALYZE task")  # nothing queued or running
-        await conn.execute(ROWS, 100_001, 100_000 + BACKLOG, "QUEUED")  # a backlog, not yet analyzed
-        await conn.execute(ROWS, running[0], running[-1], "PROCESSING")
+        await conn.execute(stale_stats.ROWS, running[0], running[-1], "PROCESSING")
         await conn.execute("ALTER TABLE task ENABLE TRIGGER task_event_on_insert")
         text, *args = sql.bind(
             "worker_beat", task_ids=running, attempts=[1] * RUNNING, progress=[50] * RUNNING, lease_seconds=30.0,
